@@ -1,0 +1,226 @@
+//! Configuration of endpoints and connections. Every limit the core enforces on untrusted
+//! input is a field here, with its unit and default.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Configuration of an [`Endpoint`](crate::Endpoint): its addresses and the defaults for
+/// the connections it makes or accepts.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// The address peers send to: IP and listening UDP port. Its IP is also the source
+    /// address the ICRC pseudo-header uses unless a connection learns a better one.
+    pub local_addr: SocketAddr,
+    /// Local UDP source ports, one per path, in path order (ECMP entropy). A connection
+    /// uses at most this many paths. Must not be empty.
+    pub source_ports: Vec<u16>,
+    /// Seed of the endpoint's RNG (QPNs, initial PSNs, connection nonces). Same seed and
+    /// same inputs give the same outputs.
+    pub seed: u64,
+    /// Whether connection requests from peers are accepted. Default `true`.
+    pub accept_incoming: bool,
+    /// Most connections at once; requests beyond it are rejected. Default 65 536.
+    pub max_connections: usize,
+    /// Transport parameters of every connection.
+    pub transport: TransportConfig,
+}
+
+impl EndpointConfig {
+    /// A configuration with the given addresses and default transport parameters.
+    pub fn new(local_addr: SocketAddr, source_ports: Vec<u16>) -> Self {
+        Self {
+            local_addr,
+            source_ports,
+            seed: 0x6d65_7461_726f_6365,
+            accept_incoming: true,
+            max_connections: 65_536,
+            transport: TransportConfig::default(),
+        }
+    }
+}
+
+/// Transport parameters of a connection (delivery and semantic layers).
+#[derive(Debug, Clone)]
+pub struct TransportConfig {
+    /// Paths (UDP source ports) to spray over; the connection uses
+    /// `min(this, peer's, source ports available)`. Default 8.
+    pub paths: u16,
+    /// Path MTU: payload bytes per data packet, a power of two in 256..=4096 (IBA path
+    /// MTU values). Negotiated down to the peer's. Default 4096.
+    pub pmtu: u32,
+    /// Largest message (SEND) or WRITE accepted, in bytes; at most 2^31 (IBA). Default 2^31.
+    pub max_message_size: u64,
+    /// Receive memory budget per connection in bytes: buffers of SEND messages being
+    /// reassembled or waiting for in-order delivery. A packet of a new message that would
+    /// exceed it is dropped unacknowledged (the sender retries later), except for the next
+    /// message due on its stream, so that every stream can always make progress.
+    /// Default 256 MiB.
+    pub max_recv_buffer_bytes: u64,
+    /// How far ahead of the next in-order message a stream accepts messages, in messages.
+    /// Default 1024.
+    pub max_stream_window: u32,
+    /// Most streams a peer may open on one connection. Default 65 536.
+    pub max_streams: u32,
+    /// Most posted operations (SENDs and WRITEs) not yet completed per connection; more
+    /// are refused with [`PostError::SendQueueFull`](crate::PostError::SendQueueFull).
+    /// Default 65 536.
+    pub max_outstanding_ops: usize,
+    /// Time between retransmissions of a connection request. Default 100 ms.
+    pub handshake_interval: Duration,
+    /// Connection requests sent before the attempt fails. Default 20.
+    pub handshake_attempts: u32,
+    /// Retransmission timeouts in a row without any acknowledged progress after which a
+    /// path is declared failed; when every path has failed the connection fails and its
+    /// operations complete with `RetryExceeded` (IBA `retry_cnt`). Default 7.
+    pub retry_count: u32,
+    /// RTT assumed before the first sample. Default 500 µs.
+    pub initial_rtt: Duration,
+    /// Lower bound of the retransmission timeout. Default 1 ms (tokio's timer granularity).
+    pub min_rto: Duration,
+    /// Upper bound of the retransmission timeout, after exponential back-off. Default 1 s.
+    pub max_rto: Duration,
+    /// Packets by which a PSN may trail the highest acknowledged PSN of its path before it
+    /// is declared lost. Each path is ordered, so the default is 0: a SACK hole is a loss.
+    pub reorder_threshold: u32,
+    /// Most packets one GSO batch may carry (set by the I/O backend). Default 1.
+    pub max_gso_segments: usize,
+    /// Verify the ICRC of received packets when the addresses it covers are known.
+    /// Default `true`.
+    pub verify_icrc: bool,
+    /// Silence from the peer after which an established connection with nothing
+    /// outstanding is closed; `None` keeps it forever. Default `None`.
+    pub idle_timeout: Option<Duration>,
+    /// Rate this endpoint grants each sender, returned in every ACK (MetaRoCE receiver
+    /// rate hint), in Mbit/s; 0 means no limit. Default 0.
+    pub advertised_rate_mbps: u32,
+    /// Congestion control parameters.
+    pub congestion: CongestionConfig,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        Self {
+            paths: 8,
+            pmtu: 4096,
+            max_message_size: 1 << 31,
+            max_recv_buffer_bytes: 256 << 20,
+            max_stream_window: 1024,
+            max_streams: 65_536,
+            max_outstanding_ops: 65_536,
+            handshake_interval: Duration::from_millis(100),
+            handshake_attempts: 20,
+            retry_count: 7,
+            initial_rtt: Duration::from_micros(500),
+            min_rto: Duration::from_millis(1),
+            max_rto: Duration::from_secs(1),
+            reorder_threshold: 0,
+            max_gso_segments: 1,
+            verify_icrc: true,
+            idle_timeout: None,
+            advertised_rate_mbps: 0,
+            congestion: CongestionConfig::default(),
+        }
+    }
+}
+
+impl TransportConfig {
+    /// Check the values; the error names the field and what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.paths == 0 || self.paths > 256 {
+            return Err(format!("paths must be in 1..=256, got {}", self.paths));
+        }
+        if !(256..=4096).contains(&self.pmtu) || !self.pmtu.is_power_of_two() {
+            return Err(format!("pmtu must be 256, 512, 1024, 2048 or 4096, got {}", self.pmtu));
+        }
+        if self.max_message_size == 0 || self.max_message_size > 1 << 31 {
+            return Err(format!(
+                "max_message_size must be in 1..=2^31 bytes, got {}",
+                self.max_message_size
+            ));
+        }
+        if self.max_gso_segments == 0 {
+            return Err("max_gso_segments must be at least 1".into());
+        }
+        if self.min_rto > self.max_rto {
+            return Err("min_rto must not exceed max_rto".into());
+        }
+        if self.handshake_attempts == 0 {
+            return Err("handshake_attempts must be at least 1".into());
+        }
+        self.congestion.validate()
+    }
+}
+
+/// Parameters of the default congestion controller: ECN- and delay-driven AIMD with a
+/// window per path and a cap per connection (MetaRoCE §"congestion control from both
+/// sides"), capped further by the receiver's rate hint.
+#[derive(Debug, Clone)]
+pub struct CongestionConfig {
+    /// Initial window of each path, in packets. Default 32.
+    pub initial_window: u32,
+    /// Smallest window of a path, in packets. Default 2.
+    pub min_window: u32,
+    /// Largest window of a path, in packets; at most 255 so that a path's packets in
+    /// flight always fit the 256-packet SACK bitmap. Default 255.
+    pub max_window: u32,
+    /// Largest window of the whole connection (sum over paths), in packets. Default 4096.
+    pub max_connection_window: u32,
+    /// Additive increase, in packets per round trip per path. Default 2.0.
+    pub additive_increase: f64,
+    /// Multiplicative decrease applied once per round trip when ACKs echo CE marks:
+    /// `window *= 1 - ecn_beta * marked_fraction` (DCTCP-style). Default 0.5.
+    pub ecn_beta: f64,
+    /// Multiplicative factor applied once per round trip on loss. Default 0.8.
+    pub loss_beta: f64,
+    /// Queueing delay above the path's minimum RTT that counts as congestion; `None`
+    /// disables the delay signal. Default `None` (loopback and emulation RTTs are dominated
+    /// by scheduling noise).
+    pub delay_target: Option<Duration>,
+    /// Multiplicative factor applied once per round trip when the delay target is exceeded.
+    /// Default 0.9.
+    pub delay_beta: f64,
+}
+
+impl Default for CongestionConfig {
+    fn default() -> Self {
+        Self {
+            initial_window: 32,
+            min_window: 2,
+            max_window: 255,
+            max_connection_window: 4096,
+            additive_increase: 2.0,
+            ecn_beta: 0.5,
+            loss_beta: 0.8,
+            delay_target: None,
+            delay_beta: 0.9,
+        }
+    }
+}
+
+impl CongestionConfig {
+    /// Check the values; the error names the field and what is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_window == 0 || self.min_window > self.max_window {
+            return Err("min_window must be in 1..=max_window".into());
+        }
+        if self.max_window > 255 {
+            return Err(format!("max_window must be at most 255 packets, got {}", self.max_window));
+        }
+        if !(self.min_window..=self.max_window).contains(&self.initial_window) {
+            return Err("initial_window must be in min_window..=max_window".into());
+        }
+        for (name, v) in [
+            ("ecn_beta", self.ecn_beta),
+            ("loss_beta", self.loss_beta),
+            ("delay_beta", self.delay_beta),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(format!("{name} must be in 0..=1, got {v}"));
+            }
+        }
+        if !(self.additive_increase > 0.0) {
+            return Err("additive_increase must be positive".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,726 @@
+//! One connection: the delivery layer (paths, PSNs, SACK, loss recovery, congestion
+//! control) under the semantic layer (streams, WRITE placement, completions).
+
+pub mod cc;
+pub(crate) mod path;
+pub(crate) mod recv;
+pub mod rtt;
+pub(crate) mod send;
+
+use crate::config::TransportConfig;
+use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
+use crate::mr::MrTable;
+use crate::wire::{self, icrc, AckEth, Bth, ConnectEth, ConnectKind, Headers, NakEth, Opcode, PathEth, Reth, SendEth, WriteEth};
+use crate::{EcnCodepoint, Transmit};
+use cc::Aimd;
+use path::{PathInfo, PathRx, PathTx, RxClass, SegRef};
+use recv::{RecvLimits, RecvState, RecvStats, RxOutcome};
+use rtt::RttEstimator;
+use send::{OpKind, SendQueue};
+use std::collections::VecDeque;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+pub use path::PathStats;
+
+/// Protocol version carried in CONNECT.
+pub(crate) const PROTOCOL_VERSION: u8 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum State {
+    Connecting,
+    Established,
+}
+
+#[derive(Debug)]
+struct Handshake {
+    attempts: u32,
+    next_at: Instant,
+    pending: bool,
+    paths_offered: u16,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PendingNak {
+    path_id: u8,
+    psn: u32,
+    syndrome: u8,
+    op_id: u32,
+    echo_ts: u32,
+}
+
+/// A snapshot of a connection's counters and path state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConnectionStats {
+    /// Peer address.
+    pub peer: SocketAddr,
+    /// Negotiated path MTU (payload bytes per packet).
+    pub pmtu: u32,
+    /// Per-path state and counters (sender side).
+    pub paths: Vec<PathInfo>,
+    /// Responder-side counters.
+    pub recv: RecvStats,
+    /// ACK packets sent.
+    pub acks_sent: u64,
+    /// ACK packets received.
+    pub acks_received: u64,
+    /// Data packets received (new, duplicate and dropped).
+    pub data_packets_received: u64,
+    /// Data packets received that were already received on their path.
+    pub duplicate_packets: u64,
+    /// Data packets beyond the SACK window, dropped.
+    pub out_of_window_packets: u64,
+    /// Data packets received with a CE mark.
+    pub ce_received: u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Connection {
+    pub handle: ConnectionHandle,
+    pub state: State,
+    pub peer: SocketAddr,
+    pub peer_qpn: u32,
+    pub nonce: u64,
+    pub local_ip: Option<IpAddr>,
+    local_port: u16,
+    pub pmtu: u32,
+    init_psn: u32,
+    tx: Vec<PathTx>,
+    rx: Vec<PathRx>,
+    pub sq: SendQueue,
+    rq: RecvState,
+    next_path: usize,
+    next_ack_path: usize,
+    naks: VecDeque<PendingNak>,
+    pub accept_pending: bool,
+    handshake: Option<Handshake>,
+    pub last_heard: Instant,
+    peer_rate_mbps: u32,
+    cfg: TransportConfig,
+    acks_sent: u64,
+    acks_received: u64,
+    data_in: u64,
+    dup_in: u64,
+    oow_in: u64,
+    ce_in: u64,
+    source_ports: Vec<u16>,
+    epoch: Instant,
+}
+
+/// Nanoseconds since the endpoint's epoch, modulo 2^32 (PathEth timestamp).
+pub(crate) fn ts32(epoch: Instant, now: Instant) -> u32 {
+    now.saturating_duration_since(epoch).as_nanos() as u32
+}
+
+/// What a connection asks its endpoint to do after handling input.
+#[derive(Debug, Default)]
+pub(crate) struct Outcome {
+    pub lost: Option<ConnectionError>,
+}
+
+impl Connection {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_outgoing(
+        handle: ConnectionHandle,
+        now: Instant,
+        epoch: Instant,
+        peer: SocketAddr,
+        local_ip: Option<IpAddr>,
+        local_port: u16,
+        source_ports: Vec<u16>,
+        nonce: u64,
+        init_psn: u32,
+        cfg: TransportConfig,
+    ) -> Self {
+        let paths_offered = (cfg.paths as usize).min(source_ports.len()) as u16;
+        let mut c = Self::blank(handle, now, epoch, peer, local_ip, local_port, source_ports, nonce, init_psn, cfg);
+        c.handshake = Some(Handshake { attempts: 0, next_at: now, pending: true, paths_offered });
+        c
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_incoming(
+        handle: ConnectionHandle,
+        now: Instant,
+        epoch: Instant,
+        peer: SocketAddr,
+        local_ip: Option<IpAddr>,
+        local_port: u16,
+        source_ports: Vec<u16>,
+        init_psn: u32,
+        cfg: TransportConfig,
+        req: &ConnectEth,
+    ) -> Self {
+        let mut c = Self::blank(handle, now, epoch, peer, local_ip, local_port, source_ports, req.nonce, init_psn, cfg);
+        let paths = (c.cfg.paths as usize).min(c.source_ports.len()).min(req.paths as usize).max(1);
+        let pmtu = c.cfg.pmtu.min(req.pmtu as u32);
+        c.establish(now, req.src_qpn, paths, pmtu, req.init_psn);
+        c.accept_pending = true;
+        c
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn blank(
+        handle: ConnectionHandle,
+        now: Instant,
+        epoch: Instant,
+        peer: SocketAddr,
+        local_ip: Option<IpAddr>,
+        local_port: u16,
+        source_ports: Vec<u16>,
+        nonce: u64,
+        init_psn: u32,
+        cfg: TransportConfig,
+    ) -> Self {
+        Self {
+            handle,
+            state: State::Connecting,
+            peer,
+            peer_qpn: 0,
+            nonce,
+            local_ip,
+            local_port,
+            pmtu: cfg.pmtu,
+            init_psn,
+            tx: Vec::new(),
+            rx: Vec::new(),
+            sq: SendQueue::new(cfg.pmtu),
+            rq: RecvState::default(),
+            next_path: 0,
+            next_ack_path: 0,
+            naks: VecDeque::new(),
+            accept_pending: false,
+            handshake: None,
+            last_heard: now,
+            peer_rate_mbps: 0,
+            cfg,
+            acks_sent: 0,
+            acks_received: 0,
+            data_in: 0,
+            dup_in: 0,
+            oow_in: 0,
+            ce_in: 0,
+            source_ports,
+            epoch,
+        }
+    }
+
+    fn establish(&mut self, now: Instant, peer_qpn: u32, paths: usize, pmtu: u32, peer_init_psn: u32) {
+        self.peer_qpn = peer_qpn;
+        self.pmtu = pmtu;
+        self.sq.set_pmtu(pmtu);
+        self.tx = (0..paths)
+            .map(|i| {
+                PathTx::new(
+                    i as u8,
+                    self.source_ports[i],
+                    self.init_psn,
+                    RttEstimator::new(self.cfg.initial_rtt),
+                    Box::new(Aimd::new(self.cfg.congestion.clone())),
+                    now,
+                )
+            })
+            .collect();
+        self.rx = (0..paths).map(|_| PathRx::new(peer_init_psn)).collect();
+        self.state = State::Established;
+        self.handshake = None;
+    }
+
+    fn limits(&self) -> RecvLimits {
+        RecvLimits {
+            pmtu: self.pmtu,
+            max_message_size: self.cfg.max_message_size,
+            max_recv_buffer_bytes: self.cfg.max_recv_buffer_bytes,
+            max_stream_window: self.cfg.max_stream_window,
+            max_streams: self.cfg.max_streams,
+        }
+    }
+
+    pub fn stats(&self) -> ConnectionStats {
+        ConnectionStats {
+            peer: self.peer,
+            pmtu: self.pmtu,
+            paths: self.tx.iter().map(PathTx::info).collect(),
+            recv: self.rq.stats,
+            acks_sent: self.acks_sent,
+            acks_received: self.acks_received,
+            data_packets_received: self.data_in,
+            duplicate_packets: self.dup_in,
+            out_of_window_packets: self.oow_in,
+            ce_received: self.ce_in,
+        }
+    }
+
+    /// The connection's handshake answer arrived (client side).
+    pub fn on_connect(&mut self, now: Instant, msg: &ConnectEth, events: &mut VecDeque<Event>) -> Outcome {
+        let Some(hs) = &self.handshake else { return Outcome::default() };
+        if msg.nonce != self.nonce {
+            return Outcome::default();
+        }
+        match msg.kind {
+            ConnectKind::Accept => {
+                if !(256..=4096).contains(&msg.pmtu) || !msg.pmtu.is_power_of_two() || msg.paths == 0 {
+                    return Outcome { lost: Some(ConnectionError::Rejected(u32::MAX)) };
+                }
+                let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
+                let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
+                self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                self.last_heard = now;
+                events.push_back(Event::Connected(self.handle));
+                Outcome::default()
+            }
+            ConnectKind::Reject => Outcome { lost: Some(ConnectionError::Rejected(msg.reason)) },
+            ConnectKind::Request => Outcome::default(),
+        }
+    }
+
+    /// A packet addressed to this connection (BTH.DestQP matched).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_packet(
+        &mut self,
+        now: Instant,
+        local_ip: Option<IpAddr>,
+        ecn: Option<EcnCodepoint>,
+        pkt: &wire::Packet<'_>,
+        mrs: &mut MrTable,
+        events: &mut VecDeque<Event>,
+    ) -> Outcome {
+        if self.state != State::Established {
+            return Outcome::default();
+        }
+        self.last_heard = now;
+        if self.local_ip.is_none() {
+            self.local_ip = local_ip;
+        }
+        match &pkt.headers {
+            Headers::Ack(a) => self.on_ack(now, pkt.bth.psn, a, events),
+            Headers::Send { path, send } => self.on_data(ecn, pkt, path, Data::Send(send), mrs, events),
+            Headers::Write { path, reth, write, imm } => {
+                self.on_data(ecn, pkt, path, Data::Write(reth, write, *imm), mrs, events)
+            }
+            Headers::Nak { path, nak } => {
+                if let Some(p) = self.tx.get_mut(path.path_id as usize) {
+                    if let Some(seg) = p.on_nak(pkt.bth.psn) {
+                        self.sq.fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
+                        self.drain_completions(events);
+                    }
+                }
+            }
+            Headers::Close(c) if c.nonce == self.nonce => {
+                return Outcome { lost: Some(ConnectionError::ClosedByPeer) };
+            }
+            _ => {}
+        }
+        Outcome::default()
+    }
+
+    fn on_ack(&mut self, now: Instant, cum: u32, a: &AckEth, events: &mut VecDeque<Event>) {
+        let Some(p) = self.tx.get_mut(a.path_id as usize) else { return };
+        self.acks_received += 1;
+        self.peer_rate_mbps = a.rate_hint;
+        let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
+        let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
+        let out = p.on_ack(now, cum, &a.sack, sample, a.ce_count, self.cfg.reorder_threshold);
+        for s in out.acked {
+            self.sq.on_acked(s);
+        }
+        for s in out.lost {
+            self.sq.on_lost(s);
+        }
+        self.drain_completions(events);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_data(
+        &mut self,
+        ecn: Option<EcnCodepoint>,
+        pkt: &wire::Packet<'_>,
+        path: &PathEth,
+        data: Data<'_>,
+        mrs: &mut MrTable,
+        events: &mut VecDeque<Event>,
+    ) {
+        self.data_in += 1;
+        let lim = self.limits();
+        let handle = self.handle;
+        let Some(rx) = self.rx.get_mut(path.path_id as usize) else { return };
+        rx.apply_floor(path.floor_psn);
+        let psn = pkt.bth.psn;
+        match rx.classify(psn) {
+            RxClass::OutOfWindow => {
+                self.oow_in += 1;
+                return;
+            }
+            RxClass::Duplicate => {
+                self.dup_in += 1;
+                rx.echo_ts = path.timestamp;
+                rx.ack_pending = true;
+                return;
+            }
+            RxClass::New => {}
+        }
+        let outcome = match data {
+            Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, events),
+            Data::Write(reth, w, imm) => self.rq.on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events),
+        };
+        let Some(rx) = self.rx.get_mut(path.path_id as usize) else { return };
+        match outcome {
+            RxOutcome::Accepted => {
+                rx.mark(psn);
+                if ecn == Some(EcnCodepoint::Ce) {
+                    rx.ce_count = rx.ce_count.wrapping_add(1);
+                    rx.ce_since_ack = true;
+                    self.ce_in += 1;
+                }
+                rx.echo_ts = path.timestamp;
+                rx.ack_pending = true;
+            }
+            RxOutcome::Drop => {}
+            RxOutcome::Nak(syndrome) => {
+                self.rq.stats.naks += 1;
+                let op_id = match data {
+                    Data::Send(s) => s.stream_id,
+                    Data::Write(_, w, _) => w.op_id,
+                };
+                if self.naks.len() < 1024 {
+                    self.naks.push_back(PendingNak { path_id: path.path_id, psn, syndrome, op_id, echo_ts: path.timestamp });
+                }
+            }
+        }
+    }
+
+    fn drain_completions(&mut self, events: &mut VecDeque<Event>) {
+        while let Some(wc) = self.sq.pop_completion() {
+            events.push_back(Event::Completion { conn: self.handle, wc });
+        }
+    }
+
+    /// Fail every pending operation and report it; used when the connection ends.
+    pub fn flush(&mut self, first: WcStatus, events: &mut VecDeque<Event>) {
+        self.sq.fail_all(first);
+        self.drain_completions(events);
+    }
+
+    pub fn post_send(&mut self, wr_id: u64, stream: u32, data: bytes::Bytes) {
+        self.sq.post_send(wr_id, stream, data);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_write(&mut self, wr_id: u64, lkey: u32, local_offset: u64, len: u32, va: u64, rkey: u32, imm: Option<u32>) {
+        self.sq.post_write(wr_id, lkey, local_offset, len, va, rkey, imm);
+    }
+
+    // ---- timers ----
+
+    pub fn next_timeout(&self) -> Option<Instant> {
+        let mut t: Option<Instant> = None;
+        let mut consider = |x: Option<Instant>| {
+            if let Some(x) = x {
+                t = Some(t.map_or(x, |t| t.min(x)));
+            }
+        };
+        if let Some(hs) = &self.handshake {
+            consider(Some(hs.next_at));
+        }
+        for p in &self.tx {
+            consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
+        }
+        if let (Some(idle), State::Established) = (self.cfg.idle_timeout, self.state) {
+            consider(Some(self.last_heard + idle));
+        }
+        t
+    }
+
+    pub fn handle_timeout(&mut self, now: Instant, events: &mut VecDeque<Event>) -> Outcome {
+        if let Some(hs) = &mut self.handshake {
+            if now >= hs.next_at {
+                if hs.attempts >= self.cfg.handshake_attempts {
+                    return Outcome { lost: Some(ConnectionError::HandshakeTimeout) };
+                }
+                hs.pending = true;
+                hs.next_at = now + self.cfg.handshake_interval;
+            }
+            return Outcome::default();
+        }
+        let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
+        let mut lost = Vec::new();
+        for p in &mut self.tx {
+            if p.loss_deadline(min_rto, max_rto).is_some_and(|d| d <= now) {
+                let segs = p.on_loss_timer(now, retry);
+                if p.failed {
+                    tracing::warn!(conn = %self.handle, path = p.id, "path failed: retry count exceeded");
+                }
+                lost.extend(segs);
+            }
+        }
+        for s in lost {
+            self.sq.on_lost(s);
+        }
+        if !self.tx.is_empty() && self.tx.iter().all(|p| p.failed) {
+            self.flush(WcStatus::RetryExceeded, events);
+            return Outcome { lost: Some(ConnectionError::RetryExceeded) };
+        }
+        if let Some(idle) = self.cfg.idle_timeout {
+            if now >= self.last_heard + idle && !self.sq.has_pending() {
+                return Outcome { lost: Some(ConnectionError::IdleTimeout) };
+            }
+        }
+        Outcome::default()
+    }
+
+    // ---- transmit ----
+
+    fn ip_header(&self) -> Option<icrc::IpHeader> {
+        let local = self.local_ip.unwrap_or(match self.peer.ip() {
+            IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        });
+        icrc::IpHeader::synthesized(local, self.peer.ip()).ok()
+    }
+
+    /// Append one packet to `buf` and stamp its ICRC; returns its length.
+    fn emit(&self, buf: &mut Vec<u8>, src_port: u16, bth: &Bth, hdrs: &Headers, payload: &[u8]) -> Option<usize> {
+        let start = buf.len();
+        let len = wire::packet_len(hdrs, payload.len());
+        buf.resize(start + len, 0);
+        let out = &mut buf[start..];
+        if wire::emit_packet(bth, hdrs, payload, out).is_err() {
+            buf.truncate(start);
+            return None;
+        }
+        if let Some(ip) = self.ip_header() {
+            let _ = icrc::stamp(&ip, src_port, self.peer.port(), out);
+        }
+        Some(len)
+    }
+
+    fn transmit(&self, src_port: u16, ecn: Option<EcnCodepoint>, size: usize, segment: Option<usize>) -> Transmit {
+        Transmit { destination: self.peer, src_port, ecn, size, segment_size: segment }
+    }
+
+    pub fn connect_packet(&self, kind: ConnectKind, reason: u32) -> (Bth, Headers) {
+        let paths = match (&self.handshake, kind) {
+            (Some(hs), _) => hs.paths_offered,
+            _ => self.tx.len() as u16,
+        };
+        let dest = if kind == ConnectKind::Request { 0 } else { self.peer_qpn };
+        let bth = Bth::new(Opcode::MR_CONNECT, dest, 0);
+        let hdrs = Headers::Connect(ConnectEth {
+            kind,
+            version: PROTOCOL_VERSION,
+            paths,
+            src_qpn: self.handle.0,
+            dst_qpn: self.peer_qpn,
+            pmtu: self.pmtu as u16,
+            reply_port: self.local_port,
+            init_psn: self.init_psn,
+            nonce: self.nonce,
+            reason,
+        });
+        (bth, hdrs)
+    }
+
+    fn conn_window(&self) -> u32 {
+        let mut w = self.cfg.congestion.max_connection_window;
+        if self.peer_rate_mbps > 0 {
+            let srtt = self.tx.iter().map(|p| p.rtt.smoothed()).max().unwrap_or(self.cfg.initial_rtt);
+            let bytes = self.peer_rate_mbps as f64 * 1e6 / 8.0 * srtt.as_secs_f64();
+            w = w.min(((bytes / self.pmtu as f64) as u32).max(self.tx.len() as u32));
+        }
+        w
+    }
+
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>, mrs: &MrTable) -> Option<Transmit> {
+        buf.clear();
+        // 1. Handshake.
+        if let Some(hs) = &mut self.handshake {
+            if !hs.pending {
+                return None;
+            }
+            hs.pending = false;
+            hs.attempts += 1;
+            hs.next_at = now + self.cfg.handshake_interval;
+            let (bth, hdrs) = self.connect_packet(ConnectKind::Request, 0);
+            let port = self.source_ports[0];
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            return Some(self.transmit(port, None, n, None));
+        }
+        if self.accept_pending {
+            self.accept_pending = false;
+            let (bth, hdrs) = self.connect_packet(ConnectKind::Accept, 0);
+            let port = self.source_ports[0];
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            return Some(self.transmit(port, None, n, None));
+        }
+        let ts = ts32(self.epoch, now);
+        // 2. NAKs.
+        if let Some(nak) = self.naks.pop_front() {
+            let port = self.source_ports[nak.path_id as usize % self.source_ports.len()];
+            let mut bth = Bth::new(Opcode::MR_NAK, self.peer_qpn, nak.psn);
+            bth.ack_req = false;
+            let hdrs = Headers::Nak {
+                path: PathEth { path_id: nak.path_id, flags: 0, timestamp: nak.echo_ts, floor_psn: 0 },
+                nak: NakEth { syndrome: nak.syndrome, op_id: nak.op_id },
+            };
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            return Some(self.transmit(port, None, n, None));
+        }
+        // 3. ACKs, one path per call, rotating.
+        let nrx = self.rx.len();
+        for k in 0..nrx {
+            let i = (self.next_ack_path + k) % nrx;
+            if !self.rx[i].ack_pending {
+                continue;
+            }
+            self.next_ack_path = (i + 1) % nrx;
+            let rx = &mut self.rx[i];
+            rx.ack_pending = false;
+            let flags = rx.ce_since_ack as u8;
+            rx.ce_since_ack = false;
+            let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, rx.cum);
+            let hdrs = Headers::Ack(AckEth {
+                path_id: i as u8,
+                flags,
+                echo_ts: rx.echo_ts,
+                ce_count: rx.ce_count,
+                rate_hint: self.cfg.advertised_rate_mbps,
+                sack: rx.sack_bytes(),
+            });
+            let port = self.source_ports[i % self.source_ports.len()];
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            self.acks_sent += 1;
+            return Some(self.transmit(port, None, n, None));
+        }
+        // 4. Tail-loss probes, ahead of the window.
+        for i in 0..self.tx.len() {
+            if let Some(seg) = self.tx[i].probe.take() {
+                if self.sq.is_live(seg) && self.tx[i].can_probe() {
+                    return self.send_data(now, ts, buf, mrs, i, Some(seg));
+                }
+            }
+        }
+        // 5. Data, sprayed: the next path in turn that has window.
+        let in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
+        if in_flight >= self.conn_window() {
+            return None;
+        }
+        self.sq.peek()?;
+        let n = self.tx.len();
+        let i = (0..n).map(|k| (self.next_path + k) % n).find(|&i| self.tx[i].can_send())?;
+        self.next_path = (i + 1) % n;
+        self.send_data(now, ts, buf, mrs, i, None)
+    }
+
+    /// Build a batch of data packets on path `i`: one probe segment, or up to the GSO limit
+    /// of equal-size packets.
+    fn send_data(
+        &mut self,
+        now: Instant,
+        ts: u32,
+        buf: &mut Vec<u8>,
+        mrs: &MrTable,
+        i: usize,
+        probe: Option<SegRef>,
+    ) -> Option<Transmit> {
+        let max = if probe.is_some() { 1 } else { self.cfg.max_gso_segments.max(1) };
+        let conn_window = self.conn_window();
+        let mut in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
+        let mut seg_size = None;
+        let mut count = 0;
+        let port = self.tx[i].src_port;
+        while count < max {
+            let (seg, retx) = match probe {
+                Some(s) => (s, true),
+                None => {
+                    let Some(s) = self.sq.peek() else { break };
+                    (s, false)
+                }
+            };
+            let Some((offset, len)) = self.sq.seg_span(seg) else { break };
+            let Some(op) = self.sq.op(seg.op) else { break };
+            let path = PathEth { path_id: i as u8, flags: 0, timestamp: ts, floor_psn: self.tx[i].floor_psn() };
+            let last = offset + len >= op.len;
+            let (opcode, hdrs, src) = match &op.kind {
+                OpKind::Send { stream, msg_seq, data } => (
+                    Opcode::MR_SEND,
+                    Headers::Send {
+                        path,
+                        send: SendEth { stream_id: *stream, msg_seq: *msg_seq, offset, msg_len: op.len },
+                    },
+                    Src::Bytes(data.slice(offset as usize..(offset + len) as usize)),
+                ),
+                OpKind::Write { lkey, local_offset, va, rkey, imm, wire_id } => (
+                    if imm.is_some() { Opcode::MR_WRITE_WITH_IMMEDIATE } else { Opcode::MR_WRITE },
+                    Headers::Write {
+                        path,
+                        reth: Reth { va: *va, rkey: *rkey, dma_len: op.len },
+                        write: WriteEth { op_id: *wire_id, offset },
+                        imm: *imm,
+                    },
+                    Src::Mr(*lkey, local_offset + offset as u64),
+                ),
+            };
+            let bytes;
+            let payload: &[u8] = match src {
+                Src::Bytes(b) => {
+                    bytes = b;
+                    &bytes
+                }
+                Src::Mr(lkey, off) => match mrs.local(lkey, off, len as u64) {
+                    Ok(p) => p,
+                    Err(_) => {
+                        // The source region went away under the operation.
+                        if probe.is_none() {
+                            self.sq.take(seg);
+                        }
+                        self.sq.fail(seg.op, WcStatus::LocalProtectionError);
+                        break;
+                    }
+                },
+            };
+            let size = wire::packet_len(&hdrs, payload.len());
+            // GSO: every datagram of a batch has the first one's size, but the last may be shorter.
+            if seg_size.is_some_and(|s| size > s) {
+                break;
+            }
+            let retransmit = if probe.is_some() { true } else { self.sq.take(seg) || retx };
+            let psn = self.tx[i].next_psn;
+            let mut bth = Bth::new(opcode, self.peer_qpn, psn);
+            bth.ack_req = last;
+            let mut hdrs = hdrs;
+            if retransmit {
+                if let Headers::Send { path, .. } | Headers::Write { path, .. } = &mut hdrs {
+                    path.flags |= 1;
+                }
+            }
+            let Some(n) = self.emit(buf, port, &bth, &hdrs, payload) else { break };
+            self.tx[i].on_sent(seg, now, retransmit);
+            count += 1;
+            in_flight += 1;
+            if seg_size.is_none() {
+                seg_size = Some(n);
+            }
+            // A shorter packet ends a GSO batch.
+            if Some(n) != seg_size || probe.is_some() || !self.tx[i].can_send() || in_flight >= conn_window {
+                break;
+            }
+        }
+        if count == 0 {
+            return None;
+        }
+        let size = buf.len();
+        let seg = seg_size.filter(|_| count > 1);
+        Some(self.transmit(port, Some(EcnCodepoint::Ect0), size, seg))
+    }
+}
+
+enum Src {
+    Bytes(bytes::Bytes),
+    Mr(u32, u64),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Data<'a> {
+    Send(&'a SendEth),
+    Write(&'a Reth, &'a WriteEth, Option<u32>),
+}

@@ -1,0 +1,486 @@
+//! Delivery layer state of one path: the sender's sequence space, window and loss
+//! detection, and the receiver's 256-packet SACK window.
+//!
+//! Every transmission takes a fresh PSN of its path, retransmissions included; a lost
+//! packet's data is re-sent under a new PSN, possibly on another path. Each path is
+//! ordered, so a hole below the highest acknowledged PSN is a loss (MetaRoCE mechanism 3).
+//! Data packets carry the sender's floor PSN so that the receiver can slide its window
+//! past PSNs the sender no longer waits for.
+
+use super::cc::CongestionController;
+use super::rtt::RttEstimator;
+use crate::wire::{psn_add, psn_diff};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+/// Width of the SACK bitmap in packets (MetaRoCE ACK).
+pub(crate) const SACK_BITS: u32 = 256;
+
+/// Which segment of which operation a packet carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SegRef {
+    pub op: u64,
+    pub seg: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PktState {
+    Outstanding,
+    Settled,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct SentPacket {
+    pub psn: u32,
+    pub seg: SegRef,
+    pub state: PktState,
+}
+
+/// Per-path counters, readable by the application.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PathStats {
+    /// Data packets sent (first transmissions and retransmissions).
+    pub packets_sent: u64,
+    /// Data packets sent that carried data sent before (loss or probe).
+    pub retransmits: u64,
+    /// Packets acknowledged.
+    pub packets_acked: u64,
+    /// Packets declared lost from SACK holes.
+    pub sack_losses: u64,
+    /// Packets declared lost by a retransmission timeout.
+    pub timeout_losses: u64,
+    /// Tail-loss probes sent.
+    pub probes: u64,
+    /// Retransmission timeouts.
+    pub rtos: u64,
+    /// CE marks the peer echoed for this path.
+    pub ecn_marks: u64,
+}
+
+/// What the application can read about one path.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PathInfo {
+    /// Path id (index).
+    pub id: u8,
+    /// Local UDP source port (ECMP entropy).
+    pub src_port: u16,
+    /// Window in packets.
+    pub window: u32,
+    /// Packets in flight.
+    pub in_flight: u32,
+    /// Smoothed RTT.
+    pub srtt: Duration,
+    /// Minimum RTT seen, if any sample yet.
+    pub min_rtt: Option<Duration>,
+    /// Whether the path has failed (retry budget exceeded).
+    pub failed: bool,
+    /// Counters.
+    pub stats: PathStats,
+}
+
+/// Sender side of a path.
+#[derive(Debug)]
+pub(crate) struct PathTx {
+    pub id: u8,
+    pub src_port: u16,
+    pub next_psn: u32,
+    sent: VecDeque<SentPacket>,
+    pub outstanding: u32,
+    pub rtt: RttEstimator,
+    pub cc: Box<dyn CongestionController>,
+    last_ce_count: u32,
+    pub consecutive_rtos: u32,
+    /// Time of the last forward progress (or of the first send after idling); loss timers
+    /// count from it.
+    last_progress: Instant,
+    probe_sent: bool,
+    /// A segment to send on this path as a tail-loss probe, ahead of everything else.
+    pub probe: Option<SegRef>,
+    pub failed: bool,
+    pub stats: PathStats,
+}
+
+/// What an ACK did on a path.
+#[derive(Debug, Default)]
+pub(crate) struct AckOutcome {
+    pub acked: Vec<SegRef>,
+    pub lost: Vec<SegRef>,
+    pub progress: bool,
+}
+
+impl PathTx {
+    pub fn new(id: u8, src_port: u16, init_psn: u32, rtt: RttEstimator, cc: Box<dyn CongestionController>, now: Instant) -> Self {
+        Self {
+            id,
+            src_port,
+            next_psn: init_psn,
+            sent: VecDeque::new(),
+            outstanding: 0,
+            rtt,
+            cc,
+            last_ce_count: 0,
+            consecutive_rtos: 0,
+            last_progress: now,
+            probe_sent: false,
+            probe: None,
+            failed: false,
+            stats: PathStats::default(),
+        }
+    }
+
+    fn trim(&mut self) {
+        while self.sent.front().is_some_and(|p| p.state == PktState::Settled) {
+            self.sent.pop_front();
+        }
+    }
+
+    /// Oldest PSN still awaited (the floor carried in PathEth).
+    pub fn floor_psn(&self) -> u32 {
+        self.sent.front().map_or(self.next_psn, |p| p.psn)
+    }
+
+    /// Whether a new packet fits the window and the SACK span.
+    pub fn can_send(&self) -> bool {
+        !self.failed
+            && self.outstanding < self.cc.window()
+            && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
+    }
+
+    /// Whether a probe may go out now (probes bypass the window, not the SACK span).
+    pub fn can_probe(&self) -> bool {
+        !self.failed && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
+    }
+
+    /// Record a transmission; returns the PSN used.
+    pub fn on_sent(&mut self, seg: SegRef, now: Instant, retransmit: bool) -> u32 {
+        let psn = self.next_psn;
+        self.next_psn = psn_add(psn, 1);
+        if self.outstanding == 0 {
+            self.last_progress = now;
+        }
+        self.sent.push_back(SentPacket { psn, seg, state: PktState::Outstanding });
+        self.outstanding += 1;
+        self.stats.packets_sent += 1;
+        if retransmit {
+            self.stats.retransmits += 1;
+        }
+        psn
+    }
+
+    fn index_of(&self, psn: u32) -> Option<usize> {
+        let front = self.sent.front()?.psn;
+        let d = psn_diff(psn, front);
+        if d < 0 || d as usize >= self.sent.len() {
+            return None;
+        }
+        Some(d as usize)
+    }
+
+    /// Process an ACK: `cum` acknowledges every PSN up to and including it; bit i of
+    /// `sack` acknowledges `cum + 1 + i`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_ack(
+        &mut self,
+        now: Instant,
+        cum: u32,
+        sack: &[u8; 32],
+        rtt_sample: Option<Duration>,
+        ce_count: u32,
+        reorder_threshold: u32,
+    ) -> AckOutcome {
+        let mut out = AckOutcome::default();
+        if let Some(s) = rtt_sample {
+            self.rtt.update(s);
+        }
+        // Highest PSN this ACK acknowledges.
+        let mut highest = cum;
+        for i in (0..SACK_BITS).rev() {
+            if sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0 {
+                highest = psn_add(cum, i + 1);
+                break;
+            }
+        }
+        // Ignore ACKs for PSNs never sent.
+        if psn_diff(highest, self.next_psn) >= 0 {
+            return out;
+        }
+        for p in self.sent.iter_mut() {
+            if p.state != PktState::Outstanding {
+                continue;
+            }
+            let d = psn_diff(p.psn, cum);
+            let acked = d <= 0 || {
+                let i = (d - 1) as u32;
+                i < SACK_BITS && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
+            };
+            if acked {
+                p.state = PktState::Settled;
+                out.acked.push(p.seg);
+            } else if psn_diff(highest, p.psn) > reorder_threshold as i32 {
+                p.state = PktState::Settled;
+                out.lost.push(p.seg);
+            } else {
+                // PSNs are in order: nothing further can be acked or lost by this ACK.
+                if psn_diff(p.psn, highest) > 0 {
+                    break;
+                }
+            }
+        }
+        let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
+        self.outstanding -= na + nl;
+        self.stats.packets_acked += na as u64;
+        self.stats.sack_losses += nl as u64;
+        let marked = ce_count.wrapping_sub(self.last_ce_count);
+        // A count that went backwards is a stale ACK: ignore it.
+        if marked < (1 << 31) {
+            self.last_ce_count = ce_count;
+            if marked > 0 {
+                self.stats.ecn_marks += marked as u64;
+                self.cc.on_ecn(now, marked, na, &self.rtt);
+            }
+        }
+        if na > 0 {
+            out.progress = true;
+            self.last_progress = now;
+            self.probe_sent = false;
+            self.consecutive_rtos = 0;
+            self.cc.on_ack(now, na, &self.rtt);
+        }
+        if nl > 0 {
+            self.cc.on_loss(now, nl, &self.rtt);
+        }
+        self.trim();
+        out
+    }
+
+    /// The peer refused the packet with this PSN (NAK): settle it and return its segment.
+    pub fn on_nak(&mut self, psn: u32) -> Option<SegRef> {
+        let i = self.index_of(psn)?;
+        let p = &mut self.sent[i];
+        if p.state != PktState::Outstanding {
+            return None;
+        }
+        p.state = PktState::Settled;
+        let seg = p.seg;
+        self.outstanding -= 1;
+        self.trim();
+        Some(seg)
+    }
+
+    fn tlp_delay(&self) -> Duration {
+        (2 * self.rtt.smoothed()).max(Duration::from_micros(200))
+    }
+
+    fn rto(&self, min: Duration, max: Duration) -> Duration {
+        let base = self.rtt.rto(min, max);
+        (base * (1u32 << self.consecutive_rtos.min(16))).min(max)
+    }
+
+    /// When the loss timer of this path fires, if armed.
+    pub fn loss_deadline(&self, min_rto: Duration, max_rto: Duration) -> Option<Instant> {
+        if self.outstanding == 0 || self.failed {
+            return None;
+        }
+        let wait = if self.probe_sent { self.rto(min_rto, max_rto) } else { self.tlp_delay() };
+        Some(self.last_progress + wait)
+    }
+
+    /// Fire the loss timer: first a tail-loss probe (the newest outstanding segment is sent
+    /// again on this path to elicit a SACK), then a retransmission timeout that declares
+    /// every outstanding packet lost. Returns the segments to retransmit.
+    pub fn on_loss_timer(&mut self, now: Instant, retry_count: u32) -> Vec<SegRef> {
+        if !self.probe_sent {
+            self.probe_sent = true;
+            self.last_progress = now;
+            self.probe = self.sent.iter().rev().find(|p| p.state == PktState::Outstanding).map(|p| p.seg);
+            if self.probe.is_some() {
+                self.stats.probes += 1;
+            }
+            return Vec::new();
+        }
+        let mut lost = Vec::new();
+        for p in self.sent.iter_mut() {
+            if p.state == PktState::Outstanding {
+                p.state = PktState::Settled;
+                lost.push(p.seg);
+            }
+        }
+        self.sent.clear();
+        self.outstanding = 0;
+        self.probe = None;
+        self.probe_sent = false;
+        self.last_progress = now;
+        self.stats.rtos += 1;
+        self.stats.timeout_losses += lost.len() as u64;
+        self.consecutive_rtos += 1;
+        self.cc.on_timeout(now);
+        if self.consecutive_rtos > retry_count {
+            self.failed = true;
+        }
+        lost
+    }
+
+    pub fn info(&self) -> PathInfo {
+        PathInfo {
+            id: self.id,
+            src_port: self.src_port,
+            window: self.cc.window(),
+            in_flight: self.outstanding,
+            srtt: self.rtt.smoothed(),
+            min_rtt: self.rtt.min(),
+            failed: self.failed,
+            stats: self.stats,
+        }
+    }
+}
+
+/// How a received PSN relates to the receiver's window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RxClass {
+    /// Not seen before: process it.
+    New,
+    /// Already received or settled.
+    Duplicate,
+    /// Beyond the 256-packet SACK window: drop without acknowledging.
+    OutOfWindow,
+}
+
+/// Receiver side of a path: cumulative PSN plus a 256-bit SACK bitmap.
+#[derive(Debug, Clone)]
+pub(crate) struct PathRx {
+    /// Every PSN up to and including `cum` is received or settled.
+    pub cum: u32,
+    /// Bit i (word i/64, bit i%64) = PSN `cum + 1 + i` received.
+    bits: [u64; 4],
+    pub ce_count: u32,
+    pub ce_since_ack: bool,
+    pub echo_ts: u32,
+    pub ack_pending: bool,
+}
+
+impl PathRx {
+    pub fn new(init_psn: u32) -> Self {
+        Self { cum: psn_add(init_psn, crate::wire::PSN_MASK), bits: [0; 4], ce_count: 0, ce_since_ack: false, echo_ts: 0, ack_pending: false }
+    }
+
+    fn bit(&self, i: u32) -> bool {
+        self.bits[(i / 64) as usize] >> (i % 64) & 1 == 1
+    }
+
+    fn shift(&mut self, n: u32) {
+        if n >= SACK_BITS {
+            self.bits = [0; 4];
+        } else if n > 0 {
+            let (w, b) = ((n / 64) as usize, n % 64);
+            let old = self.bits;
+            for i in 0..4 {
+                let lo = old.get(i + w).copied().unwrap_or(0);
+                let hi = old.get(i + w + 1).copied().unwrap_or(0);
+                self.bits[i] = if b == 0 { lo } else { (lo >> b) | (hi << (64 - b)) };
+            }
+        }
+        self.cum = psn_add(self.cum, n);
+    }
+
+    fn advance(&mut self) {
+        // Slide over the received prefix.
+        let ones = self.bits[0].trailing_ones();
+        if ones == 0 {
+            return;
+        }
+        let mut n = 0;
+        for w in self.bits {
+            let t = w.trailing_ones();
+            n += t;
+            if t < 64 {
+                break;
+            }
+        }
+        self.shift(n);
+    }
+
+    /// Apply the sender's floor: every PSN before it is settled.
+    pub fn apply_floor(&mut self, floor: u32) {
+        let d = psn_diff(psn_add(floor, crate::wire::PSN_MASK), self.cum);
+        if d > 0 {
+            self.shift(d as u32);
+            self.advance();
+        }
+    }
+
+    pub fn classify(&self, psn: u32) -> RxClass {
+        let d = psn_diff(psn, self.cum);
+        if d <= 0 {
+            RxClass::Duplicate
+        } else if d as u32 > SACK_BITS {
+            RxClass::OutOfWindow
+        } else if self.bit(d as u32 - 1) {
+            RxClass::Duplicate
+        } else {
+            RxClass::New
+        }
+    }
+
+    /// Record `psn` as received (it must have been classified `New`).
+    pub fn mark(&mut self, psn: u32) {
+        let d = psn_diff(psn, self.cum);
+        if d > 0 && d as u32 <= SACK_BITS {
+            let i = d as u32 - 1;
+            self.bits[(i / 64) as usize] |= 1 << (i % 64);
+            self.advance();
+        }
+    }
+
+    /// The SACK bitmap in wire order (bit i = bit 7 - i%8 of byte i/8).
+    pub fn sack_bytes(&self) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        for i in 0..SACK_BITS {
+            if self.bit(i) {
+                out[(i / 8) as usize] |= 0x80 >> (i % 8);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rx_window_tracks_holes_and_floor() {
+        let mut rx = PathRx::new(100);
+        assert_eq!(rx.classify(100), RxClass::New);
+        rx.mark(100);
+        assert_eq!(rx.cum, 100);
+        rx.mark(102);
+        assert_eq!(rx.cum, 100);
+        assert_eq!(rx.sack_bytes()[0], 0b0100_0000);
+        assert_eq!(rx.classify(102), RxClass::Duplicate);
+        assert_eq!(rx.classify(101), RxClass::New);
+        assert_eq!(rx.classify(100 + 257), RxClass::OutOfWindow);
+        // The sender gave up on 101: the floor moves the window past it.
+        rx.apply_floor(103);
+        assert_eq!(rx.cum, 102);
+        assert_eq!(rx.sack_bytes(), [0; 32]);
+        assert_eq!(rx.classify(101), RxClass::Duplicate);
+    }
+
+    #[test]
+    fn rx_window_wraps_at_2_pow_24() {
+        let mut rx = PathRx::new(0xFF_FFFE);
+        for psn in [0xFF_FFFE, 0xFF_FFFF, 0, 1] {
+            assert_eq!(rx.classify(psn), RxClass::New);
+            rx.mark(psn);
+        }
+        assert_eq!(rx.cum, 1);
+        rx.mark(70);
+        rx.mark(200);
+        assert_eq!(rx.cum, 1);
+        for psn in 2..70 {
+            rx.mark(psn);
+        }
+        assert_eq!(rx.cum, 70);
+        assert_eq!(rx.classify(200), RxClass::Duplicate);
+    }
+}

@@ -1,0 +1,493 @@
+//! The endpoint: one local address, its connections, its memory regions; the sans-IO
+//! driving contract.
+
+use crate::config::{EndpointConfig, TransportConfig};
+use crate::conn::{Connection, ConnectionStats, Outcome, State};
+use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
+use crate::mr::{Access, MrError, MrKeys, MrTable};
+use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode};
+use crate::{EcnCodepoint, Transmit};
+use bytes::Bytes;
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Instant;
+
+/// Why an application call was refused. Nothing was posted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PostError {
+    /// No connection with this handle (never existed, or closed).
+    UnknownConnection,
+    /// The connection is not established yet.
+    NotConnected,
+    /// The message or WRITE is larger than `max_message_size` (bytes).
+    MessageTooLarge {
+        /// Requested length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The local memory reference is invalid (lkey, range).
+    LocalMemory(MrError),
+    /// `max_outstanding_ops` operations are already pending on this connection.
+    SendQueueFull,
+    /// The endpoint configuration is invalid (the text says which field).
+    InvalidConfig(String),
+    /// Too many connections.
+    TooManyConnections,
+}
+
+impl fmt::Display for PostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PostError::UnknownConnection => f.write_str("no such connection"),
+            PostError::NotConnected => f.write_str("connection not established yet"),
+            PostError::MessageTooLarge { len, max } => write!(f, "message of {len} bytes exceeds max_message_size {max}"),
+            PostError::LocalMemory(e) => write!(f, "invalid local memory reference: {e}"),
+            PostError::SendQueueFull => f.write_str("send queue full (max_outstanding_ops)"),
+            PostError::InvalidConfig(s) => write!(f, "invalid configuration: {s}"),
+            PostError::TooManyConnections => f.write_str("too many connections (max_connections)"),
+        }
+    }
+}
+
+impl std::error::Error for PostError {}
+
+/// An RDMA WRITE to post: `len` bytes from offset `local_offset` of the local region
+/// `lkey` to the peer's address `remote_addr` in the region `rkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteRequest {
+    /// Caller's identifier, returned in the work completion.
+    pub wr_id: u64,
+    /// Local source region.
+    pub lkey: u32,
+    /// Byte offset in the local region.
+    pub local_offset: u64,
+    /// Bytes to write.
+    pub len: u32,
+    /// Remote virtual address of the first byte (the peer region's `addr` plus an offset).
+    pub remote_addr: u64,
+    /// Remote key of the peer's region.
+    pub rkey: u32,
+    /// Immediate data: makes this an RDMA WRITE with immediate, reported to the peer
+    /// application once every byte has landed.
+    pub imm: Option<u32>,
+}
+
+/// Endpoint-wide counters of input that did not reach a connection.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointStats {
+    /// Datagrams handed to `handle_datagram`.
+    pub datagrams_received: u64,
+    /// Datagrams that did not parse (see `wire::Error`).
+    pub malformed: u64,
+    /// Datagrams with a wrong ICRC.
+    pub bad_icrc: u64,
+    /// Datagrams for a QPN with no connection, or from the wrong address.
+    pub unknown_connection: u64,
+    /// Well-formed packets of a kind this endpoint does not handle (e.g. RoCEv2 RC).
+    pub unsupported: u64,
+    /// Connection requests rejected.
+    pub rejected: u64,
+}
+
+/// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
+/// contract.
+#[derive(Debug)]
+pub struct Endpoint {
+    cfg: EndpointConfig,
+    rng: Xoshiro256PlusPlus,
+    epoch: Option<Instant>,
+    conns: BTreeMap<u32, Connection>,
+    by_nonce: HashMap<u64, u32>,
+    mrs: MrTable,
+    events: VecDeque<Event>,
+    control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
+    rr_cursor: u32,
+    stats: EndpointStats,
+}
+
+impl Endpoint {
+    /// A new endpoint. Errors if the configuration is invalid.
+    pub fn new(cfg: EndpointConfig) -> Result<Self, PostError> {
+        cfg.transport.validate().map_err(PostError::InvalidConfig)?;
+        if cfg.source_ports.is_empty() {
+            return Err(PostError::InvalidConfig("source_ports must not be empty".into()));
+        }
+        Ok(Self {
+            rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
+            cfg,
+            epoch: None,
+            conns: BTreeMap::new(),
+            by_nonce: HashMap::new(),
+            mrs: MrTable::default(),
+            events: VecDeque::new(),
+            control: VecDeque::new(),
+            rr_cursor: 0,
+            stats: EndpointStats::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.cfg
+    }
+
+    /// Mutable transport defaults for connections made from now on (e.g. the backend's
+    /// GSO limit).
+    pub fn transport_config_mut(&mut self) -> &mut TransportConfig {
+        &mut self.cfg.transport
+    }
+
+    fn epoch(&mut self, now: Instant) -> Instant {
+        *self.epoch.get_or_insert(now)
+    }
+
+    fn local_ip(&self) -> Option<IpAddr> {
+        let ip = self.cfg.local_addr.ip();
+        (!ip.is_unspecified()).then_some(ip)
+    }
+
+    fn new_qpn(&mut self) -> u32 {
+        loop {
+            let q = self.rng.next_u32() & wire::PSN_MASK;
+            if q > 1 && !self.conns.contains_key(&q) {
+                return q;
+            }
+        }
+    }
+
+    /// Start connecting to `remote` (the peer's listening address). `local_ip` is the
+    /// source address the ICRC pseudo-header uses when the endpoint is bound to the
+    /// unspecified address (pass `None` otherwise). Progress is reported as
+    /// [`Event::Connected`] or [`Event::ConnectionLost`].
+    pub fn connect(&mut self, now: Instant, remote: SocketAddr, local_ip: Option<IpAddr>) -> Result<ConnectionHandle, PostError> {
+        if self.conns.len() >= self.cfg.max_connections {
+            return Err(PostError::TooManyConnections);
+        }
+        let epoch = self.epoch(now);
+        let qpn = self.new_qpn();
+        let nonce = self.rng.next_u64();
+        let init_psn = self.rng.next_u32() & wire::PSN_MASK;
+        let conn = Connection::new_outgoing(
+            ConnectionHandle(qpn),
+            now,
+            epoch,
+            remote,
+            local_ip.or(self.local_ip()),
+            self.cfg.local_addr.port(),
+            self.cfg.source_ports.clone(),
+            nonce,
+            init_psn,
+            self.cfg.transport.clone(),
+        );
+        self.conns.insert(qpn, conn);
+        Ok(ConnectionHandle(qpn))
+    }
+
+    /// Whether the connection exists and is established.
+    pub fn is_established(&self, conn: ConnectionHandle) -> bool {
+        self.conns.get(&conn.0).is_some_and(|c| c.state == State::Established)
+    }
+
+    /// The peer address of a connection.
+    pub fn peer_addr(&self, conn: ConnectionHandle) -> Option<SocketAddr> {
+        self.conns.get(&conn.0).map(|c| c.peer)
+    }
+
+    /// Counters and path state of a connection.
+    pub fn connection_stats(&self, conn: ConnectionHandle) -> Option<ConnectionStats> {
+        self.conns.get(&conn.0).map(Connection::stats)
+    }
+
+    /// Endpoint-wide counters.
+    pub fn stats(&self) -> EndpointStats {
+        self.stats
+    }
+
+    /// Handles of every connection, in QPN order.
+    pub fn connections(&self) -> impl Iterator<Item = ConnectionHandle> + '_ {
+        self.conns.keys().map(|&q| ConnectionHandle(q))
+    }
+
+    // ---- memory regions ----
+
+    /// Register `data` as a memory region with `access` rights; returns its keys and the
+    /// address peers use. The endpoint owns the bytes until [`deregister_mr`](Self::deregister_mr).
+    pub fn register_mr(&mut self, data: Vec<u8>, access: Access) -> MrKeys {
+        self.mrs.register(data, access)
+    }
+
+    /// Deregister a region; returns its bytes. Later remote accesses with its rkey get a
+    /// remote access error; pending local WRITEs from it fail with a local protection error.
+    pub fn deregister_mr(&mut self, lkey: u32) -> Option<Vec<u8>> {
+        self.mrs.deregister(lkey)
+    }
+
+    /// Keys of a registered region.
+    pub fn mr_keys(&self, lkey: u32) -> Option<MrKeys> {
+        self.mrs.keys(lkey)
+    }
+
+    /// Read bytes `[offset, offset + len)` of a local region.
+    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
+        self.mrs.local(lkey, offset, len)
+    }
+
+    /// Mutable access to bytes `[offset, offset + len)` of a local region.
+    pub fn mr_write(&mut self, lkey: u32, offset: u64, len: u64) -> Result<&mut [u8], MrError> {
+        self.mrs.local_mut(lkey, offset, len)
+    }
+
+    // ---- posting ----
+
+    fn conn_for_post(&mut self, conn: ConnectionHandle, len: u64) -> Result<&mut Connection, PostError> {
+        let max = self.cfg.transport.max_message_size;
+        let max_ops = self.cfg.transport.max_outstanding_ops;
+        let c = self.conns.get_mut(&conn.0).ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return Err(PostError::NotConnected);
+        }
+        if len > max {
+            return Err(PostError::MessageTooLarge { len, max });
+        }
+        if c.sq.len() >= max_ops {
+            return Err(PostError::SendQueueFull);
+        }
+        Ok(c)
+    }
+
+    /// Post a SEND of `data` as one message on `stream`. The peer receives it once, in
+    /// order within the stream, as [`Event::Message`]; a completion with `wr_id` follows
+    /// once every packet is acknowledged.
+    pub fn post_send(&mut self, conn: ConnectionHandle, stream: u32, wr_id: u64, data: Bytes) -> Result<(), PostError> {
+        let c = self.conn_for_post(conn, data.len() as u64)?;
+        c.post_send(wr_id, stream, data);
+        Ok(())
+    }
+
+    /// Post an RDMA WRITE (or WRITE with immediate). Each packet lands directly at its
+    /// address in the peer's region; the completion reports success once all are
+    /// acknowledged, or the peer's refusal (`RemoteAccessError`: bad rkey, out of bounds,
+    /// no REMOTE_WRITE right; nothing is written).
+    pub fn post_write(&mut self, conn: ConnectionHandle, req: WriteRequest) -> Result<(), PostError> {
+        self.mrs.local(req.lkey, req.local_offset, req.len as u64).map_err(PostError::LocalMemory)?;
+        let c = self.conn_for_post(conn, req.len as u64)?;
+        c.post_write(req.wr_id, req.lkey, req.local_offset, req.len, req.remote_addr, req.rkey, req.imm);
+        Ok(())
+    }
+
+    /// Close a connection now: pending operations complete with `WrFlushError`, the peer
+    /// is told (best effort), and [`Event::ConnectionLost`] with `LocallyClosed` follows.
+    pub fn close(&mut self, _now: Instant, conn: ConnectionHandle) {
+        if let Some(c) = self.conns.get(&conn.0) {
+            if c.state == State::Established {
+                let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
+                let hdrs = Headers::Close(wire::CloseEth { reason: 0, nonce: c.nonce });
+                self.control.push_back((c.peer, bth, hdrs, c.local_ip));
+            }
+        }
+        self.remove(conn, ConnectionError::LocallyClosed, WcStatus::WrFlushError);
+    }
+
+    fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
+        if let Some(mut c) = self.conns.remove(&conn.0) {
+            c.flush(first, &mut self.events);
+            if self.by_nonce.get(&c.nonce) == Some(&conn.0) {
+                self.by_nonce.remove(&c.nonce);
+            }
+            tracing::debug!(%conn, %reason, "connection lost");
+            self.events.push_back(Event::ConnectionLost { conn, reason });
+        }
+    }
+
+    fn apply(&mut self, conn: ConnectionHandle, out: Outcome) {
+        if let Some(reason) = out.lost {
+            let first = if reason == ConnectionError::RetryExceeded { WcStatus::RetryExceeded } else { WcStatus::WrFlushError };
+            self.remove(conn, reason, first);
+        }
+    }
+
+    // ---- the driving contract ----
+
+    /// Feed one received UDP datagram: `from` is the sender's address, `local_ip` the
+    /// address it was sent to (if the I/O layer knows it), `ecn` the IP ECN codepoint.
+    /// Malformed or unexpected input is counted (see [`stats`](Self::stats)) and dropped;
+    /// this never panics.
+    pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, local_ip: Option<IpAddr>, ecn: Option<EcnCodepoint>, data: &[u8]) {
+        self.epoch(now);
+        self.stats.datagrams_received += 1;
+        let pkt = match wire::Packet::parse(data) {
+            Ok(p) => p,
+            Err(e) => {
+                self.stats.malformed += 1;
+                tracing::trace!(%from, error = %e, "malformed datagram");
+                return;
+            }
+        };
+        if self.cfg.transport.verify_icrc {
+            if let Some(dst) = local_ip.or(self.local_ip()) {
+                if let Ok(ip) = icrc::IpHeader::synthesized(from.ip(), dst) {
+                    if icrc::verify(&ip, from.port(), self.cfg.local_addr.port(), data).is_err() {
+                        self.stats.bad_icrc += 1;
+                        return;
+                    }
+                }
+            }
+        }
+        if !pkt.bth.opcode.is_metaroce() {
+            self.stats.unsupported += 1;
+            return;
+        }
+        if let Headers::Connect(msg) = &pkt.headers {
+            self.handle_connect(now, from, local_ip, pkt.bth.dest_qp, msg);
+            return;
+        }
+        let qpn = pkt.bth.dest_qp;
+        let Some(c) = self.conns.get_mut(&qpn) else {
+            self.stats.unknown_connection += 1;
+            return;
+        };
+        if c.peer.ip() != from.ip() {
+            self.stats.unknown_connection += 1;
+            return;
+        }
+        let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
+        self.apply(ConnectionHandle(qpn), out);
+    }
+
+    fn handle_connect(&mut self, now: Instant, from: SocketAddr, local_ip: Option<IpAddr>, dest_qp: u32, msg: &ConnectEth) {
+        match msg.kind {
+            ConnectKind::Request => {
+                let peer = SocketAddr::new(from.ip(), msg.reply_port);
+                if let Some(&q) = self.by_nonce.get(&msg.nonce) {
+                    if let Some(c) = self.conns.get_mut(&q) {
+                        if c.peer == peer {
+                            c.accept_pending = true;
+                        }
+                    }
+                    return;
+                }
+                let reject = |reason: u32| {
+                    let bth = Bth::new(Opcode::MR_CONNECT, 0, 0);
+                    let mut m = *msg;
+                    m.kind = ConnectKind::Reject;
+                    m.dst_qpn = msg.src_qpn;
+                    m.src_qpn = 0;
+                    m.reason = reason;
+                    (peer, Bth { dest_qp: msg.src_qpn, ..bth }, Headers::Connect(m), local_ip)
+                };
+                let valid = msg.paths > 0 && (256..=4096).contains(&msg.pmtu) && msg.pmtu.is_power_of_two();
+                let reason = if !self.cfg.accept_incoming {
+                    Some(1)
+                } else if self.conns.len() >= self.cfg.max_connections {
+                    Some(2)
+                } else if !valid || msg.version != crate::conn::PROTOCOL_VERSION {
+                    Some(3)
+                } else {
+                    None
+                };
+                if let Some(r) = reason {
+                    self.stats.rejected += 1;
+                    self.control.push_back(reject(r));
+                    return;
+                }
+                let epoch = self.epoch(now);
+                let qpn = self.new_qpn();
+                let init_psn = self.rng.next_u32() & wire::PSN_MASK;
+                let conn = Connection::new_incoming(
+                    ConnectionHandle(qpn),
+                    now,
+                    epoch,
+                    peer,
+                    local_ip.or(self.local_ip()),
+                    self.cfg.local_addr.port(),
+                    self.cfg.source_ports.clone(),
+                    init_psn,
+                    self.cfg.transport.clone(),
+                    msg,
+                );
+                self.conns.insert(qpn, conn);
+                self.by_nonce.insert(msg.nonce, qpn);
+                tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
+                self.events.push_back(Event::Incoming(ConnectionHandle(qpn)));
+            }
+            ConnectKind::Accept | ConnectKind::Reject => {
+                let Some(c) = self.conns.get_mut(&dest_qp) else {
+                    self.stats.unknown_connection += 1;
+                    return;
+                };
+                if c.peer.ip() != from.ip() {
+                    self.stats.unknown_connection += 1;
+                    return;
+                }
+                let out = c.on_connect(now, msg, &mut self.events);
+                self.apply(ConnectionHandle(dest_qp), out);
+            }
+        }
+    }
+
+    /// Fire the timers that are due (retransmission, tail-loss probe, handshake, idle).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let due: Vec<u32> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.next_timeout().is_some_and(|t| t <= now))
+            .map(|(&q, _)| q)
+            .collect();
+        for q in due {
+            if let Some(c) = self.conns.get_mut(&q) {
+                let out = c.handle_timeout(now, &mut self.events);
+                self.apply(ConnectionHandle(q), out);
+            }
+        }
+    }
+
+    /// The earliest time [`handle_timeout`](Self::handle_timeout) must be called, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.conns.values().filter_map(Connection::next_timeout).min()
+    }
+
+    /// The next datagram (or GSO batch) to send, written into `buf` (cleared first).
+    /// Call until it returns `None` after every input.
+    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        buf.clear();
+        self.epoch(now);
+        while let Some((dest, bth, hdrs, local_ip)) = self.control.pop_front() {
+            let port = self.cfg.source_ports[0];
+            let len = wire::packet_len(&hdrs, 0);
+            buf.resize(len, 0);
+            if wire::emit_packet(&bth, &hdrs, &[], buf).is_err() {
+                buf.clear();
+                continue;
+            }
+            let local = local_ip.or(self.local_ip()).unwrap_or(match dest.ip() {
+                IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+            });
+            if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
+                let _ = icrc::stamp(&ip, port, dest.port(), buf);
+            }
+            return Some(Transmit { destination: dest, src_port: port, ecn: None, size: len, segment_size: None });
+        }
+        // Round-robin over connections, starting after the one served last.
+        let start = self.rr_cursor;
+        let keys: Vec<u32> = self.conns.range(start..).chain(self.conns.range(..start)).map(|(&k, _)| k).collect();
+        for q in keys {
+            let Some(c) = self.conns.get_mut(&q) else { continue };
+            if let Some(t) = c.poll_transmit(now, buf, &self.mrs) {
+                self.rr_cursor = q.wrapping_add(1);
+                return Some(t);
+            }
+        }
+        None
+    }
+
+    /// The next event for the application, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+}

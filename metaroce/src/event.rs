@@ -1,0 +1,189 @@
+//! What the core reports to the application: work completions and connection events.
+
+use bytes::Bytes;
+use std::fmt;
+
+/// Handle of a connection inside an [`Endpoint`](crate::Endpoint): the local QPN that
+/// peers put in BTH.DestQP (24 bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnectionHandle(pub u32);
+
+impl fmt::Display for ConnectionHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "qp 0x{:06x}", self.0)
+    }
+}
+
+/// Status of a work completion, named after `ibv_wc_status` (rdma-core `verbs.h`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WcStatus {
+    /// `IBV_WC_SUCCESS`: the operation executed at the responder.
+    Success,
+    /// `IBV_WC_LOC_LEN_ERR`: a local length was invalid.
+    LocalLengthError,
+    /// `IBV_WC_LOC_PROT_ERR`: the local memory reference (lkey, range) was invalid.
+    LocalProtectionError,
+    /// `IBV_WC_WR_FLUSH_ERR`: the operation was flushed because the connection closed or
+    /// failed before it completed.
+    WrFlushError,
+    /// `IBV_WC_REM_INV_REQ_ERR`: the responder found the request invalid (NAK 0x61).
+    RemoteInvalidRequest,
+    /// `IBV_WC_REM_ACCESS_ERR`: bad rkey, range outside the region, or missing access
+    /// right at the responder (NAK 0x62); nothing was written.
+    RemoteAccessError,
+    /// `IBV_WC_REM_OP_ERR`: the responder could not execute the operation (NAK 0x63).
+    RemoteOperationalError,
+    /// `IBV_WC_RETRY_EXC_ERR`: every path exceeded the retry budget without progress.
+    RetryExceeded,
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`: the responder had no receive posted, `rnr_retry` times.
+    RnrRetryExceeded,
+}
+
+impl WcStatus {
+    /// The numeric `ibv_wc_status` value.
+    pub fn ibv_code(self) -> u32 {
+        match self {
+            WcStatus::Success => 0,
+            WcStatus::LocalLengthError => 1,
+            WcStatus::LocalProtectionError => 4,
+            WcStatus::WrFlushError => 5,
+            WcStatus::RemoteInvalidRequest => 9,
+            WcStatus::RemoteAccessError => 10,
+            WcStatus::RemoteOperationalError => 11,
+            WcStatus::RetryExceeded => 12,
+            WcStatus::RnrRetryExceeded => 13,
+        }
+    }
+
+    /// The status a NAK syndrome (AETH NAK codes, RoCEv2 reference §3.1) maps to.
+    pub fn from_nak_syndrome(syndrome: u8) -> WcStatus {
+        match syndrome {
+            0x61 => WcStatus::RemoteInvalidRequest,
+            0x62 => WcStatus::RemoteAccessError,
+            _ => WcStatus::RemoteOperationalError,
+        }
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            WcStatus::Success => "success",
+            WcStatus::LocalLengthError => "local length error",
+            WcStatus::LocalProtectionError => "local protection error",
+            WcStatus::WrFlushError => "work request flushed error",
+            WcStatus::RemoteInvalidRequest => "remote invalid request error",
+            WcStatus::RemoteAccessError => "remote access error",
+            WcStatus::RemoteOperationalError => "remote operation error",
+            WcStatus::RetryExceeded => "transport retry counter exceeded",
+            WcStatus::RnrRetryExceeded => "RNR retry counter exceeded",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Operation a work completion reports, named after `ibv_wc_opcode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WcOpcode {
+    /// A SEND on a stream.
+    Send,
+    /// An RDMA WRITE.
+    RdmaWrite,
+    /// An RDMA WRITE with immediate (requester side).
+    RdmaWriteWithImm,
+}
+
+/// A work completion (CQE) of an operation the application posted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The `wr_id` given when posting.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// Which operation.
+    pub opcode: WcOpcode,
+    /// Bytes the operation carried (the message or WRITE length).
+    pub byte_len: u32,
+}
+
+/// Why a connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnectionError {
+    /// The peer did not answer the connection request in time.
+    HandshakeTimeout,
+    /// The peer refused the connection; the code comes from its CONNECT Reject.
+    Rejected(u32),
+    /// Every path exceeded the retry budget without progress.
+    RetryExceeded,
+    /// The peer closed the connection.
+    ClosedByPeer,
+    /// The application closed the connection.
+    LocallyClosed,
+    /// Nothing was heard from the peer for the idle timeout.
+    IdleTimeout,
+}
+
+impl fmt::Display for ConnectionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConnectionError::HandshakeTimeout => f.write_str("connection request timed out"),
+            ConnectionError::Rejected(code) => write!(f, "connection rejected by peer (reason {code})"),
+            ConnectionError::RetryExceeded => f.write_str("retry count exceeded on every path"),
+            ConnectionError::ClosedByPeer => f.write_str("closed by peer"),
+            ConnectionError::LocallyClosed => f.write_str("closed locally"),
+            ConnectionError::IdleTimeout => f.write_str("idle timeout"),
+        }
+    }
+}
+
+impl std::error::Error for ConnectionError {}
+
+/// An event for the application, drained with [`Endpoint::poll_event`](crate::Endpoint::poll_event).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Event {
+    /// A connection this endpoint requested is established.
+    Connected(ConnectionHandle),
+    /// A peer's connection request was accepted; the connection is established.
+    Incoming(ConnectionHandle),
+    /// The connection ended; its outstanding operations were completed with
+    /// `WrFlushError` (or `RetryExceeded`) before this event.
+    ConnectionLost {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Why.
+        reason: ConnectionError,
+    },
+    /// Completion of a posted operation. Completions of one connection are reported in
+    /// the order the operations were posted (like an RC send queue).
+    Completion {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// The completion.
+        wc: WorkCompletion,
+    },
+    /// A whole SEND message arrived. Messages of one stream are reported exactly once and
+    /// in the order they were sent; streams are independent of each other.
+    Message {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The message bytes.
+        data: Bytes,
+    },
+    /// An RDMA WRITE with immediate finished landing in local memory: every byte of it is
+    /// visible in the target region when this event is reported. Reported exactly once per
+    /// operation, in the order the writes complete.
+    WriteWithImm {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// The immediate value (host order).
+        imm: u32,
+        /// Bytes written.
+        byte_len: u32,
+    },
+}
