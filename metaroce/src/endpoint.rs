@@ -193,6 +193,12 @@ impl Endpoint {
         self.conns.get(&conn.0).is_some_and(|c| c.state == State::Established)
     }
 
+    /// Whether this side requested the connection (`false` for accepted ones and for
+    /// unknown handles).
+    pub fn is_client(&self, conn: ConnectionHandle) -> bool {
+        self.conns.get(&conn.0).is_some_and(|c| c.outgoing)
+    }
+
     /// The peer address of a connection.
     pub fn peer_addr(&self, conn: ConnectionHandle) -> Option<SocketAddr> {
         self.conns.get(&conn.0).map(|c| c.peer)

@@ -93,6 +93,8 @@ pub(crate) struct Connection {
     next_ack_path: usize,
     naks: VecDeque<PendingNak>,
     pub accept_pending: bool,
+    /// This side sent the connection request.
+    pub outgoing: bool,
     handshake: Option<Handshake>,
     pub last_heard: Instant,
     peer_rate_mbps: u32,
@@ -135,6 +137,7 @@ impl Connection {
         let paths_offered = (cfg.paths as usize).min(source_ports.len()) as u16;
         let mut c = Self::blank(handle, now, epoch, peer, local_ip, local_port, source_ports, nonce, init_psn, cfg);
         c.handshake = Some(Handshake { attempts: 0, next_at: now, pending: true, paths_offered });
+        c.outgoing = true;
         c
     }
 
@@ -190,6 +193,7 @@ impl Connection {
             next_ack_path: 0,
             naks: VecDeque::new(),
             accept_pending: false,
+            outgoing: false,
             handshake: None,
             last_heard: now,
             peer_rate_mbps: 0,

@@ -1,0 +1,425 @@
+//! [`UdpBackend`]: real UDP sockets, one to receive on and one per path to send from.
+
+use std::fmt;
+use std::io::{self, IoSliceMut};
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::task::{ready, Context, Poll};
+
+use quinn_udp::{UdpSockRef, UdpSocketState};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::io::Interest;
+
+use super::{check_transmit, unknown_src_port, DatagramBackend, RecvMeta};
+
+/// Largest UDP payload of one IPv4 packet (65 535 − 20 bytes of IP header − 8 of UDP header),
+/// which also bounds the sum of the segments of one GSO send.
+const MAX_UDP_PAYLOAD: usize = 65_507;
+
+/// Most path-socket datagrams discarded per [`UdpBackend::poll_recv`] call (peers never send
+/// to path ports; whatever arrives there is drained and ignored).
+const PATH_DRAIN_BUDGET: usize = 64;
+
+/// Socket options of a [`UdpBackend`].
+///
+/// The transport sends bursts of ~4 KiB datagrams, so the kernel socket buffers must be far
+/// larger than the Linux defaults (~208 KiB) or bursts are dropped in the kernel. Linux caps
+/// the values at `net.core.rmem_max` / `net.core.wmem_max` (raise those sysctls to get the
+/// full size); [`UdpBackend::recv_buffer_bytes`] / [`UdpBackend::send_buffer_bytes`] report
+/// what the kernel granted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UdpConfig {
+    /// Requested receive buffer (`SO_RCVBUF`) of the main socket, in bytes. Default 8 MiB.
+    pub recv_buffer_bytes: usize,
+    /// Requested send buffer (`SO_SNDBUF`) of every socket, in bytes. Default 8 MiB.
+    pub send_buffer_bytes: usize,
+}
+
+impl Default for UdpConfig {
+    fn default() -> Self {
+        Self {
+            recv_buffer_bytes: 8 << 20,
+            send_buffer_bytes: 8 << 20,
+        }
+    }
+}
+
+/// One bound socket with its `quinn-udp` state (offload capabilities, ECN/PKTINFO setup).
+#[derive(Debug)]
+struct Sock {
+    io: tokio::net::UdpSocket,
+    state: UdpSocketState,
+    port: u16,
+}
+
+impl Sock {
+    /// Creates, configures and binds a non-blocking UDP socket at `addr`.
+    fn bind(addr: SocketAddr, recv_buffer: Option<usize>, send_buffer: usize) -> io::Result<Self> {
+        let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+        // Buffer sizes are best effort: the kernel silently caps them, and a refusal must not
+        // make the endpoint unusable.
+        if let Some(bytes) = recv_buffer {
+            if let Err(e) = socket.set_recv_buffer_size(bytes) {
+                tracing::warn!("cannot set SO_RCVBUF to {bytes} bytes: {e}");
+            }
+        }
+        if let Err(e) = socket.set_send_buffer_size(send_buffer) {
+            tracing::warn!("cannot set SO_SNDBUF to {send_buffer} bytes: {e}");
+        }
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        let std_socket: std::net::UdpSocket = socket.into();
+        // Enables IP_RECVTOS, UDP_GRO, IP_PKTINFO / IPV6_RECVPKTINFO and forbids fragmentation.
+        let state = UdpSocketState::new(UdpSockRef::from(&std_socket))?;
+        let port = std_socket.local_addr()?.port();
+        let io = tokio::net::UdpSocket::from_std(std_socket)?;
+        Ok(Self { io, state, port })
+    }
+}
+
+/// Identifies the transmit a partially completed [`UdpBackend::poll_send`] was working on,
+/// so that the call repeated after `Pending` resumes instead of resending the first segments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ResumeKey {
+    transmit: metaroce::Transmit,
+    fingerprint: u64,
+}
+
+impl ResumeKey {
+    fn new(transmit: &metaroce::Transmit, contents: &[u8]) -> Self {
+        // FNV-1a; only computed when a multi-call send is interrupted, which is rare.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &b in contents {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        Self {
+            transmit: *transmit,
+            fingerprint: h,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Resume {
+    key: ResumeKey,
+    /// Bytes of the transmit already handed to the kernel.
+    offset: usize,
+}
+
+/// A set of UDP sockets on one IP: the main socket peers send to, plus one send-only
+/// socket per path whose ephemeral port is that path's ECMP entropy.
+///
+/// Built on `quinn-udp`, which on Linux provides:
+///
+/// * **GSO** (`UDP_SEGMENT`): a [`metaroce::Transmit`] with `segment_size` is handed to the
+///   kernel in one `sendmsg` of up to [`max_gso_segments`](DatagramBackend::max_gso_segments)
+///   datagrams (and at most 65 507 bytes); without GSO the datagrams are sent one by one.
+/// * **GRO** (`UDP_GRO`): one receive buffer may hold several datagrams, see [`RecvMeta`].
+/// * **ECN**: [`metaroce::Transmit::ecn`] is written with an `IP_TOS` / `IPV6_TCLASS` control
+///   message; received codepoints come from `IP_RECVTOS` / `IPV6_RECVTCLASS`.
+/// * **Local IP** of received datagrams via `IP_PKTINFO` / `IPV6_RECVPKTINFO`.
+///
+/// Must be created inside a tokio runtime (the sockets register with its reactor).
+pub struct UdpBackend {
+    main: Sock,
+    paths: Vec<Sock>,
+    ports: Vec<u16>,
+    local_addr: SocketAddr,
+    resume: Mutex<Option<Resume>>,
+}
+
+impl fmt::Debug for UdpBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UdpBackend")
+            .field("local_addr", &self.local_addr)
+            .field("source_ports", &self.ports)
+            .field("max_gso_segments", &self.max_gso_segments())
+            .field("max_gro_segments", &self.max_gro_segments())
+            .finish_non_exhaustive()
+    }
+}
+
+impl UdpBackend {
+    /// Binds the main socket at `addr` (port 0 picks an ephemeral port) and `paths` path
+    /// sockets on the same IP with ephemeral ports, with the default [`UdpConfig`] (8 MiB
+    /// socket buffers). If `addr`'s IP is unspecified (`0.0.0.0` / `::`), so are the path
+    /// sockets'.
+    ///
+    /// Errors: `paths == 0` ([`io::ErrorKind::InvalidInput`]), no tokio runtime
+    /// ([`io::ErrorKind::Other`]), or any socket / bind failure.
+    pub fn bind(addr: SocketAddr, paths: usize) -> io::Result<Self> {
+        Self::bind_with(addr, paths, &UdpConfig::default())
+    }
+
+    /// [`bind`](Self::bind) with explicit socket options.
+    pub fn bind_with(addr: SocketAddr, paths: usize, config: &UdpConfig) -> io::Result<Self> {
+        if paths == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a UdpBackend needs at least one path socket",
+            ));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(io::Error::other(
+                "UdpBackend must be bound from within a tokio runtime",
+            ));
+        }
+        let main = Sock::bind(
+            addr,
+            Some(config.recv_buffer_bytes),
+            config.send_buffer_bytes,
+        )?;
+        let local_addr = main.io.local_addr()?;
+        let mut path_addr = addr;
+        path_addr.set_port(0);
+        let paths = (0..paths)
+            .map(|_| Sock::bind(path_addr, None, config.send_buffer_bytes))
+            .collect::<io::Result<Vec<_>>>()?;
+        let ports = paths.iter().map(|p| p.port).collect();
+        tracing::debug!(
+            %local_addr,
+            ?ports,
+            gso = main.state.max_gso_segments(),
+            gro = main.state.gro_segments(),
+            "UdpBackend bound"
+        );
+        Ok(Self {
+            main,
+            paths,
+            ports,
+            local_addr,
+            resume: Mutex::new(None),
+        })
+    }
+
+    /// The receive buffer the kernel granted the main socket, in bytes (as Linux reports it:
+    /// twice the usable payload space).
+    pub fn recv_buffer_bytes(&self) -> io::Result<usize> {
+        self.main
+            .state
+            .recv_buffer_size(UdpSockRef::from(&self.main.io))
+    }
+
+    /// The send buffer the kernel granted the path sockets, in bytes (the smallest of them,
+    /// as Linux reports it: twice the usable space).
+    pub fn send_buffer_bytes(&self) -> io::Result<usize> {
+        let mut min = usize::MAX;
+        for p in &self.paths {
+            min = min.min(p.state.send_buffer_size(UdpSockRef::from(&p.io))?);
+        }
+        Ok(min)
+    }
+
+    /// Reads and discards whatever reached the path sockets, registering for wake-ups.
+    fn drain_paths(&self, cx: &mut Context<'_>) {
+        let mut scratch = [0u8; 256];
+        for p in &self.paths {
+            let mut budget = PATH_DRAIN_BUDGET;
+            while budget > 0 {
+                match p.io.poll_recv_ready(cx) {
+                    Poll::Ready(Ok(())) => {}
+                    _ => break,
+                }
+                match p.io.try_recv_from(&mut scratch) {
+                    Ok((_, from)) => {
+                        tracing::trace!(port = p.port, %from, "discarded datagram sent to a path port");
+                        budget -= 1;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => budget -= 1,
+                }
+            }
+        }
+    }
+
+    fn resume_offset(&self, transmit: &metaroce::Transmit, contents: &[u8]) -> usize {
+        let mut guard = self.resume.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.take() {
+            Some(r) if r.key == ResumeKey::new(transmit, contents) => r.offset,
+            _ => 0,
+        }
+    }
+
+    fn save_resume(&self, transmit: &metaroce::Transmit, contents: &[u8], offset: usize) {
+        if offset == 0 {
+            return;
+        }
+        let key = ResumeKey::new(transmit, contents);
+        *self.resume.lock().unwrap_or_else(|e| e.into_inner()) = Some(Resume { key, offset });
+    }
+}
+
+fn to_quinn_ecn(ecn: Option<metaroce::EcnCodepoint>) -> Option<quinn_udp::EcnCodepoint> {
+    ecn.and_then(|e| quinn_udp::EcnCodepoint::from_bits(e.bits()))
+}
+
+fn from_quinn_ecn(ecn: Option<quinn_udp::EcnCodepoint>) -> Option<metaroce::EcnCodepoint> {
+    ecn.and_then(|e| metaroce::EcnCodepoint::from_bits(e as u8))
+}
+
+impl DatagramBackend for UdpBackend {
+    fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    fn source_ports(&self) -> Vec<u16> {
+        self.ports.clone()
+    }
+
+    /// The kernel's GSO limit (64 on Linux with `UDP_SEGMENT`), or 1 without GSO or after the
+    /// NIC rejected it; the lowest over the path sockets.
+    fn max_gso_segments(&self) -> usize {
+        self.paths
+            .iter()
+            .map(|p| p.state.max_gso_segments())
+            .min()
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// 64 on Linux with `UDP_GRO` (the kernel's `UDP_GRO_CNT_MAX`), else 1.
+    fn max_gro_segments(&self) -> usize {
+        self.main.state.gro_segments().max(1)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        self.drain_paths(cx);
+        let n = bufs.len().min(meta.len()).min(quinn_udp::BATCH_SIZE);
+        if n == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        let mut qmeta = [quinn_udp::RecvMeta::default(); quinn_udp::BATCH_SIZE];
+        loop {
+            ready!(self.main.io.poll_recv_ready(cx))?;
+            let res = self.main.io.try_io(Interest::READABLE, || {
+                self.main.state.recv(
+                    UdpSockRef::from(&self.main.io),
+                    &mut bufs[..n],
+                    &mut qmeta[..n],
+                )
+            });
+            match res {
+                Ok(count) => {
+                    let count = count.min(n);
+                    for (out, q) in meta.iter_mut().zip(&qmeta[..count]) {
+                        *out = RecvMeta {
+                            from: q.addr,
+                            local_ip: q.dst_ip,
+                            ecn: from_quinn_ecn(q.ecn),
+                            len: q.len,
+                            stride: q.stride,
+                        };
+                    }
+                    return Poll::Ready(Ok(count));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        contents: &[u8],
+    ) -> Poll<io::Result<()>> {
+        let segment = match check_transmit(transmit, contents) {
+            Ok(s) => s,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
+            return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
+        };
+        let ecn = to_quinn_ecn(transmit.ecn);
+        let mut offset = self.resume_offset(transmit, contents);
+        // A zero-length datagram is still one datagram.
+        let mut first = contents.is_empty();
+        while offset < contents.len() || first {
+            first = false;
+            let remaining = contents.len() - offset;
+            let max_segments = path.state.max_gso_segments();
+            let chunk_len = if remaining <= segment || max_segments <= 1 {
+                segment.min(remaining)
+            } else {
+                let per_call = max_segments.min(MAX_UDP_PAYLOAD / segment).max(1);
+                (per_call * segment).min(remaining)
+            };
+            let chunk = &contents[offset..offset + chunk_len];
+            let qt = quinn_udp::Transmit {
+                destination: transmit.destination,
+                ecn,
+                contents: chunk,
+                segment_size: (chunk_len > segment).then_some(segment),
+                src_ip: None,
+            };
+            match path.io.poll_send_ready(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    self.save_resume(transmit, contents, offset);
+                    return Poll::Pending;
+                }
+            }
+            let res = path.io.try_io(Interest::WRITABLE, || {
+                path.state.try_send(UdpSockRef::from(&path.io), &qt)
+            });
+            match res {
+                Ok(()) => offset += chunk_len,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Readiness was cleared: the next `poll_send_ready` registers the waker.
+                    first = contents.is_empty();
+                }
+                Err(e) if qt.segment_size.is_some() && path.state.max_gso_segments() <= 1 => {
+                    // quinn-udp just turned GSO off for this socket (the NIC or driver refused
+                    // it): retry the same bytes one datagram at a time.
+                    tracing::debug!("GSO send failed ({e}); retrying without segmentation");
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::IpAddr;
+
+    #[test]
+    fn ecn_conversion_round_trips() {
+        use metaroce::EcnCodepoint as E;
+        for e in [E::Ect0, E::Ect1, E::Ce] {
+            assert_eq!(from_quinn_ecn(to_quinn_ecn(Some(e))), Some(e));
+        }
+        assert_eq!(to_quinn_ecn(None), None);
+    }
+
+    #[test]
+    fn bind_outside_runtime_is_an_error() {
+        let err = UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 1).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::Other);
+    }
+
+    #[tokio::test]
+    async fn bind_rejects_zero_paths() {
+        let err = UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 0).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[tokio::test]
+    async fn unspecified_ip_binds_paths_unspecified() {
+        let b = UdpBackend::bind("0.0.0.0:0".parse().unwrap(), 2).unwrap();
+        assert!(b.local_addr().ip().is_unspecified());
+        for p in &b.paths {
+            assert_eq!(p.io.local_addr().unwrap().ip(), IpAddr::from([0, 0, 0, 0]));
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! A connection to one peer: many ordered message streams, one-sided operations.
+
+use crate::endpoint::{EndpointRef, Shared, Waiter};
+use crate::error::Error;
+use crate::mr::{MemoryRegion, RemoteRegion};
+use crate::stream::{MessageStream, StreamEntry};
+use crate::Endpoint;
+use metaroce::{ConnectionError, ConnectionHandle, ConnectionStats, PostError, WcStatus, WorkCompletion, WriteRequest};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+/// Per-connection routing state kept by the driver.
+///
+/// Channels carry ids, not handles, so that nothing the driver holds keeps the endpoint
+/// alive: user handles are built on the user's side.
+pub(crate) struct ConnEntry {
+    pub streams: HashMap<u32, StreamEntry>,
+    pub accept_tx: Option<mpsc::UnboundedSender<u32>>,
+    pub imm_tx: Option<mpsc::UnboundedSender<(u32, u32)>>,
+    pub lost: Option<ConnectionError>,
+    pub next_stream: u32,
+    /// Receivers of an accepted connection, until `Endpoint::accept` takes them.
+    pub user: Option<(mpsc::UnboundedReceiver<u32>, mpsc::UnboundedReceiver<(u32, u32)>)>,
+}
+
+impl ConnEntry {
+    /// A routing entry; its receivers wait in `user` for [`Connection::from_entry`].
+    pub fn new() -> ConnEntry {
+        let (accept_tx, accept_rx) = mpsc::unbounded_channel();
+        let (imm_tx, imm_rx) = mpsc::unbounded_channel();
+        ConnEntry {
+            streams: HashMap::new(),
+            accept_tx: Some(accept_tx),
+            imm_tx: Some(imm_tx),
+            lost: None,
+            next_stream: 0,
+            user: Some((accept_rx, imm_rx)),
+        }
+    }
+
+    /// The connection ended: end every stream and waiter.
+    pub fn on_lost(&mut self, reason: ConnectionError) {
+        self.lost = Some(reason);
+        self.accept_tx = None;
+        self.imm_tx = None;
+        for s in self.streams.values_mut() {
+            s.close(Error::ConnectionLost(reason));
+        }
+    }
+}
+
+struct ConnInner {
+    ep: Arc<EndpointRef>,
+    handle: ConnectionHandle,
+    accept_rx: Mutex<mpsc::UnboundedReceiver<u32>>,
+    imm_rx: Mutex<mpsc::UnboundedReceiver<(u32, u32)>>,
+}
+
+/// A connection to one peer. Cheap to clone. It carries any number of independent ordered
+/// [`MessageStream`]s and one-sided RDMA operations, sprayed over the connection's paths.
+#[derive(Clone)]
+pub struct Connection {
+    inner: Arc<ConnInner>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection").field("handle", &self.inner.handle).finish()
+    }
+}
+
+impl Connection {
+    /// The user handle of a connection whose entry still holds its receivers.
+    pub(crate) fn from_entry(ep: Arc<EndpointRef>, handle: ConnectionHandle, entry: &mut ConnEntry) -> Option<Connection> {
+        let (accept_rx, imm_rx) = entry.user.take()?;
+        Some(Connection { inner: Arc::new(ConnInner { ep, handle, accept_rx: Mutex::new(accept_rx), imm_rx: Mutex::new(imm_rx) }) })
+    }
+
+    fn shared(&self) -> &Arc<Shared> {
+        &self.inner.ep.shared
+    }
+
+    /// The core's handle (the local QPN).
+    pub fn handle(&self) -> ConnectionHandle {
+        self.inner.handle
+    }
+
+    /// The endpoint this connection belongs to.
+    pub fn endpoint(&self) -> Endpoint {
+        Endpoint { inner: self.inner.ep.clone() }
+    }
+
+    /// The peer's address.
+    pub fn remote_addr(&self) -> Option<SocketAddr> {
+        self.shared().lock().core.peer_addr(self.inner.handle)
+    }
+
+    /// Counters and per-path state (RTT, window, retransmissions, ECN marks).
+    pub fn stats(&self) -> Option<ConnectionStats> {
+        self.shared().lock().core.connection_stats(self.inner.handle)
+    }
+
+    /// Why the connection ended, if it has.
+    pub fn close_reason(&self) -> Option<ConnectionError> {
+        let st = self.shared().lock();
+        match st.conns.get(&self.inner.handle) {
+            Some(e) => e.lost,
+            None => Some(ConnectionError::LocallyClosed),
+        }
+    }
+
+    /// Open a new stream with an id of this side's parity (the connecting side uses even
+    /// ids, the accepting side odd ones, so the two never collide).
+    pub fn open_stream(&self) -> Result<MessageStream, Error> {
+        let mut st = self.shared().lock();
+        let parity = u32::from(!st.core.is_client(self.inner.handle));
+        let entry = st.conns.get_mut(&self.inner.handle).ok_or(Error::EndpointClosed)?;
+        if let Some(r) = entry.lost {
+            return Err(Error::ConnectionLost(r));
+        }
+        loop {
+            let id = entry.next_stream * 2 + parity;
+            entry.next_stream += 1;
+            if !entry.streams.contains_key(&id) {
+                drop(st);
+                return self.stream(id);
+            }
+        }
+    }
+
+    /// Open the stream with a given id (for ids both sides agree on, such as a
+    /// communicator id). Errors with [`Error::StreamInUse`] if it is open already
+    /// (including when the peer opened it first: take it from
+    /// [`accept_stream`](Self::accept_stream)).
+    pub fn stream(&self, id: u32) -> Result<MessageStream, Error> {
+        let mut st = self.shared().lock();
+        let entry = st.conns.get_mut(&self.inner.handle).ok_or(Error::EndpointClosed)?;
+        if let Some(r) = entry.lost {
+            return Err(Error::ConnectionLost(r));
+        }
+        if entry.streams.contains_key(&id) {
+            return Err(Error::StreamInUse(id));
+        }
+        let (e, rx) = StreamEntry::new();
+        entry.streams.insert(id, e);
+        Ok(MessageStream::new(self.inner.ep.clone(), self.inner.handle, id, rx))
+    }
+
+    /// The next stream the peer opened (its first message is waiting in it); `None` once
+    /// the connection has ended.
+    pub async fn accept_stream(&self) -> Option<MessageStream> {
+        loop {
+            let id = self.inner.accept_rx.lock().await.recv().await?;
+            let mut st = self.shared().lock();
+            let Some(rx) = st.conns.get_mut(&self.inner.handle).and_then(|e| e.streams.get_mut(&id)).and_then(|s| s.pending_rx.take()) else {
+                continue;
+            };
+            return Some(MessageStream::new(self.inner.ep.clone(), self.inner.handle, id, rx));
+        }
+    }
+
+    /// The next RDMA WRITE with immediate that landed in this endpoint's memory from this
+    /// peer: `(imm, byte_len)`. Every byte of it is visible in the target region when this
+    /// resolves. `None` once the connection has ended.
+    pub async fn recv_imm(&self) -> Option<(u32, u32)> {
+        self.inner.imm_rx.lock().await.recv().await
+    }
+
+    /// Post an operation and wait for its completion.
+    async fn run_op(&self, post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>) -> Result<WorkCompletion, Error> {
+        let shared = self.shared();
+        let rx = loop {
+            let notified = shared.sq_space.notified();
+            {
+                let mut st = shared.lock();
+                if st.closed {
+                    return Err(Error::EndpointClosed);
+                }
+                if let Some(r) = st.conns.get(&self.inner.handle).and_then(|e| e.lost) {
+                    return Err(Error::ConnectionLost(r));
+                }
+                let wr_id = st.wr_id();
+                match post(&mut st.core, wr_id) {
+                    Ok(()) => {
+                        let (tx, rx) = oneshot::channel();
+                        st.waiters.insert((self.inner.handle, wr_id), Waiter::Op(tx));
+                        break rx;
+                    }
+                    Err(PostError::SendQueueFull) => {}
+                    Err(PostError::UnknownConnection) => {
+                        return Err(Error::ConnectionLost(st.conns.get(&self.inner.handle).and_then(|e| e.lost).unwrap_or(ConnectionError::LocallyClosed)))
+                    }
+                    Err(e) => return Err(Error::Post(e)),
+                }
+            }
+            notified.await;
+        };
+        shared.wake_driver.notify_one();
+        let wc = rx.await.map_err(|_| Error::EndpointClosed)?;
+        if wc.status == WcStatus::Success {
+            Ok(wc)
+        } else {
+            Err(Error::Completion(wc))
+        }
+    }
+
+    fn write_request(&self, src: &MemoryRegion, range: Range<u64>, dst: RemoteRegion, dst_offset: u64, imm: Option<u32>) -> Result<WriteRequest, Error> {
+        if !Arc::ptr_eq(&src.ep().shared, self.shared()) {
+            return Err(Error::ForeignRegion);
+        }
+        let len = range.end.checked_sub(range.start).ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
+        let len = u32::try_from(len).map_err(|_| Error::Post(PostError::MessageTooLarge { len, max: u32::MAX as u64 }))?;
+        Ok(WriteRequest {
+            wr_id: 0,
+            lkey: src.keys().lkey,
+            local_offset: range.start,
+            len,
+            remote_addr: dst.addr.wrapping_add(dst_offset),
+            rkey: dst.rkey,
+            imm,
+        })
+    }
+
+    /// RDMA WRITE: copy `src[range]` into the peer's region `dst` at `dst_offset`. Resolves
+    /// with the work completion once every packet is acknowledged, which means every byte
+    /// has landed in the peer's memory. A refusal by the peer (bad rkey, out of bounds, no
+    /// REMOTE_WRITE right) is `Err(Error::Completion(wc))` with
+    /// `wc.status == WcStatus::RemoteAccessError`, and nothing was written.
+    pub async fn write(&self, src: &MemoryRegion, range: Range<u64>, dst: RemoteRegion, dst_offset: u64) -> Result<WorkCompletion, Error> {
+        let req = self.write_request(src, range, dst, dst_offset, None)?;
+        let h = self.inner.handle;
+        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req })).await
+    }
+
+    /// RDMA WRITE with immediate: as [`write`](Self::write), and the peer's
+    /// [`recv_imm`](Self::recv_imm) yields `(imm, len)` once all bytes have landed.
+    pub async fn write_with_imm(&self, src: &MemoryRegion, range: Range<u64>, dst: RemoteRegion, dst_offset: u64, imm: u32) -> Result<WorkCompletion, Error> {
+        let req = self.write_request(src, range, dst, dst_offset, Some(imm))?;
+        let h = self.inner.handle;
+        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req })).await
+    }
+
+    /// Send one message on stream `stream` and wait for its completion (all packets
+    /// acknowledged). [`MessageStream`]'s `Sink` is the pipelined way to send.
+    pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
+        let h = self.inner.handle;
+        self.run_op(move |core, wr_id| core.post_send(h, stream, wr_id, data.clone())).await
+    }
+
+    /// Close the connection now: pending operations fail with `WrFlushError`, the peer is
+    /// told.
+    pub fn close(&self) {
+        let shared = self.shared();
+        shared.lock().core.close(std::time::Instant::now(), self.inner.handle);
+        shared.wake_driver.notify_one();
+    }
+}

@@ -1,0 +1,185 @@
+//! The driver task: feeds datagrams and timers into the core, flushes its transmits and
+//! routes its events to the waiting handles.
+
+use crate::backend::RecvMeta;
+use crate::connection::ConnEntry;
+use crate::endpoint::{Shared, State, Waiter};
+use crate::error::Error;
+use crate::stream::StreamEntry;
+use metaroce::{Event, Transmit, WcStatus};
+use std::future::poll_fn;
+use std::io::IoSliceMut;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Receive buffers per poll, each large enough for a full GRO batch of 64 KiB.
+const RECV_BUFS: usize = 8;
+const RECV_BUF_LEN: usize = 1 << 16;
+/// Transmits gathered under one lock before they are sent.
+const TX_BATCH: usize = 32;
+
+pub(crate) async fn run(shared: Arc<Shared>) {
+    let mut bufs: Vec<Vec<u8>> = (0..RECV_BUFS).map(|_| vec![0u8; RECV_BUF_LEN]).collect();
+    let mut metas = [RecvMeta::EMPTY; RECV_BUFS];
+    let mut pool: Vec<Vec<u8>> = Vec::new();
+    let mut out: Vec<(Transmit, Vec<u8>)> = Vec::with_capacity(TX_BATCH);
+    loop {
+        // Flush everything the core wants to send, in batches gathered under the lock.
+        loop {
+            let deadline;
+            {
+                let mut st = shared.lock();
+                let now = Instant::now();
+                if st.core.poll_timeout().is_some_and(|t| t <= now) {
+                    st.core.handle_timeout(now);
+                }
+                while out.len() < TX_BATCH {
+                    let mut buf = pool.pop().unwrap_or_else(|| Vec::with_capacity(RECV_BUF_LEN));
+                    match st.core.poll_transmit(now, &mut buf) {
+                        Some(t) => out.push((t, buf)),
+                        None => {
+                            pool.push(buf);
+                            break;
+                        }
+                    }
+                }
+                dispatch(&mut st, &shared);
+                if st.closed && out.is_empty() {
+                    return;
+                }
+                deadline = st.core.poll_timeout();
+            }
+            let full = out.len() == TX_BATCH;
+            for (t, buf) in out.drain(..) {
+                if let Err(e) = poll_fn(|cx| shared.backend.poll_send(cx, &t, &buf[..t.size])).await {
+                    // A failed send is a lost packet: the transport recovers.
+                    tracing::debug!(error = %e, dest = %t.destination, "send failed");
+                }
+                pool.push(buf);
+            }
+            if !full {
+                // Wait for input, a timer or new work.
+                let sleep = async {
+                    match deadline {
+                        Some(d) => tokio::time::sleep_until(d.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let mut iovs: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                let recv = poll_fn(|cx| shared.backend.poll_recv(cx, &mut iovs, &mut metas));
+                tokio::select! {
+                    r = recv => {
+                        match r {
+                            Ok(n) => {
+                                drop(iovs);
+                                let mut st = shared.lock();
+                                let now = Instant::now();
+                                for (meta, buf) in metas[..n].iter().zip(&bufs) {
+                                    for d in meta.datagrams(buf) {
+                                        st.core.handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                                    }
+                                }
+                                // Drain whatever else is already queued without waiting.
+                                drop(st);
+                                drain_ready(&shared, &mut bufs, &mut metas);
+                            }
+                            Err(e) => tracing::debug!(error = %e, "receive failed"),
+                        }
+                    }
+                    _ = sleep => {}
+                    _ = shared.wake_driver.notified() => {}
+                }
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Receive datagrams that are ready now (non-blocking), up to a bound, so that a burst is
+/// processed before the next flush.
+fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    for _ in 0..4 {
+        let mut iovs: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+        match shared.backend.poll_recv(&mut cx, &mut iovs, metas) {
+            std::task::Poll::Ready(Ok(n)) if n > 0 => {
+                drop(iovs);
+                let mut st = shared.lock();
+                let now = Instant::now();
+                for (meta, buf) in metas[..n].iter().zip(bufs.iter()) {
+                    for d in meta.datagrams(buf) {
+                        st.core.handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                    }
+                }
+            }
+            _ => break,
+        }
+    }
+}
+
+/// Route the core's events to the handles waiting for them.
+fn dispatch(st: &mut State, shared: &Shared) {
+    let mut freed = false;
+    while let Some(ev) = st.core.poll_event() {
+        match ev {
+            Event::Connected(h) => {
+                if let Some(tx) = st.connecting.remove(&h) {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            Event::Incoming(h) => {
+                st.conns.insert(h, ConnEntry::new());
+                if let Some(tx) = &st.incoming {
+                    let _ = tx.send(h);
+                }
+            }
+            Event::ConnectionLost { conn, reason } => {
+                if let Some(tx) = st.connecting.remove(&conn) {
+                    let _ = tx.send(Err(reason));
+                }
+                if let Some(e) = st.conns.get_mut(&conn) {
+                    e.on_lost(reason);
+                }
+                freed = true;
+            }
+            Event::Completion { conn, wc } => {
+                freed = true;
+                match st.waiters.remove(&(conn, wc.wr_id)) {
+                    Some(Waiter::Op(tx)) => {
+                        let _ = tx.send(wc);
+                    }
+                    Some(Waiter::Stream(id)) => {
+                        if let Some(s) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id)) {
+                            let err = (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
+                            s.on_completion(err);
+                        }
+                    }
+                    None => {}
+                }
+            }
+            Event::Message { conn, stream, data } => {
+                let Some(c) = st.conns.get_mut(&conn) else { continue };
+                let entry = c.streams.entry(stream).or_insert_with(|| {
+                    if let Some(tx) = &c.accept_tx {
+                        let _ = tx.send(stream);
+                    }
+                    StreamEntry::incoming()
+                });
+                if let Some(tx) = &entry.tx {
+                    let _ = tx.send(data);
+                }
+            }
+            Event::WriteWithImm { conn, imm, byte_len } => {
+                if let Some(tx) = st.conns.get(&conn).and_then(|c| c.imm_tx.as_ref()) {
+                    let _ = tx.send((imm, byte_len));
+                }
+            }
+            _ => {}
+        }
+    }
+    if freed {
+        shared.sq_space.notify_waiters();
+    }
+}

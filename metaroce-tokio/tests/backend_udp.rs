@@ -1,0 +1,265 @@
+//! `UdpBackend` over loopback: GSO/GRO, ECN, local IP, path source ports, input checks.
+
+use std::future::poll_fn;
+use std::io::{self, IoSliceMut};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use metaroce::{EcnCodepoint, Transmit};
+use metaroce_tokio::backend::{DatagramBackend, RecvMeta, UdpBackend, UdpConfig};
+
+const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+fn loopback() -> SocketAddr {
+    SocketAddr::new(LOCALHOST, 0)
+}
+
+async fn send(b: &impl DatagramBackend, t: &Transmit, contents: &[u8]) -> io::Result<()> {
+    poll_fn(|cx| b.poll_send(cx, t, contents)).await
+}
+
+/// One received datagram with the metadata of the buffer it came in.
+struct Got {
+    meta: RecvMeta,
+    /// Datagrams in the receive buffer this one came in (> 1 when GRO coalesced).
+    in_buffer: usize,
+    bytes: Vec<u8>,
+}
+
+/// Receives until `want` datagrams have arrived (or 5 s pass), splitting GRO buffers.
+async fn recv_datagrams(b: &impl DatagramBackend, want: usize) -> Vec<Got> {
+    let mut bufs = vec![vec![0u8; 65_536]; 4];
+    let mut meta = [RecvMeta::default(); 4];
+    let mut out = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while out.len() < want {
+        let n = tokio::time::timeout_at(
+            deadline,
+            poll_fn(|cx| {
+                let mut slices: Vec<IoSliceMut<'_>> =
+                    bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                b.poll_recv(cx, &mut slices, &mut meta)
+            }),
+        )
+        .await;
+        let Ok(n) = n else { break };
+        let n = n.expect("poll_recv");
+        for (m, buf) in meta[..n].iter().zip(&bufs) {
+            let in_buffer = m.datagrams(buf).count();
+            for d in m.datagrams(buf) {
+                out.push(Got {
+                    meta: *m,
+                    in_buffer,
+                    bytes: d.to_vec(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// `count` segments of `size` bytes, segment `i` filled with a pattern depending on `i`.
+fn segments(count: usize, size: usize) -> Vec<u8> {
+    (0..count)
+        .flat_map(|i| (0..size).map(move |j| (i * 31 + j) as u8))
+        .collect()
+}
+
+#[tokio::test]
+async fn gso_transmit_arrives_as_datagrams_from_the_path_port() {
+    let a = UdpBackend::bind(loopback(), 3).unwrap();
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    eprintln!(
+        "max_gso_segments = {}, max_gro_segments = {}, rcvbuf = {:?}, sndbuf = {:?}",
+        a.max_gso_segments(),
+        a.max_gro_segments(),
+        b.recv_buffer_bytes(),
+        a.send_buffer_bytes()
+    );
+    let ports = a.source_ports();
+    assert_eq!(ports.len(), 3);
+    assert!(!ports.contains(&a.local_addr().port()));
+    let port = ports[1];
+
+    let contents = segments(10, 1200);
+    let t = Transmit {
+        destination: b.local_addr(),
+        src_port: port,
+        ecn: None,
+        size: contents.len(),
+        segment_size: Some(1200),
+    };
+    send(&a, &t, &contents).await.unwrap();
+
+    let got = recv_datagrams(&b, 10).await;
+    assert_eq!(got.len(), 10);
+    let coalesced = got.iter().map(|g| g.in_buffer).max().unwrap();
+    eprintln!("largest GRO buffer held {coalesced} datagrams");
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g.meta.from, SocketAddr::new(LOCALHOST, port));
+        assert_eq!(g.meta.local_ip, Some(LOCALHOST));
+        assert_eq!(g.meta.ecn, None);
+        assert_eq!(g.bytes, contents[i * 1200..(i + 1) * 1200], "datagram {i}");
+    }
+}
+
+#[tokio::test]
+async fn oversized_gso_transmit_is_split_into_kernel_sized_sends() {
+    // 100 × 1200 bytes exceeds both 64 segments and 65 507 bytes per sendmsg.
+    let a = UdpBackend::bind(loopback(), 2).unwrap();
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    let contents = segments(100, 1200);
+    // The last segment is shorter, as the core may produce.
+    let contents = &contents[..contents.len() - 200];
+    let t = Transmit {
+        destination: b.local_addr(),
+        src_port: a.source_ports()[0],
+        ecn: Some(EcnCodepoint::Ect0),
+        size: contents.len(),
+        segment_size: Some(1200),
+    };
+    send(&a, &t, contents).await.unwrap();
+    let got = recv_datagrams(&b, 100).await;
+    assert_eq!(got.len(), 100);
+    let joined: Vec<u8> = got.iter().flat_map(|g| g.bytes.clone()).collect();
+    assert_eq!(joined, contents);
+    assert_eq!(got[99].bytes.len(), 1000);
+    assert!(got.iter().all(|g| g.meta.ecn == Some(EcnCodepoint::Ect0)));
+}
+
+#[tokio::test]
+async fn ecn_codepoints_survive_the_round_trip() {
+    let a = UdpBackend::bind(loopback(), 1).unwrap();
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    for ecn in [
+        Some(EcnCodepoint::Ect0),
+        Some(EcnCodepoint::Ect1),
+        Some(EcnCodepoint::Ce),
+        None,
+    ] {
+        let t = Transmit {
+            destination: b.local_addr(),
+            src_port: a.source_ports()[0],
+            ecn,
+            size: 100,
+            segment_size: None,
+        };
+        send(&a, &t, &[7u8; 100]).await.unwrap();
+        let got = recv_datagrams(&b, 1).await;
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].meta.ecn, ecn);
+        assert_eq!(got[0].bytes, [7u8; 100]);
+    }
+}
+
+#[tokio::test]
+async fn every_path_port_sends() {
+    let a = UdpBackend::bind(loopback(), 4).unwrap();
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    for (i, &port) in a.source_ports().iter().enumerate() {
+        let t = Transmit {
+            destination: b.local_addr(),
+            src_port: port,
+            ecn: None,
+            size: 1,
+            segment_size: None,
+        };
+        send(&a, &t, &[i as u8]).await.unwrap();
+        let got = recv_datagrams(&b, 1).await;
+        assert_eq!(got[0].meta.from.port(), port);
+        assert_eq!(got[0].bytes, [i as u8]);
+    }
+}
+
+#[tokio::test]
+async fn bad_transmits_are_invalid_input() {
+    let a = UdpBackend::bind(loopback(), 2).unwrap();
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    let good = Transmit {
+        destination: b.local_addr(),
+        src_port: a.source_ports()[0],
+        ecn: None,
+        size: 10,
+        segment_size: None,
+    };
+    // The main socket's port is not a path port.
+    let cases = [
+        Transmit {
+            src_port: a.local_addr().port(),
+            ..good
+        },
+        Transmit { size: 11, ..good },
+        Transmit {
+            segment_size: Some(0),
+            ..good
+        },
+    ];
+    for t in cases {
+        let err = send(&a, &t, &[0u8; 10]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{t:?}: {err}");
+    }
+    let err = send(&a, &cases[0], &[0u8; 10]).await.unwrap_err();
+    assert!(err.to_string().contains("src_port"), "{err}");
+    // The backend is still usable.
+    send(&a, &good, &[1u8; 10]).await.unwrap();
+    assert_eq!(recv_datagrams(&b, 1).await[0].bytes, [1u8; 10]);
+}
+
+#[tokio::test]
+async fn empty_receive_slices_return_zero() {
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    let n = poll_fn(|cx| b.poll_recv(cx, &mut [], &mut []))
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+}
+
+#[tokio::test]
+async fn datagrams_sent_to_a_path_port_are_ignored() {
+    let a = UdpBackend::bind(loopback(), 1).unwrap();
+    let b = UdpBackend::bind(loopback(), 2).unwrap();
+    let to_path = SocketAddr::new(LOCALHOST, b.source_ports()[0]);
+    for (dest, byte) in [(to_path, 1u8), (b.local_addr(), 2u8)] {
+        let t = Transmit {
+            destination: dest,
+            src_port: a.source_ports()[0],
+            ecn: None,
+            size: 1,
+            segment_size: None,
+        };
+        send(&a, &t, &[byte]).await.unwrap();
+    }
+    let got = recv_datagrams(&b, 1).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].bytes, [2]);
+}
+
+#[tokio::test]
+async fn config_sets_buffer_sizes() {
+    let cfg = UdpConfig {
+        recv_buffer_bytes: 64 * 1024,
+        send_buffer_bytes: 64 * 1024,
+    };
+    let b = UdpBackend::bind_with(loopback(), 1, &cfg).unwrap();
+    // Linux reports twice the requested value (bookkeeping overhead), capped by the sysctls.
+    let rcv = b.recv_buffer_bytes().unwrap();
+    let snd = b.send_buffer_bytes().unwrap();
+    assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&rcv), "{rcv}");
+    assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&snd), "{snd}");
+}
+
+#[test]
+fn recv_meta_splits_buffers_without_panicking() {
+    let buf = [1u8, 2, 3, 4, 5];
+    let m = |len, stride| RecvMeta {
+        len,
+        stride,
+        ..RecvMeta::default()
+    };
+    let parts: Vec<&[u8]> = m(5, 2).datagrams(&buf).collect();
+    assert_eq!(parts, [&[1u8, 2][..], &[3, 4], &[5]]);
+    assert_eq!(m(5, 0).datagrams(&buf).count(), 1);
+    assert_eq!(m(99, 5).datagrams(&buf).count(), 1);
+    let empty: Vec<&[u8]> = m(0, 0).datagrams(&buf).collect();
+    assert_eq!(empty, [&[][..]]);
+}
