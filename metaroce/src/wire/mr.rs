@@ -1,0 +1,444 @@
+//! MetaRoCE extension headers (MetaRoCE extension, see docs/PROTOCOL.md).
+//!
+//! All fields are big-endian. Reserved bytes are written as zero and ignored on receive.
+//! 24-bit fields held in a `u32` are masked to their low 24 bits on emit and parse.
+
+use super::cursor::{Reader, Writer};
+use super::{Aeth, Error, PSN_MASK};
+
+/// Per-path header: 12 bytes, first after the BTH on `MR_SEND`, `MR_WRITE`,
+/// `MR_WRITE_WITH_IMMEDIATE` and `MR_NAK`. MetaRoCE extension, see docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0 | path id (8 bits) |
+/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`], others 0 |
+/// | 2–3 | reserved, 0 |
+/// | 4–7 | transmit timestamp, ns of the sender's clock modulo 2^32 |
+/// | 8 | reserved, 0 |
+/// | 9–11 | floor PSN (24 bits) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct PathEth {
+    /// Path index (8 bits) the packet was sent on; selects the path's PSN space.
+    pub path_id: u8,
+    /// Flag bits (8 bits); only [`PathEth::FLAG_RETRANSMIT`] is defined. Carried verbatim.
+    pub flags: u8,
+    /// Transmit timestamp (32 bits): sender clock in nanoseconds, modulo 2^32. Echoed in
+    /// [`AckEth::echo_ts`].
+    pub timestamp: u32,
+    /// Floor PSN (24 bits): the oldest PSN on this path the sender still waits for; the
+    /// receiver treats every earlier PSN as settled.
+    pub floor_psn: u32,
+}
+
+impl PathEth {
+    /// Size in bytes (12).
+    pub const LEN: usize = 12;
+    /// Flag bit 0: the payload is a retransmission of data sent before.
+    pub const FLAG_RETRANSMIT: u8 = 0x01;
+
+    /// Parse the first 12 bytes of `b`; [`Error::Truncated`] if shorter.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        let path_id = r.u8()?;
+        let flags = r.u8()?;
+        r.skip(2)?;
+        let timestamp = r.u32()?;
+        r.skip(1)?;
+        let floor_psn = r.u24()?;
+        Ok(PathEth {
+            path_id,
+            flags,
+            timestamp,
+            floor_psn,
+        })
+    }
+
+    /// Write 12 bytes to the start of `out`; [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u8(self.path_id)?;
+        w.u8(self.flags)?;
+        w.zeros(2)?;
+        w.u32(self.timestamp)?;
+        w.u8(0)?;
+        w.u24(self.floor_psn & PSN_MASK)
+    }
+
+    /// True when [`PathEth::FLAG_RETRANSMIT`] is set.
+    pub fn is_retransmit(&self) -> bool {
+        self.flags & Self::FLAG_RETRANSMIT != 0
+    }
+}
+
+/// SEND segment header: 16 bytes after [`PathEth`] on `MR_SEND`. MetaRoCE extension, see
+/// docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0–3 | stream id |
+/// | 4–7 | message sequence number within the stream (first message 0) |
+/// | 8–11 | byte offset of this packet's payload within the message |
+/// | 12–15 | message length in bytes |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct SendEth {
+    /// Stream identifier (32 bits).
+    pub stream_id: u32,
+    /// Message sequence number within the stream (32 bits), starting at 0.
+    pub msg_seq: u32,
+    /// Byte offset (32 bits) of this packet's payload within the message.
+    pub offset: u32,
+    /// Total message length in bytes (32 bits).
+    pub msg_len: u32,
+}
+
+impl SendEth {
+    /// Size in bytes (16).
+    pub const LEN: usize = 16;
+
+    /// Parse the first 16 bytes of `b`; [`Error::Truncated`] if shorter.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        Ok(SendEth {
+            stream_id: r.u32()?,
+            msg_seq: r.u32()?,
+            offset: r.u32()?,
+            msg_len: r.u32()?,
+        })
+    }
+
+    /// Write 16 bytes to the start of `out`; [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u32(self.stream_id)?;
+        w.u32(self.msg_seq)?;
+        w.u32(self.offset)?;
+        w.u32(self.msg_len)
+    }
+}
+
+/// WRITE segment header: 8 bytes after the RETH on `MR_WRITE` / `MR_WRITE_WITH_IMMEDIATE`.
+/// MetaRoCE extension, see docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0–3 | op id: sequence number of the one-sided operation on this connection |
+/// | 4–7 | byte offset of this packet's payload within the message (lands at RETH.VA + offset) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct WriteEth {
+    /// Operation id (32 bits).
+    pub op_id: u32,
+    /// Byte offset (32 bits) of this packet's payload within the message.
+    pub offset: u32,
+}
+
+impl WriteEth {
+    /// Size in bytes (8).
+    pub const LEN: usize = 8;
+
+    /// Parse the first 8 bytes of `b`; [`Error::Truncated`] if shorter.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        Ok(WriteEth {
+            op_id: r.u32()?,
+            offset: r.u32()?,
+        })
+    }
+
+    /// Write 8 bytes to the start of `out`; [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u32(self.op_id)?;
+        w.u32(self.offset)
+    }
+}
+
+/// Acknowledgement header: 48 bytes after the BTH on `MR_ACK`; BTH.PSN carries the
+/// cumulative PSN. MetaRoCE extension, see docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0 | path id (8 bits) |
+/// | 1 | flags (8 bits): bit 0 = [`AckEth::FLAG_ECE`] |
+/// | 2–3 | reserved, 0 |
+/// | 4–7 | echoed timestamp (the [`PathEth::timestamp`] of the newest packet that triggered this ACK) |
+/// | 8–11 | CE count: cumulative number of CE-marked packets received on this path |
+/// | 12–15 | rate hint in Mbit/s granted to this sender (0 = no limit) |
+/// | 16–47 | SACK bitmap, 256 bits: bit *i* ⇔ PSN cum+1+*i* received; bit *i* is bit (7 − *i* mod 8) of byte 16 + *i*/8 |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct AckEth {
+    /// Path index (8 bits) whose PSN space this ACK refers to.
+    pub path_id: u8,
+    /// Flag bits (8 bits); only [`AckEth::FLAG_ECE`] is defined. Carried verbatim.
+    pub flags: u8,
+    /// Echoed transmit timestamp (32 bits, ns modulo 2^32, sender's clock).
+    pub echo_ts: u32,
+    /// Cumulative count (32 bits) of CE-marked packets received on this path.
+    pub ce_count: u32,
+    /// Rate granted to this sender in Mbit/s (32 bits); 0 = no limit.
+    pub rate_hint: u32,
+    /// SACK bitmap (32 bytes = 256 bits), MSB first; use [`AckEth::sack_get`] /
+    /// [`AckEth::sack_set`].
+    pub sack: [u8; 32],
+}
+
+impl AckEth {
+    /// Size in bytes (48).
+    pub const LEN: usize = 48;
+    /// Flag bit 0 (ECE): a CE mark was seen on this path since the previous ACK.
+    pub const FLAG_ECE: u8 = 0x01;
+    /// Number of PSNs the SACK bitmap covers beyond the cumulative PSN (256).
+    pub const SACK_BITS: usize = 256;
+
+    /// Parse the first 48 bytes of `b`; [`Error::Truncated`] if shorter.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        let path_id = r.u8()?;
+        let flags = r.u8()?;
+        r.skip(2)?;
+        Ok(AckEth {
+            path_id,
+            flags,
+            echo_ts: r.u32()?,
+            ce_count: r.u32()?,
+            rate_hint: r.u32()?,
+            sack: r.array()?,
+        })
+    }
+
+    /// Write 48 bytes to the start of `out`; [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u8(self.path_id)?;
+        w.u8(self.flags)?;
+        w.zeros(2)?;
+        w.u32(self.echo_ts)?;
+        w.u32(self.ce_count)?;
+        w.u32(self.rate_hint)?;
+        w.bytes(&self.sack)
+    }
+
+    /// True when [`AckEth::FLAG_ECE`] is set.
+    pub fn ece(&self) -> bool {
+        self.flags & Self::FLAG_ECE != 0
+    }
+
+    /// SACK bit `i` (PSN cum+1+`i` received); `false` for `i >= 256`.
+    pub fn sack_get(&self, i: usize) -> bool {
+        match self.sack.get(i / 8) {
+            Some(byte) => byte & (0x80 >> (i % 8)) != 0,
+            None => false,
+        }
+    }
+
+    /// Set SACK bit `i`. Returns `false` (and changes nothing) for `i >= 256`.
+    pub fn sack_set(&mut self, i: usize) -> bool {
+        match self.sack.get_mut(i / 8) {
+            Some(byte) => {
+                *byte |= 0x80 >> (i % 8);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Negative-acknowledgement header: 8 bytes after [`PathEth`] on `MR_NAK`; BTH.PSN is the
+/// PSN of the packet that failed. MetaRoCE extension, see docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0 | syndrome (AETH NAK codes: 0x61 invalid request, 0x62 remote access error, 0x63 remote operational error) |
+/// | 1–3 | reserved, 0 |
+/// | 4–7 | op id of the failed operation (WriteEth op id; stream id for SEND) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct NakEth {
+    /// NAK syndrome (8 bits), one of [`Aeth::NAK_INVALID_REQUEST`],
+    /// [`Aeth::NAK_REMOTE_ACCESS_ERROR`], [`Aeth::NAK_REMOTE_OPERATIONAL_ERROR`]. Not
+    /// validated by the parser.
+    pub syndrome: u8,
+    /// Op id (32 bits) of the failed operation.
+    pub op_id: u32,
+}
+
+impl NakEth {
+    /// Size in bytes (8).
+    pub const LEN: usize = 8;
+    /// Syndrome: invalid request (0x61), as in the AETH.
+    pub const INVALID_REQUEST: u8 = Aeth::NAK_INVALID_REQUEST;
+    /// Syndrome: remote access error (0x62), as in the AETH.
+    pub const REMOTE_ACCESS_ERROR: u8 = Aeth::NAK_REMOTE_ACCESS_ERROR;
+    /// Syndrome: remote operational error (0x63), as in the AETH.
+    pub const REMOTE_OPERATIONAL_ERROR: u8 = Aeth::NAK_REMOTE_OPERATIONAL_ERROR;
+
+    /// Parse the first 8 bytes of `b`; [`Error::Truncated`] if shorter.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        let syndrome = r.u8()?;
+        r.skip(3)?;
+        Ok(NakEth {
+            syndrome,
+            op_id: r.u32()?,
+        })
+    }
+
+    /// Write 8 bytes to the start of `out`; [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u8(self.syndrome)?;
+        w.zeros(3)?;
+        w.u32(self.op_id)
+    }
+}
+
+/// Kind of an `MR_CONNECT` packet: byte 0 of [`ConnectEth`]. MetaRoCE extension, see
+/// docs/PROTOCOL.md. Any other byte value is [`Error::BadField`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ConnectKind {
+    /// 1: the initiator asks to open a connection.
+    Request = 1,
+    /// 2: the responder accepts a request.
+    Accept = 2,
+    /// 3: the responder refuses a request ([`ConnectEth::reason`] says why).
+    Reject = 3,
+}
+
+impl TryFrom<u8> for ConnectKind {
+    type Error = Error;
+
+    fn try_from(v: u8) -> Result<Self, Error> {
+        match v {
+            1 => Ok(ConnectKind::Request),
+            2 => Ok(ConnectKind::Accept),
+            3 => Ok(ConnectKind::Reject),
+            _ => Err(Error::BadField("ConnectEth.kind")),
+        }
+    }
+}
+
+/// Connection set-up header: 32 bytes after the BTH on `MR_CONNECT`. MetaRoCE extension,
+/// see docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0 | kind ([`ConnectKind`]: 1 request, 2 accept, 3 reject) |
+/// | 1 | protocol version ([`ConnectEth::VERSION`] = 1) |
+/// | 2–3 | path count (request: proposed; accept: agreed) |
+/// | 4–7 | sender's QPN (low 24 bits, upper byte 0) |
+/// | 8–11 | receiver's QPN (low 24 bits, upper byte 0; 0 in a request) |
+/// | 12–13 | path MTU in payload bytes (256..=4096, a power of two) |
+/// | 14–15 | reply UDP port where the sender listens |
+/// | 16–19 | initial PSN of every path (low 24 bits, upper byte 0) |
+/// | 20–27 | connection nonce (random, identifies this incarnation) |
+/// | 28–31 | reject reason (0 unless kind = reject) |
+///
+/// The parser checks only `kind`; version, path count and MTU are left to the connection
+/// logic so it can answer with a reject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnectEth {
+    /// Request, accept or reject (8 bits).
+    pub kind: ConnectKind,
+    /// Protocol version (8 bits), [`ConnectEth::VERSION`].
+    pub version: u8,
+    /// Number of paths (16 bits): proposed in a request, agreed in an accept.
+    pub paths: u16,
+    /// Sender's connection QPN (24 bits; masked on emit and parse).
+    pub src_qpn: u32,
+    /// Receiver's connection QPN (24 bits; masked on emit and parse); 0 in a request.
+    pub dst_qpn: u32,
+    /// Path MTU in payload bytes (16 bits): 256, 512, 1024, 2048 or 4096.
+    pub pmtu: u16,
+    /// UDP port (16 bits) on which the sender of this packet listens.
+    pub reply_port: u16,
+    /// Initial PSN of every path (24 bits; masked on emit and parse).
+    pub init_psn: u32,
+    /// Random connection nonce (64 bits) identifying this incarnation.
+    pub nonce: u64,
+    /// Reject reason (32 bits); 0 unless `kind` is [`ConnectKind::Reject`].
+    pub reason: u32,
+}
+
+impl ConnectEth {
+    /// Size in bytes (32).
+    pub const LEN: usize = 32;
+    /// The protocol version this crate speaks (1).
+    pub const VERSION: u8 = 1;
+
+    /// Parse the first 32 bytes of `b`. Errors: [`Error::Truncated`] if shorter,
+    /// [`Error::BadField`]`("ConnectEth.kind")` for a kind other than 1, 2, 3.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        let kind = ConnectKind::try_from(r.u8()?)?;
+        Ok(ConnectEth {
+            kind,
+            version: r.u8()?,
+            paths: r.u16()?,
+            src_qpn: r.u32()? & PSN_MASK,
+            dst_qpn: r.u32()? & PSN_MASK,
+            pmtu: r.u16()?,
+            reply_port: r.u16()?,
+            init_psn: r.u32()? & PSN_MASK,
+            nonce: r.u64()?,
+            reason: r.u32()?,
+        })
+    }
+
+    /// Write 32 bytes to the start of `out` (QPNs and PSN masked to 24 bits);
+    /// [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u8(self.kind as u8)?;
+        w.u8(self.version)?;
+        w.u16(self.paths)?;
+        w.u32(self.src_qpn & PSN_MASK)?;
+        w.u32(self.dst_qpn & PSN_MASK)?;
+        w.u16(self.pmtu)?;
+        w.u16(self.reply_port)?;
+        w.u32(self.init_psn & PSN_MASK)?;
+        w.u64(self.nonce)?;
+        w.u32(self.reason)
+    }
+}
+
+/// Connection tear-down header: 16 bytes after the BTH on `MR_CLOSE`. MetaRoCE extension,
+/// see docs/PROTOCOL.md.
+///
+/// | Bytes | Field |
+/// |---|---|
+/// | 0–3 | reason code (0 = normal close by the application) |
+/// | 4–7 | reserved, 0 |
+/// | 8–15 | connection nonce (the [`ConnectEth::nonce`] of the incarnation being closed) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct CloseEth {
+    /// Reason code (32 bits); [`CloseEth::REASON_NORMAL`] = 0, others defined by the core.
+    pub reason: u32,
+    /// Nonce (64 bits) of the connection incarnation being closed.
+    pub nonce: u64,
+}
+
+impl CloseEth {
+    /// Size in bytes (16).
+    pub const LEN: usize = 16;
+    /// Reason 0: orderly close requested by the application.
+    pub const REASON_NORMAL: u32 = 0;
+
+    /// Parse the first 16 bytes of `b`; [`Error::Truncated`] if shorter.
+    pub fn parse(b: &[u8]) -> Result<Self, Error> {
+        let mut r = Reader::with_len(b, Self::LEN)?;
+        let reason = r.u32()?;
+        r.skip(4)?;
+        Ok(CloseEth {
+            reason,
+            nonce: r.u64()?,
+        })
+    }
+
+    /// Write 16 bytes to the start of `out`; [`Error::BufferTooSmall`] if shorter.
+    pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
+        let mut w = Writer::with_len(out, Self::LEN)?;
+        w.u32(self.reason)?;
+        w.zeros(4)?;
+        w.u64(self.nonce)
+    }
+}
