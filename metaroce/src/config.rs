@@ -163,7 +163,9 @@ pub struct CongestionConfig {
     /// Largest window of a path, in packets; at most 255 so that a path's packets in
     /// flight always fit the 256-packet SACK bitmap. Default 255.
     pub max_window: u32,
-    /// Largest window of the whole connection (sum over paths), in packets. Default 4096.
+    /// Largest window of the whole connection (sum over paths), in packets. Default 1024
+    /// (4 MiB at a 4096-byte path MTU: about a Linux socket buffer, so a burst does not
+    /// overflow the receiver's socket).
     pub max_connection_window: u32,
     /// Additive increase, in packets per round trip per path. Default 2.0.
     pub additive_increase: f64,
@@ -173,8 +175,8 @@ pub struct CongestionConfig {
     /// Multiplicative factor applied once per round trip on loss. Default 0.8.
     pub loss_beta: f64,
     /// Queueing delay above the path's minimum RTT that counts as congestion; `None`
-    /// disables the delay signal. Default `None` (loopback and emulation RTTs are dominated
-    /// by scheduling noise).
+    /// disables the delay signal. Default 2 ms: well above scheduling noise, well below
+    /// the delay of a full socket buffer or switch queue.
     pub delay_target: Option<Duration>,
     /// Multiplicative factor applied once per round trip when the delay target is exceeded.
     /// Default 0.9.
@@ -187,11 +189,11 @@ impl Default for CongestionConfig {
             initial_window: 32,
             min_window: 2,
             max_window: 255,
-            max_connection_window: 4096,
+            max_connection_window: 1024,
             additive_increase: 2.0,
             ecn_beta: 0.5,
             loss_beta: 0.8,
-            delay_target: None,
+            delay_target: Some(Duration::from_millis(2)),
             delay_beta: 0.9,
         }
     }
