@@ -27,14 +27,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         println!("owner: got {:?}", String::from_utf8_lossy(&hello));
 
         let region = server.alloc(LEN, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
-        stream.send(Bytes::copy_from_slice(&region.remote().to_bytes())).await?;
+        stream
+            .send(Bytes::copy_from_slice(&region.remote().to_bytes()))
+            .await?;
 
         let note = stream.next().await.ok_or("stream ended")?;
         assert_eq!(&note[..], b"written");
         // The writer's completion means every byte landed before it sent "written".
-        let bad = region.with_bytes(|b| b.iter().enumerate().filter(|&(i, &x)| x != pattern(i)).count())?;
+        let bad = region.with_bytes(|b| {
+            b.iter()
+                .enumerate()
+                .filter(|&(i, &x)| x != pattern(i))
+                .count()
+        })?;
         println!("owner: checked {LEN} bytes, {bad} differ");
-        stream.send(Bytes::from(if bad == 0 { "verified" } else { "corrupt" })).await?;
+        stream
+            .send(Bytes::from(if bad == 0 { "verified" } else { "corrupt" }))
+            .await?;
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(bad == 0)
     });
 
@@ -45,11 +54,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     tx.send(Bytes::from_static(b"hello, may I write?")).await?;
     let desc = rx.next().await.ok_or("stream ended")?;
     let remote = RemoteRegion::from_bytes(&desc).ok_or("bad region descriptor")?;
-    println!("writer: peer region at {:#x}, {} bytes, rkey {:#x}", remote.addr, remote.len, remote.rkey);
+    println!(
+        "writer: peer region at {:#x}, {} bytes, rkey {:#x}",
+        remote.addr, remote.len, remote.rkey
+    );
 
     let source = client.register((0..LEN).map(pattern).collect(), Access::LOCAL_WRITE);
     let wc = conn.write(&source, 0..LEN as u64, remote, 0).await?;
-    println!("writer: RDMA WRITE of {} bytes completed: {}", wc.byte_len, wc.status);
+    println!(
+        "writer: RDMA WRITE of {} bytes completed: {}",
+        wc.byte_len, wc.status
+    );
     tx.send(Bytes::from_static(b"written")).await?;
     let verdict = rx.next().await.ok_or("stream ended")?;
     println!("writer: owner says {:?}", String::from_utf8_lossy(&verdict));

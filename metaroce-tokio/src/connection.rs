@@ -5,7 +5,10 @@ use crate::error::Error;
 use crate::mr::{MemoryRegion, RemoteRegion};
 use crate::stream::{MessageStream, StreamEntry};
 use crate::Endpoint;
-use metaroce::{ConnectionError, ConnectionHandle, ConnectionStats, PostError, WcStatus, WorkCompletion, WriteRequest};
+use metaroce::{
+    ConnectionError, ConnectionHandle, ConnectionStats, PostError, WcStatus, WorkCompletion,
+    WriteRequest,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -23,8 +26,15 @@ pub(crate) struct ConnEntry {
     pub lost: Option<ConnectionError>,
     pub next_stream: u32,
     /// Receivers of an accepted connection, until `Endpoint::accept` takes them.
-    pub user: Option<(mpsc::UnboundedReceiver<u32>, mpsc::UnboundedReceiver<(u32, u32)>)>,
+    pub user: Option<UserReceivers>,
 }
+
+/// The receivers a user handle owns: peer-opened stream ids and WRITE-with-immediate
+/// notifications `(imm, byte_len)`.
+pub(crate) type UserReceivers = (
+    mpsc::UnboundedReceiver<u32>,
+    mpsc::UnboundedReceiver<(u32, u32)>,
+);
 
 impl ConnEntry {
     /// A routing entry; its receivers wait in `user` for [`Connection::from_entry`].
@@ -68,15 +78,28 @@ pub struct Connection {
 
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Connection").field("handle", &self.inner.handle).finish()
+        f.debug_struct("Connection")
+            .field("handle", &self.inner.handle)
+            .finish()
     }
 }
 
 impl Connection {
     /// The user handle of a connection whose entry still holds its receivers.
-    pub(crate) fn from_entry(ep: Arc<EndpointRef>, handle: ConnectionHandle, entry: &mut ConnEntry) -> Option<Connection> {
+    pub(crate) fn from_entry(
+        ep: Arc<EndpointRef>,
+        handle: ConnectionHandle,
+        entry: &mut ConnEntry,
+    ) -> Option<Connection> {
         let (accept_rx, imm_rx) = entry.user.take()?;
-        Some(Connection { inner: Arc::new(ConnInner { ep, handle, accept_rx: Mutex::new(accept_rx), imm_rx: Mutex::new(imm_rx) }) })
+        Some(Connection {
+            inner: Arc::new(ConnInner {
+                ep,
+                handle,
+                accept_rx: Mutex::new(accept_rx),
+                imm_rx: Mutex::new(imm_rx),
+            }),
+        })
     }
 
     fn shared(&self) -> &Arc<Shared> {
@@ -90,7 +113,9 @@ impl Connection {
 
     /// The endpoint this connection belongs to.
     pub fn endpoint(&self) -> Endpoint {
-        Endpoint { inner: self.inner.ep.clone() }
+        Endpoint {
+            inner: self.inner.ep.clone(),
+        }
     }
 
     /// The peer's address.
@@ -100,7 +125,10 @@ impl Connection {
 
     /// Counters and per-path state (RTT, window, retransmissions, ECN marks).
     pub fn stats(&self) -> Option<ConnectionStats> {
-        self.shared().lock().core.connection_stats(self.inner.handle)
+        self.shared()
+            .lock()
+            .core
+            .connection_stats(self.inner.handle)
     }
 
     /// Why the connection ended, if it has.
@@ -117,7 +145,10 @@ impl Connection {
     pub fn open_stream(&self) -> Result<MessageStream, Error> {
         let mut st = self.shared().lock();
         let parity = u32::from(!st.core.is_client(self.inner.handle));
-        let entry = st.conns.get_mut(&self.inner.handle).ok_or(Error::EndpointClosed)?;
+        let entry = st
+            .conns
+            .get_mut(&self.inner.handle)
+            .ok_or(Error::EndpointClosed)?;
         if let Some(r) = entry.lost {
             return Err(Error::ConnectionLost(r));
         }
@@ -137,7 +168,10 @@ impl Connection {
     /// [`accept_stream`](Self::accept_stream)).
     pub fn stream(&self, id: u32) -> Result<MessageStream, Error> {
         let mut st = self.shared().lock();
-        let entry = st.conns.get_mut(&self.inner.handle).ok_or(Error::EndpointClosed)?;
+        let entry = st
+            .conns
+            .get_mut(&self.inner.handle)
+            .ok_or(Error::EndpointClosed)?;
         if let Some(r) = entry.lost {
             return Err(Error::ConnectionLost(r));
         }
@@ -146,7 +180,12 @@ impl Connection {
         }
         let (e, rx) = StreamEntry::new();
         entry.streams.insert(id, e);
-        Ok(MessageStream::new(self.inner.ep.clone(), self.inner.handle, id, rx))
+        Ok(MessageStream::new(
+            self.inner.ep.clone(),
+            self.inner.handle,
+            id,
+            rx,
+        ))
     }
 
     /// The next stream the peer opened (its first message is waiting in it); `None` once
@@ -155,10 +194,20 @@ impl Connection {
         loop {
             let id = self.inner.accept_rx.lock().await.recv().await?;
             let mut st = self.shared().lock();
-            let Some(rx) = st.conns.get_mut(&self.inner.handle).and_then(|e| e.streams.get_mut(&id)).and_then(|s| s.pending_rx.take()) else {
+            let Some(rx) = st
+                .conns
+                .get_mut(&self.inner.handle)
+                .and_then(|e| e.streams.get_mut(&id))
+                .and_then(|s| s.pending_rx.take())
+            else {
                 continue;
             };
-            return Some(MessageStream::new(self.inner.ep.clone(), self.inner.handle, id, rx));
+            return Some(MessageStream::new(
+                self.inner.ep.clone(),
+                self.inner.handle,
+                id,
+                rx,
+            ));
         }
     }
 
@@ -170,7 +219,10 @@ impl Connection {
     }
 
     /// Post an operation and wait for its completion.
-    async fn run_op(&self, post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>) -> Result<WorkCompletion, Error> {
+    async fn run_op(
+        &self,
+        post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
+    ) -> Result<WorkCompletion, Error> {
         let shared = self.shared();
         let rx = loop {
             let notified = shared.sq_space.notified();
@@ -186,12 +238,18 @@ impl Connection {
                 match post(&mut st.core, wr_id) {
                     Ok(()) => {
                         let (tx, rx) = oneshot::channel();
-                        st.waiters.insert((self.inner.handle, wr_id), Waiter::Op(tx));
+                        st.waiters
+                            .insert((self.inner.handle, wr_id), Waiter::Op(tx));
                         break rx;
                     }
                     Err(PostError::SendQueueFull) => {}
                     Err(PostError::UnknownConnection) => {
-                        return Err(Error::ConnectionLost(st.conns.get(&self.inner.handle).and_then(|e| e.lost).unwrap_or(ConnectionError::LocallyClosed)))
+                        return Err(Error::ConnectionLost(
+                            st.conns
+                                .get(&self.inner.handle)
+                                .and_then(|e| e.lost)
+                                .unwrap_or(ConnectionError::LocallyClosed),
+                        ))
                     }
                     Err(e) => return Err(Error::Post(e)),
                 }
@@ -207,12 +265,27 @@ impl Connection {
         }
     }
 
-    fn write_request(&self, src: &MemoryRegion, range: Range<u64>, dst: RemoteRegion, dst_offset: u64, imm: Option<u32>) -> Result<WriteRequest, Error> {
+    fn write_request(
+        &self,
+        src: &MemoryRegion,
+        range: Range<u64>,
+        dst: RemoteRegion,
+        dst_offset: u64,
+        imm: Option<u32>,
+    ) -> Result<WriteRequest, Error> {
         if !Arc::ptr_eq(&src.ep().shared, self.shared()) {
             return Err(Error::ForeignRegion);
         }
-        let len = range.end.checked_sub(range.start).ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
-        let len = u32::try_from(len).map_err(|_| Error::Post(PostError::MessageTooLarge { len, max: u32::MAX as u64 }))?;
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
+        let len = u32::try_from(len).map_err(|_| {
+            Error::Post(PostError::MessageTooLarge {
+                len,
+                max: u32::MAX as u64,
+            })
+        })?;
         Ok(WriteRequest {
             wr_id: 0,
             lkey: src.keys().lkey,
@@ -229,32 +302,51 @@ impl Connection {
     /// has landed in the peer's memory. A refusal by the peer (bad rkey, out of bounds, no
     /// REMOTE_WRITE right) is `Err(Error::Completion(wc))` with
     /// `wc.status == WcStatus::RemoteAccessError`, and nothing was written.
-    pub async fn write(&self, src: &MemoryRegion, range: Range<u64>, dst: RemoteRegion, dst_offset: u64) -> Result<WorkCompletion, Error> {
+    pub async fn write(
+        &self,
+        src: &MemoryRegion,
+        range: Range<u64>,
+        dst: RemoteRegion,
+        dst_offset: u64,
+    ) -> Result<WorkCompletion, Error> {
         let req = self.write_request(src, range, dst, dst_offset, None)?;
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req })).await
+        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
+            .await
     }
 
     /// RDMA WRITE with immediate: as [`write`](Self::write), and the peer's
     /// [`recv_imm`](Self::recv_imm) yields `(imm, len)` once all bytes have landed.
-    pub async fn write_with_imm(&self, src: &MemoryRegion, range: Range<u64>, dst: RemoteRegion, dst_offset: u64, imm: u32) -> Result<WorkCompletion, Error> {
+    pub async fn write_with_imm(
+        &self,
+        src: &MemoryRegion,
+        range: Range<u64>,
+        dst: RemoteRegion,
+        dst_offset: u64,
+        imm: u32,
+    ) -> Result<WorkCompletion, Error> {
         let req = self.write_request(src, range, dst, dst_offset, Some(imm))?;
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req })).await
+        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
+            .await
     }
 
     /// Send one message on stream `stream` and wait for its completion (all packets
     /// acknowledged). [`MessageStream`]'s `Sink` is the pipelined way to send.
     pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_send(h, stream, wr_id, data.clone())).await
+        self.run_op(move |core, wr_id| core.post_send(h, stream, wr_id, data.clone()))
+            .await
     }
 
     /// Close the connection now: pending operations fail with `WrFlushError`, the peer is
     /// told.
     pub fn close(&self) {
         let shared = self.shared();
-        shared.lock().core.close(std::time::Instant::now(), self.inner.handle);
+        shared
+            .lock()
+            .core
+            .close(std::time::Instant::now(), self.inner.handle);
         shared.wake_driver.notify_one();
     }
 }

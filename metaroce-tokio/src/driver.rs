@@ -34,7 +34,9 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                     st.core.handle_timeout(now);
                 }
                 while out.len() < TX_BATCH {
-                    let mut buf = pool.pop().unwrap_or_else(|| Vec::with_capacity(RECV_BUF_LEN));
+                    let mut buf = pool
+                        .pop()
+                        .unwrap_or_else(|| Vec::with_capacity(RECV_BUF_LEN));
                     match st.core.poll_transmit(now, &mut buf) {
                         Some(t) => out.push((t, buf)),
                         None => {
@@ -51,7 +53,8 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             }
             let full = out.len() == TX_BATCH;
             for (t, buf) in out.drain(..) {
-                if let Err(e) = poll_fn(|cx| shared.backend.poll_send(cx, &t, &buf[..t.size])).await {
+                if let Err(e) = poll_fn(|cx| shared.backend.poll_send(cx, &t, &buf[..t.size])).await
+                {
                     // A failed send is a lost packet: the transport recovers.
                     tracing::debug!(error = %e, dest = %t.destination, "send failed");
                 }
@@ -65,7 +68,8 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                         None => std::future::pending().await,
                     }
                 };
-                let mut iovs: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                let mut iovs: Vec<IoSliceMut<'_>> =
+                    bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
                 let recv = poll_fn(|cx| shared.backend.poll_recv(cx, &mut iovs, &mut metas));
                 tokio::select! {
                     r = recv => {
@@ -110,7 +114,8 @@ fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
                 let now = Instant::now();
                 for (meta, buf) in metas[..n].iter().zip(bufs.iter()) {
                     for d in meta.datagrams(buf) {
-                        st.core.handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                        st.core
+                            .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
                     }
                 }
             }
@@ -151,8 +156,11 @@ fn dispatch(st: &mut State, shared: &Shared) {
                         let _ = tx.send(wc);
                     }
                     Some(Waiter::Stream(id)) => {
-                        if let Some(s) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id)) {
-                            let err = (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
+                        if let Some(s) =
+                            st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id))
+                        {
+                            let err =
+                                (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
                             s.on_completion(err);
                         }
                     }
@@ -160,7 +168,9 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 }
             }
             Event::Message { conn, stream, data } => {
-                let Some(c) = st.conns.get_mut(&conn) else { continue };
+                let Some(c) = st.conns.get_mut(&conn) else {
+                    continue;
+                };
                 let entry = c.streams.entry(stream).or_insert_with(|| {
                     if let Some(tx) = &c.accept_tx {
                         let _ = tx.send(stream);
@@ -171,7 +181,11 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     let _ = tx.send(data);
                 }
             }
-            Event::WriteWithImm { conn, imm, byte_len } => {
+            Event::WriteWithImm {
+                conn,
+                imm,
+                byte_len,
+            } => {
                 if let Some(tx) = st.conns.get(&conn).and_then(|c| c.imm_tx.as_ref()) {
                     let _ = tx.send((imm, byte_len));
                 }

@@ -6,7 +6,10 @@ use crate::connection::{ConnEntry, Connection};
 use crate::driver;
 use crate::error::ConnectError;
 use crate::mr::MemoryRegion;
-use metaroce::{Access, ConnectionError, ConnectionHandle, EndpointConfig, EndpointStats, TransportConfig, WorkCompletion};
+use metaroce::{
+    Access, ConnectionError, ConnectionHandle, EndpointConfig, EndpointStats, TransportConfig,
+    WorkCompletion,
+};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -91,7 +94,10 @@ impl Shared {
 
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").field("id", &self.id).field("backend", &self.backend).finish()
+        f.debug_struct("Shared")
+            .field("id", &self.id)
+            .field("backend", &self.backend)
+            .finish()
     }
 }
 
@@ -134,7 +140,10 @@ impl Endpoint {
 
     /// Start an endpoint over any datagram backend (for example a UDP backend wrapped in
     /// [`Impaired`](crate::backend::Impaired)). Must be called within a tokio runtime.
-    pub fn with_backend(backend: impl DatagramBackend, config: Config) -> std::io::Result<Endpoint> {
+    pub fn with_backend(
+        backend: impl DatagramBackend,
+        config: Config,
+    ) -> std::io::Result<Endpoint> {
         let backend: Arc<dyn DatagramBackend> = Arc::new(backend);
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
         ecfg.transport = config.transport.clone();
@@ -142,9 +151,13 @@ impl Endpoint {
         ecfg.accept_incoming = config.accept_incoming;
         ecfg.max_connections = config.max_connections;
         ecfg.seed = config.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
         });
-        let core = metaroce::Endpoint::new(ecfg).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let core = metaroce::Endpoint::new(ecfg)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -163,7 +176,9 @@ impl Endpoint {
             cfg: config,
             incoming_rx: tokio::sync::Mutex::new(rx),
         });
-        let inner = Arc::new(EndpointRef { shared: shared.clone() });
+        let inner = Arc::new(EndpointRef {
+            shared: shared.clone(),
+        });
         tokio::spawn(driver::run(shared));
         Ok(Endpoint { inner })
     }
@@ -187,7 +202,10 @@ impl Endpoint {
             if st.closed {
                 return Err(ConnectError::EndpointClosed);
             }
-            let h = st.core.connect(std::time::Instant::now(), addr, local_ip).map_err(ConnectError::Post)?;
+            let h = st
+                .core
+                .connect(std::time::Instant::now(), addr, local_ip)
+                .map_err(ConnectError::Post)?;
             st.connecting.insert(h, tx);
             let mut entry = ConnEntry::new();
             let conn = Connection::from_entry(self.inner.clone(), h, &mut entry);
@@ -208,7 +226,11 @@ impl Endpoint {
         loop {
             let h = self.shared().incoming_rx.lock().await.recv().await?;
             let mut st = self.shared().lock();
-            if let Some(c) = st.conns.get_mut(&h).and_then(|e| Connection::from_entry(self.inner.clone(), h, e)) {
+            if let Some(c) = st
+                .conns
+                .get_mut(&h)
+                .and_then(|e| Connection::from_entry(self.inner.clone(), h, e))
+            {
                 return Some(c);
             }
         }
@@ -264,7 +286,11 @@ fn local_ip_for(local: SocketAddr, peer: SocketAddr) -> Option<std::net::IpAddr>
     if !local.ip().is_unspecified() {
         return None;
     }
-    let bind: SocketAddr = if peer.is_ipv4() { "0.0.0.0:0".parse().ok()? } else { "[::]:0".parse().ok()? };
+    let bind: SocketAddr = if peer.is_ipv4() {
+        "0.0.0.0:0".parse().ok()?
+    } else {
+        "[::]:0".parse().ok()?
+    };
     let s = std::net::UdpSocket::bind(bind).ok()?;
     s.connect(peer).ok()?;
     s.local_addr().ok().map(|a| a.ip())

@@ -61,7 +61,13 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Post(e) => write!(f, "{e}"),
-            Error::Completion(wc) => write!(f, "work request {} failed: {} ({})", wc.wr_id, wc.status, wc.status.ibv_code()),
+            Error::Completion(wc) => write!(
+                f,
+                "work request {} failed: {} ({})",
+                wc.wr_id,
+                wc.status,
+                wc.status.ibv_code()
+            ),
             Error::ConnectionLost(e) => write!(f, "connection lost: {e}"),
             Error::Memory(e) => write!(f, "{e}"),
             Error::ForeignRegion => f.write_str("memory region belongs to another endpoint"),

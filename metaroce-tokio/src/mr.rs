@@ -47,7 +47,11 @@ impl RemoteRegion {
     /// The sub-region `[offset, offset + len)`, or `None` if it does not fit.
     pub fn slice(&self, offset: u64, len: u64) -> Option<RemoteRegion> {
         let end = offset.checked_add(len)?;
-        (end <= self.len).then(|| RemoteRegion { addr: self.addr + offset, len, rkey: self.rkey })
+        (end <= self.len).then(|| RemoteRegion {
+            addr: self.addr + offset,
+            len,
+            rkey: self.rkey,
+        })
     }
 }
 
@@ -67,7 +71,9 @@ pub struct MemoryRegion {
 
 impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryRegion").field("keys", &self.keys).finish()
+        f.debug_struct("MemoryRegion")
+            .field("keys", &self.keys)
+            .finish()
     }
 }
 
@@ -97,13 +103,20 @@ impl MemoryRegion {
 
     /// The descriptor to hand to peers.
     pub fn remote(&self) -> RemoteRegion {
-        RemoteRegion { addr: self.keys.addr, len: self.keys.len, rkey: self.keys.rkey }
+        RemoteRegion {
+            addr: self.keys.addr,
+            len: self.keys.len,
+            rkey: self.keys.rkey,
+        }
     }
 
     /// Copy out bytes `[offset, offset + len)`.
     pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, Error> {
         self.with_bytes(|b| {
-            let end = offset.checked_add(len).filter(|&e| e <= b.len() as u64).ok_or(Error::Memory(MrError::OutOfBounds))?;
+            let end = offset
+                .checked_add(len)
+                .filter(|&e| e <= b.len() as u64)
+                .ok_or(Error::Memory(MrError::OutOfBounds))?;
             Ok(b[offset as usize..end as usize].to_vec())
         })?
     }
@@ -118,7 +131,9 @@ impl MemoryRegion {
     /// Copy `data` into the region at `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
         let mut st = self.ep.shared.lock();
-        st.core.mr_write(self.keys.lkey, offset, data.len() as u64)?.copy_from_slice(data);
+        st.core
+            .mr_write(self.keys.lkey, offset, data.len() as u64)?
+            .copy_from_slice(data);
         Ok(())
     }
 }

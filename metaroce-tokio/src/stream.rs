@@ -28,7 +28,16 @@ pub(crate) struct StreamEntry {
 impl StreamEntry {
     pub fn new() -> (StreamEntry, mpsc::UnboundedReceiver<Bytes>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (StreamEntry { tx: Some(tx), pending_rx: None, in_flight: 0, error: None, waker: None }, rx)
+        (
+            StreamEntry {
+                tx: Some(tx),
+                pending_rx: None,
+                in_flight: 0,
+                error: None,
+                waker: None,
+            },
+            rx,
+        )
     }
 
     /// An entry for a stream the peer opened: the receiver waits for `accept_stream`.
@@ -76,12 +85,20 @@ pub struct MessageStream {
 
 impl std::fmt::Debug for MessageStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MessageStream").field("conn", &self.conn).field("id", &self.id).finish()
+        f.debug_struct("MessageStream")
+            .field("conn", &self.conn)
+            .field("id", &self.id)
+            .finish()
     }
 }
 
 impl MessageStream {
-    pub(crate) fn new(ep: Arc<EndpointRef>, conn: ConnectionHandle, id: u32, rx: mpsc::UnboundedReceiver<Bytes>) -> Self {
+    pub(crate) fn new(
+        ep: Arc<EndpointRef>,
+        conn: ConnectionHandle,
+        id: u32,
+        rx: mpsc::UnboundedReceiver<Bytes>,
+    ) -> Self {
         Self { ep, conn, id, rx }
     }
 
@@ -91,14 +108,22 @@ impl MessageStream {
     }
 
     /// Poll until the stream entry satisfies `ready`, registering the waker otherwise.
-    fn poll_entry(&self, cx: &mut Context<'_>, ready: impl Fn(&crate::stream::StreamEntry, usize) -> bool) -> Poll<Result<(), Error>> {
+    fn poll_entry(
+        &self,
+        cx: &mut Context<'_>,
+        ready: impl Fn(&crate::stream::StreamEntry, usize) -> bool,
+    ) -> Poll<Result<(), Error>> {
         let shared = &self.ep.shared;
         let max = shared.cfg.max_stream_in_flight.max(1);
         let mut st = shared.lock();
         if st.closed {
             return Poll::Ready(Err(Error::EndpointClosed));
         }
-        let Some(entry) = st.conns.get_mut(&self.conn).and_then(|c| c.streams.get_mut(&self.id)) else {
+        let Some(entry) = st
+            .conns
+            .get_mut(&self.conn)
+            .and_then(|c| c.streams.get_mut(&self.id))
+        else {
             return Poll::Ready(Err(Error::EndpointClosed));
         };
         if let Some(e) = entry.error.take() {
@@ -132,12 +157,19 @@ impl Sink<Bytes> for MessageStream {
         {
             let mut st = shared.lock();
             let wr_id = st.wr_id();
-            st.core.post_send(self.conn, self.id, wr_id, item).map_err(|e| match e {
-                PostError::UnknownConnection => Error::EndpointClosed,
-                e => Error::Post(e),
-            })?;
-            st.waiters.insert((self.conn, wr_id), Waiter::Stream(self.id));
-            if let Some(entry) = st.conns.get_mut(&self.conn).and_then(|c| c.streams.get_mut(&self.id)) {
+            st.core
+                .post_send(self.conn, self.id, wr_id, item)
+                .map_err(|e| match e {
+                    PostError::UnknownConnection => Error::EndpointClosed,
+                    e => Error::Post(e),
+                })?;
+            st.waiters
+                .insert((self.conn, wr_id), Waiter::Stream(self.id));
+            if let Some(entry) = st
+                .conns
+                .get_mut(&self.conn)
+                .and_then(|c| c.streams.get_mut(&self.id))
+            {
                 entry.in_flight += 1;
             }
         }

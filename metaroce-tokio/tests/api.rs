@@ -8,8 +8,12 @@ use metaroce_tokio::{Config, Connection, Endpoint, Error};
 use std::time::Duration;
 
 async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone()).await.unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
+        .await
+        .unwrap();
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
     let s2 = server.clone();
     let accept = tokio::spawn(async move { s2.accept().await });
     let c = client.connect(server.local_addr()).await.unwrap();
@@ -24,7 +28,9 @@ async fn streams_exchange_messages_in_order() {
     let mut b = c.open_stream().unwrap();
     assert_ne!(a.id(), b.id());
     for i in 0..100u32 {
-        a.feed(Bytes::from(vec![i as u8; (i as usize * 997) % 20000])).await.unwrap();
+        a.feed(Bytes::from(vec![i as u8; (i as usize * 997) % 20000]))
+            .await
+            .unwrap();
         b.feed(Bytes::from(format!("b{i}"))).await.unwrap();
     }
     a.flush().await.unwrap();
@@ -56,12 +62,25 @@ async fn write_and_write_with_imm_land_in_peer_memory() {
     let n = 1 << 20;
     let src: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
     let local = c.endpoint().register(src.clone(), Access::LOCAL_WRITE);
-    let target = s.endpoint().alloc(n, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let target = s
+        .endpoint()
+        .alloc(n, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let remote = metaroce_tokio::RemoteRegion::from_bytes(&target.remote().to_bytes()).unwrap();
     let wc = c.write(&local, 0..(n as u64 / 2), remote, 0).await.unwrap();
     assert_eq!(wc.byte_len as usize, n / 2);
-    c.write_with_imm(&local, (n as u64 / 2)..n as u64, remote, n as u64 / 2, 0xabcd).await.unwrap();
-    let (imm, len) = tokio::time::timeout(Duration::from_secs(10), s.recv_imm()).await.unwrap().unwrap();
+    c.write_with_imm(
+        &local,
+        (n as u64 / 2)..n as u64,
+        remote,
+        n as u64 / 2,
+        0xabcd,
+    )
+    .await
+    .unwrap();
+    let (imm, len) = tokio::time::timeout(Duration::from_secs(10), s.recv_imm())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((imm, len as usize), (0xabcd, n / 2));
     assert_eq!(target.read(0, n as u64).unwrap(), src);
 }
@@ -71,7 +90,10 @@ async fn bad_rkey_is_a_remote_access_error() {
     let (_se, _ce, c, s) = pair(Config::default()).await;
     let local = c.endpoint().alloc(4096, Access::LOCAL_WRITE);
     let target = s.endpoint().alloc(4096, Access::LOCAL_WRITE);
-    let err = c.write(&local, 0..4096, target.remote(), 0).await.unwrap_err();
+    let err = c
+        .write(&local, 0..4096, target.remote(), 0)
+        .await
+        .unwrap_err();
     assert_eq!(err.status(), Some(WcStatus::RemoteAccessError), "{err}");
     let mut remote = target.remote();
     remote.rkey ^= 0xff00;
@@ -81,9 +103,22 @@ async fn bad_rkey_is_a_remote_access_error() {
 
 #[tokio::test]
 async fn works_through_an_impaired_backend() {
-    let imp = Impairment { loss: 0.05, duplicate: 0.02, reorder: 0.05, reorder_delay: Duration::from_micros(200), seed: 5, ..Default::default() };
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default()).await.unwrap();
-    let backend = Impaired::new(UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 8).unwrap(), imp).unwrap();
+    let imp = Impairment {
+        loss: 0.05,
+        duplicate: 0.02,
+        reorder: 0.05,
+        reorder_delay: Duration::from_micros(200),
+        seed: 5,
+        ..Default::default()
+    };
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let backend = Impaired::new(
+        UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 8).unwrap(),
+        imp,
+    )
+    .unwrap();
     let client = Endpoint::with_backend(backend, Config::default()).unwrap();
     let s2 = server.clone();
     let accept = tokio::spawn(async move { s2.accept().await });
@@ -93,10 +128,15 @@ async fn works_through_an_impaired_backend() {
     let src: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
     let local = client.register(src.clone(), Access::LOCAL_WRITE);
     let target = server.alloc(n, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
-    c.write(&local, 0..n as u64, target.remote(), 0).await.unwrap();
+    c.write(&local, 0..n as u64, target.remote(), 0)
+        .await
+        .unwrap();
     assert_eq!(target.read(0, n as u64).unwrap(), src);
     let stats = c.stats().unwrap();
-    assert!(stats.paths.iter().map(|p| p.stats.retransmits).sum::<u64>() > 0, "loss should cause retransmissions");
+    assert!(
+        stats.paths.iter().map(|p| p.stats.retransmits).sum::<u64>() > 0,
+        "loss should cause retransmissions"
+    );
     drop(s);
 }
 
@@ -105,9 +145,14 @@ async fn connect_to_nobody_times_out() {
     let mut cfg = Config::default();
     cfg.transport.handshake_interval = Duration::from_millis(10);
     cfg.transport.handshake_attempts = 3;
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg).await.unwrap();
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
     let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    let err = client.connect(dead.local_addr().unwrap()).await.unwrap_err();
+    let err = client
+        .connect(dead.local_addr().unwrap())
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("timed out"), "{err}");
 }
 
@@ -119,7 +164,15 @@ async fn closing_flushes_and_ends_streams() {
     let mut peer_stream = s.accept_stream().await.unwrap();
     assert_eq!(&peer_stream.next().await.unwrap()[..], b"x");
     c.close();
-    assert!(matches!(st.send(Bytes::from_static(b"y")).await, Err(Error::ConnectionLost(_)) | Err(Error::EndpointClosed) | Err(Error::Post(_))));
+    assert!(matches!(
+        st.send(Bytes::from_static(b"y")).await,
+        Err(Error::ConnectionLost(_)) | Err(Error::EndpointClosed) | Err(Error::Post(_))
+    ));
     // The peer hears the close and its stream ends.
-    assert_eq!(tokio::time::timeout(Duration::from_secs(5), peer_stream.next()).await.unwrap(), None);
+    assert_eq!(
+        tokio::time::timeout(Duration::from_secs(5), peer_stream.next())
+            .await
+            .unwrap(),
+        None
+    );
 }

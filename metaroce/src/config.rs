@@ -130,7 +130,10 @@ impl TransportConfig {
             return Err(format!("paths must be in 1..=256, got {}", self.paths));
         }
         if !(256..=4096).contains(&self.pmtu) || !self.pmtu.is_power_of_two() {
-            return Err(format!("pmtu must be 256, 512, 1024, 2048 or 4096, got {}", self.pmtu));
+            return Err(format!(
+                "pmtu must be 256, 512, 1024, 2048 or 4096, got {}",
+                self.pmtu
+            ));
         }
         if self.max_message_size == 0 || self.max_message_size > 1 << 31 {
             return Err(format!(
@@ -206,7 +209,10 @@ impl CongestionConfig {
             return Err("min_window must be in 1..=max_window".into());
         }
         if self.max_window > 255 {
-            return Err(format!("max_window must be at most 255 packets, got {}", self.max_window));
+            return Err(format!(
+                "max_window must be at most 255 packets, got {}",
+                self.max_window
+            ));
         }
         if !(self.min_window..=self.max_window).contains(&self.initial_window) {
             return Err("initial_window must be in min_window..=max_window".into());
@@ -220,7 +226,7 @@ impl CongestionConfig {
                 return Err(format!("{name} must be in 0..=1, got {v}"));
             }
         }
-        if !(self.additive_increase > 0.0) {
+        if self.additive_increase.is_nan() || self.additive_increase <= 0.0 {
             return Err("additive_increase must be positive".into());
         }
         Ok(())

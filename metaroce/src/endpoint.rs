@@ -45,7 +45,9 @@ impl fmt::Display for PostError {
         match self {
             PostError::UnknownConnection => f.write_str("no such connection"),
             PostError::NotConnected => f.write_str("connection not established yet"),
-            PostError::MessageTooLarge { len, max } => write!(f, "message of {len} bytes exceeds max_message_size {max}"),
+            PostError::MessageTooLarge { len, max } => {
+                write!(f, "message of {len} bytes exceeds max_message_size {max}")
+            }
             PostError::LocalMemory(e) => write!(f, "invalid local memory reference: {e}"),
             PostError::SendQueueFull => f.write_str("send queue full (max_outstanding_ops)"),
             PostError::InvalidConfig(s) => write!(f, "invalid configuration: {s}"),
@@ -115,7 +117,9 @@ impl Endpoint {
     pub fn new(cfg: EndpointConfig) -> Result<Self, PostError> {
         cfg.transport.validate().map_err(PostError::InvalidConfig)?;
         if cfg.source_ports.is_empty() {
-            return Err(PostError::InvalidConfig("source_ports must not be empty".into()));
+            return Err(PostError::InvalidConfig(
+                "source_ports must not be empty".into(),
+            ));
         }
         Ok(Self {
             rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
@@ -164,7 +168,12 @@ impl Endpoint {
     /// source address the ICRC pseudo-header uses when the endpoint is bound to the
     /// unspecified address (pass `None` otherwise). Progress is reported as
     /// [`Event::Connected`] or [`Event::ConnectionLost`].
-    pub fn connect(&mut self, now: Instant, remote: SocketAddr, local_ip: Option<IpAddr>) -> Result<ConnectionHandle, PostError> {
+    pub fn connect(
+        &mut self,
+        now: Instant,
+        remote: SocketAddr,
+        local_ip: Option<IpAddr>,
+    ) -> Result<ConnectionHandle, PostError> {
         if self.conns.len() >= self.cfg.max_connections {
             return Err(PostError::TooManyConnections);
         }
@@ -190,7 +199,9 @@ impl Endpoint {
 
     /// Whether the connection exists and is established.
     pub fn is_established(&self, conn: ConnectionHandle) -> bool {
-        self.conns.get(&conn.0).is_some_and(|c| c.state == State::Established)
+        self.conns
+            .get(&conn.0)
+            .is_some_and(|c| c.state == State::Established)
     }
 
     /// Whether this side requested the connection (`false` for accepted ones and for
@@ -250,10 +261,17 @@ impl Endpoint {
 
     // ---- posting ----
 
-    fn conn_for_post(&mut self, conn: ConnectionHandle, len: u64) -> Result<&mut Connection, PostError> {
+    fn conn_for_post(
+        &mut self,
+        conn: ConnectionHandle,
+        len: u64,
+    ) -> Result<&mut Connection, PostError> {
         let max = self.cfg.transport.max_message_size;
         let max_ops = self.cfg.transport.max_outstanding_ops;
-        let c = self.conns.get_mut(&conn.0).ok_or(PostError::UnknownConnection)?;
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
         if c.state != State::Established {
             return Err(PostError::NotConnected);
         }
@@ -269,7 +287,13 @@ impl Endpoint {
     /// Post a SEND of `data` as one message on `stream`. The peer receives it once, in
     /// order within the stream, as [`Event::Message`]; a completion with `wr_id` follows
     /// once every packet is acknowledged.
-    pub fn post_send(&mut self, conn: ConnectionHandle, stream: u32, wr_id: u64, data: Bytes) -> Result<(), PostError> {
+    pub fn post_send(
+        &mut self,
+        conn: ConnectionHandle,
+        stream: u32,
+        wr_id: u64,
+        data: Bytes,
+    ) -> Result<(), PostError> {
         let c = self.conn_for_post(conn, data.len() as u64)?;
         c.post_send(wr_id, stream, data);
         Ok(())
@@ -279,10 +303,16 @@ impl Endpoint {
     /// address in the peer's region; the completion reports success once all are
     /// acknowledged, or the peer's refusal (`RemoteAccessError`: bad rkey, out of bounds,
     /// no REMOTE_WRITE right; nothing is written).
-    pub fn post_write(&mut self, conn: ConnectionHandle, req: WriteRequest) -> Result<(), PostError> {
-        self.mrs.local(req.lkey, req.local_offset, req.len as u64).map_err(PostError::LocalMemory)?;
+    pub fn post_write(
+        &mut self,
+        conn: ConnectionHandle,
+        req: WriteRequest,
+    ) -> Result<(), PostError> {
+        self.mrs
+            .local(req.lkey, req.local_offset, req.len as u64)
+            .map_err(PostError::LocalMemory)?;
         let c = self.conn_for_post(conn, req.len as u64)?;
-        c.post_write(req.wr_id, req.lkey, req.local_offset, req.len, req.remote_addr, req.rkey, req.imm);
+        c.post_write(&req);
         Ok(())
     }
 
@@ -292,7 +322,10 @@ impl Endpoint {
         if let Some(c) = self.conns.get(&conn.0) {
             if c.state == State::Established {
                 let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth { reason: 0, nonce: c.nonce });
+                let hdrs = Headers::Close(wire::CloseEth {
+                    reason: 0,
+                    nonce: c.nonce,
+                });
                 self.control.push_back((c.peer, bth, hdrs, c.local_ip));
             }
         }
@@ -306,13 +339,18 @@ impl Endpoint {
                 self.by_nonce.remove(&c.nonce);
             }
             tracing::debug!(%conn, %reason, "connection lost");
-            self.events.push_back(Event::ConnectionLost { conn, reason });
+            self.events
+                .push_back(Event::ConnectionLost { conn, reason });
         }
     }
 
     fn apply(&mut self, conn: ConnectionHandle, out: Outcome) {
         if let Some(reason) = out.lost {
-            let first = if reason == ConnectionError::RetryExceeded { WcStatus::RetryExceeded } else { WcStatus::WrFlushError };
+            let first = if reason == ConnectionError::RetryExceeded {
+                WcStatus::RetryExceeded
+            } else {
+                WcStatus::WrFlushError
+            };
             self.remove(conn, reason, first);
         }
     }
@@ -323,7 +361,14 @@ impl Endpoint {
     /// address it was sent to (if the I/O layer knows it), `ecn` the IP ECN codepoint.
     /// Malformed or unexpected input is counted (see [`stats`](Self::stats)) and dropped;
     /// this never panics.
-    pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, local_ip: Option<IpAddr>, ecn: Option<EcnCodepoint>, data: &[u8]) {
+    pub fn handle_datagram(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        local_ip: Option<IpAddr>,
+        ecn: Option<EcnCodepoint>,
+        data: &[u8],
+    ) {
         self.epoch(now);
         self.stats.datagrams_received += 1;
         let pkt = match wire::Packet::parse(data) {
@@ -365,7 +410,14 @@ impl Endpoint {
         self.apply(ConnectionHandle(qpn), out);
     }
 
-    fn handle_connect(&mut self, now: Instant, from: SocketAddr, local_ip: Option<IpAddr>, dest_qp: u32, msg: &ConnectEth) {
+    fn handle_connect(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        local_ip: Option<IpAddr>,
+        dest_qp: u32,
+        msg: &ConnectEth,
+    ) {
         match msg.kind {
             ConnectKind::Request => {
                 let peer = SocketAddr::new(from.ip(), msg.reply_port);
@@ -384,9 +436,18 @@ impl Endpoint {
                     m.dst_qpn = msg.src_qpn;
                     m.src_qpn = 0;
                     m.reason = reason;
-                    (peer, Bth { dest_qp: msg.src_qpn, ..bth }, Headers::Connect(m), local_ip)
+                    (
+                        peer,
+                        Bth {
+                            dest_qp: msg.src_qpn,
+                            ..bth
+                        },
+                        Headers::Connect(m),
+                        local_ip,
+                    )
                 };
-                let valid = msg.paths > 0 && (256..=4096).contains(&msg.pmtu) && msg.pmtu.is_power_of_two();
+                let valid =
+                    msg.paths > 0 && (256..=4096).contains(&msg.pmtu) && msg.pmtu.is_power_of_two();
                 let reason = if !self.cfg.accept_incoming {
                     Some(1)
                 } else if self.conns.len() >= self.cfg.max_connections {
@@ -419,7 +480,8 @@ impl Endpoint {
                 self.conns.insert(qpn, conn);
                 self.by_nonce.insert(msg.nonce, qpn);
                 tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
-                self.events.push_back(Event::Incoming(ConnectionHandle(qpn)));
+                self.events
+                    .push_back(Event::Incoming(ConnectionHandle(qpn)));
             }
             ConnectKind::Accept | ConnectKind::Reject => {
                 let Some(c) = self.conns.get_mut(&dest_qp) else {
@@ -454,7 +516,10 @@ impl Endpoint {
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) must be called, if any.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.conns.values().filter_map(Connection::next_timeout).min()
+        self.conns
+            .values()
+            .filter_map(Connection::next_timeout)
+            .min()
     }
 
     /// The next datagram (or GSO batch) to send, written into `buf` (cleared first).
@@ -477,13 +542,26 @@ impl Endpoint {
             if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
                 let _ = icrc::stamp(&ip, port, dest.port(), buf);
             }
-            return Some(Transmit { destination: dest, src_port: port, ecn: None, size: len, segment_size: None });
+            return Some(Transmit {
+                destination: dest,
+                src_port: port,
+                ecn: None,
+                size: len,
+                segment_size: None,
+            });
         }
         // Round-robin over connections, starting after the one served last.
         let start = self.rr_cursor;
-        let keys: Vec<u32> = self.conns.range(start..).chain(self.conns.range(..start)).map(|(&k, _)| k).collect();
+        let keys: Vec<u32> = self
+            .conns
+            .range(start..)
+            .chain(self.conns.range(..start))
+            .map(|(&k, _)| k)
+            .collect();
         for q in keys {
-            let Some(c) = self.conns.get_mut(&q) else { continue };
+            let Some(c) = self.conns.get_mut(&q) else {
+                continue;
+            };
             if let Some(t) = c.poll_transmit(now, buf, &self.mrs) {
                 self.rr_cursor = q.wrapping_add(1);
                 return Some(t);

@@ -130,7 +130,9 @@ impl fmt::Display for ConnectionError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConnectionError::HandshakeTimeout => f.write_str("connection request timed out"),
-            ConnectionError::Rejected(code) => write!(f, "connection rejected by peer (reason {code})"),
+            ConnectionError::Rejected(code) => {
+                write!(f, "connection rejected by peer (reason {code})")
+            }
             ConnectionError::RetryExceeded => f.write_str("retry count exceeded on every path"),
             ConnectionError::ClosedByPeer => f.write_str("closed by peer"),
             ConnectionError::LocallyClosed => f.write_str("closed locally"),

@@ -41,8 +41,20 @@ impl fmt::Debug for Access {
             (Self::REMOTE_READ, "REMOTE_READ"),
             (Self::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
         ];
-        let set: Vec<&str> = names.iter().filter(|(a, _)| self.contains(*a)).map(|(_, n)| *n).collect();
-        write!(f, "Access({})", if set.is_empty() { "none".to_string() } else { set.join("|") })
+        let set: Vec<&str> = names
+            .iter()
+            .filter(|(a, _)| self.contains(*a))
+            .map(|(_, n)| *n)
+            .collect();
+        write!(
+            f,
+            "Access({})",
+            if set.is_empty() {
+                "none".to_string()
+            } else {
+                set.join("|")
+            }
+        )
     }
 }
 
@@ -117,7 +129,13 @@ impl MrTable {
         let key = ((idx as u32 + 1) << 8) | self.variants[idx] as u32;
         // Each slot owns a 2^40-byte IOVA window: the VA says which slot it is in.
         let addr = IOVA_BASE + ((idx as u64) << 40);
-        let keys = MrKeys { lkey: key, rkey: key, addr, len: data.len() as u64, access };
+        let keys = MrKeys {
+            lkey: key,
+            rkey: key,
+            addr,
+            len: data.len() as u64,
+            access,
+        };
         self.slots[idx] = Some(Region { keys, data });
         keys
     }
@@ -129,7 +147,10 @@ impl MrTable {
 
     fn slot_mut(&mut self, key: u32) -> Option<&mut Region> {
         let idx = (key >> 8).checked_sub(1)? as usize;
-        self.slots.get_mut(idx)?.as_mut().filter(|r| r.keys.lkey == key)
+        self.slots
+            .get_mut(idx)?
+            .as_mut()
+            .filter(|r| r.keys.lkey == key)
     }
 
     pub(crate) fn deregister(&mut self, key: u32) -> Option<Vec<u8>> {
@@ -153,7 +174,9 @@ impl MrTable {
         if !region.keys.access.contains(need) {
             return Err(MrError::AccessDenied);
         }
-        let off = va.checked_sub(region.keys.addr).ok_or(MrError::OutOfBounds)?;
+        let off = va
+            .checked_sub(region.keys.addr)
+            .ok_or(MrError::OutOfBounds)?;
         let end = off.checked_add(len).ok_or(MrError::OutOfBounds)?;
         if end > region.keys.len {
             return Err(MrError::OutOfBounds);
@@ -162,7 +185,13 @@ impl MrTable {
     }
 
     /// Validate a remote access to a whole message `[va, va+len)`.
-    pub(crate) fn check_remote(&self, rkey: u32, va: u64, len: u64, need: Access) -> Result<(), MrError> {
+    pub(crate) fn check_remote(
+        &self,
+        rkey: u32,
+        va: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(), MrError> {
         let r = self.slot(rkey).ok_or(MrError::InvalidKey)?;
         Self::check(r, va, len, need).map(|_| ())
     }
@@ -185,7 +214,12 @@ impl MrTable {
         Ok(&r.data[offset as usize..end as usize])
     }
 
-    pub(crate) fn local_mut(&mut self, lkey: u32, offset: u64, len: u64) -> Result<&mut [u8], MrError> {
+    pub(crate) fn local_mut(
+        &mut self,
+        lkey: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<&mut [u8], MrError> {
         let r = self.slot_mut(lkey).ok_or(MrError::InvalidKey)?;
         let end = offset.checked_add(len).ok_or(MrError::OutOfBounds)?;
         if end > r.keys.len {

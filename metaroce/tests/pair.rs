@@ -30,7 +30,8 @@ fn streams_case(seed: u64, impair: Impair, streams: u32, per_stream: u32) {
     let mut wr = 0u64;
     for m in 0..per_stream {
         for st in 0..streams {
-            let len = ((seed as usize + m as usize * 977 + st as usize * 131) % 5000) + (m as usize % 3) * 1024;
+            let len = ((seed as usize + m as usize * 977 + st as usize * 131) % 5000)
+                + (m as usize % 3) * 1024;
             let data = pattern(seed ^ (st as u64) << 32 ^ m as u64, len);
             expect.entry(st).or_default().push(data.clone());
             p.eps[0].post_send(c, st, wr, Bytes::from(data)).unwrap();
@@ -39,10 +40,23 @@ fn streams_case(seed: u64, impair: Impair, streams: u32, per_stream: u32) {
     }
     let total = wr;
     let ok = p.run_until(Duration::from_secs(60), |p| {
-        p.events[0].iter().filter(|e| matches!(e, Event::Completion { .. })).count() as u64 == total
-            && p.events[1].iter().filter(|e| matches!(e, Event::Message { .. })).count() as u64 == total
+        p.events[0]
+            .iter()
+            .filter(|e| matches!(e, Event::Completion { .. }))
+            .count() as u64
+            == total
+            && p.events[1]
+                .iter()
+                .filter(|e| matches!(e, Event::Message { .. }))
+                .count() as u64
+                == total
     });
-    assert!(ok, "seed {seed}: not everything completed; client events {}, server events {}", p.events[0].len(), p.events[1].len());
+    assert!(
+        ok,
+        "seed {seed}: not everything completed; client events {}, server events {}",
+        p.events[0].len(),
+        p.events[1].len()
+    );
     // Completions: once each, in posting order, all successful.
     let wcs: Vec<_> = p.events[0]
         .iter()
@@ -80,24 +94,53 @@ fn messages_lossless() {
 #[test]
 fn messages_under_loss_reorder_duplication() {
     for seed in 0..6 {
-        streams_case(seed, Impair { loss: 0.05, dup: 0.05, reorder: 0.1, ..Default::default() }, 5, 15);
+        streams_case(
+            seed,
+            Impair {
+                loss: 0.05,
+                dup: 0.05,
+                reorder: 0.1,
+                ..Default::default()
+            },
+            5,
+            15,
+        );
     }
 }
 
 #[test]
 fn messages_under_heavy_loss() {
-    streams_case(7, Impair { loss: 0.25, ..Default::default() }, 3, 10);
+    streams_case(
+        7,
+        Impair {
+            loss: 0.25,
+            ..Default::default()
+        },
+        3,
+        10,
+    );
 }
 
 #[test]
 fn zero_length_messages_are_delivered() {
-    let mut p = Pair::new(3, Impair { loss: 0.1, ..Default::default() });
+    let mut p = Pair::new(
+        3,
+        Impair {
+            loss: 0.1,
+            ..Default::default()
+        },
+    );
     let (c, _) = p.connect();
     for i in 0..10 {
         p.eps[0].post_send(c, 9, i, Bytes::new()).unwrap();
     }
-    assert!(p.run_until(Duration::from_secs(10), |p| p.events[1].len() == 10 && p.events[0].len() == 10));
-    assert!(p.events[1].iter().all(|e| matches!(e, Event::Message { data, stream: 9, .. } if data.is_empty())));
+    assert!(
+        p.run_until(Duration::from_secs(10), |p| p.events[1].len() == 10
+            && p.events[0].len() == 10)
+    );
+    assert!(p.events[1]
+        .iter()
+        .all(|e| matches!(e, Event::Message { data, stream: 9, .. } if data.is_empty())));
 }
 
 fn write_case(seed: u64, impair: Impair) {
@@ -106,9 +149,17 @@ fn write_case(seed: u64, impair: Impair) {
     let len = 300_000usize;
     let src = pattern(seed, len);
     let local = p.eps[0].register_mr(src.clone(), Access::LOCAL_WRITE);
-    let remote = p.eps[1].register_mr(vec![0; len + 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let remote = p.eps[1].register_mr(
+        vec![0; len + 4096],
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+    );
     // Several WRITEs of different sizes, the last ones with immediate data.
-    let chunks = [(0usize, 100_000usize, None), (100_000, 1, None), (100_001, 99_999, Some(7u32)), (200_000, 100_000, Some(8))];
+    let chunks = [
+        (0usize, 100_000usize, None),
+        (100_000, 1, None),
+        (100_001, 99_999, Some(7u32)),
+        (200_000, 100_000, Some(8)),
+    ];
     for (i, &(off, n, imm)) in chunks.iter().enumerate() {
         p.eps[0]
             .post_write(
@@ -126,7 +177,11 @@ fn write_case(seed: u64, impair: Impair) {
             .unwrap();
     }
     let ok = p.run_until(Duration::from_secs(60), |p| {
-        p.events[0].iter().filter(|e| matches!(e, Event::Completion { .. })).count() == chunks.len()
+        p.events[0]
+            .iter()
+            .filter(|e| matches!(e, Event::Completion { .. }))
+            .count()
+            == chunks.len()
     });
     assert!(ok, "seed {seed}: WRITEs did not complete");
     for (i, e) in p.events[0].iter().enumerate() {
@@ -140,9 +195,14 @@ fn write_case(seed: u64, impair: Impair) {
     }
     // Let late duplicates drain, then check memory and immediate completions.
     p.run_until(Duration::from_millis(50) + (p.now - p.start), |_| false);
-    let dst = p.eps[1].mr_read(remote.lkey, 0, (len + 4096) as u64).unwrap();
+    let dst = p.eps[1]
+        .mr_read(remote.lkey, 0, (len + 4096) as u64)
+        .unwrap();
     assert_eq!(&dst[..len], &src[..], "seed {seed}: WRITE data differs");
-    assert!(dst[len..].iter().all(|&b| b == 0), "bytes written outside the target range");
+    assert!(
+        dst[len..].iter().all(|&b| b == 0),
+        "bytes written outside the target range"
+    );
     let imms: Vec<_> = p.events[1]
         .iter()
         .filter_map(|e| match e {
@@ -152,7 +212,11 @@ fn write_case(seed: u64, impair: Impair) {
         .collect();
     let mut sorted = imms.clone();
     sorted.sort();
-    assert_eq!(sorted, vec![(7, 99_999), (8, 100_000)], "immediates must be reported exactly once each");
+    assert_eq!(
+        sorted,
+        vec![(7, 99_999), (8, 100_000)],
+        "immediates must be reported exactly once each"
+    );
 }
 
 #[test]
@@ -163,13 +227,27 @@ fn write_lossless() {
 #[test]
 fn write_under_loss_reorder_duplication() {
     for seed in 20..25 {
-        write_case(seed, Impair { loss: 0.05, dup: 0.05, reorder: 0.1, ..Default::default() });
+        write_case(
+            seed,
+            Impair {
+                loss: 0.05,
+                dup: 0.05,
+                reorder: 0.1,
+                ..Default::default()
+            },
+        );
     }
 }
 
 #[test]
 fn write_access_violations_get_nak_and_write_nothing() {
-    let mut p = Pair::new(5, Impair { loss: 0.05, ..Default::default() });
+    let mut p = Pair::new(
+        5,
+        Impair {
+            loss: 0.05,
+            ..Default::default()
+        },
+    );
     let (c, _) = p.connect();
     let src = pattern(5, 8192);
     let local = p.eps[0].register_mr(src, Access::LOCAL_WRITE);
@@ -182,35 +260,79 @@ fn write_access_violations_get_nak_and_write_nothing() {
         ("no REMOTE_WRITE", ro.addr, ro.rkey, 4096),
     ];
     for (i, (_, addr, rkey, len)) in cases.iter().enumerate() {
-        let req = WriteRequest { wr_id: i as u64, lkey: local.lkey, local_offset: 0, len: *len, remote_addr: *addr, rkey: *rkey, imm: Some(1) };
+        let req = WriteRequest {
+            wr_id: i as u64,
+            lkey: local.lkey,
+            local_offset: 0,
+            len: *len,
+            remote_addr: *addr,
+            rkey: *rkey,
+            imm: Some(1),
+        };
         p.eps[0].post_write(c, req).unwrap();
     }
     // A good WRITE after the bad ones still works: errors are per operation.
-    let req = WriteRequest { wr_id: 99, lkey: local.lkey, local_offset: 0, len: 100, remote_addr: good.addr, rkey: good.rkey, imm: None };
+    let req = WriteRequest {
+        wr_id: 99,
+        lkey: local.lkey,
+        local_offset: 0,
+        len: 100,
+        remote_addr: good.addr,
+        rkey: good.rkey,
+        imm: None,
+    };
     p.eps[0].post_write(c, req).unwrap();
-    assert!(p.run_until(Duration::from_secs(30), |p| p.events[0].len() == cases.len() + 1));
+    assert!(p.run_until(Duration::from_secs(30), |p| p.events[0].len()
+        == cases.len() + 1));
     for (i, e) in p.events[0].iter().enumerate() {
-        let Event::Completion { wc, .. } = e else { panic!("unexpected {e:?}") };
+        let Event::Completion { wc, .. } = e else {
+            panic!("unexpected {e:?}")
+        };
         if i < cases.len() {
-            assert_eq!(wc.status, WcStatus::RemoteAccessError, "case {}", cases[i].0);
+            assert_eq!(
+                wc.status,
+                WcStatus::RemoteAccessError,
+                "case {}",
+                cases[i].0
+            );
         } else {
             assert_eq!(wc.status, WcStatus::Success);
         }
     }
     let g = p.eps[1].mr_read(good.lkey, 0, 8192).unwrap();
-    assert!(g[100..].iter().all(|&b| b == 0), "a refused WRITE wrote bytes");
-    assert!(p.eps[1].mr_read(ro.lkey, 0, 8192).unwrap().iter().all(|&b| b == 0));
-    assert!(!p.events[1].iter().any(|e| matches!(e, Event::WriteWithImm { .. })));
+    assert!(
+        g[100..].iter().all(|&b| b == 0),
+        "a refused WRITE wrote bytes"
+    );
+    assert!(p.eps[1]
+        .mr_read(ro.lkey, 0, 8192)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    assert!(!p.events[1]
+        .iter()
+        .any(|e| matches!(e, Event::WriteWithImm { .. })));
 }
 
 #[test]
 fn handshake_survives_loss_and_duplication() {
     for seed in 0..10 {
-        let mut p = Pair::new(seed, Impair { loss: 0.3, dup: 0.3, ..Default::default() });
+        let mut p = Pair::new(
+            seed,
+            Impair {
+                loss: 0.3,
+                dup: 0.3,
+                ..Default::default()
+            },
+        );
         let (c, s) = p.connect();
         assert!(p.eps[0].is_established(c));
         assert!(p.eps[1].is_established(s));
-        assert_eq!(p.eps[1].connections().count(), 1, "a duplicated request must not create a second connection");
+        assert_eq!(
+            p.eps[1].connections().count(),
+            1,
+            "a duplicated request must not create a second connection"
+        );
     }
 }
 
@@ -220,9 +342,15 @@ fn blackhole_exhausts_retries_and_flushes() {
     let (c, _) = p.connect();
     p.impair.blackhole = true;
     for i in 0..3 {
-        p.eps[0].post_send(c, 0, i, Bytes::from(vec![1u8; 5000])).unwrap();
+        p.eps[0]
+            .post_send(c, 0, i, Bytes::from(vec![1u8; 5000]))
+            .unwrap();
     }
-    let ok = p.run_until(Duration::from_secs(120), |p| p.events[0].iter().any(|e| matches!(e, Event::ConnectionLost { .. })));
+    let ok = p.run_until(Duration::from_secs(120), |p| {
+        p.events[0]
+            .iter()
+            .any(|e| matches!(e, Event::ConnectionLost { .. }))
+    });
     assert!(ok, "connection did not fail: {:?}", p.events[0]);
     let statuses: Vec<_> = p.events[0]
         .iter()
@@ -231,16 +359,37 @@ fn blackhole_exhausts_retries_and_flushes() {
             _ => None,
         })
         .collect();
-    assert_eq!(statuses, vec![WcStatus::RetryExceeded, WcStatus::WrFlushError, WcStatus::WrFlushError]);
-    assert!(matches!(p.events[0].last(), Some(Event::ConnectionLost { reason: metaroce::ConnectionError::RetryExceeded, .. })));
+    assert_eq!(
+        statuses,
+        vec![
+            WcStatus::RetryExceeded,
+            WcStatus::WrFlushError,
+            WcStatus::WrFlushError
+        ]
+    );
+    assert!(matches!(
+        p.events[0].last(),
+        Some(Event::ConnectionLost {
+            reason: metaroce::ConnectionError::RetryExceeded,
+            ..
+        })
+    ));
 }
 
 #[test]
 fn ecn_marks_shrink_the_window_and_are_counted() {
-    let mut p = Pair::new(4, Impair { ce: 0.2, ..Default::default() });
+    let mut p = Pair::new(
+        4,
+        Impair {
+            ce: 0.2,
+            ..Default::default()
+        },
+    );
     let (c, _) = p.connect();
     for i in 0..200 {
-        p.eps[0].post_send(c, 0, i, Bytes::from(vec![0u8; 8000])).unwrap();
+        p.eps[0]
+            .post_send(c, 0, i, Bytes::from(vec![0u8; 8000]))
+            .unwrap();
     }
     assert!(p.run_until(Duration::from_secs(30), |p| p.events[0].len() == 200));
     let st = p.eps[0].connection_stats(c).unwrap();
@@ -255,13 +404,20 @@ fn traffic_is_sprayed_over_every_path() {
     let mut p = Pair::new(2, Impair::default());
     let (c, _) = p.connect();
     for i in 0..100 {
-        p.eps[0].post_send(c, 0, i, Bytes::from(vec![0u8; 16384])).unwrap();
+        p.eps[0]
+            .post_send(c, 0, i, Bytes::from(vec![0u8; 16384]))
+            .unwrap();
     }
     assert!(p.run_until(Duration::from_secs(10), |p| p.events[0].len() == 100));
     let st = p.eps[0].connection_stats(c).unwrap();
     assert_eq!(st.paths.len(), 8);
     for path in &st.paths {
-        assert!(path.stats.packets_sent > 50, "path {} carried only {} packets", path.id, path.stats.packets_sent);
+        assert!(
+            path.stats.packets_sent > 50,
+            "path {} carried only {} packets",
+            path.id,
+            path.stats.packets_sent
+        );
     }
 }
 
@@ -272,7 +428,9 @@ fn garbage_datagrams_are_counted_not_fatal() {
     let from = "10.0.0.1:49152".parse().unwrap();
     let mut x = 1u64;
     for n in 0..2000usize {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let mut d = pattern(x, n % 200);
         if n % 2 == 0 && d.len() > 12 {
             d[0] = 0xC0 + (n % 8) as u8; // MetaRoCE opcodes with random headers
@@ -280,7 +438,16 @@ fn garbage_datagrams_are_counted_not_fatal() {
         }
         p.eps[1].handle_datagram(p.now, from, None, None, &d);
     }
-    assert!(p.eps[1].stats().malformed + p.eps[1].stats().bad_icrc + p.eps[1].stats().unknown_connection > 0);
-    p.eps[0].post_send(c, 0, 0, Bytes::from_static(b"still alive")).unwrap();
-    assert!(p.run_until(Duration::from_secs(5), |p| p.events[1].iter().any(|e| matches!(e, Event::Message { .. }))));
+    assert!(
+        p.eps[1].stats().malformed
+            + p.eps[1].stats().bad_icrc
+            + p.eps[1].stats().unknown_connection
+            > 0
+    );
+    p.eps[0]
+        .post_send(c, 0, 0, Bytes::from_static(b"still alive"))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.events[1]
+        .iter()
+        .any(|e| matches!(e, Event::Message { .. }))));
 }

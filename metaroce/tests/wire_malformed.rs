@@ -275,7 +275,7 @@ fn unaligned_length() {
     let b = emit(Opcode::RC_SEND_ONLY, &samples()[0].1, &[0; 8]);
     for extra in 1..4 {
         let mut c = b.clone();
-        c.extend(std::iter::repeat(0).take(extra));
+        c.extend(std::iter::repeat_n(0, extra));
         assert_eq!(Packet::parse(&c), Err(Error::BadLength));
     }
 }

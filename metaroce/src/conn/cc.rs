@@ -38,7 +38,11 @@ impl Aimd {
     /// A controller starting at `cfg.initial_window`.
     pub fn new(cfg: CongestionConfig) -> Self {
         let window = cfg.initial_window as f64;
-        Self { cfg, window, last_cut: None }
+        Self {
+            cfg,
+            window,
+            last_cut: None,
+        }
     }
 
     fn may_cut(&mut self, now: Instant, rtt: &RttEstimator) -> bool {
@@ -62,7 +66,9 @@ impl CongestionController for Aimd {
     }
 
     fn on_ack(&mut self, now: Instant, acked: u32, rtt: &RttEstimator) {
-        if let (Some(target), Some(latest), Some(min)) = (self.cfg.delay_target, rtt.latest(), rtt.min()) {
+        if let (Some(target), Some(latest), Some(min)) =
+            (self.cfg.delay_target, rtt.latest(), rtt.min())
+        {
             if latest > min + target {
                 if self.may_cut(now, rtt) {
                     self.cut(self.cfg.delay_beta);

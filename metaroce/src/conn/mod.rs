@@ -10,7 +10,10 @@ pub(crate) mod send;
 use crate::config::TransportConfig;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::MrTable;
-use crate::wire::{self, icrc, AckEth, Bth, ConnectEth, ConnectKind, Headers, NakEth, Opcode, PathEth, Reth, SendEth, WriteEth};
+use crate::wire::{
+    self, icrc, AckEth, Bth, ConnectEth, ConnectKind, Headers, NakEth, Opcode, PathEth, Reth,
+    SendEth, WriteEth,
+};
 use crate::{EcnCodepoint, Transmit};
 use cc::Aimd;
 use path::{PathInfo, PathRx, PathTx, RxClass, SegRef};
@@ -135,8 +138,24 @@ impl Connection {
         cfg: TransportConfig,
     ) -> Self {
         let paths_offered = (cfg.paths as usize).min(source_ports.len()) as u16;
-        let mut c = Self::blank(handle, now, epoch, peer, local_ip, local_port, source_ports, nonce, init_psn, cfg);
-        c.handshake = Some(Handshake { attempts: 0, next_at: now, pending: true, paths_offered });
+        let mut c = Self::blank(
+            handle,
+            now,
+            epoch,
+            peer,
+            local_ip,
+            local_port,
+            source_ports,
+            nonce,
+            init_psn,
+            cfg,
+        );
+        c.handshake = Some(Handshake {
+            attempts: 0,
+            next_at: now,
+            pending: true,
+            paths_offered,
+        });
         c.outgoing = true;
         c
     }
@@ -154,8 +173,22 @@ impl Connection {
         cfg: TransportConfig,
         req: &ConnectEth,
     ) -> Self {
-        let mut c = Self::blank(handle, now, epoch, peer, local_ip, local_port, source_ports, req.nonce, init_psn, cfg);
-        let paths = (c.cfg.paths as usize).min(c.source_ports.len()).min(req.paths as usize).max(1);
+        let mut c = Self::blank(
+            handle,
+            now,
+            epoch,
+            peer,
+            local_ip,
+            local_port,
+            source_ports,
+            req.nonce,
+            init_psn,
+            cfg,
+        );
+        let paths = (c.cfg.paths as usize)
+            .min(c.source_ports.len())
+            .min(req.paths as usize)
+            .max(1);
         let pmtu = c.cfg.pmtu.min(req.pmtu as u32);
         c.establish(now, req.src_qpn, paths, pmtu, req.init_psn);
         c.accept_pending = true;
@@ -209,7 +242,14 @@ impl Connection {
         }
     }
 
-    fn establish(&mut self, now: Instant, peer_qpn: u32, paths: usize, pmtu: u32, peer_init_psn: u32) {
+    fn establish(
+        &mut self,
+        now: Instant,
+        peer_qpn: u32,
+        paths: usize,
+        pmtu: u32,
+        peer_init_psn: u32,
+    ) {
         self.peer_qpn = peer_qpn;
         self.pmtu = pmtu;
         self.sq.set_pmtu(pmtu);
@@ -256,15 +296,27 @@ impl Connection {
     }
 
     /// The connection's handshake answer arrived (client side).
-    pub fn on_connect(&mut self, now: Instant, msg: &ConnectEth, events: &mut VecDeque<Event>) -> Outcome {
-        let Some(hs) = &self.handshake else { return Outcome::default() };
+    pub fn on_connect(
+        &mut self,
+        now: Instant,
+        msg: &ConnectEth,
+        events: &mut VecDeque<Event>,
+    ) -> Outcome {
+        let Some(hs) = &self.handshake else {
+            return Outcome::default();
+        };
         if msg.nonce != self.nonce {
             return Outcome::default();
         }
         match msg.kind {
             ConnectKind::Accept => {
-                if !(256..=4096).contains(&msg.pmtu) || !msg.pmtu.is_power_of_two() || msg.paths == 0 {
-                    return Outcome { lost: Some(ConnectionError::Rejected(u32::MAX)) };
+                if !(256..=4096).contains(&msg.pmtu)
+                    || !msg.pmtu.is_power_of_two()
+                    || msg.paths == 0
+                {
+                    return Outcome {
+                        lost: Some(ConnectionError::Rejected(u32::MAX)),
+                    };
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
@@ -273,7 +325,9 @@ impl Connection {
                 events.push_back(Event::Connected(self.handle));
                 Outcome::default()
             }
-            ConnectKind::Reject => Outcome { lost: Some(ConnectionError::Rejected(msg.reason)) },
+            ConnectKind::Reject => Outcome {
+                lost: Some(ConnectionError::Rejected(msg.reason)),
+            },
             ConnectKind::Request => Outcome::default(),
         }
     }
@@ -298,20 +352,28 @@ impl Connection {
         }
         match &pkt.headers {
             Headers::Ack(a) => self.on_ack(now, pkt.bth.psn, a, events),
-            Headers::Send { path, send } => self.on_data(ecn, pkt, path, Data::Send(send), mrs, events),
-            Headers::Write { path, reth, write, imm } => {
-                self.on_data(ecn, pkt, path, Data::Write(reth, write, *imm), mrs, events)
+            Headers::Send { path, send } => {
+                self.on_data(ecn, pkt, path, Data::Send(send), mrs, events)
             }
+            Headers::Write {
+                path,
+                reth,
+                write,
+                imm,
+            } => self.on_data(ecn, pkt, path, Data::Write(reth, write, *imm), mrs, events),
             Headers::Nak { path, nak } => {
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
                     if let Some(seg) = p.on_nak(pkt.bth.psn) {
-                        self.sq.fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
+                        self.sq
+                            .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
                         self.drain_completions(events);
                     }
                 }
             }
             Headers::Close(c) if c.nonce == self.nonce => {
-                return Outcome { lost: Some(ConnectionError::ClosedByPeer) };
+                return Outcome {
+                    lost: Some(ConnectionError::ClosedByPeer),
+                };
             }
             _ => {}
         }
@@ -319,12 +381,21 @@ impl Connection {
     }
 
     fn on_ack(&mut self, now: Instant, cum: u32, a: &AckEth, events: &mut VecDeque<Event>) {
-        let Some(p) = self.tx.get_mut(a.path_id as usize) else { return };
+        let Some(p) = self.tx.get_mut(a.path_id as usize) else {
+            return;
+        };
         self.acks_received += 1;
         self.peer_rate_mbps = a.rate_hint;
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
-        let out = p.on_ack(now, cum, &a.sack, sample, a.ce_count, self.cfg.reorder_threshold);
+        let out = p.on_ack(
+            now,
+            cum,
+            &a.sack,
+            sample,
+            a.ce_count,
+            self.cfg.reorder_threshold,
+        );
         for s in out.acked {
             self.sq.on_acked(s);
         }
@@ -347,7 +418,9 @@ impl Connection {
         self.data_in += 1;
         let lim = self.limits();
         let handle = self.handle;
-        let Some(rx) = self.rx.get_mut(path.path_id as usize) else { return };
+        let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
+            return;
+        };
         rx.apply_floor(path.floor_psn);
         let psn = pkt.bth.psn;
         match rx.classify(psn) {
@@ -365,9 +438,14 @@ impl Connection {
         }
         let outcome = match data {
             Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, events),
-            Data::Write(reth, w, imm) => self.rq.on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events),
+            Data::Write(reth, w, imm) => {
+                self.rq
+                    .on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events)
+            }
         };
-        let Some(rx) = self.rx.get_mut(path.path_id as usize) else { return };
+        let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
+            return;
+        };
         match outcome {
             RxOutcome::Accepted => {
                 rx.mark(psn);
@@ -387,7 +465,13 @@ impl Connection {
                     Data::Write(_, w, _) => w.op_id,
                 };
                 if self.naks.len() < 1024 {
-                    self.naks.push_back(PendingNak { path_id: path.path_id, psn, syndrome, op_id, echo_ts: path.timestamp });
+                    self.naks.push_back(PendingNak {
+                        path_id: path.path_id,
+                        psn,
+                        syndrome,
+                        op_id,
+                        echo_ts: path.timestamp,
+                    });
                 }
             }
         }
@@ -395,7 +479,10 @@ impl Connection {
 
     fn drain_completions(&mut self, events: &mut VecDeque<Event>) {
         while let Some(wc) = self.sq.pop_completion() {
-            events.push_back(Event::Completion { conn: self.handle, wc });
+            events.push_back(Event::Completion {
+                conn: self.handle,
+                wc,
+            });
         }
     }
 
@@ -409,9 +496,8 @@ impl Connection {
         self.sq.post_send(wr_id, stream, data);
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub fn post_write(&mut self, wr_id: u64, lkey: u32, local_offset: u64, len: u32, va: u64, rkey: u32, imm: Option<u32>) {
-        self.sq.post_write(wr_id, lkey, local_offset, len, va, rkey, imm);
+    pub fn post_write(&mut self, req: &crate::endpoint::WriteRequest) {
+        self.sq.post_write(req);
     }
 
     // ---- timers ----
@@ -439,7 +525,9 @@ impl Connection {
         if let Some(hs) = &mut self.handshake {
             if now >= hs.next_at {
                 if hs.attempts >= self.cfg.handshake_attempts {
-                    return Outcome { lost: Some(ConnectionError::HandshakeTimeout) };
+                    return Outcome {
+                        lost: Some(ConnectionError::HandshakeTimeout),
+                    };
                 }
                 hs.pending = true;
                 hs.next_at = now + self.cfg.handshake_interval;
@@ -462,11 +550,15 @@ impl Connection {
         }
         if !self.tx.is_empty() && self.tx.iter().all(|p| p.failed) {
             self.flush(WcStatus::RetryExceeded, events);
-            return Outcome { lost: Some(ConnectionError::RetryExceeded) };
+            return Outcome {
+                lost: Some(ConnectionError::RetryExceeded),
+            };
         }
         if let Some(idle) = self.cfg.idle_timeout {
             if now >= self.last_heard + idle && !self.sq.has_pending() {
-                return Outcome { lost: Some(ConnectionError::IdleTimeout) };
+                return Outcome {
+                    lost: Some(ConnectionError::IdleTimeout),
+                };
             }
         }
         Outcome::default()
@@ -483,7 +575,14 @@ impl Connection {
     }
 
     /// Append one packet to `buf` and stamp its ICRC; returns its length.
-    fn emit(&self, buf: &mut Vec<u8>, src_port: u16, bth: &Bth, hdrs: &Headers, payload: &[u8]) -> Option<usize> {
+    fn emit(
+        &self,
+        buf: &mut Vec<u8>,
+        src_port: u16,
+        bth: &Bth,
+        hdrs: &Headers,
+        payload: &[u8],
+    ) -> Option<usize> {
         let start = buf.len();
         let len = wire::packet_len(hdrs, payload.len());
         buf.resize(start + len, 0);
@@ -498,8 +597,20 @@ impl Connection {
         Some(len)
     }
 
-    fn transmit(&self, src_port: u16, ecn: Option<EcnCodepoint>, size: usize, segment: Option<usize>) -> Transmit {
-        Transmit { destination: self.peer, src_port, ecn, size, segment_size: segment }
+    fn transmit(
+        &self,
+        src_port: u16,
+        ecn: Option<EcnCodepoint>,
+        size: usize,
+        segment: Option<usize>,
+    ) -> Transmit {
+        Transmit {
+            destination: self.peer,
+            src_port,
+            ecn,
+            size,
+            segment_size: segment,
+        }
     }
 
     pub fn connect_packet(&self, kind: ConnectKind, reason: u32) -> (Bth, Headers) {
@@ -507,7 +618,11 @@ impl Connection {
             (Some(hs), _) => hs.paths_offered,
             _ => self.tx.len() as u16,
         };
-        let dest = if kind == ConnectKind::Request { 0 } else { self.peer_qpn };
+        let dest = if kind == ConnectKind::Request {
+            0
+        } else {
+            self.peer_qpn
+        };
         let bth = Bth::new(Opcode::MR_CONNECT, dest, 0);
         let hdrs = Headers::Connect(ConnectEth {
             kind,
@@ -527,14 +642,24 @@ impl Connection {
     fn conn_window(&self) -> u32 {
         let mut w = self.cfg.congestion.max_connection_window;
         if self.peer_rate_mbps > 0 {
-            let srtt = self.tx.iter().map(|p| p.rtt.smoothed()).max().unwrap_or(self.cfg.initial_rtt);
+            let srtt = self
+                .tx
+                .iter()
+                .map(|p| p.rtt.smoothed())
+                .max()
+                .unwrap_or(self.cfg.initial_rtt);
             let bytes = self.peer_rate_mbps as f64 * 1e6 / 8.0 * srtt.as_secs_f64();
             w = w.min(((bytes / self.pmtu as f64) as u32).max(self.tx.len() as u32));
         }
         w
     }
 
-    pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>, mrs: &MrTable) -> Option<Transmit> {
+    pub fn poll_transmit(
+        &mut self,
+        now: Instant,
+        buf: &mut Vec<u8>,
+        mrs: &MrTable,
+    ) -> Option<Transmit> {
         buf.clear();
         // 1. Handshake.
         if let Some(hs) = &mut self.handshake {
@@ -563,8 +688,16 @@ impl Connection {
             let mut bth = Bth::new(Opcode::MR_NAK, self.peer_qpn, nak.psn);
             bth.ack_req = false;
             let hdrs = Headers::Nak {
-                path: PathEth { path_id: nak.path_id, flags: 0, timestamp: nak.echo_ts, floor_psn: 0 },
-                nak: NakEth { syndrome: nak.syndrome, op_id: nak.op_id },
+                path: PathEth {
+                    path_id: nak.path_id,
+                    flags: 0,
+                    timestamp: nak.echo_ts,
+                    floor_psn: 0,
+                },
+                nak: NakEth {
+                    syndrome: nak.syndrome,
+                    op_id: nak.op_id,
+                },
             };
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
@@ -610,7 +743,9 @@ impl Connection {
         }
         self.sq.peek()?;
         let n = self.tx.len();
-        let i = (0..n).map(|k| (self.next_path + k) % n).find(|&i| self.tx[i].can_send())?;
+        let i = (0..n)
+            .map(|k| (self.next_path + k) % n)
+            .find(|&i| self.tx[i].can_send())?;
         self.next_path = (i + 1) % n;
         self.send_data(now, ts, buf, mrs, i, None)
     }
@@ -626,7 +761,11 @@ impl Connection {
         i: usize,
         probe: Option<SegRef>,
     ) -> Option<Transmit> {
-        let max = if probe.is_some() { 1 } else { self.cfg.max_gso_segments.max(1) };
+        let max = if probe.is_some() {
+            1
+        } else {
+            self.cfg.max_gso_segments.max(1)
+        };
         let conn_window = self.conn_window();
         let mut in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
         let mut seg_size = None;
@@ -640,25 +779,59 @@ impl Connection {
                     (s, false)
                 }
             };
-            let Some((offset, len)) = self.sq.seg_span(seg) else { break };
+            let Some((offset, len)) = self.sq.seg_span(seg) else {
+                break;
+            };
             let Some(op) = self.sq.op(seg.op) else { break };
-            let path = PathEth { path_id: i as u8, flags: 0, timestamp: ts, floor_psn: self.tx[i].floor_psn() };
+            let path = PathEth {
+                path_id: i as u8,
+                flags: 0,
+                timestamp: ts,
+                floor_psn: self.tx[i].floor_psn(),
+            };
             let last = offset + len >= op.len;
             let (opcode, hdrs, src) = match &op.kind {
-                OpKind::Send { stream, msg_seq, data } => (
+                OpKind::Send {
+                    stream,
+                    msg_seq,
+                    data,
+                } => (
                     Opcode::MR_SEND,
                     Headers::Send {
                         path,
-                        send: SendEth { stream_id: *stream, msg_seq: *msg_seq, offset, msg_len: op.len },
+                        send: SendEth {
+                            stream_id: *stream,
+                            msg_seq: *msg_seq,
+                            offset,
+                            msg_len: op.len,
+                        },
                     },
                     Src::Bytes(data.slice(offset as usize..(offset + len) as usize)),
                 ),
-                OpKind::Write { lkey, local_offset, va, rkey, imm, wire_id } => (
-                    if imm.is_some() { Opcode::MR_WRITE_WITH_IMMEDIATE } else { Opcode::MR_WRITE },
+                OpKind::Write {
+                    lkey,
+                    local_offset,
+                    va,
+                    rkey,
+                    imm,
+                    wire_id,
+                } => (
+                    if imm.is_some() {
+                        Opcode::MR_WRITE_WITH_IMMEDIATE
+                    } else {
+                        Opcode::MR_WRITE
+                    },
                     Headers::Write {
                         path,
-                        reth: Reth { va: *va, rkey: *rkey, dma_len: op.len },
-                        write: WriteEth { op_id: *wire_id, offset },
+                        reth: Reth {
+                            va: *va,
+                            rkey: *rkey,
+                            dma_len: op.len,
+                        },
+                        write: WriteEth {
+                            op_id: *wire_id,
+                            offset,
+                        },
                         imm: *imm,
                     },
                     Src::Mr(*lkey, local_offset + offset as u64),
@@ -687,7 +860,11 @@ impl Connection {
             if seg_size.is_some_and(|s| size > s) {
                 break;
             }
-            let retransmit = if probe.is_some() { true } else { self.sq.take(seg) || retx };
+            let retransmit = if probe.is_some() {
+                true
+            } else {
+                self.sq.take(seg) || retx
+            };
             let psn = self.tx[i].next_psn;
             let mut bth = Bth::new(opcode, self.peer_qpn, psn);
             bth.ack_req = last;
@@ -697,7 +874,9 @@ impl Connection {
                     path.flags |= 1;
                 }
             }
-            let Some(n) = self.emit(buf, port, &bth, &hdrs, payload) else { break };
+            let Some(n) = self.emit(buf, port, &bth, &hdrs, payload) else {
+                break;
+            };
             self.tx[i].on_sent(seg, now, retransmit);
             count += 1;
             in_flight += 1;
@@ -705,7 +884,11 @@ impl Connection {
                 seg_size = Some(n);
             }
             // A shorter packet ends a GSO batch.
-            if Some(n) != seg_size || probe.is_some() || !self.tx[i].can_send() || in_flight >= conn_window {
+            if Some(n) != seg_size
+                || probe.is_some()
+                || !self.tx[i].can_send()
+                || in_flight >= conn_window
+            {
                 break;
             }
         }

@@ -109,7 +109,14 @@ pub(crate) struct AckOutcome {
 }
 
 impl PathTx {
-    pub fn new(id: u8, src_port: u16, init_psn: u32, rtt: RttEstimator, cc: Box<dyn CongestionController>, now: Instant) -> Self {
+    pub fn new(
+        id: u8,
+        src_port: u16,
+        init_psn: u32,
+        rtt: RttEstimator,
+        cc: Box<dyn CongestionController>,
+        now: Instant,
+    ) -> Self {
         Self {
             id,
             src_port,
@@ -129,7 +136,11 @@ impl PathTx {
     }
 
     fn trim(&mut self) {
-        while self.sent.front().is_some_and(|p| p.state == PktState::Settled) {
+        while self
+            .sent
+            .front()
+            .is_some_and(|p| p.state == PktState::Settled)
+        {
             self.sent.pop_front();
         }
     }
@@ -158,7 +169,11 @@ impl PathTx {
         if self.outstanding == 0 {
             self.last_progress = now;
         }
-        self.sent.push_back(SentPacket { psn, seg, state: PktState::Outstanding });
+        self.sent.push_back(SentPacket {
+            psn,
+            seg,
+            state: PktState::Outstanding,
+        });
         self.outstanding += 1;
         self.stats.packets_sent += 1;
         if retransmit {
@@ -281,7 +296,11 @@ impl PathTx {
         if self.outstanding == 0 || self.failed {
             return None;
         }
-        let wait = if self.probe_sent { self.rto(min_rto, max_rto) } else { self.tlp_delay() };
+        let wait = if self.probe_sent {
+            self.rto(min_rto, max_rto)
+        } else {
+            self.tlp_delay()
+        };
         Some(self.last_progress + wait)
     }
 
@@ -292,7 +311,12 @@ impl PathTx {
         if !self.probe_sent {
             self.probe_sent = true;
             self.last_progress = now;
-            self.probe = self.sent.iter().rev().find(|p| p.state == PktState::Outstanding).map(|p| p.seg);
+            self.probe = self
+                .sent
+                .iter()
+                .rev()
+                .find(|p| p.state == PktState::Outstanding)
+                .map(|p| p.seg);
             if self.probe.is_some() {
                 self.stats.probes += 1;
             }
@@ -360,7 +384,14 @@ pub(crate) struct PathRx {
 
 impl PathRx {
     pub fn new(init_psn: u32) -> Self {
-        Self { cum: psn_add(init_psn, crate::wire::PSN_MASK), bits: [0; 4], ce_count: 0, ce_since_ack: false, echo_ts: 0, ack_pending: false }
+        Self {
+            cum: psn_add(init_psn, crate::wire::PSN_MASK),
+            bits: [0; 4],
+            ce_count: 0,
+            ce_since_ack: false,
+            echo_ts: 0,
+            ack_pending: false,
+        }
     }
 
     fn bit(&self, i: u32) -> bool {
@@ -376,7 +407,11 @@ impl PathRx {
             for i in 0..4 {
                 let lo = old.get(i + w).copied().unwrap_or(0);
                 let hi = old.get(i + w + 1).copied().unwrap_or(0);
-                self.bits[i] = if b == 0 { lo } else { (lo >> b) | (hi << (64 - b)) };
+                self.bits[i] = if b == 0 {
+                    lo
+                } else {
+                    (lo >> b) | (hi << (64 - b))
+                };
             }
         }
         self.cum = psn_add(self.cum, n);

@@ -116,10 +116,14 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         let total = hdr.msg_len as u64;
-        if total > lim.max_message_size || !check_segment(hdr.offset, payload.len(), total, lim.pmtu) {
+        if total > lim.max_message_size
+            || !check_segment(hdr.offset, payload.len(), total, lim.pmtu)
+        {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
-        if !self.streams.contains_key(&hdr.stream_id) && self.streams.len() >= lim.max_streams as usize {
+        if !self.streams.contains_key(&hdr.stream_id)
+            && self.streams.len() >= lim.max_streams as usize
+        {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         let st = self.streams.entry(hdr.stream_id).or_default();
@@ -141,10 +145,17 @@ impl RecvState {
             self.buffered += total;
             st.msgs.insert(
                 hdr.msg_seq,
-                RxMsg { data: vec![0; hdr.msg_len as usize], got: vec![0; nsegs.div_ceil(64) as usize], got_segs: 0, nsegs },
+                RxMsg {
+                    data: vec![0; hdr.msg_len as usize],
+                    got: vec![0; nsegs.div_ceil(64) as usize],
+                    got_segs: 0,
+                    nsegs,
+                },
             );
         }
-        let Some(msg) = st.msgs.get_mut(&hdr.msg_seq) else { return RxOutcome::Drop };
+        let Some(msg) = st.msgs.get_mut(&hdr.msg_seq) else {
+            return RxOutcome::Drop;
+        };
         if msg.nsegs != nsegs {
             // Same message sequence number, different length: a confused or hostile peer.
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
@@ -157,12 +168,22 @@ impl RecvState {
         msg.data[off..off + payload.len()].copy_from_slice(payload);
         msg.got_segs += 1;
         // Deliver every complete message at the head of the stream, in order.
-        while st.msgs.get(&st.next_deliver).is_some_and(|m| m.got_segs == m.nsegs) {
-            let Some(m) = st.msgs.remove(&st.next_deliver) else { break };
+        while st
+            .msgs
+            .get(&st.next_deliver)
+            .is_some_and(|m| m.got_segs == m.nsegs)
+        {
+            let Some(m) = st.msgs.remove(&st.next_deliver) else {
+                break;
+            };
             self.buffered -= m.data.len() as u64;
             self.stats.messages += 1;
             self.stats.message_bytes += m.data.len() as u64;
-            events.push_back(Event::Message { conn, stream: hdr.stream_id, data: Bytes::from(m.data) });
+            events.push_back(Event::Message {
+                conn,
+                stream: hdr.stream_id,
+                data: Bytes::from(m.data),
+            });
             st.next_deliver = st.next_deliver.wrapping_add(1);
         }
         RxOutcome::Accepted
@@ -181,7 +202,9 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         let total = reth.dma_len as u64;
-        if total > lim.max_message_size || !check_segment(hdr.offset, payload.len(), total, lim.pmtu) {
+        if total > lim.max_message_size
+            || !check_segment(hdr.offset, payload.len(), total, lim.pmtu)
+        {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         // The access check covers the whole message, so every packet of a bad WRITE is
@@ -198,14 +221,17 @@ impl RecvState {
             return RxOutcome::Accepted;
         }
         let nsegs = reth.dma_len.div_ceil(lim.pmtu).max(1);
-        if !self.writes.contains_key(&id) && self.writes.len() + self.writes_done.len() >= MAX_TRACKED_WRITES {
+        if !self.writes.contains_key(&id)
+            && self.writes.len() + self.writes_done.len() >= MAX_TRACKED_WRITES
+        {
             self.stats.no_buffer_drops += 1;
             return RxOutcome::Drop;
         }
-        let t = self
-            .writes
-            .entry(id)
-            .or_insert_with(|| WriteTrack { got: vec![0; nsegs.div_ceil(64) as usize], got_segs: 0, nsegs });
+        let t = self.writes.entry(id).or_insert_with(|| WriteTrack {
+            got: vec![0; nsegs.div_ceil(64) as usize],
+            got_segs: 0,
+            nsegs,
+        });
         if t.nsegs != nsegs {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
@@ -225,7 +251,11 @@ impl RecvState {
             self.writes.remove(&id);
             self.finish_write(id);
             if let Some(imm) = imm {
-                events.push_back(Event::WriteWithImm { conn, imm, byte_len: reth.dma_len });
+                events.push_back(Event::WriteWithImm {
+                    conn,
+                    imm,
+                    byte_len: reth.dma_len,
+                });
             }
         }
         RxOutcome::Accepted

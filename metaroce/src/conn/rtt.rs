@@ -15,7 +15,13 @@ pub struct RttEstimator {
 impl RttEstimator {
     /// Estimates seeded with `initial` (used until the first sample).
     pub fn new(initial: Duration) -> Self {
-        Self { latest: None, smoothed: initial, var: initial / 2, min: None, has_sample: false }
+        Self {
+            latest: None,
+            smoothed: initial,
+            var: initial / 2,
+            min: None,
+            has_sample: false,
+        }
     }
 
     /// Add a sample.

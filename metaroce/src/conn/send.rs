@@ -2,14 +2,26 @@
 //! path-MTU-sized segments, acknowledgement per segment, and completions in posting order.
 
 use super::path::SegRef;
+use crate::endpoint::WriteRequest;
 use crate::event::{WcOpcode, WcStatus, WorkCompletion};
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug)]
 pub(crate) enum OpKind {
-    Send { stream: u32, msg_seq: u32, data: Bytes },
-    Write { lkey: u32, local_offset: u64, va: u64, rkey: u32, imm: Option<u32>, wire_id: u32 },
+    Send {
+        stream: u32,
+        msg_seq: u32,
+        data: Bytes,
+    },
+    Write {
+        lkey: u32,
+        local_offset: u64,
+        va: u64,
+        rkey: u32,
+        imm: Option<u32>,
+        wire_id: u32,
+    },
 }
 
 #[derive(Debug)]
@@ -58,7 +70,10 @@ pub(crate) struct SendQueue {
 
 impl SendQueue {
     pub fn new(pmtu: u32) -> Self {
-        Self { pmtu, ..Default::default() }
+        Self {
+            pmtu,
+            ..Default::default()
+        }
     }
 
     pub fn set_pmtu(&mut self, pmtu: u32) {
@@ -98,17 +113,34 @@ impl SendQueue {
         let msg_seq = *seq;
         *seq = seq.wrapping_add(1);
         let len = data.len() as u32;
-        self.push(wr_id, OpKind::Send { stream, msg_seq, data }, len);
+        self.push(
+            wr_id,
+            OpKind::Send {
+                stream,
+                msg_seq,
+                data,
+            },
+            len,
+        );
     }
 
-    pub fn post_write(&mut self, wr_id: u64, lkey: u32, local_offset: u64, len: u32, va: u64, rkey: u32, imm: Option<u32>) {
+    pub fn post_write(&mut self, req: &WriteRequest) {
         let wire_id = self.next_wire_id;
         self.next_wire_id = wire_id.wrapping_add(1);
-        self.push(wr_id, OpKind::Write { lkey, local_offset, va, rkey, imm, wire_id }, len);
+        let kind = OpKind::Write {
+            lkey: req.lkey,
+            local_offset: req.local_offset,
+            va: req.remote_addr,
+            rkey: req.rkey,
+            imm: req.imm,
+            wire_id,
+        };
+        self.push(req.wr_id, kind, req.len);
     }
 
     fn live(&self, s: SegRef) -> bool {
-        self.op(s.op).is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg))
+        self.op(s.op)
+            .is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg))
     }
 
     /// The next segment to transmit (retransmissions first), without taking it.
@@ -121,7 +153,10 @@ impl SendQueue {
         }
         while let Some(op) = self.ops.get(self.cursor) {
             if op.status.is_none() && op.next_seg < op.nsegs {
-                return Some(SegRef { op: self.base_id + self.cursor as u64, seg: op.next_seg });
+                return Some(SegRef {
+                    op: self.base_id + self.cursor as u64,
+                    seg: op.next_seg,
+                });
             }
             self.cursor += 1;
         }
@@ -197,7 +232,12 @@ impl SendQueue {
         let op = self.ops.pop_front()?;
         self.base_id += 1;
         self.cursor = self.cursor.saturating_sub(1);
-        Some(WorkCompletion { wr_id: op.wr_id, status, opcode: op.opcode(), byte_len: op.len })
+        Some(WorkCompletion {
+            wr_id: op.wr_id,
+            status,
+            opcode: op.opcode(),
+            byte_len: op.len,
+        })
     }
 
     /// Whether anything is posted and not yet completed.

@@ -50,7 +50,10 @@ pub struct Pair {
 
 pub fn config(i: usize, seed: u64) -> EndpointConfig {
     let ip = format!("10.0.0.{}", i + 1);
-    let mut c = EndpointConfig::new(format!("{ip}:4791").parse().unwrap(), (0..8).map(|k| 0xC000 + k + 16 * i as u16).collect());
+    let mut c = EndpointConfig::new(
+        format!("{ip}:4791").parse().unwrap(),
+        (0..8).map(|k| 0xC000 + k + 16 * i as u16).collect(),
+    );
     c.seed = seed.wrapping_mul(31).wrapping_add(i as u64);
     c.transport.max_gso_segments = 4;
     c.transport.pmtu = 1024;
@@ -106,7 +109,14 @@ impl Pair {
                     ecn = Some(0b11);
                 }
                 self.seq += 1;
-                self.queue.push(InFlight { at: Reverse(at), seq: Reverse(self.seq), to, from, ecn, data: chunk.to_vec() });
+                self.queue.push(InFlight {
+                    at: Reverse(at),
+                    seq: Reverse(self.seq),
+                    to,
+                    from,
+                    ecn,
+                    data: chunk.to_vec(),
+                });
             }
         }
     }
@@ -139,7 +149,10 @@ impl Pair {
     pub fn step(&mut self) -> bool {
         self.flush();
         let next_pkt = self.queue.peek().map(|p| p.at.0);
-        let next_timer = [self.eps[0].poll_timeout(), self.eps[1].poll_timeout()].into_iter().flatten().min();
+        let next_timer = [self.eps[0].poll_timeout(), self.eps[1].poll_timeout()]
+            .into_iter()
+            .flatten()
+            .min();
         let next = match (next_pkt, next_timer) {
             (Some(a), Some(b)) => a.min(b),
             (Some(a), None) | (None, Some(a)) => a,
@@ -152,7 +165,13 @@ impl Pair {
             let p = self.queue.pop().unwrap();
             self.delivered += 1;
             let local = self.addrs[p.to].ip();
-            self.eps[p.to].handle_datagram(self.now, p.from, Some(local), p.ecn.and_then(EcnCodepoint::from_bits), &p.data);
+            self.eps[p.to].handle_datagram(
+                self.now,
+                p.from,
+                Some(local),
+                p.ecn.and_then(EcnCodepoint::from_bits),
+                &p.data,
+            );
         }
         for i in 0..2 {
             if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
@@ -180,7 +199,9 @@ impl Pair {
     pub fn connect(&mut self) -> (metaroce::ConnectionHandle, metaroce::ConnectionHandle) {
         let c = self.eps[0].connect(self.now, self.addrs[1], None).unwrap();
         let ok = self.run_until(Duration::from_secs(10), |p| {
-            p.events[0].iter().any(|e| matches!(e, Event::Connected(h) if *h == c))
+            p.events[0]
+                .iter()
+                .any(|e| matches!(e, Event::Connected(h) if *h == c))
                 && p.events[1].iter().any(|e| matches!(e, Event::Incoming(_)))
         });
         assert!(ok, "handshake did not complete: {:?}", self.events);
