@@ -21,6 +21,10 @@ pub struct EndpointConfig {
     pub accept_incoming: bool,
     /// Most connections at once; requests beyond it are rejected. Default 65 536.
     pub max_connections: usize,
+    /// First PSN of every path of every connection this endpoint makes or accepts; `None`
+    /// (the default) draws a random one per connection from the seeded RNG. Set it to test
+    /// PSN wrap-around at 2^24 (e.g. `Some(0xFF_FFF0)`).
+    pub initial_psn: Option<u32>,
     /// Transport parameters of every connection.
     pub transport: TransportConfig,
 }
@@ -34,6 +38,7 @@ impl EndpointConfig {
             seed: 0x6d65_7461_726f_6365,
             accept_incoming: true,
             max_connections: 65_536,
+            initial_psn: None,
             transport: TransportConfig::default(),
         }
     }

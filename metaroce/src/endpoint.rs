@@ -164,6 +164,11 @@ impl Endpoint {
         }
     }
 
+    fn initial_psn(&mut self) -> u32 {
+        let r = self.rng.next_u32();
+        self.cfg.initial_psn.unwrap_or(r) & wire::PSN_MASK
+    }
+
     /// Start connecting to `remote` (the peer's listening address). `local_ip` is the
     /// source address the ICRC pseudo-header uses when the endpoint is bound to the
     /// unspecified address (pass `None` otherwise). Progress is reported as
@@ -180,7 +185,7 @@ impl Endpoint {
         let epoch = self.epoch(now);
         let qpn = self.new_qpn();
         let nonce = self.rng.next_u64();
-        let init_psn = self.rng.next_u32() & wire::PSN_MASK;
+        let init_psn = self.initial_psn();
         let conn = Connection::new_outgoing(
             ConnectionHandle(qpn),
             now,
@@ -464,7 +469,7 @@ impl Endpoint {
                 }
                 let epoch = self.epoch(now);
                 let qpn = self.new_qpn();
-                let init_psn = self.rng.next_u32() & wire::PSN_MASK;
+                let init_psn = self.initial_psn();
                 let conn = Connection::new_incoming(
                     ConnectionHandle(qpn),
                     now,

@@ -451,3 +451,44 @@ fn garbage_datagrams_are_counted_not_fatal() {
         .iter()
         .any(|e| matches!(e, Event::Message { .. }))));
 }
+
+#[test]
+fn psn_wraps_at_2_pow_24_without_loss_of_data() {
+    let mut a = common::config(0, 12);
+    let mut b = common::config(1, 12);
+    a.initial_psn = Some(0xFF_FFF0);
+    b.initial_psn = Some(0xFF_FFF0);
+    let mut p = Pair::with_configs(
+        12,
+        Impair {
+            loss: 0.05,
+            reorder: 0.05,
+            ..Default::default()
+        },
+        a,
+        b,
+    );
+    let (c, _) = p.connect();
+    let msgs: Vec<Vec<u8>> = (0..200).map(|i| pattern(i, 3000 + i as usize)).collect();
+    for (i, m) in msgs.iter().enumerate() {
+        p.eps[0]
+            .post_send(c, 1, i as u64, Bytes::from(m.clone()))
+            .unwrap();
+    }
+    assert!(p.run_until(Duration::from_secs(30), |p| p.events[1].len() == msgs.len()));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert!(
+        st.paths.iter().all(|x| x.stats.packets_sent > 16),
+        "every path must cross the wrap: {:?}",
+        st.paths
+            .iter()
+            .map(|x| x.stats.packets_sent)
+            .collect::<Vec<_>>()
+    );
+    for (e, m) in p.events[1].iter().zip(&msgs) {
+        let Event::Message { data, .. } = e else {
+            panic!()
+        };
+        assert_eq!(&data[..], &m[..]);
+    }
+}
