@@ -54,6 +54,8 @@ pub mod conn;
 pub mod endpoint;
 pub mod event;
 pub mod mr;
+#[cfg(feature = "sim")]
+pub mod sim;
 pub mod transmit;
 pub mod wire;
 
