@@ -34,6 +34,10 @@ enum Kind {
     Write(bool),
     Nak,
     Close,
+    ReadRequest,
+    ReadResponse,
+    Atomic,
+    AtomicResponse,
 }
 
 /// (opcode, kind, header length from BTH start)
@@ -83,6 +87,11 @@ fn table() -> Vec<(u8, Kind, usize)> {
         (0xC4, Kind::Write(true), 52),
         (0xC5, Kind::Nak, 32),
         (0xC6, Kind::Close, 28),
+        (0xC7, Kind::ReadRequest, 48),
+        (0xC8, Kind::ReadResponse, 32),
+        (0xC9, Kind::Atomic, 60),
+        (0xCA, Kind::Atomic, 60),
+        (0xCB, Kind::AtomicResponse, 40),
     ]
 }
 
@@ -334,6 +343,25 @@ fn build(kind: Kind, p: &Parts) -> Headers {
             nak: p.nak,
         },
         Kind::Close => Headers::Close(p.close),
+        Kind::ReadRequest => Headers::ReadRequest {
+            path: p.path,
+            reth: p.reth,
+            op: p.write,
+        },
+        Kind::ReadResponse => Headers::ReadResponse {
+            path: p.path,
+            op: p.write,
+        },
+        Kind::Atomic => Headers::Atomic {
+            path: p.path,
+            atomic: p.atomic,
+            op: p.write,
+        },
+        Kind::AtomicResponse => Headers::AtomicResponse {
+            path: p.path,
+            op: p.write,
+            ack: p.atomic_ack,
+        },
     }
 }
 

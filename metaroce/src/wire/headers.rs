@@ -51,6 +51,44 @@ pub enum Headers {
     },
     /// `MR_CLOSE`: CloseEth (16 B).
     Close(CloseEth),
+    /// `MR_READ_REQUEST`: PathEth (12 B), RETH (16 B: source VA, R_Key, length), WriteEth
+    /// (8 B: operation id, offset 0).
+    ReadRequest {
+        /// Per-path header.
+        path: PathEth,
+        /// What to read at the responder.
+        reth: Reth,
+        /// Operation id.
+        op: WriteEth,
+    },
+    /// `MR_READ_RESPONSE`: PathEth (12 B), WriteEth (8 B: the READ's operation id and this
+    /// packet's offset in the read data).
+    ReadResponse {
+        /// Per-path header (the responder's path).
+        path: PathEth,
+        /// Operation id and offset.
+        op: WriteEth,
+    },
+    /// `MR_COMPARE_SWAP` / `MR_FETCH_ADD`: PathEth (12 B), AtomicEth (28 B), WriteEth (8 B:
+    /// operation id).
+    Atomic {
+        /// Per-path header.
+        path: PathEth,
+        /// Target and operands.
+        atomic: AtomicEth,
+        /// Operation id.
+        op: WriteEth,
+    },
+    /// `MR_ATOMIC_RESPONSE`: PathEth (12 B), WriteEth (8 B: operation id), AtomicAckEth
+    /// (8 B: the value before the operation).
+    AtomicResponse {
+        /// Per-path header (the responder's path).
+        path: PathEth,
+        /// Operation id.
+        op: WriteEth,
+        /// Original value.
+        ack: AtomicAckEth,
+    },
     /// RC opcodes `0x00..=0x17`: the headers the IBA opcode table prescribes, on the wire in
     /// the order RETH, AETH, AtomicETH, AtomicAckETH, ImmDt, IETH (only the present ones).
     Rc {
@@ -114,6 +152,10 @@ fn layout_len(l: Layout) -> usize {
         }
         Layout::Nak => PathEth::LEN + NakEth::LEN,
         Layout::Close => CloseEth::LEN,
+        Layout::ReadRequest => PathEth::LEN + Reth::LEN + WriteEth::LEN,
+        Layout::ReadResponse => PathEth::LEN + WriteEth::LEN,
+        Layout::Atomic => PathEth::LEN + AtomicEth::LEN + WriteEth::LEN,
+        Layout::AtomicResponse => PathEth::LEN + WriteEth::LEN + AtomicAckEth::LEN,
     }
 }
 
@@ -263,6 +305,25 @@ impl Headers {
                 nak: NakEth::parse(from(b, PathEth::LEN))?,
             },
             Layout::Close => Headers::Close(CloseEth::parse(b)?),
+            Layout::ReadRequest => Headers::ReadRequest {
+                path: PathEth::parse(b)?,
+                reth: Reth::parse(from(b, PathEth::LEN))?,
+                op: WriteEth::parse(from(b, PathEth::LEN + Reth::LEN))?,
+            },
+            Layout::ReadResponse => Headers::ReadResponse {
+                path: PathEth::parse(b)?,
+                op: WriteEth::parse(from(b, PathEth::LEN))?,
+            },
+            Layout::Atomic => Headers::Atomic {
+                path: PathEth::parse(b)?,
+                atomic: AtomicEth::parse(from(b, PathEth::LEN))?,
+                op: WriteEth::parse(from(b, PathEth::LEN + AtomicEth::LEN))?,
+            },
+            Layout::AtomicResponse => Headers::AtomicResponse {
+                path: PathEth::parse(b)?,
+                op: WriteEth::parse(from(b, PathEth::LEN))?,
+                ack: AtomicAckEth::parse(from(b, PathEth::LEN + WriteEth::LEN))?,
+            },
         };
         Ok(h)
     }
@@ -276,6 +337,10 @@ impl Headers {
             Headers::Write { imm, .. } => Layout::Write { imm: imm.is_some() },
             Headers::Nak { .. } => Layout::Nak,
             Headers::Close(_) => Layout::Close,
+            Headers::ReadRequest { .. } => Layout::ReadRequest,
+            Headers::ReadResponse { .. } => Layout::ReadResponse,
+            Headers::Atomic { .. } => Layout::Atomic,
+            Headers::AtomicResponse { .. } => Layout::AtomicResponse,
             Headers::Rc {
                 reth,
                 aeth,
@@ -351,6 +416,25 @@ impl Headers {
                 put(out, &mut off, NakEth::LEN, |o| nak.emit(o))?;
             }
             Headers::Close(c) => put(out, &mut off, CloseEth::LEN, |o| c.emit(o))?,
+            Headers::ReadRequest { path, reth, op } => {
+                put(out, &mut off, PathEth::LEN, |o| path.emit(o))?;
+                put(out, &mut off, Reth::LEN, |o| reth.emit(o))?;
+                put(out, &mut off, WriteEth::LEN, |o| op.emit(o))?;
+            }
+            Headers::ReadResponse { path, op } => {
+                put(out, &mut off, PathEth::LEN, |o| path.emit(o))?;
+                put(out, &mut off, WriteEth::LEN, |o| op.emit(o))?;
+            }
+            Headers::Atomic { path, atomic, op } => {
+                put(out, &mut off, PathEth::LEN, |o| path.emit(o))?;
+                put(out, &mut off, AtomicEth::LEN, |o| atomic.emit(o))?;
+                put(out, &mut off, WriteEth::LEN, |o| op.emit(o))?;
+            }
+            Headers::AtomicResponse { path, op, ack } => {
+                put(out, &mut off, PathEth::LEN, |o| path.emit(o))?;
+                put(out, &mut off, WriteEth::LEN, |o| op.emit(o))?;
+                put(out, &mut off, AtomicAckEth::LEN, |o| ack.emit(o))?;
+            }
             Headers::Rc {
                 reth,
                 aeth,

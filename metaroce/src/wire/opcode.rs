@@ -118,9 +118,24 @@ impl Opcode {
     /// `0xC6` MetaRoCE CLOSE: [`CloseEth`](super::CloseEth) (16 B) → 28-byte header, no
     /// payload. MetaRoCE extension, see docs/PROTOCOL.md.
     pub const MR_CLOSE: Opcode = Opcode(0xC6);
+    /// `0xC7` MetaRoCE RDMA READ request: PathEth (12 B) + RETH (16 B) + WriteEth (8 B, the
+    /// operation id; offset 0) → 48-byte header, no payload. MetaRoCE extension, see
+    /// docs/PROTOCOL.md.
+    pub const MR_READ_REQUEST: Opcode = Opcode(0xC7);
+    /// `0xC8` MetaRoCE RDMA READ response: PathEth (12 B) + WriteEth (8 B: the READ's
+    /// operation id and this packet's offset) → 32-byte header, 0..PMTU payload.
+    pub const MR_READ_RESPONSE: Opcode = Opcode(0xC8);
+    /// `0xC9` MetaRoCE atomic compare-and-swap: PathEth (12 B) + AtomicEth (28 B) +
+    /// WriteEth (8 B, operation id) → 60-byte header, no payload.
+    pub const MR_COMPARE_SWAP: Opcode = Opcode(0xC9);
+    /// `0xCA` MetaRoCE atomic fetch-and-add: same headers as `MR_COMPARE_SWAP`.
+    pub const MR_FETCH_ADD: Opcode = Opcode(0xCA);
+    /// `0xCB` MetaRoCE atomic response: PathEth (12 B) + WriteEth (8 B, the atomic's
+    /// operation id) + AtomicAckEth (8 B, the original value) → 40-byte header, no payload.
+    pub const MR_ATOMIC_RESPONSE: Opcode = Opcode(0xCB);
 
     /// True for the MetaRoCE/manufacturer range `0xC0..=0xFF` (transport bits `11x`).
-    /// Only `0xC0..=0xC6` are defined; see [`Opcode::is_known`].
+    /// Only `0xC0..=0xCB` are defined; see [`Opcode::is_known`].
     pub fn is_metaroce(self) -> bool {
         self.0 >= 0xC0
     }
@@ -182,6 +197,11 @@ impl Opcode {
             0xC4 => "MR_WRITE_WITH_IMMEDIATE",
             0xC5 => "MR_NAK",
             0xC6 => "MR_CLOSE",
+            0xC7 => "MR_READ_REQUEST",
+            0xC8 => "MR_READ_RESPONSE",
+            0xC9 => "MR_COMPARE_SWAP",
+            0xCA => "MR_FETCH_ADD",
+            0xCB => "MR_ATOMIC_RESPONSE",
             _ => "UNKNOWN",
         }
     }
@@ -233,6 +253,10 @@ pub(crate) enum Layout {
     Write { imm: bool },
     Nak,
     Close,
+    ReadRequest,
+    ReadResponse,
+    Atomic,
+    AtomicResponse,
 }
 
 /// The layout of a known opcode, `None` for everything this crate does not parse.
@@ -276,6 +300,10 @@ pub(crate) fn layout(op: Opcode) -> Option<Layout> {
         0xC4 => Some(Layout::Write { imm: true }),
         0xC5 => Some(Layout::Nak),
         0xC6 => Some(Layout::Close),
+        0xC7 => Some(Layout::ReadRequest),
+        0xC8 => Some(Layout::ReadResponse),
+        0xC9 | 0xCA => Some(Layout::Atomic),
+        0xCB => Some(Layout::AtomicResponse),
         _ => None,
     }
 }
