@@ -95,6 +95,21 @@ pub struct TransportConfig {
     /// Silence from the peer after which an established connection with nothing
     /// outstanding is closed; `None` keeps it forever. Default `None`.
     pub idle_timeout: Option<Duration>,
+    /// Most RDMA READs and atomics a connection has outstanding as requester, and most
+    /// READ/atomic responses it queues as responder (IBA `max_rd_atomic` /
+    /// `max_dest_rd_atomic`); requests beyond it wait (requester) or are dropped
+    /// unacknowledged and retried (responder). Default 16.
+    pub max_rd_atomic: u32,
+    /// How many times a SEND refused with RNR NAK (no receive posted) is retried before it
+    /// completes with `RnrRetryExceeded`; 7 means forever (IBA `rnr_retry`). Default 7.
+    pub rnr_retry: u8,
+    /// RNR timer code this endpoint puts in its RNR NAKs: how long the sender waits before
+    /// retrying (IBA `min_rnr_timer`, RoCEv2 reference §3.1: 12 = 0.64 ms). Default 12.
+    pub min_rnr_timer: u8,
+    /// Every stream requires receives posted with `post_recv`: a SEND finding none is
+    /// refused with an RNR NAK. When `false` (the default), a stream uses posted receives
+    /// only once the application has posted one on it, and library-owned buffers otherwise.
+    pub require_posted_receives: bool,
     /// Rate this endpoint grants each sender, returned in every ACK (MetaRoCE receiver
     /// rate hint), in Mbit/s; 0 means no limit. Default 0.
     pub advertised_rate_mbps: u32,
@@ -123,6 +138,10 @@ impl Default for TransportConfig {
             verify_icrc: true,
             idle_timeout: None,
             advertised_rate_mbps: 0,
+            max_rd_atomic: 16,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            require_posted_receives: false,
             congestion: CongestionConfig::default(),
         }
     }
@@ -151,6 +170,12 @@ impl TransportConfig {
         }
         if self.min_rto > self.max_rto {
             return Err("min_rto must not exceed max_rto".into());
+        }
+        if self.max_rd_atomic == 0 {
+            return Err("max_rd_atomic must be at least 1".into());
+        }
+        if self.rnr_retry > 7 || self.min_rnr_timer > 31 {
+            return Err("rnr_retry must be 0..=7 and min_rnr_timer 0..=31".into());
         }
         if self.handshake_attempts == 0 {
             return Err("handshake_attempts must be at least 1".into());

@@ -79,6 +79,59 @@ pub struct WriteRequest {
     pub imm: Option<u32>,
 }
 
+/// An RDMA READ to post: `len` bytes from the peer's address `remote_addr` in region
+/// `rkey` into offset `local_offset` of the local region `lkey` (which needs LOCAL_WRITE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadRequest {
+    /// Caller's identifier, returned in the work completion.
+    pub wr_id: u64,
+    /// Local destination region (LOCAL_WRITE).
+    pub lkey: u32,
+    /// Byte offset in the local region.
+    pub local_offset: u64,
+    /// Bytes to read.
+    pub len: u32,
+    /// Remote virtual address of the first byte.
+    pub remote_addr: u64,
+    /// Remote key of the peer's region (which needs REMOTE_READ).
+    pub rkey: u32,
+}
+
+/// An atomic to post on the 8 bytes at `remote_addr` (8-byte aligned) of the peer's region
+/// `rkey` (which needs REMOTE_ATOMIC). The original value is stored, little-endian, at
+/// `local_offset` of the local region `lkey` (8 bytes, LOCAL_WRITE). Executed exactly once
+/// at the responder however often the request is retransmitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AtomicRequest {
+    /// Caller's identifier, returned in the work completion.
+    pub wr_id: u64,
+    /// Local region receiving the original value.
+    pub lkey: u32,
+    /// Byte offset in the local region.
+    pub local_offset: u64,
+    /// Remote virtual address (8-byte aligned; otherwise `RemoteInvalidRequest`).
+    pub remote_addr: u64,
+    /// Remote key of the peer's region.
+    pub rkey: u32,
+    /// Compare-and-swap or fetch-and-add.
+    pub op: crate::conn::AtomicOp,
+}
+
+/// A receive buffer to post on a stream: the next SEND on that stream without a receive
+/// lands in `[offset, offset + len)` of the local region `lkey` (LOCAL_WRITE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvRequest {
+    /// Caller's identifier, returned in the receive completion.
+    pub wr_id: u64,
+    /// Local region.
+    pub lkey: u32,
+    /// Byte offset in the region.
+    pub offset: u64,
+    /// Buffer length in bytes; a longer message completes the receive with
+    /// `LocalLengthError` and the sender with `RemoteInvalidRequest`.
+    pub len: u32,
+}
+
 /// Endpoint-wide counters of input that did not reach a connection.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EndpointStats {
@@ -318,6 +371,65 @@ impl Endpoint {
             .map_err(PostError::LocalMemory)?;
         let c = self.conn_for_post(conn, req.len as u64)?;
         c.post_write(&req);
+        Ok(())
+    }
+
+    /// Post an RDMA READ. The peer's bytes land in the local region as response packets
+    /// arrive, in any order; the completion (`RdmaRead`) reports success once all have
+    /// landed, or `RemoteAccessError` (bad rkey, out of bounds, no REMOTE_READ right).
+    /// At most `max_rd_atomic` READs and atomics are outstanding; later operations wait.
+    pub fn post_read(&mut self, conn: ConnectionHandle, req: ReadRequest) -> Result<(), PostError> {
+        self.mrs
+            .check_local_write(req.lkey, req.local_offset, req.len as u64)
+            .map_err(PostError::LocalMemory)?;
+        let c = self.conn_for_post(conn, req.len as u64)?;
+        c.post_read(&req);
+        Ok(())
+    }
+
+    /// Post an atomic compare-and-swap or fetch-and-add (IBA 9.4.5).
+    pub fn post_atomic(
+        &mut self,
+        conn: ConnectionHandle,
+        req: AtomicRequest,
+    ) -> Result<(), PostError> {
+        self.mrs
+            .check_local_write(req.lkey, req.local_offset, 8)
+            .map_err(PostError::LocalMemory)?;
+        let c = self.conn_for_post(conn, 8)?;
+        c.post_atomic(&req);
+        Ok(())
+    }
+
+    /// Post a receive buffer on `stream`. From then on the stream consumes posted receives
+    /// in order (IBA receive queue semantics): each SEND lands directly in the next one and
+    /// completes it ([`Event::RecvCompletion`]); a SEND finding none gets an RNR NAK and the
+    /// sender retries after the RNR timer, up to `rnr_retry` times.
+    pub fn post_recv(
+        &mut self,
+        conn: ConnectionHandle,
+        stream: u32,
+        req: RecvRequest,
+    ) -> Result<(), PostError> {
+        self.mrs
+            .check_local_write(req.lkey, req.offset, req.len as u64)
+            .map_err(PostError::LocalMemory)?;
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return Err(PostError::NotConnected);
+        }
+        c.post_recv(
+            stream,
+            crate::conn::recv::PostedRecv {
+                wr_id: req.wr_id,
+                lkey: req.lkey,
+                offset: req.offset,
+                len: req.len,
+            },
+        );
         Ok(())
     }
 

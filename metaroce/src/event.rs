@@ -93,6 +93,15 @@ pub enum WcOpcode {
     RdmaWrite,
     /// An RDMA WRITE with immediate (requester side).
     RdmaWriteWithImm,
+    /// An RDMA READ.
+    RdmaRead,
+    /// An atomic compare-and-swap.
+    CompSwap,
+    /// An atomic fetch-and-add.
+    FetchAdd,
+    /// A receive posted with [`Endpoint::post_recv`](crate::Endpoint::post_recv), consumed
+    /// by a SEND (`IBV_WC_RECV`).
+    Recv,
 }
 
 /// A work completion (CQE) of an operation the application posted.
@@ -176,6 +185,18 @@ pub enum Event {
         stream: u32,
         /// The message bytes.
         data: Bytes,
+    },
+    /// A receive posted with [`Endpoint::post_recv`](crate::Endpoint::post_recv) completed:
+    /// a message of `wc.byte_len` bytes landed in its buffer (status `Success`), or did not
+    /// fit (`LocalLengthError`; the sender gets `RemoteInvalidRequest`), or the connection
+    /// ended (`WrFlushError`). Reported in the order the receives were posted on the stream.
+    RecvCompletion {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The completion (`opcode` is [`WcOpcode::Recv`]).
+        wc: WorkCompletion,
     },
     /// An RDMA WRITE with immediate finished landing in local memory: every byte of it is
     /// visible in the target region when this event is reported. Reported exactly once per

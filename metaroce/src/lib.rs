@@ -60,8 +60,11 @@ pub mod transmit;
 pub mod wire;
 
 pub use config::{CongestionConfig, EndpointConfig, TransportConfig};
+pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathStats};
-pub use endpoint::{Endpoint, EndpointStats, PostError, WriteRequest};
+pub use endpoint::{
+    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, WriteRequest,
+};
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 pub use mr::{Access, MrError, MrKeys};
 pub use transmit::{EcnCodepoint, Transmit};

@@ -204,6 +204,33 @@ impl MrTable {
         Ok(())
     }
 
+    /// Bytes `[va, va+len)` of the region named by `rkey`, for an RDMA READ (checked for
+    /// REMOTE_READ).
+    pub(crate) fn remote_read(&self, rkey: u32, va: u64, len: u64) -> Result<&[u8], MrError> {
+        let r = self.slot(rkey).ok_or(MrError::InvalidKey)?;
+        let off = Self::check(r, va, len, Access::REMOTE_READ)?;
+        Ok(&r.data[off..off + len as usize])
+    }
+
+    /// Execute an atomic on the 8 bytes at `va` of the region named by `rkey` (checked for
+    /// REMOTE_ATOMIC; the caller checks alignment). The value is little-endian in memory.
+    /// `f` maps the old value to the new one; returns the old value.
+    pub(crate) fn remote_atomic(
+        &mut self,
+        rkey: u32,
+        va: u64,
+        f: impl FnOnce(u64) -> u64,
+    ) -> Result<u64, MrError> {
+        let r = self.slot_mut(rkey).ok_or(MrError::InvalidKey)?;
+        let off = Self::check(r, va, 8, Access::REMOTE_ATOMIC)?;
+        let cell = &mut r.data[off..off + 8];
+        let mut b = [0u8; 8];
+        b.copy_from_slice(cell);
+        let old = u64::from_le_bytes(b);
+        cell.copy_from_slice(&f(old).to_le_bytes());
+        Ok(old)
+    }
+
     /// Local bytes `[offset, offset+len)` of the region named by `lkey`.
     pub(crate) fn local(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
         let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
@@ -212,6 +239,26 @@ impl MrTable {
             return Err(MrError::OutOfBounds);
         }
         Ok(&r.data[offset as usize..end as usize])
+    }
+
+    /// Check that `[offset, offset+len)` of the local region `lkey` exists and may be
+    /// written by incoming data (LOCAL_WRITE, the verbs rule for receive and READ/atomic
+    /// result buffers).
+    pub(crate) fn check_local_write(
+        &self,
+        lkey: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        if !r.keys.access.contains(Access::LOCAL_WRITE) {
+            return Err(MrError::AccessDenied);
+        }
+        let end = offset.checked_add(len).ok_or(MrError::OutOfBounds)?;
+        if end > r.keys.len {
+            return Err(MrError::OutOfBounds);
+        }
+        Ok(())
     }
 
     pub(crate) fn local_mut(

@@ -4,6 +4,7 @@
 pub mod cc;
 pub(crate) mod path;
 pub(crate) mod recv;
+pub use send::{rnr_timer, AtomicOp};
 pub mod rtt;
 pub(crate) mod send;
 
@@ -11,13 +12,13 @@ use crate::config::TransportConfig;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::MrTable;
 use crate::wire::{
-    self, icrc, AckEth, Bth, ConnectEth, ConnectKind, Headers, NakEth, Opcode, PathEth, Reth,
-    SendEth, WriteEth,
+    self, icrc, AckEth, AtomicAckEth, AtomicEth, Bth, ConnectEth, ConnectKind, Headers, NakEth,
+    Opcode, PathEth, Reth, SendEth, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
 use cc::Aimd;
 use path::{PathInfo, PathRx, PathTx, RxClass, SegRef};
-use recv::{RecvLimits, RecvState, RecvStats, RxOutcome};
+use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
 use send::{OpKind, SendQueue};
 use std::collections::VecDeque;
@@ -220,7 +221,7 @@ impl Connection {
             init_psn,
             tx: Vec::new(),
             rx: Vec::new(),
-            sq: SendQueue::new(cfg.pmtu),
+            sq: SendQueue::new(cfg.pmtu, cfg.max_rd_atomic),
             rq: RecvState::default(),
             next_path: 0,
             next_ack_path: 0,
@@ -277,6 +278,7 @@ impl Connection {
             max_recv_buffer_bytes: self.cfg.max_recv_buffer_bytes,
             max_stream_window: self.cfg.max_stream_window,
             max_streams: self.cfg.max_streams,
+            require_posted_receives: self.cfg.require_posted_receives,
         }
     }
 
@@ -361,11 +363,37 @@ impl Connection {
                 write,
                 imm,
             } => self.on_data(ecn, pkt, path, Data::Write(reth, write, *imm), mrs, events),
+            Headers::ReadRequest { path, reth, op } => {
+                self.on_data(ecn, pkt, path, Data::ReadRequest(reth, op), mrs, events)
+            }
+            Headers::ReadResponse { path, op } => {
+                self.on_data(ecn, pkt, path, Data::ReadResponse(op), mrs, events)
+            }
+            Headers::Atomic { path, atomic, op } => {
+                let fetch_add = pkt.bth.opcode == Opcode::MR_FETCH_ADD;
+                self.on_data(
+                    ecn,
+                    pkt,
+                    path,
+                    Data::Atomic(atomic, op, fetch_add),
+                    mrs,
+                    events,
+                )
+            }
+            Headers::AtomicResponse { path, op, ack } => {
+                self.on_data(ecn, pkt, path, Data::AtomicResponse(op, ack), mrs, events)
+            }
             Headers::Nak { path, nak } => {
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
                     if let Some(seg) = p.on_nak(pkt.bth.psn) {
-                        self.sq
-                            .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
+                        if nak.syndrome & 0x60 == 0x20 {
+                            // RNR NAK: no receive posted; wait the coded time and retry.
+                            let delay = send::rnr_timer(nak.syndrome & 0x1F);
+                            self.sq.on_rnr(seg, now, delay, self.cfg.rnr_retry);
+                        } else {
+                            self.sq
+                                .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
+                        }
                         self.drain_completions(events);
                     }
                 }
@@ -437,10 +465,38 @@ impl Connection {
             RxClass::New => {}
         }
         let outcome = match data {
-            Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, events),
+            Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, mrs, events),
             Data::Write(reth, w, imm) => {
                 self.rq
                     .on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events)
+            }
+            Data::ReadRequest(..) | Data::Atomic(..)
+                if self.sq.internal_pending() >= self.cfg.max_rd_atomic =>
+            {
+                // Responder resources exhausted: the requester retries.
+                RxOutcome::Drop
+            }
+            Data::ReadRequest(reth, op) => {
+                let (out, respond) = self.rq.on_read_request(mrs, reth, op, &lim);
+                self.respond(respond);
+                out
+            }
+            Data::Atomic(at, op, fetch_add) => {
+                let (out, respond) = self.rq.on_atomic(mrs, at, op, fetch_add);
+                self.respond(respond);
+                out
+            }
+            Data::ReadResponse(op) => {
+                let out = self
+                    .sq
+                    .on_read_response(op.op_id, op.offset, pkt.payload, mrs);
+                self.drain_completions(events);
+                response_outcome(out)
+            }
+            Data::AtomicResponse(op, ack) => {
+                let out = self.sq.on_atomic_response(op.op_id, ack.orig, mrs);
+                self.drain_completions(events);
+                response_outcome(out)
             }
         };
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
@@ -458,11 +514,19 @@ impl Connection {
                 rx.ack_pending = true;
             }
             RxOutcome::Drop => {}
-            RxOutcome::Nak(syndrome) => {
+            RxOutcome::Nak(_) | RxOutcome::Rnr => {
+                let syndrome = match outcome {
+                    RxOutcome::Nak(s) => s,
+                    _ => 0x20 | (self.cfg.min_rnr_timer & 0x1F),
+                };
                 self.rq.stats.naks += 1;
                 let op_id = match data {
                     Data::Send(s) => s.stream_id,
-                    Data::Write(_, w, _) => w.op_id,
+                    Data::Write(_, w, _)
+                    | Data::ReadRequest(_, w)
+                    | Data::Atomic(_, w, _)
+                    | Data::ReadResponse(w)
+                    | Data::AtomicResponse(w, _) => w.op_id,
                 };
                 if self.naks.len() < 1024 {
                     self.naks.push_back(PendingNak {
@@ -474,6 +538,14 @@ impl Connection {
                     });
                 }
             }
+        }
+    }
+
+    fn respond(&mut self, r: Option<Respond>) {
+        match r {
+            Some(Respond::Read { req_id, data }) => self.sq.post_read_response(req_id, data),
+            Some(Respond::Atomic { req_id, orig }) => self.sq.post_atomic_response(req_id, orig),
+            None => {}
         }
     }
 
@@ -490,6 +562,7 @@ impl Connection {
     pub fn flush(&mut self, first: WcStatus, events: &mut VecDeque<Event>) {
         self.sq.fail_all(first);
         self.drain_completions(events);
+        self.rq.flush_receives(self.handle, events);
     }
 
     pub fn post_send(&mut self, wr_id: u64, stream: u32, data: bytes::Bytes) {
@@ -498,6 +571,18 @@ impl Connection {
 
     pub fn post_write(&mut self, req: &crate::endpoint::WriteRequest) {
         self.sq.post_write(req);
+    }
+
+    pub fn post_read(&mut self, req: &crate::endpoint::ReadRequest) {
+        self.sq.post_read(req);
+    }
+
+    pub fn post_atomic(&mut self, req: &crate::endpoint::AtomicRequest) {
+        self.sq.post_atomic(req);
+    }
+
+    pub fn post_recv(&mut self, stream: u32, r: recv::PostedRecv) {
+        self.rq.post_recv(stream, r);
     }
 
     // ---- timers ----
@@ -515,6 +600,7 @@ impl Connection {
         for p in &self.tx {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
+        consider(self.sq.rnr_deadline());
         if let (Some(idle), State::Established) = (self.cfg.idle_timeout, self.state) {
             consider(Some(self.last_heard + idle));
         }
@@ -533,6 +619,9 @@ impl Connection {
                 hs.next_at = now + self.cfg.handshake_interval;
             }
             return Outcome::default();
+        }
+        if self.sq.rnr_deadline().is_some_and(|t| t <= now) {
+            self.sq.on_rnr_timer(now);
         }
         let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
         let mut lost = Vec::new();
@@ -836,6 +925,78 @@ impl Connection {
                     },
                     Src::Mr(*lkey, local_offset + offset as u64),
                 ),
+                OpKind::Read {
+                    va, rkey, wire_id, ..
+                } => (
+                    Opcode::MR_READ_REQUEST,
+                    Headers::ReadRequest {
+                        path,
+                        reth: Reth {
+                            va: *va,
+                            rkey: *rkey,
+                            dma_len: op.len,
+                        },
+                        op: WriteEth {
+                            op_id: *wire_id,
+                            offset: 0,
+                        },
+                    },
+                    Src::Bytes(bytes::Bytes::new()),
+                ),
+                OpKind::Atomic {
+                    va,
+                    rkey,
+                    op: aop,
+                    wire_id,
+                    ..
+                } => {
+                    let (opcode, swap_add, compare) = match *aop {
+                        send::AtomicOp::CompareSwap { compare, swap } => {
+                            (Opcode::MR_COMPARE_SWAP, swap, compare)
+                        }
+                        send::AtomicOp::FetchAdd { add } => (Opcode::MR_FETCH_ADD, add, 0),
+                    };
+                    (
+                        opcode,
+                        Headers::Atomic {
+                            path,
+                            atomic: AtomicEth {
+                                va: *va,
+                                rkey: *rkey,
+                                swap_add,
+                                compare,
+                            },
+                            op: WriteEth {
+                                op_id: *wire_id,
+                                offset: 0,
+                            },
+                        },
+                        Src::Bytes(bytes::Bytes::new()),
+                    )
+                }
+                OpKind::ReadResponse { req_id, data } => (
+                    Opcode::MR_READ_RESPONSE,
+                    Headers::ReadResponse {
+                        path,
+                        op: WriteEth {
+                            op_id: *req_id,
+                            offset,
+                        },
+                    },
+                    Src::Bytes(data.slice(offset as usize..(offset + len) as usize)),
+                ),
+                OpKind::AtomicResponse { req_id, orig } => (
+                    Opcode::MR_ATOMIC_RESPONSE,
+                    Headers::AtomicResponse {
+                        path,
+                        op: WriteEth {
+                            op_id: *req_id,
+                            offset: 0,
+                        },
+                        ack: AtomicAckEth { orig: *orig },
+                    },
+                    Src::Bytes(bytes::Bytes::new()),
+                ),
             };
             let bytes;
             let payload: &[u8] = match src {
@@ -870,7 +1031,13 @@ impl Connection {
             bth.ack_req = last;
             let mut hdrs = hdrs;
             if retransmit {
-                if let Headers::Send { path, .. } | Headers::Write { path, .. } = &mut hdrs {
+                if let Headers::Send { path, .. }
+                | Headers::Write { path, .. }
+                | Headers::ReadRequest { path, .. }
+                | Headers::ReadResponse { path, .. }
+                | Headers::Atomic { path, .. }
+                | Headers::AtomicResponse { path, .. } = &mut hdrs
+                {
                     path.flags |= 1;
                 }
             }
@@ -906,8 +1073,19 @@ enum Src {
     Mr(u32, u64),
 }
 
+fn response_outcome(out: send::RespOutcome) -> RxOutcome {
+    match out {
+        send::RespOutcome::Accepted => RxOutcome::Accepted,
+        send::RespOutcome::Invalid => RxOutcome::Nak(recv::NAK_INVALID_REQUEST),
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Data<'a> {
     Send(&'a SendEth),
     Write(&'a Reth, &'a WriteEth, Option<u32>),
+    ReadRequest(&'a Reth, &'a WriteEth),
+    ReadResponse(&'a WriteEth),
+    Atomic(&'a AtomicEth, &'a WriteEth, bool),
+    AtomicResponse(&'a WriteEth, &'a AtomicAckEth),
 }

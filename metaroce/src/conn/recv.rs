@@ -2,15 +2,16 @@
 //! direct placement of RDMA WRITE packets into registered memory, and exactly-once
 //! reporting of messages and WRITE-with-immediate completions.
 
-use crate::event::{ConnectionHandle, Event};
+use crate::event::{ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 use crate::mr::{Access, MrTable};
-use crate::wire::{Reth, SendEth, WriteEth};
+use crate::wire::{AtomicEth, Reth, SendEth, WriteEth};
 use bytes::Bytes;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// NAK syndromes (AETH NAK codes, RoCEv2 reference §3.1).
 pub(crate) const NAK_INVALID_REQUEST: u8 = 0x61;
 pub(crate) const NAK_REMOTE_ACCESS: u8 = 0x62;
+pub(crate) const NAK_REMOTE_OPERATIONAL: u8 = 0x63;
 
 /// What the semantic layer made of a new packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,11 +22,41 @@ pub(crate) enum RxOutcome {
     Drop,
     /// Refused: NAK with this syndrome, nothing written.
     Nak(u8),
+    /// No receive posted for this SEND: RNR NAK, the sender retries after the RNR timer.
+    Rnr,
+}
+
+/// Work the responder must queue after accepting a READ or atomic request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Respond {
+    /// Send this data back as the READ response.
+    Read { req_id: u32, data: Bytes },
+    /// Send the original value back.
+    Atomic { req_id: u32, orig: u64 },
+}
+
+/// A receive buffer the application posted on a stream.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PostedRecv {
+    pub wr_id: u64,
+    pub lkey: u32,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// Where a message's bytes land.
+#[derive(Debug)]
+enum Dest {
+    /// A library-owned buffer, handed over as `Event::Message`.
+    Owned(Vec<u8>),
+    /// A posted receive.
+    Posted(PostedRecv),
 }
 
 #[derive(Debug)]
 struct RxMsg {
-    data: Vec<u8>,
+    dest: Dest,
+    len: u32,
     got: Vec<u64>,
     got_segs: u32,
     nsegs: u32,
@@ -35,6 +66,11 @@ struct RxMsg {
 struct StreamRx {
     next_deliver: u32,
     msgs: BTreeMap<u32, RxMsg>,
+    /// Receives posted and not yet completed, in posting order: the one at index k is for
+    /// message `next_deliver + k`.
+    posted: VecDeque<PostedRecv>,
+    /// The stream consumes posted receives (RNR when none).
+    posted_mode: bool,
 }
 
 #[derive(Debug)]
@@ -52,6 +88,7 @@ pub(crate) struct RecvLimits {
     pub max_recv_buffer_bytes: u64,
     pub max_stream_window: u32,
     pub max_streams: u32,
+    pub require_posted_receives: bool,
 }
 
 /// Most WRITE operations tracked at once (in progress or finished above the floor).
@@ -84,6 +121,12 @@ pub struct RecvStats {
     pub no_buffer_drops: u64,
     /// NAKs sent.
     pub naks: u64,
+    /// RNR NAKs sent (a SEND found no posted receive).
+    pub rnr_naks: u64,
+    /// RDMA READ requests executed.
+    pub reads: u64,
+    /// Atomics executed.
+    pub atomics: u64,
 }
 
 fn seq_before(a: u32, b: u32) -> bool {
@@ -98,7 +141,7 @@ fn test_set(bits: &mut [u64], i: u32) -> bool {
 }
 
 /// Check that a packet is the segment the path MTU implies at its offset.
-fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) -> bool {
+pub(crate) fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) -> bool {
     let off = offset as u64;
     if off % pmtu as u64 != 0 || (off >= total && !(off == 0 && total == 0)) {
         return false;
@@ -107,12 +150,44 @@ fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) -> bool {
 }
 
 impl RecvState {
+    /// Post a receive buffer on a stream; the stream then consumes posted receives.
+    pub fn post_recv(&mut self, stream: u32, r: PostedRecv) {
+        let st = self.streams.entry(stream).or_default();
+        st.posted_mode = true;
+        st.posted.push_back(r);
+    }
+
+    /// Fail every posted receive not yet completed (the connection ended).
+    pub fn flush_receives(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        let mut ids: Vec<_> = self.streams.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            let Some(st) = self.streams.get_mut(&id) else {
+                continue;
+            };
+            for r in st.posted.drain(..) {
+                let wc = WorkCompletion {
+                    wr_id: r.wr_id,
+                    status: WcStatus::WrFlushError,
+                    opcode: WcOpcode::Recv,
+                    byte_len: 0,
+                };
+                events.push_back(Event::RecvCompletion {
+                    conn,
+                    stream: id,
+                    wc,
+                });
+            }
+        }
+    }
+
     pub fn on_send(
         &mut self,
         conn: ConnectionHandle,
         hdr: &SendEth,
         payload: &[u8],
         lim: &RecvLimits,
+        mrs: &mut MrTable,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         let total = hdr.msg_len as u64;
@@ -127,26 +202,78 @@ impl RecvState {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         let st = self.streams.entry(hdr.stream_id).or_default();
+        if lim.require_posted_receives {
+            st.posted_mode = true;
+        }
         if seq_before(hdr.msg_seq, st.next_deliver) {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
         }
-        if hdr.msg_seq.wrapping_sub(st.next_deliver) >= lim.max_stream_window {
+        let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
+        if ahead >= lim.max_stream_window {
             self.stats.no_buffer_drops += 1;
             return RxOutcome::Drop;
         }
         let nsegs = hdr.msg_len.div_ceil(lim.pmtu).max(1);
         if !st.msgs.contains_key(&hdr.msg_seq) {
-            let head = hdr.msg_seq == st.next_deliver;
-            if !head && self.buffered + total > lim.max_recv_buffer_bytes {
-                self.stats.no_buffer_drops += 1;
-                return RxOutcome::Drop;
-            }
-            self.buffered += total;
+            let dest = if st.posted_mode {
+                // Messages match receives in order: message next_deliver + k takes the k-th
+                // posted receive (IBA receive queue semantics, per stream).
+                if ahead as usize >= st.posted.len() {
+                    self.stats.rnr_naks += 1;
+                    return RxOutcome::Rnr;
+                }
+                let r = st.posted[ahead as usize];
+                if hdr.msg_len > r.len {
+                    if ahead != 0 {
+                        return RxOutcome::Drop;
+                    }
+                    // Too long for the receive at the head: it completes in error and the
+                    // sender gets "invalid request" (IBA length error).
+                    st.posted.pop_front();
+                    st.next_deliver = st.next_deliver.wrapping_add(1);
+                    let wc = WorkCompletion {
+                        wr_id: r.wr_id,
+                        status: WcStatus::LocalLengthError,
+                        opcode: WcOpcode::Recv,
+                        byte_len: hdr.msg_len,
+                    };
+                    events.push_back(Event::RecvCompletion {
+                        conn,
+                        stream: hdr.stream_id,
+                        wc,
+                    });
+                    Self::deliver(
+                        conn,
+                        hdr.stream_id,
+                        st,
+                        &mut self.buffered,
+                        &mut self.stats,
+                        events,
+                    );
+                    return RxOutcome::Nak(NAK_INVALID_REQUEST);
+                }
+                if mrs
+                    .check_local_write(r.lkey, r.offset, hdr.msg_len as u64)
+                    .is_err()
+                {
+                    return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
+                }
+                Dest::Posted(r)
+            } else {
+                let head = ahead == 0;
+                if !head && self.buffered + total > lim.max_recv_buffer_bytes {
+                    self.stats.no_buffer_drops += 1;
+                    return RxOutcome::Drop;
+                }
+                self.buffered += total;
+                Dest::Owned(vec![0; hdr.msg_len as usize])
+            };
             st.msgs.insert(
                 hdr.msg_seq,
                 RxMsg {
-                    data: vec![0; hdr.msg_len as usize],
+                    dest,
+                    len: hdr.msg_len,
                     got: vec![0; nsegs.div_ceil(64) as usize],
                     got_segs: 0,
                     nsegs,
@@ -165,9 +292,38 @@ impl RecvState {
             return RxOutcome::Accepted;
         }
         let off = hdr.offset as usize;
-        msg.data[off..off + payload.len()].copy_from_slice(payload);
+        match &mut msg.dest {
+            Dest::Owned(data) => data[off..off + payload.len()].copy_from_slice(payload),
+            Dest::Posted(r) => {
+                if !payload.is_empty() {
+                    match mrs.local_mut(r.lkey, r.offset + off as u64, payload.len() as u64) {
+                        Ok(dst) => dst.copy_from_slice(payload),
+                        Err(_) => return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL),
+                    }
+                }
+            }
+        }
         msg.got_segs += 1;
-        // Deliver every complete message at the head of the stream, in order.
+        Self::deliver(
+            conn,
+            hdr.stream_id,
+            st,
+            &mut self.buffered,
+            &mut self.stats,
+            events,
+        );
+        RxOutcome::Accepted
+    }
+
+    /// Deliver every complete message at the head of the stream, in order.
+    fn deliver(
+        conn: ConnectionHandle,
+        stream: u32,
+        st: &mut StreamRx,
+        buffered: &mut u64,
+        stats: &mut RecvStats,
+        events: &mut VecDeque<Event>,
+    ) {
         while st
             .msgs
             .get(&st.next_deliver)
@@ -176,17 +332,116 @@ impl RecvState {
             let Some(m) = st.msgs.remove(&st.next_deliver) else {
                 break;
             };
-            self.buffered -= m.data.len() as u64;
-            self.stats.messages += 1;
-            self.stats.message_bytes += m.data.len() as u64;
-            events.push_back(Event::Message {
-                conn,
-                stream: hdr.stream_id,
-                data: Bytes::from(m.data),
-            });
+            stats.messages += 1;
+            stats.message_bytes += m.len as u64;
+            match m.dest {
+                Dest::Owned(data) => {
+                    *buffered -= data.len() as u64;
+                    events.push_back(Event::Message {
+                        conn,
+                        stream,
+                        data: Bytes::from(data),
+                    });
+                }
+                Dest::Posted(r) => {
+                    st.posted.pop_front();
+                    let wc = WorkCompletion {
+                        wr_id: r.wr_id,
+                        status: WcStatus::Success,
+                        opcode: WcOpcode::Recv,
+                        byte_len: m.len,
+                    };
+                    events.push_back(Event::RecvCompletion { conn, stream, wc });
+                }
+            }
             st.next_deliver = st.next_deliver.wrapping_add(1);
         }
-        RxOutcome::Accepted
+    }
+
+    /// Whether the operation id was already executed (or refused).
+    fn op_seen(&self, id: u32) -> bool {
+        seq_before(id, self.write_floor) || self.writes_done.contains(&id)
+    }
+
+    /// An RDMA READ request: check it, execute it once, and return the data to send back.
+    pub fn on_read_request(
+        &mut self,
+        mrs: &MrTable,
+        reth: &Reth,
+        op: &WriteEth,
+        lim: &RecvLimits,
+    ) -> (RxOutcome, Option<Respond>) {
+        let len = reth.dma_len as u64;
+        if len > lim.max_message_size {
+            return (RxOutcome::Nak(NAK_INVALID_REQUEST), None);
+        }
+        let data = if len == 0 {
+            Bytes::new()
+        } else {
+            match mrs.remote_read(reth.rkey, reth.va, len) {
+                Ok(d) => Bytes::copy_from_slice(d),
+                Err(_) => {
+                    self.finish_write(op.op_id);
+                    return (RxOutcome::Nak(NAK_REMOTE_ACCESS), None);
+                }
+            }
+        };
+        if self.op_seen(op.op_id) {
+            self.stats.duplicates += 1;
+            return (RxOutcome::Accepted, None);
+        }
+        self.finish_write(op.op_id);
+        self.stats.reads += 1;
+        (
+            RxOutcome::Accepted,
+            Some(Respond::Read {
+                req_id: op.op_id,
+                data,
+            }),
+        )
+    }
+
+    /// An atomic request: check it, execute it exactly once, return the original value.
+    pub fn on_atomic(
+        &mut self,
+        mrs: &mut MrTable,
+        at: &AtomicEth,
+        op: &WriteEth,
+        fetch_add: bool,
+    ) -> (RxOutcome, Option<Respond>) {
+        if at.va % 8 != 0 {
+            return (RxOutcome::Nak(NAK_INVALID_REQUEST), None);
+        }
+        if let Err(_e) = mrs.check_remote(at.rkey, at.va, 8, Access::REMOTE_ATOMIC) {
+            self.finish_write(op.op_id);
+            return (RxOutcome::Nak(NAK_REMOTE_ACCESS), None);
+        }
+        if self.op_seen(op.op_id) {
+            self.stats.duplicates += 1;
+            return (RxOutcome::Accepted, None);
+        }
+        let (swap_add, compare) = (at.swap_add, at.compare);
+        let res = mrs.remote_atomic(at.rkey, at.va, |old| {
+            if fetch_add {
+                old.wrapping_add(swap_add)
+            } else if old == compare {
+                swap_add
+            } else {
+                old
+            }
+        });
+        let Ok(orig) = res else {
+            return (RxOutcome::Nak(NAK_REMOTE_ACCESS), None);
+        };
+        self.finish_write(op.op_id);
+        self.stats.atomics += 1;
+        (
+            RxOutcome::Accepted,
+            Some(Respond::Atomic {
+                req_id: op.op_id,
+                orig,
+            }),
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -216,7 +471,7 @@ impl RecvState {
             }
         }
         let id = hdr.op_id;
-        if seq_before(id, self.write_floor) || self.writes_done.contains(&id) {
+        if self.op_seen(id) {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
         }

@@ -1,11 +1,33 @@
 //! Semantic layer, requester side: posted operations, their segmentation into
-//! path-MTU-sized segments, acknowledgement per segment, and completions in posting order.
+//! path-MTU-sized segments, acknowledgement per segment, READ/atomic responses, RNR
+//! back-off, and completions in posting order.
+//!
+//! The same queue carries the responder's internal operations (READ and atomic
+//! responses): they are sent and acknowledged like any data but report no completion.
 
 use super::path::SegRef;
-use crate::endpoint::WriteRequest;
 use crate::event::{WcOpcode, WcStatus, WorkCompletion};
+use crate::mr::MrTable;
 use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// An atomic operation (IBA 9.4.5): compare-and-swap or fetch-and-add on 8 bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtomicOp {
+    /// If the remote value equals `compare`, replace it with `swap`.
+    CompareSwap {
+        /// Value to compare with.
+        compare: u64,
+        /// Value to store on a match.
+        swap: u64,
+    },
+    /// Add `add` (wrapping) to the remote value.
+    FetchAdd {
+        /// Addend.
+        add: u64,
+    },
+}
 
 #[derive(Debug)]
 pub(crate) enum OpKind {
@@ -22,26 +44,81 @@ pub(crate) enum OpKind {
         imm: Option<u32>,
         wire_id: u32,
     },
+    Read {
+        lkey: u32,
+        local_offset: u64,
+        va: u64,
+        rkey: u32,
+        wire_id: u32,
+    },
+    Atomic {
+        lkey: u32,
+        local_offset: u64,
+        va: u64,
+        rkey: u32,
+        op: AtomicOp,
+        wire_id: u32,
+    },
+    /// Responder: the data of a READ the peer requested (read when the request executed).
+    ReadResponse { req_id: u32, data: Bytes },
+    /// Responder: the original value of an atomic the peer requested.
+    AtomicResponse { req_id: u32, orig: u64 },
+}
+
+impl OpKind {
+    fn is_internal(&self) -> bool {
+        matches!(
+            self,
+            OpKind::ReadResponse { .. } | OpKind::AtomicResponse { .. }
+        )
+    }
+
+    fn is_rd_atomic(&self) -> bool {
+        matches!(self, OpKind::Read { .. } | OpKind::Atomic { .. })
+    }
+}
+
+/// Segments of response data received for a READ.
+#[derive(Debug)]
+struct RespTrack {
+    got: Vec<u64>,
+    got_segs: u32,
+    nsegs: u32,
 }
 
 #[derive(Debug)]
 pub(crate) struct Op {
     pub wr_id: u64,
     pub kind: OpKind,
+    /// Bytes the operation carries (message, WRITE or READ length; 8 for atomics).
     pub len: u32,
+    /// Segments the requester sends (1 for READ and atomic requests).
     pub nsegs: u32,
     next_seg: u32,
     acked: Vec<u64>,
     acked_segs: u32,
+    resp: Option<RespTrack>,
+    rnr_count: u32,
     pub status: Option<WcStatus>,
 }
 
 impl Op {
     fn opcode(&self) -> WcOpcode {
         match self.kind {
-            OpKind::Send { .. } => WcOpcode::Send,
+            OpKind::Send { .. } | OpKind::ReadResponse { .. } | OpKind::AtomicResponse { .. } => {
+                WcOpcode::Send
+            }
             OpKind::Write { imm: None, .. } => WcOpcode::RdmaWrite,
             OpKind::Write { imm: Some(_), .. } => WcOpcode::RdmaWriteWithImm,
+            OpKind::Read { .. } => WcOpcode::RdmaRead,
+            OpKind::Atomic {
+                op: AtomicOp::CompareSwap { .. },
+                ..
+            } => WcOpcode::CompSwap,
+            OpKind::Atomic {
+                op: AtomicOp::FetchAdd { .. },
+                ..
+            } => WcOpcode::FetchAdd,
         }
     }
 
@@ -56,6 +133,26 @@ pub(crate) fn seg_span(len: u32, pmtu: u32, seg: u32) -> (u32, u32) {
     (off, (len - off.min(len)).min(pmtu))
 }
 
+/// The RNR timer of IBA (RoCEv2 reference §3.1): how long an RNR NAK with this 5-bit code
+/// asks the sender to wait.
+pub fn rnr_timer(code: u8) -> Duration {
+    const US: [u32; 32] = [
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1_280, 1_920, 2_560,
+        3_840, 5_120, 7_680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
+        163_840, 245_760, 327_680, 491_520,
+    ];
+    Duration::from_micros(US[(code & 31) as usize] as u64)
+}
+
+/// What a READ or atomic response did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RespOutcome {
+    /// Placed (or a duplicate of placed data): acknowledge.
+    Accepted,
+    /// Inconsistent with the operation: refuse.
+    Invalid,
+}
+
 /// The send queue of a connection.
 #[derive(Debug, Default)]
 pub(crate) struct SendQueue {
@@ -63,15 +160,23 @@ pub(crate) struct SendQueue {
     base_id: u64,
     cursor: usize,
     retx: VecDeque<SegRef>,
+    rnr_wait: VecDeque<(Instant, SegRef)>,
     stream_seq: HashMap<u32, u32>,
     next_wire_id: u32,
+    /// Pending READs/atomics by wire id.
+    rd_ops: HashMap<u32, u64>,
+    rd_outstanding: u32,
+    internal_pending: u32,
+    app_ops: usize,
     pmtu: u32,
+    max_rd_atomic: u32,
 }
 
 impl SendQueue {
-    pub fn new(pmtu: u32) -> Self {
+    pub fn new(pmtu: u32, max_rd_atomic: u32) -> Self {
         Self {
             pmtu,
+            max_rd_atomic,
             ..Default::default()
         }
     }
@@ -80,8 +185,14 @@ impl SendQueue {
         self.pmtu = pmtu;
     }
 
+    /// Operations posted by the application and not yet reported.
     pub fn len(&self) -> usize {
-        self.ops.len()
+        self.app_ops
+    }
+
+    /// Responses queued for the peer's READs and atomics.
+    pub fn internal_pending(&self) -> u32 {
+        self.internal_pending
     }
 
     pub fn op(&self, id: u64) -> Option<&Op> {
@@ -94,8 +205,35 @@ impl SendQueue {
         self.ops.get_mut(usize::try_from(i).ok()?)
     }
 
+    fn next_wire_id(&mut self) -> u32 {
+        let id = self.next_wire_id;
+        self.next_wire_id = id.wrapping_add(1);
+        id
+    }
+
     fn push(&mut self, wr_id: u64, kind: OpKind, len: u32) {
-        let nsegs = len.div_ceil(self.pmtu).max(1);
+        let data_segs = len.div_ceil(self.pmtu).max(1);
+        let (nsegs, resp) = match kind {
+            OpKind::Read { .. } => (
+                1,
+                Some(RespTrack {
+                    got: vec![0; data_segs.div_ceil(64) as usize],
+                    got_segs: 0,
+                    nsegs: data_segs,
+                }),
+            ),
+            OpKind::Atomic { .. } => (1, None),
+            _ => (data_segs, None),
+        };
+        if kind.is_internal() {
+            self.internal_pending += 1;
+        } else {
+            self.app_ops += 1;
+        }
+        if let OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } = kind {
+            self.rd_ops
+                .insert(wire_id, self.base_id + self.ops.len() as u64);
+        }
         self.ops.push_back(Op {
             wr_id,
             kind,
@@ -104,6 +242,8 @@ impl SendQueue {
             next_seg: 0,
             acked: vec![0; nsegs.div_ceil(64) as usize],
             acked_segs: 0,
+            resp,
+            rnr_count: 0,
             status: None,
         });
     }
@@ -124,9 +264,8 @@ impl SendQueue {
         );
     }
 
-    pub fn post_write(&mut self, req: &WriteRequest) {
-        let wire_id = self.next_wire_id;
-        self.next_wire_id = wire_id.wrapping_add(1);
+    pub fn post_write(&mut self, req: &crate::endpoint::WriteRequest) {
+        let wire_id = self.next_wire_id();
         let kind = OpKind::Write {
             lkey: req.lkey,
             local_offset: req.local_offset,
@@ -138,12 +277,48 @@ impl SendQueue {
         self.push(req.wr_id, kind, req.len);
     }
 
+    pub fn post_read(&mut self, req: &crate::endpoint::ReadRequest) {
+        let wire_id = self.next_wire_id();
+        let kind = OpKind::Read {
+            lkey: req.lkey,
+            local_offset: req.local_offset,
+            va: req.remote_addr,
+            rkey: req.rkey,
+            wire_id,
+        };
+        self.push(req.wr_id, kind, req.len);
+    }
+
+    pub fn post_atomic(&mut self, req: &crate::endpoint::AtomicRequest) {
+        let wire_id = self.next_wire_id();
+        let kind = OpKind::Atomic {
+            lkey: req.lkey,
+            local_offset: req.local_offset,
+            va: req.remote_addr,
+            rkey: req.rkey,
+            op: req.op,
+            wire_id,
+        };
+        self.push(req.wr_id, kind, 8);
+    }
+
+    pub fn post_read_response(&mut self, req_id: u32, data: Bytes) {
+        let len = data.len() as u32;
+        self.push(0, OpKind::ReadResponse { req_id, data }, len);
+    }
+
+    pub fn post_atomic_response(&mut self, req_id: u32, orig: u64) {
+        self.push(0, OpKind::AtomicResponse { req_id, orig }, 0);
+    }
+
     fn live(&self, s: SegRef) -> bool {
         self.op(s.op)
             .is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg))
     }
 
-    /// The next segment to transmit (retransmissions first), without taking it.
+    /// The next segment to transmit (retransmissions first), without taking it. A READ or
+    /// atomic waits while `max_rd_atomic` of them are outstanding (and holds back what was
+    /// posted after it, like an RC send queue).
     pub fn peek(&mut self) -> Option<SegRef> {
         while let Some(&s) = self.retx.front() {
             if self.live(s) {
@@ -153,6 +328,12 @@ impl SendQueue {
         }
         while let Some(op) = self.ops.get(self.cursor) {
             if op.status.is_none() && op.next_seg < op.nsegs {
+                if op.next_seg == 0
+                    && op.kind.is_rd_atomic()
+                    && self.rd_outstanding >= self.max_rd_atomic
+                {
+                    return None;
+                }
                 return Some(SegRef {
                     op: self.base_id + self.cursor as u64,
                     seg: op.next_seg,
@@ -169,10 +350,15 @@ impl SendQueue {
             self.retx.pop_front();
             return true;
         }
+        let mut started_rd = false;
         if let Some(op) = self.op_mut(s.op) {
             if op.next_seg == s.seg {
+                started_rd = s.seg == 0 && op.kind.is_rd_atomic();
                 op.next_seg += 1;
             }
+        }
+        if started_rd {
+            self.rd_outstanding += 1;
         }
         false
     }
@@ -182,19 +368,47 @@ impl SendQueue {
         self.live(s)
     }
 
+    /// Payload span of a segment (READ and atomic requests carry none).
     pub fn seg_span(&self, s: SegRef) -> Option<(u32, u32)> {
-        self.op(s.op).map(|o| seg_span(o.len, self.pmtu, s.seg))
+        self.op(s.op).map(|o| match o.kind {
+            OpKind::Read { .. } | OpKind::Atomic { .. } | OpKind::AtomicResponse { .. } => (0, 0),
+            _ => seg_span(o.len, self.pmtu, s.seg),
+        })
+    }
+
+    /// Set the final status of an operation (once).
+    fn finish(&mut self, id: u64, status: WcStatus) {
+        let Some(op) = self.op_mut(id) else { return };
+        if op.status.is_some() {
+            return;
+        }
+        op.status = Some(status);
+        let (rd, started, internal) = (
+            op.kind.is_rd_atomic(),
+            op.next_seg > 0,
+            op.kind.is_internal(),
+        );
+        if let OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } = op.kind {
+            self.rd_ops.remove(&wire_id);
+        }
+        if rd && started {
+            self.rd_outstanding -= 1;
+        }
+        if internal {
+            self.internal_pending -= 1;
+        }
     }
 
     pub fn on_acked(&mut self, s: SegRef) {
-        if let Some(op) = self.op_mut(s.op) {
-            if op.status.is_none() && s.seg < op.nsegs && !op.is_acked(s.seg) {
-                op.acked[(s.seg / 64) as usize] |= 1 << (s.seg % 64);
-                op.acked_segs += 1;
-                if op.acked_segs == op.nsegs {
-                    op.status = Some(WcStatus::Success);
-                }
-            }
+        let Some(op) = self.op_mut(s.op) else { return };
+        if op.status.is_some() || s.seg >= op.nsegs || op.is_acked(s.seg) {
+            return;
+        }
+        op.acked[(s.seg / 64) as usize] |= 1 << (s.seg % 64);
+        op.acked_segs += 1;
+        // READs and atomics complete with their response, not with the request's ACK.
+        if op.acked_segs == op.nsegs && !op.kind.is_rd_atomic() {
+            self.finish(s.op, WcStatus::Success);
         }
     }
 
@@ -204,40 +418,160 @@ impl SendQueue {
         }
     }
 
-    /// Fail one operation (NAK from the responder, or a local error).
-    pub fn fail(&mut self, op: u64, status: WcStatus) {
-        if let Some(op) = self.op_mut(op) {
-            if op.status.is_none() {
-                op.status = Some(status);
+    /// The peer had no receive for this SEND segment: retry after `delay`, or fail with
+    /// `RnrRetryExceeded` after `rnr_retry` tries (7 = forever).
+    pub fn on_rnr(&mut self, s: SegRef, now: Instant, delay: Duration, rnr_retry: u8) {
+        let Some(op) = self.op_mut(s.op) else { return };
+        if op.status.is_some() {
+            return;
+        }
+        op.rnr_count += 1;
+        if rnr_retry != 7 && op.rnr_count > rnr_retry as u32 {
+            self.finish(s.op, WcStatus::RnrRetryExceeded);
+            return;
+        }
+        self.rnr_wait.push_back((now + delay, s));
+    }
+
+    /// When the earliest RNR wait ends.
+    pub fn rnr_deadline(&self) -> Option<Instant> {
+        self.rnr_wait.iter().map(|(t, _)| *t).min()
+    }
+
+    /// Move segments whose RNR wait has ended to the retransmission queue.
+    pub fn on_rnr_timer(&mut self, now: Instant) {
+        let mut keep = VecDeque::new();
+        while let Some((t, s)) = self.rnr_wait.pop_front() {
+            if t <= now {
+                self.on_lost(s);
+            } else {
+                keep.push_back((t, s));
             }
         }
+        self.rnr_wait = keep;
+    }
+
+    /// A READ response packet: place it in the requester's buffer.
+    pub fn on_read_response(
+        &mut self,
+        wire_id: u32,
+        offset: u32,
+        payload: &[u8],
+        mrs: &mut MrTable,
+    ) -> RespOutcome {
+        let pmtu = self.pmtu;
+        let Some(&id) = self.rd_ops.get(&wire_id) else {
+            // Already complete (a response re-sent after crossing its ACK): acknowledge.
+            return RespOutcome::Accepted;
+        };
+        let Some(op) = self.op_mut(id) else {
+            return RespOutcome::Accepted;
+        };
+        let OpKind::Read {
+            lkey, local_offset, ..
+        } = op.kind
+        else {
+            return RespOutcome::Invalid;
+        };
+        let Some(resp) = op.resp.as_mut() else {
+            return RespOutcome::Invalid;
+        };
+        if !super::recv::check_segment(offset, payload.len(), op.len as u64, pmtu) {
+            return RespOutcome::Invalid;
+        }
+        let seg = offset / pmtu;
+        let (w, b) = ((seg / 64) as usize, seg % 64);
+        if resp.got[w] >> b & 1 == 1 {
+            return RespOutcome::Accepted;
+        }
+        resp.got[w] |= 1 << b;
+        resp.got_segs += 1;
+        let done = resp.got_segs == resp.nsegs;
+        if !payload.is_empty() {
+            match mrs.local_mut(lkey, local_offset + offset as u64, payload.len() as u64) {
+                Ok(dst) => dst.copy_from_slice(payload),
+                Err(_) => {
+                    self.finish(id, WcStatus::LocalProtectionError);
+                    return RespOutcome::Accepted;
+                }
+            }
+        }
+        if done {
+            self.finish(id, WcStatus::Success);
+        }
+        RespOutcome::Accepted
+    }
+
+    /// An atomic response: store the original value (8 bytes, little-endian) and complete.
+    pub fn on_atomic_response(
+        &mut self,
+        wire_id: u32,
+        orig: u64,
+        mrs: &mut MrTable,
+    ) -> RespOutcome {
+        let Some(&id) = self.rd_ops.get(&wire_id) else {
+            return RespOutcome::Accepted;
+        };
+        let Some(op) = self.op(id) else {
+            return RespOutcome::Accepted;
+        };
+        let OpKind::Atomic {
+            lkey, local_offset, ..
+        } = op.kind
+        else {
+            return RespOutcome::Invalid;
+        };
+        let status = match mrs.local_mut(lkey, local_offset, 8) {
+            Ok(dst) => {
+                dst.copy_from_slice(&orig.to_le_bytes());
+                WcStatus::Success
+            }
+            Err(_) => WcStatus::LocalProtectionError,
+        };
+        self.finish(id, status);
+        RespOutcome::Accepted
+    }
+
+    /// Fail one operation (NAK from the responder, or a local error).
+    pub fn fail(&mut self, op: u64, status: WcStatus) {
+        self.finish(op, status);
     }
 
     /// Fail everything pending: the first pending operation gets `first`, the rest are
     /// flushed (IBA: the WQE that hit the error, then `WR_FLUSH_ERR` for the others).
     pub fn fail_all(&mut self, first: WcStatus) {
         let mut status = first;
-        for op in self.ops.iter_mut() {
-            if op.status.is_none() {
-                op.status = Some(status);
-                status = WcStatus::WrFlushError;
+        for i in 0..self.ops.len() {
+            if self.ops[i].status.is_none() {
+                let internal = self.ops[i].kind.is_internal();
+                self.finish(self.base_id + i as u64, status);
+                if !internal {
+                    status = WcStatus::WrFlushError;
+                }
             }
         }
         self.retx.clear();
+        self.rnr_wait.clear();
     }
 
-    /// Pop completions that are due, in posting order.
+    /// Pop completions that are due, in posting order (internal operations report none).
     pub fn pop_completion(&mut self) -> Option<WorkCompletion> {
-        let status = self.ops.front()?.status?;
-        let op = self.ops.pop_front()?;
-        self.base_id += 1;
-        self.cursor = self.cursor.saturating_sub(1);
-        Some(WorkCompletion {
-            wr_id: op.wr_id,
-            status,
-            opcode: op.opcode(),
-            byte_len: op.len,
-        })
+        loop {
+            let status = self.ops.front()?.status?;
+            let op = self.ops.pop_front()?;
+            self.base_id += 1;
+            self.cursor = self.cursor.saturating_sub(1);
+            if op.kind.is_internal() {
+                continue;
+            }
+            self.app_ops -= 1;
+            return Some(WorkCompletion {
+                wr_id: op.wr_id,
+                status,
+                opcode: op.opcode(),
+                byte_len: op.len,
+            });
+        }
     }
 
     /// Whether anything is posted and not yet completed.
