@@ -6,8 +6,8 @@ use crate::mr::{MemoryRegion, RemoteRegion};
 use crate::stream::{MessageStream, StreamEntry};
 use crate::Endpoint;
 use metaroce::{
-    ConnectionError, ConnectionHandle, ConnectionStats, PostError, WcStatus, WorkCompletion,
-    WriteRequest,
+    AtomicOp, AtomicRequest, ConnectionError, ConnectionHandle, ConnectionStats, PostError,
+    ReadRequest, RecvRequest, WcStatus, WorkCompletion, WriteRequest,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -329,6 +329,129 @@ impl Connection {
         let h = self.inner.handle;
         self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
             .await
+    }
+
+    /// RDMA READ: copy the peer's `src` region from `src_offset` into `dst[range]`
+    /// (`dst` needs `Access::LOCAL_WRITE`, the peer's region `REMOTE_READ`). Resolves once
+    /// every byte has landed in `dst`. A refusal is `Err(Error::Completion(wc))` with
+    /// `RemoteAccessError`, and `dst` is untouched.
+    pub async fn read(
+        &self,
+        dst: &MemoryRegion,
+        range: Range<u64>,
+        src: RemoteRegion,
+        src_offset: u64,
+    ) -> Result<WorkCompletion, Error> {
+        let w = self.write_request(dst, range, src, src_offset, None)?;
+        let req = ReadRequest {
+            wr_id: 0,
+            lkey: w.lkey,
+            local_offset: w.local_offset,
+            len: w.len,
+            remote_addr: w.remote_addr,
+            rkey: w.rkey,
+        };
+        let h = self.inner.handle;
+        self.run_op(move |core, wr_id| core.post_read(h, ReadRequest { wr_id, ..req }))
+            .await
+    }
+
+    async fn atomic(
+        &self,
+        remote: RemoteRegion,
+        remote_offset: u64,
+        op: AtomicOp,
+    ) -> Result<u64, Error> {
+        let ep = self.endpoint();
+        let result = ep.alloc(8, metaroce::Access::LOCAL_WRITE);
+        let req = AtomicRequest {
+            wr_id: 0,
+            lkey: result.keys().lkey,
+            local_offset: 0,
+            remote_addr: remote.addr.wrapping_add(remote_offset),
+            rkey: remote.rkey,
+            op,
+        };
+        let h = self.inner.handle;
+        self.run_op(move |core, wr_id| core.post_atomic(h, AtomicRequest { wr_id, ..req }))
+            .await?;
+        let b = result.read(0, 8)?;
+        let mut v = [0u8; 8];
+        v.copy_from_slice(&b);
+        Ok(u64::from_le_bytes(v))
+    }
+
+    /// Atomic compare-and-swap on the 8 bytes (little-endian u64, 8-byte aligned) at
+    /// `remote_offset` of the peer's region (which needs `REMOTE_ATOMIC`): if they equal
+    /// `compare` they become `swap`. Returns the value before the operation. Executed
+    /// exactly once however often the request is retransmitted.
+    pub async fn compare_swap(
+        &self,
+        remote: RemoteRegion,
+        remote_offset: u64,
+        compare: u64,
+        swap: u64,
+    ) -> Result<u64, Error> {
+        self.atomic(
+            remote,
+            remote_offset,
+            AtomicOp::CompareSwap { compare, swap },
+        )
+        .await
+    }
+
+    /// Atomic fetch-and-add (wrapping) on the 8 bytes at `remote_offset` of the peer's
+    /// region. Returns the value before the addition. Executed exactly once.
+    pub async fn fetch_add(
+        &self,
+        remote: RemoteRegion,
+        remote_offset: u64,
+        add: u64,
+    ) -> Result<u64, Error> {
+        self.atomic(remote, remote_offset, AtomicOp::FetchAdd { add })
+            .await
+    }
+
+    /// Post a receive buffer `dst[range]` (`dst` needs `Access::LOCAL_WRITE`) on stream
+    /// `stream` and wait until a message lands in it. Once a receive has been posted on a
+    /// stream, its messages go to posted receives in order (not to the `MessageStream`), and
+    /// a message arriving when none is posted is refused with an RNR NAK and retried by the
+    /// sender. Resolves with the receive completion (`byte_len` = message length); a message
+    /// longer than the buffer is `Err` with `LocalLengthError`.
+    pub async fn recv_into(
+        &self,
+        stream: u32,
+        dst: &MemoryRegion,
+        range: Range<u64>,
+    ) -> Result<WorkCompletion, Error> {
+        if !Arc::ptr_eq(&dst.ep().shared, self.shared()) {
+            return Err(Error::ForeignRegion);
+        }
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
+        let len = u32::try_from(len).map_err(|_| {
+            Error::Post(PostError::MessageTooLarge {
+                len,
+                max: u32::MAX as u64,
+            })
+        })?;
+        let (lkey, offset) = (dst.keys().lkey, range.start);
+        let h = self.inner.handle;
+        self.run_op(move |core, wr_id| {
+            core.post_recv(
+                h,
+                stream,
+                RecvRequest {
+                    wr_id,
+                    lkey,
+                    offset,
+                    len,
+                },
+            )
+        })
+        .await
     }
 
     /// Send one message on stream `stream` and wait for its completion (all packets

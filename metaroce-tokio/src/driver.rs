@@ -149,6 +149,11 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 }
                 freed = true;
             }
+            Event::RecvCompletion { conn, wc, .. } => {
+                if let Some(Waiter::Op(tx)) = st.waiters.remove(&(conn, wc.wr_id)) {
+                    let _ = tx.send(wc);
+                }
+            }
             Event::Completion { conn, wc } => {
                 freed = true;
                 match st.waiters.remove(&(conn, wc.wr_id)) {

@@ -176,3 +176,83 @@ async fn closing_flushes_and_ends_streams() {
         None
     );
 }
+
+#[tokio::test]
+async fn read_and_atomics() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    let n = 300_000usize;
+    let data: Vec<u8> = (0..n).map(|i| (i % 241) as u8).collect();
+    let exposed = s.endpoint().register(data.clone(), Access::REMOTE_READ);
+    let dst = c.endpoint().alloc(n, Access::LOCAL_WRITE);
+    let wc = c
+        .read(&dst, 0..n as u64, exposed.remote(), 0)
+        .await
+        .unwrap();
+    assert_eq!(wc.byte_len as usize, n);
+    assert_eq!(dst.read(0, n as u64).unwrap(), data);
+
+    let counter = s
+        .endpoint()
+        .alloc(64, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC);
+    let futs: Vec<_> = (0..50)
+        .map(|_| c.fetch_add(counter.remote(), 8, 2))
+        .collect();
+    let mut olds: Vec<u64> = futures::future::join_all(futs)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    olds.sort_unstable();
+    assert_eq!(olds, (0..50).map(|i| i * 2).collect::<Vec<_>>());
+    assert_eq!(
+        c.compare_swap(counter.remote(), 8, 100, 5).await.unwrap(),
+        100
+    );
+    assert_eq!(
+        c.compare_swap(counter.remote(), 8, 100, 6).await.unwrap(),
+        5
+    );
+    assert_eq!(counter.read(8, 8).unwrap(), 5u64.to_le_bytes());
+    let err = c.fetch_add(counter.remote(), 3, 1).await.unwrap_err();
+    assert_eq!(
+        err.status(),
+        Some(WcStatus::RemoteInvalidRequest),
+        "misaligned atomic"
+    );
+}
+
+#[tokio::test]
+async fn receives_into_application_buffers() {
+    // Every stream takes posted receives, so a SEND that arrives first waits (RNR).
+    let mut cfg = Config::default();
+    cfg.transport.require_posted_receives = true;
+    cfg.transport.min_rnr_timer = 1;
+    let (_se, _ce, c, s) = pair(cfg).await;
+    let buf = s.endpoint().alloc(1 << 16, Access::LOCAL_WRITE);
+    let s2 = s.clone();
+    let sender = tokio::spawn(async move {
+        // Sent before any receive is posted for message 2: RNR NAKs until it is.
+        for i in 0..3u8 {
+            c.send(9, Bytes::from(vec![i + 1; 10_000])).await.unwrap();
+        }
+        c
+    });
+    let mut got = Vec::new();
+    for i in 0..3u64 {
+        let wc = s2
+            .recv_into(9, &buf, i * 16384..(i + 1) * 16384)
+            .await
+            .unwrap();
+        got.push(wc.byte_len);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    sender.await.unwrap();
+    assert_eq!(got, vec![10_000; 3]);
+    for i in 0..3u64 {
+        assert!(buf
+            .read(i * 16384, 10_000)
+            .unwrap()
+            .iter()
+            .all(|&b| b == i as u8 + 1));
+    }
+}
