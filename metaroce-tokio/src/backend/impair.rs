@@ -6,12 +6,15 @@
 //! with the same [`Impairment`] yields the same decisions, and changing one probability does
 //! not shift the random stream seen by the others.
 //!
-//! Surviving datagrams go to a queue ordered by due time; a task spawned by
-//! [`Impaired::new`] sends them through the inner backend, one datagram per send, when they
-//! are due (so held datagrams go out even if the application sends nothing more).
+//! Surviving datagrams that need no hold (no delay, jitter or rate limit, not reordered, and
+//! nothing held for their destination) are sent at once from `poll_send` through the inner
+//! backend, the survivors of a GSO transmit re-batched into GSO transmits. The others go to
+//! a queue ordered by due time; a task spawned by [`Impaired::new`] sends them through the
+//! inner backend, one datagram per send, when they are due (so held datagrams go out even if
+//! the application sends nothing more).
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
@@ -300,6 +303,19 @@ impl Draws {
     }
 }
 
+/// The fate of a datagram that survived loss and the queue limits.
+#[derive(Debug, Clone, Copy)]
+struct Survivor {
+    ecn: Option<EcnCodepoint>,
+    /// Byte to change: position in the datagram and XOR mask.
+    corrupt: Option<(usize, u8)>,
+    /// 1, or 2 when duplicated.
+    copies: usize,
+    due: Instant,
+    /// Sent at once by `poll_send` rather than through the delay line.
+    inline: bool,
+}
+
 struct State {
     imp: Impairment,
     held_cap: usize,
@@ -309,6 +325,13 @@ struct State {
     /// When the bottleneck link finishes sending what it has accepted.
     link_free_at: Option<Instant>,
     queue: BinaryHeap<Held>,
+    /// Held datagrams not yet in `queue`: they follow inline datagrams of the same
+    /// `poll_send`, and join the queue once those are sent so that they cannot overtake them.
+    deferred: Vec<Held>,
+    /// Per destination, datagrams in `queue` or `deferred` or being sent by the sender task.
+    /// A datagram only goes inline when its destination has none (so it cannot overtake a
+    /// held one that is already due); destinations with none have no entry.
+    outstanding: HashMap<SocketAddr, usize>,
     held_bytes: usize,
     next_seq: u64,
     stats: ImpairStats,
@@ -320,11 +343,45 @@ fn is_ect(ecn: Option<EcnCodepoint>) -> bool {
 }
 
 impl State {
-    /// Applies the impairments to one datagram sent at `now`, queueing what survives.
-    fn impair(&mut self, now: Instant, transmit: &metaroce::Transmit, datagram: &[u8]) {
+    fn new(imp: Impairment) -> Self {
+        Self {
+            rng: Xoshiro256PlusPlus::seed_from_u64(imp.seed),
+            held_cap: imp.held_cap(),
+            imp,
+            bad: false,
+            link_free_at: None,
+            queue: BinaryHeap::new(),
+            deferred: Vec::new(),
+            outstanding: HashMap::new(),
+            held_bytes: 0,
+            next_seq: 0,
+            stats: ImpairStats::default(),
+            closed: false,
+        }
+    }
+
+    /// Whether datagrams to `destination` may currently skip the delay line (if not picked
+    /// for reordering): no delay, jitter or rate limit configured, and nothing held for it.
+    fn inline_allowed(&self, destination: &SocketAddr) -> bool {
+        self.imp.delay.is_zero()
+            && self.imp.jitter.is_zero()
+            && self.imp.rate_limit_bps.is_none()
+            && !self.outstanding.contains_key(destination)
+    }
+
+    /// Draws the fate of one datagram of `len` bytes sent at `now` with ECN `ecn`, updating
+    /// the counters. `None`: dropped. With `inline_ok` (see [`Self::inline_allowed`]), a
+    /// datagram that needs no hold is marked `inline` and is not charged to the held budget.
+    fn decide(
+        &mut self,
+        now: Instant,
+        ecn: Option<EcnCodepoint>,
+        len: usize,
+        inline_ok: bool,
+    ) -> Option<Survivor> {
         self.stats.seen += 1;
         let d = Draws::new(&mut self.rng);
-        let imp = self.imp.clone();
+        let imp = &self.imp;
 
         let mut lost = d.loss < imp.loss;
         if let Some(ge) = &imp.burst {
@@ -337,17 +394,22 @@ impl State {
         }
         if lost {
             self.stats.dropped += 1;
-            return;
+            return None;
         }
 
-        let len = datagram.len();
         let copies = if d.duplicate < imp.duplicate { 2 } else { 1 };
-        if self.held_bytes.saturating_add(len * copies) > self.held_cap {
+        let reordered = d.reorder < imp.reorder;
+        let inline = inline_ok
+            && !reordered
+            && imp.delay.is_zero()
+            && imp.jitter.is_zero()
+            && imp.rate_limit_bps.is_none();
+        if !inline && self.held_bytes.saturating_add(len * copies) > self.held_cap {
             self.stats.queue_dropped += 1;
-            return;
+            return None;
         }
 
-        let mut ecn = transmit.ecn;
+        let mut ecn = ecn;
         let mut ce_marked = false;
         if is_ect(ecn) && d.ce < imp.ce_mark {
             ecn = Some(EcnCodepoint::Ce);
@@ -362,7 +424,7 @@ impl State {
             let backlog = usize::try_from(backlog).unwrap_or(usize::MAX);
             if backlog.saturating_add(len) > imp.queue_limit_bytes {
                 self.stats.queue_dropped += 1;
-                return;
+                return None;
             }
             if let Some(threshold) = imp.ce_threshold_bytes {
                 if backlog >= threshold && is_ect(ecn) {
@@ -374,7 +436,7 @@ impl State {
             let tx = Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX));
             let Some(end) = start.checked_add(tx) else {
                 self.stats.queue_dropped += 1;
-                return;
+                return None;
             };
             self.link_free_at = Some(end);
             depart = end;
@@ -382,61 +444,108 @@ impl State {
 
         let jitter = scale(d.jitter, imp.jitter.as_nanos());
         let jitter = Duration::from_nanos(u64::try_from(jitter).unwrap_or(u64::MAX));
-        let reordered = d.reorder < imp.reorder;
         let mut hold = imp.delay + jitter;
         if reordered {
             hold += imp.reorder_delay;
         }
         let Some(due) = depart.checked_add(hold) else {
             self.stats.queue_dropped += 1;
-            return;
+            return None;
         };
 
-        let mut bytes = datagram.to_vec();
-        if d.corrupt < imp.corrupt && !bytes.is_empty() {
+        let mut corrupt = None;
+        if d.corrupt < imp.corrupt && len > 0 {
             let pos = scale(d.corrupt_pos, len as u128) as usize;
             let mask = 1 + (d.corrupt_mask % 255) as u8;
-            if let Some(b) = bytes.get_mut(pos) {
-                *b ^= mask;
-                self.stats.corrupted += 1;
-            }
+            corrupt = Some((pos, mask));
+            self.stats.corrupted += 1;
         }
 
         self.stats.ce_marked += u64::from(ce_marked);
         self.stats.reordered += u64::from(reordered);
         self.stats.delayed += u64::from(due > now);
-        if copies == 2 {
-            self.stats.duplicated += 1;
-            let copy = bytes.clone();
-            self.push(due, transmit, ecn, copy);
-        }
-        // A copy shares the original's due time: the two leave back to back.
-        self.push(due, transmit, ecn, bytes);
+        self.stats.duplicated += u64::from(copies == 2);
+        Some(Survivor {
+            ecn,
+            corrupt,
+            copies,
+            due,
+            inline,
+        })
     }
 
-    fn push(
-        &mut self,
-        due: Instant,
-        transmit: &metaroce::Transmit,
-        ecn: Option<EcnCodepoint>,
-        bytes: Vec<u8>,
-    ) {
-        self.held_bytes += bytes.len();
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        self.queue.push(Held {
-            due,
-            seq,
+    /// Puts a surviving datagram (and its copy) in the delay line: in `deferred` when
+    /// `defer`, else straight into the queue.
+    fn hold(&mut self, transmit: &metaroce::Transmit, datagram: &[u8], s: &Survivor, defer: bool) {
+        let mut bytes = datagram.to_vec();
+        if let Some((pos, mask)) = s.corrupt {
+            if let Some(b) = bytes.get_mut(pos) {
+                *b ^= mask;
+            }
+        }
+        self.held_bytes += bytes.len() * s.copies;
+        *self.outstanding.entry(transmit.destination).or_insert(0) += s.copies;
+        let make = |bytes| Held {
+            due: s.due,
+            seq: 0,
             destination: transmit.destination,
             src_port: transmit.src_port,
-            ecn,
+            ecn: s.ecn,
             bytes,
-        });
+        };
+        // A copy shares the original's due time: the two leave back to back.
+        let copy = (s.copies == 2).then(|| make(bytes.clone()));
+        for held in copy.into_iter().chain([make(bytes)]) {
+            if defer {
+                self.deferred.push(held);
+            } else {
+                self.enqueue(held);
+            }
+        }
+    }
+
+    fn enqueue(&mut self, mut held: Held) {
+        held.seq = self.next_seq;
+        self.next_seq += 1;
+        self.queue.push(held);
+    }
+
+    /// Moves the deferred datagrams into the queue; whether there were any.
+    fn flush_deferred(&mut self) -> bool {
+        if self.deferred.is_empty() {
+            return false;
+        }
+        let mut deferred = std::mem::take(&mut self.deferred);
+        for held in deferred.drain(..) {
+            self.enqueue(held);
+        }
+        // Keep the allocation for next time.
+        self.deferred = deferred;
+        true
+    }
+
+    /// The sender task is done with one held datagram to `destination`.
+    fn release(&mut self, destination: &SocketAddr) {
+        if let Some(n) = self.outstanding.get_mut(destination) {
+            *n -= 1;
+            if *n == 0 {
+                self.outstanding.remove(destination);
+            }
+        }
+    }
+
+    /// Applies the impairments to one datagram sent at `now`, queueing what survives (the
+    /// delay-line-only behaviour, without the inline path).
+    #[cfg(test)]
+    fn impair(&mut self, now: Instant, transmit: &metaroce::Transmit, datagram: &[u8]) {
+        if let Some(s) = self.decide(now, transmit.ecn, datagram.len(), false) {
+            self.hold(transmit, datagram, &s, false);
+        }
     }
 
     fn snapshot(&self) -> ImpairStats {
         ImpairStats {
-            held_datagrams: self.queue.len() as u64,
+            held_datagrams: (self.queue.len() + self.deferred.len()) as u64,
             held_bytes: self.held_bytes as u64,
             ..self.stats
         }
@@ -454,17 +563,204 @@ impl Shared {
     }
 }
 
+/// A datagram of the current transmit that goes inline: where it is in the contents, and
+/// what happens to it.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    start: usize,
+    len: usize,
+    ecn: Option<EcnCodepoint>,
+    corrupt: Option<(usize, u8)>,
+    copies: usize,
+}
+
+/// One send to the inner backend: `count` datagrams (GSO when more than one) of
+/// `Job::stride` bytes, the last `last_len`, all with the same ECN.
+#[derive(Debug, Clone, Copy)]
+struct Op {
+    ecn: Option<EcnCodepoint>,
+    /// The bytes are `scratch[start..start + len]` if set, else `contents[start..start + len]`.
+    in_scratch: bool,
+    start: usize,
+    len: usize,
+    count: usize,
+    last_len: usize,
+}
+
+/// Identifies the transmit of a job suspended after `Pending`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ResumeKey {
+    transmit: metaroce::Transmit,
+    fingerprint: u64,
+}
+
+/// Bytes of `contents` hashed per [`FINGERPRINT_STRIDE`] bytes by [`ResumeKey::new`].
+const FINGERPRINT_SAMPLE: usize = 32;
+/// Spacing of the hashed samples.
+const FINGERPRINT_STRIDE: usize = 1024;
+
+impl ResumeKey {
+    fn new(transmit: &metaroce::Transmit, contents: &[u8]) -> Self {
+        // FNV-1a over samples (the first 32 bytes of every KiB, and the last 32): only meant
+        // to notice a caller that gives a transmit up after `Pending` (packets differ in their
+        // headers), at a small fraction of the cost of hashing everything on each `Pending`.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let tail = &contents[contents.len().saturating_sub(FINGERPRINT_SAMPLE)..];
+        let samples = contents
+            .chunks(FINGERPRINT_STRIDE)
+            .map(|c| &c[..c.len().min(FINGERPRINT_SAMPLE)])
+            .chain([tail]);
+        for sample in samples {
+            for &b in sample {
+                h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        Self {
+            transmit: *transmit,
+            fingerprint: h,
+        }
+    }
+}
+
+/// Scratch capacity kept between transmits; a larger buffer is freed after use.
+const SCRATCH_KEEP: usize = 1 << 20;
+
+/// The inline part of the transmit being sent, kept across `Pending` (all buffers are
+/// reused from one transmit to the next).
+#[derive(Debug, Default)]
+struct Job {
+    pieces: Vec<Piece>,
+    ops: Vec<Op>,
+    /// Bytes of the ops that are not a plain slice of the contents (gaps, copies, corruption).
+    scratch: Vec<u8>,
+    /// Datagram size of the transmit (GSO `segment_size` of multi-datagram ops).
+    stride: usize,
+    /// Index of the next op to send.
+    next: usize,
+    /// Datagrams sent / failed so far, added to the stats when the job ends.
+    sent: u64,
+    errors: u64,
+    /// Set while suspended after the inner backend returned `Pending`.
+    suspended: Option<ResumeKey>,
+}
+
+impl Job {
+    /// Turns `pieces` into `ops`: consecutive datagrams with the same ECN go into one GSO
+    /// op while they have the full `stride` (a shorter one ends it). An op stays a slice of
+    /// `contents` while its datagrams are unmodified and contiguous there, and is moved to
+    /// `scratch` otherwise.
+    fn build_ops(&mut self, contents: &[u8], stride: usize) {
+        self.stride = stride;
+        for i in 0..self.pieces.len() {
+            let p = self.pieces[i];
+            for _ in 0..p.copies {
+                self.add(contents, &p);
+            }
+        }
+    }
+
+    fn add(&mut self, contents: &[u8], p: &Piece) {
+        let bytes = &contents[p.start..p.start + p.len];
+        if let Some(cur) = self.ops.last_mut() {
+            let fits = cur.ecn == p.ecn
+                && cur.last_len == self.stride
+                && p.len > 0
+                && p.len <= self.stride;
+            if fits {
+                if !cur.in_scratch && p.corrupt.is_none() && cur.start + cur.len == p.start {
+                    cur.len += p.len;
+                } else {
+                    if !cur.in_scratch {
+                        let at = self.scratch.len();
+                        self.scratch
+                            .extend_from_slice(&contents[cur.start..cur.start + cur.len]);
+                        cur.start = at;
+                        cur.in_scratch = true;
+                    }
+                    append(&mut self.scratch, bytes, p.corrupt);
+                    cur.len += p.len;
+                }
+                cur.count += 1;
+                cur.last_len = p.len;
+                return;
+            }
+        }
+        let (in_scratch, start) = if p.corrupt.is_none() {
+            (false, p.start)
+        } else {
+            let at = self.scratch.len();
+            append(&mut self.scratch, bytes, p.corrupt);
+            (true, at)
+        };
+        self.ops.push(Op {
+            ecn: p.ecn,
+            in_scratch,
+            start,
+            len: p.len,
+            count: 1,
+            last_len: p.len,
+        });
+    }
+
+    /// Gives up the ops not sent yet (their datagrams count as send errors).
+    fn abandon(&mut self) {
+        let rest: usize = self
+            .ops
+            .get(self.next..)
+            .unwrap_or(&[])
+            .iter()
+            .map(|o| o.count)
+            .sum();
+        self.errors += rest as u64;
+        self.next = self.ops.len();
+    }
+
+    fn clear(&mut self) {
+        self.pieces.clear();
+        self.ops.clear();
+        self.scratch.clear();
+        if self.scratch.capacity() > SCRATCH_KEEP {
+            self.scratch = Vec::new();
+        }
+        self.next = 0;
+        self.sent = 0;
+        self.errors = 0;
+        self.suspended = None;
+    }
+}
+
+/// Appends `bytes` to `scratch`, XOR-ing one byte if `corrupt`.
+fn append(scratch: &mut Vec<u8>, bytes: &[u8], corrupt: Option<(usize, u8)>) {
+    let at = scratch.len();
+    scratch.extend_from_slice(bytes);
+    if let Some((pos, mask)) = corrupt {
+        if let Some(b) = scratch.get_mut(at + pos) {
+            *b ^= mask;
+        }
+    }
+}
+
 /// A [`DatagramBackend`] that impairs what it sends (see [`Impairment`]) and passes
 /// receiving through to the wrapped backend unchanged.
 ///
-/// `poll_send` never blocks: it returns `Ready` once each datagram is queued or dropped. A
-/// background task (spawned by [`new`](Self::new) on the current tokio runtime, stopped when
-/// this value is dropped, discarding what it still holds) sends queued datagrams through the
-/// inner backend one by one when they are due.
+/// Datagrams that need no hold (no `delay`, `jitter` or rate limit configured, not picked
+/// for reordering, and nothing held for their destination) are sent from `poll_send` itself
+/// through the inner backend, the survivors of a GSO transmit re-batched into GSO transmits
+/// (a CE re-marked datagram goes in its own). `poll_send` returns `Pending` only when the
+/// inner backend does for such a send; the repeated call resumes where it stopped, without
+/// drawing again.
+///
+/// Other datagrams go to a delay line: a background task (spawned by [`new`](Self::new) on
+/// the current tokio runtime, stopped when this value is dropped, discarding what it still
+/// holds) sends them through the inner backend one by one when they are due.
 pub struct Impaired<B> {
     inner: Arc<B>,
     shared: Arc<Shared>,
     ports: Vec<u16>,
+    /// The inline sends of the current transmit. Only `poll_send` locks it (the sender task
+    /// and `stats` use `shared`), so holding it across inner sends contends with nothing but
+    /// a second concurrent sender.
+    job: Mutex<Job>,
 }
 
 impl<B: fmt::Debug> fmt::Debug for Impaired<B> {
@@ -488,18 +784,7 @@ impl<B: DatagramBackend> Impaired<B> {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| ImpairError::NoRuntime)?;
         let inner = Arc::new(inner);
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                rng: Xoshiro256PlusPlus::seed_from_u64(imp.seed),
-                held_cap: imp.held_cap(),
-                imp,
-                bad: false,
-                link_free_at: None,
-                queue: BinaryHeap::new(),
-                held_bytes: 0,
-                next_seq: 0,
-                stats: ImpairStats::default(),
-                closed: false,
-            }),
+            state: Mutex::new(State::new(imp)),
             wake: Notify::new(),
         });
         handle.spawn(run_sender(Arc::clone(&inner), Arc::clone(&shared)));
@@ -508,6 +793,7 @@ impl<B: DatagramBackend> Impaired<B> {
             inner,
             shared,
             ports,
+            job: Mutex::new(Job::default()),
         })
     }
 
@@ -540,6 +826,123 @@ impl<B: DatagramBackend> Impaired<B> {
     /// The wrapped backend.
     pub fn inner(&self) -> &B {
         &self.inner
+    }
+
+    /// Draws the fate of every datagram of the transmit (one lock of the shared state),
+    /// queueing the held ones and turning the inline ones into `job.ops`. Returns whether
+    /// there is anything to send inline.
+    fn plan(
+        &self,
+        job: &mut Job,
+        transmit: &metaroce::Transmit,
+        contents: &[u8],
+        segment: usize,
+    ) -> bool {
+        // A zero-length datagram is still one datagram.
+        let count = if contents.is_empty() {
+            1
+        } else {
+            contents.len().div_ceil(segment)
+        };
+        let mut queued = false;
+        {
+            let mut st = self.shared.lock();
+            let now = Instant::now();
+            let mut inline_ok = st.inline_allowed(&transmit.destination);
+            for i in 0..count {
+                let start = i * segment;
+                let len = segment.min(contents.len() - start);
+                let Some(s) = st.decide(now, transmit.ecn, len, inline_ok) else {
+                    continue;
+                };
+                if s.inline {
+                    job.pieces.push(Piece {
+                        start,
+                        len,
+                        ecn: s.ecn,
+                        corrupt: s.corrupt,
+                        copies: s.copies,
+                    });
+                } else {
+                    // Everything after a held datagram is held too, to keep the order.
+                    inline_ok = false;
+                    let defer = !job.pieces.is_empty();
+                    st.hold(transmit, &contents[start..start + len], &s, defer);
+                    queued |= !defer;
+                }
+            }
+        }
+        if queued {
+            self.shared.wake.notify_one();
+        }
+        if job.pieces.is_empty() {
+            return false;
+        }
+        job.build_ops(contents, segment);
+        true
+    }
+
+    /// Sends the job's ops from `job.next` on; `Pending` if the inner backend is.
+    fn send_ops(
+        &self,
+        cx: &mut Context<'_>,
+        job: &mut Job,
+        transmit: &metaroce::Transmit,
+        contents: &[u8],
+    ) -> Poll<()> {
+        while let Some(op) = job.ops.get(job.next).copied() {
+            let bytes = if op.in_scratch {
+                &job.scratch[op.start..op.start + op.len]
+            } else {
+                &contents[op.start..op.start + op.len]
+            };
+            let t = metaroce::Transmit {
+                destination: transmit.destination,
+                src_port: transmit.src_port,
+                ecn: op.ecn,
+                size: op.len,
+                segment_size: (op.count > 1).then_some(job.stride),
+            };
+            match self.inner.poll_send(cx, &t, bytes) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Ok(())) => job.sent += op.count as u64,
+                Poll::Ready(Err(e)) => {
+                    job.errors += op.count as u64;
+                    tracing::debug!("impaired send to {} failed: {e}", transmit.destination);
+                }
+            }
+            job.next += 1;
+        }
+        Poll::Ready(())
+    }
+
+    /// Ends the job: adds its counts to the stats, releases the datagrams deferred behind it
+    /// into the queue, and clears it for the next transmit.
+    fn finish(&self, job: &mut Job) {
+        let flushed = {
+            let mut st = self.shared.lock();
+            st.stats.sent += job.sent;
+            st.stats.send_errors += job.errors;
+            st.flush_deferred()
+        };
+        if flushed {
+            self.shared.wake.notify_one();
+        }
+        job.clear();
+    }
+
+    fn lock_job(&self) -> MutexGuard<'_, Job> {
+        match self.job.lock() {
+            Ok(job) => job,
+            Err(poisoned) => {
+                // A panic (in the inner backend) interrupted a send: give that job up.
+                let mut job = poisoned.into_inner();
+                job.abandon();
+                self.finish(&mut job);
+                self.job.clear_poison();
+                job
+            }
+        }
     }
 }
 
@@ -592,6 +995,7 @@ async fn run_sender<B: DatagramBackend>(inner: Arc<B>, shared: Arc<Shared>) {
                 let res =
                     std::future::poll_fn(|cx| inner.poll_send(cx, &transmit, &held.bytes)).await;
                 let mut st = shared.lock();
+                st.release(&held.destination);
                 match res {
                     Ok(()) => st.stats.sent += 1,
                     Err(e) => {
@@ -621,7 +1025,7 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
     }
 
     /// The inner backend's value, so a driver batches as it would without impairment (the
-    /// batches are split into datagrams here anyway).
+    /// surviving datagrams of a batch are re-batched here).
     fn max_gso_segments(&self) -> usize {
         self.inner.max_gso_segments()
     }
@@ -641,7 +1045,7 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
 
     fn poll_send(
         &self,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
         transmit: &metaroce::Transmit,
         contents: &[u8],
     ) -> Poll<io::Result<()>> {
@@ -652,18 +1056,27 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
         if !self.ports.contains(&transmit.src_port) {
             return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
         }
-        {
-            let mut st = self.shared.lock();
-            let now = Instant::now();
-            if contents.is_empty() {
-                st.impair(now, transmit, contents);
-            } else {
-                for datagram in contents.chunks(segment) {
-                    st.impair(now, transmit, datagram);
-                }
+        let mut guard = self.lock_job();
+        let job = &mut *guard;
+        let resumed = match job.suspended.take() {
+            Some(key) if key == ResumeKey::new(transmit, contents) => true,
+            Some(_) => {
+                // Not the transmit that was interrupted (the caller gave it up): what it had
+                // left to send is lost.
+                job.abandon();
+                self.finish(job);
+                false
             }
+            None => false,
+        };
+        if !resumed && !self.plan(job, transmit, contents, segment) {
+            return Poll::Ready(Ok(()));
         }
-        self.shared.wake.notify_one();
+        if self.send_ops(cx, job, transmit, contents).is_pending() {
+            job.suspended = Some(ResumeKey::new(transmit, contents));
+            return Poll::Pending;
+        }
+        self.finish(job);
         Poll::Ready(Ok(()))
     }
 }
@@ -673,18 +1086,7 @@ mod tests {
     use super::*;
 
     fn state(imp: Impairment) -> State {
-        State {
-            rng: Xoshiro256PlusPlus::seed_from_u64(imp.seed),
-            held_cap: imp.held_cap(),
-            imp,
-            bad: false,
-            link_free_at: None,
-            queue: BinaryHeap::new(),
-            held_bytes: 0,
-            next_seq: 0,
-            stats: ImpairStats::default(),
-            closed: false,
-        }
+        State::new(imp)
     }
 
     fn transmit(size: usize) -> metaroce::Transmit {
@@ -824,5 +1226,69 @@ mod tests {
         st.impair(now, &transmit(1), &[5]);
         assert_eq!(st.queue.len(), 4);
         assert_eq!(st.stats.corrupted, 1);
+    }
+
+    #[test]
+    fn build_ops_rebatches_survivors() {
+        use EcnCodepoint::*;
+        // Seven datagrams of 4 bytes, the last one of 2.
+        let contents: Vec<u8> = (0..26).collect();
+        let piece = |i: usize, ecn, corrupt, copies| Piece {
+            start: i * 4,
+            len: 4.min(26 - i * 4),
+            ecn: Some(ecn),
+            corrupt,
+            copies,
+        };
+        let mut job = Job::default();
+        job.pieces.extend([
+            piece(0, Ect0, None, 1),
+            piece(1, Ect0, None, 1),
+            // 2 lost; 3 duplicated: the op moves to scratch.
+            piece(3, Ect0, None, 2),
+            // CE-marked: an op of its own.
+            piece(4, Ce, None, 1),
+            piece(5, Ect0, Some((1, 0xFF)), 1),
+            // The short last one ends a batch, and its copy starts another.
+            piece(6, Ect0, None, 2),
+        ]);
+        job.build_ops(&contents, 4);
+        let bytes = |op: &Op| {
+            if op.in_scratch {
+                job.scratch[op.start..op.start + op.len].to_vec()
+            } else {
+                contents[op.start..op.start + op.len].to_vec()
+            }
+        };
+        let ops: Vec<_> = job
+            .ops
+            .iter()
+            .map(|op| (op.ecn, op.count, op.in_scratch, bytes(op)))
+            .collect();
+        assert_eq!(
+            ops,
+            [
+                (
+                    Some(Ect0),
+                    4,
+                    true,
+                    vec![0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15]
+                ),
+                (Some(Ce), 1, false, vec![16, 17, 18, 19]),
+                (Some(Ect0), 2, true, vec![20, 21 ^ 0xFF, 22, 23, 24, 25]),
+                (Some(Ect0), 1, false, vec![24, 25]),
+            ]
+        );
+
+        // Unmodified consecutive survivors stay a slice of the contents.
+        job.clear();
+        job.pieces.extend((0..6).map(|i| piece(i, Ect0, None, 1)));
+        job.build_ops(&contents, 4);
+        assert_eq!(job.ops.len(), 1);
+        assert!(!job.ops[0].in_scratch && job.scratch.is_empty());
+        assert_eq!(
+            (job.ops[0].start, job.ops[0].len, job.ops[0].count),
+            (0, 24, 6)
+        );
     }
 }
