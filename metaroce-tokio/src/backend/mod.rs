@@ -120,8 +120,8 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 
     /// Sends one transmit, whose bytes are `contents` (`contents.len() == transmit.size`).
     ///
-    /// `Ready(Ok(()))` once handed to the kernel (or, for [`Impaired`], once queued or
-    /// dropped). An `Err` concerns this transmit only (it was not, or not entirely, sent, as
+    /// `Ready(Ok(()))` once handed to the kernel (or, for [`Impaired`], once sent inline,
+    /// queued for later or dropped; it is `Pending` only when its inner backend is). An `Err` concerns this transmit only (it was not, or not entirely, sent, as
     /// if lost): the backend stays usable. After `Pending`, the next call must be for the
     /// same transmit.
     fn poll_send(
