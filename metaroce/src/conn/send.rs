@@ -538,16 +538,22 @@ impl SendQueue {
     }
 
     /// Fail everything pending: the first pending operation gets `first`, the rest are
-    /// flushed (IBA: the WQE that hit the error, then `WR_FLUSH_ERR` for the others).
+    /// flushed (IBA: the WQE that hit the error, then `WR_FLUSH_ERR` for the others) —
+    /// including operations behind it that were acknowledged but not yet reported: a SEND
+    /// acknowledged behind a message that never completes is never delivered.
     pub fn fail_all(&mut self, first: WcStatus) {
         let mut status = first;
+        let mut failed = false;
         for i in 0..self.ops.len() {
+            let internal = self.ops[i].kind.is_internal();
             if self.ops[i].status.is_none() {
-                let internal = self.ops[i].kind.is_internal();
                 self.finish(self.base_id + i as u64, status);
                 if !internal {
                     status = WcStatus::WrFlushError;
+                    failed = true;
                 }
+            } else if failed && !internal {
+                self.ops[i].status = Some(WcStatus::WrFlushError);
             }
         }
         self.retx.clear();
