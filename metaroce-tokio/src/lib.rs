@@ -41,6 +41,7 @@ mod driver;
 mod endpoint;
 mod error;
 mod mr;
+pub mod rocev2;
 mod stream;
 
 pub use connection::Connection;

@@ -54,6 +54,7 @@ pub mod conn;
 pub mod endpoint;
 pub mod event;
 pub mod mr;
+pub mod rocev2;
 #[cfg(feature = "sim")]
 pub mod sim;
 pub mod transmit;

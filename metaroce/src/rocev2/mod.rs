@@ -431,9 +431,14 @@ pub struct RcTransmit {
 impl RcTransmit {
     /// Append the whole IP packet (IP header, UDP header with checksum 0, `payload`) to
     /// `out`; `payload` is `buf[..size]` from `poll_transmit`.
-    pub fn write_ip_packet(&self, payload: &[u8], out: &mut Vec<u8>) -> Result<(), crate::wire::Error> {
+    pub fn write_ip_packet(
+        &self,
+        payload: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<(), crate::wire::Error> {
         let udp = icrc::udp_header(self.src_port, ROCEV2_UDP_PORT, payload.len())?;
-        let udp_len = u16::try_from(udp.len() + payload.len()).map_err(|_| crate::wire::Error::BadLength)?;
+        let udp_len =
+            u16::try_from(udp.len() + payload.len()).map_err(|_| crate::wire::Error::BadLength)?;
         let start = out.len();
         out.resize(start + self.ip.header_len(), 0);
         self.ip.to_bytes(udp_len, &mut out[start..])?;
@@ -464,9 +469,9 @@ pub fn udp_sport(flow_label: u32, lqpn: u32, rqpn: u32) -> u16 {
 /// RNR timer for a 5-bit code (reference §3.1).
 pub fn rnr_timer(code: u8) -> Duration {
     const US: [u64; 32] = [
-        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560,
-        3840, 5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880,
-        163_840, 245_760, 327_680, 491_520,
+        655_360, 10, 20, 30, 40, 60, 80, 120, 160, 240, 320, 480, 640, 960, 1280, 1920, 2560, 3840,
+        5120, 7680, 10_240, 15_360, 20_480, 30_720, 40_960, 61_440, 81_920, 122_880, 163_840,
+        245_760, 327_680, 491_520,
     ];
     Duration::from_micros(US[usize::from(code & 0x1F)])
 }
