@@ -1,0 +1,270 @@
+//! End-to-end tests of the `metaroce-perf` binary: loopback runs, verification, flags.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Instant;
+
+fn perf(args: &[&str]) -> Output {
+    let t0 = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
+        .args(args)
+        .output()
+        .expect("run metaroce-perf");
+    eprintln!(
+        "metaroce-perf {} -> {:?} in {:.2?}\n--- stdout\n{}--- stderr\n{}",
+        args.join(" "),
+        out.status.code(),
+        t0.elapsed(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A fresh path in the temp directory.
+fn temp_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("metaroce-perf-{}-{name}", std::process::id()))
+}
+
+const BW_HEADER: &str =
+    " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
+
+#[test]
+fn loopback_write_bw_verifies() {
+    let o = perf(&["-n", "200", "-s", "65536"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    assert!(s.contains("RDMA_Write BW Test"), "{s}");
+    assert!(s.contains(BW_HEADER), "{s}");
+    let row = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("65536"))
+        .expect("a row for 65536 bytes");
+    assert_eq!(row.split_whitespace().nth(1), Some("200"), "{row}");
+    let check = s
+        .lines()
+        .find(|l| l.starts_with(" Checksum source 0x"))
+        .expect("checksum line");
+    assert!(check.ends_with("OK"), "{check}");
+    let words: Vec<&str> = check.split_whitespace().collect();
+    assert_eq!(
+        words[2], words[4],
+        "source and destination checksums: {check}"
+    );
+}
+
+#[test]
+fn loopback_write_bw_under_loss_verifies() {
+    let o = perf(&["--loss", "5", "-n", "100"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    assert!(s.contains(" Loss            : 5.0%"), "{s}");
+    assert!(s.contains("  OK"), "{s}");
+    let summary = s
+        .lines()
+        .find(|l| l.starts_with(" Retransmits: "))
+        .expect("summary line");
+    let rtx: u64 = summary.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(rtx > 0, "5% loss must cause retransmissions: {summary}");
+    assert!(summary.contains("Impairment dropped"), "{summary}");
+}
+
+#[test]
+fn send_lat_prints_latency_table() {
+    let o = perf(&["send_lat", "-n", "100", "-s", "64"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    assert!(s.contains("Send Latency Test"), "{s}");
+    assert!(
+        s.contains(" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]"),
+        "{s}"
+    );
+    let row = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("64 "))
+        .expect("a row for 64 bytes");
+    let cols: Vec<f64> = row.split_whitespace().map(|w| w.parse().unwrap()).collect();
+    assert_eq!(cols.len(), 9, "{row}");
+    assert_eq!(cols[1], 100.0);
+    assert!(cols[2] > 0.0 && cols[2] <= cols[3], "min <= max: {row}");
+    assert!(s.contains(" Echo check: 0 of 100"), "{s}");
+}
+
+#[test]
+fn file_of_odd_length_is_written_and_verified() {
+    let path = temp_path("odd.bin");
+    let data: Vec<u8> = (0..1_000_003u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    std::fs::write(&path, &data).unwrap();
+    let o = perf(&["--file", path.to_str().unwrap(), "-s", "65536"]);
+    std::fs::remove_file(&path).ok();
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    // ceil(1_000_003 / 65536) = 16 WRITEs, the last one partial.
+    let row = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("65536"))
+        .expect("row");
+    assert_eq!(row.split_whitespace().nth(1), Some("16"), "{row}");
+    let expected = format!("0x{:08x}", crc32fast::hash(&data));
+    let check = s
+        .lines()
+        .find(|l| l.starts_with(" Checksum source"))
+        .expect("checksum line");
+    assert!(
+        check.contains(&format!("source {expected}  destination {expected}  OK")),
+        "the destination must hold the file: {check}"
+    );
+}
+
+#[test]
+fn json_output_and_duration_mode() {
+    let path = temp_path("out.json");
+    let o = perf(&[
+        "-D",
+        "0.3",
+        "-s",
+        "4096",
+        "--report_gbits",
+        "--out_json",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0));
+    assert!(stdout(&o).contains("BW peak[Gb/sec]"));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(doc["test"], "write_bw");
+    assert_eq!(doc["mode"], "loopback");
+    assert_eq!(doc["paths"], 8);
+    assert_eq!(doc["verified"], true);
+    let r = &doc["results"][0];
+    assert_eq!(r["bytes"], 4096);
+    assert!(r["iterations"].as_u64().unwrap() > 0);
+    assert!(r["bw_avg_mb_per_sec"].as_f64().unwrap() > 0.0);
+    assert_eq!(r["checksum_source"], r["checksum_destination"]);
+    assert_eq!(doc["path_stats"].as_array().unwrap().len(), 16);
+}
+
+#[test]
+fn all_sizes_one_row_each() {
+    let o = perf(&["-a", "-n", "2", "-t", "2"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    for k in 1..=23 {
+        let size = (1u64 << k).to_string();
+        assert!(
+            s.lines()
+                .any(|l| l.split_whitespace().next() == Some(size.as_str())
+                    && l.split_whitespace().nth(1) == Some("2")),
+            "row for {size}: {s}"
+        );
+    }
+    assert_eq!(s.matches("  OK").count(), 23, "{s}");
+}
+
+#[test]
+fn client_and_server_processes() {
+    // A free UDP port (released again right away; a clash is unlikely).
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let server = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
+        .args(["--server", "--bind", "127.0.0.1", "-p", &port])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let target = format!("127.0.0.1:{port}");
+    let client = perf(&["write_bw", &target, "-n", "100", "--loss", "2"]);
+    let server = server.wait_with_output().unwrap();
+    eprintln!(
+        "--- server stdout\n{}--- server stderr\n{}",
+        stdout(&server),
+        stderr(&server)
+    );
+    assert_eq!(client.status.code(), Some(0));
+    assert_eq!(server.status.code(), Some(0));
+    let c = stdout(&client);
+    assert!(c.contains(&format!("client of {target}")), "{c}");
+    let crc = c
+        .lines()
+        .find(|l| l.starts_with(" Checksum source"))
+        .and_then(|l| l.split_whitespace().nth(4).map(str::to_string))
+        .expect("destination checksum");
+    assert!(c.contains("  OK"), "{c}");
+    assert!(
+        stdout(&server).contains(&format!("checksum {crc}")),
+        "the server reports the same destination checksum"
+    );
+}
+
+fn assert_usage_error(args: &[&str], message: &str) {
+    let o = perf(args);
+    assert_eq!(o.status.code(), Some(2), "exit status for {args:?}");
+    let e = stderr(&o);
+    assert!(e.contains(message), "{args:?}: expected {message:?} in {e}");
+}
+
+#[test]
+fn bad_flags_are_rejected_with_a_message() {
+    assert_usage_error(
+        &["--loss", "150"],
+        "--loss must be a percentage in [0, 100]",
+    );
+    assert_usage_error(&["--loss", "-1"], "--loss must be a percentage");
+    assert_usage_error(&["-s", "0"], "--size must be at least 1 byte");
+    assert_usage_error(&["-s", "2147483649"], "--size must be at most 2^31");
+    assert_usage_error(&["--mode", "rocev2"], "RoCEv2 mode is not implemented yet");
+    assert_usage_error(&["read_bw"], "unknown test 'read_bw'");
+    assert_usage_error(&["foo_bar", "127.0.0.1"], "unknown test 'foo_bar'");
+    assert_usage_error(&["--paths", "0"], "--paths must be in 1..=64");
+    assert_usage_error(&["--paths", "65"], "--paths must be in 1..=64");
+    assert_usage_error(
+        &["--mtu", "1000"],
+        "--mtu must be 256, 512, 1024, 2048 or 4096",
+    );
+    assert_usage_error(
+        &["--file", "/nonexistent/metaroce"],
+        "--file /nonexistent/metaroce",
+    );
+    assert_usage_error(&["-a", "--file", "x"], "cannot be used with");
+    assert_usage_error(&["--backend", "rdma"], "invalid value 'rdma'");
+    assert_usage_error(&["127.0.0.1:notaport"], "invalid port");
+    assert_usage_error(&["--server", "127.0.0.1"], "--server");
+    let empty = temp_path("empty.bin");
+    std::fs::write(&empty, b"").unwrap();
+    assert_usage_error(&["--file", empty.to_str().unwrap()], "the file is empty");
+    std::fs::remove_file(&empty).ok();
+}
+
+#[test]
+fn help_describes_the_modes() {
+    let o = perf(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    for needle in [
+        "write_bw",
+        "send_lat",
+        "--server",
+        "--report_gbits",
+        "--out_json",
+        "--tx-depth",
+        "--pcap",
+        "loopback",
+    ] {
+        assert!(s.contains(needle), "--help lacks {needle}: {s}");
+    }
+}
