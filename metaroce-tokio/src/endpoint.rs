@@ -30,6 +30,9 @@ pub struct Config {
     pub max_connections: usize,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
     pub udp: UdpConfig,
+    /// Extra UDP source ports bound beside the `transport.paths` path ports, so that a path
+    /// that keeps timing out can be re-rolled to fresh ECMP entropy. Default 8.
+    pub spare_ports: usize,
     /// Most messages a [`MessageStream`](crate::MessageStream) sink has in flight (posted,
     /// not yet acknowledged) before `poll_ready` waits. Default 256.
     pub max_stream_in_flight: usize,
@@ -43,6 +46,7 @@ impl Default for Config {
             accept_incoming: true,
             max_connections: 65_536,
             udp: UdpConfig::default(),
+            spare_ports: 8,
             max_stream_in_flight: 256,
         }
     }
@@ -128,13 +132,15 @@ pub struct Endpoint {
 
 impl Endpoint {
     /// Bind a UDP endpoint at `addr` (port 0 for an ephemeral port) with one main socket
-    /// and `config.transport.paths` path sockets, and start its driver task. Must be called
+    /// and `config.transport.paths + config.spare_ports` path sockets, and start its driver
+    /// task. Must be called
     /// within a tokio runtime.
     ///
     /// Errors: the sockets could not be bound, or the configuration is invalid
     /// (`InvalidInput`, naming the field).
     pub async fn bind(addr: SocketAddr, config: Config) -> std::io::Result<Endpoint> {
-        let backend = UdpBackend::bind_with(addr, config.transport.paths as usize, &config.udp)?;
+        let ports = config.transport.paths as usize + config.spare_ports;
+        let backend = UdpBackend::bind_with(addr, ports, &config.udp)?;
         Self::with_backend(backend, config)
     }
 

@@ -75,9 +75,16 @@ pub struct TransportConfig {
     /// Connection requests sent before the attempt fails. Default 20.
     pub handshake_attempts: u32,
     /// Retransmission timeouts in a row without any acknowledged progress after which a
-    /// path is declared failed; when every path has failed the connection fails and its
-    /// operations complete with `RetryExceeded` (IBA `retry_cnt`). Default 7.
+    /// path is retired; when every path is retired the connection fails and its operations
+    /// complete with `RetryExceeded` (IBA `retry_cnt`, but per path). With exponential
+    /// back-off from `min_rto` capped at `max_rto`, the default 12 gives a dead network
+    /// about 3 s before the connection fails. Default 12.
     pub retry_count: u32,
+    /// Timeouts in a row without progress after which a path moves to a new UDP source
+    /// port (new ECMP entropy) that no other path of the connection uses, and probes it
+    /// with one packet at a time; progress makes it active again. Repeats every this many
+    /// timeouts until `retry_count`. 0 disables re-rolling. Default 3.
+    pub path_reroll_timeouts: u32,
     /// RTT assumed before the first sample. Default 500 µs.
     pub initial_rtt: Duration,
     /// Lower bound of the retransmission timeout. Default 1 ms (tokio's timer granularity).
@@ -129,7 +136,8 @@ impl Default for TransportConfig {
             max_outstanding_ops: 65_536,
             handshake_interval: Duration::from_millis(100),
             handshake_attempts: 20,
-            retry_count: 7,
+            retry_count: 12,
+            path_reroll_timeouts: 3,
             initial_rtt: Duration::from_micros(500),
             min_rto: Duration::from_millis(1),
             max_rto: Duration::from_secs(1),

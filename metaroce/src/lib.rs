@@ -62,7 +62,7 @@ pub mod wire;
 
 pub use config::{CongestionConfig, EndpointConfig, TransportConfig};
 pub use conn::AtomicOp;
-pub use conn::{ConnectionStats, PathStats};
+pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{
     AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, WriteRequest,
 };

@@ -492,3 +492,50 @@ fn psn_wraps_at_2_pow_24_without_loss_of_data() {
         assert_eq!(&data[..], &m[..]);
     }
 }
+
+#[test]
+fn blackholed_path_is_rerolled_to_a_new_source_port_and_recovers() {
+    let mut p = Pair::new(
+        21,
+        Impair {
+            blackhole_port: Some(0xC000),
+            ..Default::default()
+        },
+    );
+    let (c, _) = p.connect();
+    let msgs: Vec<Vec<u8>> = (0..400).map(|i| pattern(i, 6000)).collect();
+    for (i, m) in msgs.iter().enumerate() {
+        p.eps[0]
+            .post_send(c, 0, i as u64, Bytes::from(m.clone()))
+            .unwrap();
+    }
+    assert!(p.run_until(Duration::from_secs(60), |p| p.events[1].len() == msgs.len()));
+    for (e, m) in p.events[1].iter().zip(&msgs) {
+        let Event::Message { data, .. } = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(&data[..], &m[..]);
+    }
+    // Keep traffic flowing so the re-rolled path proves itself.
+    for i in 0..200u64 {
+        p.eps[0]
+            .post_send(c, 0, 1000 + i, Bytes::from(vec![1u8; 6000]))
+            .unwrap();
+    }
+    let active = |p: &Pair| {
+        p.eps[0].connection_stats(c).unwrap().paths[0].state == metaroce::PathState::Active
+    };
+    assert!(
+        p.run_until(Duration::from_secs(60), |p| p.events[1].len() == 600
+            && active(p))
+    );
+    let st = p.eps[0].connection_stats(c).unwrap();
+    let p0 = st.paths[0];
+    assert!(p0.stats.rerolls >= 1, "path 0 was never re-rolled: {p0:?}");
+    assert_ne!(p0.src_port, 0xC000, "path 0 still on the blackholed port");
+    assert_eq!(p0.state, metaroce::PathState::Active, "{p0:?}");
+    assert!(st
+        .paths
+        .iter()
+        .all(|x| x.state == metaroce::PathState::Active));
+}

@@ -17,7 +17,7 @@ use crate::wire::{
 };
 use crate::{EcnCodepoint, Transmit};
 use cc::Aimd;
-use path::{PathInfo, PathRx, PathTx, RxClass, SegRef};
+use path::{PathRx, PathTx, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
 use send::{OpKind, SendQueue};
@@ -25,7 +25,7 @@ use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-pub use path::PathStats;
+pub use path::{PathInfo, PathState, PathStats};
 
 /// Protocol version carried in CONNECT.
 pub(crate) const PROTOCOL_VERSION: u8 = 1;
@@ -97,6 +97,7 @@ pub(crate) struct Connection {
     next_ack_path: usize,
     naks: VecDeque<PendingNak>,
     pub accept_pending: bool,
+    accepts_sent: u64,
     /// This side sent the connection request.
     pub outgoing: bool,
     handshake: Option<Handshake>,
@@ -110,6 +111,8 @@ pub(crate) struct Connection {
     oow_in: u64,
     ce_in: u64,
     source_ports: Vec<u16>,
+    /// Where the search for a re-roll port starts.
+    next_spare: usize,
     epoch: Instant,
 }
 
@@ -227,6 +230,7 @@ impl Connection {
             next_ack_path: 0,
             naks: VecDeque::new(),
             accept_pending: false,
+            accepts_sent: 0,
             outgoing: false,
             handshake: None,
             last_heard: now,
@@ -238,6 +242,7 @@ impl Connection {
             dup_in: 0,
             oow_in: 0,
             ce_in: 0,
+            next_spare: 0,
             source_ports,
             epoch,
         }
@@ -450,6 +455,7 @@ impl Connection {
             return;
         };
         rx.apply_floor(path.floor_psn);
+        rx.generation = path.flags >> 4;
         let psn = pkt.bth.psn;
         match rx.classify(psn) {
             RxClass::OutOfWindow => {
@@ -541,6 +547,33 @@ impl Connection {
         }
     }
 
+    /// Path `i` timed out `path_reroll_timeouts` times in a row: move it to a source port no
+    /// other path of this connection uses (new ECMP entropy).
+    fn reroll(&mut self, i: usize) {
+        let used: Vec<u16> = self.tx.iter().map(|p| p.src_port).collect();
+        let n = self.source_ports.len();
+        let mut port = self.tx[i].src_port;
+        for k in 0..n {
+            let cand = self.source_ports[(self.next_spare + k) % n];
+            if !used.contains(&cand) {
+                port = cand;
+                self.next_spare = (self.next_spare + k + 1) % n;
+                break;
+            }
+        }
+        let p = &mut self.tx[i];
+        tracing::info!(conn = %self.handle, path = p.id, old_port = p.src_port, new_port = port, "path re-rolled after repeated timeouts");
+        p.reroll(port);
+    }
+
+    /// The local source port for packets answering the peer's path `path_id` (ACKs, NAKs):
+    /// it moves with the peer's re-roll generation.
+    fn answer_port(&self, path_id: u8, generation: u8) -> u16 {
+        let n = self.source_ports.len();
+        let paths = self.rx.len().max(1);
+        self.source_ports[(path_id as usize + generation as usize * paths) % n]
+    }
+
     fn respond(&mut self, r: Option<Respond>) {
         match r {
             Some(Respond::Read { req_id, data }) => self.sq.post_read_response(req_id, data),
@@ -620,24 +653,32 @@ impl Connection {
             }
             return Outcome::default();
         }
+        // A server that has heard nothing from its client since accepting re-sends the
+        // Accept with every timer: if it was lost, the client drops data until one arrives.
+        if !self.outgoing && self.acks_received == 0 && self.data_in == 0 {
+            self.accept_pending = true;
+        }
         if self.sq.rnr_deadline().is_some_and(|t| t <= now) {
             self.sq.on_rnr_timer(now);
         }
         let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
         let mut lost = Vec::new();
-        for p in &mut self.tx {
+        for i in 0..self.tx.len() {
+            let p = &mut self.tx[i];
             if p.loss_deadline(min_rto, max_rto).is_some_and(|d| d <= now) {
                 let segs = p.on_loss_timer(now, retry);
-                if p.failed {
-                    tracing::warn!(conn = %self.handle, path = p.id, "path failed: retry count exceeded");
-                }
                 lost.extend(segs);
+                if p.state == PathState::Failed {
+                    tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
+                } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
+                    self.reroll(i);
+                }
             }
         }
         for s in lost {
             self.sq.on_lost(s);
         }
-        if !self.tx.is_empty() && self.tx.iter().all(|p| p.failed) {
+        if !self.tx.is_empty() && self.tx.iter().all(|p| p.state == PathState::Failed) {
             self.flush(WcStatus::RetryExceeded, events);
             return Outcome {
                 lost: Some(ConnectionError::RetryExceeded),
@@ -756,24 +797,32 @@ impl Connection {
                 return None;
             }
             hs.pending = false;
+            // Each attempt leaves from the next source port, so one broken route cannot keep
+            // the connection from forming.
+            let port = self.source_ports[hs.attempts as usize % self.source_ports.len()];
             hs.attempts += 1;
             hs.next_at = now + self.cfg.handshake_interval;
             let (bth, hdrs) = self.connect_packet(ConnectKind::Request, 0);
-            let port = self.source_ports[0];
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
         if self.accept_pending {
             self.accept_pending = false;
+            self.accepts_sent += 1;
+            let port =
+                self.source_ports[(self.accepts_sent - 1) as usize % self.source_ports.len()];
             let (bth, hdrs) = self.connect_packet(ConnectKind::Accept, 0);
-            let port = self.source_ports[0];
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
         let ts = ts32(self.epoch, now);
         // 2. NAKs.
         if let Some(nak) = self.naks.pop_front() {
-            let port = self.source_ports[nak.path_id as usize % self.source_ports.len()];
+            let gen = self
+                .rx
+                .get(nak.path_id as usize)
+                .map_or(0, |r| r.generation);
+            let port = self.answer_port(nak.path_id, gen);
             let mut bth = Bth::new(Opcode::MR_NAK, self.peer_qpn, nak.psn);
             bth.ack_req = false;
             let hdrs = Headers::Nak {
@@ -799,6 +848,7 @@ impl Connection {
                 continue;
             }
             self.next_ack_path = (i + 1) % nrx;
+            let port = self.answer_port(i as u8, self.rx[i].generation);
             let rx = &mut self.rx[i];
             rx.ack_pending = false;
             let flags = rx.ce_since_ack as u8;
@@ -812,7 +862,6 @@ impl Connection {
                 rate_hint: self.cfg.advertised_rate_mbps,
                 sack: rx.sack_bytes(),
             });
-            let port = self.source_ports[i % self.source_ports.len()];
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             self.acks_sent += 1;
             return Some(self.transmit(port, None, n, None));
@@ -874,7 +923,7 @@ impl Connection {
             let Some(op) = self.sq.op(seg.op) else { break };
             let path = PathEth {
                 path_id: i as u8,
-                flags: 0,
+                flags: self.tx[i].generation << 4,
                 timestamp: ts,
                 floor_psn: self.tx[i].floor_psn(),
             };

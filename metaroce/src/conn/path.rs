@@ -53,8 +53,25 @@ pub struct PathStats {
     pub probes: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
+    /// Re-rolls to a new source port after repeated timeouts.
+    pub rerolls: u64,
     /// CE marks the peer echoed for this path.
     pub ecn_marks: u64,
+}
+
+/// State of a path (MetaRoCE path management).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PathState {
+    /// Carrying traffic normally.
+    Active,
+    /// A retransmission timeout fired without progress since: the window is at its minimum.
+    Suspect,
+    /// Re-rolled to a new UDP source port (new ECMP entropy) after `path_reroll_timeouts`
+    /// timeouts in a row; carries one packet at a time until an ACK shows the new route
+    /// works.
+    Probing,
+    /// Retired after `retry_count` timeouts in a row without progress; carries nothing.
+    Failed,
 }
 
 /// What the application can read about one path.
@@ -72,8 +89,13 @@ pub struct PathInfo {
     pub srtt: Duration,
     /// Minimum RTT seen, if any sample yet.
     pub min_rtt: Option<Duration>,
-    /// Whether the path has failed (retry budget exceeded).
+    /// Whether the path has failed (retired; see [`PathState::Failed`]).
     pub failed: bool,
+    /// Path state.
+    pub state: PathState,
+    /// How many times the path was re-rolled to a new source port (modulo 16; carried in
+    /// PathEth flags so the receiver moves its ACKs too).
+    pub generation: u8,
     /// Counters.
     pub stats: PathStats,
 }
@@ -96,7 +118,9 @@ pub(crate) struct PathTx {
     probe_sent: bool,
     /// A segment to send on this path as a tail-loss probe, ahead of everything else.
     pub probe: Option<SegRef>,
-    pub failed: bool,
+    pub state: PathState,
+    /// Re-roll generation (4 bits), sent in PathEth flags bits 7:4.
+    pub generation: u8,
     pub stats: PathStats,
 }
 
@@ -130,7 +154,8 @@ impl PathTx {
             last_progress: now,
             probe_sent: false,
             probe: None,
-            failed: false,
+            state: PathState::Active,
+            generation: 0,
             stats: PathStats::default(),
         }
     }
@@ -152,14 +177,20 @@ impl PathTx {
 
     /// Whether a new packet fits the window and the SACK span.
     pub fn can_send(&self) -> bool {
-        !self.failed
-            && self.outstanding < self.cc.window()
+        let window = if self.state == PathState::Probing {
+            1
+        } else {
+            self.cc.window()
+        };
+        self.state != PathState::Failed
+            && self.outstanding < window
             && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
     }
 
     /// Whether a probe may go out now (probes bypass the window, not the SACK span).
     pub fn can_probe(&self) -> bool {
-        !self.failed && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
+        self.state != PathState::Failed
+            && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
     }
 
     /// Record a transmission; returns the PSN used.
@@ -255,6 +286,10 @@ impl PathTx {
             }
         }
         if na > 0 {
+            if self.state != PathState::Active {
+                tracing::debug!(path = self.id, port = self.src_port, from = ?self.state, "path active again");
+            }
+            self.state = PathState::Active;
             out.progress = true;
             self.last_progress = now;
             self.probe_sent = false;
@@ -293,7 +328,7 @@ impl PathTx {
 
     /// When the loss timer of this path fires, if armed.
     pub fn loss_deadline(&self, min_rto: Duration, max_rto: Duration) -> Option<Instant> {
-        if self.outstanding == 0 || self.failed {
+        if self.outstanding == 0 || self.state == PathState::Failed {
             return None;
         }
         let wait = if self.probe_sent {
@@ -338,10 +373,32 @@ impl PathTx {
         self.stats.timeout_losses += lost.len() as u64;
         self.consecutive_rtos += 1;
         self.cc.on_timeout(now);
+        if self.state == PathState::Active {
+            self.state = PathState::Suspect;
+        }
         if self.consecutive_rtos > retry_count {
-            self.failed = true;
+            self.state = PathState::Failed;
         }
         lost
+    }
+
+    /// Whether this path should move to a new source port now: every
+    /// `reroll_timeouts` timeouts in a row without progress (and not retired).
+    pub fn wants_reroll(&self, reroll_timeouts: u32) -> bool {
+        self.state != PathState::Failed
+            && reroll_timeouts > 0
+            && self.consecutive_rtos > 0
+            && self.consecutive_rtos % reroll_timeouts == 0
+    }
+
+    /// Move the path to a new source port (new ECMP entropy) and probe it with one packet
+    /// at a time. The timeout back-off and the count of timeouts in a row carry on, so a
+    /// path that stays dead is still retired after `retry_count` timeouts.
+    pub fn reroll(&mut self, new_port: u16) {
+        self.src_port = new_port;
+        self.generation = (self.generation + 1) & 0x0F;
+        self.state = PathState::Probing;
+        self.stats.rerolls += 1;
     }
 
     pub fn info(&self) -> PathInfo {
@@ -352,7 +409,9 @@ impl PathTx {
             in_flight: self.outstanding,
             srtt: self.rtt.smoothed(),
             min_rtt: self.rtt.min(),
-            failed: self.failed,
+            failed: self.state == PathState::Failed,
+            state: self.state,
+            generation: self.generation,
             stats: self.stats,
         }
     }
@@ -380,6 +439,9 @@ pub(crate) struct PathRx {
     pub ce_since_ack: bool,
     pub echo_ts: u32,
     pub ack_pending: bool,
+    /// The sender's re-roll generation of this path (PathEth flags 7:4): ACKs move to a new
+    /// source port with it, so a re-rolled path gets new entropy in both directions.
+    pub generation: u8,
 }
 
 impl PathRx {
@@ -391,6 +453,7 @@ impl PathRx {
             ce_since_ack: false,
             echo_ts: 0,
             ack_pending: false,
+            generation: 0,
         }
     }
 

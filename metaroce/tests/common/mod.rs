@@ -21,6 +21,8 @@ pub struct Impair {
     pub ce: f64,
     /// Drop everything (blackhole).
     pub blackhole: bool,
+    /// Drop everything sent from this UDP source port (one path blackholed).
+    pub blackhole_port: Option<u16>,
 }
 
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
@@ -52,7 +54,7 @@ pub fn config(i: usize, seed: u64) -> EndpointConfig {
     let ip = format!("10.0.0.{}", i + 1);
     let mut c = EndpointConfig::new(
         format!("{ip}:4791").parse().unwrap(),
-        (0..8).map(|k| 0xC000 + k + 16 * i as u16).collect(),
+        (0..16).map(|k| 0xC000 + k + 16 * i as u16).collect(),
     );
     c.seed = seed.wrapping_mul(31).wrapping_add(i as u64);
     c.transport.max_gso_segments = 4;
@@ -94,7 +96,10 @@ impl Pair {
         let from = SocketAddr::new(self.addrs[from_idx].ip(), t.src_port);
         let seg = t.segment_size.unwrap_or(t.size);
         for chunk in data[..t.size].chunks(seg) {
-            if self.impair.blackhole || self.chance(self.impair.loss) {
+            if self.impair.blackhole
+                || self.impair.blackhole_port == Some(t.src_port)
+                || self.chance(self.impair.loss)
+            {
                 self.dropped += 1;
                 continue;
             }
