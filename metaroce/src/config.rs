@@ -118,8 +118,18 @@ pub struct TransportConfig {
     /// only once the application has posted one on it, and library-owned buffers otherwise.
     pub require_posted_receives: bool,
     /// Rate this endpoint grants each sender, returned in every ACK (MetaRoCE receiver
-    /// rate hint), in Mbit/s; 0 means no limit. Default 0.
+    /// rate hint), in Mbit/s; 0 means no limit. Used when `recv_capacity_mbps` is 0.
+    /// Default 0.
     pub advertised_rate_mbps: u32,
+    /// Receiver-driven fair share: this endpoint's inbound capacity in Mbit/s. When non-zero,
+    /// every ACK grants its sender `recv_capacity_mbps / n`, where n is the number of
+    /// connections that delivered data within the last `fair_share_window`; senders cap
+    /// their window to the grant × SRTT, so an incast settles in a round trip or two.
+    /// 0 disables it. Default 0.
+    pub recv_capacity_mbps: u32,
+    /// How recently a connection must have delivered data to count as an active sender
+    /// for the fair share. Default 1 ms.
+    pub fair_share_window: Duration,
     /// Congestion control parameters.
     pub congestion: CongestionConfig,
 }
@@ -146,6 +156,8 @@ impl Default for TransportConfig {
             verify_icrc: true,
             idle_timeout: None,
             advertised_rate_mbps: 0,
+            recv_capacity_mbps: 0,
+            fair_share_window: Duration::from_millis(1),
             max_rd_atomic: 16,
             rnr_retry: 7,
             min_rnr_timer: 12,
@@ -197,6 +209,8 @@ impl TransportConfig {
 /// sides"), capped further by the receiver's rate hint.
 #[derive(Debug, Clone)]
 pub struct CongestionConfig {
+    /// Which controller runs on each path. Default [`CongestionAlgorithm::Aimd`].
+    pub algorithm: CongestionAlgorithm,
     /// Initial window of each path, in packets. Default 32.
     pub initial_window: u32,
     /// Smallest window of a path, in packets. Default 2.
@@ -224,9 +238,75 @@ pub struct CongestionConfig {
     pub delay_beta: f64,
 }
 
+/// The congestion controllers behind [`CongestionController`](crate::conn::cc::CongestionController),
+/// selectable per endpoint so they can be compared on the same network.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub enum CongestionAlgorithm {
+    /// The MetaRoCE default: ECN- and delay-driven AIMD ([`Aimd`](crate::conn::cc::Aimd)),
+    /// using the fields of [`CongestionConfig`].
+    Aimd,
+    /// Swift-like delay targeting ([`Swift`](crate::conn::cc::Swift), Kumar et al.,
+    /// SIGCOMM 2020): additive increase below `target`, a decrease proportional to the
+    /// excess delay above it (at most `max_decrease` per RTT).
+    Swift {
+        /// Target RTT (base RTT plus allowed queueing).
+        target: std::time::Duration,
+        /// Additive increase in packets per RTT.
+        additive_increase: f64,
+        /// Scale of the delay-proportional decrease.
+        beta: f64,
+        /// Largest multiplicative decrease per RTT (0..1).
+        max_decrease: f64,
+    },
+    /// DCQCN (Zhu et al., SIGCOMM 2015), rate-based: CE echoes act as CNPs (at most one per
+    /// `cnp_interval`), cutting the rate by `alpha/2`; fast recovery, additive and hyper
+    /// increase every `rate_timer`. The rate is turned into a window as rate × SRTT.
+    Dcqcn {
+        /// Line rate and initial rate, in Mbit/s.
+        line_rate_mbps: u32,
+        /// Additive increase step R_AI, in Mbit/s.
+        rate_ai_mbps: u32,
+        /// Hyper increase step R_HAI, in Mbit/s.
+        rate_hai_mbps: u32,
+        /// Alpha gain g (DCQCN default 1/256).
+        g: f64,
+        /// Minimum time between two rate cuts (CNP interval), DCQCN default 50 µs.
+        cnp_interval: std::time::Duration,
+        /// Rate increase timer, DCQCN default 55 µs.
+        rate_timer: std::time::Duration,
+    },
+}
+
+impl CongestionAlgorithm {
+    /// Swift with parameters suited to a datacenter fabric: 50 µs target, 1 packet per RTT,
+    /// beta 0.8, at most halving per RTT.
+    pub fn swift_default() -> Self {
+        CongestionAlgorithm::Swift {
+            target: std::time::Duration::from_micros(50),
+            additive_increase: 1.0,
+            beta: 0.8,
+            max_decrease: 0.5,
+        }
+    }
+
+    /// DCQCN with the paper's defaults on a 100 Gbit/s line.
+    pub fn dcqcn_default() -> Self {
+        CongestionAlgorithm::Dcqcn {
+            line_rate_mbps: 100_000,
+            rate_ai_mbps: 40,
+            rate_hai_mbps: 100,
+            g: 1.0 / 256.0,
+            cnp_interval: std::time::Duration::from_micros(50),
+            rate_timer: std::time::Duration::from_micros(55),
+        }
+    }
+}
+
 impl Default for CongestionConfig {
     fn default() -> Self {
         Self {
+            algorithm: CongestionAlgorithm::Aimd,
             initial_window: 32,
             min_window: 2,
             max_window: 255,

@@ -162,6 +162,7 @@ pub struct Endpoint {
     events: VecDeque<Event>,
     control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
     rr_cursor: u32,
+    fair_share_at: Option<Instant>,
     stats: EndpointStats,
 }
 
@@ -184,6 +185,7 @@ impl Endpoint {
             events: VecDeque::new(),
             control: VecDeque::new(),
             rr_cursor: 0,
+            fair_share_at: None,
             stats: EndpointStats::default(),
         })
     }
@@ -639,6 +641,35 @@ impl Endpoint {
             .min()
     }
 
+    /// Receiver-driven fair share (MetaRoCE): grant every sender an equal part of
+    /// `recv_capacity_mbps` among the connections that delivered data recently, or the
+    /// fixed `advertised_rate_mbps`. Recomputed at most once per distinct `now`.
+    fn update_fair_share(&mut self, now: Instant) {
+        if self.fair_share_at == Some(now) {
+            return;
+        }
+        self.fair_share_at = Some(now);
+        let t = &self.cfg.transport;
+        let grant = if t.recv_capacity_mbps > 0 {
+            let window = t.fair_share_window;
+            let active = self
+                .conns
+                .values()
+                .filter(|c| {
+                    c.last_data_rx
+                        .is_some_and(|at| now.saturating_duration_since(at) <= window)
+                })
+                .count()
+                .max(1);
+            (t.recv_capacity_mbps / active as u32).max(1)
+        } else {
+            t.advertised_rate_mbps
+        };
+        for c in self.conns.values_mut() {
+            c.granted_rate_mbps = grant;
+        }
+    }
+
     /// The next datagram (or GSO batch) to send, written into `buf` (cleared first).
     /// Call until it returns `None` after every input.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
@@ -667,6 +698,7 @@ impl Endpoint {
                 segment_size: None,
             });
         }
+        self.update_fair_share(now);
         // Round-robin over connections, starting after the one served last.
         let start = self.rr_cursor;
         let keys: Vec<u32> = self

@@ -60,7 +60,7 @@ pub mod sim;
 pub mod transmit;
 pub mod wire;
 
-pub use config::{CongestionConfig, EndpointConfig, TransportConfig};
+pub use config::{CongestionAlgorithm, CongestionConfig, EndpointConfig, TransportConfig};
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{

@@ -539,3 +539,35 @@ fn blackholed_path_is_rerolled_to_a_new_source_port_and_recovers() {
         .iter()
         .all(|x| x.state == metaroce::PathState::Active));
 }
+
+#[test]
+fn receiver_fair_share_caps_the_sender() {
+    let a = common::config(0, 30);
+    let mut b = common::config(1, 30);
+    b.transport.recv_capacity_mbps = 400;
+    let mut p = Pair::with_configs(30, Impair::default(), a, b);
+    p.delay = Duration::from_micros(50);
+    let (c, s) = p.connect();
+    let total = 4_000_000usize;
+    let start = p.now;
+    for i in 0..40u64 {
+        p.eps[0]
+            .post_send(c, 0, i, Bytes::from(vec![3u8; total / 40]))
+            .unwrap();
+    }
+    assert!(p.run_until(Duration::from_secs(30), |p| p.events[1].len() == 40));
+    let elapsed = (p.now - start).as_secs_f64();
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert_eq!(st.peer_rate_hint_mbps, 400);
+    assert_eq!(p.eps[1].connection_stats(s).unwrap().granted_rate_mbps, 400);
+    // 4 MB at 400 Mbit/s takes at least ~80 ms; without the grant it takes a few ms here.
+    let mbps = total as f64 * 8.0 / elapsed / 1e6;
+    assert!(
+        mbps < 400.0 * 1.25,
+        "sender ignored the grant: {mbps:.0} Mbit/s"
+    );
+    assert!(
+        mbps > 400.0 * 0.5,
+        "sender far below the grant: {mbps:.0} Mbit/s"
+    );
+}

@@ -16,7 +16,6 @@ use crate::wire::{
     Opcode, PathEth, Reth, SendEth, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
-use cc::Aimd;
 use path::{PathRx, PathTx, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
@@ -76,6 +75,11 @@ pub struct ConnectionStats {
     pub out_of_window_packets: u64,
     /// Data packets received with a CE mark.
     pub ce_received: u64,
+    /// The rate the peer grants us in its ACKs (Mbit/s, 0 = no limit): its receiver-driven
+    /// fair share.
+    pub peer_rate_hint_mbps: u32,
+    /// The rate we grant the peer in our ACKs (Mbit/s, 0 = no limit).
+    pub granted_rate_mbps: u32,
 }
 
 #[derive(Debug)]
@@ -103,6 +107,10 @@ pub(crate) struct Connection {
     handshake: Option<Handshake>,
     pub last_heard: Instant,
     peer_rate_mbps: u32,
+    /// Rate granted to the peer in our ACKs (Mbit/s, 0 = no limit); set by the endpoint.
+    pub granted_rate_mbps: u32,
+    /// When the peer last delivered new data (for the receiver's fair share).
+    pub last_data_rx: Option<Instant>,
     cfg: TransportConfig,
     acks_sent: u64,
     acks_received: u64,
@@ -235,6 +243,8 @@ impl Connection {
             handshake: None,
             last_heard: now,
             peer_rate_mbps: 0,
+            granted_rate_mbps: 0,
+            last_data_rx: None,
             cfg,
             acks_sent: 0,
             acks_received: 0,
@@ -266,7 +276,7 @@ impl Connection {
                     self.source_ports[i],
                     self.init_psn,
                     RttEstimator::new(self.cfg.initial_rtt),
-                    Box::new(Aimd::new(self.cfg.congestion.clone())),
+                    cc::new_controller(&self.cfg.congestion, pmtu),
                     now,
                 )
             })
@@ -299,6 +309,8 @@ impl Connection {
             duplicate_packets: self.dup_in,
             out_of_window_packets: self.oow_in,
             ce_received: self.ce_in,
+            peer_rate_hint_mbps: self.peer_rate_mbps,
+            granted_rate_mbps: self.granted_rate_mbps,
         }
     }
 
@@ -511,6 +523,7 @@ impl Connection {
         match outcome {
             RxOutcome::Accepted => {
                 rx.mark(psn);
+                self.last_data_rx = Some(self.last_heard);
                 if ecn == Some(EcnCodepoint::Ce) {
                     rx.ce_count = rx.ce_count.wrapping_add(1);
                     rx.ce_since_ack = true;
@@ -779,7 +792,7 @@ impl Connection {
                 .max()
                 .unwrap_or(self.cfg.initial_rtt);
             let bytes = self.peer_rate_mbps as f64 * 1e6 / 8.0 * srtt.as_secs_f64();
-            w = w.min(((bytes / self.pmtu as f64) as u32).max(self.tx.len() as u32));
+            w = w.min(((bytes / self.pmtu as f64).ceil() as u32).max(1));
         }
         w
     }
@@ -859,7 +872,7 @@ impl Connection {
                 flags,
                 echo_ts: rx.echo_ts,
                 ce_count: rx.ce_count,
-                rate_hint: self.cfg.advertised_rate_mbps,
+                rate_hint: self.granted_rate_mbps,
                 sack: rx.sack_bytes(),
             });
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
