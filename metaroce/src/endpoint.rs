@@ -701,20 +701,25 @@ impl Endpoint {
         self.update_fair_share(now);
         // Round-robin over connections, starting after the one served last.
         let start = self.rr_cursor;
-        let keys: Vec<u32> = self
-            .conns
-            .range(start..)
-            .chain(self.conns.range(..start))
-            .map(|(&k, _)| k)
-            .collect();
-        for q in keys {
-            let Some(c) = self.conns.get_mut(&q) else {
-                continue;
-            };
-            if let Some(t) = c.poll_transmit(now, buf, &self.mrs) {
-                self.rr_cursor = q.wrapping_add(1);
-                return Some(t);
+        let mrs = &self.mrs;
+        let mut served = None;
+        for (&q, c) in self.conns.range_mut(start..) {
+            if let Some(t) = c.poll_transmit(now, buf, mrs) {
+                served = Some((q, t));
+                break;
             }
+        }
+        if served.is_none() {
+            for (&q, c) in self.conns.range_mut(..start) {
+                if let Some(t) = c.poll_transmit(now, buf, mrs) {
+                    served = Some((q, t));
+                    break;
+                }
+            }
+        }
+        if let Some((q, t)) = served {
+            self.rr_cursor = q.wrapping_add(1);
+            return Some(t);
         }
         None
     }
