@@ -412,9 +412,17 @@ impl SendQueue {
         }
     }
 
+    /// Queue a lost segment for retransmission. The queue is kept in posting order (oldest
+    /// operation first): a receiver drops messages that are not next on their stream (stream
+    /// window, receive budget) without acknowledging them, so re-sending a later message
+    /// ahead of the head of its stream wastes the round and, with a small window, every
+    /// round until the retry budget runs out.
     pub fn on_lost(&mut self, s: SegRef) {
         if self.live(s) {
-            self.retx.push_back(s);
+            let i = self
+                .retx
+                .partition_point(|r| (r.op, r.seg) <= (s.op, s.seg));
+            self.retx.insert(i, s);
         }
     }
 

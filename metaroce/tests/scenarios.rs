@@ -1,0 +1,1586 @@
+//! Named scenarios: one table of [`Scenario`]s (name, configuration, impairment, operations,
+//! expected outcome), run by `scenario_table` (which prints every scenario's name, result
+//! and measured values) and by one `#[test]` per scenario (to run one alone:
+//! `cargo test -p metaroce --test scenarios -- tail_loss_send`).
+//!
+//! Every scenario also passes every invariant of `harness::Workload::check_all`
+//! (exactly-once in-order delivery, memory model and canaries, completions, immediates,
+//! liveness and quiescence); `expect` adds what the scenario is about.
+
+mod harness;
+
+use bytes::Bytes;
+use harness::*;
+use metaroce::wire::Headers;
+use metaroce::{Access, ConnectionError, EndpointConfig, Event, PostError, WcStatus, WriteRequest};
+use std::time::Duration;
+
+/// One named scenario.
+struct Scenario {
+    name: &'static str,
+    /// RNG seed of the endpoints and the network.
+    seed: u64,
+    /// Whether the run is checked against the workload model (`Workload::check_all`);
+    /// scenarios whose operations the model cannot predict check everything in `expect`.
+    model: bool,
+    /// A known bug in the core this scenario exposes: its test is `#[ignore]`d and the
+    /// table reports it instead of failing.
+    known_bug: Option<&'static str>,
+    /// Configuration changes of A and B.
+    setup: fn(&mut EndpointConfig, &mut EndpointConfig),
+    /// Impairment rules, installed once the connection is up (`w.t0`).
+    impair: fn(&Workload) -> Vec<Rule>,
+    /// Operations, posted in order (see `OpSpec`).
+    ops: fn(&Workload) -> Vec<OpSpec>,
+    /// How the run goes: by default post the operations and run to completion.
+    drive: fn(&mut Workload, Vec<OpSpec>) -> Result<(), String>,
+    /// The expected outcome (beyond the invariants every run checks); returns the
+    /// measured values for the report.
+    expect: fn(&Workload) -> Result<String, String>,
+}
+
+const MS: Duration = Duration::from_millis(1);
+const US: Duration = Duration::from_micros(1);
+
+fn no_setup(_: &mut EndpointConfig, _: &mut EndpointConfig) {}
+fn default_drive(w: &mut Workload, ops: Vec<OpSpec>) -> Result<(), String> {
+    w.post_all(&ops, Duration::from_secs(10))?;
+    let limit = w.net.elapsed() + Duration::from_secs(60);
+    w.finish(limit, Duration::from_secs(5))
+}
+
+fn ensure(cond: bool, msg: impl FnOnce() -> String) -> Result<(), String> {
+    if cond {
+        Ok(())
+    } else {
+        Err(msg())
+    }
+}
+
+fn all_success(w: &Workload, side: usize) -> Result<(), String> {
+    let st = w.statuses(side);
+    ensure(
+        st.iter()
+            .zip(&w.posted[side])
+            .all(|(s, p)| *s == p.expected()),
+        || format!("side {side}: statuses {st:?}"),
+    )?;
+    ensure(w.net.lost(side, w.conns[side]).is_none(), || {
+        format!("side {side}: connection lost")
+    })
+}
+
+fn run(sc: &Scenario) -> Result<String, String> {
+    let mut a = config(0, sc.seed);
+    let mut b = config(1, sc.seed);
+    (sc.setup)(&mut a, &mut b);
+    let net = Net::with_configs(sc.seed, a, b);
+    let mut w = Workload::start(net, Duration::from_secs(10))
+        .ok_or_else(|| "handshake did not complete".to_string())?;
+    for r in (sc.impair)(&w) {
+        w.net.add_rule(r);
+    }
+    let ops = (sc.ops)(&w);
+    (sc.drive)(&mut w, ops)?;
+    if sc.model {
+        w.check_all()?;
+    }
+    (sc.expect)(&w)
+}
+
+fn run_named(name: &str) {
+    let sc = scenarios()
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no scenario {name}"));
+    match run(&sc) {
+        Ok(m) => eprintln!("{name}: ok ({m})"),
+        Err(e) => panic!("scenario {name} failed: {e}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Operations used by several scenarios
+
+fn sends(side: usize, n: usize, streams: u32, len: impl Fn(usize) -> u32) -> Vec<OpSpec> {
+    (0..n)
+        .map(|i| OpSpec::send(side, i as u32 % streams, len(i)))
+        .collect()
+}
+
+fn mixed(side: usize) -> Vec<OpSpec> {
+    let mut ops = sends(side, 24, 4, |i| [0, 1, 1024, 1025, 5000, 20_000][i % 6]);
+    for i in 0..8u32 {
+        ops.push(OpSpec::write(
+            side,
+            Target::Area,
+            i * 4096,
+            3000 + i * 100,
+            i % 2 == 0,
+        ));
+    }
+    ops
+}
+
+// ---------------------------------------------------------------------------------------
+// The table
+
+fn scenarios() -> Vec<Scenario> {
+    vec![
+        // Tail loss: the first transmission of the last packet of a message is lost and
+        // nothing follows it on its path, so no SACK can reveal the hole: the tail-loss
+        // probe (not an RTO) recovers it.
+        Scenario {
+            name: "tail_loss_send",
+            seed: 1,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any()
+                        .from(0)
+                        .kind(Kind::Data)
+                        .when(|p| p.is_last_segment() && !p.retransmit),
+                    Action::Burst(1),
+                )]
+            },
+            ops: |_| vec![OpSpec::send(0, 1, 3000)],
+            drive: default_drive,
+            expect: |w| {
+                let probes = w.path_sum(0, |p| p.probes);
+                let rtos = w.path_sum(0, |p| p.rtos);
+                ensure(probes > 0, || "no tail-loss probe".into())?;
+                ensure(rtos == 0, || {
+                    format!("{rtos} RTOs: the probe did not recover")
+                })?;
+                all_success(w, 0)?;
+                Ok(format!("probes {probes}, rtos {rtos}"))
+            },
+        },
+        Scenario {
+            name: "tail_loss_write_with_imm",
+            seed: 2,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any()
+                        .from(0)
+                        .kind(Kind::Data)
+                        .when(|p| p.is_last_segment() && !p.retransmit),
+                    Action::Burst(1),
+                )]
+            },
+            ops: |_| vec![OpSpec::write(0, Target::Area, 100, 5000, true)],
+            drive: default_drive,
+            expect: |w| {
+                let probes = w.path_sum(0, |p| p.probes);
+                ensure(probes > 0, || "no tail-loss probe".into())?;
+                ensure(w.net.immediates(1, w.conns[1]).len() == 1, || {
+                    "immediate not reported once".into()
+                })?;
+                all_success(w, 0)?;
+                Ok(format!("probes {probes}"))
+            },
+        },
+        // 300 consecutive data packets lost: more than one SACK bitmap (256) and more than
+        // the whole initial window of all paths.
+        Scenario {
+            name: "burst_loss_300",
+            seed: 3,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |w| {
+                vec![Rule::between(
+                    w.t0 + US,
+                    Duration::MAX,
+                    Filter::any().from(0).kind(Kind::Data),
+                    Action::Burst(300),
+                )]
+            },
+            ops: |_| sends(0, 64, 4, |_| 32 * 1024),
+            drive: default_drive,
+            expect: |w| {
+                let lost = w.path_sum(0, |p| p.sack_losses + p.timeout_losses);
+                let dropped = w.net.dropped;
+                ensure(dropped == 300, || format!("burst dropped {dropped}"))?;
+                ensure(lost >= 300, || format!("only {lost} losses detected"))?;
+                all_success(w, 0)?;
+                Ok(format!("dropped {dropped}, losses detected {lost}"))
+            },
+        },
+        // Every ACK lost for 50 ms (well inside the retry budget): the sender probes and
+        // times out, retransmits everything, the receiver sees its data again and
+        // delivers nothing twice; then the ACKs return and everything completes.
+        Scenario {
+            name: "ack_blackout_50ms",
+            seed: 4,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |w| {
+                vec![Rule::between(
+                    w.t0,
+                    w.t0 + 50 * MS,
+                    Filter::any().from(1).kind(Kind::Ack),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| mixed(0),
+            drive: default_drive,
+            expect: |w| {
+                let rtos = w.path_sum(0, |p| p.rtos);
+                let rx = w.stats(1).unwrap();
+                let dups = rx.recv.duplicates + rx.duplicate_packets;
+                ensure(rtos > 0, || "no RTO while every ACK was lost".into())?;
+                ensure(dups > 0, || "no retransmission reached the receiver".into())?;
+                all_success(w, 0)?;
+                Ok(format!(
+                    "rtos {rtos}, receiver duplicates {} (semantic) + {} (PSN), done at {:?}",
+                    rx.recv.duplicates,
+                    rx.duplicate_packets,
+                    w.net.elapsed() - w.t0
+                ))
+            },
+        },
+        // One path's data blackholed for the whole run: its packets time out and move to the
+        // other paths; the connection survives.
+        Scenario {
+            name: "one_path_blackholed",
+            seed: 5,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any().from(0).kind(Kind::Data).path(3),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| sends(0, 100, 4, |i| 4000 + (i as u32 % 7) * 2000),
+            drive: default_drive,
+            expect: |w| {
+                let st = w.stats(0).unwrap();
+                let p3 = st.paths[3].stats;
+                ensure(p3.rtos > 0 && p3.timeout_losses > 0, || {
+                    format!("path 3 shows no timeouts: {p3:?}")
+                })?;
+                ensure(p3.packets_acked == 0, || "path 3 acked packets".into())?;
+                for p in st.paths.iter().filter(|p| p.id != 3) {
+                    ensure(p.stats.packets_acked > 0, || format!("path {} idle", p.id))?;
+                }
+                all_success(w, 0)?;
+                Ok(format!(
+                    "path 3: rtos {}, timeout losses {}, failed {}",
+                    p3.rtos, p3.timeout_losses, st.paths[3].failed
+                ))
+            },
+        },
+        // The same path blackholed in both directions (its data and its ACKs).
+        Scenario {
+            name: "one_path_blackholed_both_directions",
+            seed: 6,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![
+                    Rule::always(Filter::any().from(0).path(3), Action::Blackhole),
+                    Rule::always(Filter::any().from(1).path(3), Action::Blackhole),
+                ]
+            },
+            ops: |_| {
+                let mut o = mixed(0);
+                o.extend(mixed(1));
+                o
+            },
+            drive: default_drive,
+            expect: |w| {
+                let p3 = w.stats(0).unwrap().paths[3].stats;
+                ensure(p3.rtos > 0, || format!("path 3 shows no timeouts: {p3:?}"))?;
+                all_success(w, 0)?;
+                all_success(w, 1)?;
+                Ok(format!("path 3 rtos {}", p3.rtos))
+            },
+        },
+        // Every path down for longer than the retry budget: the oldest pending operation
+        // completes with RetryExceeded, the rest with WrFlushError, ConnectionLost follows,
+        // the run ends, and posting afterwards is refused.
+        Scenario {
+            name: "all_paths_down",
+            seed: 7,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |w| {
+                vec![Rule::between(
+                    w.t0,
+                    Duration::MAX,
+                    Filter::any(),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| {
+                let mut o = mixed(0);
+                o.truncate(6);
+                o.push(OpSpec::write(0, Target::Area, 0, 2000, true));
+                o.extend(sends(1, 2, 1, |_| 3000));
+                o
+            },
+            drive: |w, ops| {
+                w.allow_failure = true;
+                default_drive(w, ops)?;
+                for side in 0..2 {
+                    let r = w.net.eps[side].post_send(w.conns[side], 0, 999, Bytes::new());
+                    ensure(r == Err(PostError::UnknownConnection), || {
+                        format!("post after the failure: {r:?}")
+                    })?;
+                }
+                Ok(())
+            },
+            expect: |w| {
+                for side in 0..2 {
+                    let st = w.statuses(side);
+                    ensure(st[0] == WcStatus::RetryExceeded, || format!("{st:?}"))?;
+                    ensure(st[1..].iter().all(|s| *s == WcStatus::WrFlushError), || {
+                        format!("{st:?}")
+                    })?;
+                    ensure(
+                        matches!(
+                            w.net.events[side].last(),
+                            Some(Event::ConnectionLost {
+                                reason: ConnectionError::RetryExceeded,
+                                ..
+                            })
+                        ),
+                        || "ConnectionLost is not the last event".into(),
+                    )?;
+                }
+                let at = w.net.event_times[0].last().copied().unwrap() - w.net.start - w.t0;
+                ensure(at < Duration::from_secs(10), || {
+                    format!("failed after {at:?}")
+                })?;
+                Ok(format!("failed after {at:?}"))
+            },
+        },
+        // Deep reordering: some data packets held back for 5 ms (thousands of packets'
+        // worth at this rate), others jittered. Held packets arrive after their PSN was
+        // settled and re-sent elsewhere: they are recognised as duplicates, nothing is
+        // delivered twice. A packet beyond the 256-packet window cannot come from a
+        // conforming sender (each packet carries its floor, at most 254 behind it), so the
+        // out-of-window counter is exercised with a forged packet 300 PSNs ahead.
+        Scenario {
+            name: "reorder_deeper_than_sack_window",
+            seed: 8,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![
+                    Rule::always(
+                        Filter::any().from(0).kind(Kind::Data),
+                        Action::Hold {
+                            prob: 0.03,
+                            after: 5 * MS,
+                        },
+                    ),
+                    Rule::always(
+                        Filter::any().from(0).kind(Kind::Data),
+                        Action::Jitter {
+                            prob: 0.2,
+                            max: 200 * US,
+                        },
+                    ),
+                    Rule::always(
+                        Filter::any()
+                            .from(0)
+                            .kind(Kind::Data)
+                            .when(|p| p.send.is_some_and(|s| s.stream_id == 3)),
+                        Action::Late {
+                            prob: 0.05,
+                            after: 3 * MS,
+                        },
+                    ),
+                ]
+            },
+            ops: |_| {
+                let mut o = sends(0, 64, 4, |_| 32 * 1024);
+                o.extend(mixed(0));
+                o
+            },
+            drive: |w, ops| {
+                default_drive(w, ops)?;
+                // Forge one data packet 300 PSNs beyond the receiver's window on path 0.
+                let cap = w.net.add_rule(Rule::always(
+                    Filter::any()
+                        .from(0)
+                        .kind(Kind::Data)
+                        .when(|p| p.send.is_some_and(|s| s.stream_id == 77)),
+                    Action::Capture { max: 1 },
+                ));
+                w.net.eps[0]
+                    .post_send(w.conns[0], 77, 1_000_000, Bytes::from_static(b"x"))
+                    .map_err(|e| format!("{e:?}"))?;
+                w.net.run_for(MS);
+                ensure(w.net.hits(cap).1 == 1, || "nothing captured".into())?;
+                let c = w.net.captured[0].clone();
+                let before = w.stats(1).unwrap();
+                let data = forge(&c, w.net.addrs[1], |bth, h| {
+                    bth.psn = metaroce::wire::psn_add(bth.psn, 300);
+                    if let Headers::Send { send, .. } = h {
+                        send.stream_id = 78;
+                    }
+                });
+                w.net.inject_raw(1, c.from, data, US);
+                w.forged_beyond_window[1] = 1;
+                w.net.run_for(MS);
+                let after = w.stats(1).unwrap();
+                ensure(
+                    after.out_of_window_packets == before.out_of_window_packets + 1,
+                    || "forged packet beyond the window not counted".into(),
+                )?;
+                ensure(!w.net.messages(1, w.conns[1]).contains_key(&78), || {
+                    "a packet beyond the window was delivered".into()
+                })?;
+                // Let the real packet through (the capture rule only took one) and finish.
+                w.net.clear_rules();
+                w.net.inject(0, US);
+                w.posted[0].push(Posted {
+                    wr_id: 1_000_000,
+                    spec: OpSpec::send(0, 77, 1),
+                    data: Some(Bytes::from_static(b"x")),
+                    write: None,
+                    valid: true,
+                    fenced: true,
+                    posted_at: w.net.elapsed(),
+                });
+                let limit = w.net.elapsed() + Duration::from_secs(10);
+                w.finish(limit, Duration::from_secs(5))
+            },
+            expect: |w| {
+                let rx = w.stats(1).unwrap();
+                ensure(rx.duplicate_packets > 0, || {
+                    "held packets were not recognised as duplicates".into()
+                })?;
+                all_success(w, 0)?;
+                Ok(format!(
+                    "duplicates {} (PSN) + {} (semantic), out of window {} (forged), sack losses {}",
+                    rx.duplicate_packets,
+                    rx.recv.duplicates,
+                    rx.out_of_window_packets,
+                    w.path_sum(0, |p| p.sack_losses)
+                ))
+            },
+        },
+        // A stale copy of a finished WRITE, new at the PSN level (its path carried nothing
+        // since), arrives after a second WRITE to the same address completed: memory keeps
+        // the second WRITE's data, no second immediate.
+        Scenario {
+            name: "stale_write_after_completion",
+            seed: 9,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| Vec::new(),
+            ops: |_| {
+                vec![
+                    OpSpec::write(0, Target::Area, 1000, 900, true).src(0),
+                    OpSpec::write(0, Target::Area, 1000, 900, true)
+                        .src(7777)
+                        .fenced(),
+                ]
+            },
+            drive: |w, ops| {
+                stale_copy_drive(w, ops, |p| p.write.is_some_and(|(_, we, _)| we.op_id == 0))
+            },
+            expect: |w| {
+                let rx = w.stats(1).unwrap();
+                ensure(rx.recv.duplicates > 0, || {
+                    "the stale copy did not reach the semantic layer's duplicate check".into()
+                })?;
+                let imms = w.net.immediates(1, w.conns[1]);
+                ensure(imms.len() == 2, || format!("immediates {imms:?}"))?;
+                Ok(format!(
+                    "semantic duplicates {}, PSN duplicates {}",
+                    rx.recv.duplicates, rx.duplicate_packets
+                ))
+            },
+        },
+        // The same with SENDs: a stale copy of message 0 after messages 0 and 1 were
+        // delivered is not delivered again.
+        Scenario {
+            name: "stale_send_after_completion",
+            seed: 10,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| Vec::new(),
+            ops: |_| vec![OpSpec::send(0, 5, 700), OpSpec::send(0, 5, 800).fenced()],
+            drive: |w, ops| stale_copy_drive(w, ops, |p| p.send.is_some_and(|s| s.msg_seq == 0)),
+            expect: |w| {
+                let rx = w.stats(1).unwrap();
+                ensure(rx.recv.duplicates > 0, || {
+                    "the stale copy did not reach the semantic layer's duplicate check".into()
+                })?;
+                Ok(format!("semantic duplicates {}", rx.recv.duplicates))
+            },
+        },
+        // Duplicates of everything and late copies (20-60 ms, long after completion) of
+        // every data packet, while WRITEs overwrite the same bytes one after the other.
+        Scenario {
+            name: "duplicates_and_late_copies",
+            seed: 11,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![
+                    Rule::always(
+                        Filter::any(),
+                        Action::Dup {
+                            prob: 0.3,
+                            copies: 2,
+                        },
+                    ),
+                    Rule::always(
+                        Filter::any().kind(Kind::Data),
+                        Action::Late {
+                            prob: 0.5,
+                            after: 20 * MS,
+                        },
+                    ),
+                    Rule::always(
+                        Filter::any().kind(Kind::Data),
+                        Action::Late {
+                            prob: 0.5,
+                            after: 60 * MS,
+                        },
+                    ),
+                ]
+            },
+            ops: |_| {
+                let mut o = Vec::new();
+                for i in 0..12u32 {
+                    o.push(
+                        OpSpec::write(0, Target::Area, 0, 6000, i % 3 == 0)
+                            .src(i * 1000)
+                            .fenced(),
+                    );
+                    o.push(OpSpec::send(0, i % 2, 1500 * i));
+                    o.push(
+                        OpSpec::write(1, Target::Area, 0, 6000, true)
+                            .src(i * 999)
+                            .fenced(),
+                    );
+                }
+                o
+            },
+            drive: |w, ops| {
+                // Gaps of 10 ms between fenced rounds, so late copies of a round arrive
+                // while later rounds are running or done.
+                let mut ops = ops;
+                for o in ops.iter_mut().filter(|o| o.fence) {
+                    o.gap_us = 10_000;
+                }
+                default_drive(w, ops)
+            },
+            expect: |w| {
+                let rx = w.stats(1).unwrap();
+                all_success(w, 0)?;
+                all_success(w, 1)?;
+                ensure(rx.duplicate_packets > 100, || "too few duplicates".into())?;
+                Ok(format!(
+                    "receiver duplicates {} (PSN) + {} (semantic)",
+                    rx.duplicate_packets, rx.recv.duplicates
+                ))
+            },
+        },
+        // Per-path PSNs start 16 before 2^24 and wrap, under loss and reordering, both
+        // directions, SENDs and WRITEs.
+        Scenario {
+            name: "psn_wraparound",
+            seed: 12,
+            model: true,
+            known_bug: None,
+            setup: |a, b| {
+                a.initial_psn = Some(0xFF_FFF0);
+                b.initial_psn = Some(0xFF_FFF0);
+            },
+            impair: |_| {
+                vec![
+                    Rule::always(Filter::any(), Action::Drop(0.05)),
+                    Rule::always(
+                        Filter::any(),
+                        Action::Jitter {
+                            prob: 0.05,
+                            max: 50 * US,
+                        },
+                    ),
+                ]
+            },
+            ops: |_| {
+                let mut o = sends(0, 80, 3, |i| 1000 + i as u32 * 97);
+                o.extend(mixed(0));
+                o.extend(mixed(1));
+                o
+            },
+            drive: default_drive,
+            expect: |w| {
+                for side in 0..2 {
+                    let st = w.stats(side).unwrap();
+                    for p in &st.paths {
+                        ensure(p.stats.packets_sent > 16, || {
+                            format!("side {side} path {} did not cross 2^24", p.id)
+                        })?;
+                    }
+                    all_success(w, side)?;
+                }
+                Ok(format!(
+                    "A sent {:?} per path",
+                    w.stats(0)
+                        .unwrap()
+                        .paths
+                        .iter()
+                        .map(|p| p.stats.packets_sent)
+                        .collect::<Vec<_>>()
+                ))
+            },
+        },
+        // Zero-length SENDs on several streams and zero-length WRITEs (with and without
+        // immediate; zero-length WRITEs are never access-checked, IBA), under loss.
+        Scenario {
+            name: "zero_length_messages_and_writes",
+            seed: 13,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| vec![Rule::always(Filter::any(), Action::Drop(0.1))],
+            ops: |_| {
+                let mut o = sends(0, 20, 4, |_| 0);
+                o.push(OpSpec::write(0, Target::Area, 0, 0, false));
+                o.push(OpSpec::write(0, Target::Area, 5, 0, true));
+                o.push(OpSpec::write(0, Target::BadRkey, 0, 0, true));
+                o.push(OpSpec::write(0, Target::NoRemoteWrite, 0, 0, false));
+                o.extend(sends(1, 5, 1, |_| 0));
+                o
+            },
+            drive: default_drive,
+            expect: |w| {
+                all_success(w, 0)?;
+                all_success(w, 1)?;
+                let imms = w.net.immediates(1, w.conns[1]);
+                ensure(imms.len() == 2 && imms.iter().all(|i| i.1 == 0), || {
+                    format!("immediates {imms:?}")
+                })?;
+                let msgs: usize = w.net.messages(1, w.conns[1]).values().map(Vec::len).sum();
+                ensure(msgs == 20, || format!("{msgs} messages"))?;
+                Ok(format!("{msgs} empty messages, {} immediates", imms.len()))
+            },
+        },
+        // Maximum-size SEND and WRITE (max_message_size = 8 MiB): exactly the maximum goes
+        // through under loss; one byte more is refused at posting.
+        Scenario {
+            name: "maximum_size_message_and_write",
+            seed: 14,
+            model: true,
+            known_bug: None,
+            setup: |a, b| {
+                a.transport.max_message_size = MAX_MSG;
+                b.transport.max_message_size = MAX_MSG;
+                a.transport.pmtu = 4096;
+                b.transport.pmtu = 4096;
+            },
+            impair: |_| vec![Rule::always(Filter::any(), Action::Drop(0.01))],
+            ops: |_| vec![OpSpec::send(0, 0, MAX_MSG as u32)],
+            drive: |w, ops| {
+                let c = w.conns[0];
+                let too_big = Bytes::from(vec![0u8; MAX_MSG as usize + 1]);
+                let r = w.net.eps[0].post_send(c, 0, 0, too_big);
+                ensure(
+                    r == Err(PostError::MessageTooLarge {
+                        len: MAX_MSG + 1,
+                        max: MAX_MSG,
+                    }),
+                    || format!("post of max+1: {r:?}"),
+                )?;
+                let src = pattern(99, MAX_MSG as usize + 1);
+                let local = w.net.eps[0].register_mr(src.clone(), Access::LOCAL_WRITE);
+                let remote = w.net.eps[1].register_mr(
+                    vec![0; MAX_MSG as usize + 8],
+                    Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+                );
+                let req = |len: u32| WriteRequest {
+                    wr_id: 500,
+                    lkey: local.lkey,
+                    local_offset: 0,
+                    len,
+                    remote_addr: remote.addr + 4,
+                    rkey: remote.rkey,
+                    imm: Some(0xFEED),
+                };
+                let r = w.net.eps[0].post_write(c, req(MAX_MSG as u32 + 1));
+                ensure(
+                    r == Err(PostError::MessageTooLarge {
+                        len: MAX_MSG + 1,
+                        max: MAX_MSG,
+                    }),
+                    || format!("post of a max+1 WRITE: {r:?}"),
+                )?;
+                default_drive(w, ops)?;
+                let r = w.net.eps[0].post_write(c, req(MAX_MSG as u32));
+                ensure(r.is_ok(), || format!("{r:?}"))?;
+                let ok = w
+                    .net
+                    .run_until(w.net.elapsed() + Duration::from_secs(60), |n| {
+                        n.completions(0, c).len() == 2
+                    });
+                ensure(ok, || "the maximum-size WRITE did not complete".into())?;
+                let wc = w.net.completions(0, c)[1];
+                ensure(
+                    wc.status == WcStatus::Success && wc.byte_len == MAX_MSG as u32,
+                    || format!("{wc:?}"),
+                )?;
+                let mem = w.net.eps[1]
+                    .mr_read(remote.lkey, 0, MAX_MSG + 8)
+                    .map_err(|e| e.to_string())?;
+                ensure(
+                    mem[4..4 + MAX_MSG as usize] == src[..MAX_MSG as usize],
+                    || "WRITE data differs".into(),
+                )?;
+                ensure(
+                    mem[..4] == [0; 4] && mem[4 + MAX_MSG as usize..] == [0; 4],
+                    || "bytes written around the target".into(),
+                )?;
+                // The model only tracks the workload's own operations: drop this one from
+                // the event log before the generic checks.
+                w.net.events[0]
+                    .retain(|e| !matches!(e, Event::Completion { wc, .. } if wc.wr_id == 500));
+                w.net.events[1].retain(|e| !matches!(e, Event::WriteWithImm { imm: 0xFEED, .. }));
+                w.net.run_until_idle(Duration::from_secs(5));
+                Ok(())
+            },
+            expect: |w| {
+                let msgs = w.net.messages(1, w.conns[1]);
+                ensure(msgs[&0][0].len() == MAX_MSG as usize, || {
+                    "wrong length".into()
+                })?;
+                all_success(w, 0)?;
+                Ok(format!(
+                    "{} bytes delivered, {} retransmits",
+                    MAX_MSG,
+                    w.path_sum(0, |p| p.retransmits)
+                ))
+            },
+        },
+        // 500 streams with 3 messages each, under loss and reordering: per-stream order.
+        Scenario {
+            name: "five_hundred_streams",
+            seed: 15,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![
+                    Rule::always(Filter::any(), Action::Drop(0.02)),
+                    Rule::always(
+                        Filter::any(),
+                        Action::Jitter {
+                            prob: 0.1,
+                            max: 100 * US,
+                        },
+                    ),
+                ]
+            },
+            ops: |_| {
+                (0..1500)
+                    .map(|i| OpSpec::send(0, (i % 500) as u32 * 7 + 1000, (i as u32 * 131) % 3000))
+                    .collect()
+            },
+            drive: default_drive,
+            expect: |w| {
+                let m = w.net.messages(1, w.conns[1]);
+                ensure(m.len() == 500 && m.values().all(|v| v.len() == 3), || {
+                    format!("{} streams", m.len())
+                })?;
+                all_success(w, 0)?;
+                Ok("500 streams x 3 messages in order".into())
+            },
+        },
+        // Wrong rkey, stale rkey, out of bounds (past the end, before the start), missing
+        // REMOTE_WRITE: RemoteAccessError, nothing written, no immediate; the connection
+        // and later operations carry on. Under loss, so NAKs are lost and re-earned.
+        Scenario {
+            name: "remote_access_errors",
+            seed: 16,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| vec![Rule::always(Filter::any(), Action::Drop(0.1))],
+            ops: |_| {
+                let mut o = Vec::new();
+                for t in [
+                    Target::BadRkey,
+                    Target::StaleRkey,
+                    Target::PastEnd,
+                    Target::BeforeStart,
+                    Target::NoRemoteWrite,
+                ] {
+                    o.push(OpSpec::write(0, t, 10, 3000, true));
+                    o.push(OpSpec::write(0, t, 10, 1, false));
+                }
+                o.push(OpSpec::write(0, Target::Area, 0, 4000, true));
+                o.push(OpSpec::send(0, 0, 100));
+                o
+            },
+            drive: default_drive,
+            expect: |w| {
+                let st = w.statuses(0);
+                let bad = st
+                    .iter()
+                    .filter(|s| **s == WcStatus::RemoteAccessError)
+                    .count();
+                ensure(bad == 10, || format!("{st:?}"))?;
+                all_success(w, 0)?;
+                let imms = w.net.immediates(1, w.conns[1]);
+                ensure(imms.len() == 1, || format!("immediates {imms:?}"))?;
+                Ok(format!(
+                    "{bad} RemoteAccessError, NAKs sent {}",
+                    w.stats(1).unwrap().recv.naks
+                ))
+            },
+        },
+        // B restarts (fresh endpoint, same address, another seed) while A's operations and
+        // late copies of A's packets are in flight. Stale packets find no connection and are
+        // counted; A's old connection fails; a new connection to the restarted B works and is
+        // not corrupted by stale WRITE packets (whose rkeys are valid again on the new B).
+        Scenario {
+            name: "peer_restart",
+            seed: 17,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any().from(0).kind(Kind::Data),
+                    Action::Late {
+                        prob: 0.3,
+                        after: 30 * MS,
+                    },
+                )]
+            },
+            ops: |_| {
+                let mut o = mixed(0);
+                o.extend(mixed(0));
+                o
+            },
+            drive: restart_drive,
+            expect: |w| {
+                let unknown = w.net.eps[1].stats().unknown_connection;
+                ensure(unknown > 0, || "no stale packet reached the new B".into())?;
+                all_success(w, 0)?;
+                Ok(format!("stale packets dropped by the new B: {unknown}"))
+            },
+        },
+        // CE marks on 30 % of data packets: echoed, counted, and the windows end smaller
+        // than in the same run without marks.
+        Scenario {
+            name: "ecn_marks_reduce_windows",
+            seed: 18,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any().kind(Kind::Data),
+                    Action::Ce(0.3),
+                )]
+            },
+            ops: |_| sends(0, 200, 2, |_| 8000),
+            drive: default_drive,
+            expect: |w| {
+                let marks = w.path_sum(0, |p| p.ecn_marks);
+                ensure(marks > 0, || "no CE echoed".into())?;
+                ensure(w.stats(1).unwrap().ce_received > 0, || {
+                    "no CE counted".into()
+                })?;
+                let windows = |w: &Workload| -> u32 {
+                    w.stats(0).unwrap().paths.iter().map(|p| p.window).sum()
+                };
+                let marked = windows(w);
+                // The same traffic without CE marks.
+                let mut clean = Workload::start(Net::new(18), Duration::from_secs(1)).unwrap();
+                clean.post_all(&sends(0, 200, 2, |_| 8000), Duration::from_secs(1))?;
+                clean.finish(Duration::from_secs(30), Duration::from_secs(1))?;
+                let unmarked = windows(&clean);
+                ensure(marked < unmarked, || {
+                    format!("windows with marks {marked}, without {unmarked}")
+                })?;
+                Ok(format!(
+                    "CE echoed {marks}; sum of windows {marked} (marked) vs {unmarked} (clean)"
+                ))
+            },
+        },
+        // Close with operations pending on both sides: the closer flushes its own
+        // (WrFlushError) and reports LocallyClosed; the peer gets the CLOSE, flushes its
+        // pending operations and reports ClosedByPeer.
+        Scenario {
+            name: "close_with_pending_operations",
+            seed: 19,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any().from(1).kind(Kind::Ack),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| {
+                let mut o = mixed(0);
+                o.extend(mixed(1));
+                o
+            },
+            drive: |w, ops| {
+                w.post_all(&ops, Duration::from_secs(1))?;
+                w.net.run_for(100 * US);
+                w.net.clear_rules();
+                close(w, 0);
+                let limit = w.net.elapsed() + Duration::from_secs(30);
+                w.finish(limit, Duration::from_secs(5))
+            },
+            expect: |w| {
+                ensure(
+                    w.net.lost(0, w.conns[0]) == Some(ConnectionError::LocallyClosed),
+                    || "closer".into(),
+                )?;
+                ensure(
+                    w.net.lost(1, w.conns[1]) == Some(ConnectionError::ClosedByPeer),
+                    || "peer".into(),
+                )?;
+                let st = w.statuses(0);
+                ensure(st.iter().all(|s| *s == WcStatus::WrFlushError), || {
+                    format!("{st:?}")
+                })?;
+                Ok(format!("closer flushed {}", st.len()))
+            },
+        },
+        // The CLOSE is lost: the peer's pending operations fail with RetryExceeded and its
+        // packets are counted as unknown at the closer.
+        Scenario {
+            name: "close_lost",
+            seed: 20,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any().kind(Kind::Close),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| mixed(1),
+            drive: |w, ops| {
+                w.post_all(&ops, Duration::from_secs(1))?;
+                close(w, 0);
+                let limit = w.net.elapsed() + Duration::from_secs(30);
+                w.finish(limit, Duration::from_secs(5))
+            },
+            expect: |w| {
+                ensure(
+                    w.net.lost(1, w.conns[1]) == Some(ConnectionError::RetryExceeded),
+                    || format!("peer: {:?}", w.net.lost(1, w.conns[1])),
+                )?;
+                ensure(w.net.eps[0].stats().unknown_connection > 0, || {
+                    "not counted".into()
+                })?;
+                Ok(format!(
+                    "closer saw {} unknown packets",
+                    w.net.eps[0].stats().unknown_connection
+                ))
+            },
+        },
+        // Regression (prop_ops: ops_with_long_outage / close_at_a_random_point): message 0
+        // of stream 0 is incomplete (its last packet captured), message 1 of the same stream
+        // is complete and acknowledged; then the connection fails. Message 1 can never be
+        // delivered (its stream is blocked behind message 0), so its SEND must not report
+        // Success: everything after the first failed operation is flushed (IBA).
+        Scenario {
+            name: "no_success_for_a_send_behind_a_failed_one",
+            seed: 21,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |w| {
+                vec![
+                    Rule::always(
+                        Filter::any()
+                            .from(0)
+                            .kind(Kind::Data)
+                            .when(|p| p.send.is_some_and(|s| s.msg_seq == 0 && s.offset > 0)),
+                        Action::Blackhole,
+                    ),
+                    Rule::between(
+                        w.t0 + 2 * MS,
+                        Duration::MAX,
+                        Filter::any(),
+                        Action::Blackhole,
+                    ),
+                ]
+            },
+            ops: |_| {
+                vec![
+                    OpSpec::send(0, 0, 3000),
+                    OpSpec::send(0, 0, 10),
+                    OpSpec::send(0, 1, 10),
+                ]
+            },
+            drive: |w, ops| {
+                w.allow_failure = true;
+                default_drive(w, ops)
+            },
+            expect: |w| {
+                let st = w.statuses(0);
+                ensure(st[0] == WcStatus::RetryExceeded, || format!("{st:?}"))?;
+                Ok(format!("statuses {st:?}"))
+            },
+        },
+        // The same with a close instead of a failure.
+        Scenario {
+            name: "no_success_for_a_send_behind_a_flushed_one_on_close",
+            seed: 22,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any()
+                        .from(0)
+                        .kind(Kind::Data)
+                        .when(|p| p.send.is_some_and(|s| s.msg_seq == 0 && s.offset > 0)),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| vec![OpSpec::send(0, 0, 3000), OpSpec::send(0, 0, 10)],
+            drive: |w, ops| {
+                w.post_all(&ops, Duration::from_secs(1))?;
+                w.net.run_for(MS);
+                close(w, 0);
+                let limit = w.net.elapsed() + Duration::from_secs(30);
+                w.finish(limit, Duration::from_secs(5))
+            },
+            expect: |w| Ok(format!("statuses {:?}", w.statuses(0))),
+        },
+        // B accepts smaller messages than A may send (max_message_size is not negotiated):
+        // B refuses message 0 of stream 0 (RemoteInvalidRequest). Message 1 of the same
+        // stream must then either be delivered or not complete with Success.
+        Scenario {
+            name: "receiver_refuses_an_oversize_message",
+            seed: 23,
+            model: false,
+            known_bug: Some(OVERSIZE_BUG),
+            setup: |a, b| {
+                a.transport.max_message_size = 1 << 20;
+                b.transport.max_message_size = 64 << 10;
+            },
+            impair: |_| Vec::new(),
+            ops: |_| {
+                vec![
+                    OpSpec::send(0, 0, 100_000),
+                    OpSpec::send(0, 0, 10),
+                    OpSpec::send(0, 1, 10),
+                ]
+            },
+            drive: |w, ops| {
+                w.post_all(&ops, Duration::from_secs(1))?;
+                let c = w.conns[0];
+                w.net
+                    .run_until(Duration::from_secs(10), |n| n.completions(0, c).len() == 3);
+                w.net.run_until_idle(Duration::from_secs(5));
+                Ok(())
+            },
+            expect: |w| {
+                let st = w.statuses(0);
+                ensure(st[0] == WcStatus::RemoteInvalidRequest, || {
+                    format!("{st:?}")
+                })?;
+                let got = w.net.messages(1, w.conns[1]);
+                let delivered = got.get(&0).map_or(0, Vec::len);
+                ensure(st[1] != WcStatus::Success || delivered == 1, || {
+                    format!(
+                        "message 1 of stream 0 completed {:?} but was never delivered \
+                         (the refused message 0 left a permanent gap in the stream)",
+                        st[1]
+                    )
+                })?;
+                Ok(format!(
+                    "statuses {st:?}, delivered on stream 0: {delivered}"
+                ))
+            },
+        },
+        // B posts as soon as it accepts, but its Accept is lost three times: A drops B's data
+        // until it is established (PROTOCOL.md: "the server's loss recovery resends it after
+        // the client is established"). Three lost packets must not fail the connection.
+        Scenario {
+            name: "server_sends_before_the_client_is_established",
+            seed: 24,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| Vec::new(),
+            ops: |_| Vec::new(),
+            drive: |_, _| Ok(()),
+            expect: |_| {
+                let mut net = Net::new(24);
+                net.add_rule(Rule::always(
+                    Filter::any().from(1).kind(Kind::Connect),
+                    Action::Burst(3),
+                ));
+                let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+                let s = loop {
+                    net.step();
+                    if let Some(s) = net.events[1].iter().find_map(|e| match e {
+                        Event::Incoming(h) => Some(*h),
+                        _ => None,
+                    }) {
+                        break s;
+                    }
+                };
+                for i in 0..4 {
+                    net.eps[1]
+                        .post_send(s, 0, i, Bytes::from(vec![i as u8; 3000]))
+                        .map_err(|e| format!("{e:?}"))?;
+                }
+                net.run_until(Duration::from_secs(10), |n| n.completions(1, s).len() == 4);
+                let st: Vec<_> = net.completions(1, s).iter().map(|w| w.status).collect();
+                let got = net.messages(0, c).get(&0).map_or(0, Vec::len);
+                ensure(st == vec![WcStatus::Success; 4] && got == 4, || {
+                    format!(
+                        "server statuses {st:?}, client got {got} messages, server connection: {:?}",
+                        net.lost(1, s)
+                    )
+                })?;
+                Ok(format!("established after {:?}", net.elapsed()))
+            },
+        },
+        // B restarts; a late copy of A's connection request (sent to the old B) reaches the
+        // new B. Packets of the old incarnation must be dropped: no connection may appear on
+        // the new B that A does not have.
+        Scenario {
+            name: "stale_connect_request_after_restart",
+            seed: 25,
+            model: true,
+            known_bug: Some(STALE_CONNECT_BUG),
+            setup: no_setup,
+            impair: |_| Vec::new(),
+            ops: |_| Vec::new(),
+            drive: |_, _| Ok(()),
+            expect: |_| {
+                let mut net = Net::new(25);
+                net.add_rule(Rule::always(
+                    Filter::any().from(0).kind(Kind::Connect),
+                    Action::Late {
+                        prob: 1.0,
+                        after: 50 * MS,
+                    },
+                ));
+                let (c, _) = net.connect();
+                net.run_for(10 * MS);
+                net.restart(1, 0xBEEF);
+                net.run_for(100 * MS);
+                let ghosts: Vec<_> = net.eps[1].connections().collect();
+                ensure(ghosts.is_empty(), || {
+                    format!(
+                        "the new B has {} connection(s) from a stale request (A has only {c}, \
+                         which it never re-requested); events {:?}",
+                        ghosts.len(),
+                        net.events[1]
+                    )
+                })?;
+                Ok("stale request dropped".into())
+            },
+        },
+        // Connection set-up failures: a peer that never answers (every packet to it lost)
+        // gives HandshakeTimeout after handshake_attempts requests; a peer that does not
+        // accept gives Rejected(1); posting before the connection is up is refused.
+        Scenario {
+            name: "handshake_timeout_and_reject",
+            seed: 26,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| Vec::new(),
+            ops: |_| Vec::new(),
+            drive: |_, _| Ok(()),
+            expect: |_| {
+                let mut net = Net::new(26);
+                net.add_rule(Rule::always(Filter::any().from(0), Action::Blackhole));
+                let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+                let r = net.eps[0].post_send(c, 0, 0, Bytes::new());
+                ensure(r == Err(PostError::NotConnected), || format!("{r:?}"))?;
+                net.run_until(Duration::from_secs(10), |n| n.lost(0, c).is_some());
+                let requests = net.sent[0].get(&Kind::Connect).copied().unwrap_or(0);
+                ensure(
+                    net.lost(0, c) == Some(ConnectionError::HandshakeTimeout),
+                    || format!("{:?}", net.lost(0, c)),
+                )?;
+                ensure(requests == 20, || format!("{requests} requests"))?;
+                ensure(net.run_until_idle(Duration::from_secs(1)), || {
+                    "timers left".into()
+                })?;
+                let took = net.elapsed();
+
+                let mut b = config(1, 26);
+                b.accept_incoming = false;
+                let mut net = Net::with_configs(26, config(0, 26), b);
+                let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+                net.run_until(Duration::from_secs(10), |n| n.lost(0, c).is_some());
+                ensure(net.lost(0, c) == Some(ConnectionError::Rejected(1)), || {
+                    format!("{:?}", net.lost(0, c))
+                })?;
+                ensure(net.eps[1].connections().count() == 0, || {
+                    "B kept a connection".into()
+                })?;
+                Ok(format!(
+                    "timed out after {took:?} and {requests} requests; rejected"
+                ))
+            },
+        },
+        // Several connections between the same endpoints at once, sharing B's memory
+        // regions: each delivers its own streams in order, one closing does not disturb the
+        // others, and WRITEs from all of them land in disjoint parts of one region.
+        Scenario {
+            name: "several_connections",
+            seed: 27,
+            model: true,
+            known_bug: None,
+            setup: no_setup,
+            impair: |_| Vec::new(),
+            ops: |_| Vec::new(),
+            drive: |_, _| Ok(()),
+            expect: |_| {
+                let mut net = Net::new(27);
+                net.add_rule(Rule::always(Filter::any(), Action::Drop(0.05)));
+                let src = pattern(27, 64 * 1024);
+                let local = net.eps[0].register_mr(src.clone(), Access::LOCAL_WRITE);
+                let remote = net.eps[1].register_mr(
+                    vec![0; 64 * 1024],
+                    Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+                );
+                let mut pairs = Vec::new();
+                for _ in 0..4 {
+                    let limit = net.elapsed() + Duration::from_secs(10);
+                    pairs.push(net.try_connect(limit).ok_or("connect")?);
+                }
+                for (k, &(c, _)) in pairs.iter().enumerate() {
+                    for m in 0..10u64 {
+                        let data = Bytes::from(pattern(k as u64 * 100 + m, 3000));
+                        net.eps[0]
+                            .post_send(c, 1, m, data)
+                            .map_err(|e| format!("{e:?}"))?;
+                    }
+                    let off = k as u64 * 16 * 1024;
+                    let req = WriteRequest {
+                        wr_id: 10,
+                        lkey: local.lkey,
+                        local_offset: off,
+                        len: 16 * 1024,
+                        remote_addr: remote.addr + off,
+                        rkey: remote.rkey,
+                        imm: Some(k as u32),
+                    };
+                    net.eps[0]
+                        .post_write(c, req)
+                        .map_err(|e| format!("{e:?}"))?;
+                }
+                net.run_for(50 * US);
+                net.eps[0].close(net.now, pairs[3].0);
+                net.run_until(Duration::from_secs(30), |n| {
+                    pairs[..3]
+                        .iter()
+                        .all(|&(c, _)| n.completions(0, c).len() == 11)
+                        && n.lost(1, pairs[3].1).is_some()
+                });
+                for (k, &(c, s)) in pairs.iter().enumerate().take(3) {
+                    let st: Vec<_> = net.completions(0, c).iter().map(|w| w.status).collect();
+                    ensure(st == vec![WcStatus::Success; 11], || {
+                        format!("conn {k}: {st:?}")
+                    })?;
+                    let msgs = net.messages(1, s);
+                    ensure(msgs.len() == 1 && msgs[&1].len() == 10, || {
+                        format!("conn {k}")
+                    })?;
+                    for (m, d) in msgs[&1].iter().enumerate() {
+                        ensure(
+                            d[..] == pattern(k as u64 * 100 + m as u64, 3000)[..],
+                            || format!("conn {k} message {m} differs"),
+                        )?;
+                    }
+                    ensure(net.immediates(1, s) == vec![(k as u32, 16 * 1024)], || {
+                        format!("conn {k} immediates")
+                    })?;
+                }
+                ensure(
+                    net.lost(1, pairs[3].1) == Some(ConnectionError::ClosedByPeer),
+                    || "closed connection not reported".into(),
+                )?;
+                let mem = net.eps[1].mr_read(remote.lkey, 0, 48 * 1024).unwrap();
+                ensure(mem[..] == src[..48 * 1024], || "WRITE data differs".into())?;
+                ensure(net.eps[1].connections().count() == 3, || {
+                    "connections".into()
+                })?;
+                Ok("3 connections complete, the closed one ends cleanly".into())
+            },
+        },
+        // Regression (prop_ops: ops_under_benign_impairments, 10 000-case campaign): a receiver
+        // with max_stream_window = 1 drops every packet of a message that is not next on its
+        // stream, without acknowledging it. After a 3.5 ms outage the sender's RTOs re-queued
+        // the head messages behind the later message's segments; with the minimum window
+        // (2 packets, one path) every retransmission round was dropped, no ACK came back, and
+        // the retry budget ran out: RetryExceeded after a 3.5 ms outage.
+        Scenario {
+            name: "small_stream_window_after_an_outage",
+            seed: 0,
+            model: true,
+            known_bug: None,
+            setup: |a, b| {
+                let t = Tuning {
+                    pmtu: [1024, 1024],
+                    paths: [8, 1],
+                    gso: 1,
+                    recv_buffer: 256 << 20,
+                    stream_window: 1,
+                };
+                t.apply(0, a);
+                t.apply(1, b);
+            },
+            impair: |w| {
+                vec![Rule::between(
+                    w.t0,
+                    w.t0 + 3501 * US,
+                    Filter::any().from(1),
+                    Action::Blackhole,
+                )]
+            },
+            ops: |_| {
+                vec![
+                    OpSpec::send(1, 1, 0),
+                    OpSpec::send(1, 1, 0),
+                    OpSpec::send(1, 1, 10241),
+                ]
+            },
+            drive: default_drive,
+            expect: |w| {
+                all_success(w, 1)?;
+                Ok(format!(
+                    "done after {:?}, receiver dropped {} packets (stream window)",
+                    w.net.elapsed() - w.t0,
+                    w.stats(0).unwrap().recv.no_buffer_drops
+                ))
+            },
+        },
+    ]
+}
+
+const MAX_MSG: u64 = 8 << 20;
+
+/// Capture the first transmission of the first operation's packet (matching `first`), let
+/// the tail-loss probe deliver it, complete the first and then the second operation (same
+/// target), and only then inject the captured original: its path has carried nothing since,
+/// so it is new at the PSN level and reaches the semantic layer's duplicate check.
+fn stale_copy_drive(
+    w: &mut Workload,
+    ops: Vec<OpSpec>,
+    first: fn(&PktInfo) -> bool,
+) -> Result<(), String> {
+    let cap = w.net.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(move |p| first(p) && !p.retransmit),
+        Action::Capture { max: 1 },
+    ));
+    let path = std::cell::Cell::new(usize::MAX);
+    w.post_all(&ops[..1], Duration::from_secs(1))?;
+    w.net
+        .run_until(w.net.elapsed() + Duration::from_secs(5), |n| {
+            n.completions(0, w.conns[0]).len() == 1
+        });
+    ensure(w.net.hits(cap).1 == 1, || "nothing captured".into())?;
+    path.set(w.net.captured[0].info.path.unwrap());
+    // Keep the captured packet's path free of later data so that the receiver's window on
+    // it stays where it was.
+    let p = path.get();
+    w.net.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).path(p),
+        Action::Blackhole,
+    ));
+    w.post_all(&ops[1..], Duration::from_secs(1))?;
+    let n = ops.len();
+    w.net
+        .run_until(w.net.elapsed() + Duration::from_secs(5), |net| {
+            net.completions(0, w.conns[0]).len() == n
+        });
+    let before = w.stats(1).unwrap();
+    w.net.clear_rules();
+    w.net.inject(0, 10 * US);
+    w.net.run_for(5 * MS);
+    let after = w.stats(1).unwrap();
+    ensure(
+        after.data_packets_received > before.data_packets_received,
+        || "the stale copy was not received".into(),
+    )?;
+    let limit = w.net.elapsed() + Duration::from_secs(10);
+    w.finish(limit, Duration::from_secs(5))
+}
+
+/// Post the operations, restart B while they (and late copies) are in flight, reconnect,
+/// and run the operations again on the new connection. The returned workload is the new
+/// connection's.
+fn restart_drive(w: &mut Workload, ops: Vec<OpSpec>) -> Result<(), String> {
+    w.post_all(&ops, Duration::from_secs(1))?;
+    // Everything A just sent is in flight (one-way delay 10 µs) when B restarts.
+    w.net.run_for(5 * US);
+    let old_a = w.conns[0];
+    w.net.restart(1, 0xDEAD_BEEF);
+    let regions_b = Regions::register(&mut w.net.eps[1], 1);
+    // Reconnect while stale packets are still in flight.
+    let limit = w.net.elapsed() + Duration::from_secs(10);
+    let (c, s) = w
+        .net
+        .try_connect(limit)
+        .ok_or("reconnect to the restarted peer failed")?;
+    ensure(c != old_a, || "same handle".into())?;
+    let net = std::mem::replace(&mut w.net, Net::new(0));
+    let mut nw = Workload::resume(net, [w.regions[0], regions_b], [c, s], 10_000);
+    nw.stale_expected = true;
+    nw.post_all(&ops, Duration::from_secs(1))?;
+    let limit = nw.net.elapsed() + Duration::from_secs(60);
+    nw.finish(limit, Duration::from_secs(5))?;
+    // The old connection on A failed with the IBA pattern.
+    let old = nw.net.completions(0, old_a);
+    ensure(
+        nw.net.lost(0, old_a) == Some(ConnectionError::RetryExceeded),
+        || format!("old connection: {:?}", nw.net.lost(0, old_a)),
+    )?;
+    ensure(old.len() == w.posted[0].len(), || {
+        "old completions missing".into()
+    })?;
+    *w = nw;
+    Ok(())
+}
+
+#[test]
+fn scenario_table() {
+    let mut failed = Vec::new();
+    eprintln!("{:<52} result", "scenario");
+    for sc in scenarios() {
+        let t = std::time::Instant::now();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&sc))).unwrap_or_else(
+            |p| {
+                Err(format!(
+                    "panicked: {}",
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default()
+                ))
+            },
+        );
+        match &r {
+            Ok(m) if sc.known_bug.is_some() => eprintln!(
+                "{:<52} ok   {:>6.0?}  {m} — known bug fixed? remove its #[ignore]",
+                sc.name,
+                t.elapsed()
+            ),
+            Ok(m) => eprintln!("{:<52} ok   {:>6.0?}  {m}", sc.name, t.elapsed()),
+            Err(e) if sc.known_bug.is_some() => {
+                eprintln!("{:<52} KNOWN BUG {:>6.0?}  {e}", sc.name, t.elapsed())
+            }
+            Err(e) => {
+                eprintln!("{:<52} FAIL {:>6.0?}  {e}", sc.name, t.elapsed());
+                failed.push(sc.name);
+            }
+        }
+    }
+    assert!(failed.is_empty(), "failed scenarios: {failed:?}");
+}
+
+macro_rules! scenario_tests {
+    ($($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                run_named(stringify!($name));
+            }
+        )*
+    };
+}
+
+scenario_tests! {
+    tail_loss_send,
+    tail_loss_write_with_imm,
+    burst_loss_300,
+    ack_blackout_50ms,
+    one_path_blackholed,
+    one_path_blackholed_both_directions,
+    all_paths_down,
+    reorder_deeper_than_sack_window,
+    stale_write_after_completion,
+    stale_send_after_completion,
+    duplicates_and_late_copies,
+    psn_wraparound,
+    zero_length_messages_and_writes,
+    maximum_size_message_and_write,
+    five_hundred_streams,
+    remote_access_errors,
+    peer_restart,
+    ecn_marks_reduce_windows,
+    close_with_pending_operations,
+    close_lost,
+    no_success_for_a_send_behind_a_failed_one,
+    no_success_for_a_send_behind_a_flushed_one_on_close,
+    server_sends_before_the_client_is_established,
+    handshake_timeout_and_reject,
+    several_connections,
+    small_stream_window_after_an_outage,
+}
+
+// Scenarios that expose known bugs of the core (see the constants for the precise
+// description); run them with `-- --ignored`.
+
+const OVERSIZE_BUG: &str = "a SEND refused by the receiver for exceeding its max_message_size \
+    (NAK 0x61) leaves a permanent gap in its stream: later messages of the stream are \
+    acknowledged (their SENDs complete with Success) but never delivered, and their buffers \
+    stay counted against max_recv_buffer_bytes";
+
+const STALE_CONNECT_BUG: &str = "a delayed copy of a connection request reaching a restarted \
+    (or closed) server creates an established connection the client does not have; nothing \
+    ever removes it (no idle timeout by default)";
+
+#[test]
+#[ignore = "known bug: receiver-side max_message_size refusal leaves a permanent stream gap"]
+fn receiver_refuses_an_oversize_message() {
+    run_named("receiver_refuses_an_oversize_message");
+}
+
+#[test]
+#[ignore = "known bug: a stale connection request creates a ghost connection on a restarted server"]
+fn stale_connect_request_after_restart() {
+    run_named("stale_connect_request_after_restart");
+}
+
+#[test]
+fn every_scenario_has_a_test() {
+    let src = include_str!("scenarios.rs");
+    for sc in scenarios() {
+        assert!(
+            src.contains(&format!("    {},\n", sc.name))
+                || src.contains(&format!("fn {}() {{", sc.name)),
+            "scenario {} has no #[test]",
+            sc.name
+        );
+    }
+}
