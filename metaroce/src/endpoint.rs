@@ -603,10 +603,33 @@ impl Endpoint {
                     .push_back(Event::Incoming(ConnectionHandle(qpn)));
             }
             ConnectKind::Accept | ConnectKind::Reject => {
+                // An Accept for a connection we do not have, or from a peer QPN other than
+                // the one our connection is established with: a stale request reached a
+                // restarted peer, or we gave up. Tell the peer to drop it, or it would keep a
+                // ghost connection forever.
+                let ghost = match self.conns.get(&dest_qp) {
+                    None => true,
+                    Some(c) => c.state == State::Established && c.peer_qpn != msg.src_qpn,
+                };
+                if ghost && msg.kind == ConnectKind::Accept {
+                    let peer = SocketAddr::new(from.ip(), msg.reply_port);
+                    let bth = Bth::new(Opcode::MR_CLOSE, msg.src_qpn, 0);
+                    let hdrs = Headers::Close(wire::CloseEth {
+                        reason: 1,
+                        nonce: msg.nonce,
+                    });
+                    if self.control.len() < 1024 {
+                        self.control.push_back((peer, bth, hdrs, local_ip));
+                    }
+                }
                 let Some(c) = self.conns.get_mut(&dest_qp) else {
                     self.stats.unknown_connection += 1;
                     return;
                 };
+                if ghost {
+                    self.stats.unknown_connection += 1;
+                    return;
+                }
                 if c.peer.ip() != from.ip() {
                     self.stats.unknown_connection += 1;
                     return;

@@ -1080,7 +1080,7 @@ fn scenarios() -> Vec<Scenario> {
             name: "receiver_refuses_an_oversize_message",
             seed: 23,
             model: false,
-            known_bug: Some(OVERSIZE_BUG),
+            known_bug: None,
             setup: |a, b| {
                 a.transport.max_message_size = 1 << 20;
                 b.transport.max_message_size = 64 << 10;
@@ -1172,7 +1172,7 @@ fn scenarios() -> Vec<Scenario> {
             name: "stale_connect_request_after_restart",
             seed: 25,
             model: true,
-            known_bug: Some(STALE_CONNECT_BUG),
+            known_bug: None,
             setup: no_setup,
             impair: |_| Vec::new(),
             ops: |_| Vec::new(),
@@ -1548,26 +1548,15 @@ scenario_tests! {
     small_stream_window_after_an_outage,
 }
 
-// Scenarios that expose known bugs of the core (see the constants for the precise
-// description); run them with `-- --ignored`.
-
-const OVERSIZE_BUG: &str = "a SEND refused by the receiver for exceeding its max_message_size \
-    (NAK 0x61) leaves a permanent gap in its stream: later messages of the stream are \
-    acknowledged (their SENDs complete with Success) but never delivered, and their buffers \
-    stay counted against max_recv_buffer_bytes";
-
-const STALE_CONNECT_BUG: &str = "a delayed copy of a connection request reaching a restarted \
-    (or closed) server creates an established connection the client does not have; nothing \
-    ever removes it (no idle timeout by default)";
+// Regressions of two bugs the scenarios found: a refused oversize SEND left a permanent gap
+// in its stream; a stale connection request left a ghost connection on a restarted server.
 
 #[test]
-#[ignore = "known bug: receiver-side max_message_size refusal leaves a permanent stream gap"]
 fn receiver_refuses_an_oversize_message() {
     run_named("receiver_refuses_an_oversize_message");
 }
 
 #[test]
-#[ignore = "known bug: a stale connection request creates a ghost connection on a restarted server"]
 fn stale_connect_request_after_restart() {
     run_named("stale_connect_request_after_restart");
 }

@@ -71,6 +71,10 @@ struct StreamRx {
     posted: VecDeque<PostedRecv>,
     /// The stream consumes posted receives (RNR when none).
     posted_mode: bool,
+    /// Messages at or after `next_deliver` the receiver refused (NAK): delivery skips them,
+    /// so a refused message leaves no permanent gap in its stream. At most
+    /// `max_stream_window` entries.
+    refused: BTreeSet<u32>,
 }
 
 #[derive(Debug)]
@@ -191,17 +195,33 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         let total = hdr.msg_len as u64;
-        if total > lim.max_message_size
-            || !check_segment(hdr.offset, payload.len(), total, lim.pmtu)
-        {
-            return RxOutcome::Nak(NAK_INVALID_REQUEST);
-        }
+        let valid = total <= lim.max_message_size
+            && check_segment(hdr.offset, payload.len(), total, lim.pmtu);
         if !self.streams.contains_key(&hdr.stream_id)
             && self.streams.len() >= lim.max_streams as usize
         {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         let st = self.streams.entry(hdr.stream_id).or_default();
+        if !valid {
+            // Refuse the whole message (every packet of it gets this NAK) and let delivery
+            // skip it, so later messages of the stream are not stuck behind it.
+            let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
+            if ahead < lim.max_stream_window && st.refused.insert(hdr.msg_seq) {
+                if let Some(Dest::Owned(d)) = st.msgs.remove(&hdr.msg_seq).map(|m| m.dest) {
+                    self.buffered -= d.len() as u64;
+                }
+                Self::deliver(
+                    conn,
+                    hdr.stream_id,
+                    st,
+                    &mut self.buffered,
+                    &mut self.stats,
+                    events,
+                );
+            }
+            return RxOutcome::Nak(NAK_INVALID_REQUEST);
+        }
         if lim.require_posted_receives {
             st.posted_mode = true;
         }
@@ -219,6 +239,13 @@ impl RecvState {
             let dest = if st.posted_mode {
                 // Messages match receives in order: message next_deliver + k takes the k-th
                 // posted receive (IBA receive queue semantics, per stream).
+                // Refused messages before this one take no receive.
+                let skipped = st
+                    .refused
+                    .iter()
+                    .filter(|&&m| seq_before(m, hdr.msg_seq))
+                    .count() as u32;
+                let ahead = ahead - skipped.min(ahead);
                 if ahead as usize >= st.posted.len() {
                     self.stats.rnr_naks += 1;
                     return RxOutcome::Rnr;
@@ -324,11 +351,18 @@ impl RecvState {
         stats: &mut RecvStats,
         events: &mut VecDeque<Event>,
     ) {
-        while st
-            .msgs
-            .get(&st.next_deliver)
-            .is_some_and(|m| m.got_segs == m.nsegs)
-        {
+        loop {
+            if st.refused.remove(&st.next_deliver) {
+                st.next_deliver = st.next_deliver.wrapping_add(1);
+                continue;
+            }
+            if st
+                .msgs
+                .get(&st.next_deliver)
+                .is_none_or(|m| m.got_segs != m.nsegs)
+            {
+                break;
+            }
             let Some(m) = st.msgs.remove(&st.next_deliver) else {
                 break;
             };
