@@ -20,18 +20,41 @@ pub const MAX_PATHS: u16 = 64;
 pub enum Test {
     /// One-sided RDMA WRITE bandwidth (perftest `ib_write_bw`).
     WriteBw,
+    /// RDMA WRITE ping-pong latency (perftest `ib_write_lat --write_with_imm`).
+    WriteLat,
+    /// One-sided RDMA READ bandwidth (perftest `ib_read_bw`).
+    ReadBw,
+    /// RDMA READ latency, one READ at a time (perftest `ib_read_lat`).
+    ReadLat,
+    /// Atomic FETCH_AND_ADD latency, one at a time (perftest `ib_atomic_lat`).
+    AtomicLat,
+    /// Two-sided SEND bandwidth (perftest `ib_send_bw`).
+    SendBw,
     /// Two-sided SEND ping-pong latency (perftest `ib_send_lat`).
     SendLat,
 }
 
 impl Test {
     /// Every test, in the order `--help` lists them.
-    pub const ALL: [Test; 2] = [Test::WriteBw, Test::SendLat];
+    pub const ALL: [Test; 7] = [
+        Test::WriteBw,
+        Test::WriteLat,
+        Test::ReadBw,
+        Test::ReadLat,
+        Test::AtomicLat,
+        Test::SendBw,
+        Test::SendLat,
+    ];
 
     /// The command-line name.
     pub fn name(self) -> &'static str {
         match self {
             Test::WriteBw => "write_bw",
+            Test::WriteLat => "write_lat",
+            Test::ReadBw => "read_bw",
+            Test::ReadLat => "read_lat",
+            Test::AtomicLat => "atomic_lat",
+            Test::SendBw => "send_bw",
             Test::SendLat => "send_lat",
         }
     }
@@ -45,6 +68,11 @@ impl Test {
     pub fn title(self) -> &'static str {
         match self {
             Test::WriteBw => "RDMA_Write BW Test",
+            Test::WriteLat => "RDMA_Write Latency Test",
+            Test::ReadBw => "RDMA_Read BW Test",
+            Test::ReadLat => "RDMA_Read Latency Test",
+            Test::AtomicLat => "Atomic FETCH_AND_ADD Latency Test",
+            Test::SendBw => "Send BW Test",
             Test::SendLat => "Send Latency Test",
         }
     }
@@ -54,12 +82,29 @@ impl Test {
         match self {
             Test::WriteBw => 1,
             Test::SendLat => 2,
+            Test::WriteLat => 3,
+            Test::ReadBw => 4,
+            Test::ReadLat => 5,
+            Test::AtomicLat => 6,
+            Test::SendBw => 7,
         }
     }
 
     /// The test of a wire code.
     pub fn from_code(c: u8) -> Option<Test> {
         Test::ALL.into_iter().find(|t| t.code() == c)
+    }
+
+    /// Whether the report is a bandwidth table (else a latency table).
+    pub fn is_bw(self) -> bool {
+        matches!(self, Test::WriteBw | Test::ReadBw | Test::SendBw)
+    }
+
+    /// Whether the latency column is half the round-trip time (ping-pong tests, as perftest
+    /// does for WRITE and SEND) rather than the whole round trip of one operation (READ and
+    /// atomics, which are round trips by nature).
+    pub fn halves_rtt(self) -> bool {
+        matches!(self, Test::WriteLat | Test::SendLat)
     }
 }
 
@@ -68,8 +113,18 @@ impl Test {
 pub enum Mode {
     /// MetaRoCE: multipath, selective repeat, per-path congestion control.
     Metaroce,
-    /// Plain RoCEv2 RC (not implemented yet).
+    /// RoCEv2-compatible RC queue pair (one path, go-back-N), over UDP sockets.
     Rocev2,
+}
+
+impl Mode {
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Metaroce => "metaroce",
+            Mode::Rocev2 => "rocev2",
+        }
+    }
 }
 
 /// Datagram backend (`--backend`).
@@ -79,22 +134,53 @@ pub enum BackendKind {
     Udp,
 }
 
+/// Default TCP port of the RoCEv2-mode control exchange (perftest's).
+pub const DEFAULT_OOB_PORT: u16 = 18515;
+
 const AFTER_HELP: &str = "\
+Tests (perftest names without the ib_ prefix):
+  write_bw    pipelined RDMA WRITEs (-t outstanding); the server checksums its memory
+  write_lat   RDMA WRITE ping-pong: each side WRITEs (with immediate) into the other's
+              memory and waits for the peer's WRITE of the same iteration; the arrival is
+              seen through the immediate (ib_write_lat --write_with_imm), not by polling
+              the last byte; one-way latency = RTT/2; every landed WRITE is compared
+  read_bw     pipelined RDMA READs (-t outstanding, at most -o in flight) of seeded server
+              memory; checksums of the server's source and of what landed
+  read_lat    one RDMA READ at a time; latency = the READ's round trip; every READ checked
+  atomic_lat  one FETCH_AND_ADD at a time on an 8-byte counter; latency = round trip;
+              every fetched value and the final counter (= initial + sum of adds) checked
+  send_bw     pipelined SENDs on a stream (metaroce) / into posted receives (rocev2, -r
+              posted); checksum of every byte received, in order
+  send_lat    SEND ping-pong (echo); one-way latency = RTT/2; every echo compared
+
 Modes:
   metaroce-perf [TEST]                  loopback: server and client in this process over 127.0.0.1
   metaroce-perf --server [-p PORT]      server: serve one client run, then exit
   metaroce-perf [TEST] HOST[:PORT]      client: connect to a server (default port 4791)
 
+--mode rocev2 runs the same tests over a standard RoCEv2 RC queue pair
+(metaroce_tokio::rocev2): one QP, one UDP source port, go-back-N. It needs no
+CAP_NET_RAW: the packets travel in UDP datagrams and the ICRC covers synthesized IPv4
+headers (ID 0, DF, destination port 4791). The QPNs, PSNs and ports are exchanged over
+TCP (--oob-port, default 18515, like perftest): the server listens on TCP --oob-port and
+UDP -p; the client gives HOST only (no port) and --oob-port if not 18515.
+
+--compare-modes runs write_bw in both modes at 0%, 1% and 5% loss on loopback (one child
+process per run, same -s/-n, default -s 65536 -n 2000) and prints one table.
+
 The server follows the client's parameters (test, sizes, iterations); its own
 --loss/--paths/--mtu/--pcap apply to its side.
 
 Units: MB/sec is 2^20 bytes per second (as perftest); Gb/sec (--report_gbits) is 10^9
-bits per second. Latency is one-way: half of the measured round-trip time.
+bits per second.
 
 Examples:
   metaroce-perf                                   write_bw, 65536 B x 5000, loopback
   metaroce-perf -s 1048576 -n 1024 --loss 1       1 GiB of WRITEs under 1% loss
+  metaroce-perf read_bw --mode rocev2 -s 1048576  RDMA READs over a RoCEv2 RC QP
+  metaroce-perf atomic_lat -n 1000                FETCH_AND_ADD latency
   metaroce-perf send_lat -a                       latency for sizes 2 .. 8 MiB
+  metaroce-perf --compare-modes -s 65536 -n 2000  RoCEv2 beside MetaRoCE under loss
   metaroce-perf --file data.bin --pcap run.pcap   write a file, capture the packets";
 
 /// perftest-style benchmark of the MetaRoCE transport.
@@ -103,17 +189,18 @@ Examples:
     name = "metaroce-perf",
     version,
     allow_negative_numbers = true,
-    about = "perftest-style benchmark of the MetaRoCE transport (RDMA WRITE bandwidth, SEND latency)",
+    about = "perftest-style benchmark of the MetaRoCE transport and of its RoCEv2-compatible RC mode",
     after_help = AFTER_HELP
 )]
 pub struct Args {
-    /// Test to run: write_bw (default) or send_lat. When this is not a test name it is
-    /// taken as SERVER.
+    /// Test to run: write_bw (default), write_lat, read_bw, read_lat, atomic_lat, send_bw
+    /// or send_lat. When this is not a test name it is taken as SERVER.
     #[arg(value_name = "TEST")]
     pub first: Option<String>,
 
-    /// Server to connect to, `host` or `host:port` (default port 4791). Without it (and
-    /// without --server) both sides run in this process over 127.0.0.1.
+    /// Server to connect to, `host` or `host:port` (default port 4791; rocev2: `host`
+    /// only). Without it (and without --server) both sides run in this process over
+    /// 127.0.0.1.
     #[arg(value_name = "SERVER")]
     pub second: Option<String>,
 
@@ -129,11 +216,17 @@ pub struct Args {
     #[arg(short = 'p', long, value_name = "PORT", default_value_t = DEFAULT_PORT)]
     pub port: u16,
 
-    /// Message / WRITE size in bytes (1 .. 2^31).
-    #[arg(short = 's', long, value_name = "BYTES", default_value_t = 65536)]
-    pub size: u64,
+    /// --mode rocev2: TCP port of the out-of-band exchange (server listens, client
+    /// connects).
+    #[arg(long = "oob-port", value_name = "PORT", default_value_t = DEFAULT_OOB_PORT)]
+    pub oob_port: u16,
 
-    /// Iterations per size [default: 5000 for write_bw, 1000 for send_lat].
+    /// Message / operation size in bytes (1 .. 2^31) [default: 65536; atomic_lat: 8].
+    #[arg(short = 's', long, value_name = "BYTES")]
+    pub size: Option<u64>,
+
+    /// Iterations per size [default: 5000 for the bw tests, 1000 for the lat tests, 2000
+    /// with --compare-modes].
     #[arg(short = 'n', long, value_name = "N", conflicts_with = "duration")]
     pub iters: Option<u64>,
 
@@ -153,7 +246,7 @@ pub struct Args {
     #[arg(long = "out_json", visible_alias = "out-json", value_name = "PATH")]
     pub out_json: Option<PathBuf>,
 
-    /// write_bw: WRITEs kept outstanding.
+    /// Bandwidth tests: operations kept outstanding.
     #[arg(
         short = 't',
         long = "tx-depth",
@@ -162,9 +255,28 @@ pub struct Args {
     )]
     pub tx_depth: usize,
 
-    /// Paths (UDP source ports) each connection sprays over (1 .. 64).
-    #[arg(long, value_name = "N", default_value_t = 8)]
-    pub paths: u16,
+    /// RDMA READs and atomics in flight at once (IBA max_rd_atomic, both directions).
+    #[arg(short = 'o', long = "outs", value_name = "N", default_value_t = 16)]
+    pub outs: u16,
+
+    /// --mode rocev2 send tests: receive buffers kept posted.
+    #[arg(
+        short = 'r',
+        long = "rx-depth",
+        value_name = "N",
+        default_value_t = 512
+    )]
+    pub rx_depth: usize,
+
+    /// --mode rocev2: local ACK timeout exponent of the QP (4.096 us x 2^N; 14 = 67 ms,
+    /// perftest's default).
+    #[arg(long = "rc-timeout", value_name = "N", default_value_t = 14)]
+    pub rc_timeout: u8,
+
+    /// Paths (UDP source ports) each connection sprays over (1 .. 64) [default: 8; 1 with
+    /// --mode rocev2, which accepts no other value].
+    #[arg(long, value_name = "N")]
+    pub paths: Option<u16>,
 
     /// Path MTU in bytes: 256, 512, 1024, 2048 or 4096.
     #[arg(long, value_name = "BYTES", default_value_t = 4096)]
@@ -188,7 +300,8 @@ pub struct Args {
     #[arg(long = "reorder-delay", value_name = "USEC", default_value_t = 100)]
     pub reorder_delay: u64,
 
-    /// Random ECN CE marking in percent of ECN-capable datagrams, applied like --loss.
+    /// Random ECN CE marking in percent of ECN-capable datagrams, applied like --loss
+    /// (metaroce mode only).
     #[arg(long, value_name = "PERCENT", default_value_t = 0.0)]
     pub ce: f64,
 
@@ -210,17 +323,40 @@ pub struct Args {
     #[arg(long = "pcap-max-packets", value_name = "N", default_value_t = 100_000)]
     pub pcap_max_packets: u64,
 
-    /// Transport: metaroce (rocev2 is not implemented yet).
-    #[arg(long, value_enum, default_value = "metaroce")]
-    pub mode: Mode,
+    /// Transport: metaroce (default) or rocev2 (RoCEv2-compatible RC queue pair).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub mode: Option<Mode>,
 
     /// Datagram backend.
     #[arg(long, value_enum, default_value = "udp")]
     pub backend: BackendKind,
 
-    /// Print per-path statistics of the connection at the end.
+    /// Run write_bw in both modes at 0%, 1% and 5% loss (loopback) and print one table.
+    #[arg(long = "compare-modes")]
+    pub compare_modes: bool,
+
+    /// --compare-modes: the loss rates in percent, comma-separated.
+    #[arg(long, value_name = "LIST", requires = "compare_modes")]
+    pub losses: Option<String>,
+
+    /// --compare-modes: most seconds one run may take before it is killed.
+    #[arg(
+        long = "run-timeout",
+        value_name = "SECS",
+        default_value_t = 300.0,
+        requires = "compare_modes"
+    )]
+    pub run_timeout: f64,
+
+    /// Print per-path (metaroce) or per-QP (rocev2) statistics at the end; with
+    /// --compare-modes, also every run's own report.
     #[arg(long)]
     pub verbose: bool,
+
+    /// Testing aid: corrupt one byte of what the client checks against after the transfer,
+    /// so that the verification must fail (and the exit status be 1).
+    #[arg(long = "selftest-mismatch", hide = true)]
+    pub selftest_mismatch: bool,
 }
 
 /// Where this process runs.
@@ -285,11 +421,24 @@ pub struct FileSource {
     pub data: Vec<u8>,
 }
 
+/// `--compare-modes` parameters.
+#[derive(Debug, Clone)]
+pub struct CompareSettings {
+    /// Loss rates, probabilities in [0, 1].
+    pub losses: Vec<f64>,
+    /// Limit of one child run.
+    pub run_timeout: Duration,
+    /// `--paths` as given (metaroce runs only).
+    pub paths: Option<u16>,
+}
+
 /// Validated settings.
 #[derive(Debug, Clone)]
 pub struct Settings {
     /// Test.
     pub test: Test,
+    /// Transport flavour.
+    pub mode: Mode,
     /// Where this process runs.
     pub role: Role,
     /// Sizes, one table row each.
@@ -302,8 +451,16 @@ pub struct Settings {
     pub report_gbits: bool,
     /// JSON output path.
     pub out_json: Option<PathBuf>,
-    /// Outstanding WRITEs.
+    /// Outstanding operations of the bandwidth tests.
     pub tx_depth: usize,
+    /// READs/atomics in flight.
+    pub outs: u16,
+    /// Posted receives (rocev2 send tests).
+    pub rx_depth: usize,
+    /// RC local ACK timeout exponent.
+    pub rc_timeout: u8,
+    /// TCP port of the rocev2 exchange.
+    pub oob_port: u16,
     /// Paths.
     pub paths: u16,
     /// Path MTU.
@@ -320,6 +477,42 @@ pub struct Settings {
     pub pcap_max_packets: u64,
     /// Per-path statistics.
     pub verbose: bool,
+    /// `--selftest-mismatch`.
+    pub selftest_mismatch: bool,
+    /// `--compare-modes`.
+    pub compare: Option<CompareSettings>,
+}
+
+impl Settings {
+    /// The largest size of the run.
+    pub fn max_size(&self) -> u64 {
+        self.sizes.iter().copied().max().unwrap_or(1)
+    }
+}
+
+/// Whether a SERVER argument names a port explicitly.
+fn has_port(s: &str) -> bool {
+    if s.parse::<SocketAddr>().is_ok() {
+        return true;
+    }
+    match s.rsplit_once(':') {
+        Some((h, _)) => !h.contains(':') || h.ends_with(']'),
+        None => false,
+    }
+}
+
+fn parse_losses(list: &str) -> Result<Vec<f64>, String> {
+    let mut v = Vec::new();
+    for w in list.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+        let p: f64 = w
+            .parse()
+            .map_err(|_| format!("--losses: '{w}' is not a number"))?;
+        v.push(percent("losses", p)?);
+    }
+    if v.is_empty() {
+        return Err("--losses needs at least one loss rate".into());
+    }
+    Ok(v)
 }
 
 fn percent(name: &str, p: f64) -> Result<f64, String> {
@@ -380,10 +573,8 @@ impl Args {
     /// Checks the arguments and resolves the positionals. Errors are messages for the user
     /// (the caller exits with status 2).
     pub fn validate(self) -> Result<Settings, String> {
-        if self.mode == Mode::Rocev2 {
-            return Err("RoCEv2 mode is not implemented yet (only --mode metaroce)".into());
-        }
         let BackendKind::Udp = self.backend;
+        let mode = self.mode.unwrap_or(Mode::Metaroce);
 
         // Positionals: [TEST] [SERVER]; a first positional that is no test is the server.
         let (test, server) = match (self.first.as_deref(), self.second.as_deref()) {
@@ -402,23 +593,94 @@ impl Args {
                     "--server listens for a client; do not also give a server address ('{s}')"
                 ))
             }
-            (Some(s), false) => Role::Client {
-                addr: parse_server(s)?,
-                given: s.to_string(),
-            },
+            (Some(s), false) => {
+                if mode == Mode::Rocev2 && has_port(s) {
+                    return Err(format!(
+                        "--mode rocev2: give the server as HOST without a port ('{s}'): the \
+                         client learns the server's UDP port in the TCP exchange; use \
+                         --oob-port for the TCP port (default {DEFAULT_OOB_PORT})"
+                    ));
+                }
+                Role::Client {
+                    addr: parse_server(s)?,
+                    given: s.to_string(),
+                }
+            }
             (None, true) => Role::Server {
                 addr: SocketAddr::new(self.bind, self.port),
             },
             (None, false) => Role::Loopback,
         };
 
-        if self.size == 0 {
+        let compare = if self.compare_modes {
+            if self.first.is_some() && test != Test::WriteBw {
+                return Err(format!(
+                    "--compare-modes runs write_bw; it cannot run {}",
+                    test.name()
+                ));
+            }
+            if !matches!(role, Role::Loopback) {
+                return Err(
+                    "--compare-modes runs on loopback only (no --server, no SERVER)".into(),
+                );
+            }
+            if self.mode.is_some() {
+                return Err("--compare-modes runs both modes; do not give --mode".into());
+            }
+            if self.loss != 0.0 || self.dup != 0.0 || self.reorder != 0.0 || self.ce != 0.0 {
+                return Err(
+                    "--compare-modes sets the loss itself (0%, 1%, 5%; see --losses) and adds \
+                     no other impairment: drop --loss/--dup/--reorder/--ce"
+                        .into(),
+                );
+            }
+            if self.all || self.file.is_some() || self.pcap.is_some() {
+                return Err("--compare-modes takes one size: drop -a/--file/--pcap".into());
+            }
+            if !(self.run_timeout.is_finite() && self.run_timeout > 0.0) {
+                return Err("--run-timeout must be a positive number of seconds".into());
+            }
+            Some(CompareSettings {
+                losses: parse_losses(self.losses.as_deref().unwrap_or("0,1,5"))?,
+                run_timeout: Duration::from_secs_f64(self.run_timeout.min(86_400.0)),
+                paths: self.paths,
+            })
+        } else {
+            None
+        };
+
+        let paths = match (mode, self.paths) {
+            (Mode::Rocev2, Some(p)) if p != 1 && compare.is_none() => {
+                return Err(format!(
+                    "--paths {p}: RoCEv2 RC mode uses one QP and one UDP source port \
+                     (--paths must be 1)"
+                ))
+            }
+            (Mode::Rocev2, _) => 1,
+            (Mode::Metaroce, p) => p.unwrap_or(8),
+        };
+        if paths == 0 || paths > MAX_PATHS {
+            return Err(format!("--paths must be in 1..={MAX_PATHS}, got {paths}"));
+        }
+
+        let size = match (test, self.size) {
+            (Test::AtomicLat, Some(s)) if s != 8 => {
+                return Err(format!(
+                    "atomic_lat works on 8-byte operands: -s must be 8, got {s}"
+                ))
+            }
+            (Test::AtomicLat, _) if self.all => {
+                return Err("-a does not apply to atomic_lat (8-byte operands)".into())
+            }
+            (Test::AtomicLat, _) => 8,
+            (_, s) => s.unwrap_or(65536),
+        };
+        if size == 0 {
             return Err("--size must be at least 1 byte".into());
         }
-        if self.size > MAX_SIZE {
+        if size > MAX_SIZE {
             return Err(format!(
-                "--size must be at most 2^31 = {MAX_SIZE} bytes, got {}",
-                self.size
+                "--size must be at most 2^31 = {MAX_SIZE} bytes, got {size}"
             ));
         }
         if self.iters == Some(0) {
@@ -441,10 +703,19 @@ impl Args {
                 self.tx_depth
             ));
         }
-        if self.paths == 0 || self.paths > MAX_PATHS {
+        if self.outs == 0 || self.outs > 255 {
+            return Err(format!("--outs must be in 1..=255, got {}", self.outs));
+        }
+        if self.rx_depth == 0 || self.rx_depth > 65_536 {
             return Err(format!(
-                "--paths must be in 1..={MAX_PATHS}, got {}",
-                self.paths
+                "--rx-depth must be in 1..=65536, got {}",
+                self.rx_depth
+            ));
+        }
+        if self.rc_timeout == 0 || self.rc_timeout > 31 {
+            return Err(format!(
+                "--rc-timeout must be in 1..=31 (4.096 us x 2^N), got {}",
+                self.rc_timeout
             ));
         }
         if !(256..=4096).contains(&self.mtu) || !self.mtu.is_power_of_two() {
@@ -465,6 +736,13 @@ impl Args {
         }
         if self.reorder_delay > 10_000_000 {
             return Err("--reorder-delay must be at most 10 s (10000000 us)".into());
+        }
+        if mode == Mode::Rocev2 && impair.ce > 0.0 {
+            return Err(
+                "--ce: RoCEv2 RC mode sends Not-ECT packets and has no congestion control, \
+                 so CE marking would change nothing (metaroce mode only)"
+                    .into(),
+            );
         }
         if self.pcap_max_packets == 0 {
             return Err("--pcap-max-packets must be at least 1".into());
@@ -498,20 +776,21 @@ impl Args {
             }
         };
 
-        let sizes = if self.all {
-            all_sizes()
-        } else {
-            vec![self.size]
-        };
+        let sizes = if self.all { all_sizes() } else { vec![size] };
         let iters = match duration {
             Some(_) => None,
-            None => Some(self.iters.unwrap_or(match test {
-                Test::WriteBw => 5000,
-                Test::SendLat => 1000,
-            })),
+            None => Some(
+                self.iters
+                    .unwrap_or(match (compare.is_some(), test.is_bw()) {
+                        (true, _) => 2000,
+                        (false, true) => 5000,
+                        (false, false) => 1000,
+                    }),
+            ),
         };
         Ok(Settings {
             test,
+            mode,
             role,
             sizes,
             iters,
@@ -519,7 +798,11 @@ impl Args {
             report_gbits: self.report_gbits,
             out_json: self.out_json,
             tx_depth: self.tx_depth,
-            paths: self.paths,
+            outs: self.outs,
+            rx_depth: self.rx_depth,
+            rc_timeout: self.rc_timeout,
+            oob_port: self.oob_port,
+            paths,
             mtu: self.mtu,
             impair,
             seed: self.seed,
@@ -527,6 +810,8 @@ impl Args {
             pcap: self.pcap,
             pcap_max_packets: self.pcap_max_packets,
             verbose: self.verbose,
+            selftest_mismatch: self.selftest_mismatch,
+            compare,
         })
     }
 }

@@ -1,62 +1,103 @@
 //! The client side of a run: drives the measurement and prints the table.
 
 use super::cli::{Settings, Test};
-use super::data::{derive_seed, random_bytes};
-use super::proto::Ctrl;
+use super::ctrl::Chan;
+use super::data::{
+    atomic_add, atomic_initial, client_pattern_seed, derive_seed, pattern, random_bytes,
+    server_pattern_seed, window, VARIANTS,
+};
+use super::proto::{Ctrl, NO_REGION};
 use super::report;
 use super::stats::{BwMeter, BwResult, LatStats};
+use super::xport::{Fill, LinkStats, Mr, Net, Pool, RcNet};
 use super::Res;
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
-use futures::{SinkExt, StreamExt};
+use futures::{Future, SinkExt, StreamExt};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use metaroce::{Access, ConnectionStats};
-use metaroce_tokio::{Connection, MemoryRegion, MessageStream};
+use metaroce::Access;
+use metaroce_tokio::{MessageStream, RemoteRegion};
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-/// The destination of one write_bw size is at most this many bytes (unless one WRITE is
-/// larger): slots = min(iterations, max(1, 1 GiB / size)).
+/// The destination of one bandwidth size is at most this many bytes (unless one operation
+/// is larger): slots = min(iterations, max(1, 1 GiB / size)).
 pub const MAX_SLOTS_BYTES: u64 = 1 << 30;
 
-/// send_lat ping-pongs before the measured ones (not reported).
+/// Latency iterations before the measured ones (checked, not reported).
 const WARMUP: u64 = 10;
 
-/// One write_bw row.
+/// Receive buffers the client keeps posted for RC send_lat echoes.
+const RC_LAT_RECVS: u64 = 4;
+
+/// One bandwidth row.
 #[derive(Debug, Clone)]
 pub struct BwRow {
-    /// Bytes per WRITE.
+    /// Bytes per operation.
     pub size: u64,
     /// Measurement.
     pub result: BwResult,
-    /// Destination slots (distinct WRITE targets).
+    /// Distinct destination slots.
     pub slots: u64,
-    /// CRC-32 of what was written (source side).
+    /// CRC-32 of the source: what the client wrote (write_bw), the server memory read
+    /// (read_bw), the messages sent (send_bw).
     pub src_crc: u32,
-    /// CRC-32 the server computed over its destination.
+    /// CRC-32 of what landed: the server's destination (write_bw), the client's
+    /// destination (read_bw), the bytes the server received (send_bw).
     pub dst_crc: u32,
     /// Bytes checksummed.
     pub check_len: u64,
+    /// send_bw: (messages sent, messages the server received).
+    pub messages: Option<(u64, u64)>,
 }
 
 impl BwRow {
-    /// Whether the destination matches the source.
+    /// Whether what landed matches the source.
     pub fn ok(&self) -> bool {
-        self.src_crc == self.dst_crc
+        self.src_crc == self.dst_crc && self.messages.is_none_or(|(a, b)| a == b)
     }
 }
 
-/// One send_lat row.
+/// atomic_lat's end-to-end check of the counter.
+#[derive(Debug, Clone, Copy)]
+pub struct AtomicCheck {
+    /// Counter value before the round.
+    pub initial: u64,
+    /// FETCH_AND_ADDs executed (warm-up included).
+    pub adds: u64,
+    /// initial + the sum of the adds (wrapping).
+    pub expected: u64,
+    /// The counter the server read at the end.
+    pub found: u64,
+}
+
+/// One latency row.
 #[derive(Debug, Clone)]
 pub struct LatRow {
-    /// Message size.
+    /// Message / operation size.
     pub size: u64,
     /// Measured iterations.
     pub iterations: u64,
-    /// Statistics of the one-way latency.
+    /// Checked iterations (warm-up included).
+    pub checked: u64,
+    /// Statistics of the latency.
     pub stats: Option<LatStats>,
-    /// Echoes that differed from what was sent.
+    /// Iterations whose data the client found wrong (echo, landed WRITE, READ result,
+    /// fetched value).
     pub mismatches: u64,
+    /// write_lat: WRITEs the server found landed wrong.
+    pub peer_mismatches: u64,
+    /// atomic_lat: the final counter.
+    pub atomic: Option<AtomicCheck>,
+}
+
+impl LatRow {
+    /// Whether every check passed.
+    pub fn ok(&self) -> bool {
+        self.mismatches == 0
+            && self.peer_mismatches == 0
+            && self.atomic.is_none_or(|a| a.expected == a.found)
+    }
 }
 
 /// What the client measured.
@@ -64,25 +105,25 @@ pub struct LatRow {
 pub struct ClientRun {
     /// Server's QPN.
     pub server_qpn: u32,
-    /// write_bw rows.
+    /// Bandwidth rows.
     pub bw: Vec<BwRow>,
-    /// send_lat rows.
+    /// Latency rows.
     pub lat: Vec<LatRow>,
-    /// The connection's statistics at the end.
-    pub stats: Option<ConnectionStats>,
+    /// The connection's counters at the end.
+    pub stats: Option<LinkStats>,
 }
 
 impl ClientRun {
-    /// Whether every checksum and every echo matched.
+    /// Whether every check passed.
     pub fn verified(&self) -> bool {
-        self.bw.iter().all(BwRow::ok) && self.lat.iter().all(|r| r.mismatches == 0)
+        self.bw.iter().all(BwRow::ok) && self.lat.iter().all(LatRow::ok)
     }
 }
 
-/// How one write_bw size is laid out.
+/// How one bandwidth size is laid out.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
-    /// WRITEs to post; `None` for a timed run.
+    /// Operations to post; `None` for a timed run.
     ops: Option<u64>,
     /// Destination slots.
     slots: u64,
@@ -114,22 +155,9 @@ fn plan(s: &Settings, size: u64) -> Plan {
     }
 }
 
-async fn send(ctrl: &mut MessageStream, m: Ctrl) -> Res<()> {
-    ctrl.send(m.encode())
-        .await
-        .map_err(|e| format!("sending a control message: {e}"))
-}
-
-async fn recv(ctrl: &mut MessageStream) -> Res<Ctrl> {
-    let msg = ctrl
-        .next()
-        .await
-        .ok_or("the connection to the server ended")?;
-    match Ctrl::decode(&msg) {
-        Some(Ctrl::Error(text)) => Err(format!("the server refused: {text}")),
-        Some(m) => Ok(m),
-        None => Err("malformed control message from the server".into()),
-    }
+/// Data seed of round `round` of the tests that have one.
+fn round_seed(s: &Settings, round: usize) -> u64 {
+    derive_seed(s.seed, 1000 + round as u64)
 }
 
 /// A progress bar on stderr when it is a terminal, hidden otherwise.
@@ -147,48 +175,148 @@ fn progress(len: u64, what: String) -> ProgressBar {
     pb
 }
 
-/// Runs the client side of the test over `conn` and prints the report's table.
-pub async fn run(conn: &Connection, s: &Settings) -> Res<ClientRun> {
-    let mut ctrl = conn
-        .open_stream()
-        .map_err(|e| format!("opening the control stream: {e}"))?;
-    send(
-        &mut ctrl,
-        Ctrl::Hello {
-            test: s.test.code(),
-            rounds: s.sizes.len() as u32,
-            qpn: conn.handle().0,
-        },
-    )
+fn progress_for(s: &Settings, size: u64) -> ProgressBar {
+    match (s.iters, s.duration) {
+        (Some(n), _) => progress(n, format!("{size} B")),
+        (None, Some(d)) => progress(d.as_millis() as u64, format!("{size} B")),
+        (None, None) => ProgressBar::hidden(),
+    }
+}
+
+/// Runs the client side of the test over `net` and prints the report's table.
+pub async fn run(net: &Net, ctrl: &mut Chan, s: &Settings) -> Res<ClientRun> {
+    let (qpn, psn, port) = net.identity();
+    ctrl.send(Ctrl::Hello {
+        test: s.test.code(),
+        rounds: s.sizes.len() as u32,
+        max_size: s.max_size(),
+        qpn,
+        psn,
+        port,
+    })
     .await?;
-    let server_qpn = match recv(&mut ctrl).await? {
-        Ctrl::Welcome { qpn } => qpn,
+    let (server_qpn, server_psn, server_port) = match ctrl.recv().await? {
+        Ctrl::Welcome { qpn, psn, port } => (qpn, psn, port),
         other => return Err(format!("unexpected reply to hello: {other:?}")),
     };
-    report::preamble(s, Some((conn, server_qpn)));
+    net.connect(server_qpn, server_psn, server_port)?;
+    let (local, remote) = net.describe(server_qpn);
+    report::preamble(s, Some((&local, &remote)));
     let mut out = ClientRun {
         server_qpn,
         ..ClientRun::default()
     };
+    let mut pool = Pool::default();
     match s.test {
-        Test::WriteBw => write_bw(conn, &mut ctrl, s, &mut out).await?,
-        Test::SendLat => send_lat(conn, &mut ctrl, s, &mut out).await?,
+        Test::WriteBw => write_bw(net, ctrl, s, &mut out).await?,
+        Test::ReadBw => read_bw(net, ctrl, s, &mut out).await?,
+        Test::SendBw => send_bw(net, ctrl, s, &mut out, &mut pool).await?,
+        Test::WriteLat => write_lat(net, ctrl, s, &mut out, &mut pool).await?,
+        Test::ReadLat => read_lat(net, ctrl, s, &mut out, &mut pool).await?,
+        Test::AtomicLat => atomic_lat(net, ctrl, s, &mut out, &mut pool).await?,
+        Test::SendLat => send_lat(net, ctrl, s, &mut out, &mut pool).await?,
     }
     report::rule();
-    out.stats = conn.stats();
+    out.stats = Some(net.stats());
     // The results are in: a lost goodbye is not worth failing the run for.
-    if let Err(e) = send(&mut ctrl, Ctrl::Bye).await {
+    if let Err(e) = ctrl.send(Ctrl::Bye).await {
         eprintln!("metaroce-perf: warning: saying goodbye to the server: {e}");
     }
     Ok(out)
 }
 
-async fn write_bw(
-    conn: &Connection,
-    ctrl: &mut MessageStream,
-    s: &Settings,
-    out: &mut ClientRun,
-) -> Res<()> {
+/// SETUP → READY; the server's region must hold `need` bytes.
+async fn setup(
+    ctrl: &mut Chan,
+    size: u64,
+    iters: Option<u64>,
+    region_len: u64,
+    seed: u64,
+    peer: RemoteRegion,
+    need: u64,
+) -> Res<RemoteRegion> {
+    ctrl.send(Ctrl::Setup {
+        size,
+        iters: iters.unwrap_or(0),
+        region_len,
+        seed,
+        peer,
+    })
+    .await?;
+    let region = match ctrl.recv().await? {
+        Ctrl::Ready { region, .. } => region,
+        other => return Err(format!("unexpected reply to setup: {other:?}")),
+    };
+    if region.len < need {
+        return Err(format!(
+            "the server's region has {} bytes, {need} needed",
+            region.len
+        ));
+    }
+    Ok(region)
+}
+
+/// DONE → RESULT: (crc, check_len, ops, value).
+async fn done(ctrl: &mut Chan, check_len: u64, ops: u64) -> Res<(u32, u64, u64, u64)> {
+    ctrl.send(Ctrl::Done { check_len, ops }).await?;
+    match ctrl.recv().await? {
+        Ctrl::Result {
+            crc,
+            check_len,
+            ops,
+            value,
+        } => Ok((crc, check_len, ops, value)),
+        other => Err(format!("unexpected reply to done: {other:?}")),
+    }
+}
+
+/// Keeps `s.tx_depth` operations `op(i)` outstanding until `ops` completed (or the
+/// duration ran out), metering completions.
+async fn pump<F, Fut>(s: &Settings, size: u64, ops: Option<u64>, mut op: F) -> Res<BwResult>
+where
+    F: FnMut(u64) -> Fut,
+    Fut: Future<Output = Res<u64>>,
+{
+    let pb = progress_for(s, size);
+    let mut inflight = FuturesUnordered::new();
+    let start = Instant::now();
+    let deadline = s.duration.map(|d| start + d);
+    let mut meter = BwMeter::new(start);
+    let mut posted: u64 = 0;
+    loop {
+        while inflight.len() < s.tx_depth {
+            let more = match (ops, deadline) {
+                (Some(n), _) => posted < n,
+                (None, Some(d)) => Instant::now() < d,
+                (None, None) => false,
+            };
+            if !more {
+                break;
+            }
+            inflight.push(op(posted));
+            posted += 1;
+        }
+        match inflight.next().await {
+            None => break,
+            Some(Ok(len)) => {
+                let now = Instant::now();
+                meter.record(now, len);
+                match ops {
+                    Some(_) => pb.inc(1),
+                    None => pb.set_position(now.duration_since(start).as_millis() as u64),
+                }
+            }
+            Some(Err(e)) => {
+                pb.finish_and_clear();
+                return Err(e);
+            }
+        }
+    }
+    pb.finish_and_clear();
+    Ok(meter.finish())
+}
+
+async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) -> Res<()> {
     // One source region serves every size: slot i of size z is bytes [i*z, (i+1)*z).
     let data = match &s.file {
         Some(f) => f.data.clone(),
@@ -203,166 +331,460 @@ async fn write_bw(
             random_bytes(derive_seed(s.seed, 100), len)
         }
     };
-    let src = conn.endpoint().register(data, Access::LOCAL_WRITE);
+    let src = net.register(data, Access::LOCAL_WRITE);
     report::bw_header(s);
     for &size in &s.sizes {
-        let row = bw_round(conn, ctrl, s, &src, size).await?;
+        let p = plan(s, size);
+        let region = setup(ctrl, size, p.ops, p.region_len, 0, NO_REGION, p.region_len).await?;
+        let src = &src;
+        let result = pump(s, size, p.ops, |i| {
+            let off = (i % p.slots) * size;
+            let len = size.min(p.region_len - off);
+            net.write(src, off, len, region, off, None)
+        })
+        .await?;
+        let check_len = match &s.file {
+            Some(_) => p.region_len,
+            None => result.ops.min(p.slots) * size,
+        };
+        let dst_crc = match done(ctrl, check_len, result.ops).await? {
+            (crc, n, _, _) if n == check_len => crc,
+            (_, n, _, _) => {
+                return Err(format!(
+                    "the server checksummed {n} bytes instead of {check_len}"
+                ))
+            }
+        };
+        if s.selftest_mismatch {
+            src.flip(0)?;
+        }
+        let row = BwRow {
+            size,
+            result,
+            slots: p.slots,
+            src_crc: src.crc(0, check_len)?,
+            dst_crc,
+            check_len,
+            messages: None,
+        };
         report::bw_row(s, &row);
         out.bw.push(row);
     }
     Ok(())
 }
 
-async fn bw_round(
-    conn: &Connection,
-    ctrl: &mut MessageStream,
-    s: &Settings,
-    src: &MemoryRegion,
-    size: u64,
-) -> Res<BwRow> {
-    let p = plan(s, size);
-    send(
-        ctrl,
-        Ctrl::Setup {
+async fn read_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) -> Res<()> {
+    let len = s
+        .sizes
+        .iter()
+        .map(|&z| plan(s, z).region_len)
+        .max()
+        .unwrap_or(0);
+    let len = usize::try_from(len).map_err(|_| "destination region too large")?;
+    let dst = net.register(vec![0; len.max(1)], Access::LOCAL_WRITE);
+    report::bw_header(s);
+    for (round, &size) in s.sizes.iter().enumerate() {
+        let p = plan(s, size);
+        let seed = round_seed(s, round);
+        let region = setup(
+            ctrl,
             size,
-            iters: p.ops.unwrap_or(0),
-            region_len: p.region_len,
-        },
-    )
-    .await?;
-    let region = match recv(ctrl).await? {
-        Ctrl::Ready { region, .. } => region,
-        other => return Err(format!("unexpected reply to setup: {other:?}")),
-    };
-    if region.len < p.region_len {
-        return Err(format!(
-            "the server's region has {} bytes, {} needed",
-            region.len, p.region_len
-        ));
-    }
-
-    let pb = match (p.ops, s.duration) {
-        (Some(n), _) => progress(n, format!("{size} B")),
-        (None, Some(d)) => progress(d.as_millis() as u64, format!("{size} B")),
-        (None, None) => ProgressBar::hidden(),
-    };
-    let depth = s.tx_depth;
-    let mut inflight = FuturesUnordered::new();
-    let start = Instant::now();
-    let deadline = s.duration.map(|d| start + d);
-    let mut meter = BwMeter::new(start);
-    let mut posted: u64 = 0;
-    loop {
-        while inflight.len() < depth {
-            let more = match (p.ops, deadline) {
-                (Some(n), _) => posted < n,
-                (None, Some(d)) => Instant::now() < d,
-                (None, None) => false,
-            };
-            if !more {
-                break;
+            p.ops,
+            p.region_len,
+            seed,
+            NO_REGION,
+            p.region_len,
+        )
+        .await?;
+        let dst = &dst;
+        let result = pump(s, size, p.ops, |i| {
+            let off = (i % p.slots) * size;
+            net.read(dst, off, size, region, off)
+        })
+        .await?;
+        let check_len = result.ops.min(p.slots) * size;
+        let src_crc = match done(ctrl, check_len, result.ops).await? {
+            (crc, n, _, _) if n == check_len => crc,
+            (_, n, _, _) => {
+                return Err(format!(
+                    "the server checksummed {n} bytes instead of {check_len}"
+                ))
             }
-            let off = (posted % p.slots) * size;
-            let len = size.min(p.region_len - off);
-            inflight.push(async move {
-                conn.write(src, off..off + len, region, off)
-                    .await
-                    .map(|_| len)
-            });
-            posted += 1;
+        };
+        if s.selftest_mismatch {
+            dst.flip(0)?;
         }
-        match inflight.next().await {
-            None => break,
-            Some(Ok(len)) => {
-                let now = Instant::now();
-                meter.record(now, len);
-                match p.ops {
-                    Some(_) => pb.inc(1),
-                    None => pb.set_position(now.duration_since(start).as_millis() as u64),
-                }
-            }
-            Some(Err(e)) => {
-                pb.finish_and_clear();
-                return Err(format!("RDMA WRITE of {size} bytes failed: {e}"));
-            }
-        }
-    }
-    pb.finish_and_clear();
-    let result = meter.finish();
-
-    let check_len = match &s.file {
-        Some(_) => p.region_len,
-        None => result.ops.min(p.slots) * size,
-    };
-    send(
-        ctrl,
-        Ctrl::Done {
+        let row = BwRow {
+            size,
+            result,
+            slots: p.slots,
+            src_crc,
+            dst_crc: dst.crc(0, check_len)?,
             check_len,
-            ops: result.ops,
-        },
-    )
-    .await?;
-    let dst_crc = match recv(ctrl).await? {
-        Ctrl::Result {
-            crc, check_len: n, ..
-        } if n == check_len => crc,
-        Ctrl::Result { check_len: n, .. } => {
-            return Err(format!(
-                "the server checksummed {n} bytes instead of {check_len}"
-            ))
-        }
-        other => return Err(format!("unexpected reply to done: {other:?}")),
+            messages: None,
+        };
+        report::bw_row(s, &row);
+        out.bw.push(row);
+    }
+    Ok(())
+}
+
+async fn send_bw(
+    net: &Net,
+    ctrl: &mut Chan,
+    s: &Settings,
+    out: &mut ClientRun,
+    pool: &mut Pool,
+) -> Res<()> {
+    // MetaRoCE: every message on one stream, opened now (the server accepts it with its
+    // first message). The stream handle stays alive for the run.
+    let stream = match net {
+        Net::Meta(c) => Some(
+            c.open_stream()
+                .map_err(|e| format!("opening the data stream: {e}"))?,
+        ),
+        Net::Rc(_) => None,
     };
-    let src_crc = src
-        .with_bytes(|b| crc32fast::hash(&b[..check_len as usize]))
-        .map_err(|e| format!("reading the source: {e}"))?;
-    Ok(BwRow {
+    report::bw_header(s);
+    for (round, &size) in s.sizes.iter().enumerate() {
+        let seed = round_seed(s, round);
+        setup(ctrl, size, s.iters, 0, seed, NO_REGION, 0).await?;
+        let pat = Bytes::from(pattern(seed, size));
+        let result = match (net, &stream) {
+            (Net::Meta(c), Some(st)) => {
+                let id = st.id();
+                pump(s, size, s.iters, |i| {
+                    let w = window(i) as usize;
+                    let m = pat.slice(w..w + size as usize);
+                    async move {
+                        c.send(id, m)
+                            .await
+                            .map(|_| size)
+                            .map_err(|e| format!("SEND of {size} bytes failed: {e}"))
+                    }
+                })
+                .await?
+            }
+            (Net::Rc(rc), _) => {
+                // The same bytes as `pat`: random_bytes(seed, size + VARIANTS).
+                let src = pool.get(
+                    net,
+                    "send_src",
+                    size + VARIANTS,
+                    Access::LOCAL_WRITE,
+                    Fill::Random(seed),
+                )?;
+                let (rc, src) = (&**rc, &src);
+                pump(s, size, s.iters, |i| async move {
+                    rc.send(src, window(i), size).await.map(|_| size)
+                })
+                .await?
+            }
+            _ => return Err("no data stream".into()),
+        };
+        // The messages in the order they were posted (which is the order on the wire).
+        let mut h = crc32fast::Hasher::new();
+        if s.selftest_mismatch {
+            h.update(&[0]);
+        }
+        for i in 0..result.ops {
+            let w = window(i) as usize;
+            h.update(&pat[w..w + size as usize]);
+        }
+        let check_len = result.ops * size;
+        // A short or long byte count shows in the checksum.
+        let (crc, _, received, _) = done(ctrl, check_len, result.ops).await?;
+        let row = BwRow {
+            size,
+            result,
+            slots: 0,
+            src_crc: h.finalize(),
+            dst_crc: crc,
+            check_len,
+            messages: Some((result.ops, received)),
+        };
+        report::bw_row(s, &row);
+        out.bw.push(row);
+    }
+    drop(stream);
+    Ok(())
+}
+
+/// Iterations of a latency round: `WARMUP` unmeasured ones, then the measured ones until
+/// `-n` or `-D` is reached.
+struct Sampler {
+    warmup: u64,
+    iters: Option<u64>,
+    duration: Option<Duration>,
+    start: Option<Instant>,
+    next: u64,
+    rtts: Vec<Duration>,
+    pb: ProgressBar,
+}
+
+impl Sampler {
+    fn new(s: &Settings, size: u64) -> Sampler {
+        Sampler {
+            warmup: WARMUP.min(s.iters.unwrap_or(WARMUP)),
+            iters: s.iters,
+            duration: s.duration,
+            start: None,
+            next: 0,
+            rtts: Vec::with_capacity(s.iters.unwrap_or(1 << 16).min(1 << 24) as usize),
+            pb: progress_for(s, size),
+        }
+    }
+
+    /// The next iteration's index and whether it is measured; `None` when done.
+    fn next(&mut self) -> Option<(u64, bool)> {
+        let i = self.next;
+        if i < self.warmup {
+            self.next += 1;
+            return Some((i, false));
+        }
+        let start = *self.start.get_or_insert_with(Instant::now);
+        let more = match (self.iters, self.duration) {
+            (Some(n), _) => i - self.warmup < n,
+            (None, Some(d)) => start.elapsed() < d,
+            (None, None) => false,
+        };
+        if !more {
+            return None;
+        }
+        self.next += 1;
+        Some((i, true))
+    }
+
+    fn record(&mut self, measured: bool, d: Duration) {
+        if !measured {
+            return;
+        }
+        self.rtts.push(d);
+        match (self.iters, self.start) {
+            (Some(_), _) => self.pb.inc(1),
+            (None, Some(t)) => self.pb.set_position(t.elapsed().as_millis() as u64),
+            (None, None) => {}
+        }
+    }
+
+    /// (measured iterations, checked iterations, statistics).
+    fn finish(self, test: Test) -> (u64, u64, Option<LatStats>) {
+        self.pb.finish_and_clear();
+        let divisor = if test.halves_rtt() { 2.0 } else { 1.0 };
+        (
+            self.rtts.len() as u64,
+            self.next,
+            LatStats::from_samples(&self.rtts, divisor),
+        )
+    }
+}
+
+fn lat_row(
+    size: u64,
+    smp: Sampler,
+    test: Test,
+    mismatches: u64,
+    peer_mismatches: u64,
+    atomic: Option<AtomicCheck>,
+) -> LatRow {
+    let (iterations, checked, stats) = smp.finish(test);
+    LatRow {
         size,
-        result,
-        slots: p.slots,
-        src_crc,
-        dst_crc,
-        check_len,
-    })
+        iterations,
+        checked,
+        stats,
+        mismatches,
+        peer_mismatches,
+        atomic,
+    }
+}
+
+async fn write_lat(
+    net: &Net,
+    ctrl: &mut Chan,
+    s: &Settings,
+    out: &mut ClientRun,
+    pool: &mut Pool,
+) -> Res<()> {
+    net.prepare_imm()?;
+    report::lat_header();
+    for (round, &size) in s.sizes.iter().enumerate() {
+        let seed = round_seed(s, round);
+        let mine = pool.get(
+            net,
+            "wl_src",
+            size + VARIANTS,
+            Access::LOCAL_WRITE,
+            Fill::Random(client_pattern_seed(seed)),
+        )?;
+        // Two slots: iteration i lands in slot i % 2, so the previous one can still be
+        // checked while the next lands.
+        let land = pool.get(
+            net,
+            "wl_dst",
+            2 * size,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+            Fill::Byte(0),
+        )?;
+        let mut theirs = pattern(server_pattern_seed(seed), size);
+        theirs[0] ^= u8::from(s.selftest_mismatch);
+        let region = setup(ctrl, size, s.iters, 2 * size, seed, land.remote(), 2 * size).await?;
+        let mut smp = Sampler::new(s, size);
+        let mut bad = 0;
+        let mut writes = FuturesUnordered::new();
+        while let Some((i, measured)) = smp.next() {
+            let slot = (i % 2) * size;
+            let t0 = Instant::now();
+            writes.push(net.write(&mine, window(i), size, region, slot, Some(i as u32)));
+            let imm = loop {
+                tokio::select! {
+                    biased;
+                    Some(r) = writes.next() => { r?; }
+                    r = net.next_imm() => break r?,
+                }
+            };
+            let rtt = t0.elapsed();
+            let w = window(i) as usize;
+            if imm != i as u32 || !land.eq_at(slot, &theirs[w..w + size as usize])? {
+                bad += 1;
+            }
+            smp.record(measured, rtt);
+        }
+        while let Some(r) = writes.next().await {
+            r?;
+        }
+        let ops = smp.next;
+        let (_, _, replies, server_bad) = done(ctrl, 0, ops).await?;
+        if replies != ops {
+            return Err(format!("the server answered {replies} of {ops} WRITEs"));
+        }
+        let row = lat_row(size, smp, s.test, bad, server_bad, None);
+        report::lat_row(&row);
+        out.lat.push(row);
+    }
+    Ok(())
+}
+
+async fn read_lat(
+    net: &Net,
+    ctrl: &mut Chan,
+    s: &Settings,
+    out: &mut ClientRun,
+    pool: &mut Pool,
+) -> Res<()> {
+    report::lat_header();
+    for (round, &size) in s.sizes.iter().enumerate() {
+        let seed = round_seed(s, round);
+        // The server fills its region with random_bytes(seed, size + VARIANTS).
+        let mut expected = pattern(seed, size);
+        expected[0] ^= u8::from(s.selftest_mismatch);
+        let region_len = size + VARIANTS;
+        let region = setup(ctrl, size, s.iters, region_len, seed, NO_REGION, region_len).await?;
+        let dst = pool.get(net, "rl_dst", size, Access::LOCAL_WRITE, Fill::Byte(0))?;
+        let mut smp = Sampler::new(s, size);
+        let mut bad = 0;
+        while let Some((i, measured)) = smp.next() {
+            let t0 = Instant::now();
+            net.read(&dst, 0, size, region, window(i)).await?;
+            let rtt = t0.elapsed();
+            let w = window(i) as usize;
+            if !dst.eq_at(0, &expected[w..w + size as usize])? {
+                bad += 1;
+            }
+            smp.record(measured, rtt);
+        }
+        done(ctrl, 0, smp.next).await?;
+        let row = lat_row(size, smp, s.test, bad, 0, None);
+        report::lat_row(&row);
+        out.lat.push(row);
+    }
+    Ok(())
+}
+
+async fn atomic_lat(
+    net: &Net,
+    ctrl: &mut Chan,
+    s: &Settings,
+    out: &mut ClientRun,
+    pool: &mut Pool,
+) -> Res<()> {
+    report::lat_header();
+    let result = pool.get(net, "at_res", 8, Access::LOCAL_WRITE, Fill::Byte(0))?;
+    for (round, &size) in s.sizes.iter().enumerate() {
+        let seed = round_seed(s, round);
+        let counter = setup(ctrl, size, s.iters, 16, seed, NO_REGION, 8).await?;
+        let initial = atomic_initial(seed);
+        let mut expected = initial ^ u64::from(s.selftest_mismatch);
+        let mut smp = Sampler::new(s, size);
+        let mut bad = 0;
+        while let Some((i, measured)) = smp.next() {
+            let add = atomic_add(seed, i);
+            let t0 = Instant::now();
+            let old = net.fetch_add(&result, counter, add).await?;
+            let rtt = t0.elapsed();
+            if old != expected {
+                bad += 1;
+            }
+            expected = expected.wrapping_add(add);
+            smp.record(measured, rtt);
+        }
+        let adds = smp.next;
+        let (_, _, _, found) = done(ctrl, 0, adds).await?;
+        let check = AtomicCheck {
+            initial,
+            adds,
+            expected,
+            found,
+        };
+        let row = lat_row(size, smp, s.test, bad, 0, Some(check));
+        report::lat_row(&row);
+        out.lat.push(row);
+    }
+    Ok(())
 }
 
 async fn send_lat(
-    conn: &Connection,
-    ctrl: &mut MessageStream,
+    net: &Net,
+    ctrl: &mut Chan,
     s: &Settings,
     out: &mut ClientRun,
+    pool: &mut Pool,
 ) -> Res<()> {
-    let mut data = conn
-        .open_stream()
-        .map_err(|e| format!("opening the ping-pong stream: {e}"))?;
+    let mut data = match net {
+        Net::Meta(c) => Some(
+            c.open_stream()
+                .map_err(|e| format!("opening the ping-pong stream: {e}"))?,
+        ),
+        Net::Rc(_) => None,
+    };
+    // RC: echoes land in posted receives of the largest size.
+    let ring = match net {
+        Net::Rc(rc) => {
+            let slot = s.max_size();
+            let ring = pool.get(
+                net,
+                "sl_ring",
+                RC_LAT_RECVS * slot,
+                Access::LOCAL_WRITE,
+                Fill::Byte(0),
+            )?;
+            for k in 0..RC_LAT_RECVS {
+                rc.post_recv(k, &ring, k * slot, slot as u32)?;
+            }
+            Some(ring)
+        }
+        Net::Meta(_) => None,
+    };
     report::lat_header();
     for (round, &size) in s.sizes.iter().enumerate() {
-        send(
-            ctrl,
-            Ctrl::Setup {
-                size,
-                iters: s.iters.unwrap_or(0),
-                region_len: 0,
-            },
-        )
-        .await?;
-        match recv(ctrl).await? {
-            Ctrl::Ready { .. } => {}
-            other => return Err(format!("unexpected reply to setup: {other:?}")),
-        }
-        let row = lat_round(&mut data, s, size, round as u64).await?;
-        send(
-            ctrl,
-            Ctrl::Done {
-                check_len: 0,
-                ops: row.iterations,
-            },
-        )
-        .await?;
-        match recv(ctrl).await? {
-            Ctrl::Result { .. } => {}
-            other => return Err(format!("unexpected reply to done: {other:?}")),
-        }
+        let seed = derive_seed(s.seed, 200 + round as u64);
+        setup(ctrl, size, s.iters, 0, seed, NO_REGION, 0).await?;
+        let row = match (net, &mut data, &ring) {
+            (Net::Meta(_), Some(data), _) => meta_send_lat(data, s, size, seed).await?,
+            (Net::Rc(rc), _, Some(ring)) => rc_send_lat(net, rc, s, size, seed, ring, pool).await?,
+            _ => return Err("no ping-pong channel".into()),
+        };
+        done(ctrl, 0, row.checked).await?;
         report::lat_row(&row);
         out.lat.push(row);
     }
@@ -381,57 +803,71 @@ async fn ping(data: &mut MessageStream, msg: Bytes) -> Res<(Duration, Bytes)> {
     Ok((t0.elapsed(), echo))
 }
 
-async fn lat_round(data: &mut MessageStream, s: &Settings, size: u64, round: u64) -> Res<LatRow> {
-    const VARIANTS: usize = 251;
-    let size = usize::try_from(size).map_err(|_| "size too large")?;
-    // Message i is a window of a random buffer, shifted by i % 251: consecutive messages
-    // differ, and slicing a `Bytes` copies nothing.
-    let pattern = Bytes::from(random_bytes(
-        derive_seed(s.seed, 200 + round),
+async fn meta_send_lat(
+    data: &mut MessageStream,
+    s: &Settings,
+    size: u64,
+    seed: u64,
+) -> Res<LatRow> {
+    let n = usize::try_from(size).map_err(|_| "size too large")?;
+    let pat = Bytes::from(pattern(seed, size));
+    let mut expected = pat.to_vec();
+    expected[0] ^= u8::from(s.selftest_mismatch);
+    let mut smp = Sampler::new(s, size);
+    let mut bad = 0;
+    while let Some((i, measured)) = smp.next() {
+        let w = window(i) as usize;
+        let m = pat.slice(w..w + n);
+        let (rtt, echo) = ping(data, m).await?;
+        bad += u64::from(echo[..] != expected[w..w + n]);
+        smp.record(measured, rtt);
+    }
+    Ok(lat_row(size, smp, s.test, bad, 0, None))
+}
+
+async fn rc_send_lat(
+    net: &Net,
+    rc: &RcNet,
+    s: &Settings,
+    size: u64,
+    seed: u64,
+    ring: &Mr,
+    pool: &mut Pool,
+) -> Res<LatRow> {
+    let slot = s.max_size();
+    let src = pool.get(
+        net,
+        "sl_src",
         size + VARIANTS,
-    ));
-    let msg = |i: u64| {
-        let off = (i % VARIANTS as u64) as usize;
-        pattern.slice(off..off + size)
-    };
-    let mut mismatches = 0;
-    for i in 0..WARMUP.min(s.iters.unwrap_or(WARMUP)) {
-        let m = msg(i);
-        let (_, echo) = ping(data, m.clone()).await?;
-        mismatches += u64::from(echo != m);
-    }
-    let pb = match (s.iters, s.duration) {
-        (Some(n), _) => progress(n, format!("{size} B")),
-        (None, Some(d)) => progress(d.as_millis() as u64, format!("{size} B")),
-        (None, None) => ProgressBar::hidden(),
-    };
-    let mut rtts = Vec::with_capacity(s.iters.unwrap_or(1 << 16) as usize);
-    let start = Instant::now();
-    let mut i: u64 = 0;
-    loop {
-        let more = match (s.iters, s.duration) {
-            (Some(n), _) => i < n,
-            (None, Some(d)) => start.elapsed() < d,
-            (None, None) => false,
+        Access::LOCAL_WRITE,
+        Fill::Random(seed),
+    )?;
+    let mut pat = pattern(seed, size);
+    pat[0] ^= u8::from(s.selftest_mismatch);
+    let mut smp = Sampler::new(s, size);
+    let mut bad = 0;
+    let mut sends = FuturesUnordered::new();
+    while let Some((i, measured)) = smp.next() {
+        let t0 = Instant::now();
+        sends.push(rc.send(&src, window(i), size));
+        let c = loop {
+            tokio::select! {
+                biased;
+                Some(r) = sends.next() => { r?; }
+                r = rc.recv() => break r?,
+            }
         };
-        if !more {
-            break;
+        let rtt = t0.elapsed();
+        let w = window(i) as usize;
+        let k = c.wr_id;
+        if u64::from(c.byte_len) != size || !ring.eq_at(k * slot, &pat[w..w + size as usize])? {
+            bad += 1;
         }
-        let m = msg(i);
-        let (rtt, echo) = ping(data, m.clone()).await?;
-        rtts.push(rtt);
-        mismatches += u64::from(echo != m);
-        i += 1;
-        match s.iters {
-            Some(_) => pb.inc(1),
-            None => pb.set_position(start.elapsed().as_millis() as u64),
-        }
+        rc.post_recv(k, ring, k * slot, slot as u32)?;
+        smp.record(measured, rtt);
     }
-    pb.finish_and_clear();
-    Ok(LatRow {
-        size: size as u64,
-        iterations: i,
-        stats: LatStats::from_rtts(&rtts),
-        mismatches,
-    })
+    while let Some(r) = sends.next().await {
+        r?;
+    }
+    Ok(lat_row(size, smp, s.test, bad, 0, None))
 }

@@ -1,9 +1,12 @@
-//! `metaroce-perf`: a perftest-style benchmark (ib_write_bw, ib_send_lat) of the MetaRoCE
-//! transport over UDP, with loopback, client and server modes, impairments, data
-//! verification and packet capture.
+//! `metaroce-perf`: a perftest-style benchmark (ib_write_bw, ib_write_lat, ib_read_bw,
+//! ib_read_lat, ib_atomic_lat, ib_send_bw, ib_send_lat) of the MetaRoCE transport and of its
+//! RoCEv2-compatible RC mode over UDP, with loopback, client and server modes, impairments,
+//! data verification, packet capture, and a side-by-side comparison of the two modes.
 
 mod cli;
 mod client;
+mod compare;
+mod ctrl;
 mod data;
 mod net;
 mod pcap;
@@ -11,20 +14,30 @@ mod proto;
 mod report;
 mod server;
 mod stats;
+mod xport;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
-use cli::{Args, Role, Settings};
+use cli::{Args, Mode, Role, Settings};
+use client::ClientRun;
+use ctrl::Chan;
 use data::derive_seed;
 use metaroce_tokio::backend::ImpairStats;
-use net::Node;
+use net::{Node, RcSockets};
+use server::ServerRun;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use xport::{Net, RcNet};
 
 /// Result with a message for the user.
 pub type Res<T> = Result<T, String>;
 
 /// Exit status: verification failed or the run broke.
 const EXIT_FAILED: i32 = 1;
+
+/// How long a rocev2 client keeps trying to reach the server's TCP port.
+const TCP_CONNECT_PATIENCE: Duration = Duration::from_secs(10);
 
 /// Parses the command line, runs, and returns the process exit status (clap exits with 2 on
 /// usage errors).
@@ -43,6 +56,9 @@ pub fn main() -> i32 {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .try_init();
+    if settings.compare.is_some() {
+        return compare::run(&settings);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -93,6 +109,13 @@ fn bind_err(what: &str, addr: SocketAddr) -> impl FnOnce(std::io::Error) -> Stri
     move |e| format!("cannot bind the {what} endpoint at {addr}: {e}")
 }
 
+/// What one process measured and saw.
+struct Outcome {
+    client: Option<ClientRun>,
+    server: Option<ServerRun>,
+    impair: ImpairStats,
+}
+
 async fn run(s: Settings) -> Res<i32> {
     let sink = match &s.pcap {
         Some(path) => Some(
@@ -101,111 +124,19 @@ async fn run(s: Settings) -> Res<i32> {
         ),
         None => None,
     };
-    let seed = s.seed;
-    let (client_run, server_run, impair) = match &s.role {
-        Role::Loopback => {
-            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-            let server = Node::bind(
-                addr,
-                &s,
-                derive_seed(seed, SEED_SERVER_IMPAIR),
-                derive_seed(seed, SEED_SERVER_CORE),
-                sink.as_ref(),
-            )
-            .map_err(bind_err("server", addr))?;
-            let client = Node::bind(
-                addr,
-                &s,
-                derive_seed(seed, SEED_CLIENT_IMPAIR),
-                derive_seed(seed, SEED_CLIENT_CORE),
-                sink.as_ref(),
-            )
-            .map_err(bind_err("client", addr))?;
-            let server_ep = server.ep.clone();
-            let server_task = tokio::spawn(async move {
-                let conn = server_ep
-                    .accept()
-                    .await
-                    .ok_or("the server endpoint closed")?;
-                server::serve(conn, false).await
-            });
-            let conn = client
-                .ep
-                .connect(server.ep.local_addr())
-                .await
-                .map_err(|e| format!("connecting to the in-process server: {e}"))?;
-            let client_run = client::run(&conn, &s).await;
-            conn.close();
-            let server_run = match client_run {
-                Ok(_) => Some(
-                    server_task
-                        .await
-                        .map_err(|e| format!("server task: {e}"))??,
-                ),
-                Err(_) => {
-                    server_task.abort();
-                    None
-                }
-            };
-            let client_run = client_run?;
-            let impair = add(client.impair_stats(), server.impair_stats());
-            (Some(client_run), server_run, impair)
+    let sink = sink.as_ref();
+    let out = match (s.mode, &s.role) {
+        (Mode::Metaroce, Role::Loopback) => meta_loopback(&s, sink).await?,
+        (Mode::Metaroce, Role::Client { addr, given }) => {
+            meta_client(&s, *addr, given, sink).await?
         }
-        Role::Client { addr, given } => {
-            let local = SocketAddr::new(
-                if addr.is_ipv4() {
-                    IpAddr::V4(Ipv4Addr::UNSPECIFIED)
-                } else {
-                    IpAddr::V6(Ipv6Addr::UNSPECIFIED)
-                },
-                0,
-            );
-            let client = Node::bind(
-                local,
-                &s,
-                derive_seed(seed, SEED_CLIENT_IMPAIR),
-                derive_seed(seed, SEED_CLIENT_CORE),
-                sink.as_ref(),
-            )
-            .map_err(bind_err("client", local))?;
-            let conn = client.ep.connect(*addr).await.map_err(|e| {
-                if *given == addr.to_string() {
-                    format!("connecting to {addr}: {e}")
-                } else {
-                    format!("connecting to {given} ({addr}): {e}")
-                }
-            })?;
-            let client_run = client::run(&conn, &s).await?;
-            conn.close();
-            (Some(client_run), None, client.impair_stats())
-        }
-        Role::Server { addr } => {
-            let server = Node::bind(
-                *addr,
-                &s,
-                derive_seed(seed, SEED_SERVER_IMPAIR),
-                derive_seed(seed, SEED_SERVER_CORE),
-                sink.as_ref(),
-            )
-            .map_err(bind_err("server", *addr))?;
-            report::preamble(&s, None);
-            println!(
-                " Waiting for a client on {} (source ports {:?})",
-                server.ep.local_addr(),
-                server.ep.source_ports()
-            );
-            let conn = server
-                .ep
-                .accept()
-                .await
-                .ok_or("the server endpoint closed")?;
-            let server_run = server::serve(conn, true).await?;
-            report::rule();
-            (None, Some(server_run), server.impair_stats())
-        }
+        (Mode::Metaroce, Role::Server { addr }) => meta_server(&s, *addr, sink).await?,
+        (Mode::Rocev2, Role::Loopback) => rc_loopback(&s, sink).await?,
+        (Mode::Rocev2, Role::Client { addr, given }) => rc_client(&s, *addr, given, sink).await?,
+        (Mode::Rocev2, Role::Server { addr }) => rc_server(&s, *addr, sink).await?,
     };
 
-    let pcap = match &sink {
+    let pcap = match sink {
         Some(sink) => Some(
             sink.finish()
                 .map_err(|e| format!("writing the pcap file: {e}"))?,
@@ -213,13 +144,13 @@ async fn run(s: Settings) -> Res<i32> {
         None => None,
     };
     let footer = report::Footer {
-        client: client_run.as_ref(),
-        server: server_run.as_ref(),
-        impair,
+        client: out.client.as_ref(),
+        server: out.server.as_ref(),
+        impair: out.impair,
         pcap,
     };
     report::footer(&s, &footer);
-    let verified = !matches!(&client_run, Some(c) if !c.verified());
+    let verified = !matches!(&out.client, Some(c) if !c.verified());
     if let Some(path) = &s.out_json {
         let text = report::json(&s, &footer, verified).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n")
@@ -230,4 +161,296 @@ async fn run(s: Settings) -> Res<i32> {
         return Ok(EXIT_FAILED);
     }
     Ok(0)
+}
+
+type Sink<'a> = Option<&'a Arc<pcap::PcapSink>>;
+
+fn unspecified_like(addr: &SocketAddr) -> SocketAddr {
+    SocketAddr::new(
+        if addr.is_ipv4() {
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        } else {
+            IpAddr::V6(Ipv6Addr::UNSPECIFIED)
+        },
+        0,
+    )
+}
+
+/// Runs the client over `net` while the in-process server runs `server`; the server's
+/// result is awaited only if the client succeeded.
+async fn with_local_server(
+    client: Res<ClientRun>,
+    server: tokio::task::JoinHandle<Res<ServerRun>>,
+) -> Res<(ClientRun, ServerRun)> {
+    match client {
+        Ok(c) => {
+            let r = server.await.map_err(|e| format!("server task: {e}"))??;
+            Ok((c, r))
+        }
+        Err(e) => {
+            server.abort();
+            Err(e)
+        }
+    }
+}
+
+async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
+    let seed = s.seed;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+    let server = Node::bind(
+        addr,
+        s,
+        derive_seed(seed, SEED_SERVER_IMPAIR),
+        derive_seed(seed, SEED_SERVER_CORE),
+        sink,
+    )
+    .map_err(bind_err("server", addr))?;
+    let client = Node::bind(
+        addr,
+        s,
+        derive_seed(seed, SEED_CLIENT_IMPAIR),
+        derive_seed(seed, SEED_CLIENT_CORE),
+        sink,
+    )
+    .map_err(bind_err("client", addr))?;
+    let server_ep = server.ep.clone();
+    let rx_depth = s.rx_depth;
+    let server_task = tokio::spawn(async move {
+        let conn = server_ep
+            .accept()
+            .await
+            .ok_or("the server endpoint closed")?;
+        let ctrl = conn
+            .accept_stream()
+            .await
+            .ok_or("the client closed the connection before saying hello")?;
+        server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, rx_depth).await
+    });
+    let conn = client
+        .ep
+        .connect(server.ep.local_addr())
+        .await
+        .map_err(|e| format!("connecting to the in-process server: {e}"))?;
+    let r = meta_run_client(&conn, s).await;
+    conn.close();
+    let (c, r) = with_local_server(r, server_task).await?;
+    Ok(Outcome {
+        client: Some(c),
+        server: Some(r),
+        impair: add(client.impair_stats(), server.impair_stats()),
+    })
+}
+
+async fn meta_run_client(conn: &metaroce_tokio::Connection, s: &Settings) -> Res<ClientRun> {
+    let ctrl = conn
+        .open_stream()
+        .map_err(|e| format!("opening the control stream: {e}"))?;
+    client::run(&Net::Meta(conn.clone()), &mut Chan::Stream(ctrl), s).await
+}
+
+async fn meta_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>) -> Res<Outcome> {
+    let seed = s.seed;
+    let local = unspecified_like(&addr);
+    let client = Node::bind(
+        local,
+        s,
+        derive_seed(seed, SEED_CLIENT_IMPAIR),
+        derive_seed(seed, SEED_CLIENT_CORE),
+        sink,
+    )
+    .map_err(bind_err("client", local))?;
+    let conn = client.ep.connect(addr).await.map_err(|e| {
+        if given == addr.to_string() {
+            format!("connecting to {addr}: {e}")
+        } else {
+            format!("connecting to {given} ({addr}): {e}")
+        }
+    })?;
+    let c = meta_run_client(&conn, s).await?;
+    conn.close();
+    Ok(Outcome {
+        client: Some(c),
+        server: None,
+        impair: client.impair_stats(),
+    })
+}
+
+async fn meta_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcome> {
+    let seed = s.seed;
+    let server = Node::bind(
+        addr,
+        s,
+        derive_seed(seed, SEED_SERVER_IMPAIR),
+        derive_seed(seed, SEED_SERVER_CORE),
+        sink,
+    )
+    .map_err(bind_err("server", addr))?;
+    report::preamble(s, None);
+    println!(
+        " Waiting for a client on {} (source ports {:?})",
+        server.ep.local_addr(),
+        server.ep.source_ports()
+    );
+    let conn = server
+        .ep
+        .accept()
+        .await
+        .ok_or("the server endpoint closed")?;
+    let ctrl = conn
+        .accept_stream()
+        .await
+        .ok_or("the client closed the connection before saying hello")?;
+    let r = server::serve(Net::Meta(conn), Chan::Stream(ctrl), true, s.rx_depth).await?;
+    report::rule();
+    Ok(Outcome {
+        client: None,
+        server: Some(r),
+        impair: server.impair_stats(),
+    })
+}
+
+/// An RC QP on UDP sockets bound at `bind`, advertising `local_ip`, for a peer at `peer_ip`.
+fn rc_net(
+    s: &Settings,
+    sockets: RcSockets,
+    local_ip: IpAddr,
+    peer_ip: IpAddr,
+    core_seed: u64,
+) -> Res<Arc<RcNet>> {
+    let node = sockets
+        .endpoint(local_ip, s, core_seed)
+        .map_err(|e| format!("starting the RC endpoint: {e}"))?;
+    Ok(Arc::new(RcNet::new(
+        node,
+        peer_ip,
+        s.mtu,
+        s.rc_timeout,
+        s.outs,
+    )?))
+}
+
+fn rc_impair(net: &RcNet) -> ImpairStats {
+    net.node.impair_stats()
+}
+
+async fn rc_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
+    let seed = s.seed;
+    let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    let addr = SocketAddr::new(lo, 0);
+    let ss = RcSockets::bind(addr, s, derive_seed(seed, SEED_SERVER_IMPAIR), sink)
+        .map_err(bind_err("server", addr))?;
+    let cs = RcSockets::bind(addr, s, derive_seed(seed, SEED_CLIENT_IMPAIR), sink)
+        .map_err(bind_err("client", addr))?;
+    let server = rc_net(s, ss, lo, lo, derive_seed(seed, SEED_SERVER_CORE))?;
+    let client = rc_net(s, cs, lo, lo, derive_seed(seed, SEED_CLIENT_CORE))?;
+    // The control exchange runs over an in-process pipe, framed as over TCP.
+    let (a, b) = tokio::io::duplex(1 << 16);
+    let server_net = Net::Rc(server.clone());
+    let rx_depth = s.rx_depth;
+    let server_task = tokio::spawn(async move {
+        server::serve(server_net, Chan::Bytes(Box::new(b)), false, rx_depth).await
+    });
+    let mut chan = Chan::Bytes(Box::new(a));
+    let r = client::run(&Net::Rc(client.clone()), &mut chan, s).await;
+    drop(chan);
+    let (c, r) = with_local_server(r, server_task).await?;
+    Ok(Outcome {
+        client: Some(c),
+        server: Some(r),
+        impair: add(rc_impair(&client), rc_impair(&server)),
+    })
+}
+
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+async fn tcp_connect(target: SocketAddr) -> Res<tokio::net::TcpStream> {
+    // The server may still be starting: retry for a while.
+    let start = Instant::now();
+    loop {
+        match tokio::net::TcpStream::connect(target).await {
+            Ok(t) => {
+                let _ = t.set_nodelay(true);
+                return Ok(t);
+            }
+            Err(e) if start.elapsed() < TCP_CONNECT_PATIENCE => {
+                tracing::debug!(error = %e, "connect {target}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(format!("connecting to the exchange port {target}: {e}")),
+        }
+    }
+}
+
+async fn rc_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>) -> Res<Outcome> {
+    let seed = s.seed;
+    let target = SocketAddr::new(addr.ip(), s.oob_port);
+    let tcp = tcp_connect(target)
+        .await
+        .map_err(|e| format!("{e} (server {given})"))?;
+    let local_ip = canonical(tcp.local_addr().map_err(|e| e.to_string())?.ip());
+    let peer_ip = canonical(tcp.peer_addr().map_err(|e| e.to_string())?.ip());
+    let bind = SocketAddr::new(local_ip, 0);
+    let sockets = RcSockets::bind(bind, s, derive_seed(seed, SEED_CLIENT_IMPAIR), sink)
+        .map_err(bind_err("client", bind))?;
+    let net = rc_net(
+        s,
+        sockets,
+        local_ip,
+        peer_ip,
+        derive_seed(seed, SEED_CLIENT_CORE),
+    )?;
+    let mut chan = Chan::Bytes(Box::new(tcp));
+    let c = client::run(&Net::Rc(net.clone()), &mut chan, s).await?;
+    Ok(Outcome {
+        client: Some(c),
+        server: None,
+        impair: rc_impair(&net),
+    })
+}
+
+async fn rc_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcome> {
+    let seed = s.seed;
+    let sockets = RcSockets::bind(addr, s, derive_seed(seed, SEED_SERVER_IMPAIR), sink)
+        .map_err(bind_err("server", addr))?;
+    let tcp_addr = SocketAddr::new(addr.ip(), s.oob_port);
+    let listener = tokio::net::TcpListener::bind(tcp_addr)
+        .await
+        .map_err(|e| format!("cannot listen on TCP {tcp_addr} for the exchange: {e}"))?;
+    report::preamble(s, None);
+    println!(
+        " Waiting for a client on TCP {tcp_addr} (RoCEv2 datagrams on UDP {})",
+        sockets.local_addr()
+    );
+    let (tcp, peer) = listener
+        .accept()
+        .await
+        .map_err(|e| format!("accepting the exchange connection: {e}"))?;
+    drop(listener);
+    let _ = tcp.set_nodelay(true);
+    let local_ip = canonical(tcp.local_addr().map_err(|e| e.to_string())?.ip());
+    let net = rc_net(
+        s,
+        sockets,
+        local_ip,
+        canonical(peer.ip()),
+        derive_seed(seed, SEED_SERVER_CORE),
+    )?;
+    let r = server::serve(
+        Net::Rc(net.clone()),
+        Chan::Bytes(Box::new(tcp)),
+        true,
+        s.rx_depth,
+    )
+    .await?;
+    report::rule();
+    Ok(Outcome {
+        client: None,
+        server: Some(r),
+        impair: rc_impair(&net),
+    })
 }

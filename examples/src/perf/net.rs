@@ -1,13 +1,55 @@
-//! Endpoints of a run: the UDP backend, optionally impaired, optionally recorded.
+//! Endpoints of a run: the UDP backend, optionally impaired, optionally recorded, under a
+//! MetaRoCE endpoint or (`--mode rocev2`) an RC endpoint.
 
 use super::cli::Settings;
 use super::pcap::{PcapBackend, PcapSink};
+use metaroce::rocev2::RcConfig;
 use metaroce_tokio::backend::{DatagramBackend, ImpairStats, Impaired, Impairment, UdpBackend};
+use metaroce_tokio::rocev2::{RcEndpoint, UdpIpBackend};
 use metaroce_tokio::{Config, Endpoint};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-/// One endpoint and the handles to read its backend's counters.
+/// A datagram stack and its impairment layer (to read the counters), if any.
+type Stack = (Box<dyn DatagramBackend>, Option<Arc<Impaired<UdpBackend>>>);
+
+/// The datagram stack of one endpoint: UDP, wrapped in the impairments of `s` (seeded with
+/// `impair_seed`), wrapped in the pcap recorder when `pcap` is given (outermost, so that it
+/// records what the transport sent before the impairment decides its fate).
+fn stack(
+    udp: UdpBackend,
+    s: &Settings,
+    impair_seed: u64,
+    pcap: Option<&Arc<PcapSink>>,
+) -> std::io::Result<Stack> {
+    let mut impaired = None;
+    let mut backend: Box<dyn DatagramBackend> = if s.impair.any() {
+        let imp = Impairment {
+            loss: s.impair.loss,
+            duplicate: s.impair.dup,
+            reorder: s.impair.reorder,
+            reorder_delay: s.impair.reorder_delay,
+            ce_mark: s.impair.ce,
+            seed: impair_seed,
+            ..Impairment::default()
+        };
+        let layer = Arc::new(Impaired::new(udp, imp).map_err(std::io::Error::other)?);
+        impaired = Some(layer.clone());
+        Box::new(layer)
+    } else {
+        Box::new(udp)
+    };
+    if let Some(sink) = pcap {
+        backend = Box::new(PcapBackend::new(backend, sink.clone()));
+    }
+    Ok((backend, impaired))
+}
+
+fn impair_stats(i: &Option<Arc<Impaired<UdpBackend>>>) -> ImpairStats {
+    i.as_ref().map(|i| i.stats()).unwrap_or_default()
+}
+
+/// One MetaRoCE endpoint and the handles to read its backend's counters.
 #[derive(Debug)]
 pub struct Node {
     /// The endpoint.
@@ -17,9 +59,7 @@ pub struct Node {
 }
 
 impl Node {
-    /// Binds an endpoint at `addr`: UDP, wrapped in the impairments of `s` (seeded with
-    /// `impair_seed`), wrapped in the pcap recorder when `pcap` is given (outermost, so that
-    /// it records what the transport sent before the impairment decides its fate).
+    /// Binds a MetaRoCE endpoint at `addr` over [`stack`].
     pub fn bind(
         addr: SocketAddr,
         s: &Settings,
@@ -30,37 +70,86 @@ impl Node {
         let mut config = Config::default();
         config.transport.paths = s.paths;
         config.transport.pmtu = s.mtu;
+        config.transport.max_rd_atomic = u32::from(s.outs);
         config.seed = Some(core_seed);
         let udp = UdpBackend::bind_with(addr, usize::from(s.paths), &config.udp)?;
-        let mut impaired = None;
-        let mut backend: Box<dyn DatagramBackend> = if s.impair.any() {
-            let imp = Impairment {
-                loss: s.impair.loss,
-                duplicate: s.impair.dup,
-                reorder: s.impair.reorder,
-                reorder_delay: s.impair.reorder_delay,
-                ce_mark: s.impair.ce,
-                seed: impair_seed,
-                ..Impairment::default()
-            };
-            let layer = Arc::new(Impaired::new(udp, imp).map_err(std::io::Error::other)?);
-            impaired = Some(layer.clone());
-            Box::new(layer)
-        } else {
-            Box::new(udp)
-        };
-        if let Some(sink) = pcap {
-            backend = Box::new(PcapBackend::new(backend, sink.clone()));
-        }
+        let (backend, impaired) = stack(udp, s, impair_seed, pcap)?;
         let ep = Endpoint::with_backend(backend, config)?;
         Ok(Node { ep, impaired })
     }
 
     /// The impairment counters (zero without impairment).
     pub fn impair_stats(&self) -> ImpairStats {
-        self.impaired
-            .as_ref()
-            .map(|i| i.stats())
-            .unwrap_or_default()
+        impair_stats(&self.impaired)
+    }
+}
+
+/// The sockets of an RC endpoint, bound before the address it advertises is known (a
+/// server learns it from the TCP connection of its client).
+#[derive(Debug)]
+pub struct RcSockets {
+    backend: Box<dyn DatagramBackend>,
+    impaired: Option<Arc<Impaired<UdpBackend>>>,
+}
+
+/// The UDP datagram stack under an RC endpoint.
+pub type RcBackend = UdpIpBackend<Box<dyn DatagramBackend>>;
+
+impl RcSockets {
+    /// Binds one UDP socket to receive on and one source port (an RC QP has one) at
+    /// `addr`, over [`stack`].
+    pub fn bind(
+        addr: SocketAddr,
+        s: &Settings,
+        impair_seed: u64,
+        pcap: Option<&Arc<PcapSink>>,
+    ) -> std::io::Result<RcSockets> {
+        let udp = UdpBackend::bind_with(addr, 1, &Config::default().udp)?;
+        let (backend, impaired) = stack(udp, s, impair_seed, pcap)?;
+        Ok(RcSockets { backend, impaired })
+    }
+
+    /// The UDP address peers send to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.backend.local_addr()
+    }
+
+    /// Starts the RC endpoint, advertising `local_ip` (the ICRC covers it).
+    pub fn endpoint(
+        self,
+        local_ip: IpAddr,
+        s: &Settings,
+        core_seed: u64,
+    ) -> std::io::Result<RcNode> {
+        let backend = Arc::new(UdpIpBackend::new(self.backend, local_ip)?);
+        let mut cfg = RcConfig::new(local_ip);
+        cfg.seed = core_seed;
+        cfg.max_send_wr = s.tx_depth.max(4096);
+        cfg.max_recv_wr = (s.rx_depth + 256).max(4096);
+        let ep = RcEndpoint::with_backend(backend.clone(), cfg)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        Ok(RcNode {
+            ep,
+            backend,
+            impaired: self.impaired,
+        })
+    }
+}
+
+/// An RC endpoint over UDP and the handles to read its counters.
+#[derive(Debug)]
+pub struct RcNode {
+    /// The endpoint.
+    pub ep: RcEndpoint,
+    /// Its backend.
+    pub backend: Arc<RcBackend>,
+    /// The impairment layer, when one is configured.
+    pub impaired: Option<Arc<Impaired<UdpBackend>>>,
+}
+
+impl RcNode {
+    /// The impairment counters (zero without impairment).
+    pub fn impair_stats(&self) -> ImpairStats {
+        impair_stats(&self.impaired)
     }
 }

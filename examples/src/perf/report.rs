@@ -1,12 +1,13 @@
 //! Text output (perftest-like layout, our own wording) and the JSON document.
 
-use super::cli::{Role, Settings, Test};
+use super::cli::{Mode, Role, Settings, Test};
 use super::client::{BwRow, ClientRun, LatRow};
 use super::pcap::PcapSummary;
 use super::server::ServerRun;
+use super::xport::LinkStats;
+use metaroce::rocev2::{ack_timeout, QpStats};
 use metaroce::ConnectionStats;
 use metaroce_tokio::backend::ImpairStats;
-use metaroce_tokio::Connection;
 use serde::Serialize;
 
 const WIDTH: usize = 87;
@@ -25,7 +26,7 @@ fn pct(p: f64) -> String {
 }
 
 /// Compact list of ports: `a, b, c` or `a..b` when consecutive.
-fn ports(list: &[u16]) -> String {
+pub fn ports(list: &[u16]) -> String {
     let consecutive = list.windows(2).all(|w| w[1] == w[0].wrapping_add(1));
     match list {
         [] => "-".into(),
@@ -39,22 +40,92 @@ fn ports(list: &[u16]) -> String {
     }
 }
 
-/// The title and the parameter block; with a connection, the local and remote addresses.
-pub fn preamble(s: &Settings, link: Option<(&Connection, u32)>) {
+/// The local ACK timeout of `--rc-timeout`, e.g. "67.1 ms".
+fn rc_timeout_text(exp: u8) -> String {
+    match ack_timeout(exp) {
+        Some(d) if d.as_secs_f64() >= 1.0 => format!("{:.2} s", d.as_secs_f64()),
+        Some(d) if d.as_secs_f64() >= 1e-3 => format!("{:.1} ms", d.as_secs_f64() * 1e3),
+        Some(d) => format!("{:.1} us", d.as_secs_f64() * 1e6),
+        None => "off".into(),
+    }
+}
+
+/// The title and the parameter block; with a connection, the local and remote address
+/// lines.
+pub fn preamble(s: &Settings, link: Option<(&str, &str)>) {
     rule();
     let title = format!("{:^WIDTH$}", s.test.title());
     println!("{}", title.trim_end());
-    kv("Transport", "MetaRoCE over UDP");
+    match s.mode {
+        Mode::Metaroce => kv("Transport", "MetaRoCE over UDP"),
+        Mode::Rocev2 => kv(
+            "Transport",
+            "RoCEv2 RC (standard opcodes) in UDP datagrams, ICRC over synthesized IPv4 headers",
+        ),
+    }
     match &s.role {
         Role::Loopback => kv("Mode", "loopback (server and client in this process)"),
-        Role::Client { given, addr } => kv("Mode", format!("client of {given} ({addr})")),
-        Role::Server { addr } => kv("Mode", format!("server on {addr}")),
+        Role::Client { given, addr } => match s.mode {
+            Mode::Metaroce => kv("Mode", format!("client of {given} ({addr})")),
+            Mode::Rocev2 => kv(
+                "Mode",
+                format!(
+                    "client of {given} ({}, exchange over TCP port {})",
+                    addr.ip(),
+                    s.oob_port
+                ),
+            ),
+        },
+        Role::Server { addr } => match s.mode {
+            Mode::Metaroce => kv("Mode", format!("server on {addr}")),
+            Mode::Rocev2 => kv(
+                "Mode",
+                format!(
+                    "server on UDP {addr}, exchange over TCP port {}",
+                    s.oob_port
+                ),
+            ),
+        },
     }
-    kv("Connection type", "reliable, multipath (RC semantics)");
-    kv("Paths", s.paths);
+    match s.mode {
+        Mode::Metaroce => {
+            kv("Connection type", "reliable, multipath (RC semantics)");
+            kv("Paths", s.paths);
+        }
+        Mode::Rocev2 => {
+            kv(
+                "Connection type",
+                format!(
+                    "RC, one QP (ACK timeout {} = 4.096 us x 2^{}, retry 7)",
+                    rc_timeout_text(s.rc_timeout),
+                    s.rc_timeout
+                ),
+            );
+            kv("Paths", "1 (RoCEv2 RC, go-back-N)");
+        }
+    }
     kv("Mtu", format!("{}[B]", s.mtu));
-    if s.test == Test::WriteBw {
+    if s.test.is_bw() {
         kv("TX depth", s.tx_depth);
+    }
+    if matches!(s.test, Test::ReadBw | Test::ReadLat | Test::AtomicLat) {
+        kv("Outstand reads", s.outs);
+    }
+    if s.mode == Mode::Rocev2 && matches!(s.test, Test::SendBw | Test::SendLat) {
+        kv("RX depth", format!("{} (receiving side)", s.rx_depth));
+    }
+    match s.test {
+        Test::WriteLat => kv(
+            "Latency",
+            "one-way = RTT/2 of a WRITE ping-pong; arrival seen through WRITE with immediate",
+        ),
+        Test::SendLat => kv("Latency", "one-way = RTT/2 of a SEND ping-pong (echo)"),
+        Test::ReadLat => kv("Latency", "round trip of one READ at a time (not halved)"),
+        Test::AtomicLat => kv(
+            "Latency",
+            "round trip of one FETCH_AND_ADD at a time (not halved)",
+        ),
+        _ => {}
     }
     let scope = match s.role {
         Role::Loopback => "of the datagrams sent by both endpoints",
@@ -93,23 +164,9 @@ pub fn preamble(s: &Settings, link: Option<(&Connection, u32)>) {
     }
     kv("Seed", s.seed);
     rule();
-    if let Some((conn, remote_qpn)) = link {
-        let ep = conn.endpoint();
-        let mut local = ep.local_addr();
-        if let (true, Some(peer)) = (local.ip().is_unspecified(), conn.remote_addr()) {
-            local.set_ip(super::pcap::route_source(peer.ip()));
-        }
-        println!(
-            " local address : {}  QPN 0x{:06x}  source ports {}",
-            local,
-            conn.handle().0,
-            ports(&ep.source_ports())
-        );
-        println!(
-            " remote address: {}  QPN 0x{remote_qpn:06x}",
-            conn.remote_addr()
-                .map_or_else(|| "?".to_string(), |a| a.to_string())
-        );
+    if let Some((local, remote)) = link {
+        println!(" local address : {local}");
+        println!(" remote address: {remote}");
         rule();
     }
 }
@@ -196,31 +253,39 @@ pub struct Footer<'a> {
     pub pcap: Option<PcapSummary>,
 }
 
-fn retransmits(stats: Option<&ConnectionStats>) -> u64 {
-    stats.map_or(0, |c| c.paths.iter().map(|p| p.stats.retransmits).sum())
-}
+impl Footer<'_> {
+    fn client_stats(&self) -> Option<&LinkStats> {
+        self.client.and_then(|c| c.stats.as_ref())
+    }
 
-fn probes(stats: Option<&ConnectionStats>) -> u64 {
-    stats.map_or(0, |c| c.paths.iter().map(|p| p.stats.probes).sum())
+    fn server_stats(&self) -> Option<&LinkStats> {
+        self.server.and_then(|r| r.stats.as_ref())
+    }
 }
 
 /// Tail-loss probes of this process's connections (the library counts them as
 /// retransmissions too).
 pub fn total_probes(f: &Footer<'_>) -> u64 {
-    probes(f.client.and_then(|c| c.stats.as_ref()))
-        + probes(f.server.and_then(|r| r.stats.as_ref()))
+    f.client_stats().map_or(0, LinkStats::probes) + f.server_stats().map_or(0, LinkStats::probes)
 }
 
-/// Retransmissions of this process's connections.
+/// Retransmitted packets of this process's connections.
 pub fn total_retransmits(f: &Footer<'_>) -> u64 {
-    retransmits(f.client.and_then(|c| c.stats.as_ref()))
-        + retransmits(f.server.and_then(|r| r.stats.as_ref()))
+    f.client_stats().map_or(0, LinkStats::retransmits)
+        + f.server_stats().map_or(0, LinkStats::retransmits)
 }
 
-/// Checksums, echo verification, retransmissions, drops, capture.
-pub fn footer(s: &Settings, f: &Footer<'_>) {
-    if let Some(c) = f.client {
-        match c.bw.as_slice() {
+fn rc_parts(st: Option<&LinkStats>) -> Option<(QpStats, metaroce::rocev2::RcStats)> {
+    match st {
+        Some(LinkStats::Rc { qp, ep, .. }) => Some((*qp, *ep)),
+        _ => None,
+    }
+}
+
+/// The verification lines of the client's rows.
+fn checks(c: &ClientRun, test: Test) {
+    match test {
+        Test::WriteBw | Test::ReadBw => match c.bw.as_slice() {
             [r] => println!(
                 " Checksum source 0x{:08x}  destination 0x{:08x}  {}",
                 r.src_crc,
@@ -238,27 +303,78 @@ pub fn footer(s: &Settings, f: &Footer<'_>) {
                     );
                 }
             }
+        },
+        Test::SendBw => {
+            for r in &c.bw {
+                let (sent, got) = r.messages.unwrap_or_default();
+                println!(
+                    " Checksum {:>8} B  sent 0x{:08x}  received 0x{:08x}  ({got} of {sent} messages)  {}",
+                    r.size,
+                    r.src_crc,
+                    r.dst_crc,
+                    verdict(r.ok())
+                );
+            }
         }
-        if !c.lat.is_empty() {
-            let total: u64 = c.lat.iter().map(|r| r.iterations).sum();
+        Test::SendLat => {
+            let total: u64 = c.lat.iter().map(|r| r.checked).sum();
             let bad: u64 = c.lat.iter().map(|r| r.mismatches).sum();
             println!(
                 " Echo check: {bad} of {total} echoed messages differ from what was sent  {}",
                 verdict(bad == 0)
             );
         }
+        Test::WriteLat => {
+            let total: u64 = c.lat.iter().map(|r| r.checked).sum();
+            let bad: u64 = c.lat.iter().map(|r| r.mismatches).sum();
+            let peer: u64 = c.lat.iter().map(|r| r.peer_mismatches).sum();
+            println!(
+                " Data check: WRITEs landed with wrong bytes or immediate: {bad} of {total} at the client, {peer} of {total} at the server  {}",
+                verdict(bad == 0 && peer == 0)
+            );
+        }
+        Test::ReadLat => {
+            let total: u64 = c.lat.iter().map(|r| r.checked).sum();
+            let bad: u64 = c.lat.iter().map(|r| r.mismatches).sum();
+            println!(
+                " Data check: {bad} of {total} READs returned other bytes than the server holds  {}",
+                verdict(bad == 0)
+            );
+        }
+        Test::AtomicLat => {
+            for r in &c.lat {
+                if let Some(a) = r.atomic {
+                    println!(
+                        " Atomic check: {} of {} fetched values wrong; final counter 0x{:016x}, expected 0x{:016x} = initial 0x{:016x} + sum of {} adds  {}",
+                        r.mismatches,
+                        a.adds,
+                        a.found,
+                        a.expected,
+                        a.initial,
+                        a.adds,
+                        verdict(r.ok())
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Checksums, data checks, retransmissions, drops, capture.
+pub fn footer(s: &Settings, f: &Footer<'_>) {
+    if let Some(c) = f.client {
+        checks(c, s.test);
     }
     if let (Some(r), None) = (f.server, f.client) {
         let n = r.rounds.len();
-        println!(" Served {n} size(s); {} messages echoed", r.echoed);
+        match r.test {
+            Some(Test::SendLat) => println!(" Served {n} size(s); {} messages echoed", r.echoed),
+            Some(t) => println!(" Served {n} size(s) of {}", t.name()),
+            None => println!(" Served no run"),
+        }
     }
-    let client_rtx = retransmits(f.client.and_then(|c| c.stats.as_ref()));
-    let server_rtx = retransmits(f.server.and_then(|r| r.stats.as_ref()));
-    let probes = total_probes(f);
-    let detail = match (f.client.is_some(), f.server.is_some()) {
-        (true, true) => format!(" (client {client_rtx}, server {server_rtx}; {probes} probes)"),
-        _ => format!(" ({probes} probes)"),
-    };
+    let client_rtx = f.client_stats().map_or(0, LinkStats::retransmits);
+    let server_rtx = f.server_stats().map_or(0, LinkStats::retransmits);
     let drops = f.impair.dropped + f.impair.queue_dropped;
     let impaired = if s.impair.any() {
         format!(
@@ -268,11 +384,47 @@ pub fn footer(s: &Settings, f: &Footer<'_>) {
     } else {
         "  Impairment: none".to_string()
     };
-    println!(
-        " Retransmits: {}{detail} over {} paths{impaired}",
-        client_rtx + server_rtx,
-        s.paths
-    );
+    let both = f.client.is_some() && f.server.is_some();
+    match s.mode {
+        Mode::Metaroce => {
+            let probes = total_probes(f);
+            let detail = if both {
+                format!(" (client {client_rtx}, server {server_rtx}; {probes} probes)")
+            } else {
+                format!(" ({probes} probes)")
+            };
+            println!(
+                " Retransmits: {}{detail} over {} paths{impaired}",
+                client_rtx + server_rtx,
+                s.paths
+            );
+        }
+        Mode::Rocev2 => {
+            let parts: Vec<(QpStats, metaroce::rocev2::RcStats)> =
+                [rc_parts(f.client_stats()), rc_parts(f.server_stats())]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+            let sum = |g: fn(&QpStats) -> u64| parts.iter().map(|(q, _)| g(q)).sum::<u64>();
+            let timeouts = sum(|q| q.timeouts);
+            let naks = sum(|q| q.seq_naks_sent);
+            let rnr = sum(|q| q.rnr_naks_sent);
+            let who = if both {
+                format!("client {client_rtx}, server {server_rtx}; ")
+            } else {
+                String::new()
+            };
+            println!(
+                " Retransmits: {} ({who}{timeouts} ACK timeouts, {naks} sequence NAKs, {rnr} RNR NAKs) over 1 path (RoCEv2 RC, go-back-N){impaired}",
+                client_rtx + server_rtx
+            );
+            let rx: u64 = parts.iter().map(|(_, e)| e.rx_packets).sum();
+            let bad: u64 = parts.iter().map(|(_, e)| e.rx_bad_icrc).sum();
+            println!(
+                " ICRC: verified on every packet received, over the synthesized IPv4 header: {bad} of {rx} bad"
+            );
+        }
+    }
     if let (Some(p), Some(path)) = (f.pcap, &s.pcap) {
         let mut extra = String::new();
         if p.not_recorded > 0 {
@@ -291,11 +443,24 @@ pub fn footer(s: &Settings, f: &Footer<'_>) {
         );
     }
     if s.verbose {
-        if let Some(st) = f.client.and_then(|c| c.stats.as_ref()) {
-            path_table("client -> server", st);
-        }
-        if let Some(st) = f.server.and_then(|c| c.stats.as_ref()) {
-            path_table("server -> client", st);
+        for (title, st) in [
+            ("client -> server", f.client_stats()),
+            ("server -> client", f.server_stats()),
+        ] {
+            match st {
+                Some(LinkStats::Meta(Some(st))) => path_table(title, st),
+                Some(LinkStats::Rc { qp, ep, udp }) => {
+                    rule();
+                    let side = if title.starts_with("client") {
+                        "client"
+                    } else {
+                        "server"
+                    };
+                    println!(" RC QP of the {side}: {qp:?}");
+                    println!(" RC endpoint of the {side}: {ep:?}; UDP {udp:?}");
+                }
+                _ => {}
+            }
         }
     }
 }
@@ -370,15 +535,31 @@ struct JsonBw {
     checksum_source: String,
     checksum_destination: String,
     checksum_ok: bool,
+    messages_sent: Option<u64>,
+    messages_received: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct JsonAtomic {
+    initial: String,
+    adds: u64,
+    expected: String,
+    found: String,
 }
 
 #[derive(Debug, Serialize)]
 struct JsonLat {
     bytes: u64,
     iterations: u64,
+    checked: u64,
     #[serde(flatten)]
     stats: Option<super::stats::LatStats>,
+    /// Echo mismatches (send_lat) / landed WRITEs (write_lat, client side) / READ results /
+    /// fetched values that were wrong.
     echo_mismatches: u64,
+    peer_mismatches: u64,
+    atomic: Option<JsonAtomic>,
+    ok: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -389,6 +570,7 @@ struct JsonServerRound {
     checksum_len: u64,
     checksum_destination: String,
     client_ops: u64,
+    value: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -414,6 +596,23 @@ struct JsonPcap {
 }
 
 #[derive(Debug, Serialize)]
+struct JsonRc {
+    side: &'static str,
+    tx_requests: u64,
+    retransmitted: u64,
+    tx_responses: u64,
+    ack_timeouts: u64,
+    seq_naks_sent: u64,
+    seq_naks_received: u64,
+    rnr_naks_sent: u64,
+    rnr_naks_received: u64,
+    duplicates_received: u64,
+    out_of_sequence: u64,
+    rx_packets: u64,
+    rx_bad_icrc: u64,
+}
+
+#[derive(Debug, Serialize)]
 struct JsonReport {
     test: &'static str,
     mode: &'static str,
@@ -422,12 +621,14 @@ struct JsonReport {
     paths: u16,
     mtu: u32,
     tx_depth: usize,
+    outs: u16,
     seed: u64,
     sizes: Vec<u64>,
     iterations: Option<u64>,
     duration_sec: Option<f64>,
     file: Option<String>,
     bw_unit: &'static str,
+    latency_unit: &'static str,
     server_qpn: Option<u32>,
     results: Vec<JsonBw>,
     latency: Vec<JsonLat>,
@@ -439,11 +640,16 @@ struct JsonReport {
     retransmits_server: Option<u64>,
     loss: JsonImpair,
     path_stats: Vec<JsonPath>,
+    rc_stats: Vec<JsonRc>,
     pcap: Option<JsonPcap>,
 }
 
-fn json_paths(direction: &'static str, st: Option<&ConnectionStats>, out: &mut Vec<JsonPath>) {
-    for p in st.map(|s| s.paths.as_slice()).unwrap_or(&[]) {
+fn json_paths(direction: &'static str, st: Option<&LinkStats>, out: &mut Vec<JsonPath>) {
+    let paths = st
+        .and_then(LinkStats::meta)
+        .map(|s| s.paths.as_slice())
+        .unwrap_or(&[]);
+    for p in paths {
         out.push(JsonPath {
             direction,
             path: p.id,
@@ -462,44 +668,74 @@ fn json_paths(direction: &'static str, st: Option<&ConnectionStats>, out: &mut V
     }
 }
 
+fn json_rc(side: &'static str, st: Option<&LinkStats>, out: &mut Vec<JsonRc>) {
+    if let Some((q, e)) = rc_parts(st) {
+        out.push(JsonRc {
+            side,
+            tx_requests: q.tx_requests,
+            retransmitted: q.retransmitted,
+            tx_responses: q.tx_responses,
+            ack_timeouts: q.timeouts,
+            seq_naks_sent: q.seq_naks_sent,
+            seq_naks_received: q.seq_naks_received,
+            rnr_naks_sent: q.rnr_naks_sent,
+            rnr_naks_received: q.rnr_naks_received,
+            duplicates_received: q.duplicates_received,
+            out_of_sequence: q.out_of_sequence,
+            rx_packets: e.rx_packets,
+            rx_bad_icrc: e.rx_bad_icrc,
+        });
+    }
+}
+
+fn json_bw(r: &BwRow) -> JsonBw {
+    let mib = f64::from(1u32 << 20);
+    JsonBw {
+        bytes: r.size,
+        iterations: r.result.ops,
+        slots: r.slots,
+        elapsed_sec: r.result.elapsed_sec,
+        bw_peak_mb_per_sec: r.result.peak_bytes_per_sec / mib,
+        bw_avg_mb_per_sec: r.result.avg_bytes_per_sec / mib,
+        bw_peak_gbit_per_sec: r.result.peak_bytes_per_sec * 8.0 / 1e9,
+        bw_avg_gbit_per_sec: r.result.avg_bytes_per_sec * 8.0 / 1e9,
+        msg_rate_mpps: r.result.msg_rate_mpps,
+        checksum_len: r.check_len,
+        checksum_source: format!("0x{:08x}", r.src_crc),
+        checksum_destination: format!("0x{:08x}", r.dst_crc),
+        checksum_ok: r.ok(),
+        messages_sent: r.messages.map(|m| m.0),
+        messages_received: r.messages.map(|m| m.1),
+    }
+}
+
+fn json_lat(r: &LatRow) -> JsonLat {
+    JsonLat {
+        bytes: r.size,
+        iterations: r.iterations,
+        checked: r.checked,
+        stats: r.stats,
+        echo_mismatches: r.mismatches,
+        peer_mismatches: r.peer_mismatches,
+        atomic: r.atomic.map(|a| JsonAtomic {
+            initial: format!("0x{:016x}", a.initial),
+            adds: a.adds,
+            expected: format!("0x{:016x}", a.expected),
+            found: format!("0x{:016x}", a.found),
+        }),
+        ok: r.ok(),
+    }
+}
+
 /// The JSON document of a run.
 pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<String> {
-    let mib = f64::from(1u32 << 20);
     let results = f
         .client
-        .map(|c| {
-            c.bw.iter()
-                .map(|r| JsonBw {
-                    bytes: r.size,
-                    iterations: r.result.ops,
-                    slots: r.slots,
-                    elapsed_sec: r.result.elapsed_sec,
-                    bw_peak_mb_per_sec: r.result.peak_bytes_per_sec / mib,
-                    bw_avg_mb_per_sec: r.result.avg_bytes_per_sec / mib,
-                    bw_peak_gbit_per_sec: r.result.peak_bytes_per_sec * 8.0 / 1e9,
-                    bw_avg_gbit_per_sec: r.result.avg_bytes_per_sec * 8.0 / 1e9,
-                    msg_rate_mpps: r.result.msg_rate_mpps,
-                    checksum_len: r.check_len,
-                    checksum_source: format!("0x{:08x}", r.src_crc),
-                    checksum_destination: format!("0x{:08x}", r.dst_crc),
-                    checksum_ok: r.ok(),
-                })
-                .collect()
-        })
+        .map(|c| c.bw.iter().map(json_bw).collect())
         .unwrap_or_default();
     let latency = f
         .client
-        .map(|c| {
-            c.lat
-                .iter()
-                .map(|r| JsonLat {
-                    bytes: r.size,
-                    iterations: r.iterations,
-                    stats: r.stats,
-                    echo_mismatches: r.mismatches,
-                })
-                .collect()
-        })
+        .map(|c| c.lat.iter().map(json_lat).collect())
         .unwrap_or_default();
     let server_rounds = match (f.server, f.client) {
         (Some(r), None) => r
@@ -512,15 +748,17 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
                 checksum_len: x.check_len,
                 checksum_destination: format!("0x{:08x}", x.crc),
                 client_ops: x.client_ops,
+                value: x.value,
             })
             .collect(),
         _ => Vec::new(),
     };
-    let client_stats = f.client.and_then(|c| c.stats.as_ref());
-    let server_stats = f.server.and_then(|r| r.stats.as_ref());
     let mut path_stats = Vec::new();
-    json_paths("client_to_server", client_stats, &mut path_stats);
-    json_paths("server_to_client", server_stats, &mut path_stats);
+    json_paths("client_to_server", f.client_stats(), &mut path_stats);
+    json_paths("server_to_client", f.server_stats(), &mut path_stats);
+    let mut rc_stats = Vec::new();
+    json_rc("client", f.client_stats(), &mut rc_stats);
+    json_rc("server", f.server_stats(), &mut rc_stats);
     let test = f
         .server
         .and_then(|r| r.test)
@@ -529,11 +767,12 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
     let doc = JsonReport {
         test: test.name(),
         mode: s.role.name(),
-        transport: "metaroce",
+        transport: s.mode.name(),
         backend: "udp",
         paths: s.paths,
         mtu: s.mtu,
         tx_depth: s.tx_depth,
+        outs: s.outs,
         seed: s.seed,
         sizes: match (f.server, f.client) {
             // A server runs the client's sizes.
@@ -544,6 +783,11 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
         duration_sec: s.duration.map(|d| d.as_secs_f64()),
         file: s.file.as_ref().map(|f| f.path.display().to_string()),
         bw_unit: bw_unit(s),
+        latency_unit: if test.halves_rtt() {
+            "usec, one-way (RTT/2)"
+        } else {
+            "usec, round trip"
+        },
         server_qpn: f.client.map(|c| c.server_qpn),
         results,
         latency,
@@ -551,8 +795,12 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
         verified,
         retransmits: total_retransmits(f),
         tail_loss_probes: total_probes(f),
-        retransmits_client: f.client.map(|_| retransmits(client_stats)),
-        retransmits_server: f.server.map(|_| retransmits(server_stats)),
+        retransmits_client: f
+            .client
+            .map(|_| f.client_stats().map_or(0, LinkStats::retransmits)),
+        retransmits_server: f
+            .server
+            .map(|_| f.server_stats().map_or(0, LinkStats::retransmits)),
         loss: JsonImpair {
             loss_percent: s.impair.loss * 100.0,
             dup_percent: s.impair.dup * 100.0,
@@ -566,6 +814,7 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
             ce_marked: f.impair.ce_marked,
         },
         path_stats,
+        rc_stats,
         pcap: match (f.pcap, &s.pcap) {
             (Some(p), Some(path)) => Some(JsonPcap {
                 file: path.display().to_string(),

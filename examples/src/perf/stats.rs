@@ -85,7 +85,8 @@ impl BwMeter {
     }
 }
 
-/// One-way latency statistics in microseconds (half the round-trip times).
+/// Latency statistics in microseconds: one-way (half the round-trip times) for ping-pong
+/// tests, whole round trips for READ and atomics.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct LatStats {
     /// Samples.
@@ -108,11 +109,20 @@ pub struct LatStats {
 
 impl LatStats {
     /// Statistics of the one-way latencies RTT/2 of `rtts`; `None` without samples.
+    #[cfg(test)]
     pub fn from_rtts(rtts: &[Duration]) -> Option<LatStats> {
-        if rtts.is_empty() {
+        Self::from_samples(rtts, 2.0)
+    }
+
+    /// Statistics of `samples / divisor`; `None` without samples.
+    pub fn from_samples(samples: &[Duration], divisor: f64) -> Option<LatStats> {
+        if samples.is_empty() {
             return None;
         }
-        let mut v: Vec<f64> = rtts.iter().map(|d| d.as_secs_f64() * 1e6 / 2.0).collect();
+        let mut v: Vec<f64> = samples
+            .iter()
+            .map(|d| d.as_secs_f64() * 1e6 / divisor)
+            .collect();
         v.sort_by(f64::total_cmp);
         let n = v.len();
         let avg = v.iter().sum::<f64>() / n as f64;

@@ -24,12 +24,14 @@
 #![allow(clippy::too_many_arguments)]
 
 mod backend;
+mod udp;
 
 pub use backend::{IpBackend, MemoryLink, RawIpBackend, NEED_CAP_NET_RAW};
 pub use metaroce::rocev2::{
     Completion, ConnectAttrs, MrKeys, QpInfo, QpInit, QpState, QpStats, RcConfig, RcError, RcEvent,
     RcOpcode, RcStats, RecvWr, SendOp, SendWr,
 };
+pub use udp::{UdpIpBackend, UdpIpStats};
 
 use metaroce::{Access, MrError, WcStatus};
 use std::collections::HashMap;

@@ -1,0 +1,126 @@
+//! The control channel a run's two sides exchange [`Ctrl`] messages on: a message stream of
+//! the MetaRoCE connection, or a byte stream (TCP, or an in-process pipe in loopback) with
+//! each message framed by a 4-byte big-endian length, for the RoCEv2 mode.
+
+use super::proto::{Ctrl, MAX_FRAME};
+use super::Res;
+use futures::{SinkExt, StreamExt};
+use metaroce_tokio::MessageStream;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// A byte stream the control messages can be framed on.
+pub trait ByteStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> ByteStream for T {}
+
+/// One side of the control channel.
+pub enum Chan {
+    /// The first stream of the MetaRoCE connection.
+    Stream(MessageStream),
+    /// A framed byte stream.
+    Bytes(Box<dyn ByteStream>),
+}
+
+impl std::fmt::Debug for Chan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Chan::Stream(s) => f.debug_tuple("Stream").field(s).finish(),
+            Chan::Bytes(_) => f.write_str("Bytes"),
+        }
+    }
+}
+
+impl Chan {
+    /// Sends `m` and waits until it is delivered (stream: acknowledged; bytes: flushed).
+    pub async fn send(&mut self, m: Ctrl) -> Res<()> {
+        match self {
+            Chan::Stream(s) => s.send(m.encode()).await.map_err(|e| e.to_string()),
+            Chan::Bytes(b) => write_frame(b, &m).await,
+        }
+        .map_err(|e| format!("sending a control message: {e}"))
+    }
+
+    /// Posts `m` without waiting for its acknowledgement (the peer's next message proves it
+    /// arrived, and the peer may close right after the last one).
+    pub async fn post(&mut self, m: Ctrl) -> Res<()> {
+        match self {
+            Chan::Stream(s) => s.feed(m.encode()).await.map_err(|e| e.to_string()),
+            Chan::Bytes(b) => write_frame(b, &m).await,
+        }
+        .map_err(|e| format!("sending a control message: {e}"))
+    }
+
+    /// The next raw message; `None` when the channel ended.
+    pub async fn recv_raw(&mut self) -> Option<Vec<u8>> {
+        match self {
+            Chan::Stream(s) => s.next().await.map(|b| b.to_vec()),
+            Chan::Bytes(b) => {
+                let len = b.read_u32().await.ok()? as usize;
+                if len > MAX_FRAME {
+                    return None;
+                }
+                let mut v = vec![0u8; len];
+                b.read_exact(&mut v).await.ok()?;
+                Some(v)
+            }
+        }
+    }
+
+    /// The next message from the server (client side): an ERROR becomes `Err`.
+    pub async fn recv(&mut self) -> Res<Ctrl> {
+        let msg = self
+            .recv_raw()
+            .await
+            .ok_or("the control channel to the server ended")?;
+        match Ctrl::decode(&msg) {
+            Some(Ctrl::Error(text)) => Err(format!("the server refused: {text}")),
+            Some(m) => Ok(m),
+            None => Err("malformed control message from the server".into()),
+        }
+    }
+
+    /// Waits (at most `limit`) until the peer closes the channel, discarding what arrives.
+    pub async fn linger(&mut self, limit: Duration) {
+        let _ =
+            tokio::time::timeout(limit, async { while self.recv_raw().await.is_some() {} }).await;
+    }
+}
+
+async fn write_frame(b: &mut Box<dyn ByteStream>, m: &Ctrl) -> Result<(), String> {
+    let body = m.encode();
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    b.write_all(&frame).await.map_err(|e| e.to_string())?;
+    b.flush().await.map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn framed_round_trip() {
+        let (a, b) = tokio::io::duplex(1024);
+        let (mut a, mut b) = (Chan::Bytes(Box::new(a)), Chan::Bytes(Box::new(b)));
+        a.send(Ctrl::Done {
+            check_len: 1,
+            ops: 2,
+        })
+        .await
+        .unwrap();
+        a.post(Ctrl::Bye).await.unwrap();
+        assert_eq!(
+            b.recv().await.unwrap(),
+            Ctrl::Done {
+                check_len: 1,
+                ops: 2
+            }
+        );
+        assert_eq!(b.recv().await.unwrap(), Ctrl::Bye);
+        b.post(Ctrl::Error("no".into())).await.unwrap();
+        assert_eq!(a.recv().await.unwrap_err(), "the server refused: no");
+        drop(b);
+        assert!(a.recv_raw().await.is_none());
+    }
+}
