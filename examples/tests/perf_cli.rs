@@ -276,3 +276,12 @@ fn help_describes_the_modes() {
         assert!(s.contains(needle), "--help lacks {needle}: {s}");
     }
 }
+
+#[test]
+fn emulate_routes_a_lossless_run_through_the_impairment_layer() {
+    let o = perf(&["-n", "100", "--emulate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("Impairment dropped 0 of"), "{out}");
+    assert!(out.contains("OK"), "{out}");
+}

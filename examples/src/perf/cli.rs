@@ -305,6 +305,11 @@ pub struct Args {
     #[arg(long, value_name = "PERCENT", default_value_t = 0.0)]
     pub ce: f64,
 
+    /// Send through the impairment layer even when no impairment is asked for, so that a
+    /// lossless baseline pays the same emulation cost as the lossy runs it is compared with.
+    #[arg(long)]
+    pub emulate: bool,
+
     /// Seed of the impairments and of the data written.
     #[arg(long, value_name = "S", default_value_t = 1)]
     pub seed: u64,
@@ -402,13 +407,15 @@ pub struct ImpairSettings {
     pub reorder_delay: Duration,
     /// CE marking probability.
     pub ce: f64,
+    /// Use the impairment layer even with nothing to impair (`--emulate`).
+    pub emulate: bool,
 }
 
 impl ImpairSettings {
     /// Whether anything is impaired (an [`Impaired`](metaroce_tokio::backend::Impaired)
     /// layer is needed).
     pub fn any(&self) -> bool {
-        self.loss > 0.0 || self.dup > 0.0 || self.reorder > 0.0 || self.ce > 0.0
+        self.emulate || self.loss > 0.0 || self.dup > 0.0 || self.reorder > 0.0 || self.ce > 0.0
     }
 }
 
@@ -730,6 +737,7 @@ impl Args {
             reorder: percent("reorder", self.reorder)?,
             reorder_delay: Duration::from_micros(self.reorder_delay),
             ce: percent("ce", self.ce)?,
+            emulate: self.emulate,
         };
         if impair.reorder > 0.0 && self.reorder_delay == 0 {
             return Err("--reorder needs a non-zero --reorder-delay".into());

@@ -63,6 +63,8 @@ fn child_args(s: &Settings, mode: Mode, loss: f64, json: &std::path::Path) -> Ve
         mode.name().into(),
         "--loss".into(),
         format!("{}", loss * 100.0),
+        // Every row, the lossless ones included, goes through the same emulation layer.
+        "--emulate".into(),
         "-s".into(),
         s.sizes[0].to_string(),
     ];
