@@ -402,7 +402,7 @@ impl Connection {
             }
             Headers::Nak { path, nak } => {
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
-                    if let Some(seg) = p.on_nak(pkt.bth.psn) {
+                    if let Some(seg) = p.on_nak(pkt.bth.psn, now) {
                         if nak.syndrome & 0x60 == 0x20 {
                             // RNR NAK: no receive posted; wait the coded time and retry.
                             let delay = send::rnr_timer(nak.syndrome & 0x1F);
@@ -441,8 +441,9 @@ impl Connection {
             a.ce_count,
             self.cfg.reorder_threshold,
         );
+        let resp_timeout = self.response_timeout();
         for s in out.acked {
-            self.sq.on_acked(s);
+            self.sq.on_acked(s, now, resp_timeout);
         }
         for s in out.lost {
             self.sq.on_lost(s);
@@ -491,8 +492,9 @@ impl Connection {
             Data::ReadRequest(..) | Data::Atomic(..)
                 if self.sq.internal_pending() >= self.cfg.max_rd_atomic =>
             {
-                // Responder resources exhausted: the requester retries.
-                RxOutcome::Drop
+                // Responder resources exhausted: an RNR NAK makes the requester wait and
+                // retry without counting it as a lost packet.
+                RxOutcome::Rnr
             }
             Data::ReadRequest(reth, op) => {
                 let (out, respond) = self.rq.on_read_request(mrs, reth, op, &lim);
@@ -595,6 +597,18 @@ impl Connection {
         }
     }
 
+    /// How long an acknowledged READ/atomic request waits for its response before it is sent
+    /// again: twice the largest path RTO.
+    fn response_timeout(&self) -> Duration {
+        let (min, max) = (self.cfg.min_rto, self.cfg.max_rto);
+        2 * self
+            .tx
+            .iter()
+            .map(|p| p.rtt.rto(min, max))
+            .max()
+            .unwrap_or(min)
+    }
+
     fn drain_completions(&mut self, events: &mut VecDeque<Event>) {
         while let Some(wc) = self.sq.pop_completion() {
             events.push_back(Event::Completion {
@@ -646,9 +660,13 @@ impl Connection {
         for p in &self.tx {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
-        consider(self.sq.rnr_deadline());
+        consider(self.sq.wait_deadline());
+        // The idle timeout only applies with nothing pending (see handle_timeout); offering
+        // its deadline otherwise would make the caller spin.
         if let (Some(idle), State::Established) = (self.cfg.idle_timeout, self.state) {
-            consider(Some(self.last_heard + idle));
+            if !self.sq.has_pending() {
+                consider(Some(self.last_heard + idle));
+            }
         }
         t
     }
@@ -671,8 +689,8 @@ impl Connection {
         if !self.outgoing && self.acks_received == 0 && self.data_in == 0 {
             self.accept_pending = true;
         }
-        if self.sq.rnr_deadline().is_some_and(|t| t <= now) {
-            self.sq.on_rnr_timer(now);
+        if self.sq.wait_deadline().is_some_and(|t| t <= now) {
+            self.sq.on_wait_timer(now, self.cfg.retry_count);
         }
         let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
         let mut lost = Vec::new();

@@ -304,7 +304,8 @@ impl PathTx {
     }
 
     /// The peer refused the packet with this PSN (NAK): settle it and return its segment.
-    pub fn on_nak(&mut self, psn: u32) -> Option<SegRef> {
+    /// A NAK is an answer from the peer, so it counts as progress of the path.
+    pub fn on_nak(&mut self, psn: u32, now: Instant) -> Option<SegRef> {
         let i = self.index_of(psn)?;
         let p = &mut self.sent[i];
         if p.state != PktState::Outstanding {
@@ -313,6 +314,12 @@ impl PathTx {
         p.state = PktState::Settled;
         let seg = p.seg;
         self.outstanding -= 1;
+        self.consecutive_rtos = 0;
+        self.probe_sent = false;
+        self.last_progress = now;
+        if self.state != PathState::Failed {
+            self.state = PathState::Active;
+        }
         self.trim();
         Some(seg)
     }

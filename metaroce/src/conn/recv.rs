@@ -79,6 +79,8 @@ struct StreamRx {
 
 #[derive(Debug)]
 struct WriteTrack {
+    /// The WRITE's length (RETH DMA length) as its first packet gave it.
+    len: u32,
     got: Vec<u64>,
     got_segs: u32,
     nsegs: u32,
@@ -310,7 +312,7 @@ impl RecvState {
         let Some(msg) = st.msgs.get_mut(&hdr.msg_seq) else {
             return RxOutcome::Drop;
         };
-        if msg.nsegs != nsegs {
+        if msg.nsegs != nsegs || msg.len != hdr.msg_len {
             // Same message sequence number, different length: a confused or hostile peer.
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
@@ -517,11 +519,12 @@ impl RecvState {
             return RxOutcome::Drop;
         }
         let t = self.writes.entry(id).or_insert_with(|| WriteTrack {
+            len: reth.dma_len,
             got: vec![0; nsegs.div_ceil(64) as usize],
             got_segs: 0,
             nsegs,
         });
-        if t.nsegs != nsegs {
+        if t.nsegs != nsegs || t.len != reth.dma_len {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         if !test_set(&mut t.got, hdr.offset / lim.pmtu) {

@@ -99,6 +99,8 @@ pub(crate) struct Op {
     acked_segs: u32,
     resp: Option<RespTrack>,
     rnr_count: u32,
+    /// Response timeouts of a READ/atomic whose request was acknowledged.
+    resp_timeouts: u32,
     pub status: Option<WcStatus>,
 }
 
@@ -161,6 +163,8 @@ pub(crate) struct SendQueue {
     cursor: usize,
     retx: VecDeque<SegRef>,
     rnr_wait: VecDeque<(Instant, SegRef)>,
+    /// READ/atomic requests acknowledged but not answered yet, with their deadline.
+    resp_wait: VecDeque<(Instant, SegRef)>,
     stream_seq: HashMap<u32, u32>,
     next_wire_id: u32,
     /// Pending READs/atomics by wire id.
@@ -244,6 +248,7 @@ impl SendQueue {
             acked_segs: 0,
             resp,
             rnr_count: 0,
+            resp_timeouts: 0,
             status: None,
         });
     }
@@ -399,16 +404,25 @@ impl SendQueue {
         }
     }
 
-    pub fn on_acked(&mut self, s: SegRef) {
+    /// A segment was acknowledged. `resp_timeout` is how long an acknowledged READ or atomic
+    /// request waits for its response before it is sent again (doubling each time).
+    pub fn on_acked(&mut self, s: SegRef, now: Instant, resp_timeout: Duration) {
         let Some(op) = self.op_mut(s.op) else { return };
         if op.status.is_some() || s.seg >= op.nsegs || op.is_acked(s.seg) {
             return;
         }
         op.acked[(s.seg / 64) as usize] |= 1 << (s.seg % 64);
         op.acked_segs += 1;
-        // READs and atomics complete with their response, not with the request's ACK.
-        if op.acked_segs == op.nsegs && !op.kind.is_rd_atomic() {
-            self.finish(s.op, WcStatus::Success);
+        if op.acked_segs == op.nsegs {
+            if op.kind.is_rd_atomic() {
+                // READs and atomics complete with their response, not with the request's
+                // ACK; if the response never comes (the responder went away), the request
+                // is sent again and, after retry_count tries, fails.
+                let wait = resp_timeout * (1u32 << op.resp_timeouts.min(10));
+                self.resp_wait.push_back((now + wait, s));
+            } else {
+                self.finish(s.op, WcStatus::Success);
+            }
         }
     }
 
@@ -441,13 +455,48 @@ impl SendQueue {
         self.rnr_wait.push_back((now + delay, s));
     }
 
-    /// When the earliest RNR wait ends.
-    pub fn rnr_deadline(&self) -> Option<Instant> {
-        self.rnr_wait.iter().map(|(t, _)| *t).min()
+    /// When the earliest RNR wait or READ/atomic response wait ends.
+    pub fn wait_deadline(&self) -> Option<Instant> {
+        self.rnr_wait
+            .iter()
+            .chain(self.resp_wait.iter())
+            .map(|(t, _)| *t)
+            .min()
+    }
+
+    /// Handle the RNR and response waits that have ended: RNR-refused segments go back to the
+    /// retransmission queue; unanswered READ/atomic requests are sent again, or fail with
+    /// `RetryExceeded` after `retry_count` response timeouts.
+    pub fn on_wait_timer(&mut self, now: Instant, retry_count: u32) {
+        let mut keep = VecDeque::new();
+        while let Some((t, s)) = self.resp_wait.pop_front() {
+            if t > now {
+                keep.push_back((t, s));
+                continue;
+            }
+            let Some(op) = self.op_mut(s.op) else {
+                continue;
+            };
+            if op.status.is_some() {
+                continue;
+            }
+            op.resp_timeouts += 1;
+            if op.resp_timeouts > retry_count {
+                self.finish(s.op, WcStatus::RetryExceeded);
+                continue;
+            }
+            if op.is_acked(s.seg) {
+                op.acked[(s.seg / 64) as usize] &= !(1 << (s.seg % 64));
+                op.acked_segs -= 1;
+            }
+            self.on_lost(s);
+        }
+        self.resp_wait = keep;
+        self.on_rnr_timer(now);
     }
 
     /// Move segments whose RNR wait has ended to the retransmission queue.
-    pub fn on_rnr_timer(&mut self, now: Instant) {
+    fn on_rnr_timer(&mut self, now: Instant) {
         let mut keep = VecDeque::new();
         while let Some((t, s)) = self.rnr_wait.pop_front() {
             if t <= now {
@@ -566,6 +615,7 @@ impl SendQueue {
         }
         self.retx.clear();
         self.rnr_wait.clear();
+        self.resp_wait.clear();
     }
 
     /// Pop completions that are due, in posting order (internal operations report none).
