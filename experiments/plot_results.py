@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""Plots of experiments/netns/results.json (written by experiments/netns/run.sh).
+
+    pip install matplotlib
+    python3 experiments/plot_results.py [results.json] [outdir]
+
+Writes docs/results/exp1_paths.png, exp2_loss.png, exp3_stall.png, exp4_ecn.png and, when
+experiments/netns/results-exp3x8.json exists (run.sh --reps 8 --only exp3 --tag exp3x8),
+exp3_stall_runs.png.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "experiments/netns/results.json"
+OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/results"
+
+
+def runs(doc, exp, field=None):
+    return [r for r in doc["runs"] if r.get("exp") == exp and (field is None or field in r)]
+
+
+def links_used(r):
+    lb = [v["tx_bytes"] for k, v in r.get("links", {}).items() if k.startswith("to_b")]
+    return sum(1 for v in lb if v > 0.05 * max(1, sum(lb)))
+
+
+def steps_panel(ax, doc, exp, label):
+    st = [r for r in doc["runs"] if r.get("exp") == exp and r.get("phases")]
+    if not st:
+        ax.set_visible(False)
+        return
+    levels = st[0]["levels"]
+    xs = range(len(levels))
+    for r, m in zip(st, "os^vD"):
+        ax.plot(xs, [p["goodput_mbps"] for p in r["phases"]], marker=m, lw=1, ms=7 - 1.5 * r["rep"],
+                label=f"run {r['rep']} ({r.get('links_used')} links)")
+    ax.set_xticks(list(xs), [f"{lv}%" for lv in levels])
+    ax.set_xlabel(label + " (phases of one connection, in order)")
+    ax.set_ylabel("goodput [Mbit/s]")
+    ax.set_ylim(0, doc["meta"]["capacity"]["goodput_ceiling_mbps"] * 1.08)
+    ceiling_lines(ax, doc, single=False)
+    ax.legend(fontsize=7, loc="lower left")
+    return st
+
+
+def ceiling_lines(ax, doc, single=True):
+    cap = doc["meta"]["capacity"]
+    ax.axhline(cap["goodput_ceiling_mbps"], color="grey", ls="--", lw=1)
+    ax.text(0.01, cap["goodput_ceiling_mbps"], f" {doc['meta']['links']}-link ceiling", va="bottom",
+            fontsize=8, color="grey", transform=ax.get_yaxis_transform())
+    if single:
+        one = cap["goodput_ceiling_mbps"] / doc["meta"]["links"]
+        ax.axhline(one, color="grey", ls=":", lw=1)
+        ax.text(0.01, one, " 1-link ceiling", va="bottom", fontsize=8, color="grey",
+                transform=ax.get_yaxis_transform())
+
+
+def subtitle(doc):
+    m = doc["meta"]
+    loads = [r["loadavg"][0] for r in doc["runs"]]
+    return (f"{m['testbed']}; {m['reps']} runs each (bar = median, dots = runs); "
+            f"loadavg {min(loads):.1f}-{max(loads):.1f} on {m['nproc']} cores")
+
+
+def exp1(doc):
+    rs = runs(doc, "exp1")
+    if not rs:
+        return
+    paths = sorted({r["paths"] for r in rs})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    for i, p in enumerate(paths):
+        sel = [r for r in rs if r["paths"] == p and r.get("goodput_mbps") is not None]
+        v = [r["goodput_mbps"] for r in sel]
+        ax.bar(i, statistics.median(v), color="tab:blue", alpha=0.7)
+        ax.scatter([i] * len(v), v, color="k", s=12, zorder=3)
+        for r in sel:
+            ax.annotate(f"{links_used(r)}L", (i, r["goodput_mbps"]), xytext=(5, -3),
+                        textcoords="offset points", fontsize=7)
+        ax.text(i, statistics.median(v) + 10, f"{statistics.median(v):.0f}", ha="center", fontsize=8)
+    ax.set_xticks(range(len(paths)), [str(p) for p in paths])
+    ax.set_xlabel("paths (UDP source ports) of the one connection;  nL = R->B links the run used")
+    ax.set_ylabel("write_bw goodput [Mbit/s]")
+    ax.set_title("[1] goodput vs paths")
+    ceiling_lines(ax, doc)
+    # per-link share of the R->B bytes, every run of paths 1 and 8
+    sel = [r for r in rs if r["paths"] in (1, 8)]
+    sel.sort(key=lambda r: (r["paths"], r["rep"]))
+    links = sorted(k for k in sel[0]["links"] if k.startswith("to_b"))
+    bottom = [0.0] * len(sel)
+    for li, l in enumerate(links):
+        vals = [r["links"][l]["tx_bytes"] / 2**20 for r in sel]
+        bx.bar(range(len(sel)), vals, bottom=bottom, label=f"link {li}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(range(len(sel)), [f"p{r['paths']}\nrun {r['rep']}" for r in sel], fontsize=8)
+    bx.set_ylabel("MiB forwarded R->B during the run")
+    bx.set_title("per-link byte counters (ip -s link in R)")
+    bx.legend(fontsize=8)
+    fig.suptitle(subtitle(doc), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "exp1_paths.png", dpi=120)
+
+
+def exp2(doc):
+    rs = runs(doc, "exp2", "loss_pct")
+    if not rs:
+        return
+    names = {"metaroce": "MetaRoCE, 8 paths", "rocev2": "RoCEv2 mode (1 QP, go-back-N)",
+             "tcp1": "TCP bbr (default), 1 flow", "tcp8": "TCP bbr (default), 8 flows",
+             "tcp1cubic": "TCP cubic, 1 flow", "tcp8cubic": "TCP cubic, 8 flows"}
+    tools = [t for t in names if any(r["variant"] == t for r in rs)]
+    losses = sorted({r["loss_pct"] for r in rs})
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(16, 5), gridspec_kw={"width_ratios": [2, 1]})
+    w = 0.85 / len(tools)
+    for ti, t in enumerate(tools):
+        for li, loss in enumerate(losses):
+            sel = [r for r in rs if r["variant"] == t and r["loss_pct"] == loss and r.get("goodput_mbps") is not None]
+            v = [r["goodput_mbps"] for r in sel]
+            if not v:
+                continue
+            x = li + (ti - (len(tools) - 1) / 2) * w
+            ax.bar(x, statistics.median(v), w * 0.95, color=f"C{ti}", alpha=0.75,
+                   label=names[t] if li == 0 else None)
+            ax.scatter([x] * len(v), v, color="k", s=10, zorder=3)
+            ax.text(x, statistics.median(v) + 8, f"{statistics.median(v):.0f}", ha="center", fontsize=7)
+            if t in ("metaroce", "tcp8", "tcp8cubic"):
+                for r in sel:
+                    ax.annotate(f"{links_used(r)}L", (x, r["goodput_mbps"]), xytext=(3, -3),
+                                textcoords="offset points", fontsize=6)
+    ax.set_xticks(range(len(losses)), [f"{l}% random drop\n(every R->B link)" for l in losses])
+    ax.set_ylabel("goodput [Mbit/s]")
+    ax.set_title("[2] independent runs: MetaRoCE beside RoCEv2 mode and kernel TCP (nL = links used)")
+    ceiling_lines(ax, doc)
+    ax.set_ylim(0, 1000)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    steps_panel(bx, doc, "exp2", "random drop")
+    bx.set_title("[2b] MetaRoCE: loss steps within one connection")
+    fig.suptitle(subtitle(doc), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "exp2_loss.png", dpi=120)
+
+
+def pick_median_run(rs, key):
+    rs = sorted((r for r in rs if r.get(key) is not None), key=lambda r: r[key])
+    return rs[len(rs) // 2] if rs else None
+
+
+def exp3(doc):
+    rs = runs(doc, "exp3")
+    if not rs:
+        return
+    variants = list(dict.fromkeys(r["variant"] for r in rs))
+    fig, axes = plt.subplots(len(variants), 2, figsize=(13, 2.3 * len(variants)), squeeze=False)
+    for vi, v in enumerate(variants):
+        r = pick_median_run([x for x in rs if x["variant"] == v], "stall_ms")
+        ax, bx = axes[vi]
+        if r is None or not r.get("raw"):
+            continue
+        d = json.loads((ROOT / r["raw"]).read_text())
+        tf, tr = r["fail_at_s"], r["restore_at_s"]
+        binw = d["bin_ms"] / 1e3
+        tl = d["timeline_bytes"]
+        xs = [i * binw - tf for i in range(len(tl))]
+        ax.plot(xs, [b * 8 / binw / 1e6 for b in tl], lw=0.7)
+        ax.axvline(0, color="r", lw=1)
+        ax.axvline(tr - tf, color="g", lw=1)
+        ax.set_ylabel("Mbit/s\n(10 ms bins)", fontsize=8)
+        ax.set_title(f"{v} (run {r['rep']}): goodput; red = failure, green = restore", fontsize=9)
+        ax.set_xlim(-1.5, tr - tf + 1.5)
+        c = d["completion_s"]
+        gx = [c[i] - tf for i in range(1, len(c))]
+        gy = [(c[i] - c[i - 1]) * 1e3 for i in range(1, len(c))]
+        bx.scatter(gx, gy, s=3)
+        for st, late in d.get("sched", {}).get("late_wakeups", []):
+            if late >= 5:
+                bx.axvspan(st + 0.001 - tf, st + 0.001 + late / 1e3 - tf, color="orange", alpha=0.4, lw=0)
+        bx.axvline(0, color="r", lw=1)
+        bx.axvline(tr - tf, color="g", lw=1)
+        bx.axhline(50, color="grey", ls="--", lw=0.8)
+        bx.set_xlim(-0.3, 0.7)
+        bx.set_ylabel("gap to previous\ncompletion [ms]", fontsize=8)
+        bx.set_title(f"stall {r['stall_ms']} ms, rerolls {r['sum_rerolls']}, timeouts {r['sum_timeouts']}, "
+                     f"errors {r['app_errors']}; orange = client not scheduled", fontsize=9)
+    axes[-1][0].set_xlabel("seconds since the failure")
+    axes[-1][1].set_xlabel("seconds since the failure (zoom)")
+    fig.suptitle("[3] " + subtitle(doc), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "exp3_stall.png", dpi=110)
+
+
+def exp4(doc):
+    rs = runs(doc, "exp4", "ce_pct")
+    if not rs:
+        return
+    pcts = sorted({r["ce_pct"] for r in rs})
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(16, 4.3))
+    for t, name, col in (("metaroce", "MetaRoCE, 8 paths", "C0"), ("tcp8ecn", "TCP bbr 8 flows, tcp_ecn=1", "C3"),
+                         ("tcp8cubicecn", "TCP cubic 8 flows, tcp_ecn=1", "C2")):
+        if not any(r["variant"] == t for r in rs):
+            continue
+        med, allx, ally = [], [], []
+        for p in pcts:
+            sel = [r for r in rs if r["variant"] == t and r["ce_pct"] == p and r.get("goodput_mbps") is not None]
+            v = [r["goodput_mbps"] for r in sel]
+            med.append(statistics.median(v) if v else None)
+            allx += [p] * len(v)
+            ally += v
+            for r in sel:
+                ax.annotate(f"{links_used(r)}L", (p, r["goodput_mbps"]), xytext=(3, -3),
+                            textcoords="offset points", fontsize=6, color=col)
+        ax.plot(pcts, med, "o-", color=col, label=name + " (median)")
+        ax.scatter(allx, ally, color=col, s=10, alpha=0.5)
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xticks(pcts, [str(p) for p in pcts])
+    ax.set_xlabel("CE-marked share of R->B packets [%] (random, nft)")
+    ax.set_ylabel("goodput [Mbit/s]")
+    ax.set_title("[4] independent runs (nL = links used)")
+    ax.set_ylim(0, doc["meta"]["capacity"]["goodput_ceiling_mbps"] * 1.08)
+    ceiling_lines(ax, doc, single=False)
+    ax.legend(fontsize=7, loc="lower left")
+    st = steps_panel(bx, doc, "exp4", "CE marks")
+    bx.set_title("[4b] MetaRoCE: CE steps within one connection")
+    if st:
+        levels = st[0]["levels"]
+        for r in st:
+            cx.plot(range(len(levels)), [p.get("mean_path_window") for p in r["phases"]], "o-", lw=1,
+                    label=f"window, run {r['rep']}")
+        cx2 = cx.twinx()
+        for r in st:
+            cx2.plot(range(len(levels)), [p.get("mean_srtt_us", 0) / 1e3 for p in r["phases"]], "x--", lw=0.8,
+                     color="grey")
+        cx2.set_ylabel("mean SRTT [ms] (grey, dashed)")
+        cx2.set_ylim(0, None)
+        cx.set_xticks(range(len(levels)), [f"{lv}%" for lv in levels])
+        cx.set_ylabel("mean per-path window [packets]")
+        cx.set_ylim(0, None)
+        cx.set_xlabel("CE marks (phases of one connection)")
+        cx.set_title("[4b] per-path window and SRTT per phase")
+        cx.legend(fontsize=7, loc="lower left")
+    fig.suptitle(subtitle(doc), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "exp4_ecn.png", dpi=120)
+
+
+def exp3_dist(path):
+    """Stall of every run of the extended failure experiment, per variant."""
+    if not path.exists():
+        return
+    doc = json.loads(path.read_text())
+    rs = runs(doc, "exp3")
+    variants = list(dict.fromkeys(r["variant"] for r in rs))
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    for i, v in enumerate(variants):
+        sel = [r for r in rs if r["variant"] == v]
+        for key, dx, col, lab in (("stall_ms", -0.15, "C3", "failure: longest completion gap"),
+                                  ("restore_stall_ms", 0.15, "C2", "restore: longest completion gap")):
+            ys = [r.get(key) for r in sel if r.get(key) is not None]
+            ax.scatter([i + dx] * len(ys), ys, color=col, s=14, label=lab if i == 0 else None)
+            if ys:
+                ax.hlines(statistics.median(ys), i + dx - 0.1, i + dx + 0.1, color=col)
+        ys = [r.get("noise_max_gap_ms") for r in sel if r.get("noise_max_gap_ms") is not None]
+        ax.scatter([i] * len(ys), ys, color="grey", marker="_", s=60,
+                   label="largest gap elsewhere in the run (noise)" if i == 0 else None)
+    ax.set_yscale("log")
+    ax.axhline(50, color="k", ls="--", lw=0.8)
+    ax.text(len(variants) - 0.5, 52, "50 ms target", fontsize=8, ha="right")
+    ax.set_xticks(range(len(variants)), [v.replace("_", "\n") for v in variants], fontsize=8)
+    ax.set_ylabel("ms (log)")
+    ax.set_title(f"[3] link failure: stall of every run ({doc['meta']['reps']} runs per variant; bar = median)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(subtitle(doc), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "exp3_stall_runs.png", dpi=120)
+
+
+def main():
+    doc = json.loads(RESULTS.read_text())
+    OUT.mkdir(parents=True, exist_ok=True)
+    exp1(doc)
+    exp2(doc)
+    exp3(doc)
+    exp4(doc)
+    exp3_dist(RESULTS.parent / "results-exp3x8.json")
+    print("plots in", OUT)
+
+
+if __name__ == "__main__":
+    main()
