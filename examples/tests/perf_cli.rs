@@ -1,41 +1,10 @@
 //! End-to-end tests of the `metaroce-perf` binary: loopback runs, verification, flags.
 
-use std::path::PathBuf;
-use std::process::{Command, Output};
-use std::time::Instant;
+use std::process::Command;
 
-fn perf(args: &[&str]) -> Output {
-    let t0 = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
-        .args(args)
-        .output()
-        .expect("run metaroce-perf");
-    eprintln!(
-        "metaroce-perf {} -> {:?} in {:.2?}\n--- stdout\n{}--- stderr\n{}",
-        args.join(" "),
-        out.status.code(),
-        t0.elapsed(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
+mod common;
 
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// A fresh path in the temp directory.
-fn temp_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("metaroce-perf-{}-{name}", std::process::id()))
-}
-
-const BW_HEADER: &str =
-    " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
+use common::{perf, stderr, stdout, temp_path, BW_HEADER};
 
 #[test]
 fn loopback_write_bw_verifies() {

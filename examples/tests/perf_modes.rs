@@ -2,41 +2,12 @@
 //! RoCEv2-compatible RC mode), the RoCEv2 client/server exchange, `--compare-modes`, and
 //! the combinations that are refused.
 
-use std::path::PathBuf;
-use std::process::{Command, Output, Stdio};
-use std::time::Instant;
+use std::process::{Command, Stdio};
 
-fn perf(args: &[&str]) -> Output {
-    let t0 = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
-        .args(args)
-        .output()
-        .expect("run metaroce-perf");
-    eprintln!(
-        "metaroce-perf {} -> {:?} in {:.2?}\n--- stdout\n{}--- stderr\n{}",
-        args.join(" "),
-        out.status.code(),
-        t0.elapsed(),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
+mod common;
 
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+use common::{perf, stderr, stdout, temp_path, BW_HEADER};
 
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn temp_path(name: &str) -> PathBuf {
-    std::env::temp_dir().join(format!("metaroce-perf-modes-{}-{name}", std::process::id()))
-}
-
-const BW_HEADER: &str =
-    " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
 const LAT_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]";
 
 /// The line of the verification verdict of each test.
