@@ -69,6 +69,8 @@ fn schedule(
                     outage,
                     close: None,
                     tuning,
+                    rdma: RdmaTuning::default(),
+                    starved: [Vec::new(), Vec::new()],
                 }
             },
         )

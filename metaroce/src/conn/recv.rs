@@ -75,7 +75,14 @@ struct StreamRx {
     /// so a refused message leaves no permanent gap in its stream. At most
     /// `max_stream_window` entries.
     refused: BTreeSet<u32>,
+    /// Messages that completed their receive with a length error (most recent
+    /// `MAX_LEN_ERRORS`): every later packet of one is refused again, so a re-sent packet
+    /// (its NAK lost or overtaken) is not acknowledged as a duplicate.
+    len_errors: VecDeque<u32>,
 }
+
+/// Length-errored messages remembered per stream.
+const MAX_LEN_ERRORS: usize = 1024;
 
 #[derive(Debug)]
 struct WriteTrack {
@@ -227,6 +234,9 @@ impl RecvState {
         if lim.require_posted_receives {
             st.posted_mode = true;
         }
+        if st.len_errors.contains(&hdr.msg_seq) {
+            return RxOutcome::Nak(NAK_INVALID_REQUEST);
+        }
         if seq_before(hdr.msg_seq, st.next_deliver) {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
@@ -241,12 +251,19 @@ impl RecvState {
             let dest = if st.posted_mode {
                 // Messages match receives in order: message next_deliver + k takes the k-th
                 // posted receive (IBA receive queue semantics, per stream).
-                // Refused messages before this one take no receive.
+                // Refused messages before this one take no receive, nor do messages that
+                // began arriving into library buffers before the first receive was posted.
                 let skipped = st
                     .refused
                     .iter()
                     .filter(|&&m| seq_before(m, hdr.msg_seq))
-                    .count() as u32;
+                    .count() as u32
+                    + st.msgs
+                        .iter()
+                        .filter(|(&m, msg)| {
+                            seq_before(m, hdr.msg_seq) && matches!(msg.dest, Dest::Owned(_))
+                        })
+                        .count() as u32;
                 let ahead = ahead - skipped.min(ahead);
                 if ahead as usize >= st.posted.len() {
                     self.stats.rnr_naks += 1;
@@ -260,7 +277,13 @@ impl RecvState {
                     // Too long for the receive at the head: it completes in error and the
                     // sender gets "invalid request" (IBA length error).
                     st.posted.pop_front();
-                    st.next_deliver = st.next_deliver.wrapping_add(1);
+                    // Delivery skips it (it may not be at the head yet: messages arriving
+                    // into library buffers may precede it).
+                    st.refused.insert(hdr.msg_seq);
+                    st.len_errors.push_back(hdr.msg_seq);
+                    if st.len_errors.len() > MAX_LEN_ERRORS {
+                        st.len_errors.pop_front();
+                    }
                     let wc = WorkCompletion {
                         wr_id: r.wr_id,
                         status: WcStatus::LocalLengthError,
@@ -409,6 +432,9 @@ impl RecvState {
     ) -> (RxOutcome, Option<Respond>) {
         let len = reth.dma_len as u64;
         if len > lim.max_message_size {
+            // Refused for good: its operation id counts as finished (like an access error),
+            // or the floor of finished ids would stop here.
+            self.finish_write(op.op_id);
             return (RxOutcome::Nak(NAK_INVALID_REQUEST), None);
         }
         let data = if len == 0 {
@@ -446,6 +472,7 @@ impl RecvState {
         fetch_add: bool,
     ) -> (RxOutcome, Option<Respond>) {
         if at.va % 8 != 0 {
+            self.finish_write(op.op_id);
             return (RxOutcome::Nak(NAK_INVALID_REQUEST), None);
         }
         if let Err(_e) = mrs.check_remote(at.rkey, at.va, 8, Access::REMOTE_ATOMIC) {
@@ -493,9 +520,11 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         let total = reth.dma_len as u64;
-        if total > lim.max_message_size
-            || !check_segment(hdr.offset, payload.len(), total, lim.pmtu)
-        {
+        if total > lim.max_message_size {
+            self.finish_write(hdr.op_id);
+            return RxOutcome::Nak(NAK_INVALID_REQUEST);
+        }
+        if !check_segment(hdr.offset, payload.len(), total, lim.pmtu) {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         // The access check covers the whole message, so every packet of a bad WRITE is

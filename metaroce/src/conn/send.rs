@@ -98,7 +98,9 @@ pub(crate) struct Op {
     acked: Vec<u64>,
     acked_segs: u32,
     resp: Option<RespTrack>,
-    rnr_count: u32,
+    /// RNR NAKs per segment (empty until the first): each packet is re-sent at most
+    /// `rnr_retry` times.
+    rnr_count: Vec<u8>,
     /// Response timeouts of a READ/atomic whose request was acknowledged.
     resp_timeouts: u32,
     pub status: Option<WcStatus>,
@@ -247,7 +249,7 @@ impl SendQueue {
             acked: vec![0; nsegs.div_ceil(64) as usize],
             acked_segs: 0,
             resp,
-            rnr_count: 0,
+            rnr_count: Vec::new(),
             resp_timeouts: 0,
             status: None,
         });
@@ -337,7 +339,7 @@ impl SendQueue {
                     && op.kind.is_rd_atomic()
                     && self.rd_outstanding >= self.max_rd_atomic
                 {
-                    return None;
+                    break;
                 }
                 return Some(SegRef {
                     op: self.base_id + self.cursor as u64,
@@ -345,6 +347,18 @@ impl SendQueue {
                 });
             }
             self.cursor += 1;
+        }
+        // Blocked (or done): responses to the peer's READs and atomics are not held back by
+        // our own waiting ones — the peer's outstanding requests may be what we wait for.
+        if self.internal_pending > 0 {
+            for (i, op) in self.ops.iter().enumerate().skip(self.cursor + 1) {
+                if op.kind.is_internal() && op.status.is_none() && op.next_seg < op.nsegs {
+                    return Some(SegRef {
+                        op: self.base_id + i as u64,
+                        seg: op.next_seg,
+                    });
+                }
+            }
         }
         None
     }
@@ -441,14 +455,21 @@ impl SendQueue {
     }
 
     /// The peer had no receive for this SEND segment: retry after `delay`, or fail with
-    /// `RnrRetryExceeded` after `rnr_retry` tries (7 = forever).
+    /// `RnrRetryExceeded` once this segment was refused `rnr_retry` + 1 times (7 = retry
+    /// forever). Counted per segment: every segment of a message is refused in each round.
     pub fn on_rnr(&mut self, s: SegRef, now: Instant, delay: Duration, rnr_retry: u8) {
         let Some(op) = self.op_mut(s.op) else { return };
         if op.status.is_some() {
             return;
         }
-        op.rnr_count += 1;
-        if rnr_retry != 7 && op.rnr_count > rnr_retry as u32 {
+        if op.rnr_count.is_empty() {
+            op.rnr_count = vec![0; op.nsegs as usize];
+        }
+        let Some(count) = op.rnr_count.get_mut(s.seg as usize) else {
+            return;
+        };
+        *count = count.saturating_add(1);
+        if rnr_retry != 7 && *count > rnr_retry {
             self.finish(s.op, WcStatus::RnrRetryExceeded);
             return;
         }

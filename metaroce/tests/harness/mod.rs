@@ -10,26 +10,29 @@
 //!   restarted (replaced by a fresh `Endpoint` with the same address and another seed)
 //!   while packets of its old incarnation are still in flight.
 //! * [`Workload`]: memory regions with canary bytes on both endpoints, a schedule of
-//!   operations ([`OpSpec`]: SENDs on streams, WRITEs and WRITEs with immediate, valid or
-//!   not) posted from either side, and the checks every property and scenario asserts
-//!   (exactly-once in-order delivery per stream, memory contents against a model, canaries,
-//!   one completion per operation in posting order with the right status, immediates
-//!   exactly once, liveness and quiescence).
+//!   operations ([`OpSpec`]: SENDs on streams, WRITEs and WRITEs with immediate, RDMA READs,
+//!   atomics, posted receives; valid or not) posted from either side, and the checks every
+//!   property and scenario asserts (exactly-once in-order delivery per stream, into posted
+//!   receives where the receiver requires them; memory contents against a model, canaries;
+//!   READ bytes; atomics executed exactly once in some serial order; one completion per
+//!   operation in posting order with the right status; immediates exactly once; liveness and
+//!   quiescence).
 //! * proptest strategies for operation schedules and impairment schedules, built from
 //!   vectors of small structs so that they shrink to small, readable cases.
 #![allow(dead_code)]
 
 use bytes::Bytes;
-use metaroce::wire::{Packet, Reth, SendEth, WriteEth};
+use metaroce::wire::{AtomicEth, NakEth, Packet, Reth, SendEth, WriteEth};
 use metaroce::{
-    Access, ConnectionError, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event,
-    MrKeys, PostError, Transmit, WcOpcode, WcStatus, WriteRequest,
+    Access, AtomicOp, AtomicRequest, ConnectionError, ConnectionHandle, EcnCodepoint, Endpoint,
+    EndpointConfig, Event, MrKeys, PostError, ReadRequest, RecvRequest, Transmit, WcOpcode,
+    WcStatus, WriteRequest,
 };
 use proptest::prelude::*;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::rc::Rc;
@@ -45,7 +48,9 @@ pub enum Kind {
     Connect,
     /// 0xC1 MR_ACK.
     Ack,
-    /// 0xC2 / 0xC3 / 0xC4: MR_SEND, MR_WRITE, MR_WRITE_WITH_IMMEDIATE.
+    /// Data the delivery layer acknowledges: 0xC2 / 0xC3 / 0xC4 MR_SEND, MR_WRITE,
+    /// MR_WRITE_WITH_IMMEDIATE; 0xC7 / 0xC8 MR_READ_REQUEST, MR_READ_RESPONSE; 0xC9 / 0xCA /
+    /// 0xCB MR_COMPARE_SWAP, MR_FETCH_ADD, MR_ATOMIC_RESPONSE.
     Data,
     /// 0xC5 MR_NAK.
     Nak,
@@ -60,7 +65,7 @@ impl Kind {
         match byte0 {
             0xC0 => Kind::Connect,
             0xC1 => Kind::Ack,
-            0xC2..=0xC4 => Kind::Data,
+            0xC2..=0xC4 | 0xC7..=0xCB => Kind::Data,
             0xC5 => Kind::Nak,
             0xC6 => Kind::Close,
             _ => Kind::Other,
@@ -90,6 +95,16 @@ pub struct PktInfo {
     pub retransmit: bool,
     pub send: Option<SendEth>,
     pub write: Option<(Reth, WriteEth, Option<u32>)>,
+    /// READ request: RETH and the operation id.
+    pub read_req: Option<(Reth, WriteEth)>,
+    /// READ response: the READ's operation id and the packet's offset.
+    pub read_resp: Option<WriteEth>,
+    /// Atomic request (compare-and-swap or fetch-and-add, see `opcode`).
+    pub atomic: Option<(AtomicEth, WriteEth)>,
+    /// Atomic response: the atomic's operation id and the original value.
+    pub atomic_resp: Option<(WriteEth, u64)>,
+    /// NAK: syndrome and operation id (stream id for SENDs).
+    pub nak: Option<NakEth>,
     pub payload_len: usize,
     /// Datagram length.
     pub len: usize,
@@ -110,6 +125,11 @@ impl PktInfo {
             retransmit: false,
             send: None,
             write: None,
+            read_req: None,
+            read_resp: None,
+            atomic: None,
+            atomic_resp: None,
+            nak: None,
             payload_len: 0,
             len: data.len(),
         };
@@ -125,7 +145,10 @@ impl PktInfo {
                     info.send = Some(send);
                 }
                 metaroce::wire::Headers::Ack(a) => info.path_id = Some(a.path_id),
-                metaroce::wire::Headers::Nak { path, .. } => info.path_id = Some(path.path_id),
+                metaroce::wire::Headers::Nak { path, nak } => {
+                    info.path_id = Some(path.path_id);
+                    info.nak = Some(nak);
+                }
                 metaroce::wire::Headers::Write {
                     path,
                     reth,
@@ -136,14 +159,38 @@ impl PktInfo {
                     info.path_id = Some(path.path_id);
                     info.write = Some((reth, write, imm));
                 }
+                metaroce::wire::Headers::ReadRequest { path, reth, op } => {
+                    info.retransmit = path.flags & 1 != 0;
+                    info.path_id = Some(path.path_id);
+                    info.read_req = Some((reth, op));
+                }
+                metaroce::wire::Headers::ReadResponse { path, op } => {
+                    info.retransmit = path.flags & 1 != 0;
+                    info.path_id = Some(path.path_id);
+                    info.read_resp = Some(op);
+                }
+                metaroce::wire::Headers::Atomic { path, atomic, op } => {
+                    info.retransmit = path.flags & 1 != 0;
+                    info.path_id = Some(path.path_id);
+                    info.atomic = Some((atomic, op));
+                }
+                metaroce::wire::Headers::AtomicResponse { path, op, ack } => {
+                    info.retransmit = path.flags & 1 != 0;
+                    info.path_id = Some(path.path_id);
+                    info.atomic_resp = Some((op, ack.orig));
+                }
                 _ => {}
             }
         }
         info
     }
 
-    /// Whether this is the last segment of its message / WRITE.
+    /// Whether this is the last segment of its message / WRITE / READ response (the sender
+    /// asks for an ACK on last segments only).
     pub fn is_last_segment(&self) -> bool {
+        if self.read_resp.is_some() {
+            return self.ack_req;
+        }
         if let Some(s) = &self.send {
             return s.offset as u64 + self.payload_len as u64 >= s.msg_len as u64;
         }
@@ -344,6 +391,13 @@ pub struct Net {
     /// Datagrams sent, by sender and kind.
     pub sent: [HashMap<Kind, u64>; 2],
     pub steps: u64,
+    /// Memory to copy the moment a completion (or receive completion) with this wr_id is
+    /// polled from endpoint `i`: key `(i, wr_id)`, value `(lkey, offset, len)`. Events are
+    /// polled after every datagram and timer, so the copy shows memory as the application
+    /// sees it when the completion is reported.
+    pub snap_on: HashMap<(usize, u64), (u32, u64, u64)>,
+    /// The copies, by `(i, wr_id)`, with the virtual time since the start.
+    pub snaps: HashMap<(usize, u64), (Duration, Vec<u8>)>,
 }
 
 impl Net {
@@ -376,6 +430,8 @@ impl Net {
             dropped: 0,
             sent: [HashMap::new(), HashMap::new()],
             steps: 0,
+            snap_on: HashMap::new(),
+            snaps: HashMap::new(),
         }
     }
 
@@ -597,10 +653,24 @@ impl Net {
             }
         }
         for i in 0..2 {
-            while let Some(e) = self.eps[i].poll_event() {
-                self.events[i].push(e);
-                self.event_times[i].push(self.now);
+            self.collect_events(i);
+        }
+    }
+
+    /// Poll the events of endpoint `i` (and take the snapshots they call for).
+    fn collect_events(&mut self, i: usize) {
+        while let Some(e) = self.eps[i].poll_event() {
+            if let Event::Completion { wc, .. } | Event::RecvCompletion { wc, .. } = &e {
+                if let Some(&(lkey, off, len)) = self.snap_on.get(&(i, wc.wr_id)) {
+                    let mem = self.eps[i]
+                        .mr_read(lkey, off, len)
+                        .map(<[u8]>::to_vec)
+                        .unwrap_or_default();
+                    self.snaps.insert((i, wc.wr_id), (self.elapsed(), mem));
+                }
             }
+            self.events[i].push(e);
+            self.event_times[i].push(self.now);
         }
     }
 
@@ -636,10 +706,12 @@ impl Net {
                 p.ecn.and_then(EcnCodepoint::from_bits),
                 &p.data,
             );
+            self.collect_events(p.to);
         }
         for i in 0..2 {
             if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
                 self.eps[i].handle_timeout(self.now);
+                self.collect_events(i);
             }
         }
         self.flush();
@@ -787,6 +859,26 @@ impl Net {
         m
     }
 
+    /// Receive completions reported on endpoint `i` for `conn`: (stream, completion), in
+    /// order.
+    pub fn recv_completions(
+        &self,
+        i: usize,
+        conn: ConnectionHandle,
+    ) -> Vec<(u32, metaroce::WorkCompletion)> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::RecvCompletion {
+                    conn: c,
+                    stream,
+                    wc,
+                } if *c == conn => Some((*stream, *wc)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Immediates reported on endpoint `i`: (imm, byte_len) in order.
     pub fn immediates(&self, i: usize, conn: ConnectionHandle) -> Vec<(u32, u32)> {
         self.events[i]
@@ -830,9 +922,37 @@ pub const RO_LEN: u32 = 4096;
 /// Largest SEND and WRITE the generators make.
 pub const MAX_OP_LEN: u32 = 20_000;
 
+/// Bytes of the region peers READ from (REMOTE_READ only, never written).
+pub const RSRC_LEN: u32 = AREA + 2 * GUARD;
+/// Bytes of the counter region (REMOTE_ATOMIC): 8 canary bytes, the counter, 8 canary bytes.
+pub const CTR_LEN: u32 = 24;
+/// Offset of the counter in the counter region.
+pub const CTR_OFF: u32 = 8;
+/// Result slots of atomics in the atomic result region (8 bytes each, 8 canary bytes between).
+pub const ATOMIC_SLOTS: usize = 1024;
+/// Bytes of the receive buffer region (receives get disjoint slots, canary between).
+pub const RBUF_LEN: u32 = 512 * 1024;
+/// Canary bytes between two receive slots.
+pub const RBUF_GAP: u32 = 64;
+
 /// Canary byte `i` of region `which` on endpoint `side`.
 pub fn canary(side: usize, which: u8, i: usize) -> u8 {
     (i as u8).wrapping_mul(31) ^ 0xA5 ^ which.wrapping_mul(17) ^ (side as u8 * 0x3C)
+}
+
+/// Contents of the READ source region of endpoint `side`.
+pub fn rsrc_bytes(side: usize) -> Vec<u8> {
+    pattern(0x4EAD_0000 + side as u64, RSRC_LEN as usize)
+}
+
+/// Initial value of the counter of endpoint `side` (B's wraps around after a few adds).
+pub fn counter_init(side: usize) -> u64 {
+    [0x0123_4567_89AB_CDEF, u64::MAX - 5][side]
+}
+
+/// Offset of the result slot `k` in the atomic result region.
+pub fn slot_off(k: usize) -> u64 {
+    8 + 16 * k as u64
 }
 
 /// The regions each endpoint registers.
@@ -844,19 +964,56 @@ pub struct Regions {
     pub rw: MrKeys,
     /// A region without REMOTE_WRITE (LOCAL_WRITE | REMOTE_READ), all canary.
     pub ro: MrKeys,
+    /// Source of peers' READs (REMOTE_READ only): [`rsrc_bytes`], never written.
+    pub rsrc: MrKeys,
+    /// Destination of local READs (LOCAL_WRITE): GUARD canary bytes, AREA, GUARD.
+    pub rdst: MrKeys,
+    /// The counter of peers' atomics (LOCAL_WRITE | REMOTE_ATOMIC): canary, counter, canary.
+    pub ctr: MrKeys,
+    /// Original values of local atomics (LOCAL_WRITE): a slot per atomic, canary between.
+    pub ares: MrKeys,
+    /// Posted receive buffers (LOCAL_WRITE): a slot per receive, canary between. Empty
+    /// unless the side requires posted receives.
+    pub rbuf: MrKeys,
 }
 
 impl Regions {
+    /// The regions of `side`, with a receive buffer region of [`RBUF_LEN`] bytes if
+    /// `posted` (the side requires posted receives), else an empty one.
+    pub fn register_for(ep: &mut Endpoint, side: usize, posted: bool) -> Regions {
+        let mut r = Self::register(ep, side);
+        if posted {
+            let rbuf: Vec<u8> = (0..RBUF_LEN as usize).map(|i| canary(side, 7, i)).collect();
+            r.rbuf = ep.register_mr(rbuf, Access::LOCAL_WRITE);
+        }
+        r
+    }
+
+    /// The regions of `side` (an empty receive buffer region).
     pub fn register(ep: &mut Endpoint, side: usize) -> Regions {
         let src = pattern(0x5_0c0 + side as u64, SRC_LEN as usize);
         let rw: Vec<u8> = (0..(2 * GUARD + AREA) as usize)
             .map(|i| canary(side, 1, i))
             .collect();
         let ro: Vec<u8> = (0..RO_LEN as usize).map(|i| canary(side, 2, i)).collect();
+        let rdst: Vec<u8> = (0..(2 * GUARD + AREA) as usize)
+            .map(|i| canary(side, 4, i))
+            .collect();
+        let mut ctr: Vec<u8> = (0..CTR_LEN as usize).map(|i| canary(side, 5, i)).collect();
+        ctr[CTR_OFF as usize..CTR_OFF as usize + 8]
+            .copy_from_slice(&counter_init(side).to_le_bytes());
+        let ares: Vec<u8> = (0..slot_off(ATOMIC_SLOTS) as usize)
+            .map(|i| canary(side, 6, i))
+            .collect();
         Regions {
             src: ep.register_mr(src, Access::LOCAL_WRITE),
             rw: ep.register_mr(rw, Access::LOCAL_WRITE | Access::REMOTE_WRITE),
             ro: ep.register_mr(ro, Access::LOCAL_WRITE | Access::REMOTE_READ),
+            rsrc: ep.register_mr(rsrc_bytes(side), Access::REMOTE_READ),
+            rdst: ep.register_mr(rdst, Access::LOCAL_WRITE),
+            ctr: ep.register_mr(ctr, Access::LOCAL_WRITE | Access::REMOTE_ATOMIC),
+            ares: ep.register_mr(ares, Access::LOCAL_WRITE),
+            rbuf: ep.register_mr(Vec::new(), Access::LOCAL_WRITE),
         }
     }
 }
@@ -878,6 +1035,35 @@ pub enum Target {
     NoRemoteWrite,
 }
 
+/// Where a READ or an atomic goes (in the peer's memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RTarget {
+    /// READ: inside the peer's READ source region; atomic: the peer's counter. Valid.
+    Valid,
+    /// An rkey no region has.
+    BadRkey,
+    /// The right region's rkey with another variant byte (a stale key).
+    StaleRkey,
+    /// Crossing (READ) or just past (atomic) the end of the region.
+    PastEnd,
+    /// Starting before the region.
+    BeforeStart,
+    /// A region without the right the operation needs (READ: the peer's WRITE target, no
+    /// REMOTE_READ; atomic: the peer's READ source, no REMOTE_ATOMIC).
+    NoRight,
+    /// Atomic: the counter's address plus 1..=7 (RemoteInvalidRequest). READ: a valid READ
+    /// from an odd address.
+    Misaligned,
+}
+
+/// An atomic's operation; compare and swap values are relative to the target counter's
+/// initial value ([`counter_init`]) so that small numbers often match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtomicSpec {
+    FetchAdd { add: u64 },
+    CompareSwap { compare: u64, swap: u64 },
+}
+
 /// One operation of a schedule.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OpKind {
@@ -892,6 +1078,19 @@ pub enum OpKind {
         len: u32,
         imm: bool,
     },
+    /// RDMA READ of `len` bytes from `target` (`src_off` inside the peer's READ source,
+    /// modulo what fits) to `dst_off` inside the target area of the local READ destination.
+    Read {
+        target: RTarget,
+        src_off: u32,
+        dst_off: u32,
+        len: u32,
+    },
+    /// An atomic on `target`; its original value lands in the next free result slot.
+    Atomic { target: RTarget, op: AtomicSpec },
+    /// A receive of `len` bytes posted on `stream` by `side` (the receiving side). Only on
+    /// sides that require posted receives (`require_posted_receives`); skipped elsewhere.
+    Recv { stream: u32, len: u32 },
 }
 
 /// An operation posted by endpoint `side` after waiting `gap_us` of virtual time (and, if
@@ -927,6 +1126,50 @@ impl OpSpec {
             },
         }
     }
+    pub fn read(side: usize, target: RTarget, src_off: u32, dst_off: u32, len: u32) -> OpSpec {
+        OpSpec {
+            side,
+            gap_us: 0,
+            fence: false,
+            kind: OpKind::Read {
+                target,
+                src_off,
+                dst_off,
+                len,
+            },
+        }
+    }
+    pub fn fetch_add(side: usize, target: RTarget, add: u64) -> OpSpec {
+        OpSpec {
+            side,
+            gap_us: 0,
+            fence: false,
+            kind: OpKind::Atomic {
+                target,
+                op: AtomicSpec::FetchAdd { add },
+            },
+        }
+    }
+    pub fn compare_swap(side: usize, target: RTarget, compare: u64, swap: u64) -> OpSpec {
+        OpSpec {
+            side,
+            gap_us: 0,
+            fence: false,
+            kind: OpKind::Atomic {
+                target,
+                op: AtomicSpec::CompareSwap { compare, swap },
+            },
+        }
+    }
+    /// A receive posted by `side` on `stream`.
+    pub fn recv(side: usize, stream: u32, len: u32) -> OpSpec {
+        OpSpec {
+            side,
+            gap_us: 0,
+            fence: false,
+            kind: OpKind::Recv { stream, len },
+        }
+    }
     /// Take a WRITE's source bytes from offset `off` of the local source region.
     pub fn src(mut self, off: u32) -> OpSpec {
         if let OpKind::Write { src_off, .. } = &mut self.kind {
@@ -953,8 +1196,15 @@ pub struct Posted {
     pub data: Option<Bytes>,
     /// For WRITEs: the request.
     pub write: Option<WriteRequest>,
-    /// Whether the responder must accept it (zero-length WRITEs are never checked).
+    /// For READs: the request.
+    pub read: Option<ReadRequest>,
+    /// For atomics: the request and its result slot.
+    pub atomic: Option<(AtomicRequest, usize)>,
+    /// Whether the responder must accept it (zero-length WRITEs and READs are never checked).
     pub valid: bool,
+    /// The status it completes with when nothing goes wrong (SENDs into posted receives:
+    /// see [`Workload::expected`]).
+    pub expect: WcStatus,
     /// Every earlier operation of this side had completed when this one was posted.
     pub fenced: bool,
     pub posted_at: Duration,
@@ -962,8 +1212,13 @@ pub struct Posted {
 
 impl Posted {
     pub fn len(&self) -> u32 {
+        if let Some(r) = &self.read {
+            return r.len;
+        }
         match self.spec.kind {
-            OpKind::Send { len, .. } | OpKind::Write { len, .. } => len,
+            OpKind::Send { len, .. } | OpKind::Write { len, .. } | OpKind::Read { len, .. } => len,
+            OpKind::Atomic { .. } => 8,
+            OpKind::Recv { .. } => 0,
         }
     }
     pub fn opcode(&self) -> WcOpcode {
@@ -971,16 +1226,38 @@ impl Posted {
             OpKind::Send { .. } => WcOpcode::Send,
             OpKind::Write { imm: false, .. } => WcOpcode::RdmaWrite,
             OpKind::Write { imm: true, .. } => WcOpcode::RdmaWriteWithImm,
+            OpKind::Read { .. } => WcOpcode::RdmaRead,
+            OpKind::Atomic {
+                op: AtomicSpec::FetchAdd { .. },
+                ..
+            } => WcOpcode::FetchAdd,
+            OpKind::Atomic {
+                op: AtomicSpec::CompareSwap { .. },
+                ..
+            } => WcOpcode::CompSwap,
+            OpKind::Recv { .. } => WcOpcode::Recv,
         }
     }
     pub fn expected(&self) -> WcStatus {
-        if self.valid {
-            WcStatus::Success
-        } else {
-            WcStatus::RemoteAccessError
-        }
+        self.expect
     }
 }
+
+/// A receive posted as the model sees it.
+#[derive(Debug, Clone)]
+pub struct RecvPosted {
+    pub wr_id: u64,
+    pub stream: u32,
+    /// Offset of its slot in the receive buffer region.
+    pub offset: u64,
+    pub len: u32,
+    /// Posted by the harness (a receive the schedule lacked), not by the schedule.
+    pub topped_up: bool,
+    pub posted_at: Duration,
+}
+
+/// First wr_id of receives (their own range, apart from the send queue's).
+pub const RECV_WR_BASE: u64 = 1 << 40;
 
 /// Immediate value of the WRITE with `wr_id` (unique per operation).
 pub fn imm_of(wr_id: u64) -> u32 {
@@ -1008,15 +1285,27 @@ pub struct Workload {
     pub stale_expected: bool,
     /// Packets beyond the SACK window a scenario forged, per receiving side.
     pub forged_beyond_window: [u64; 2],
+    /// Receives posted, per receiving side, in posting order.
+    pub recvs: [Vec<RecvPosted>; 2],
+    /// Streams of each receiving side that never get a receive (the harness does not top
+    /// them up): SENDs on them complete with RnrRetryExceeded.
+    pub starved: [Vec<u32>; 2],
+    /// Post the missing receive for each SEND as it is posted when the sender's `rnr_retry`
+    /// is not 7 (otherwise a late receive would make it fail). Default true.
+    pub eager_receives: bool,
+    /// Next free byte of each side's receive buffer region.
+    rbuf_next: [u64; 2],
+    next_recv_wr: u64,
 }
 
 impl Workload {
     /// Regions on both sides, then connect. Returns `None` if the handshake failed (only
     /// acceptable under a schedule that allows failure).
     pub fn start(mut net: Net, connect_limit: Duration) -> Option<Workload> {
+        let posted = [0, 1].map(|i| net.configs[i].transport.require_posted_receives);
         let regions = [
-            Regions::register(&mut net.eps[0], 0),
-            Regions::register(&mut net.eps[1], 1),
+            Regions::register_for(&mut net.eps[0], 0, posted[0]),
+            Regions::register_for(&mut net.eps[1], 1, posted[1]),
         ];
         let (c, s) = net.try_connect(connect_limit)?;
         Some(Self::resume(net, regions, [c, s], 0))
@@ -1043,7 +1332,17 @@ impl Workload {
             t0,
             stale_expected: false,
             forged_beyond_window: [0, 0],
+            recvs: [Vec::new(), Vec::new()],
+            starved: [Vec::new(), Vec::new()],
+            eager_receives: true,
+            rbuf_next: [0, 0],
+            next_recv_wr: RECV_WR_BASE + first_wr,
         }
+    }
+
+    /// Whether endpoint `i` requires posted receives on every stream.
+    pub fn posted_mode(&self, i: usize) -> bool {
+        self.net.configs[i].transport.require_posted_receives
     }
 
     /// Connection counters of side `i` (`None` once the connection is gone).
@@ -1122,10 +1421,223 @@ impl Workload {
         )
     }
 
+    /// Build the request for a READ spec (requester side `side`).
+    pub fn read_request(&self, side: usize, wr_id: u64, kind: &OpKind) -> (ReadRequest, bool) {
+        let OpKind::Read {
+            target,
+            src_off,
+            dst_off,
+            len,
+        } = *kind
+        else {
+            unreachable!()
+        };
+        let peer = &self.regions[1 - side];
+        let len = len.min(AREA);
+        let local_offset = GUARD as u64 + (dst_off % (AREA - len + 1)) as u64;
+        let src = peer.rsrc.addr + (src_off % (RSRC_LEN - len + 1)) as u64;
+        let (remote_addr, rkey) = match target {
+            RTarget::Valid => (src, peer.rsrc.rkey),
+            RTarget::Misaligned => {
+                let off = (src_off % (RSRC_LEN - len + 1)) | 1;
+                (
+                    peer.rsrc.addr + off.min(RSRC_LEN - len) as u64,
+                    peer.rsrc.rkey,
+                )
+            }
+            RTarget::BadRkey => (src, 0x00AB_CD00 | 0x11),
+            RTarget::StaleRkey => (src, peer.rsrc.rkey ^ 0x80),
+            RTarget::PastEnd => (
+                peer.rsrc.addr + peer.rsrc.len - (len as u64 / 2).min(peer.rsrc.len),
+                peer.rsrc.rkey,
+            ),
+            RTarget::BeforeStart => (peer.rsrc.addr - 1, peer.rsrc.rkey),
+            RTarget::NoRight => (
+                peer.rw.addr + (src_off % (peer.rw.len as u32 - len + 1)) as u64,
+                peer.rw.rkey,
+            ),
+        };
+        let valid = len == 0 || matches!(target, RTarget::Valid | RTarget::Misaligned);
+        (
+            ReadRequest {
+                wr_id,
+                lkey: self.regions[side].rdst.lkey,
+                local_offset,
+                len,
+                remote_addr,
+                rkey,
+            },
+            valid,
+        )
+    }
+
+    /// Build the request for an atomic spec (requester side `side`, result slot `slot`) and
+    /// the status it must complete with.
+    pub fn atomic_request(
+        &self,
+        side: usize,
+        wr_id: u64,
+        slot: usize,
+        kind: &OpKind,
+    ) -> (AtomicRequest, WcStatus) {
+        let OpKind::Atomic { target, op } = *kind else {
+            unreachable!()
+        };
+        let peer = &self.regions[1 - side];
+        let init = counter_init(1 - side);
+        let ctr = peer.ctr.addr + CTR_OFF as u64;
+        let (remote_addr, rkey, status) = match target {
+            RTarget::Valid => (ctr, peer.ctr.rkey, WcStatus::Success),
+            RTarget::Misaligned => (
+                ctr + 1 + wr_id % 7,
+                peer.ctr.rkey,
+                WcStatus::RemoteInvalidRequest,
+            ),
+            RTarget::BadRkey => (ctr, 0x00AB_CD00 | 0x11, WcStatus::RemoteAccessError),
+            RTarget::StaleRkey => (ctr, peer.ctr.rkey ^ 0x80, WcStatus::RemoteAccessError),
+            RTarget::PastEnd => (
+                peer.ctr.addr + peer.ctr.len,
+                peer.ctr.rkey,
+                WcStatus::RemoteAccessError,
+            ),
+            RTarget::BeforeStart => (
+                peer.ctr.addr - 8,
+                peer.ctr.rkey,
+                WcStatus::RemoteAccessError,
+            ),
+            RTarget::NoRight => (
+                peer.rsrc.addr + 8 * (wr_id % 64),
+                peer.rsrc.rkey,
+                WcStatus::RemoteAccessError,
+            ),
+        };
+        let op = match op {
+            AtomicSpec::FetchAdd { add } => AtomicOp::FetchAdd { add },
+            AtomicSpec::CompareSwap { compare, swap } => AtomicOp::CompareSwap {
+                compare: init.wrapping_add(compare),
+                swap: init.wrapping_add(swap),
+            },
+        };
+        (
+            AtomicRequest {
+                wr_id,
+                lkey: self.regions[side].ares.lkey,
+                local_offset: slot_off(slot),
+                remote_addr,
+                rkey,
+                op,
+            },
+            status,
+        )
+    }
+
+    /// Post a receive of `len` bytes on `stream` of side `rx` now, in the next free slot.
+    pub fn post_recv(
+        &mut self,
+        rx: usize,
+        stream: u32,
+        len: u32,
+        topped_up: bool,
+    ) -> Result<(), String> {
+        let offset = self.rbuf_next[rx];
+        if offset + len as u64 > self.regions[rx].rbuf.len {
+            return Err(format!(
+                "side {rx}: receive buffer region exhausted ({offset} + {len} bytes)"
+            ));
+        }
+        let wr_id = self.next_recv_wr;
+        let req = RecvRequest {
+            wr_id,
+            lkey: self.regions[rx].rbuf.lkey,
+            offset,
+            len,
+        };
+        match self.net.eps[rx].post_recv(self.conns[rx], stream, req) {
+            Ok(()) => {
+                self.next_recv_wr += 1;
+                self.rbuf_next[rx] = (offset + len as u64 + RBUF_GAP as u64).next_multiple_of(8);
+                self.recvs[rx].push(RecvPosted {
+                    wr_id,
+                    stream,
+                    offset,
+                    len,
+                    topped_up,
+                    posted_at: self.net.elapsed(),
+                });
+                Ok(())
+            }
+            Err(PostError::UnknownConnection) if self.net.lost(rx, self.conns[rx]).is_some() => {
+                Ok(())
+            }
+            Err(e) => Err(format!("post_recv on side {rx} refused: {e:?}")),
+        }
+    }
+
+    /// Messages `side` sent on `stream`: (index in `posted[side]`, length), posting order.
+    pub fn sends_on(&self, side: usize, stream: u32) -> Vec<(usize, u32)> {
+        self.posted[side]
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match p.spec.kind {
+                OpKind::Send { stream: s, len } if s == stream => Some((i, len)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Receives side `rx` posted on `stream`, posting order.
+    pub fn recvs_on(&self, rx: usize, stream: u32) -> Vec<&RecvPosted> {
+        self.recvs[rx]
+            .iter()
+            .filter(|r| r.stream == stream)
+            .collect()
+    }
+
+    /// Streams `side` sent SENDs on.
+    pub fn send_streams(&self, side: usize) -> Vec<u32> {
+        let mut v: Vec<u32> = self.posted[side]
+            .iter()
+            .filter_map(|p| match p.spec.kind {
+                OpKind::Send { stream, .. } => Some(stream),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// On a side that requires posted receives, post the receives the schedule lacks for
+    /// the SENDs the peer posted (each exactly as long as its message), except on starved
+    /// streams. A SEND waits (RNR) until then.
+    pub fn top_up_receives(&mut self, rx: usize) -> Result<(), String> {
+        if !self.posted_mode(rx) || self.net.lost(rx, self.conns[rx]).is_some() {
+            return Ok(());
+        }
+        let tx = 1 - rx;
+        for st in self.send_streams(tx) {
+            if self.starved[rx].contains(&st) {
+                continue;
+            }
+            let sends = self.sends_on(tx, st);
+            let have = self.recvs_on(rx, st).len();
+            for &(_, len) in sends.iter().skip(have) {
+                self.post_recv(rx, st, len, true)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Post one operation now. A refusal because the connection is gone is recorded; any
     /// other refusal is an error.
     pub fn post(&mut self, spec: OpSpec) -> Result<(), String> {
         let side = spec.side;
+        if let OpKind::Recv { stream, len } = spec.kind {
+            if !self.posted_mode(side) || self.starved[side].contains(&stream) {
+                return Ok(());
+            }
+            return self.post_recv(side, stream, len, false);
+        }
         let wr_id = self.next_wr;
         let fenced = self.pending(side) == 0;
         let conn = self.conns[side];
@@ -1134,7 +1646,10 @@ impl Workload {
             spec: spec.clone(),
             data: None,
             write: None,
+            read: None,
+            atomic: None,
             valid: true,
+            expect: WcStatus::Success,
             fenced,
             posted_at: self.net.elapsed(),
         };
@@ -1148,13 +1663,53 @@ impl Workload {
                 let (req, valid) = self.write_request(side, wr_id, k);
                 posted.write = Some(req);
                 posted.valid = valid;
+                if !valid {
+                    posted.expect = WcStatus::RemoteAccessError;
+                }
                 self.net.eps[side].post_write(conn, req)
             }
+            k @ OpKind::Read { .. } => {
+                let (req, valid) = self.read_request(side, wr_id, k);
+                posted.read = Some(req);
+                posted.valid = valid;
+                if !valid {
+                    posted.expect = WcStatus::RemoteAccessError;
+                }
+                self.net
+                    .snap_on
+                    .insert((side, wr_id), (req.lkey, req.local_offset, req.len as u64));
+                self.net.eps[side].post_read(conn, req)
+            }
+            k @ OpKind::Atomic { .. } => {
+                let slot = self.posted[side]
+                    .iter()
+                    .filter(|p| p.atomic.is_some())
+                    .count();
+                if slot >= ATOMIC_SLOTS {
+                    return Err(format!("side {side}: more than {ATOMIC_SLOTS} atomics"));
+                }
+                let (req, status) = self.atomic_request(side, wr_id, slot, k);
+                posted.atomic = Some((req, slot));
+                posted.valid = status == WcStatus::Success;
+                posted.expect = status;
+                self.net
+                    .snap_on
+                    .insert((side, wr_id), (req.lkey, req.local_offset, 8));
+                self.net.eps[side].post_atomic(conn, req)
+            }
+            OpKind::Recv { .. } => unreachable!(),
         };
         match r {
             Ok(()) => {
                 self.next_wr += 1;
+                let send = matches!(spec.kind, OpKind::Send { .. });
                 self.posted[side].push(posted);
+                // A sender that gives up after rnr_retry RNR NAKs would fail SENDs whose
+                // receive comes late: give them their receive now (before any packet
+                // arrives), unless the schedule starves the stream.
+                if send && self.eager_receives && self.net.configs[side].transport.rnr_retry != 7 {
+                    self.top_up_receives(1 - side)?;
+                }
                 Ok(())
             }
             Err(PostError::UnknownConnection) if self.net.lost(side, conn).is_some() => {
@@ -1165,6 +1720,28 @@ impl Workload {
         }
     }
 
+    /// The status each operation of `side` completes with when nothing goes wrong: its own
+    /// expectation, except SENDs to a peer that requires posted receives: message k of a
+    /// stream lands in receive k of that stream; RemoteInvalidRequest if that receive is
+    /// shorter, RnrRetryExceeded on a starved stream.
+    pub fn expected(&self, side: usize) -> Vec<WcStatus> {
+        let rx = 1 - side;
+        let mut exp: Vec<WcStatus> = self.posted[side].iter().map(Posted::expected).collect();
+        if self.posted_mode(rx) {
+            for st in self.send_streams(side) {
+                let recvs = self.recvs_on(rx, st);
+                for (k, (i, len)) in self.sends_on(side, st).into_iter().enumerate() {
+                    if self.starved[rx].contains(&st) {
+                        exp[i] = WcStatus::RnrRetryExceeded;
+                    } else if recvs.get(k).is_some_and(|r| r.len < len) {
+                        exp[i] = WcStatus::RemoteInvalidRequest;
+                    }
+                }
+            }
+        }
+        exp
+    }
+
     /// Post a schedule: wait each op's gap (and fence), then post it.
     pub fn post_all(&mut self, ops: &[OpSpec], fence_limit: Duration) -> Result<(), String> {
         for op in ops {
@@ -1173,6 +1750,10 @@ impl Workload {
             }
             if op.fence {
                 let side = op.side;
+                // SENDs waiting for receives would hold the fence up to the limit (and RNR
+                // rounds cost steps): receives missing so far come now.
+                self.top_up_receives(0)?;
+                self.top_up_receives(1)?;
                 let limit = self.net.elapsed() + fence_limit;
                 self.net.run_until(limit, |n| {
                     self.posted[side].len() == n.completions(side, self.conns[side]).len()
@@ -1186,6 +1767,8 @@ impl Workload {
     /// Run until every operation completed (within `limit` of virtual time from the start)
     /// and then until the network is quiet (within `quiet` more). Liveness check.
     pub fn finish(&mut self, limit: Duration, quiet: Duration) -> Result<(), String> {
+        self.top_up_receives(0)?;
+        self.top_up_receives(1)?;
         let conns = self.conns;
         let counts = [self.posted[0].len(), self.posted[1].len()];
         let done = self.net.run_until(limit, |n| {
@@ -1220,8 +1803,11 @@ impl Workload {
     pub fn check_all(&self) -> Result<(), String> {
         self.check_completions()?;
         self.check_streams()?;
+        self.check_recvs()?;
         self.check_immediates()?;
         self.check_memory()?;
+        self.check_rdma_memory()?;
+        self.check_rdma_counts()?;
         self.check_endpoint_stats()?;
         Ok(())
     }
@@ -1274,7 +1860,7 @@ impl Workload {
                 }
             }
             let statuses: Vec<WcStatus> = wcs.iter().map(|w| w.status).collect();
-            let expected: Vec<WcStatus> = posted.iter().map(Posted::expected).collect();
+            let expected = self.expected(side);
             match lost {
                 None => {
                     if statuses != expected {
@@ -1315,6 +1901,15 @@ impl Workload {
         for side in 0..2 {
             let rx = 1 - side;
             let got = self.net.messages(rx, self.conns[rx]);
+            if self.posted_mode(rx) {
+                // Every stream consumes posted receives: see check_recvs.
+                if let Some(st) = got.keys().next() {
+                    return Err(format!(
+                        "side {rx} requires posted receives but got a message (library buffer) on stream {st}"
+                    ));
+                }
+                continue;
+            }
             let wcs = self.net.completions(side, self.conns[side]);
             let ended = self.net.lost(side, self.conns[side]).is_some()
                 || self.net.lost(rx, self.conns[rx]).is_some();
@@ -1370,6 +1965,166 @@ impl Workload {
                         "stream {st} ({side}->{rx}): {} of {} messages delivered",
                         g.len(),
                         msgs.len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Posted receives (sides that require them): message k of a stream lands in receive k
+    /// of that stream (posting order), whole and exactly once: `Success` with the message
+    /// length, or `LocalLengthError` if the receive is shorter (the SEND then completes with
+    /// `RemoteInvalidRequest`); receive completions in posting order per stream, each
+    /// receive at most once; every SEND that succeeded was received; without a failure every
+    /// message was received and no other receive completed; when the receiver's connection
+    /// ended, the rest completed with `WrFlushError`. Sides without posted mode report no
+    /// receive completions.
+    pub fn check_recvs(&self) -> Result<(), String> {
+        for rx in 0..2 {
+            let tx = 1 - rx;
+            let got = self.net.recv_completions(rx, self.conns[rx]);
+            if !self.posted_mode(rx) {
+                if let Some(g) = got.first() {
+                    return Err(format!(
+                        "side {rx}: receive completion {g:?} without receives"
+                    ));
+                }
+                continue;
+            }
+            let rx_ended = self.net.lost(rx, self.conns[rx]).is_some();
+            let ended = rx_ended || self.net.lost(tx, self.conns[tx]).is_some();
+            let wcs = self.net.completions(tx, self.conns[tx]);
+            let mut seen = HashSet::new();
+            for (st, wc) in &got {
+                if wc.opcode != WcOpcode::Recv {
+                    return Err(format!("side {rx}: receive completion {wc:?}"));
+                }
+                match self.recvs[rx].iter().find(|r| r.wr_id == wc.wr_id) {
+                    None => return Err(format!("side {rx}: completion of unknown receive {wc:?}")),
+                    Some(r) if r.stream != *st => {
+                        return Err(format!(
+                            "side {rx}: receive {} of stream {} completed on stream {st}",
+                            wc.wr_id, r.stream
+                        ))
+                    }
+                    _ => {}
+                }
+                if !seen.insert(wc.wr_id) {
+                    return Err(format!("side {rx}: receive {} completed twice", wc.wr_id));
+                }
+            }
+            let mut streams: Vec<u32> = self.recvs[rx].iter().map(|r| r.stream).collect();
+            streams.extend(self.send_streams(tx));
+            streams.sort_unstable();
+            streams.dedup();
+            for st in streams {
+                let recvs = self.recvs_on(rx, st);
+                let sends = self.sends_on(tx, st);
+                let g: Vec<metaroce::WorkCompletion> = got
+                    .iter()
+                    .filter(|(s, _)| *s == st)
+                    .map(|(_, w)| *w)
+                    .collect();
+                let ctx = || {
+                    format!(
+                        "stream {st} ({tx}->{rx}): receives {:?}, messages {:?}, receive completions {:?}",
+                        recvs.iter().map(|r| (r.wr_id, r.len)).collect::<Vec<_>>(),
+                        sends
+                            .iter()
+                            .map(|&(i, len)| (self.posted[tx][i].wr_id, len, wcs.get(i).map(|w| w.status)))
+                            .collect::<Vec<_>>(),
+                        g.iter().map(|w| (w.wr_id, w.status, w.byte_len)).collect::<Vec<_>>()
+                    )
+                };
+                if g.iter().zip(&recvs).any(|(w, r)| w.wr_id != r.wr_id) {
+                    return Err(format!(
+                        "receive completions out of posting order: {}",
+                        ctx()
+                    ));
+                }
+                let matched = g
+                    .iter()
+                    .take_while(|w| w.status != WcStatus::WrFlushError)
+                    .count();
+                if g[matched..]
+                    .iter()
+                    .any(|w| w.status != WcStatus::WrFlushError || w.byte_len != 0)
+                {
+                    return Err(format!(
+                        "a receive completed after a flushed one: {}",
+                        ctx()
+                    ));
+                }
+                if matched < g.len() && !rx_ended {
+                    return Err(format!("receives flushed on a live connection: {}", ctx()));
+                }
+                if matched > sends.len() {
+                    return Err(format!("a receive completed by no message: {}", ctx()));
+                }
+                for k in 0..matched {
+                    let (i, len) = sends[k];
+                    let want = if len > recvs[k].len {
+                        WcStatus::LocalLengthError
+                    } else {
+                        WcStatus::Success
+                    };
+                    if g[k].status != want || g[k].byte_len != len {
+                        return Err(format!(
+                            "receive {k} completed {:?} / {} bytes, expected {want:?} / {len}: {}",
+                            g[k].status,
+                            g[k].byte_len,
+                            ctx()
+                        ));
+                    }
+                    let sender = if want == WcStatus::Success {
+                        WcStatus::Success
+                    } else {
+                        WcStatus::RemoteInvalidRequest
+                    };
+                    if let Some(w) = wcs.get(i) {
+                        let failed =
+                            matches!(w.status, WcStatus::RetryExceeded | WcStatus::WrFlushError);
+                        if w.status != sender && !(ended && failed) {
+                            return Err(format!(
+                                "message {k} was received ({want:?}) but its SEND completed {:?}: {}",
+                                w.status,
+                                ctx()
+                            ));
+                        }
+                    }
+                }
+                let must = sends
+                    .iter()
+                    .rposition(|(i, _)| {
+                        wcs.get(*i).is_some_and(|w| {
+                            matches!(w.status, WcStatus::Success | WcStatus::RemoteInvalidRequest)
+                        })
+                    })
+                    .map_or(0, |k| k + 1);
+                if matched < must {
+                    return Err(format!(
+                        "{matched} messages received but {must} SENDs completed: {}",
+                        ctx()
+                    ));
+                }
+                if self.starved[rx].contains(&st) && !g.is_empty() {
+                    return Err(format!(
+                        "a receive completed on a starved stream: {}",
+                        ctx()
+                    ));
+                }
+                if !ended && !self.starved[rx].contains(&st) && matched != sends.len() {
+                    return Err(format!(
+                        "{matched} of {} messages received: {}",
+                        sends.len(),
+                        ctx()
+                    ));
+                }
+                if rx_ended && g.len() != recvs.len() {
+                    return Err(format!(
+                        "the connection ended but not every receive completed: {}",
+                        ctx()
                     ));
                 }
             }
@@ -1504,6 +2259,331 @@ impl Workload {
         Ok(())
     }
 
+    /// Memory touched by READs, atomics and receives:
+    ///
+    /// * READ sources never change;
+    /// * READ destinations: each byte holds the canary or what some READ that may have
+    ///   landed read there (a successful READ posted after everything before it completed
+    ///   wins) — invalid READs write nothing, nothing lands outside the target area;
+    /// * each successful READ's bytes are in place when its completion is reported (a
+    ///   snapshot then): every byte is the remote byte, or that of another READ into the same
+    ///   place posted before the completion;
+    /// * atomics: the result slot of each successful one holds its original value (also when
+    ///   its completion was reported); every other byte of the result region is canary; the
+    ///   counter's canaries are intact; the counter's final value and the original values are
+    ///   those of executing the successful atomics one after the other, each exactly once, in
+    ///   some order (see [`serial_order_exists`]) — and an atomic posted after every earlier
+    ///   operation completed saw all of their effects;
+    /// * receive buffers: a successful receive holds its message (and the canary after it);
+    ///   a receive that failed or is still pending holds the canary (or, after a failure, a
+    ///   partial copy of its message); bytes between receive slots are canary.
+    pub fn check_rdma_memory(&self) -> Result<(), String> {
+        for side in 0..2 {
+            let peer = 1 - side;
+            let regs = &self.regions[side];
+            let peer_regs = &self.regions[peer];
+            let wcs = self.net.completions(side, self.conns[side]);
+            let ended = (0..2).any(|i| self.net.lost(i, self.conns[i]).is_some());
+            let read = |lkey: u32, off: u64, len: u64| {
+                self.net.eps[side]
+                    .mr_read(lkey, off, len)
+                    .map_err(|e| format!("side {side}: {e}"))
+            };
+            if read(regs.rsrc.lkey, 0, RSRC_LEN as u64)? != &rsrc_bytes(side)[..] {
+                return Err(format!("side {side}: the READ source region changed"));
+            }
+
+            // READs.
+            let peer_src = rsrc_bytes(peer);
+            let reads: Vec<(usize, ReadRequest, WcStatus)> = self.posted[side]
+                .iter()
+                .zip(wcs.iter())
+                .enumerate()
+                .filter_map(|(i, (p, wc))| p.read.map(|r| (i, r, wc.status)))
+                .filter(|(_, r, _)| r.len > 0)
+                .collect();
+            let value = |r: &ReadRequest, b: usize| -> u8 {
+                peer_src
+                    [(r.remote_addr - peer_regs.rsrc.addr) as usize + b - r.local_offset as usize]
+            };
+            let may_land = |i: usize, st: WcStatus| match st {
+                WcStatus::Success => true,
+                WcStatus::RemoteAccessError => false,
+                _ => self.posted[side][i].valid,
+            };
+            // Byte by byte, the READs that may have put it there, newest first, down to the
+            // newest successful one that was posted after everything before it completed;
+            // the canary only if there is no such READ.
+            let n = (2 * GUARD + AREA) as usize;
+            let mem = read(regs.rdst.lkey, 0, n as u64)?;
+            for (b, &v) in mem.iter().enumerate() {
+                let mut ok = false;
+                let mut canary_allowed = true;
+                let covers = |r: &ReadRequest| {
+                    (r.local_offset as usize..(r.local_offset + r.len as u64) as usize).contains(&b)
+                };
+                for &(i, r, st) in reads.iter().rev() {
+                    if !may_land(i, st) || !covers(&r) {
+                        continue;
+                    }
+                    if v == value(&r, b) {
+                        ok = true;
+                        break;
+                    }
+                    if self.posted[side][i].fenced && st == WcStatus::Success {
+                        canary_allowed = false;
+                        break;
+                    }
+                }
+                if !(ok || (canary_allowed && v == canary(side, 4, b))) {
+                    let allowed: Vec<u64> = reads
+                        .iter()
+                        .filter(|&&(i, r, st)| may_land(i, st) && covers(&r))
+                        .map(|&(i, _, _)| self.posted[side][i].wr_id)
+                        .collect();
+                    return Err(format!(
+                        "side {side}: READ destination byte {b} ({}) = {v:#04x}, READs that may land there (wr ids) {allowed:?}{}",
+                        if b < GUARD as usize || b >= (GUARD + AREA) as usize {
+                            "canary guard"
+                        } else {
+                            "target area"
+                        },
+                        if canary_allowed { " or the canary" } else { "" }
+                    ));
+                }
+            }
+            for &(i, r, st) in &reads {
+                if st != WcStatus::Success {
+                    continue;
+                }
+                let p = &self.posted[side][i];
+                let Some((t, snap)) = self.net.snaps.get(&(side, p.wr_id)) else {
+                    return Err(format!("side {side}: no snapshot of READ {}", p.wr_id));
+                };
+                for (k, &v) in snap.iter().enumerate() {
+                    let b = r.local_offset as usize + k;
+                    if v == value(&r, b) {
+                        continue;
+                    }
+                    let other = reads.iter().any(|&(j, q, sj)| {
+                        j != i
+                            && may_land(j, sj)
+                            && self.posted[side][j].posted_at <= *t
+                            && (q.local_offset as usize..(q.local_offset + q.len as u64) as usize)
+                                .contains(&b)
+                            && v == value(&q, b)
+                    });
+                    if !other {
+                        return Err(format!(
+                            "side {side}: READ {} ({} bytes from {:#x}) completed at {t:?} while byte {k} of its buffer was {v:#04x}, not the remote byte {:#04x}",
+                            p.wr_id,
+                            r.len,
+                            r.remote_addr - peer_regs.rsrc.addr,
+                            value(&r, b)
+                        ));
+                    }
+                }
+            }
+
+            // Atomics (this side's, on the peer's counter). An operation posted after every
+            // earlier one completed cuts the atomics into segments that executed one after
+            // the other; within a segment, in any order.
+            let ares = read(regs.ares.lkey, 0, slot_off(ATOMIC_SLOTS))?;
+            let mut result_bytes = vec![false; ares.len()];
+            let mut segments: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
+            let mut uncertain = 0;
+            let init = counter_init(peer);
+            for (p, wc) in self.posted[side].iter().zip(wcs.iter()) {
+                if p.fenced && !segments.last().unwrap().is_empty() {
+                    segments.push(Vec::new());
+                }
+                let Some((req, slot)) = p.atomic else {
+                    continue;
+                };
+                let off = slot_off(slot) as usize;
+                let untouched = (off..off + 8).all(|b| ares[b] == canary(side, 6, b));
+                let orig = u64::from_le_bytes(ares[off..off + 8].try_into().unwrap());
+                if wc.status != WcStatus::Success {
+                    if p.valid && wc.status != p.expect {
+                        // Flushed or failed with the connection: it may have executed. If
+                        // its response landed before the flush (an operation behind a
+                        // pending one is flushed even if it finished), its original value
+                        // is in its slot and it counts as executed.
+                        if untouched {
+                            uncertain += 1;
+                        } else {
+                            result_bytes[off..off + 8].fill(true);
+                            segments
+                                .last_mut()
+                                .unwrap()
+                                .push((orig, apply_atomic(req.op, orig)));
+                        }
+                    }
+                    continue;
+                }
+                result_bytes[off..off + 8].fill(true);
+                match self.net.snaps.get(&(side, p.wr_id)) {
+                    Some((_, snap)) if snap[..] == ares[off..off + 8] => {}
+                    Some((_, snap)) => {
+                        return Err(format!(
+                            "side {side}: atomic {} reported its completion before its original value landed ({snap:02x?} then {orig:#x})",
+                            p.wr_id
+                        ))
+                    }
+                    None => return Err(format!("side {side}: no snapshot of atomic {}", p.wr_id)),
+                }
+                segments
+                    .last_mut()
+                    .unwrap()
+                    .push((orig, apply_atomic(req.op, orig)));
+            }
+            if let Some(b) =
+                (0..ares.len()).find(|&b| !result_bytes[b] && ares[b] != canary(side, 6, b))
+            {
+                return Err(format!(
+                    "side {side}: atomic result region byte {b} (slot {}) changed: {:02x?}",
+                    b.saturating_sub(8) / 16,
+                    &ares[b & !7..(b & !7) + 8]
+                ));
+            }
+            let ctr = self.net.eps[peer]
+                .mr_read(peer_regs.ctr.lkey, 0, CTR_LEN as u64)
+                .map_err(|e| format!("{e}"))?;
+            if let Some(b) = (0..CTR_LEN as usize)
+                .filter(|b| !(CTR_OFF as usize..CTR_OFF as usize + 8).contains(b))
+                .find(|&b| ctr[b] != canary(peer, 5, b))
+            {
+                return Err(format!(
+                    "side {peer}: counter region canary byte {b} changed"
+                ));
+            }
+            let fin = u64::from_le_bytes(
+                ctr[CTR_OFF as usize..CTR_OFF as usize + 8]
+                    .try_into()
+                    .unwrap(),
+            );
+            if uncertain == 0 {
+                let mut at = init;
+                for (k, seg) in segments.iter().enumerate() {
+                    let end = serial_end(at, seg)
+                        .filter(|&e| serial_order_exists(at, e, seg))
+                        .ok_or_else(|| {
+                            format!(
+                                "side {peer}: counter {init:#x} -> {fin:#x}: the atomics of segment {k} (original -> new value) {seg:x?} cannot have executed once each one after the other from {at:#x} (segments, cut where an operation was posted after every earlier one completed: {segments:x?})"
+                            )
+                        })?;
+                    at = end;
+                }
+                if at != fin {
+                    return Err(format!(
+                        "side {peer}: counter {init:#x} -> {fin:#x}, but the atomics (original -> new value) {segments:x?} leave it at {at:#x}"
+                    ));
+                }
+            }
+
+            // Receive buffers (this side's).
+            let rbuf = read(regs.rbuf.lkey, 0, regs.rbuf.len)?;
+            let mut covered = vec![false; rbuf.len()];
+            let got = self.net.recv_completions(side, self.conns[side]);
+            let mut by_stream: HashMap<u32, usize> = HashMap::new();
+            for r in &self.recvs[side] {
+                let k = by_stream.entry(r.stream).or_default();
+                let msg = self
+                    .sends_on(peer, r.stream)
+                    .get(*k)
+                    .and_then(|&(i, _)| self.posted[peer][i].data.clone());
+                *k += 1;
+                let off = r.offset as usize;
+                covered[off..off + r.len as usize].fill(true);
+                let slot = &rbuf[off..off + r.len as usize];
+                let status = got
+                    .iter()
+                    .find(|(_, w)| w.wr_id == r.wr_id)
+                    .map(|(_, w)| w.status);
+                let canary_at = |b: usize| canary(side, 7, off + b);
+                for (b, &v) in slot.iter().enumerate() {
+                    let msg_byte = msg.as_ref().and_then(|m| m.get(b).copied());
+                    let ok = match status {
+                        Some(WcStatus::Success) => match msg_byte {
+                            Some(x) => v == x,
+                            None => v == canary_at(b),
+                        },
+                        Some(WcStatus::LocalLengthError) => v == canary_at(b),
+                        _ if ended => v == canary_at(b) || Some(v) == msg_byte,
+                        _ => v == canary_at(b),
+                    };
+                    if !ok {
+                        return Err(format!(
+                            "side {side}: receive {} (stream {}, {} bytes, {status:?}) byte {b} = {v:#04x}, message byte {msg_byte:x?}",
+                            r.wr_id, r.stream, r.len
+                        ));
+                    }
+                }
+                if status == Some(WcStatus::Success) {
+                    let Some((_, snap)) = self.net.snaps.get(&(side, r.wr_id)) else {
+                        continue;
+                    };
+                    if snap[..] != slot[..] {
+                        return Err(format!(
+                            "side {side}: receive {} reported before its message was in place",
+                            r.wr_id
+                        ));
+                    }
+                }
+            }
+            if let Some(b) = (0..rbuf.len()).find(|&b| !covered[b] && rbuf[b] != canary(side, 7, b))
+            {
+                return Err(format!(
+                    "side {side}: receive buffer region byte {b} (outside every receive) changed"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Exactly-once execution at the responder: the peer's READ and atomic counters equal
+    /// the numbers of successful READs and atomics (plus at most those whose fate the end of
+    /// the connection left open).
+    pub fn check_rdma_counts(&self) -> Result<(), String> {
+        for side in 0..2 {
+            let Some(st) = self.stats(1 - side) else {
+                continue;
+            };
+            let wcs = self.net.completions(side, self.conns[side]);
+            let (mut reads, mut reads_open, mut atomics, mut atomics_open) = (0, 0, 0, 0);
+            for (p, wc) in self.posted[side].iter().zip(wcs.iter()) {
+                let (ok, open) = (
+                    wc.status == WcStatus::Success,
+                    p.valid
+                        && matches!(wc.status, WcStatus::RetryExceeded | WcStatus::WrFlushError),
+                );
+                if p.read.is_some() {
+                    reads += ok as u64;
+                    reads_open += open as u64;
+                }
+                if p.atomic.is_some() {
+                    atomics += ok as u64;
+                    atomics_open += open as u64;
+                }
+            }
+            if st.recv.reads < reads || st.recv.reads > reads + reads_open {
+                return Err(format!(
+                    "side {}: executed {} READs for {reads} successful ones (+{reads_open} open)",
+                    1 - side,
+                    st.recv.reads
+                ));
+            }
+            if st.recv.atomics < atomics || st.recv.atomics > atomics + atomics_open {
+                return Err(format!(
+                    "side {}: executed {} atomics for {atomics} successful ones (+{atomics_open} open)",
+                    1 - side,
+                    st.recv.atomics
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// No malformed or bad-ICRC packets (the network never corrupts); no packet for an
     /// unknown connection unless a connection ended; one connection per side.
     pub fn check_endpoint_stats(&self) -> Result<(), String> {
@@ -1535,6 +2615,67 @@ impl Workload {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether atomics with these (original value, new value) pairs can have executed one
+/// after the other, each exactly once, starting from `init` and leaving `fin`: a walk from
+/// `init` to `fin` that uses every pair once as an edge (an Eulerian trail of the multigraph
+/// of values: balanced degrees and one connected component).
+pub fn serial_order_exists(init: u64, fin: u64, edges: &[(u64, u64)]) -> bool {
+    if serial_end(init, edges) != Some(fin) {
+        return false;
+    }
+    let mut parent: HashMap<u64, u64> = HashMap::new();
+    fn root(parent: &mut HashMap<u64, u64>, mut v: u64) -> u64 {
+        while let Some(&p) = parent.get(&v) {
+            if p == v {
+                break;
+            }
+            v = p;
+        }
+        v
+    }
+    for &(a, b) in edges {
+        parent.entry(a).or_insert(a);
+        parent.entry(b).or_insert(b);
+        let (ra, rb) = (root(&mut parent, a), root(&mut parent, b));
+        parent.insert(ra, rb);
+    }
+    parent.entry(init).or_insert(init);
+    let r = root(&mut parent, init);
+    let vs: Vec<u64> = parent.keys().copied().collect();
+    vs.into_iter().all(|v| root(&mut parent, v) == r)
+}
+
+/// The value an atomic leaves when it finds `orig`.
+pub fn apply_atomic(op: AtomicOp, orig: u64) -> u64 {
+    match op {
+        AtomicOp::FetchAdd { add } => orig.wrapping_add(add),
+        AtomicOp::CompareSwap { compare, swap } => {
+            if orig == compare {
+                swap
+            } else {
+                orig
+            }
+        }
+    }
+}
+
+/// Where a serial execution of the (original, new) pairs from `init` ends, judged by the
+/// degree balance (`None`: unbalanced, no serial order).
+pub fn serial_end(init: u64, edges: &[(u64, u64)]) -> Option<u64> {
+    let mut bal: HashMap<u64, i64> = HashMap::new();
+    for &(a, b) in edges {
+        *bal.entry(a).or_default() += 1;
+        *bal.entry(b).or_default() -= 1;
+    }
+    *bal.entry(init).or_default() -= 1;
+    let off: Vec<(u64, i64)> = bal.into_iter().filter(|&(_, d)| d != 0).collect();
+    match off[..] {
+        [] => Some(init),
+        [(v, -1)] => Some(v),
+        _ => None,
     }
 }
 
@@ -1827,6 +2968,43 @@ pub struct Schedule {
     pub close: Option<(usize, usize)>,
     /// Transport parameters other than the harness defaults.
     pub tuning: Tuning,
+    /// READ / atomic / posted-receive parameters.
+    pub rdma: RdmaTuning,
+    /// Streams of each receiving side that never get a receive (see `Workload::starved`).
+    pub starved: [Vec<u32>; 2],
+}
+
+/// READ / atomic / posted-receive parameters a schedule may vary, per endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RdmaTuning {
+    /// `require_posted_receives`: every stream to this endpoint consumes posted receives.
+    pub posted: [bool; 2],
+    /// `max_rd_atomic`.
+    pub max_rd_atomic: [u32; 2],
+    /// `min_rnr_timer`: the RNR timer code this endpoint puts in its RNR NAKs.
+    pub min_rnr_timer: [u8; 2],
+    /// `rnr_retry` (7 = forever).
+    pub rnr_retry: [u8; 2],
+}
+
+impl Default for RdmaTuning {
+    fn default() -> Self {
+        RdmaTuning {
+            posted: [false, false],
+            max_rd_atomic: [16, 16],
+            min_rnr_timer: [12, 12],
+            rnr_retry: [7, 7],
+        }
+    }
+}
+
+impl RdmaTuning {
+    pub fn apply(&self, i: usize, c: &mut EndpointConfig) {
+        c.transport.require_posted_receives = self.posted[i];
+        c.transport.max_rd_atomic = self.max_rd_atomic[i];
+        c.transport.min_rnr_timer = self.min_rnr_timer[i];
+        c.transport.rnr_retry = self.rnr_retry[i];
+    }
 }
 
 /// Transport parameters a schedule may vary (per endpoint where it matters).
@@ -1877,6 +3055,8 @@ impl Schedule {
             outage: None,
             close: None,
             tuning: Tuning::default(),
+            rdma: RdmaTuning::default(),
+            starved: [Vec::new(), Vec::new()],
         }
     }
 }
@@ -1889,6 +3069,8 @@ pub fn run_schedule(s: &Schedule) -> Result<Workload, String> {
     b.initial_psn = s.initial_psn;
     s.tuning.apply(0, &mut a);
     s.tuning.apply(1, &mut b);
+    s.rdma.apply(0, &mut a);
+    s.rdma.apply(1, &mut b);
     let mut net = Net::with_configs(s.seed, a, b);
     if s.impair_handshake {
         for p in &s.phases {
@@ -1899,6 +3081,7 @@ pub fn run_schedule(s: &Schedule) -> Result<Workload, String> {
     }
     let mut w = Workload::start(net, Duration::from_secs(10))
         .ok_or_else(|| "handshake did not complete within 10 s".to_string())?;
+    w.starved = s.starved.clone();
     let t0 = w.net.elapsed();
     if !s.impair_handshake {
         for p in &s.phases {
@@ -1955,6 +3138,18 @@ pub fn close(w: &mut Workload, side: usize) {
 
 /// Debug aid: print the events of a workload.
 pub fn dump(w: &Workload) {
+    for i in 0..2 {
+        for (k, p) in w.posted[i].iter().enumerate() {
+            eprintln!(
+                "  [{i}] op {k}: wr {} at {:?} {:?}",
+                p.wr_id, p.posted_at, p.spec.kind
+            );
+        }
+        for r in &w.recvs[i] {
+            eprintln!("  [{i}] {r:?}");
+        }
+        eprintln!("  [{i}] regions {:?}", w.regions[i]);
+    }
     for i in 0..2 {
         for (e, t) in w.net.events[i].iter().zip(&w.net.event_times[i]) {
             eprintln!("  [{i}] {:>10.3?} {e:?}", *t - w.net.start);
