@@ -25,7 +25,9 @@ pub enum WcStatus {
     /// `IBV_WC_LOC_PROT_ERR`: the local memory reference (lkey, range) was invalid.
     LocalProtectionError,
     /// `IBV_WC_WR_FLUSH_ERR`: the operation was flushed because the connection closed or
-    /// failed before it completed.
+    /// failed before it completed, or — for a SEND, and for a receive posted on a stream —
+    /// because its stream is in the error state (see [`WcStatus::RnrRetryExceeded`]). A
+    /// flushed SEND was not delivered; a flushed receive holds no message.
     WrFlushError,
     /// `IBV_WC_REM_INV_REQ_ERR`: the responder found the request invalid (NAK 0x61).
     RemoteInvalidRequest,
@@ -36,7 +38,22 @@ pub enum WcStatus {
     RemoteOperationalError,
     /// `IBV_WC_RETRY_EXC_ERR`: every path exceeded the retry budget without progress.
     RetryExceeded,
-    /// `IBV_WC_RNR_RETRY_EXC_ERR`: the responder had no receive posted, `rnr_retry` times.
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`: a SEND found no receive posted at the responder on
+    /// `rnr_retry` + 1 tries (`rnr_retry` 7 retries forever), with no other copy of it in
+    /// flight; the message was not delivered (unless the network duplicated it).
+    ///
+    /// As in IBA, where this error moves the QP to the error state and flushes every later
+    /// work request, it is fatal to the ordered unit — here the SEND's **stream**, which
+    /// plays the role of an RC send queue: every later SEND on the stream completes with
+    /// `WrFlushError` (even one already acknowledged: it waits at the receiver behind the
+    /// lost message and is never delivered), SENDs posted on the stream afterwards complete
+    /// with `WrFlushError` without being sent, and the receiver, told by a stream abort,
+    /// flushes the stream's receives from that message on (docs/PROTOCOL.md, "Errors on a
+    /// stream"). The connection's other streams, WRITEs, READs and atomics are not
+    /// affected: a missing receive is a property of one stream, and failing the connection
+    /// would let one slow consumer take every stream down. A stream in the error state
+    /// stays so for the life of the connection; use another stream id. READs and atomics
+    /// that meet a busy responder are retried without limit and never get this status.
     RnrRetryExceeded,
 }
 
@@ -189,7 +206,9 @@ pub enum Event {
     /// A receive posted with [`Endpoint::post_recv`](crate::Endpoint::post_recv) completed:
     /// a message of `wc.byte_len` bytes landed in its buffer (status `Success`), or did not
     /// fit (`LocalLengthError`; the sender gets `RemoteInvalidRequest`), or the connection
-    /// ended (`WrFlushError`). Reported in the order the receives were posted on the stream.
+    /// ended or the stream is in the error state (`WrFlushError`; see
+    /// [`WcStatus::RnrRetryExceeded`]). Reported in the order the receives were posted on
+    /// the stream.
     RecvCompletion {
         /// Which connection.
         conn: ConnectionHandle,

@@ -71,6 +71,8 @@ fn schedule(
                     tuning,
                     rdma: RdmaTuning::default(),
                     starved: [Vec::new(), Vec::new()],
+                    then: Vec::new(),
+                    then_early: false,
                 }
             },
         )

@@ -406,7 +406,8 @@ impl Connection {
                         if nak.syndrome & 0x60 == 0x20 {
                             // RNR NAK: no receive posted; wait the coded time and retry.
                             let delay = send::rnr_timer(nak.syndrome & 0x1F);
-                            self.sq.on_rnr(seg, now, delay, self.cfg.rnr_retry);
+                            let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
+                            self.sq.on_rnr(seg, now, delay, self.cfg.rnr_retry, copy);
                         } else {
                             self.sq
                                 .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
@@ -484,6 +485,9 @@ impl Connection {
             RxClass::New => {}
         }
         let outcome = match data {
+            Data::Send(s) if path.flags & send::PATH_FLAG_STREAM_ABORT != 0 => self
+                .rq
+                .on_stream_abort(handle, s.stream_id, s.msg_seq, &lim, events),
             Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, mrs, events),
             Data::Write(reth, w, imm) => {
                 self.rq
@@ -661,6 +665,11 @@ impl Connection {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
         consider(self.sq.wait_deadline());
+        // Completions of operations flushed when posted (on a dead stream) are reported by
+        // the next timer call: now.
+        if self.sq.completion_ready() || self.rq.has_flushed() {
+            consider(Some(self.last_heard));
+        }
         // The idle timeout only applies with nothing pending (see handle_timeout); offering
         // its deadline otherwise would make the caller spin.
         if let (Some(idle), State::Established) = (self.cfg.idle_timeout, self.state) {
@@ -684,6 +693,8 @@ impl Connection {
             }
             return Outcome::default();
         }
+        self.drain_completions(events);
+        self.rq.take_flushed(self.handle, events);
         // A server that has heard nothing from its client since accepting re-sends the
         // Accept with every timer: if it was lost, the client drops data until one arrives.
         if !self.outgoing && self.acks_received == 0 && self.data_in == 0 {
@@ -1054,6 +1065,22 @@ impl Connection {
                         Src::Bytes(bytes::Bytes::new()),
                     )
                 }
+                OpKind::StreamAbort { stream, msg_seq } => (
+                    Opcode::MR_SEND,
+                    Headers::Send {
+                        path: PathEth {
+                            flags: path.flags | send::PATH_FLAG_STREAM_ABORT,
+                            ..path
+                        },
+                        send: SendEth {
+                            stream_id: *stream,
+                            msg_seq: *msg_seq,
+                            offset: 0,
+                            msg_len: 0,
+                        },
+                    },
+                    Src::Bytes(bytes::Bytes::new()),
+                ),
                 OpKind::ReadResponse { req_id, data } => (
                     Opcode::MR_READ_RESPONSE,
                     Headers::ReadResponse {

@@ -408,6 +408,14 @@ impl PathTx {
         self.stats.rerolls += 1;
     }
 
+    /// Whether a copy of `seg` sent on this path is still awaited (neither acknowledged,
+    /// refused nor declared lost).
+    pub fn is_outstanding(&self, seg: SegRef) -> bool {
+        self.sent
+            .iter()
+            .any(|p| p.seg == seg && p.state == PktState::Outstanding)
+    }
+
     pub fn info(&self) -> PathInfo {
         PathInfo {
             id: self.id,

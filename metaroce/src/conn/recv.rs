@@ -75,6 +75,11 @@ struct StreamRx {
     /// so a refused message leaves no permanent gap in its stream. At most
     /// `max_stream_window` entries.
     refused: BTreeSet<u32>,
+    /// The stream is in the error state from this message on (the sender gave up on it
+    /// with `RnrRetryExceeded` and sent a stream abort): its packets and every later
+    /// message's are acknowledged and discarded, and once delivery reaches it every posted
+    /// receive — and every receive posted afterwards — completes with `WrFlushError`.
+    dead_from: Option<u32>,
     /// Messages that completed their receive with a length error (most recent
     /// `MAX_LEN_ERRORS`): every later packet of one is refused again, so a re-sent packet
     /// (its NAK lost or overtaken) is not acknowledged as a duplicate.
@@ -116,6 +121,8 @@ pub(crate) struct RecvState {
     /// ids at or above it.
     write_floor: u32,
     writes_done: BTreeSet<u32>,
+    /// Receives posted on a dead stream, flushed and not yet reported (`take_flushed`).
+    flushed: VecDeque<(u32, WorkCompletion)>,
     pub stats: RecvStats,
 }
 
@@ -140,6 +147,9 @@ pub struct RecvStats {
     pub reads: u64,
     /// Atomics executed.
     pub atomics: u64,
+    /// Streams that entered the error state because the sender aborted them (a SEND on
+    /// them failed with `RnrRetryExceeded`).
+    pub dead_streams: u64,
 }
 
 fn seq_before(a: u32, b: u32) -> bool {
@@ -153,6 +163,16 @@ fn test_set(bits: &mut [u64], i: u32) -> bool {
     !was
 }
 
+/// The completion of a receive flushed without data.
+fn flush_wc(wr_id: u64) -> WorkCompletion {
+    WorkCompletion {
+        wr_id,
+        status: WcStatus::WrFlushError,
+        opcode: WcOpcode::Recv,
+        byte_len: 0,
+    }
+}
+
 /// Check that a packet is the segment the path MTU implies at its offset.
 pub(crate) fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) -> bool {
     let off = offset as u64;
@@ -163,15 +183,88 @@ pub(crate) fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) 
 }
 
 impl RecvState {
-    /// Post a receive buffer on a stream; the stream then consumes posted receives.
+    /// Post a receive buffer on a stream; the stream then consumes posted receives. On a
+    /// dead stream whose delivery reached the lost message the receive is flushed at once
+    /// (reported by `take_flushed`), as IBA flushes receives posted to a QP in the error
+    /// state.
     pub fn post_recv(&mut self, stream: u32, r: PostedRecv) {
         let st = self.streams.entry(stream).or_default();
         st.posted_mode = true;
-        st.posted.push_back(r);
+        if st.dead_from == Some(st.next_deliver) {
+            self.flushed.push_back((stream, flush_wc(r.wr_id)));
+        } else {
+            st.posted.push_back(r);
+        }
+    }
+
+    /// Whether flushed receives wait to be reported.
+    pub fn has_flushed(&self) -> bool {
+        !self.flushed.is_empty()
+    }
+
+    /// Report the receives flushed at posting time.
+    pub fn take_flushed(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        for (stream, wc) in self.flushed.drain(..) {
+            events.push_back(Event::RecvCompletion { conn, stream, wc });
+        }
+    }
+
+    /// The sender aborted `stream` from message `first` on (an `MR_SEND` with the
+    /// stream-abort flag: a SEND failed with `RnrRetryExceeded` and every later SEND on
+    /// the stream was flushed). Messages before `first` are still delivered as they
+    /// complete; from `first` on (or from the next undelivered message, if `first` was
+    /// delivered already) the stream is dead: what was buffered of those messages is
+    /// dropped, later packets are acknowledged and discarded, and the stream's receives are
+    /// flushed once delivery reaches that point. Always acknowledged.
+    pub fn on_stream_abort(
+        &mut self,
+        conn: ConnectionHandle,
+        stream: u32,
+        first: u32,
+        lim: &RecvLimits,
+        events: &mut VecDeque<Event>,
+    ) -> RxOutcome {
+        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            return RxOutcome::Accepted;
+        }
+        let st = self.streams.entry(stream).or_default();
+        let from = if seq_before(first, st.next_deliver) {
+            st.next_deliver
+        } else {
+            first
+        };
+        match st.dead_from {
+            Some(d) if !seq_before(from, d) => return RxOutcome::Accepted,
+            None => self.stats.dead_streams += 1,
+            Some(_) => {}
+        }
+        st.dead_from = Some(from);
+        let dead: Vec<u32> = st
+            .msgs
+            .keys()
+            .copied()
+            .filter(|&m| !seq_before(m, from))
+            .collect();
+        for m in dead {
+            if let Some(Dest::Owned(d)) = st.msgs.remove(&m).map(|m| m.dest) {
+                self.buffered -= d.len() as u64;
+            }
+        }
+        st.refused.retain(|&m| seq_before(m, from));
+        Self::deliver(
+            conn,
+            stream,
+            st,
+            &mut self.buffered,
+            &mut self.stats,
+            events,
+        );
+        RxOutcome::Accepted
     }
 
     /// Fail every posted receive not yet completed (the connection ended).
     pub fn flush_receives(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        self.take_flushed(conn, events);
         let mut ids: Vec<_> = self.streams.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
@@ -179,16 +272,10 @@ impl RecvState {
                 continue;
             };
             for r in st.posted.drain(..) {
-                let wc = WorkCompletion {
-                    wr_id: r.wr_id,
-                    status: WcStatus::WrFlushError,
-                    opcode: WcOpcode::Recv,
-                    byte_len: 0,
-                };
                 events.push_back(Event::RecvCompletion {
                     conn,
                     stream: id,
-                    wc,
+                    wc: flush_wc(r.wr_id),
                 });
             }
         }
@@ -212,6 +299,11 @@ impl RecvState {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         let st = self.streams.entry(hdr.stream_id).or_default();
+        if st.dead_from.is_some_and(|d| !seq_before(hdr.msg_seq, d)) {
+            // A message of a dead stream (a copy sent before the abort, or overtaken by
+            // it): its SEND is already flushed at the sender.
+            return RxOutcome::Accepted;
+        }
         if !valid {
             // Refuse the whole message (every packet of it gets this NAK) and let delivery
             // skip it, so later messages of the stream are not stuck behind it.
@@ -377,6 +469,16 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) {
         loop {
+            if st.dead_from == Some(st.next_deliver) {
+                for r in st.posted.drain(..) {
+                    events.push_back(Event::RecvCompletion {
+                        conn,
+                        stream,
+                        wc: flush_wc(r.wr_id),
+                    });
+                }
+                break;
+            }
             if st.refused.remove(&st.next_deliver) {
                 st.next_deliver = st.next_deliver.wrapping_add(1);
                 continue;

@@ -12,6 +12,11 @@ use bytes::Bytes;
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+/// PathEth flags bit 1 on an `MR_SEND`: stream abort. The packet carries no payload;
+/// SendEth names the stream and the first message the sender gave up on (offset 0, message
+/// length 0). See docs/PROTOCOL.md, "Errors on a stream".
+pub(crate) const PATH_FLAG_STREAM_ABORT: u8 = 0x02;
+
 /// An atomic operation (IBA 9.4.5): compare-and-swap or fetch-and-add on 8 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtomicOp {
@@ -63,10 +68,19 @@ pub(crate) enum OpKind {
     ReadResponse { req_id: u32, data: Bytes },
     /// Responder: the original value of an atomic the peer requested.
     AtomicResponse { req_id: u32, orig: u64 },
+    /// Requester: tell the peer that `stream` is dead from message `msg_seq` on (a SEND
+    /// failed with `RnrRetryExceeded`): an `MR_SEND` with the stream-abort flag, no payload.
+    StreamAbort { stream: u32, msg_seq: u32 },
 }
 
 impl OpKind {
+    /// Queued by the connection itself: sent and acknowledged like data, no completion.
     fn is_internal(&self) -> bool {
+        self.is_response() || matches!(self, OpKind::StreamAbort { .. })
+    }
+
+    /// A response to the peer's READ or atomic (counts against responder resources).
+    fn is_response(&self) -> bool {
         matches!(
             self,
             OpKind::ReadResponse { .. } | OpKind::AtomicResponse { .. }
@@ -109,9 +123,10 @@ pub(crate) struct Op {
 impl Op {
     fn opcode(&self) -> WcOpcode {
         match self.kind {
-            OpKind::Send { .. } | OpKind::ReadResponse { .. } | OpKind::AtomicResponse { .. } => {
-                WcOpcode::Send
-            }
+            OpKind::Send { .. }
+            | OpKind::ReadResponse { .. }
+            | OpKind::AtomicResponse { .. }
+            | OpKind::StreamAbort { .. } => WcOpcode::Send,
             OpKind::Write { imm: None, .. } => WcOpcode::RdmaWrite,
             OpKind::Write { imm: Some(_), .. } => WcOpcode::RdmaWriteWithImm,
             OpKind::Read { .. } => WcOpcode::RdmaRead,
@@ -168,11 +183,18 @@ pub(crate) struct SendQueue {
     /// READ/atomic requests acknowledged but not answered yet, with their deadline.
     resp_wait: VecDeque<(Instant, SegRef)>,
     stream_seq: HashMap<u32, u32>,
+    /// Streams in the error state: a SEND on it failed with `RnrRetryExceeded`; the value
+    /// is the first message sequence number the stream lost. SENDs posted later on such a
+    /// stream complete with `WrFlushError` without being sent.
+    dead_streams: HashMap<u32, u32>,
     next_wire_id: u32,
     /// Pending READs/atomics by wire id.
     rd_ops: HashMap<u32, u64>,
     rd_outstanding: u32,
+    /// READ/atomic responses queued and not yet acknowledged.
     internal_pending: u32,
+    /// Internal operations of any kind queued and not yet acknowledged.
+    internal_ops: u32,
     app_ops: usize,
     pmtu: u32,
     max_rd_atomic: u32,
@@ -232,7 +254,10 @@ impl SendQueue {
             _ => (data_segs, None),
         };
         if kind.is_internal() {
-            self.internal_pending += 1;
+            self.internal_ops += 1;
+            if kind.is_response() {
+                self.internal_pending += 1;
+            }
         } else {
             self.app_ops += 1;
         }
@@ -255,7 +280,25 @@ impl SendQueue {
         });
     }
 
+    /// Queue a SEND on `stream`. On a stream in the error state (see `fail_stream`) the
+    /// operation is not sent: it completes with `WrFlushError` (IBA: work requests posted
+    /// to a QP in the error state are flushed).
     pub fn post_send(&mut self, wr_id: u64, stream: u32, data: Bytes) {
+        if self.dead_streams.contains_key(&stream) {
+            let len = data.len() as u32;
+            let id = self.base_id + self.ops.len() as u64;
+            self.push(
+                wr_id,
+                OpKind::Send {
+                    stream,
+                    msg_seq: 0,
+                    data,
+                },
+                len,
+            );
+            self.finish(id, WcStatus::WrFlushError);
+            return;
+        }
         let seq = self.stream_seq.entry(stream).or_insert(0);
         let msg_seq = *seq;
         *seq = seq.wrapping_add(1);
@@ -349,8 +392,9 @@ impl SendQueue {
             self.cursor += 1;
         }
         // Blocked (or done): responses to the peer's READs and atomics are not held back by
-        // our own waiting ones — the peer's outstanding requests may be what we wait for.
-        if self.internal_pending > 0 {
+        // our own waiting ones — the peer's outstanding requests may be what we wait for —
+        // nor are stream aborts.
+        if self.internal_ops > 0 {
             for (i, op) in self.ops.iter().enumerate().skip(self.cursor + 1) {
                 if op.kind.is_internal() && op.status.is_none() && op.next_seg < op.nsegs {
                     return Some(SegRef {
@@ -390,7 +434,10 @@ impl SendQueue {
     /// Payload span of a segment (READ and atomic requests carry none).
     pub fn seg_span(&self, s: SegRef) -> Option<(u32, u32)> {
         self.op(s.op).map(|o| match o.kind {
-            OpKind::Read { .. } | OpKind::Atomic { .. } | OpKind::AtomicResponse { .. } => (0, 0),
+            OpKind::Read { .. }
+            | OpKind::Atomic { .. }
+            | OpKind::AtomicResponse { .. }
+            | OpKind::StreamAbort { .. } => (0, 0),
             _ => seg_span(o.len, self.pmtu, s.seg),
         })
     }
@@ -402,10 +449,11 @@ impl SendQueue {
             return;
         }
         op.status = Some(status);
-        let (rd, started, internal) = (
+        let (rd, started, internal, response) = (
             op.kind.is_rd_atomic(),
             op.next_seg > 0,
             op.kind.is_internal(),
+            op.kind.is_response(),
         );
         if let OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } = op.kind {
             self.rd_ops.remove(&wire_id);
@@ -414,6 +462,9 @@ impl SendQueue {
             self.rd_outstanding -= 1;
         }
         if internal {
+            self.internal_ops -= 1;
+        }
+        if response {
             self.internal_pending -= 1;
         }
     }
@@ -457,11 +508,31 @@ impl SendQueue {
     /// The peer had no receive for this SEND segment: retry after `delay`, or fail with
     /// `RnrRetryExceeded` once this segment was refused `rnr_retry` + 1 times (7 = retry
     /// forever). Counted per segment: every segment of a message is refused in each round.
-    pub fn on_rnr(&mut self, s: SegRef, now: Instant, delay: Duration, rnr_retry: u8) {
+    ///
+    /// `other_copy`: another copy of the segment is still in flight (a tail-loss probe or
+    /// loss retransmission sent before this NAK came back, possibly over a faster path).
+    /// Then the retry budget being spent does not fail the SEND yet: that copy may find a
+    /// receive and deliver the message, and a SEND must not report RnrRetryExceeded for a
+    /// delivered message. Its ACK completes the SEND, its RNR NAK fails it, its loss
+    /// re-sends it (loss recovery, not an RNR retry).
+    pub fn on_rnr(
+        &mut self,
+        s: SegRef,
+        now: Instant,
+        delay: Duration,
+        rnr_retry: u8,
+        other_copy: bool,
+    ) {
         let Some(op) = self.op_mut(s.op) else { return };
         if op.status.is_some() {
             return;
         }
+        // A READ or atomic request is RNR-NAKed when the responder's `max_rd_atomic`
+        // response resources are busy (there is no negotiation of the responder's depth):
+        // that is flow control, not a missing receive, so it is retried without limit —
+        // counting it against `rnr_retry` failed READs with RnrRetryExceeded, a status IBA
+        // reserves for SENDs that found no receive.
+        let rnr_retry = if op.kind.is_rd_atomic() { 7 } else { rnr_retry };
         if op.rnr_count.is_empty() {
             op.rnr_count = vec![0; op.nsegs as usize];
         }
@@ -470,7 +541,11 @@ impl SendQueue {
         };
         *count = count.saturating_add(1);
         if rnr_retry != 7 && *count > rnr_retry {
+            if other_copy {
+                return;
+            }
             self.finish(s.op, WcStatus::RnrRetryExceeded);
+            self.fail_stream(s.op);
             return;
         }
         self.rnr_wait.push_back((now + delay, s));
@@ -610,6 +685,41 @@ impl SendQueue {
         RespOutcome::Accepted
     }
 
+    /// The SEND `id` failed with `RnrRetryExceeded`: its stream enters the error state
+    /// (RoCEv2 reference §6.3: an RNR retry error moves the QP to the error state; here the stream is
+    /// the ordered unit, like a QP's send queue, and the connection's other streams and
+    /// operations go on). Every later SEND on the stream completes with `WrFlushError` —
+    /// also one already acknowledged and not yet reported: it waits at the receiver behind
+    /// a message that never comes, so it is never delivered — and an `MR_SEND` with the
+    /// stream-abort flag tells the receiver to drop the stream from this message on and to
+    /// flush its receives there.
+    fn fail_stream(&mut self, id: u64) {
+        let Some(op) = self.op(id) else { return };
+        let OpKind::Send {
+            stream, msg_seq, ..
+        } = op.kind
+        else {
+            return;
+        };
+        let start = (id - self.base_id) as usize + 1;
+        for i in start..self.ops.len() {
+            let later = matches!(self.ops[i].kind, OpKind::Send { stream: s, .. } if s == stream);
+            if !later {
+                continue;
+            }
+            if self.ops[i].status.is_none() {
+                self.finish(self.base_id + i as u64, WcStatus::WrFlushError);
+            } else {
+                self.ops[i].status = Some(WcStatus::WrFlushError);
+            }
+        }
+        let first = self.dead_streams.entry(stream).or_insert(msg_seq);
+        if msg_seq.wrapping_sub(*first) as i32 <= 0 {
+            *first = msg_seq;
+            self.push(0, OpKind::StreamAbort { stream, msg_seq }, 0);
+        }
+    }
+
     /// Fail one operation (NAK from the responder, or a local error).
     pub fn fail(&mut self, op: u64, status: WcStatus) {
         self.finish(op, status);
@@ -657,6 +767,12 @@ impl SendQueue {
                 byte_len: op.len,
             });
         }
+    }
+
+    /// Whether a completion is due and not yet popped (an operation flushed when it was
+    /// posted, with nothing pending before it).
+    pub fn completion_ready(&self) -> bool {
+        self.ops.front().is_some_and(|o| o.status.is_some())
     }
 
     /// Whether anything is posted and not yet completed.

@@ -1287,9 +1287,16 @@ pub struct Workload {
     pub forged_beyond_window: [u64; 2],
     /// Receives posted, per receiving side, in posting order.
     pub recvs: [Vec<RecvPosted>; 2],
-    /// Streams of each receiving side that never get a receive (the harness does not top
-    /// them up): SENDs on them complete with RnrRetryExceeded.
+    /// Streams of each receiving side that get no receive before their first SEND failed
+    /// (the harness does not top them up): the first SEND on one completes with
+    /// RnrRetryExceeded and the stream enters the error state — every later SEND on it
+    /// completes with WrFlushError, and every receive posted on it (see `dead`) with
+    /// WrFlushError.
     pub starved: [Vec<u32>; 2],
+    /// Starved streams of each receiving side known to be in the error state (the first
+    /// SEND on it failed): receives in the schedule are posted on them again (and must
+    /// be flushed).
+    pub dead: [Vec<u32>; 2],
     /// Post the missing receive for each SEND as it is posted when the sender's `rnr_retry`
     /// is not 7 (otherwise a late receive would make it fail). Default true.
     pub eager_receives: bool,
@@ -1334,6 +1341,7 @@ impl Workload {
             forged_beyond_window: [0, 0],
             recvs: [Vec::new(), Vec::new()],
             starved: [Vec::new(), Vec::new()],
+            dead: [Vec::new(), Vec::new()],
             eager_receives: true,
             rbuf_next: [0, 0],
             next_recv_wr: RECV_WR_BASE + first_wr,
@@ -1633,7 +1641,9 @@ impl Workload {
     pub fn post(&mut self, spec: OpSpec) -> Result<(), String> {
         let side = spec.side;
         if let OpKind::Recv { stream, len } = spec.kind {
-            if !self.posted_mode(side) || self.starved[side].contains(&stream) {
+            let starved =
+                self.starved[side].contains(&stream) && !self.dead[side].contains(&stream);
+            if !self.posted_mode(side) || starved {
                 return Ok(());
             }
             return self.post_recv(side, stream, len, false);
@@ -1723,7 +1733,8 @@ impl Workload {
     /// The status each operation of `side` completes with when nothing goes wrong: its own
     /// expectation, except SENDs to a peer that requires posted receives: message k of a
     /// stream lands in receive k of that stream; RemoteInvalidRequest if that receive is
-    /// shorter, RnrRetryExceeded on a starved stream.
+    /// shorter; on a starved stream the first SEND fails with RnrRetryExceeded and the
+    /// stream's later SENDs are flushed (WrFlushError: the stream is in the error state).
     pub fn expected(&self, side: usize) -> Vec<WcStatus> {
         let rx = 1 - side;
         let mut exp: Vec<WcStatus> = self.posted[side].iter().map(Posted::expected).collect();
@@ -1732,7 +1743,11 @@ impl Workload {
                 let recvs = self.recvs_on(rx, st);
                 for (k, (i, len)) in self.sends_on(side, st).into_iter().enumerate() {
                     if self.starved[rx].contains(&st) {
-                        exp[i] = WcStatus::RnrRetryExceeded;
+                        exp[i] = if k == 0 {
+                            WcStatus::RnrRetryExceeded
+                        } else {
+                            WcStatus::WrFlushError
+                        };
                     } else if recvs.get(k).is_some_and(|r| r.len < len) {
                         exp[i] = WcStatus::RemoteInvalidRequest;
                     }
@@ -1978,7 +1993,9 @@ impl Workload {
     /// `RemoteInvalidRequest`); receive completions in posting order per stream, each
     /// receive at most once; every SEND that succeeded was received; without a failure every
     /// message was received and no other receive completed; when the receiver's connection
-    /// ended, the rest completed with `WrFlushError`. Sides without posted mode report no
+    /// ended, the rest completed with `WrFlushError`; on a starved stream (in the error
+    /// state after its first SEND failed) every receive completes with `WrFlushError`.
+    /// Sides without posted mode report no
     /// receive completions.
     pub fn check_recvs(&self) -> Result<(), String> {
         for rx in 0..2 {
@@ -2056,7 +2073,8 @@ impl Workload {
                         ctx()
                     ));
                 }
-                if matched < g.len() && !rx_ended {
+                let starved = self.starved[rx].contains(&st);
+                if matched < g.len() && !rx_ended && !starved {
                     return Err(format!("receives flushed on a live connection: {}", ctx()));
                 }
                 if matched > sends.len() {
@@ -2108,11 +2126,16 @@ impl Workload {
                         ctx()
                     ));
                 }
-                if self.starved[rx].contains(&st) && !g.is_empty() {
+                if starved && matched != 0 {
                     return Err(format!(
-                        "a receive completed on a starved stream: {}",
+                        "a receive completed with a message on a starved stream: {}",
                         ctx()
                     ));
+                }
+                // The stream is in the error state at the receiver once the sender's abort
+                // arrived: every receive posted on it is flushed, before or after that.
+                if starved && !ended && g.len() != recvs.len() {
+                    return Err(format!("receives on a dead stream not flushed: {}", ctx()));
                 }
                 if !ended && !self.starved[rx].contains(&st) && matched != sends.len() {
                     return Err(format!(
@@ -2972,6 +2995,17 @@ pub struct Schedule {
     pub rdma: RdmaTuning,
     /// Streams of each receiving side that never get a receive (see `Workload::starved`).
     pub starved: [Vec<u32>; 2],
+    /// Operations posted after `ops`, once the first SEND on every starved stream has
+    /// failed (RnrRetryExceeded) and its receiver has put the stream in the error state;
+    /// receives in them on starved streams are posted (`Workload::dead`) and must be
+    /// flushed. Not combined with `close`.
+    pub then: Vec<OpSpec>,
+    /// Post `then` as soon as the senders saw the failures, without waiting for the
+    /// receivers to learn of them (receives posted before the stream abort arrives).
+    /// Only under impairments that never deliver a stale copy of a message (loss, not
+    /// duplication, late copies or reordering): such a copy may find one of those
+    /// receives and be delivered although its SEND failed.
+    pub then_early: bool,
 }
 
 /// READ / atomic / posted-receive parameters a schedule may vary, per endpoint.
@@ -3057,6 +3091,8 @@ impl Schedule {
             tuning: Tuning::default(),
             rdma: RdmaTuning::default(),
             starved: [Vec::new(), Vec::new()],
+            then: Vec::new(),
+            then_early: false,
         }
     }
 }
@@ -3109,6 +3145,13 @@ pub fn run_schedule(s: &Schedule) -> Result<Workload, String> {
             close(&mut w, side);
         }
     }
+    if !s.then.is_empty() {
+        if s.close.is_some() {
+            return Err("a schedule with `then` operations cannot close".into());
+        }
+        wait_for_dead_streams(&mut w, !s.then_early)?;
+        w.post_all(&s.then, Duration::from_secs(5))?;
+    }
     let limit = w.net.elapsed()
         + if w.allow_failure {
             Duration::from_secs(120)
@@ -3123,6 +3166,40 @@ pub fn run_schedule(s: &Schedule) -> Result<Workload, String> {
         return Err(e);
     }
     Ok(w)
+}
+
+/// Run until the first SEND on every starved stream has completed at its sender and (if
+/// `receiver`) the receiver has put all of them in the error state (its `dead_streams`
+/// counter); then mark them dead in the model (receives on them are posted from now on).
+pub fn wait_for_dead_streams(w: &mut Workload, receiver: bool) -> Result<(), String> {
+    for rx in 0..2 {
+        let tx = 1 - rx;
+        let firsts: Vec<(u32, usize)> = w.starved[rx]
+            .iter()
+            .filter_map(|&st| w.sends_on(tx, st).first().map(|&(i, _)| (st, i)))
+            .collect();
+        if firsts.is_empty() {
+            continue;
+        }
+        let (conns, last) = (w.conns, firsts.iter().map(|f| f.1).max().unwrap());
+        let n = firsts.len() as u64;
+        let limit = w.net.elapsed() + Duration::from_secs(10);
+        let done = w.net.run_until(limit, |net| {
+            net.completions(tx, conns[tx]).len() > last
+                && (!receiver
+                    || net.eps[rx]
+                        .connection_stats(conns[rx])
+                        .is_some_and(|s| s.recv.dead_streams >= n))
+        });
+        if !done {
+            return Err(format!(
+                "side {rx}: starved streams {:?} not dead within 10 s",
+                w.starved[rx]
+            ));
+        }
+        w.dead[rx] = firsts.iter().map(|f| f.0).collect();
+    }
+    Ok(())
 }
 
 /// Close the workload's connection from `side` now.
