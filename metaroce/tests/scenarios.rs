@@ -1432,6 +1432,10 @@ fn scenarios() -> Vec<Scenario> {
                     format!("{} READs executed", b.recv.reads)
                 })?;
                 ensure(retx > 0, || "the responder re-sent nothing".into())?;
+                // The targeted response packet was lost (rule 0), not only random ones.
+                ensure(w.net.hits(0).1 == 1, || {
+                    format!("targeted response losses: {:?}", w.net.hits(0))
+                })?;
                 Ok(format!(
                     "READs executed {}, responder retransmissions {retx}",
                     b.recv.reads
@@ -1842,7 +1846,22 @@ fn scenarios() -> Vec<Scenario> {
                     .iter()
                     .map(|(_, wc)| (wc.status, wc.byte_len))
                     .collect();
-                Ok(format!("sender {st:?}; receives {r:?}"))
+                use WcStatus::*;
+                ensure(
+                    r == [
+                        (LocalLengthError, 3000),
+                        (Success, 50),
+                        (LocalLengthError, 2001),
+                        (Success, 7),
+                    ],
+                    || format!("receives {r:?}"),
+                )?;
+                // One NAK was lost (rule 0): its packet was re-sent and refused again.
+                let naks = w.stats(1).unwrap().recv.naks;
+                ensure(w.net.hits(0).1 == 1 && naks >= 3, || {
+                    format!("NAK losses {:?}, NAKs {naks}", w.net.hits(0))
+                })?;
+                Ok(format!("sender {st:?}; receives {r:?}; NAKs {naks}"))
             },
         },
         // Regression: a misaligned atomic (NAK 0x61) did not count its operation id as

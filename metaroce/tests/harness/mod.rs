@@ -398,6 +398,9 @@ pub struct Net {
     pub snap_on: HashMap<(usize, u64), (u32, u64, u64)>,
     /// The copies, by `(i, wr_id)`, with the virtual time since the start.
     pub snaps: HashMap<(usize, u64), (Duration, Vec<u8>)>,
+    /// The counters of every connection of endpoint `i` as of the last datagram or timer:
+    /// they stay readable after the connection ended.
+    pub last_stats: [HashMap<ConnectionHandle, metaroce::ConnectionStats>; 2],
 }
 
 impl Net {
@@ -432,6 +435,7 @@ impl Net {
             steps: 0,
             snap_on: HashMap::new(),
             snaps: HashMap::new(),
+            last_stats: [HashMap::new(), HashMap::new()],
         }
     }
 
@@ -659,6 +663,12 @@ impl Net {
 
     /// Poll the events of endpoint `i` (and take the snapshots they call for).
     fn collect_events(&mut self, i: usize) {
+        let conns: Vec<ConnectionHandle> = self.eps[i].connections().collect();
+        for c in conns {
+            if let Some(s) = self.eps[i].connection_stats(c) {
+                self.last_stats[i].insert(c, s);
+            }
+        }
         while let Some(e) = self.eps[i].poll_event() {
             if let Event::Completion { wc, .. } | Event::RecvCompletion { wc, .. } = &e {
                 if let Some(&(lkey, off, len)) = self.snap_on.get(&(i, wc.wr_id)) {
@@ -2569,8 +2579,14 @@ impl Workload {
     /// the connection left open).
     pub fn check_rdma_counts(&self) -> Result<(), String> {
         for side in 0..2 {
-            let Some(st) = self.stats(1 - side) else {
-                continue;
+            // The responder's counters as of its connection's end, if it ended (an ended
+            // connection executes nothing more).
+            let rx = 1 - side;
+            let Some(recv) = self.net.last_stats[rx].get(&self.conns[rx]).map(|s| s.recv) else {
+                return Err(format!(
+                    "side {rx}: no counters of connection {}",
+                    self.conns[rx]
+                ));
             };
             let wcs = self.net.completions(side, self.conns[side]);
             let (mut reads, mut reads_open, mut atomics, mut atomics_open) = (0, 0, 0, 0);
@@ -2589,18 +2605,18 @@ impl Workload {
                     atomics_open += open as u64;
                 }
             }
-            if st.recv.reads < reads || st.recv.reads > reads + reads_open {
+            if recv.reads < reads || recv.reads > reads + reads_open {
                 return Err(format!(
                     "side {}: executed {} READs for {reads} successful ones (+{reads_open} open)",
                     1 - side,
-                    st.recv.reads
+                    recv.reads
                 ));
             }
-            if st.recv.atomics < atomics || st.recv.atomics > atomics + atomics_open {
+            if recv.atomics < atomics || recv.atomics > atomics + atomics_open {
                 return Err(format!(
                     "side {}: executed {} atomics for {atomics} successful ones (+{atomics_open} open)",
                     1 - side,
-                    st.recv.atomics
+                    recv.atomics
                 ));
             }
         }
