@@ -27,7 +27,9 @@ pub enum WcStatus {
     /// `IBV_WC_WR_FLUSH_ERR`: the operation was flushed because the connection closed or
     /// failed before it completed, or — for a SEND, and for a receive posted on a stream —
     /// because its stream is in the error state (see [`WcStatus::RnrRetryExceeded`]). A
-    /// flushed SEND was not delivered; a flushed receive holds no message.
+    /// flushed SEND was not delivered; a flushed receive holds no message, though its
+    /// buffer may hold part of one that began landing (as in IBA, its contents are
+    /// undefined).
     WrFlushError,
     /// `IBV_WC_REM_INV_REQ_ERR`: the responder found the request invalid (NAK 0x61).
     RemoteInvalidRequest,
