@@ -21,6 +21,12 @@
 //!   message k of a stream lands in receive k, whole and once, `RecvCompletion`s in posting
 //!   order; a receive shorter than its message completes with LocalLengthError and the SEND
 //!   with RemoteInvalidRequest;
+//! * RNR retry exceeded (a stream B never gives a receive, `rnr_retry` 0..=6): the first
+//!   SEND on it fails with RnrRetryExceeded after its RNR tries, the stream enters the error
+//!   state — later SENDs on it (posted before or after the failure) complete with
+//!   WrFlushError and are never delivered, receives B posts on it afterwards (before or
+//!   after the stream abort reaches B) complete with WrFlushError — while other streams,
+//!   WRITEs, READs and atomics go on and the connection stays up;
 //! * completions once, in posting order per connection, with RdmaRead / CompSwap / FetchAdd
 //!   and the right byte_len; READ/atomic limits (`max_rd_atomic` 1..=16 on either side).
 //!
