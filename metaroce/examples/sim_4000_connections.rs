@@ -104,6 +104,9 @@ struct Flow {
     slot: u64,
 }
 
+/// When (since the start of the simulation) and how a flow's WRITE completed.
+type Completed = (Duration, WcStatus);
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i]
@@ -201,8 +204,7 @@ fn main() {
             .post_write(f.conn, req)
             .unwrap();
     }
-    let done: Rc<RefCell<Vec<Option<(Duration, WcStatus)>>>> =
-        Rc::new(RefCell::new(vec![None; flows.len()]));
+    let done: Rc<RefCell<Vec<Option<Completed>>>> = Rc::new(RefCell::new(vec![None; flows.len()]));
     let remaining = Rc::new(RefCell::new(flows.len()));
     {
         let (done, remaining) = (done.clone(), remaining.clone());
