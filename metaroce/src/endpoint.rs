@@ -702,10 +702,11 @@ impl Endpoint {
     // ---- per-connection indexes (timers, ready set, fair share) ----
 
     /// Re-read connection `q`'s deadline and last data arrival into the indexes, after any
-    /// call that may have changed them. O(paths + log n).
-    fn refresh(&mut self, q: u32) {
+    /// call that may have changed them; `false` if there is no such connection.
+    /// O(paths + log n).
+    fn refresh(&mut self, q: u32) -> bool {
         let Some(c) = self.conns.get(&q) else {
-            return;
+            return false;
         };
         let ix = self.index.entry(q).or_default();
         let deadline = c.next_timeout();
@@ -727,13 +728,13 @@ impl Endpoint {
             }
             ix.data_rx = c.last_data_rx;
         }
+        true
     }
 
     /// Connection `q` was handed input, a post or a timer: refresh its indexes and ask it
     /// in the next `poll_transmit`.
     fn touched(&mut self, q: u32) {
-        if self.conns.contains_key(&q) {
-            self.refresh(q);
+        if self.refresh(q) {
             self.ready.insert(q);
         }
     }
