@@ -14,7 +14,7 @@
 //!   it. Reports the simulated completion time, wall time, events and events/s.
 //!
 //! * `scaling`: the core's cost per call of `Endpoint::poll_transmit` (when it has nothing
-//!   to send) and `Endpoint::poll_timeout`, for an endpoint with 1 to 254 established,
+//!   to send) and `Endpoint::poll_timeout`, for an endpoint with 1 to 4,064 established,
 //!   idle connections — the calls the driving contract makes after every datagram.
 //!
 //! Options for `busy` and `all2all`: `--gso=N` (transport `max_gso_segments`, default 1),
@@ -406,18 +406,27 @@ fn all_to_all(o: &Opts) {
 
 /// Per-call cost of the endpoint's poll functions against its number of connections.
 fn scaling() {
-    for conns in [1usize, 16, 64, 127, 254] {
+    for (peers, per_peer) in [
+        (1usize, 1usize),
+        (16, 1),
+        (64, 1),
+        (127, 1),
+        (254, 1),
+        (254, 16),
+    ] {
+        let conns = peers * per_peer;
         let mut sim = Sim::new(SimConfig::default());
         let sw = sim.add_switch();
         let link = LinkConfig::new(100 * GBPS, Duration::from_micros(1));
-        let hosts: Vec<HostId> = (0..=conns).map(|_| sim.add_host()).collect();
+        let hosts: Vec<HostId> = (0..=peers).map(|_| sim.add_host()).collect();
         for &h in &hosts {
             sim.connect(h, sw, link.clone());
         }
         let hub = hosts[0];
         let handles: Vec<_> = hosts[1..]
             .iter()
-            .map(|&p| sim.connect_endpoints(hub, p).unwrap())
+            .flat_map(|&p| std::iter::repeat_n(p, per_peer))
+            .map(|p| sim.connect_endpoints(hub, p).unwrap())
             .collect();
         sim.run_while(|s| {
             s.elapsed() < Duration::from_secs(1)
@@ -441,7 +450,7 @@ fn scaling() {
         let to = t.elapsed() / iters;
         std::hint::black_box(x);
         println!(
-            "scaling: {conns:>3} connections (8 paths each): poll_transmit -> None {:>8.2} us, \
+            "scaling: {conns:>4} connections (8 paths each): poll_transmit -> None {:>8.2} us, \
              poll_timeout {:>8.2} us per call",
             tx.as_secs_f64() * 1e6,
             to.as_secs_f64() * 1e6

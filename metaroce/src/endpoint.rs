@@ -10,7 +10,7 @@ use crate::{EcnCodepoint, Transmit};
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
@@ -149,8 +149,26 @@ pub struct EndpointStats {
     pub rejected: u64,
 }
 
+/// What the endpoint remembers about one connection to find the work due without walking
+/// every connection: its entries in [`Endpoint`]'s `timers` and `recent_rx` sets.
+#[derive(Debug, Clone, Copy, Default)]
+struct ConnIndex {
+    /// The connection's `next_timeout()` when last looked at (its key in `timers`).
+    deadline: Option<Instant>,
+    /// The connection's `last_data_rx` when last looked at (its key in `recent_rx`, unless
+    /// it has since left the fair-share window).
+    data_rx: Option<Instant>,
+}
+
 /// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
 /// contract.
+///
+/// Cost per call with `n` connections: `poll_timeout` O(log n); `handle_timeout` O(log n)
+/// per connection whose timer is due (others are not looked at); `poll_transmit` O(log n)
+/// per connection asked, and only connections marked ready (touched by an input, a post,
+/// a timer or a transmit since they last had nothing to send) are asked; the receiver's
+/// fair share is kept incrementally. Each call that touches a connection recomputes that
+/// connection's deadline, O(paths).
 #[derive(Debug)]
 pub struct Endpoint {
     cfg: EndpointConfig,
@@ -163,6 +181,22 @@ pub struct Endpoint {
     control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
     rr_cursor: u32,
     fair_share_at: Option<Instant>,
+    /// The latest `now` the fair share was computed for.
+    fair_share_latest: Option<Instant>,
+    /// The grant computed at `fair_share_at` (Mbit/s), handed to each connection as it is
+    /// polled.
+    grant_mbps: u32,
+    /// Per-connection keys in `timers` and `recent_rx`.
+    index: HashMap<u32, ConnIndex>,
+    /// (deadline, QPN) of every connection with a timer armed.
+    timers: BTreeSet<(Instant, u32)>,
+    /// QPNs of the connections that may have something to send: every connection whose
+    /// `poll_transmit` could return a datagram is in here (it leaves only when its
+    /// `poll_transmit` returns `None`, and any call that changes it puts it back).
+    ready: BTreeSet<u32>,
+    /// (last data arrival, QPN) of the connections that delivered data within the
+    /// fair-share window as of `fair_share_latest` (older entries are pruned lazily).
+    recent_rx: BTreeSet<(Instant, u32)>,
     stats: EndpointStats,
 }
 
@@ -186,6 +220,12 @@ impl Endpoint {
             control: VecDeque::new(),
             rr_cursor: 0,
             fair_share_at: None,
+            fair_share_latest: None,
+            grant_mbps: 0,
+            index: HashMap::new(),
+            timers: BTreeSet::new(),
+            ready: BTreeSet::new(),
+            recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
         })
     }
@@ -254,6 +294,7 @@ impl Endpoint {
             self.cfg.transport.clone(),
         );
         self.conns.insert(qpn, conn);
+        self.touched(qpn);
         Ok(ConnectionHandle(qpn))
     }
 
@@ -277,7 +318,15 @@ impl Endpoint {
 
     /// Counters and path state of a connection.
     pub fn connection_stats(&self, conn: ConnectionHandle) -> Option<ConnectionStats> {
-        self.conns.get(&conn.0).map(Connection::stats)
+        self.conns.get(&conn.0).map(|c| {
+            let mut s = c.stats();
+            // The grant is handed to a connection only when it is polled; report the one
+            // in force (as of the last `poll_transmit`).
+            if self.fair_share_at.is_some() {
+                s.granted_rate_mbps = self.grant_mbps;
+            }
+            s
+        })
     }
 
     /// Endpoint-wide counters.
@@ -356,6 +405,7 @@ impl Endpoint {
     ) -> Result<(), PostError> {
         let c = self.conn_for_post(conn, data.len() as u64)?;
         c.post_send(wr_id, stream, data);
+        self.touched(conn.0);
         Ok(())
     }
 
@@ -373,6 +423,7 @@ impl Endpoint {
             .map_err(PostError::LocalMemory)?;
         let c = self.conn_for_post(conn, req.len as u64)?;
         c.post_write(&req);
+        self.touched(conn.0);
         Ok(())
     }
 
@@ -386,6 +437,7 @@ impl Endpoint {
             .map_err(PostError::LocalMemory)?;
         let c = self.conn_for_post(conn, req.len as u64)?;
         c.post_read(&req);
+        self.touched(conn.0);
         Ok(())
     }
 
@@ -400,6 +452,7 @@ impl Endpoint {
             .map_err(PostError::LocalMemory)?;
         let c = self.conn_for_post(conn, 8)?;
         c.post_atomic(&req);
+        self.touched(conn.0);
         Ok(())
     }
 
@@ -432,6 +485,7 @@ impl Endpoint {
                 len: req.len,
             },
         );
+        self.touched(conn.0);
         Ok(())
     }
 
@@ -453,6 +507,7 @@ impl Endpoint {
 
     fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
         if let Some(mut c) = self.conns.remove(&conn.0) {
+            self.forget(conn.0);
             c.flush(first, &mut self.events);
             if self.by_nonce.get(&c.nonce) == Some(&conn.0) {
                 self.by_nonce.remove(&c.nonce);
@@ -526,6 +581,7 @@ impl Endpoint {
             return;
         }
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
+        self.touched(qpn);
         self.apply(ConnectionHandle(qpn), out);
     }
 
@@ -544,6 +600,7 @@ impl Endpoint {
                     if let Some(c) = self.conns.get_mut(&q) {
                         if c.peer == peer {
                             c.accept_pending = true;
+                            self.touched(q);
                         }
                     }
                     return;
@@ -597,6 +654,7 @@ impl Endpoint {
                     msg,
                 );
                 self.conns.insert(qpn, conn);
+                self.touched(qpn);
                 self.by_nonce.insert(msg.nonce, qpn);
                 tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
                 self.events
@@ -635,66 +693,166 @@ impl Endpoint {
                     return;
                 }
                 let out = c.on_connect(now, msg, &mut self.events);
+                self.touched(dest_qp);
                 self.apply(ConnectionHandle(dest_qp), out);
             }
         }
     }
 
+    // ---- per-connection indexes (timers, ready set, fair share) ----
+
+    /// Re-read connection `q`'s deadline and last data arrival into the indexes, after any
+    /// call that may have changed them; `false` if there is no such connection.
+    /// O(paths + log n).
+    fn refresh(&mut self, q: u32) -> bool {
+        let Some(c) = self.conns.get(&q) else {
+            return false;
+        };
+        let ix = self.index.entry(q).or_default();
+        let deadline = c.next_timeout();
+        if deadline != ix.deadline {
+            if let Some(old) = ix.deadline {
+                self.timers.remove(&(old, q));
+            }
+            if let Some(new) = deadline {
+                self.timers.insert((new, q));
+            }
+            ix.deadline = deadline;
+        }
+        if c.last_data_rx != ix.data_rx {
+            if let Some(old) = ix.data_rx {
+                self.recent_rx.remove(&(old, q));
+            }
+            if let Some(new) = c.last_data_rx {
+                self.recent_rx.insert((new, q));
+            }
+            ix.data_rx = c.last_data_rx;
+        }
+        true
+    }
+
+    /// Connection `q` was handed input, a post or a timer: refresh its indexes and ask it
+    /// in the next `poll_transmit`.
+    fn touched(&mut self, q: u32) {
+        if self.refresh(q) {
+            self.ready.insert(q);
+        }
+    }
+
+    /// Drop a removed connection from every index.
+    fn forget(&mut self, q: u32) {
+        if let Some(ix) = self.index.remove(&q) {
+            if let Some(t) = ix.deadline {
+                self.timers.remove(&(t, q));
+            }
+            if let Some(t) = ix.data_rx {
+                self.recent_rx.remove(&(t, q));
+            }
+        }
+        self.ready.remove(&q);
+    }
+
+    /// Debug builds, small endpoints: the cached deadlines match the connections'.
+    fn check_index(&self) {
+        if cfg!(debug_assertions) && self.conns.len() <= 64 {
+            for (q, c) in &self.conns {
+                let cached = self.index.get(q).and_then(|ix| ix.deadline);
+                debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
+            }
+            debug_assert_eq!(
+                self.timers.len(),
+                self.conns
+                    .values()
+                    .filter(|c| c.next_timeout().is_some())
+                    .count()
+            );
+        }
+    }
+
     /// Fire the timers that are due (retransmission, tail-loss probe, handshake, idle).
+    /// Only connections whose deadline is at or before `now` are touched, in QPN order.
     pub fn handle_timeout(&mut self, now: Instant) {
-        let due: Vec<u32> = self
-            .conns
-            .iter()
-            .filter(|(_, c)| c.next_timeout().is_some_and(|t| t <= now))
-            .map(|(&q, _)| q)
-            .collect();
+        self.check_index();
+        let mut due = Vec::new();
+        while let Some(&(t, q)) = self.timers.first() {
+            if t > now {
+                break;
+            }
+            self.timers.pop_first();
+            if let Some(ix) = self.index.get_mut(&q) {
+                ix.deadline = None;
+            }
+            due.push(q);
+        }
+        due.sort_unstable();
         for q in due {
             if let Some(c) = self.conns.get_mut(&q) {
                 let out = c.handle_timeout(now, &mut self.events);
+                self.touched(q);
                 self.apply(ConnectionHandle(q), out);
             }
         }
     }
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) must be called, if any.
+    /// O(log n) in the number of connections.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.conns
-            .values()
-            .filter_map(Connection::next_timeout)
-            .min()
+        self.check_index();
+        self.timers.first().map(|&(t, _)| t)
     }
 
     /// Receiver-driven fair share (MetaRoCE): grant every sender an equal part of
     /// `recv_capacity_mbps` among the connections that delivered data recently, or the
     /// fixed `advertised_rate_mbps`. Recomputed at most once per distinct `now`.
+    ///
+    /// The count of recent senders is kept in `recent_rx`, whose entries older than the
+    /// window are pruned as `now` advances: O(log n) per pruned entry. A `now` earlier than
+    /// one seen before (the driving contract does not promise monotonic time) falls back to
+    /// counting every connection, so the result is the same either way.
     fn update_fair_share(&mut self, now: Instant) {
         if self.fair_share_at == Some(now) {
             return;
         }
         self.fair_share_at = Some(now);
         let t = &self.cfg.transport;
-        let grant = if t.recv_capacity_mbps > 0 {
+        self.grant_mbps = if t.recv_capacity_mbps > 0 {
             let window = t.fair_share_window;
-            let active = self
-                .conns
-                .values()
-                .filter(|c| {
-                    c.last_data_rx
-                        .is_some_and(|at| now.saturating_duration_since(at) <= window)
-                })
-                .count()
-                .max(1);
-            (t.recv_capacity_mbps / active as u32).max(1)
+            let recent = |at: Instant| now.saturating_duration_since(at) <= window;
+            let active = if self.fair_share_latest.is_some_and(|l| now < l) {
+                self.conns
+                    .values()
+                    .filter(|c| c.last_data_rx.is_some_and(recent))
+                    .count()
+            } else {
+                self.fair_share_latest = Some(now);
+                while let Some(&(at, _)) = self.recent_rx.first() {
+                    if recent(at) {
+                        break;
+                    }
+                    self.recent_rx.pop_first();
+                }
+                debug_assert!(
+                    self.conns.len() > 64
+                        || self.recent_rx.len()
+                            == self
+                                .conns
+                                .values()
+                                .filter(|c| c.last_data_rx.is_some_and(recent))
+                                .count()
+                );
+                self.recent_rx.len()
+            };
+            (t.recv_capacity_mbps / active.max(1) as u32).max(1)
         } else {
             t.advertised_rate_mbps
         };
-        for c in self.conns.values_mut() {
-            c.granted_rate_mbps = grant;
-        }
     }
 
     /// The next datagram (or GSO batch) to send, written into `buf` (cleared first).
     /// Call until it returns `None` after every input.
+    ///
+    /// Connections are served round-robin in QPN order, starting after the one served
+    /// last; only those marked ready are asked.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         self.epoch(now);
@@ -722,29 +880,32 @@ impl Endpoint {
             });
         }
         self.update_fair_share(now);
-        // Round-robin over connections, starting after the one served last.
-        let start = self.rr_cursor;
-        let mrs = &self.mrs;
-        let mut served = None;
-        for (&q, c) in self.conns.range_mut(start..) {
-            if let Some(t) = c.poll_transmit(now, buf, mrs) {
-                served = Some((q, t));
-                break;
-            }
-        }
-        if served.is_none() {
-            for (&q, c) in self.conns.range_mut(..start) {
-                if let Some(t) = c.poll_transmit(now, buf, mrs) {
-                    served = Some((q, t));
-                    break;
+        // Round-robin over the ready connections, starting after the one served last. A
+        // connection with nothing to send leaves the ready set.
+        let mut cursor = self.rr_cursor;
+        loop {
+            let q = match self.ready.range(cursor..).next() {
+                Some(&q) => q,
+                None => *self.ready.first()?,
+            };
+            let Some(c) = self.conns.get_mut(&q) else {
+                self.ready.remove(&q);
+                continue;
+            };
+            c.granted_rate_mbps = self.grant_mbps;
+            let t = c.poll_transmit(now, buf, &self.mrs);
+            self.refresh(q);
+            match t {
+                Some(t) => {
+                    self.rr_cursor = q.wrapping_add(1);
+                    return Some(t);
+                }
+                None => {
+                    self.ready.remove(&q);
+                    cursor = q.wrapping_add(1);
                 }
             }
         }
-        if let Some((q, t)) = served {
-            self.rr_cursor = q.wrapping_add(1);
-            return Some(t);
-        }
-        None
     }
 
     /// The next event for the application, if any.

@@ -104,9 +104,10 @@
 //! binary heap ordered by (time, sequence number), packet buffers recycled through a slab
 //! (a single-datagram transmit is moved into the packet, not copied): the simulator
 //! allocates nothing per event in steady state, and its work per event does not depend on
-//! the number of hosts. The endpoint's own work per call — `poll_transmit` and
-//! `poll_timeout` — grows with its number of connections, which dominates large
-//! all-to-all runs; [`SimConfig::rx_coalesce`] trades receive latency for fewer calls.
+//! the number of hosts. The endpoint's own work per call — `poll_transmit`,
+//! `poll_timeout`, `handle_timeout` — is logarithmic in its number of connections (see
+//! [`Endpoint`]), so thousands of concurrent connections simulate at about the speed of a
+//! few; [`SimConfig::rx_coalesce`] trades receive latency for fewer calls.
 
 mod link;
 mod routing;
