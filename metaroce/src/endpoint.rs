@@ -143,7 +143,8 @@ pub struct EndpointStats {
     pub bad_icrc: u64,
     /// Datagrams for a QPN with no connection, or from the wrong address.
     pub unknown_connection: u64,
-    /// Well-formed packets of a kind this endpoint does not handle (e.g. RoCEv2 RC).
+    /// Well-formed packets of a kind this endpoint does not handle (e.g. UD, CNP). Standard
+    /// RC packets go to the RC queue pairs ([`Endpoint::rc`]) and are counted there.
     pub unsupported: u64,
     /// Connection requests rejected.
     pub rejected: u64,
@@ -158,12 +159,15 @@ pub struct Endpoint {
     epoch: Option<Instant>,
     conns: BTreeMap<u32, Connection>,
     by_nonce: HashMap<u64, u32>,
-    mrs: MrTable,
+    pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
     rr_cursor: u32,
     fair_share_at: Option<Instant>,
     stats: EndpointStats,
+    /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
+    pub(crate) rc: crate::rocev2::RcHost,
+    rc_turn: bool,
 }
 
 impl Endpoint {
@@ -176,6 +180,8 @@ impl Endpoint {
             ));
         }
         Ok(Self {
+            rc: crate::rocev2::RcHost::for_endpoint(&cfg),
+            rc_turn: false,
             rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
             cfg,
             epoch: None,
@@ -498,6 +504,12 @@ impl Endpoint {
                 return;
             }
         };
+        if crate::rocev2::is_rc_opcode(pkt.bth.opcode) {
+            // Standard RC opcodes belong to the RC queue pairs (`Endpoint::rc`).
+            let dst = local_ip.or(self.local_ip());
+            self.rc.handle_datagram(now, from, dst, data, &mut self.mrs);
+            return;
+        }
         if self.cfg.transport.verify_icrc {
             if let Some(dst) = local_ip.or(self.local_ip()) {
                 if let Ok(ip) = icrc::IpHeader::synthesized(from.ip(), dst) {
@@ -642,6 +654,7 @@ impl Endpoint {
 
     /// Fire the timers that are due (retransmission, tail-loss probe, handshake, idle).
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.rc.handle_timeout(now);
         let due: Vec<u32> = self
             .conns
             .iter()
@@ -658,9 +671,11 @@ impl Endpoint {
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) must be called, if any.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let rc = self.rc.poll_timeout();
         self.conns
             .values()
             .filter_map(Connection::next_timeout)
+            .chain(rc)
             .min()
     }
 
@@ -721,6 +736,13 @@ impl Endpoint {
                 segment_size: None,
             });
         }
+        // RC queue pairs and MetaRoCE connections take turns.
+        self.rc_turn = !self.rc_turn;
+        if self.rc_turn {
+            if let Some(t) = self.rc.poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0]) {
+                return Some(t);
+            }
+        }
         self.update_fair_share(now);
         // Round-robin over connections, starting after the one served last.
         let start = self.rr_cursor;
@@ -744,11 +766,13 @@ impl Endpoint {
             self.rr_cursor = q.wrapping_add(1);
             return Some(t);
         }
-        None
+        self.rc.poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
     }
 
     /// The next event for the application, if any.
     pub fn poll_event(&mut self) -> Option<Event> {
-        self.events.pop_front()
+        self.events
+            .pop_front()
+            .or_else(|| self.rc.poll_event().map(Event::Rc))
     }
 }
