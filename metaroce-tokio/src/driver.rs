@@ -195,6 +195,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     let _ = tx.send((imm, byte_len));
                 }
             }
+            Event::Rc(ev) => st.rc.on_event(ev),
             _ => {}
         }
     }

@@ -65,6 +65,8 @@ pub(crate) struct State {
     pub next_wr_id: u64,
     pub incoming: Option<mpsc::UnboundedSender<ConnectionHandle>>,
     pub closed: bool,
+    /// Completion routing of the RC queue pairs (`Endpoint::create_rc_qp`).
+    pub rc: crate::rocev2::RcSide,
 }
 
 impl State {
@@ -174,6 +176,7 @@ impl Endpoint {
                 next_wr_id: 0,
                 incoming: Some(tx),
                 closed: false,
+                rc: crate::rocev2::RcSide::new(),
             }),
             wake_driver: Notify::new(),
             sq_space: Notify::new(),
@@ -288,7 +291,7 @@ impl Endpoint {
 
 /// The local IP the kernel will use towards `peer` when bound to the unspecified address
 /// (a connected UDP socket tells, without sending anything).
-fn local_ip_for(local: SocketAddr, peer: SocketAddr) -> Option<std::net::IpAddr> {
+pub(crate) fn local_ip_for(local: SocketAddr, peer: SocketAddr) -> Option<std::net::IpAddr> {
     if !local.ip().is_unspecified() {
         return None;
     }

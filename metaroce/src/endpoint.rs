@@ -739,7 +739,10 @@ impl Endpoint {
         // RC queue pairs and MetaRoCE connections take turns.
         self.rc_turn = !self.rc_turn;
         if self.rc_turn {
-            if let Some(t) = self.rc.poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0]) {
+            if let Some(t) = self
+                .rc
+                .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
+            {
                 return Some(t);
             }
         }
@@ -766,7 +769,8 @@ impl Endpoint {
             self.rr_cursor = q.wrapping_add(1);
             return Some(t);
         }
-        self.rc.poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
+        self.rc
+            .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
     }
 
     /// The next event for the application, if any.

@@ -6,8 +6,8 @@ use metaroce::rocev2::{
     Completion, ConnectAttrs, QpInit, RcEvent, RcOpcode, RcWire, SendOp, SendWr,
 };
 use metaroce::{
-    Access, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event, ReadRequest,
-    WcOpcode, WcStatus, WorkCompletion, WriteRequest,
+    Access, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event, ReadRequest, WcOpcode,
+    WcStatus, WorkCompletion, WriteRequest,
 };
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -57,7 +57,10 @@ impl Net {
         let cfgs: Vec<EndpointConfig> = (0..n).map(|i| config(i, seed)).collect();
         Net {
             addrs: cfgs.iter().map(|c| c.local_addr).collect(),
-            eps: cfgs.into_iter().map(|c| Endpoint::new(c).unwrap()).collect(),
+            eps: cfgs
+                .into_iter()
+                .map(|c| Endpoint::new(c).unwrap())
+                .collect(),
             now,
             start: now,
             loss,
@@ -289,7 +292,10 @@ fn mixed(seed: u64, loss: f64) -> Net {
         .unwrap();
     net.eps[A]
         .rc()
-        .post_send(qa.qpn, rc_wr(4, op(c_dst.addr, c_dst.rkey), a_src.lkey, 0, HALF as u32))
+        .post_send(
+            qa.qpn,
+            rc_wr(4, op(c_dst.addr, c_dst.rkey), a_src.lkey, 0, HALF as u32),
+        )
         .unwrap();
     let ok = net.run_until(Duration::from_secs(20), |n| {
         n.meta_wcs(B).len() == 1
@@ -307,7 +313,11 @@ fn mixed(seed: u64, loss: f64) -> Net {
         assert_eq!(c.opcode, RcOpcode::RdmaWrite);
     }
     let a_shared = net.eps[A].mr_read(shared.lkey, 0, 2 * HALF as u64).unwrap();
-    assert_eq!(&a_shared[..HALF], &pattern(HALF, 2)[..], "B's WRITE (MetaRoCE)");
+    assert_eq!(
+        &a_shared[..HALF],
+        &pattern(HALF, 2)[..],
+        "B's WRITE (MetaRoCE)"
+    );
     assert_eq!(&a_shared[HALF..], &pattern(HALF, 3)[..], "C's WRITE (RC)");
     let b_got = net.eps[B].mr_read(b_dst.lkey, 0, HALF as u64).unwrap();
     assert_eq!(b_got, &pattern(HALF, 1)[..], "A's WRITE to B (MetaRoCE)");
@@ -343,7 +353,10 @@ fn mixed(seed: u64, loss: f64) -> Net {
     let (_, wc) = net.meta_wcs(B)[1];
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
     let c = net.rc_wcs(C)[1];
-    assert_eq!((c.wr_id, c.status, c.opcode), (6, WcStatus::Success, RcOpcode::RdmaRead));
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode),
+        (6, WcStatus::Success, RcOpcode::RdmaRead)
+    );
     let b_read = net.eps[B]
         .mr_read(b_dst.lkey, HALF as u64, HALF as u64)
         .unwrap();
@@ -356,7 +369,11 @@ fn mixed(seed: u64, loss: f64) -> Net {
     // Dispatch: RC packets reached the RC side, nothing was left unhandled or failed ICRC.
     for i in [A, B, C] {
         let s = net.eps[i].stats();
-        assert_eq!((s.unsupported, s.bad_icrc, s.malformed), (0, 0, 0), "ep {i}: {s:?}");
+        assert_eq!(
+            (s.unsupported, s.bad_icrc, s.malformed),
+            (0, 0, 0),
+            "ep {i}: {s:?}"
+        );
         let r = net.eps[i].rc_stats();
         assert_eq!((r.rx_bad_icrc, r.rx_malformed), (0, 0), "ep {i}: {r:?}");
     }
@@ -414,8 +431,6 @@ fn udp_wire_checks_addresses() {
     let e = ep.rc().connect_qp(q.qpn, attrs, wire(peer, None));
     assert!(e.is_err(), "unspecified local IP accepted");
     let local = Some("10.0.0.1".parse().unwrap());
-    ep.rc()
-        .connect_qp(q.qpn, attrs, wire(peer, local))
-        .unwrap();
+    ep.rc().connect_qp(q.qpn, attrs, wire(peer, local)).unwrap();
     assert_eq!(ep.rc().qp_wire(q.qpn), Some(wire(peer, local)));
 }

@@ -2,8 +2,8 @@
 
 use super::host::{RcHost, RcQps};
 use super::{
-    ConnectAttrs, QpInfo, QpInit, QpState, QpStats, RcConfig, RcError, RcEvent, RcTransmit,
-    RcWire, RecvWr, SendWr,
+    ConnectAttrs, QpInfo, QpInit, QpState, QpStats, RcConfig, RcError, RcEvent, RcTransmit, RcWire,
+    RecvWr, SendWr,
 };
 use crate::mr::{Access, MrError, MrKeys, MrTable};
 use crate::EcnCodepoint;

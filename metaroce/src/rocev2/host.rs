@@ -556,6 +556,11 @@ impl<'a> RcQps<'a> {
     pub fn mr_keys(&self, lkey: u32) -> Option<MrKeys> {
         self.mrs.keys(lkey)
     }
+
+    /// Bytes `[offset, offset + len)` of a registered region.
+    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
+        self.mrs.local(lkey, offset, len)
+    }
 }
 
 fn check_local(
