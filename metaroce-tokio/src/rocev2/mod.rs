@@ -331,9 +331,10 @@ impl Drop for QueuePair {
 
 /// Why [`QueuePair::connect`] is refused on a [`crate::Endpoint`].
 const NATIVE_ON_UDP: &str = "native RoCEv2 (rdma_rxe, RNICs) needs the ICRC over the real IP \
-     header, which UDP sockets can neither send nor check: a QP of a metaroce_tokio::Endpoint \
-     reaches only other metaroce endpoints (QueuePair::connect_udp); for a RoCEv2 peer use \
-     rocev2::RcEndpoint::bind_raw (raw IP, CAP_NET_RAW)";
+     header, which UDP sockets can neither send nor check: this endpoint has only UDP \
+     sockets, so its QPs reach only other metaroce endpoints (QueuePair::connect_udp); for a \
+     RoCEv2 peer start the endpoint with Endpoint::with_rocev2 and a RawIpBackend (raw IP, \
+     CAP_NET_RAW), or use rocev2::RcEndpoint::bind_raw";
 
 /// Why [`QueuePair::connect_udp`] is refused on an [`RcEndpoint`].
 const UDP_ON_RAW: &str = "this QP belongs to an rocev2::RcEndpoint, whose backend moves whole \
@@ -394,9 +395,11 @@ impl QueuePair {
     /// carry RoCEv2 to a real peer; the message says what to use instead), otherwise what
     /// [`RcQps::connect_qp`](metaroce::rocev2::RcQps::connect_qp) returns.
     pub fn connect(&self, attrs: ConnectAttrs) -> Result<(), RcError> {
-        match self.host {
-            Host::Rc(_) => self.connect_wire(attrs, RcWire::Native),
-            Host::Meta(_) => Err(RcError::Unsupported(NATIVE_ON_UDP)),
+        match &self.host {
+            Host::Meta(ep) if ep.shared().ip_backend.is_none() => {
+                Err(RcError::Unsupported(NATIVE_ON_UDP))
+            }
+            _ => self.connect_wire(attrs, RcWire::Native),
         }
     }
 
@@ -413,31 +416,43 @@ impl QueuePair {
     }
 
     /// Connect to the peer described by an out-of-band [`QpExchange`] with
-    /// [`ConnectAttrs::new`] defaults: [`connect_udp`](Self::connect_udp) to
-    /// `peer.udp_addr()` on a [`crate::Endpoint`], [`connect`](Self::connect) on an
-    /// [`RcEndpoint`].
+    /// [`ConnectAttrs::new`] defaults: native RoCEv2 ([`connect`](Self::connect)) when the
+    /// host has a whole-IP-packet backend (an [`RcEndpoint`], or a [`crate::Endpoint`]
+    /// started with [`with_rocev2`](crate::Endpoint::with_rocev2)), otherwise
+    /// [`connect_udp`](Self::connect_udp) to `peer.udp_addr()`.
     pub fn connect_to(&self, peer: &QpExchange) -> Result<(), RcError> {
         let attrs = peer.connect_attrs();
-        match self.host {
-            Host::Rc(_) => self.connect(attrs),
-            Host::Meta(_) => self.connect_udp(attrs, peer.udp_addr()),
+        if self.native_capable() {
+            self.connect(attrs)
+        } else {
+            self.connect_udp(attrs, peer.udp_addr())
+        }
+    }
+
+    fn native_capable(&self) -> bool {
+        match &self.host {
+            Host::Rc(_) => true,
+            Host::Meta(ep) => ep.shared().ip_backend.is_some(),
         }
     }
 
     /// What to tell the peer about this QP ([`exchange`]): QPN, initial PSN, the local IP
     /// (the GID) and UDP port packets for it go to, and optionally one region the peer may
-    /// access. On a [`crate::Endpoint`] bound to the unspecified address, set `ip` to the
-    /// address the peer reaches.
+    /// access. The address is the one [`connect_to`](Self::connect_to) uses: the IP
+    /// backend's local IP and port 4791 for native RoCEv2, else the endpoint's UDP address.
+    /// On a [`crate::Endpoint`] bound to the unspecified address, set `ip` to the address
+    /// the peer reaches.
     pub fn exchange_info(&self, region: Option<crate::RemoteRegion>) -> QpExchange {
+        let native = metaroce::wire::ROCEV2_UDP_PORT;
         let (ip, udp_port) = match &self.host {
-            Host::Rc(ep) => (
-                ep.shared().backend.local_ip(),
-                metaroce::wire::ROCEV2_UDP_PORT,
-            ),
-            Host::Meta(ep) => {
-                let a = ep.local_addr();
-                (a.ip(), a.port())
-            }
+            Host::Rc(ep) => (ep.shared().backend.local_ip(), native),
+            Host::Meta(ep) => match &ep.shared().ip_backend {
+                Some(ipb) => (ipb.local_ip(), native),
+                None => {
+                    let a = ep.local_addr();
+                    (a.ip(), a.port())
+                }
+            },
         };
         QpExchange {
             qpn: self.info.qpn,
