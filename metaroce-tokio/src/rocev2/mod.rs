@@ -1,8 +1,22 @@
 //! # RoCEv2-compatible mode (async)
 //!
-//! [`RcEndpoint`] drives a sans-IO [`metaroce::rocev2::RcEndpoint`] (standard RC queue
-//! pairs, interoperable with Linux `rdma_rxe` and RNICs) from a tokio task over an
-//! [`IpBackend`] — normally [`RawIpBackend`], raw IPv4 sockets, which need `CAP_NET_RAW`.
+//! Standard RC queue pairs ([`QueuePair`]: `send`, `write`, `read`, `compare_swap`,
+//! `fetch_add`, `post_recv`/`recv`) on either of two hosts:
+//!
+//! * **a MetaRoCE [`crate::Endpoint`]** ([`crate::Endpoint::create_rc_qp`]): beside its
+//!   MetaRoCE connections, sharing its [`crate::MemoryRegion`]s and driver task. Over its UDP
+//!   sockets a QP reaches RC QPs of other metaroce endpoints
+//!   ([`QueuePair::connect_udp`]); with an [`IpBackend`] attached
+//!   ([`crate::Endpoint::with_rocev2`]) also real RoCEv2 peers ([`QueuePair::connect`]).
+//!   Without one, `connect` is refused with [`RcError::Unsupported`]: UDP sockets cannot send
+//!   or check the ICRC over the real IP header that `rdma_rxe` and RNICs verify.
+//! * **a stand-alone [`RcEndpoint`]**: drives a sans-IO [`metaroce::rocev2::RcEndpoint`]
+//!   from a tokio task over an [`IpBackend`] — normally [`RawIpBackend`], raw IPv4 sockets,
+//!   which need `CAP_NET_RAW` — or the [`UdpIpBackend`] adapter (plain UDP, metaroce peers
+//!   only).
+//!
+//! [`exchange`] / [`QpExchange`] are the out-of-band step (QPN, PSN, GID, UDP port, one
+//! region) in the manner of `ibv_rc_pingpong`'s TCP exchange.
 //!
 //! ```no_run
 //! use metaroce::rocev2::{ConnectAttrs, QpInit, RcConfig};
@@ -239,12 +253,15 @@ impl RcEndpoint {
 impl crate::Endpoint {
     /// Create an RC queue pair (RoCEv2 mode) on this endpoint, beside its MetaRoCE
     /// connections: it uses this endpoint's memory regions (`MemoryRegion::keys()`'s lkey,
-    /// rkey and addr work on both kinds) and its driver task, and its packets go through
-    /// this endpoint's UDP sockets. Connect it with [`QueuePair::connect_udp`] (or
-    /// [`QueuePair::connect_to`]) to an RC QP of another metaroce endpoint;
-    /// [`QueuePair::connect`] (native RoCEv2 to `rdma_rxe` or an RNIC) is refused with
-    /// [`RcError::Unsupported`] because a UDP socket cannot send or check the ICRC over
-    /// the real IP header; use [`RcEndpoint::bind_raw`] for those peers.
+    /// rkey and addr work on both kinds) and its driver task. Connect it with
+    /// [`QueuePair::connect_udp`] to an RC QP of another metaroce endpoint (through this
+    /// endpoint's UDP sockets), or with [`QueuePair::connect`] to a real RoCEv2 peer
+    /// (`rdma_rxe`, an RNIC) — which needs an IP backend
+    /// ([`with_rocev2`](crate::Endpoint::with_rocev2)) and is otherwise refused with
+    /// [`RcError::Unsupported`], because a UDP socket cannot send or check the ICRC over the
+    /// real IP header. [`QueuePair::connect_to`] picks whichever the endpoint can do.
+    ///
+    /// Errors: [`RcError::TooManyQps`] (`max_qps` of the endpoint's RC configuration).
     ///
     /// ```no_run
     /// use metaroce::Access;

@@ -6,7 +6,20 @@
 //! the RoCEv2 reference (`shared/reference/rocev2-wire.md`) §6 (PSN/MSN, ACK coalescing,
 //! duplicate handling, go-back-N, RNR and ACK timers, error NAKs) and §7 (memory protection).
 //!
-//! ## Driving contract
+//! ## Two hosts, one QP implementation
+//!
+//! * **On a MetaRoCE [`crate::Endpoint`]** ([`crate::Endpoint::rc`] → [`RcQps`]): RC QPs
+//!   beside MetaRoCE connections, one memory-region table for both (register once, use the
+//!   keys on either), one driving contract. `handle_datagram` dispatches by BTH opcode
+//!   (standard RC `0x00..=0x14` → the RC QP by DestQP; MetaRoCE `0xC0..` → the connection);
+//!   RC completions come out of `poll_event` as [`crate::Event::Rc`]. Each QP picks its
+//!   carrier when connected ([`RcWire`]): `Udp` rides the endpoint's datagrams (reaches other
+//!   metaroce endpoints over plain UDP sockets), `Native` is real RoCEv2 through
+//!   [`crate::Endpoint::poll_rc_transmit`] / [`crate::Endpoint::handle_ip_packet`] (reaches
+//!   `rdma_rxe` and RNICs; needs a raw-IP backend).
+//! * **Stand-alone** ([`RcEndpoint`]): RC QPs only, all `Native`, with their own regions.
+//!
+//! ## Driving contract (stand-alone)
 //!
 //! Same shape as [`crate::Endpoint`]:
 //!
