@@ -291,7 +291,8 @@ async fn pingpong(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         st.rnr_naks_sent,
         match &host {
             Host::Rc(ep) => format!("{:?}", ep.stats()),
-            Host::Meta { ep, .. } => format!("{:?} (MetaRoCE endpoint, unified)", ep.stats()),
+            Host::Meta { ep, .. } =>
+                format!("{:?} (RC side of a MetaRoCE endpoint)", ep.rc_stats()),
         }
     );
     Ok(())

@@ -284,6 +284,12 @@ impl crate::Endpoint {
     pub fn create_rc_qp(&self, init: QpInit) -> Result<QueuePair, RcError> {
         QueuePair::create(Host::Meta(self.clone()), init)
     }
+
+    /// Counters of this endpoint's RC side (RC packets received, bad ICRC, malformed, no
+    /// QP, sent); MetaRoCE traffic is counted in [`stats`](crate::Endpoint::stats).
+    pub fn rc_stats(&self) -> RcStats {
+        self.shared().lock().core.rc_stats()
+    }
 }
 
 /// Where a [`QueuePair`] lives.
