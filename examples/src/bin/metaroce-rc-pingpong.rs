@@ -18,6 +18,11 @@
 //! active first (`-n` × {RDMA WRITE `-s` bytes, RDMA READ them back and compare, FETCH_ADD 1
 //! on the peer's counter}), then the server does the same to the client; each passive side
 //! checks its memory afterwards and reports over TCP.
+//!
+//! `--unified` runs the ping-pong on an RC QP hosted by a MetaRoCE endpoint
+//! (`metaroce_tokio::Endpoint::with_rocev2` + `create_rc_qp`: RoCEv2 chosen for this one
+//! connection, the endpoint's regions and driver shared) rather than by the stand-alone
+//! `rocev2::RcEndpoint`; on the wire it is the same standard RoCEv2.
 
 use clap::Parser;
 use metaroce::rocev2::{ConnectAttrs, QpInit, RcConfig};
