@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # interop/run-rxe.sh — metaroce's RoCEv2 mode against Linux soft-RoCE (rdma_rxe) in a QEMU
-# guest: ibv_rc_pingpong both ways and RDMA WRITE/READ/FETCH_ADD both ways (rdma_rw.c).
+# guest: ibv_rc_pingpong both ways and RDMA WRITE/READ/FETCH_ADD both ways (rdma_rw.c), and
+# ibv_rc_pingpong both ways against an RC QP hosted on a MetaRoCE endpoint (--unified).
 #
 # Runs as root on a fresh Debian bookworm machine: installs its own dependencies
 # (rxe-vm.sh deps, libibverbs-dev, gcc), builds the guest image once, brings up the netns
@@ -116,6 +117,12 @@ run_case 5 "guest client (active first) <-> host server" "WRITE+READ+FETCH_ADD e
     "$PP --rw -s 4096 -n $RW_ITERS" "/mnt/host/rdma_rw -d rxe0 -g 1 -s 4096 -n $RW_ITERS $HOST_IP"
 run_case 6 "host client (active first) <-> guest server" "WRITE+READ+FETCH_ADD each way (rdma_rw)" 65536 50 guest \
     "$PP --rw -s 65536 -n 50 $GUEST_IP" "/mnt/host/rdma_rw -d rxe0 -g 1 -s 65536 -n 50"
+# The same ping-pong with the host QP on a MetaRoCE endpoint (RoCEv2 selected per QP,
+# raw-IP backend attached to the endpoint: metaroce_tokio::Endpoint::with_rocev2).
+run_case 7 "guest client -> host server (QP on a MetaRoCE endpoint)" "SEND ping-pong (ibv_rc_pingpong)" 4096 "$ITERS" host \
+    "$PP --unified -s 4096 -n $ITERS" "$G -s 4096 -n $ITERS $HOST_IP"
+run_case 8 "host client (QP on a MetaRoCE endpoint) -> guest server" "SEND ping-pong (ibv_rc_pingpong)" 64 "$ITERS" guest \
+    "$PP --unified -s 64 -n $ITERS $GUEST_IP" "$G -s 64 -n $ITERS"
 
 # --- report --------------------------------------------------------------------------
 echo

@@ -23,6 +23,14 @@ pub(crate) async fn run(shared: Arc<Shared>) {
     let mut metas = [RecvMeta::EMPTY; RECV_BUFS];
     let mut pool: Vec<Vec<u8>> = Vec::new();
     let mut out: Vec<(Transmit, Vec<u8>)> = Vec::with_capacity(TX_BATCH);
+    // Native RoCEv2 QPs (only with an IP backend): whole IP packets in and out.
+    let mut ip_out: Vec<(std::net::IpAddr, Vec<u8>)> = Vec::new();
+    let mut ip_payload = Vec::new();
+    let mut ip_rbuf = if shared.ip_backend.is_some() {
+        vec![0u8; RECV_BUF_LEN]
+    } else {
+        Vec::new()
+    };
     loop {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
@@ -45,13 +53,31 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                         }
                     }
                 }
+                if shared.ip_backend.is_some() {
+                    while ip_out.len() < TX_BATCH {
+                        let Some(t) = st.core.poll_rc_transmit(now, &mut ip_payload) else {
+                            break;
+                        };
+                        let mut pkt = Vec::with_capacity(t.size + 48);
+                        if t.write_ip_packet(&ip_payload[..t.size], &mut pkt).is_ok() {
+                            ip_out.push((t.destination.ip(), pkt));
+                        }
+                    }
+                }
                 dispatch(&mut st, &shared);
-                if st.closed && out.is_empty() {
+                if st.closed && out.is_empty() && ip_out.is_empty() {
                     return;
                 }
                 deadline = st.core.poll_timeout();
             }
-            let full = out.len() == TX_BATCH;
+            let full = out.len() == TX_BATCH || ip_out.len() == TX_BATCH;
+            if let Some(ipb) = &shared.ip_backend {
+                for (dst, pkt) in ip_out.drain(..) {
+                    if let Err(e) = poll_fn(|cx| ipb.poll_send(cx, &pkt, dst)).await {
+                        tracing::debug!(error = %e, %dst, "rocev2 send failed");
+                    }
+                }
+            }
             for (t, buf) in out.drain(..) {
                 if let Err(e) = poll_fn(|cx| shared.backend.poll_send(cx, &t, &buf[..t.size])).await
                 {
@@ -71,7 +97,24 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                 let mut iovs: Vec<IoSliceMut<'_>> =
                     bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
                 let recv = poll_fn(|cx| shared.backend.poll_recv(cx, &mut iovs, &mut metas));
+                let ip_recv = poll_fn(|cx| match &shared.ip_backend {
+                    Some(b) => b.poll_recv(cx, &mut ip_rbuf),
+                    None => std::task::Poll::Pending,
+                });
                 tokio::select! {
+                    r = ip_recv, if shared.ip_backend.is_some() => match r {
+                        Ok(n) => {
+                            let mut st = shared.lock();
+                            st.core.handle_ip_packet(Instant::now(), &ip_rbuf[..n]);
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "rocev2 receive failed");
+                            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                                // Memory link closed: do not spin on it.
+                                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                            }
+                        }
+                    },
                     r = recv => {
                         match r {
                             Ok(n) => {
@@ -195,6 +238,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     let _ = tx.send((imm, byte_len));
                 }
             }
+            Event::Rc(ev) => st.rc.on_event(ev),
             _ => {}
         }
     }

@@ -65,6 +65,8 @@ pub(crate) struct State {
     pub next_wr_id: u64,
     pub incoming: Option<mpsc::UnboundedSender<ConnectionHandle>>,
     pub closed: bool,
+    /// Completion routing of the RC queue pairs (`Endpoint::create_rc_qp`).
+    pub rc: crate::rocev2::RcSide,
 }
 
 impl State {
@@ -82,6 +84,8 @@ pub(crate) struct Shared {
     /// Signalled when send-queue space frees up (completions).
     pub sq_space: Notify,
     pub backend: Arc<dyn DatagramBackend>,
+    /// Whole-IP-packet backend of native RoCEv2 QPs, if any (`Endpoint::with_rocev2`).
+    pub ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
     pub id: u64,
     pub cfg: Config,
     /// Accepted connections waiting for `Endpoint::accept`.
@@ -150,7 +154,31 @@ impl Endpoint {
         backend: impl DatagramBackend,
         config: Config,
     ) -> std::io::Result<Endpoint> {
-        let backend: Arc<dyn DatagramBackend> = Arc::new(backend);
+        Self::start(Arc::new(backend), None, config)
+    }
+
+    /// Start an endpoint over a datagram backend (MetaRoCE connections, RC QPs connected
+    /// with [`QueuePair::connect_udp`](crate::rocev2::QueuePair::connect_udp)) **and** a
+    /// whole-IP-packet backend for native RoCEv2 QPs
+    /// ([`QueuePair::connect`](crate::rocev2::QueuePair::connect)) that interoperate with
+    /// `rdma_rxe` and RNICs: normally a
+    /// [`RawIpBackend`](crate::rocev2::RawIpBackend) (needs `CAP_NET_RAW`), or a
+    /// [`MemoryLink`](crate::rocev2::MemoryLink) in tests. One driver task serves both;
+    /// memory regions are shared. The native QPs' local IP is `ip_backend.local_ip()`.
+    /// Must be called within a tokio runtime.
+    pub fn with_rocev2(
+        backend: impl DatagramBackend,
+        ip_backend: Arc<dyn crate::rocev2::IpBackend>,
+        config: Config,
+    ) -> std::io::Result<Endpoint> {
+        Self::start(Arc::new(backend), Some(ip_backend), config)
+    }
+
+    fn start(
+        backend: Arc<dyn DatagramBackend>,
+        ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
+        config: Config,
+    ) -> std::io::Result<Endpoint> {
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
         ecfg.transport = config.transport.clone();
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
@@ -162,8 +190,15 @@ impl Endpoint {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(1)
         });
-        let core = metaroce::Endpoint::new(ecfg)
+        let mut core = metaroce::Endpoint::new(ecfg)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        if let Some(ip) = &ip_backend {
+            let mut rc = core.rc_config().clone();
+            rc.local_ip = ip.local_ip();
+            core.set_rc_config(rc).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+            })?;
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
@@ -174,10 +209,12 @@ impl Endpoint {
                 next_wr_id: 0,
                 incoming: Some(tx),
                 closed: false,
+                rc: crate::rocev2::RcSide::new(),
             }),
             wake_driver: Notify::new(),
             sq_space: Notify::new(),
             backend,
+            ip_backend,
             id: NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed),
             cfg: config,
             incoming_rx: tokio::sync::Mutex::new(rx),
@@ -288,7 +325,7 @@ impl Endpoint {
 
 /// The local IP the kernel will use towards `peer` when bound to the unspecified address
 /// (a connected UDP socket tells, without sending anything).
-fn local_ip_for(local: SocketAddr, peer: SocketAddr) -> Option<std::net::IpAddr> {
+pub(crate) fn local_ip_for(local: SocketAddr, peer: SocketAddr) -> Option<std::net::IpAddr> {
     if !local.ip().is_unspecified() {
         return None;
     }

@@ -143,7 +143,8 @@ pub struct EndpointStats {
     pub bad_icrc: u64,
     /// Datagrams for a QPN with no connection, or from the wrong address.
     pub unknown_connection: u64,
-    /// Well-formed packets of a kind this endpoint does not handle (e.g. RoCEv2 RC).
+    /// Well-formed packets of a kind this endpoint does not handle (e.g. UD, CNP). Standard
+    /// RC packets go to the RC queue pairs ([`Endpoint::rc`]) and are counted there.
     pub unsupported: u64,
     /// Connection requests rejected.
     pub rejected: u64,
@@ -176,7 +177,7 @@ pub struct Endpoint {
     epoch: Option<Instant>,
     conns: BTreeMap<u32, Connection>,
     by_nonce: HashMap<u64, u32>,
-    mrs: MrTable,
+    pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
     rr_cursor: u32,
@@ -198,6 +199,9 @@ pub struct Endpoint {
     /// fair-share window as of `fair_share_latest` (older entries are pruned lazily).
     recent_rx: BTreeSet<(Instant, u32)>,
     stats: EndpointStats,
+    /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
+    pub(crate) rc: crate::rocev2::RcHost,
+    rc_turn: bool,
 }
 
 impl Endpoint {
@@ -210,6 +214,8 @@ impl Endpoint {
             ));
         }
         Ok(Self {
+            rc: crate::rocev2::RcHost::for_endpoint(&cfg),
+            rc_turn: false,
             rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
             cfg,
             epoch: None,
@@ -553,6 +559,12 @@ impl Endpoint {
                 return;
             }
         };
+        if crate::rocev2::is_rc_opcode(pkt.bth.opcode) {
+            // Standard RC opcodes belong to the RC queue pairs (`Endpoint::rc`).
+            let dst = local_ip.or(self.local_ip());
+            self.rc.handle_datagram(now, from, dst, data, &mut self.mrs);
+            return;
+        }
         if self.cfg.transport.verify_icrc {
             if let Some(dst) = local_ip.or(self.local_ip()) {
                 if let Ok(ip) = icrc::IpHeader::synthesized(from.ip(), dst) {
@@ -772,6 +784,7 @@ impl Endpoint {
     /// Fire the timers that are due (retransmission, tail-loss probe, handshake, idle).
     /// Only connections whose deadline is at or before `now` are touched, in QPN order.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.rc.handle_timeout(now);
         self.check_index();
         let mut due = Vec::new();
         while let Some(&(t, q)) = self.timers.first() {
@@ -798,7 +811,11 @@ impl Endpoint {
     /// O(log n) in the number of connections.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.check_index();
-        self.timers.first().map(|&(t, _)| t)
+        let conns = self.timers.first().map(|&(t, _)| t);
+        match (conns, self.rc.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Receiver-driven fair share (MetaRoCE): grant every sender an equal part of
@@ -879,6 +896,16 @@ impl Endpoint {
                 segment_size: None,
             });
         }
+        // RC queue pairs and MetaRoCE connections take turns.
+        self.rc_turn = !self.rc_turn;
+        if self.rc_turn {
+            if let Some(t) = self
+                .rc
+                .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
+            {
+                return Some(t);
+            }
+        }
         self.update_fair_share(now);
         // Round-robin over the ready connections, starting after the one served last. A
         // connection with nothing to send leaves the ready set.
@@ -886,7 +913,10 @@ impl Endpoint {
         loop {
             let q = match self.ready.range(cursor..).next() {
                 Some(&q) => q,
-                None => *self.ready.first()?,
+                None => match self.ready.first() {
+                    Some(&q) => q,
+                    None => break,
+                },
             };
             let Some(c) = self.conns.get_mut(&q) else {
                 self.ready.remove(&q);
@@ -906,10 +936,14 @@ impl Endpoint {
                 }
             }
         }
+        self.rc
+            .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
     }
 
     /// The next event for the application, if any.
     pub fn poll_event(&mut self) -> Option<Event> {
-        self.events.pop_front()
+        self.events
+            .pop_front()
+            .or_else(|| self.rc.poll_event().map(Event::Rc))
     }
 }

@@ -230,4 +230,6 @@ pub enum Event {
         /// Bytes written.
         byte_len: u32,
     },
+    /// A work completion or error of an RC queue pair (RoCEv2 mode, [`Endpoint::rc`](crate::Endpoint::rc)).
+    Rc(crate::rocev2::RcEvent),
 }

@@ -46,6 +46,10 @@
 //! * Semantic layer (`conn::send`, `conn::recv`, [`mr`]): operations and their
 //!   segmentation, placement into memory regions with rkey/bounds/access checks,
 //!   exactly-once in-order delivery per stream, completions in posting order.
+//! * [`rocev2`]: standard RC queue pairs (RoCEv2 mode), selectable per connection on the same
+//!   [`Endpoint`] ([`Endpoint::rc`]) over the same memory regions, or stand-alone
+//!   ([`rocev2::RcEndpoint`]). Received packets are dispatched by BTH opcode: standard RC
+//!   opcodes to the RC QPs, MetaRoCE opcodes to the connections.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

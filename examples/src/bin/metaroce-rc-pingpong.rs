@@ -18,6 +18,11 @@
 //! active first (`-n` × {RDMA WRITE `-s` bytes, RDMA READ them back and compare, FETCH_ADD 1
 //! on the peer's counter}), then the server does the same to the client; each passive side
 //! checks its memory afterwards and reports over TCP.
+//!
+//! `--unified` runs the ping-pong on an RC QP hosted by a MetaRoCE endpoint
+//! (`metaroce_tokio::Endpoint::with_rocev2` + `create_rc_qp`: RoCEv2 chosen for this one
+//! connection, the endpoint's regions and driver shared) rather than by the stand-alone
+//! `rocev2::RcEndpoint`; on the wire it is the same standard RoCEv2.
 
 use clap::Parser;
 use metaroce::rocev2::{ConnectAttrs, QpInit, RcConfig};
@@ -65,6 +70,11 @@ struct Args {
     /// WRITE/READ/ATOMIC exercise against interop/rdma_rw.c instead of the ping-pong.
     #[arg(long)]
     rw: bool,
+    /// Ping-pong on an RC QP of a MetaRoCE endpoint (`metaroce_tokio::Endpoint::with_rocev2`:
+    /// UDP sockets for MetaRoCE plus the raw-IP backend for the QP, one region table)
+    /// instead of the stand-alone RoCEv2 endpoint.
+    #[arg(long, conflicts_with = "rw")]
+    unified: bool,
     /// Overall time limit in seconds.
     #[arg(long, default_value_t = 120)]
     deadline: u64,
@@ -177,16 +187,48 @@ async fn tcp_pair(a: &Args, default_port: u16) -> io::Result<TcpStream> {
     }
 }
 
+/// The endpoint hosting the ping-pong QP (kept alive until the end).
+enum Host {
+    Rc(RcEndpoint),
+    /// The region is kept registered until the end (dropping it deregisters).
+    Meta {
+        ep: metaroce_tokio::Endpoint,
+        _mr: metaroce_tokio::MemoryRegion,
+    },
+}
+
+/// A MetaRoCE endpoint on `local` (UDP, ephemeral port) with the raw-IP backend attached
+/// for native RoCEv2 QPs.
+fn unified_endpoint(local: Ipv4Addr) -> io::Result<metaroce_tokio::Endpoint> {
+    let udp = metaroce_tokio::backend::UdpBackend::bind(SocketAddr::new(local.into(), 0), 1)?;
+    let raw = metaroce_tokio::rocev2::RawIpBackend::bind(local)?;
+    metaroce_tokio::Endpoint::with_rocev2(
+        udp,
+        std::sync::Arc::new(raw),
+        metaroce_tokio::Config::default(),
+    )
+}
+
 async fn pingpong(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut tcp = tcp_pair(a, 18515).await?;
     let local = local_v4(a, &tcp)?;
-    let ep = endpoint(local)?;
     let size = a.size;
     let depth = a.rx_depth.max(1);
-    let mr = ep.register(vec![0x7b; size.max(1) as usize * 2], Access::LOCAL_WRITE);
-    let qp = ep.create_qp(QpInit::default())?;
+    let buf = vec![0x7b; size.max(1) as usize * 2];
+    let (qp, lkey, host) = if a.unified {
+        let ep = unified_endpoint(local)?;
+        let mr = ep.register(buf, Access::LOCAL_WRITE);
+        let qp = ep.create_rc_qp(QpInit::default())?;
+        (qp, mr.keys().lkey, Host::Meta { ep, _mr: mr })
+    } else {
+        let ep = endpoint(local)?;
+        let mr = ep.register(buf, Access::LOCAL_WRITE);
+        let qp = ep.create_qp(QpInit::default())?;
+        (qp, mr.lkey, Host::Rc(ep))
+    };
+
     for i in 0..depth.min(a.iters.max(1)) {
-        qp.post_recv(u64::from(i), mr.lkey, u64::from(size), size)?;
+        qp.post_recv(u64::from(i), lkey, u64::from(size), size)?;
     }
     let mine = pingpong_record(qp.qpn(), qp.psn(), local);
     let mut theirs = [0u8; 52];
@@ -211,18 +253,18 @@ async fn pingpong(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let mut posted = depth.min(a.iters.max(1));
     for i in 0..a.iters {
         if client {
-            qp.send(mr.lkey, 0, size, None).await?;
+            qp.send(lkey, 0, size, None).await?;
         }
         let wc = qp.recv().await?;
         if wc.status != metaroce::WcStatus::Success || wc.byte_len != size {
             return Err(format!("receive {i} failed: {:?}", wc).into());
         }
         if posted < a.iters {
-            qp.post_recv(u64::from(posted), mr.lkey, u64::from(size), size)?;
+            qp.post_recv(u64::from(posted), lkey, u64::from(size), size)?;
             posted += 1;
         }
         if !client {
-            qp.send(mr.lkey, 0, size, None).await?;
+            qp.send(lkey, 0, size, None).await?;
         }
     }
     let dt = start.elapsed().as_secs_f64();
@@ -252,7 +294,11 @@ async fn pingpong(a: &Args) -> Result<(), Box<dyn std::error::Error>> {
         st.seq_naks_sent,
         st.rnr_naks_received,
         st.rnr_naks_sent,
-        ep.stats()
+        match &host {
+            Host::Rc(ep) => format!("{:?}", ep.stats()),
+            Host::Meta { ep, .. } =>
+                format!("{:?} (RC side of a MetaRoCE endpoint)", ep.rc_stats()),
+        }
     );
     Ok(())
 }

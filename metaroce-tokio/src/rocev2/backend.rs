@@ -51,7 +51,8 @@ fn raw_socket(proto: i32) -> io::Result<Socket> {
     })
 }
 
-/// Raw-socket backend (IPv4, Linux). See the [module docs](self).
+/// Raw-socket backend (IPv4, Linux): sends through `SOCK_RAW`/`IPPROTO_RAW` with our own
+/// IPv4 header, receives through `SOCK_RAW`/`IPPROTO_UDP`; both need `CAP_NET_RAW`.
 pub struct RawIpBackend {
     local: Ipv4Addr,
     tx: AsyncFd<Socket>,

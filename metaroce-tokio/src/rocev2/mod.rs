@@ -1,8 +1,22 @@
 //! # RoCEv2-compatible mode (async)
 //!
-//! [`RcEndpoint`] drives a sans-IO [`metaroce::rocev2::RcEndpoint`] (standard RC queue
-//! pairs, interoperable with Linux `rdma_rxe` and RNICs) from a tokio task over an
-//! [`IpBackend`] — normally [`RawIpBackend`], raw IPv4 sockets, which need `CAP_NET_RAW`.
+//! Standard RC queue pairs ([`QueuePair`]: `send`, `write`, `read`, `compare_swap`,
+//! `fetch_add`, `post_recv`/`recv`) on either of two hosts:
+//!
+//! * **a MetaRoCE [`crate::Endpoint`]** ([`crate::Endpoint::create_rc_qp`]): beside its
+//!   MetaRoCE connections, sharing its [`crate::MemoryRegion`]s and driver task. Over its UDP
+//!   sockets a QP reaches RC QPs of other metaroce endpoints
+//!   ([`QueuePair::connect_udp`]); with an [`IpBackend`] attached
+//!   ([`crate::Endpoint::with_rocev2`]) also real RoCEv2 peers ([`QueuePair::connect`]).
+//!   Without one, `connect` is refused with [`RcError::Unsupported`]: UDP sockets cannot send
+//!   or check the ICRC over the real IP header that `rdma_rxe` and RNICs verify.
+//! * **a stand-alone [`RcEndpoint`]**: drives a sans-IO [`metaroce::rocev2::RcEndpoint`]
+//!   from a tokio task over an [`IpBackend`] — normally [`RawIpBackend`], raw IPv4 sockets,
+//!   which need `CAP_NET_RAW` — or the [`UdpIpBackend`] adapter (plain UDP, metaroce peers
+//!   only).
+//!
+//! [`exchange`] / [`QpExchange`] are the out-of-band step (QPN, PSN, GID, UDP port, one
+//! region) in the manner of `ibv_rc_pingpong`'s TCP exchange.
 //!
 //! ```no_run
 //! use metaroce::rocev2::{ConnectAttrs, QpInit, RcConfig};
@@ -24,12 +38,15 @@
 #![allow(clippy::too_many_arguments)]
 
 mod backend;
+mod exchange;
 mod udp;
+
+pub use exchange::{exchange, QpExchange};
 
 pub use backend::{IpBackend, MemoryLink, RawIpBackend, NEED_CAP_NET_RAW};
 pub use metaroce::rocev2::{
     Completion, ConnectAttrs, MrKeys, QpInfo, QpInit, QpState, QpStats, RcConfig, RcError, RcEvent,
-    RcOpcode, RcStats, RecvWr, SendOp, SendWr,
+    RcOpcode, RcStats, RcWire, RecvWr, SendOp, SendWr,
 };
 pub use udp::{UdpIpBackend, UdpIpStats};
 
@@ -38,7 +55,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::poll_fn;
 use std::io;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -80,11 +97,52 @@ impl From<RcError> for Error {
     }
 }
 
-struct State {
-    core: metaroce::rocev2::RcEndpoint,
+/// Completion routing of RC QPs, kept in the driver state of whichever endpoint hosts them
+/// (an [`RcEndpoint`] or a [`crate::Endpoint`]).
+pub(crate) struct RcSide {
     waiters: HashMap<(u32, u64), oneshot::Sender<Completion>>,
     recv_tx: HashMap<u32, mpsc::UnboundedSender<Completion>>,
     next_wr_id: u64,
+}
+
+impl RcSide {
+    pub(crate) fn new() -> Self {
+        Self {
+            waiters: HashMap::new(),
+            recv_tx: HashMap::new(),
+            next_wr_id: 1 << 48,
+        }
+    }
+
+    /// Route one event of the core to the waiting handle.
+    pub(crate) fn on_event(&mut self, ev: RcEvent) {
+        match ev {
+            RcEvent::Completion(c) if c.is_recv() => {
+                if let Some(tx) = self.recv_tx.get(&c.qpn) {
+                    let _ = tx.send(c);
+                }
+            }
+            RcEvent::Completion(c) => {
+                if let Some(tx) = self.waiters.remove(&(c.qpn, c.wr_id)) {
+                    let _ = tx.send(c);
+                }
+            }
+            RcEvent::QpError { qpn, status } => {
+                tracing::debug!(qpn, %status, "QP entered the error state");
+            }
+            _ => {}
+        }
+    }
+
+    fn forget(&mut self, qpn: u32) {
+        self.recv_tx.remove(&qpn);
+        self.waiters.retain(|(q, _), _| *q != qpn);
+    }
+}
+
+struct State {
+    core: metaroce::rocev2::RcEndpoint,
+    side: RcSide,
     closed: bool,
 }
 
@@ -142,9 +200,7 @@ impl RcEndpoint {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 core,
-                waiters: HashMap::new(),
-                recv_tx: HashMap::new(),
-                next_wr_id: 1 << 48,
+                side: RcSide::new(),
                 closed: false,
             }),
             wake: Notify::new(),
@@ -187,23 +243,93 @@ impl RcEndpoint {
         self.shared().lock().core.stats()
     }
 
-    /// Create a QP.
+    /// Create a QP. Its packets are standard RoCEv2 ([`RcWire::Native`]) through this
+    /// endpoint's [`IpBackend`].
     pub fn create_qp(&self, init: QpInit) -> Result<QueuePair, RcError> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let mut st = self.shared().lock();
-        let info = st.core.create_qp(init)?;
-        st.recv_tx.insert(info.qpn, tx);
-        Ok(QueuePair {
-            ep: self.clone(),
-            info,
-            recv_rx: tokio::sync::Mutex::new(rx),
-        })
+        QueuePair::create(Host::Rc(self.clone()), init)
     }
 }
 
-/// An RC queue pair of an async [`RcEndpoint`].
+impl crate::Endpoint {
+    /// Create an RC queue pair (RoCEv2 mode) on this endpoint, beside its MetaRoCE
+    /// connections: it uses this endpoint's memory regions (`MemoryRegion::keys()`'s lkey,
+    /// rkey and addr work on both kinds) and its driver task. Connect it with
+    /// [`QueuePair::connect_udp`] to an RC QP of another metaroce endpoint (through this
+    /// endpoint's UDP sockets), or with [`QueuePair::connect`] to a real RoCEv2 peer
+    /// (`rdma_rxe`, an RNIC) — which needs an IP backend
+    /// ([`with_rocev2`](crate::Endpoint::with_rocev2)) and is otherwise refused with
+    /// [`RcError::Unsupported`], because a UDP socket cannot send or check the ICRC over the
+    /// real IP header. [`QueuePair::connect_to`] picks whichever the endpoint can do.
+    ///
+    /// Errors: [`RcError::TooManyQps`] (`max_qps` of the endpoint's RC configuration).
+    ///
+    /// ```no_run
+    /// use metaroce::Access;
+    /// use metaroce_tokio::rocev2::{exchange, QpExchange, QpInit};
+    /// use metaroce_tokio::{Config, Endpoint};
+    ///
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// let ep = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+    /// let region = ep.alloc(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    /// let qp = ep.create_rc_qp(QpInit { access: Access::REMOTE_WRITE, ..QpInit::default() })?;
+    /// // Tell the peer our QPN, PSN, address and region; learn theirs (ibv_rc_pingpong-style
+    /// // TCP exchange).
+    /// let mut tcp = tokio::net::TcpStream::connect("127.0.0.1:18515").await?;
+    /// let peer = exchange(&mut tcp, &qp.exchange_info(Some(region.remote()))).await?;
+    /// qp.connect_to(&peer)?;
+    /// let rr = peer.region.expect("peer sent its region");
+    /// qp.write(region.keys().lkey, 0, 4096, rr.addr, rr.rkey, None).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn create_rc_qp(&self, init: QpInit) -> Result<QueuePair, RcError> {
+        QueuePair::create(Host::Meta(self.clone()), init)
+    }
+
+    /// Counters of this endpoint's RC side (RC packets received, bad ICRC, malformed, no
+    /// QP, sent); MetaRoCE traffic is counted in [`stats`](crate::Endpoint::stats).
+    pub fn rc_stats(&self) -> RcStats {
+        self.shared().lock().core.rc_stats()
+    }
+}
+
+/// Where a [`QueuePair`] lives.
+#[derive(Clone)]
+enum Host {
+    /// A stand-alone RoCEv2 endpoint (raw IP or the UDP adapter).
+    Rc(RcEndpoint),
+    /// A MetaRoCE endpoint (its UDP sockets).
+    Meta(crate::Endpoint),
+}
+
+impl Host {
+    /// Run `f` on the QP verbs and completion routing under the host's lock.
+    fn with<R>(&self, f: impl FnOnce(metaroce::rocev2::RcQps<'_>, &mut RcSide) -> R) -> R {
+        match self {
+            Host::Rc(ep) => {
+                let mut st = ep.shared().lock();
+                let st = &mut *st;
+                f(st.core.qps(), &mut st.side)
+            }
+            Host::Meta(ep) => {
+                let mut st = ep.shared().lock();
+                let st = &mut *st;
+                f(st.core.rc(), &mut st.rc)
+            }
+        }
+    }
+
+    fn wake(&self) {
+        match self {
+            Host::Rc(ep) => ep.shared().wake.notify_one(),
+            Host::Meta(ep) => ep.shared().wake_driver.notify_one(),
+        }
+    }
+}
+
+/// An RC queue pair of an async [`RcEndpoint`] ([`RcEndpoint::create_qp`]) or of a MetaRoCE
+/// [`crate::Endpoint`] ([`crate::Endpoint::create_rc_qp`]). Dropping it destroys the QP.
 pub struct QueuePair {
-    ep: RcEndpoint,
+    host: Host,
     info: QpInfo,
     recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Completion>>,
 }
@@ -218,15 +344,41 @@ impl fmt::Debug for QueuePair {
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        let mut st = self.ep.shared().lock();
-        st.core.destroy_qp(self.info.qpn);
-        st.recv_tx.remove(&self.info.qpn);
         let qpn = self.info.qpn;
-        st.waiters.retain(|(q, _), _| *q != qpn);
+        self.host.with(|mut qps, side| {
+            qps.destroy_qp(qpn);
+            side.forget(qpn);
+        });
     }
 }
 
+/// Why [`QueuePair::connect`] is refused on a [`crate::Endpoint`].
+const NATIVE_ON_UDP: &str = "native RoCEv2 (rdma_rxe, RNICs) needs the ICRC over the real IP \
+     header, which UDP sockets can neither send nor check: this endpoint has only UDP \
+     sockets, so its QPs reach only other metaroce endpoints (QueuePair::connect_udp); for a \
+     RoCEv2 peer start the endpoint with Endpoint::with_rocev2 and a RawIpBackend (raw IP, \
+     CAP_NET_RAW), or use rocev2::RcEndpoint::bind_raw";
+
+/// Why [`QueuePair::connect_udp`] is refused on an [`RcEndpoint`].
+const UDP_ON_RAW: &str = "this QP belongs to an rocev2::RcEndpoint, whose backend moves whole \
+     IP packets: use QueuePair::connect (over a UdpIpBackend, UdpIpBackend::set_peer names \
+     the peer's UDP address), or create the QP with metaroce_tokio::Endpoint::create_rc_qp";
+
 impl QueuePair {
+    fn create(host: Host, init: QpInit) -> Result<QueuePair, RcError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let info = host.with(|mut qps, side| {
+            let info = qps.create_qp(init)?;
+            side.recv_tx.insert(info.qpn, tx);
+            Ok::<_, RcError>(info)
+        })?;
+        Ok(QueuePair {
+            host,
+            info,
+            recv_rx: tokio::sync::Mutex::new(rx),
+        })
+    }
+
     /// Local QPN.
     pub fn qpn(&self) -> u32 {
         self.info.qpn
@@ -237,44 +389,124 @@ impl QueuePair {
         self.info.psn
     }
 
-    /// The endpoint.
-    pub fn endpoint(&self) -> &RcEndpoint {
-        &self.ep
+    /// The stand-alone RoCEv2 endpoint hosting this QP, if that is where it lives.
+    pub fn rc_endpoint(&self) -> Option<&RcEndpoint> {
+        match &self.host {
+            Host::Rc(ep) => Some(ep),
+            Host::Meta(_) => None,
+        }
     }
 
-    /// Connect to the peer (INIT → RTS).
-    pub fn connect(&self, attrs: ConnectAttrs) -> Result<(), RcError> {
-        self.ep
-            .shared()
-            .lock()
-            .core
-            .connect_qp(self.info.qpn, attrs)?;
-        self.ep.shared().wake.notify_one();
+    /// The MetaRoCE endpoint hosting this QP, if that is where it lives.
+    pub fn metaroce_endpoint(&self) -> Option<&crate::Endpoint> {
+        match &self.host {
+            Host::Meta(ep) => Some(ep),
+            Host::Rc(_) => None,
+        }
+    }
+
+    fn connect_wire(&self, attrs: ConnectAttrs, wire: RcWire) -> Result<(), RcError> {
+        self.host
+            .with(|mut qps, _| qps.connect_qp(self.info.qpn, attrs, wire))?;
+        self.host.wake();
         Ok(())
+    }
+
+    /// Connect to the peer as a standard RoCEv2 QP (INIT → RTS, [`RcWire::Native`]).
+    ///
+    /// Errors: [`RcError::Unsupported`] on a [`crate::Endpoint`]'s QP (UDP sockets cannot
+    /// carry RoCEv2 to a real peer; the message says what to use instead), otherwise what
+    /// [`RcQps::connect_qp`](metaroce::rocev2::RcQps::connect_qp) returns.
+    pub fn connect(&self, attrs: ConnectAttrs) -> Result<(), RcError> {
+        match &self.host {
+            Host::Meta(ep) if ep.shared().ip_backend.is_none() => {
+                Err(RcError::Unsupported(NATIVE_ON_UDP))
+            }
+            _ => self.connect_wire(attrs, RcWire::Native),
+        }
+    }
+
+    /// Connect a [`crate::Endpoint`]'s QP to the RC QP of another metaroce endpoint whose
+    /// UDP address is `peer` (INIT → RTS, [`RcWire::Udp`]; `attrs.remote_ip` must be
+    /// `peer`'s IP). Errors: [`RcError::Unsupported`] on an [`RcEndpoint`]'s QP, otherwise
+    /// what [`RcQps::connect_qp`](metaroce::rocev2::RcQps::connect_qp) returns.
+    pub fn connect_udp(&self, attrs: ConnectAttrs, peer: SocketAddr) -> Result<(), RcError> {
+        let Host::Meta(ep) = &self.host else {
+            return Err(RcError::Unsupported(UDP_ON_RAW));
+        };
+        let local_ip = crate::endpoint::local_ip_for(ep.local_addr(), peer);
+        self.connect_wire(attrs, RcWire::Udp { peer, local_ip })
+    }
+
+    /// Connect to the peer described by an out-of-band [`QpExchange`] with
+    /// [`ConnectAttrs::new`] defaults: native RoCEv2 ([`connect`](Self::connect)) when the
+    /// host has a whole-IP-packet backend (an [`RcEndpoint`], or a [`crate::Endpoint`]
+    /// started with [`with_rocev2`](crate::Endpoint::with_rocev2)), otherwise
+    /// [`connect_udp`](Self::connect_udp) to `peer.udp_addr()`.
+    pub fn connect_to(&self, peer: &QpExchange) -> Result<(), RcError> {
+        let attrs = peer.connect_attrs();
+        if self.native_capable() {
+            self.connect(attrs)
+        } else {
+            self.connect_udp(attrs, peer.udp_addr())
+        }
+    }
+
+    fn native_capable(&self) -> bool {
+        match &self.host {
+            Host::Rc(_) => true,
+            Host::Meta(ep) => ep.shared().ip_backend.is_some(),
+        }
+    }
+
+    /// What to tell the peer about this QP ([`exchange`]): QPN, initial PSN, the local IP
+    /// (the GID) and UDP port packets for it go to, and optionally one region the peer may
+    /// access. The address is the one [`connect_to`](Self::connect_to) uses: the IP
+    /// backend's local IP and port 4791 for native RoCEv2, else the endpoint's UDP address.
+    /// On a [`crate::Endpoint`] bound to the unspecified address, set `ip` to the address
+    /// the peer reaches.
+    pub fn exchange_info(&self, region: Option<crate::RemoteRegion>) -> QpExchange {
+        let native = metaroce::wire::ROCEV2_UDP_PORT;
+        let (ip, udp_port) = match &self.host {
+            Host::Rc(ep) => (ep.shared().backend.local_ip(), native),
+            Host::Meta(ep) => match &ep.shared().ip_backend {
+                Some(ipb) => (ipb.local_ip(), native),
+                None => {
+                    let a = ep.local_addr();
+                    (a.ip(), a.port())
+                }
+            },
+        };
+        QpExchange {
+            qpn: self.info.qpn,
+            psn: self.info.psn,
+            ip,
+            udp_port,
+            region,
+        }
     }
 
     /// State of the QP.
     pub fn state(&self) -> Option<QpState> {
-        self.ep.shared().lock().core.qp_state(self.info.qpn)
+        self.host.with(|qps, _| qps.qp_state(self.info.qpn))
     }
 
     /// Counters of the QP.
     pub fn stats(&self) -> Option<QpStats> {
-        self.ep.shared().lock().core.qp_stats(self.info.qpn)
+        self.host.with(|qps, _| qps.qp_stats(self.info.qpn))
     }
 
     /// Post a receive buffer.
     pub fn post_recv(&self, wr_id: u64, lkey: u32, offset: u64, len: u32) -> Result<(), RcError> {
-        self.ep.shared().lock().core.post_recv(
-            self.info.qpn,
-            RecvWr {
-                wr_id,
-                lkey,
-                offset,
-                len,
-            },
-        )?;
-        self.ep.shared().wake.notify_one();
+        let wr = RecvWr {
+            wr_id,
+            lkey,
+            offset,
+            len,
+        };
+        self.host
+            .with(|mut qps, _| qps.post_recv(self.info.qpn, wr))?;
+        self.host.wake();
         Ok(())
     }
 
@@ -290,14 +522,15 @@ impl QueuePair {
         mut wr: SendWr,
     ) -> Result<impl std::future::Future<Output = Result<Completion, Error>>, Error> {
         let (tx, rx) = oneshot::channel();
-        {
-            let mut st = self.ep.shared().lock();
-            st.next_wr_id += 1;
-            wr.wr_id = st.next_wr_id;
-            st.core.post_send(self.info.qpn, wr)?;
-            st.waiters.insert((self.info.qpn, wr.wr_id), tx);
-        }
-        self.ep.shared().wake.notify_one();
+        let qpn = self.info.qpn;
+        self.host.with(|mut qps, side| {
+            side.next_wr_id += 1;
+            wr.wr_id = side.next_wr_id;
+            qps.post_send(qpn, wr)?;
+            side.waiters.insert((qpn, wr.wr_id), tx);
+            Ok::<_, RcError>(())
+        })?;
+        self.host.wake();
         Ok(async move { rx.await.map_err(|_| Error::Closed) })
     }
 
@@ -399,13 +632,14 @@ impl QueuePair {
     }
 
     fn atomic_result(&self, lkey: u32, offset: u64) -> Result<u64, Error> {
-        let b = self
-            .ep
-            .read_mr(lkey, offset, 8)
-            .map_err(|e| Error::Post(RcError::LocalMemory(e)))?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&b);
-        Ok(u64::from_le_bytes(a))
+        self.host.with(|qps, _| {
+            let b = qps
+                .mr_read(lkey, offset, 8)
+                .map_err(|e| Error::Post(RcError::LocalMemory(e)))?;
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            Ok(u64::from_le_bytes(a))
+        })
     }
 }
 
@@ -499,21 +733,6 @@ async fn run(shared: Arc<Shared>) {
 
 fn dispatch(st: &mut State) {
     while let Some(ev) = st.core.poll_event() {
-        match ev {
-            RcEvent::Completion(c) if c.is_recv() => {
-                if let Some(tx) = st.recv_tx.get(&c.qpn) {
-                    let _ = tx.send(c);
-                }
-            }
-            RcEvent::Completion(c) => {
-                if let Some(tx) = st.waiters.remove(&(c.qpn, c.wr_id)) {
-                    let _ = tx.send(c);
-                }
-            }
-            RcEvent::QpError { qpn, status } => {
-                tracing::debug!(qpn, %status, "QP entered the error state");
-            }
-            _ => {}
-        }
+        st.side.on_event(ev);
     }
 }

@@ -6,7 +6,20 @@
 //! the RoCEv2 reference (`shared/reference/rocev2-wire.md`) §6 (PSN/MSN, ACK coalescing,
 //! duplicate handling, go-back-N, RNR and ACK timers, error NAKs) and §7 (memory protection).
 //!
-//! ## Driving contract
+//! ## Two hosts, one QP implementation
+//!
+//! * **On a MetaRoCE [`crate::Endpoint`]** ([`crate::Endpoint::rc`] → [`RcQps`]): RC QPs
+//!   beside MetaRoCE connections, one memory-region table for both (register once, use the
+//!   keys on either), one driving contract. `handle_datagram` dispatches by BTH opcode
+//!   (standard RC `0x00..=0x14` → the RC QP by DestQP; MetaRoCE `0xC0..` → the connection);
+//!   RC completions come out of `poll_event` as [`crate::Event::Rc`]. Each QP picks its
+//!   carrier when connected ([`RcWire`]): `Udp` rides the endpoint's datagrams (reaches other
+//!   metaroce endpoints over plain UDP sockets), `Native` is real RoCEv2 through
+//!   [`crate::Endpoint::poll_rc_transmit`] / [`crate::Endpoint::handle_ip_packet`] (reaches
+//!   `rdma_rxe` and RNICs; needs a raw-IP backend).
+//! * **Stand-alone** ([`RcEndpoint`]): RC QPs only, all `Native`, with their own regions.
+//!
+//! ## Driving contract (stand-alone)
 //!
 //! Same shape as [`crate::Endpoint`]:
 //!
@@ -37,9 +50,13 @@
 //! Nothing here panics on input from the network; every limit is a field of [`RcConfig`].
 
 mod endpoint;
+mod host;
 mod qp;
+mod unified;
 
 pub use endpoint::{RcEndpoint, RcStats};
+pub(crate) use host::RcHost;
+pub use host::RcQps;
 
 use crate::mr::{Access, MrError};
 use crate::wire::icrc::{self, IpHeader};
@@ -102,6 +119,45 @@ impl RcConfig {
             verify_icrc: true,
         }
     }
+}
+
+/// How an RC QP's packets are carried; chosen per QP at connect time
+/// ([`RcQps::connect_qp`]).
+///
+/// | carrier | reaches | needs |
+/// |---|---|---|
+/// | `Native` | any RoCEv2 peer: `rdma_rxe`, RNICs, another metaroce `Native` QP | a raw-IP backend (raw IPv4 socket or AF_PACKET, `CAP_NET_RAW`): the ICRC covers the real IPv4 header, ID included |
+/// | `Udp` | another metaroce endpoint whose QP is `Udp` too (or a stand-alone [`RcEndpoint`] behind `metaroce_tokio::rocev2::UdpIpBackend`) | nothing: ordinary UDP sockets, loopback, CI |
+///
+/// Both carry the same standard RC packets (BTH, RETH, AETH, …, ICRC); only the headers
+/// the ICRC is computed over differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RcWire {
+    /// Standard RoCEv2: to `remote_ip:4791` from the QP's own source port
+    /// ([`udp_sport`]), the ICRC over the exact IP header sent (an incrementing IPv4 ID,
+    /// DF). Output is an [`RcTransmit`] to be sent as a whole IP packet
+    /// ([`crate::Endpoint::poll_rc_transmit`], [`RcEndpoint::poll_transmit`]); input is
+    /// the whole received IP packet (`handle_ip_packet`).
+    Native,
+    /// Carried as ordinary datagrams of the embedding endpoint's UDP sockets: to `peer`
+    /// from the endpoint's first source port, the ICRC over the *synthesized* headers
+    /// (IPv4 ID 0 + DF, or the IPv6 fixed header with flow label 0; UDP destination port
+    /// 4791 whatever port `peer` really has), which is what a receiver that only sees the
+    /// UDP payload can check. A real RoCEv2 peer drops these packets (ICRC mismatch).
+    Udp {
+        /// The peer endpoint's UDP address; its IP must be the connect attributes'
+        /// `remote_ip`.
+        peer: SocketAddr,
+        /// Local IP the packets come from and are addressed to (the ICRC covers it);
+        /// `None` = the endpoint's local IP, which must then be a concrete address.
+        local_ip: Option<IpAddr>,
+    },
+}
+
+/// Whether `op` is a standard RC opcode this module handles (`0x00..=0x14`): how an
+/// endpoint tells RC QP traffic from MetaRoCE traffic (`0xC0..`) on one socket.
+pub fn is_rc_opcode(op: crate::wire::Opcode) -> bool {
+    op.transport() == crate::wire::Transport::Rc && op.0 <= 0x14
 }
 
 /// Parameters of a new QP (verbs: `ibv_create_qp` + the INIT transition).
@@ -394,6 +450,9 @@ pub enum RcError {
     LocalMemory(MrError),
     /// A field of the work request or attributes is invalid (the text names it).
     Invalid(&'static str),
+    /// The I/O layer driving the endpoint cannot carry what was asked (the text says what
+    /// would), e.g. a [`RcWire::Native`] QP on an endpoint that only has UDP sockets.
+    Unsupported(&'static str),
 }
 
 impl fmt::Display for RcError {
@@ -405,6 +464,7 @@ impl fmt::Display for RcError {
             RcError::QueueFull => f.write_str("work queue full"),
             RcError::LocalMemory(e) => write!(f, "invalid local memory reference: {e}"),
             RcError::Invalid(s) => write!(f, "invalid {s}"),
+            RcError::Unsupported(s) => write!(f, "unsupported: {s}"),
         }
     }
 }

@@ -96,6 +96,11 @@ pub(crate) struct Qp {
     pub state: QpState,
     pub attrs: Option<ConnectAttrs>,
     pub sport: u16,
+    /// How the QP's packets are carried (set by `connect`).
+    pub wire: super::RcWire,
+    /// The local IP address the QP's packets come from and must be sent to (the ICRC
+    /// covers it).
+    pub local_ip: std::net::IpAddr,
     pub stats: QpStats,
     pmtu: u32,
     // requester
@@ -142,6 +147,8 @@ impl Qp {
             state: QpState::Init,
             attrs: None,
             sport: 0xC000,
+            wire: super::RcWire::Native,
+            local_ip: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
             stats: QpStats::default(),
             pmtu: 1024,
             sq: VecDeque::new(),

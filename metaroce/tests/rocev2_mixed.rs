@@ -1,0 +1,436 @@
+//! One `metaroce::Endpoint` with a MetaRoCE connection to one peer and a standard RC queue
+//! pair (RoCEv2 mode, carried over the endpoint's UDP datagrams) to another, at the same
+//! time, over one memory-region table, on a lossy in-memory network with virtual time.
+
+use metaroce::rocev2::{
+    Completion, ConnectAttrs, QpInit, RcEvent, RcOpcode, RcWire, SendOp, SendWr,
+};
+use metaroce::{
+    Access, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event, ReadRequest, WcOpcode,
+    WcStatus, WorkCompletion, WriteRequest,
+};
+use rand_core::{RngCore, SeedableRng};
+use rand_xoshiro::Xoshiro256PlusPlus;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct InFlight {
+    at: Reverse<Instant>,
+    seq: Reverse<u64>,
+    to: usize,
+    from: SocketAddr,
+    data: Vec<u8>,
+}
+
+/// N endpoints on a network with a fixed one-way delay and seeded random loss.
+struct Net {
+    eps: Vec<Endpoint>,
+    addrs: Vec<SocketAddr>,
+    now: Instant,
+    start: Instant,
+    loss: f64,
+    rng: Xoshiro256PlusPlus,
+    queue: BinaryHeap<InFlight>,
+    seq: u64,
+    events: Vec<Vec<Event>>,
+    dropped: u64,
+    /// Datagrams sent with a standard RC opcode (first BTH byte <= 0x14), per sender.
+    rc_sent: Vec<u64>,
+}
+
+fn config(i: usize, seed: u64) -> EndpointConfig {
+    let mut c = EndpointConfig::new(
+        format!("10.0.0.{}:4791", i + 1).parse().unwrap(),
+        (0..8).map(|k| 0xC000 + k + 16 * i as u16).collect(),
+    );
+    c.seed = seed.wrapping_mul(31).wrapping_add(i as u64);
+    c.transport.pmtu = 1024;
+    c
+}
+
+impl Net {
+    fn new(n: usize, seed: u64, loss: f64) -> Net {
+        let now = Instant::now();
+        let cfgs: Vec<EndpointConfig> = (0..n).map(|i| config(i, seed)).collect();
+        Net {
+            addrs: cfgs.iter().map(|c| c.local_addr).collect(),
+            eps: cfgs
+                .into_iter()
+                .map(|c| Endpoint::new(c).unwrap())
+                .collect(),
+            now,
+            start: now,
+            loss,
+            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            events: (0..n).map(|_| Vec::new()).collect(),
+            dropped: 0,
+            rc_sent: vec![0; n],
+        }
+    }
+
+    fn ip(&self, i: usize) -> IpAddr {
+        self.addrs[i].ip()
+    }
+
+    fn flush(&mut self) {
+        let mut buf = Vec::with_capacity(1 << 16);
+        loop {
+            let mut any = false;
+            for i in 0..self.eps.len() {
+                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
+                    any = true;
+                    let Some(to) = self.addrs.iter().position(|a| *a == t.destination) else {
+                        continue;
+                    };
+                    let from = SocketAddr::new(self.ip(i), t.src_port);
+                    let seg = t.segment_size.unwrap_or(t.size);
+                    for chunk in buf[..t.size].chunks(seg) {
+                        if chunk[0] <= 0x14 {
+                            self.rc_sent[i] += 1;
+                        }
+                        let r = self.rng.next_u64() as f64 / u64::MAX as f64;
+                        if r < self.loss {
+                            self.dropped += 1;
+                            continue;
+                        }
+                        self.seq += 1;
+                        self.queue.push(InFlight {
+                            at: Reverse(self.now + Duration::from_micros(10)),
+                            seq: Reverse(self.seq),
+                            to,
+                            from,
+                            data: chunk.to_vec(),
+                        });
+                    }
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+        for i in 0..self.eps.len() {
+            while let Some(e) = self.eps[i].poll_event() {
+                self.events[i].push(e);
+            }
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        self.flush();
+        let next_pkt = self.queue.peek().map(|p| p.at.0);
+        let next_timer = self.eps.iter().filter_map(Endpoint::poll_timeout).min();
+        let next = match (next_pkt, next_timer) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => return false,
+        };
+        self.now = self.now.max(next);
+        while self.queue.peek().is_some_and(|p| p.at.0 <= self.now) {
+            let p = self.queue.pop().unwrap();
+            let local = self.addrs[p.to].ip();
+            self.eps[p.to].handle_datagram(
+                self.now,
+                p.from,
+                Some(local),
+                None::<EcnCodepoint>,
+                &p.data,
+            );
+        }
+        for ep in &mut self.eps {
+            if ep.poll_timeout().is_some_and(|t| t <= self.now) {
+                ep.handle_timeout(self.now);
+            }
+        }
+        self.flush();
+        true
+    }
+
+    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Net) -> bool) -> bool {
+        while self.now - self.start < limit {
+            if done(self) {
+                return true;
+            }
+            if !self.step() {
+                return done(self);
+            }
+        }
+        done(self)
+    }
+
+    fn meta_wcs(&self, i: usize) -> Vec<(ConnectionHandle, WorkCompletion)> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Completion { conn, wc } => Some((*conn, *wc)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn rc_wcs(&self, i: usize) -> Vec<Completion> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Rc(RcEvent::Completion(c)) => Some(*c),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+fn rc_wr(wr_id: u64, op: SendOp, lkey: u32, local_offset: u64, len: u32) -> SendWr {
+    SendWr {
+        wr_id,
+        op,
+        lkey,
+        local_offset,
+        len,
+        solicited: false,
+    }
+}
+
+const A: usize = 0;
+const B: usize = 1;
+const C: usize = 2;
+const HALF: usize = 48 * 1024;
+
+/// A has a MetaRoCE connection to B and an RC QP (over UDP) to C. A's one region `shared`
+/// (registered once) is written by B through MetaRoCE and by C through the RC QP, then read
+/// back crosswise: B READs what C wrote, C READs what B wrote. A's one source region goes to
+/// both peers with the same lkey. Every byte is checked, under loss.
+fn mixed(seed: u64, loss: f64) -> Net {
+    let mut net = Net::new(3, seed, loss);
+    let remote = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+    let shared = net.eps[A].register_mr(vec![0; 2 * HALF], remote);
+    let a_src = net.eps[A].register_mr(pattern(HALF, 1), Access::LOCAL_WRITE);
+    let b_src = net.eps[B].register_mr(pattern(HALF, 2), Access::LOCAL_WRITE);
+    let b_dst = net.eps[B].register_mr(vec![0; 2 * HALF], remote);
+    let c_src = net.eps[C].register_mr(pattern(HALF, 3), Access::LOCAL_WRITE);
+    let c_dst = net.eps[C].register_mr(vec![0; 2 * HALF], remote);
+
+    // MetaRoCE: A -> B.
+    let now = net.now;
+    let ab = net.eps[A].connect(now, net.addrs[B], None).unwrap();
+    assert!(net.run_until(Duration::from_secs(1), |n| n.eps[A].is_established(ab)));
+    let ba = net.events[B]
+        .iter()
+        .find_map(|e| match e {
+            Event::Incoming(h) => Some(*h),
+            _ => None,
+        })
+        .expect("B accepted");
+
+    // RC QP: A <-> C, carried over the endpoints' UDP datagrams; QPN/PSN exchanged "out of
+    // band" (here: directly).
+    let init = QpInit {
+        access: Access::REMOTE_WRITE | Access::REMOTE_READ,
+        ..QpInit::default()
+    };
+    let qa = net.eps[A].rc().create_qp(init).unwrap();
+    let qc = net.eps[C].rc().create_qp(init).unwrap();
+    let attrs = |ip, qpn, psn| {
+        let mut a = ConnectAttrs::new(ip, qpn, psn);
+        a.timeout = 10; // 4.2 ms
+        a.max_rd_atomic = 4;
+        a.max_dest_rd_atomic = 4;
+        a
+    };
+    let (ip_a, ip_c) = (net.ip(A), net.ip(C));
+    let wire_c = RcWire::Udp {
+        peer: net.addrs[C],
+        local_ip: None,
+    };
+    let wire_a = RcWire::Udp {
+        peer: net.addrs[A],
+        local_ip: None,
+    };
+    net.eps[A]
+        .rc()
+        .connect_qp(qa.qpn, attrs(ip_c, qc.qpn, qc.psn), wire_c)
+        .unwrap();
+    net.eps[C]
+        .rc()
+        .connect_qp(qc.qpn, attrs(ip_a, qa.qpn, qa.psn), wire_a)
+        .unwrap();
+
+    // Phase 1: B and C write into A's one region; A writes its one source region to both.
+    let w = |wr_id, lkey, len: usize, remote_addr, rkey| WriteRequest {
+        wr_id,
+        lkey,
+        local_offset: 0,
+        len: len as u32,
+        remote_addr,
+        rkey,
+        imm: None,
+    };
+    net.eps[B]
+        .post_write(ba, w(1, b_src.lkey, HALF, shared.addr, shared.rkey))
+        .unwrap();
+    net.eps[A]
+        .post_write(ab, w(2, a_src.lkey, HALF, b_dst.addr, b_dst.rkey))
+        .unwrap();
+    let op = |remote_addr, rkey| SendOp::Write {
+        remote_addr,
+        rkey,
+        imm: None,
+    };
+    let c_to_a = op(shared.addr + HALF as u64, shared.rkey);
+    net.eps[C]
+        .rc()
+        .post_send(qc.qpn, rc_wr(3, c_to_a, c_src.lkey, 0, HALF as u32))
+        .unwrap();
+    net.eps[A]
+        .rc()
+        .post_send(
+            qa.qpn,
+            rc_wr(4, op(c_dst.addr, c_dst.rkey), a_src.lkey, 0, HALF as u32),
+        )
+        .unwrap();
+    let ok = net.run_until(Duration::from_secs(20), |n| {
+        n.meta_wcs(B).len() == 1
+            && n.meta_wcs(A).len() == 1
+            && n.rc_wcs(C).len() == 1
+            && n.rc_wcs(A).len() == 1
+    });
+    assert!(ok, "phase 1 did not complete");
+    for (_, wc) in net.meta_wcs(A).iter().chain(&net.meta_wcs(B)) {
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        assert_eq!(wc.opcode, WcOpcode::RdmaWrite);
+    }
+    for c in net.rc_wcs(A).iter().chain(&net.rc_wcs(C)) {
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        assert_eq!(c.opcode, RcOpcode::RdmaWrite);
+    }
+    let a_shared = net.eps[A].mr_read(shared.lkey, 0, 2 * HALF as u64).unwrap();
+    assert_eq!(
+        &a_shared[..HALF],
+        &pattern(HALF, 2)[..],
+        "B's WRITE (MetaRoCE)"
+    );
+    assert_eq!(&a_shared[HALF..], &pattern(HALF, 3)[..], "C's WRITE (RC)");
+    let b_got = net.eps[B].mr_read(b_dst.lkey, 0, HALF as u64).unwrap();
+    assert_eq!(b_got, &pattern(HALF, 1)[..], "A's WRITE to B (MetaRoCE)");
+    let c_got = net.eps[C].mr_read(c_dst.lkey, 0, HALF as u64).unwrap();
+    assert_eq!(c_got, &pattern(HALF, 1)[..], "A's WRITE to C (RC)");
+
+    // Phase 2: crosswise READs of A's region: B reads C's half, C reads B's half.
+    net.eps[B]
+        .post_read(
+            ba,
+            ReadRequest {
+                wr_id: 5,
+                lkey: b_dst.lkey,
+                local_offset: HALF as u64,
+                len: HALF as u32,
+                remote_addr: shared.addr + HALF as u64,
+                rkey: shared.rkey,
+            },
+        )
+        .unwrap();
+    let read = SendOp::Read {
+        remote_addr: shared.addr,
+        rkey: shared.rkey,
+    };
+    net.eps[C]
+        .rc()
+        .post_send(qc.qpn, rc_wr(6, read, c_dst.lkey, HALF as u64, HALF as u32))
+        .unwrap();
+    let ok = net.run_until(Duration::from_secs(40), |n| {
+        n.meta_wcs(B).len() == 2 && n.rc_wcs(C).len() == 2
+    });
+    assert!(ok, "phase 2 did not complete");
+    let (_, wc) = net.meta_wcs(B)[1];
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
+    let c = net.rc_wcs(C)[1];
+    assert_eq!(
+        (c.wr_id, c.status, c.opcode),
+        (6, WcStatus::Success, RcOpcode::RdmaRead)
+    );
+    let b_read = net.eps[B]
+        .mr_read(b_dst.lkey, HALF as u64, HALF as u64)
+        .unwrap();
+    assert_eq!(b_read, &pattern(HALF, 3)[..], "B READ what C wrote");
+    let c_read = net.eps[C]
+        .mr_read(c_dst.lkey, HALF as u64, HALF as u64)
+        .unwrap();
+    assert_eq!(c_read, &pattern(HALF, 2)[..], "C READ what B wrote");
+
+    // Dispatch: RC packets reached the RC side, nothing was left unhandled or failed ICRC.
+    for i in [A, B, C] {
+        let s = net.eps[i].stats();
+        assert_eq!(
+            (s.unsupported, s.bad_icrc, s.malformed),
+            (0, 0, 0),
+            "ep {i}: {s:?}"
+        );
+        let r = net.eps[i].rc_stats();
+        assert_eq!((r.rx_bad_icrc, r.rx_malformed), (0, 0), "ep {i}: {r:?}");
+    }
+    assert_eq!(net.rc_sent[B], 0, "B has no RC QP");
+    assert!(net.rc_sent[A] > 0 && net.rc_sent[C] > 0);
+    assert!(net.eps[A].rc_stats().rx_packets > 0 && net.eps[C].rc_stats().rx_packets > 0);
+    net
+}
+
+#[test]
+fn metaroce_connection_and_rc_qp_share_one_region_lossless() {
+    let mut net = mixed(7, 0.0);
+    assert_eq!(net.dropped, 0);
+    let rc = net.rc_wcs(A)[0].qpn;
+    let st = net.eps[A].rc().qp_stats(rc).unwrap();
+    assert_eq!(st.retransmitted, 0);
+}
+
+#[test]
+fn metaroce_connection_and_rc_qp_share_one_region_under_loss() {
+    for seed in [1, 2, 3] {
+        let mut net = mixed(seed, 0.02);
+        assert!(net.dropped > 0);
+        // The RC side recovered by go-back-N: sequence NAKs and/or timeouts, packets resent.
+        let qa = net.rc_wcs(A)[0].qpn;
+        let qc = net.rc_wcs(C)[0].qpn;
+        let sa = net.eps[A].rc().qp_stats(qa).unwrap();
+        let sc = net.eps[C].rc().qp_stats(qc).unwrap();
+        assert!(
+            sa.retransmitted + sc.retransmitted > 0,
+            "seed {seed}: no RC retransmission: {sa:?} {sc:?}"
+        );
+        assert!(
+            sa.seq_naks_sent + sc.seq_naks_sent + sa.timeouts + sc.timeouts > 0,
+            "seed {seed}: {sa:?} {sc:?}"
+        );
+    }
+}
+
+/// RcWire::Udp's peer must be the QP's remote IP; an unspecified local IP is refused.
+#[test]
+fn udp_wire_checks_addresses() {
+    let mut ep = Endpoint::new(EndpointConfig::new(
+        "0.0.0.0:4791".parse().unwrap(),
+        vec![50000],
+    ))
+    .unwrap();
+    let q = ep.rc().create_qp(QpInit::default()).unwrap();
+    let attrs = ConnectAttrs::new("10.0.0.2".parse().unwrap(), 0x22, 1);
+    let other: SocketAddr = "10.0.0.3:4791".parse().unwrap();
+    let wire = |peer, local_ip| RcWire::Udp { peer, local_ip };
+    let e = ep.rc().connect_qp(q.qpn, attrs, wire(other, None));
+    assert!(e.is_err());
+    let peer: SocketAddr = "10.0.0.2:4791".parse().unwrap();
+    let e = ep.rc().connect_qp(q.qpn, attrs, wire(peer, None));
+    assert!(e.is_err(), "unspecified local IP accepted");
+    let local = Some("10.0.0.1".parse().unwrap());
+    ep.rc().connect_qp(q.qpn, attrs, wire(peer, local)).unwrap();
+    assert_eq!(ep.rc().qp_wire(q.qpn), Some(wire(peer, local)));
+}
