@@ -222,6 +222,14 @@ pub struct CongestionConfig {
     /// (4 MiB at a 4096-byte path MTU: about a Linux socket buffer, so a burst does not
     /// overflow the receiver's socket).
     pub max_connection_window: u32,
+    /// Largest window of the whole connection (sum over paths), in packets, until the
+    /// first ACK arrives: the blind first round trip of a new connection, before any RTT
+    /// sample, congestion signal or receiver grant exists. An N-to-1 incast puts
+    /// N × this into the receiver's port queue before anyone can react, so it should be
+    /// about one bandwidth-delay product of a single link (32 × 4 KiB = 128 KiB is
+    /// 100 Gbit/s × 10 µs). After the first ACK the per-path windows, `max_connection_window`
+    /// and the receiver's grant apply. Default 32.
+    pub initial_connection_window: u32,
     /// Additive increase, in packets per round trip per path. Default 2.0.
     pub additive_increase: f64,
     /// Multiplicative decrease applied once per round trip when ACKs echo CE marks:
@@ -311,6 +319,7 @@ impl Default for CongestionConfig {
             min_window: 2,
             max_window: 255,
             max_connection_window: 1024,
+            initial_connection_window: 32,
             additive_increase: 2.0,
             ecn_beta: 0.5,
             loss_beta: 0.8,
@@ -331,6 +340,9 @@ impl CongestionConfig {
                 "max_window must be at most 255 packets, got {}",
                 self.max_window
             ));
+        }
+        if self.initial_connection_window == 0 {
+            return Err("initial_connection_window must be at least 1".into());
         }
         if !(self.min_window..=self.max_window).contains(&self.initial_window) {
             return Err("initial_window must be in min_window..=max_window".into());

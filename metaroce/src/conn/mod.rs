@@ -80,6 +80,10 @@ pub struct ConnectionStats {
     pub peer_rate_hint_mbps: u32,
     /// The rate we grant the peer in our ACKs (Mbit/s, 0 = no limit).
     pub granted_rate_mbps: u32,
+    /// Packets the connection may have in flight now, over all paths: the smaller of the
+    /// sum of the path windows and the connection-wide cap (see
+    /// [`connection_window`](cc::connection_window)).
+    pub send_window: u32,
 }
 
 #[derive(Debug)]
@@ -311,6 +315,12 @@ impl Connection {
             ce_received: self.ce_in,
             peer_rate_hint_mbps: self.peer_rate_mbps,
             granted_rate_mbps: self.granted_rate_mbps,
+            send_window: self
+                .tx
+                .iter()
+                .map(|p| p.cc.window())
+                .sum::<u32>()
+                .min(self.conn_window()),
         }
     }
 
@@ -339,7 +349,18 @@ impl Connection {
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
+                // The handshake's round trip is the first RTT sample of every path (only
+                // when one request was sent, so the answer is unambiguous — Karn): it seeds
+                // the minimum RTT that sizes the receiver's grant before data has queued.
+                let hs_rtt = (hs.attempts == 1).then(|| {
+                    now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
+                });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                if let Some(r) = hs_rtt.filter(|r| !r.is_zero()) {
+                    for p in &mut self.tx {
+                        p.rtt.update(r);
+                    }
+                }
                 self.last_heard = now;
                 events.push_back(Event::Connected(self.handle));
                 Outcome::default()
@@ -801,18 +822,21 @@ impl Connection {
     }
 
     fn conn_window(&self) -> u32 {
-        let mut w = self.cfg.congestion.max_connection_window;
-        if self.peer_rate_mbps > 0 {
-            let srtt = self
-                .tx
-                .iter()
-                .map(|p| p.rtt.smoothed())
-                .max()
-                .unwrap_or(self.cfg.initial_rtt);
-            let bytes = self.peer_rate_mbps as f64 * 1e6 / 8.0 * srtt.as_secs_f64();
-            w = w.min(((bytes / self.pmtu as f64).ceil() as u32).max(1));
-        }
-        w
+        let srtt = self
+            .tx
+            .iter()
+            .map(|p| p.rtt.smoothed())
+            .max()
+            .unwrap_or(self.cfg.initial_rtt);
+        let min_rtt = self.tx.iter().filter_map(|p| p.rtt.min()).min();
+        cc::connection_window(
+            &self.cfg.congestion,
+            self.pmtu,
+            self.peer_rate_mbps,
+            self.acks_received > 0,
+            min_rtt,
+            srtt,
+        )
     }
 
     pub fn poll_transmit(
