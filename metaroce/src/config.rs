@@ -130,6 +130,23 @@ pub struct TransportConfig {
     /// How recently a connection must have delivered data to count as an active sender
     /// for the fair share. Default 1 ms.
     pub fair_share_window: Duration,
+    /// Planes of a multi-plane fabric this endpoint is attached to, 1..=8 (MetaRoCE "paths
+    /// grouped by plane"). The plane of a local UDP source port is `port mod planes`: a
+    /// deployment makes that true by sending each source port through the matching local
+    /// interface or source address (one NIC port per plane; e.g. a driver that picks the
+    /// interface by source port, or one IP address per plane with source ports allocated so
+    /// that `port mod planes` is the plane's index; the simulator's
+    /// `UplinkPolicy::SourcePort` does exactly this). With more than one plane, a
+    /// connection spreads its paths evenly over the planes, tells the peer each path's plane
+    /// (PathEth flags bits 3:1) so that ACKs come back on the same plane, re-rolls a failed
+    /// path onto a healthy plane, treats a plane whose paths all timed out as down (its
+    /// paths move to the other planes at once), and probes a down plane again every
+    /// `plane_retry_interval`. 1 (the default) disables all of this.
+    pub planes: u16,
+    /// How long a plane found down is avoided before one path is moved back onto it to
+    /// probe it (and, if that path makes progress, the paths are spread over all planes
+    /// again). Default 10 ms.
+    pub plane_retry_interval: Duration,
     /// Congestion control parameters.
     pub congestion: CongestionConfig,
 }
@@ -162,6 +179,8 @@ impl Default for TransportConfig {
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,
+            planes: 1,
+            plane_retry_interval: Duration::from_millis(10),
             congestion: CongestionConfig::default(),
         }
     }
@@ -196,6 +215,9 @@ impl TransportConfig {
         }
         if self.rnr_retry > 7 || self.min_rnr_timer > 31 {
             return Err("rnr_retry must be 0..=7 and min_rnr_timer 0..=31".into());
+        }
+        if !(1..=8).contains(&self.planes) {
+            return Err(format!("planes must be in 1..=8, got {}", self.planes));
         }
         if self.handshake_attempts == 0 {
             return Err("handshake_attempts must be at least 1".into());

@@ -211,3 +211,132 @@ impl<T: Into<Json>> From<Vec<T>> for Json {
         Json::Arr(v.into_iter().map(Into::into).collect())
     }
 }
+
+/// What [`run_transfers`] measured.
+pub struct Transfers {
+    /// Data bytes (4096 per full WRITE packet) delivered to the destinations per `bin`,
+    /// over all flows, from the post.
+    pub series: Vec<f64>,
+    /// Bin width.
+    pub bin: Duration,
+    /// Flow completion times, pair order (`None`: not completed).
+    pub fct: Vec<Option<Duration>>,
+    /// Every destination region holds exactly what its source wrote.
+    pub data_ok: bool,
+    /// Work completions with an error status, over all senders.
+    pub errors: u64,
+}
+
+impl Transfers {
+    /// Aggregate goodput in Gbit/s of the bins between `from` and `to` (fractions of the
+    /// earliest completion time): the steady state, without ramp-up and tail.
+    pub fn steady_gbps(&self, from: f64, to: f64) -> f64 {
+        let first = self
+            .fct
+            .iter()
+            .flatten()
+            .min()
+            .copied()
+            .unwrap_or_default();
+        let (a, b) = (
+            (first.as_secs_f64() * from / self.bin.as_secs_f64()) as usize,
+            (first.as_secs_f64() * to / self.bin.as_secs_f64()) as usize,
+        );
+        let b = b.min(self.series.len());
+        if b <= a {
+            return 0.0;
+        }
+        self.series[a..b].iter().sum::<f64>() * 8.0 / ((b - a) as f64 * self.bin.as_secs_f64()) / 1e9
+    }
+
+    /// Gbit/s per bin.
+    pub fn gbps(&self) -> Vec<f64> {
+        self.series
+            .iter()
+            .map(|b| b * 8.0 / self.bin.as_secs_f64() / 1e9)
+            .collect()
+    }
+}
+
+/// Post one WRITE of `bytes` on every `(src, dst)` pair at once (connections `conns`), run
+/// until all complete (or `limit` of simulated time), counting the data delivered to the
+/// destinations in bins of `bin`. `before_run` may schedule actions (times relative to
+/// the post are `sim.elapsed() + …`). The trace hook is set for the run and cleared after.
+pub fn run_transfers(
+    sim: &mut Sim,
+    pairs: &[(HostId, HostId)],
+    conns: &[ConnectionHandle],
+    bytes: usize,
+    bin: Duration,
+    limit: Duration,
+    before_run: impl FnOnce(&mut Sim),
+) -> Transfers {
+    use metaroce::sim::{Location, TraceKind};
+    use metaroce::wire::Opcode;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    let dsts: std::collections::HashSet<HostId> = pairs.iter().map(|p| p.1).collect();
+    let series: Rc<RefCell<Vec<f64>>> = Rc::default();
+    let start = sim.elapsed();
+    let bin_ns = bin.as_nanos() as u64;
+    {
+        let series = series.clone();
+        sim.set_trace(move |e| {
+            if let (TraceKind::Deliver, Location::Host(h)) = (e.kind, e.location) {
+                if matches!(e.opcode, Some(Opcode::MR_WRITE)) && dsts.contains(&h) {
+                    let k = (e.time.saturating_sub(start).as_nanos() as u64 / bin_ns) as usize;
+                    let mut s = series.borrow_mut();
+                    if s.len() <= k {
+                        s.resize(k + 1, 0.0);
+                    }
+                    // UDP payload = headers + data; full packets carry 4096 data bytes.
+                    s[k] += f64::from(e.len.min(4096));
+                }
+            }
+        });
+    }
+    let targets: Vec<u32> = pairs
+        .iter()
+        .zip(conns)
+        .enumerate()
+        .map(|(i, (&(s, d), &c))| post_write(sim, s, d, c, pattern(i, bytes), 1000 + i as u64))
+        .collect();
+    before_run(sim);
+    let fct = |s: &Sim, i: usize| {
+        s.events(pairs[i].0).iter().find_map(|e| match &e.event {
+            metaroce::Event::Completion { wc, .. } if wc.wr_id == 1000 + i as u64 => {
+                Some(e.time - start)
+            }
+            _ => None,
+        })
+    };
+    let deadline = start + limit;
+    let mut done = vec![false; pairs.len()];
+    sim.run_while(|s| {
+        for (i, d) in done.iter_mut().enumerate() {
+            if !*d {
+                *d = fct(s, i).is_some();
+            }
+        }
+        s.elapsed() < deadline && done.iter().any(|d| !d)
+    });
+    sim.clear_trace();
+    let fcts: Vec<Option<Duration>> = (0..pairs.len()).map(|i| fct(sim, i)).collect();
+    let data_ok = targets.iter().enumerate().all(|(i, &lkey)| {
+        sim.endpoint(pairs[i].1)
+            .mr_read(lkey, 0, bytes as u64)
+            .is_ok_and(|d| d == &pattern(i, bytes)[..])
+    });
+    let mut srcs: Vec<HostId> = pairs.iter().map(|p| p.0).collect();
+    srcs.sort();
+    srcs.dedup();
+    let errors = srcs.iter().map(|&h| sim.host_stats(h).completion_errors).sum();
+    let series = series.borrow().clone();
+    Transfers {
+        series,
+        bin,
+        fct: fcts,
+        data_ok,
+        errors,
+    }
+}
