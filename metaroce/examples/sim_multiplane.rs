@@ -88,9 +88,11 @@ fn main() {
             &pairs,
             &conns,
             bytes * planes,
+            1,
             Duration::from_micros(10),
             Duration::from_secs(1),
             |_| {},
+            |_, _| {},
         );
         let goodput = r.steady_gbps(0.2, 0.8);
         if planes == 1 {

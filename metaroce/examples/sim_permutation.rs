@@ -68,9 +68,11 @@ fn main() {
             &pairs,
             &conns,
             bytes,
+            1,
             Duration::from_micros(10),
             Duration::from_secs(1),
             |_| {},
+            |_, _| {},
         );
         let goodput = r.steady_gbps(0.2, 0.8);
         let fcts: Vec<Duration> = r.fct.iter().flatten().copied().collect();

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use metaroce::sim::{HostId, Sim};
-use metaroce::{Access, ConnectionHandle, WriteRequest};
+use metaroce::{Access, ConnectionHandle, MrKeys, WriteRequest};
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -36,6 +36,17 @@ pub fn pattern(i: usize, len: usize) -> Vec<u8> {
     (0..len)
         .map(|k| (k as u32).wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) as u8 >> 1)
         .collect()
+}
+
+/// Register a source region holding `data` on `src` and a zeroed target region of the same
+/// size on `dst` (remote-writable).
+pub fn register_pair(sim: &mut Sim, src: HostId, dst: HostId, data: Vec<u8>) -> (MrKeys, MrKeys) {
+    let target = sim.endpoint_mut(dst).register_mr(
+        vec![0; data.len()],
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+    );
+    let source = sim.endpoint_mut(src).register_mr(data, Access::LOCAL_WRITE);
+    (source, target)
 }
 
 /// Register a source region with `data` on `src` and a zeroed target region on `dst`,
@@ -219,12 +230,21 @@ pub struct Transfers {
     pub series: Vec<f64>,
     /// Bin width.
     pub bin: Duration,
-    /// Flow completion times, pair order (`None`: not completed).
+    /// Flow completion times (the last WRITE of the flow), pair order (`None`: not
+    /// completed).
     pub fct: Vec<Option<Duration>>,
+    /// Per flow (pair order): the longest time between two data packets delivered to its
+    /// destination, from the post to the flow's completion.
+    pub max_gap: Vec<Duration>,
     /// Every destination region holds exactly what its source wrote.
     pub data_ok: bool,
     /// Work completions with an error status, over all senders.
     pub errors: u64,
+    /// Connections lost, over all senders.
+    pub connections_lost: u64,
+    /// Per flow: the longest time between the post and the first WRITE completion or
+    /// between two consecutive completions (what the application sees of a stall).
+    pub max_completion_gap: Vec<Duration>,
 }
 
 impl Transfers {
@@ -238,15 +258,18 @@ impl Transfers {
             .min()
             .copied()
             .unwrap_or_default();
-        let (a, b) = (
-            (first.as_secs_f64() * from / self.bin.as_secs_f64()) as usize,
-            (first.as_secs_f64() * to / self.bin.as_secs_f64()) as usize,
-        );
-        let b = b.min(self.series.len());
+        self.mean_gbps(first.mul_f64(from), first.mul_f64(to))
+    }
+
+    /// Mean aggregate goodput in Gbit/s between two times after the post.
+    pub fn mean_gbps(&self, from: Duration, to: Duration) -> f64 {
+        let a = (from.as_secs_f64() / self.bin.as_secs_f64()) as usize;
+        let b = ((to.as_secs_f64() / self.bin.as_secs_f64()) as usize).min(self.series.len());
         if b <= a {
             return 0.0;
         }
-        self.series[a..b].iter().sum::<f64>() * 8.0 / ((b - a) as f64 * self.bin.as_secs_f64()) / 1e9
+        self.series[a..b].iter().sum::<f64>() * 8.0 / ((b - a) as f64 * self.bin.as_secs_f64())
+            / 1e9
     }
 
     /// Gbit/s per bin.
@@ -258,70 +281,102 @@ impl Transfers {
     }
 }
 
-/// Post one WRITE of `bytes` on every `(src, dst)` pair at once (connections `conns`), run
+/// Post `repeat` WRITEs of `bytes` (the same source region to the same target region) on
+/// every `(src, dst)` pair at once (connections `conns`; every destination distinct), run
 /// until all complete (or `limit` of simulated time), counting the data delivered to the
-/// destinations in bins of `bin`. `before_run` may schedule actions (times relative to
-/// the post are `sim.elapsed() + …`). The trace hook is set for the run and cleared after.
+/// destinations in bins of `bin`. `before_run` may schedule actions (the post happens at
+/// `sim.elapsed()` when it is called). The trace hook is set for the run and cleared after.
+#[allow(clippy::too_many_arguments)]
 pub fn run_transfers(
     sim: &mut Sim,
     pairs: &[(HostId, HostId)],
     conns: &[ConnectionHandle],
     bytes: usize,
+    repeat: usize,
     bin: Duration,
     limit: Duration,
     before_run: impl FnOnce(&mut Sim),
+    mut on_tick: impl FnMut(&Sim, Duration),
 ) -> Transfers {
     use metaroce::sim::{Location, TraceKind};
     use metaroce::wire::Opcode;
     use std::cell::RefCell;
+    use std::collections::HashMap;
     use std::rc::Rc;
-    let dsts: std::collections::HashSet<HostId> = pairs.iter().map(|p| p.1).collect();
-    let series: Rc<RefCell<Vec<f64>>> = Rc::default();
+    let dst_index: HashMap<HostId, usize> =
+        pairs.iter().enumerate().map(|(i, p)| (p.1, i)).collect();
+    assert_eq!(dst_index.len(), pairs.len(), "destinations must be distinct");
+    // (series, last delivery per flow, max gap per flow)
+    type State = (Vec<f64>, Vec<Duration>, Vec<Duration>);
+    let n = pairs.len();
     let start = sim.elapsed();
+    let state: Rc<RefCell<State>> =
+        Rc::new(RefCell::new((Vec::new(), vec![start; n], vec![Duration::ZERO; n])));
     let bin_ns = bin.as_nanos() as u64;
     {
-        let series = series.clone();
+        let state = state.clone();
         sim.set_trace(move |e| {
             if let (TraceKind::Deliver, Location::Host(h)) = (e.kind, e.location) {
-                if matches!(e.opcode, Some(Opcode::MR_WRITE)) && dsts.contains(&h) {
-                    let k = (e.time.saturating_sub(start).as_nanos() as u64 / bin_ns) as usize;
-                    let mut s = series.borrow_mut();
-                    if s.len() <= k {
-                        s.resize(k + 1, 0.0);
-                    }
-                    // UDP payload = headers + data; full packets carry 4096 data bytes.
-                    s[k] += f64::from(e.len.min(4096));
+                if !matches!(e.opcode, Some(Opcode::MR_WRITE)) {
+                    return;
                 }
+                let Some(&i) = dst_index.get(&h) else {
+                    return;
+                };
+                let k = (e.time.saturating_sub(start).as_nanos() as u64 / bin_ns) as usize;
+                let mut st = state.borrow_mut();
+                if st.0.len() <= k {
+                    st.0.resize(k + 1, 0.0);
+                }
+                // UDP payload = headers + data; full packets carry 4096 data bytes.
+                st.0[k] += f64::from(e.len.min(4096));
+                let gap = e.time.saturating_sub(st.1[i]);
+                st.1[i] = e.time;
+                st.2[i] = st.2[i].max(gap);
             }
         });
     }
-    let targets: Vec<u32> = pairs
-        .iter()
-        .zip(conns)
-        .enumerate()
-        .map(|(i, (&(s, d), &c))| post_write(sim, s, d, c, pattern(i, bytes), 1000 + i as u64))
-        .collect();
+    let mut targets = Vec::new();
+    for (i, (&(s, d), &c)) in pairs.iter().zip(conns).enumerate() {
+        let (src, dst) = register_pair(sim, s, d, pattern(i, bytes));
+        for r in 0..repeat {
+            let req = WriteRequest {
+                wr_id: wr_id(i, r),
+                lkey: src.lkey,
+                local_offset: 0,
+                len: bytes as u32,
+                remote_addr: dst.addr,
+                rkey: dst.rkey,
+                imm: None,
+            };
+            sim.endpoint_mut(s).post_write(c, req).expect("post_write");
+        }
+        targets.push(dst.lkey);
+    }
     before_run(sim);
-    let fct = |s: &Sim, i: usize| {
+    let last = |s: &Sim, i: usize| {
         s.events(pairs[i].0).iter().find_map(|e| match &e.event {
-            metaroce::Event::Completion { wc, .. } if wc.wr_id == 1000 + i as u64 => {
+            metaroce::Event::Completion { wc, .. } if wc.wr_id == wr_id(i, repeat - 1) => {
                 Some(e.time - start)
             }
             _ => None,
         })
     };
     let deadline = start + limit;
-    let mut done = vec![false; pairs.len()];
-    sim.run_while(|s| {
+    let mut done = vec![false; n];
+    let mut tick = start;
+    while sim.elapsed() < deadline && done.iter().any(|d| !d) {
+        tick += bin;
+        sim.run_until(tick);
+        on_tick(sim, tick - start);
         for (i, d) in done.iter_mut().enumerate() {
             if !*d {
-                *d = fct(s, i).is_some();
+                *d = last(sim, i).is_some();
             }
         }
-        s.elapsed() < deadline && done.iter().any(|d| !d)
-    });
+    }
     sim.clear_trace();
-    let fcts: Vec<Option<Duration>> = (0..pairs.len()).map(|i| fct(sim, i)).collect();
+    let fcts: Vec<Option<Duration>> = (0..n).map(|i| last(sim, i)).collect();
     let data_ok = targets.iter().enumerate().all(|(i, &lkey)| {
         sim.endpoint(pairs[i].1)
             .mr_read(lkey, 0, bytes as u64)
@@ -331,12 +386,39 @@ pub fn run_transfers(
     srcs.sort();
     srcs.dedup();
     let errors = srcs.iter().map(|&h| sim.host_stats(h).completion_errors).sum();
-    let series = series.borrow().clone();
+    let connections_lost = srcs.iter().map(|&h| sim.host_stats(h).connections_lost).sum();
+    let max_completion_gap = (0..n)
+        .map(|i| {
+            let mut times: Vec<Duration> = sim
+                .events(pairs[i].0)
+                .iter()
+                .filter_map(|e| match &e.event {
+                    metaroce::Event::Completion { wc, .. }
+                        if (wr_id(i, 0)..=wr_id(i, repeat - 1)).contains(&wc.wr_id) =>
+                    {
+                        Some(e.time)
+                    }
+                    _ => None,
+                })
+                .collect();
+            times.insert(0, start);
+            times.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default()
+        })
+        .collect();
+    let st = state.borrow();
+    // Gaps only up to each flow's completion.
     Transfers {
-        series,
+        series: st.0.clone(),
         bin,
         fct: fcts,
+        max_gap: st.2.clone(),
         data_ok,
         errors,
+        connections_lost,
+        max_completion_gap,
     }
+}
+
+fn wr_id(flow: usize, r: usize) -> u64 {
+    1_000_000 + (flow as u64) * 10_000 + r as u64
 }
