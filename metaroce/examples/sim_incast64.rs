@@ -117,7 +117,14 @@ fn run(o: &Opts, fair_share: bool) -> Run {
     // Base RTT: a 4 KiB write on the idle fabric completes one data round trip after it
     // is posted (one packet out, its ACK back).
     let t0 = sim.elapsed();
-    post_write(&mut sim, senders[0], sink, conns[0], vec![1; 4096], u64::MAX);
+    post_write(
+        &mut sim,
+        senders[0],
+        sink,
+        conns[0],
+        vec![1; 4096],
+        u64::MAX,
+    );
     sim.run_while(|s| s.host_stats(senders[0]).completions == 0);
     let base_rtt = sim.events(senders[0]).back().unwrap().time - t0;
     sim.run_for(Duration::from_millis(2)); // let the fair-share window forget it
@@ -135,8 +142,8 @@ fn run(o: &Opts, fair_share: bool) -> Run {
         let bins = bins.clone();
         sim.set_trace(move |e| {
             let mut b = bins.borrow_mut();
-            let bin = ((e.time.saturating_sub(b.0).as_nanos() as u64).saturating_sub(1)
-                / rtt_ns) as usize;
+            let bin = ((e.time.saturating_sub(b.0).as_nanos() as u64).saturating_sub(1) / rtt_ns)
+                as usize;
             match (e.kind, e.location) {
                 (TraceKind::Deliver, Location::Host(h)) if h == sink => {
                     if matches!(e.opcode, Some(Opcode::MR_WRITE)) {
@@ -175,7 +182,14 @@ fn run(o: &Opts, fair_share: bool) -> Run {
             .zip(&conns)
             .enumerate()
             .map(|(i, (&s, &c))| {
-                post_write(&mut sim, s, sink, c, pattern(i + base as usize, o.bytes), base + i as u64)
+                post_write(
+                    &mut sim,
+                    s,
+                    sink,
+                    c,
+                    pattern(i + base as usize, o.bytes),
+                    base + i as u64,
+                )
             })
             .collect();
         // Sample every sender's window (packets it may have in flight) at each RTT boundary.
@@ -326,15 +340,16 @@ fn main() {
         .flat_map(|r| r.waves.iter().enumerate().map(move |w| (r, w)))
     {
         let (wave, r2) = w;
-        let label = format!(
-            "{} {}",
-            r.label,
-            if wave == 0 { "cold" } else { "warm" }
-        );
+        let label = format!("{} {}", r.label, if wave == 0 { "cold" } else { "warm" });
         let r_label = label.as_str();
         let r = r2;
         let j = |k: usize| r.alloc.get(k - 1).copied().unwrap_or(f64::NAN);
-        let jmin = r.alloc.iter().skip(2).copied().fold(f64::INFINITY, f64::min);
+        let jmin = r
+            .alloc
+            .iter()
+            .skip(2)
+            .copied()
+            .fold(f64::INFINITY, f64::min);
         println!(
             "{:<44} {:>7.3} {:>7.3} {:>7.3} {:>7.3} {:>9} {:>9} {:>9} {:>8} {:>7} {:>6.1} {:>9.2?} {:>9.2?} {:>4}",
             r_label,
@@ -373,8 +388,14 @@ fn main() {
             Json::obj()
                 .with("label", label)
                 .with("wave", if wave == 0 { "cold" } else { "warm" })
-                .with("settled_bin_window", r.settled_alloc.map_or(-1i64, |b| b as i64))
-                .with("settled_bin_goodput", r.settled_bin.map_or(-1i64, |b| b as i64))
+                .with(
+                    "settled_bin_window",
+                    r.settled_alloc.map_or(-1i64, |b| b as i64),
+                )
+                .with(
+                    "settled_bin_goodput",
+                    r.settled_bin.map_or(-1i64, |b| b as i64),
+                )
                 .with(
                     "settled_bin_goodput_sliding",
                     r.settled_slide.map_or(-1i64, |b| b as i64),

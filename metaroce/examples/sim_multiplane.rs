@@ -41,7 +41,16 @@ fn main() {
     );
     println!(
         "{:>6} {:>8} {:>6} {:>14} {:>10} {:>11} {:>10} {:>10} {:>9} {:>5}",
-        "planes", "paths by", "paths", "goodput Gb/s", "per host", "of linear", "FCT min", "FCT max", "retx", "data"
+        "planes",
+        "paths by",
+        "paths",
+        "goodput Gb/s",
+        "per host",
+        "of linear",
+        "FCT min",
+        "FCT max",
+        "retx",
+        "data"
     );
     let mut rows = Vec::new();
     let mut one_plane = 0.0;

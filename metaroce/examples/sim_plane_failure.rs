@@ -198,9 +198,8 @@ fn main() {
             .fold(f64::INFINITY, f64::min);
         // Recovery: the first 50 µs window after the failure averaging >= 90 % of 3/4 pre.
         let w = 5;
-        let rec_bin = (fb..ub.saturating_sub(w)).find(|&k| {
-            g[k..k + w].iter().sum::<f64>() / w as f64 >= 0.9 * expect
-        });
+        let rec_bin = (fb..ub.saturating_sub(w))
+            .find(|&k| g[k..k + w].iter().sum::<f64>() / w as f64 >= 0.9 * expect);
         let recovery = rec_bin.map(|k| bin * (k + w - fb) as u32);
         let down = r.mean_gbps(fail_at + ms(0.5), up_at);
         let fct_max = r.fct.iter().flatten().max().copied().unwrap_or_default();
@@ -209,7 +208,11 @@ fn main() {
         let ok = r.data_ok && r.fct.iter().all(Option::is_some) && r.errors == 0;
         let label = format!(
             "{}, min_rto {:?}",
-            if aware { "plane-aware" } else { "plane-unaware" },
+            if aware {
+                "plane-aware"
+            } else {
+                "plane-unaware"
+            },
             min_rto
         );
         println!(
@@ -232,7 +235,12 @@ fn main() {
                 .find(|(s, _)| *s >= t)
                 .map_or(0, |(_, per)| per[FAILED])
         };
-        let cgap = r.max_completion_gap.iter().max().copied().unwrap_or_default();
+        let cgap = r
+            .max_completion_gap
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or_default();
         println!(
             "{:<30} paths on plane {FAILED}: {} before, {} at +0.5 ms, {} at +1.5 ms, {} after it is \
              back (+1.5 ms); longest wait for a WRITE completion {:.2?} (16 MiB each); \
@@ -285,7 +293,12 @@ fn main() {
                 )
                 .with(
                     "paths_on_failed_plane",
-                    Json::Arr(o.spread.iter().map(|(_, p)| Json::Int(p[FAILED] as i64)).collect()),
+                    Json::Arr(
+                        o.spread
+                            .iter()
+                            .map(|(_, p)| Json::Int(p[FAILED] as i64))
+                            .collect(),
+                    ),
                 )
                 .with("data_ok", ok),
         );

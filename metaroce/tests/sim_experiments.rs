@@ -6,8 +6,7 @@
 #![cfg(feature = "sim")]
 
 use metaroce::sim::{
-    Action, HostId, LinkConfig, Location, PlaneShape, Sim, SimConfig, TraceKind, UplinkPolicy,
-    GBPS,
+    Action, HostId, LinkConfig, Location, PlaneShape, Sim, SimConfig, TraceKind, UplinkPolicy, GBPS,
 };
 use metaroce::wire::Opcode;
 use metaroce::{Access, ConnectionHandle, Event, WriteRequest};
@@ -148,8 +147,7 @@ fn incast(fair_share: bool) -> IncastWave {
         let (bins, peak) = (bins.clone(), peak.clone());
         sim.set_trace(move |e| match (e.kind, e.location) {
             (TraceKind::Deliver, Location::Host(h)) if h == sink => {
-                if let (Some(Opcode::MR_WRITE), Some(&i)) = (e.opcode, index.get(e.flow.src.ip()))
-                {
+                if let (Some(Opcode::MR_WRITE), Some(&i)) = (e.opcode, index.get(e.flow.src.ip())) {
                     let k = ((e.time - start).as_nanos() / rtt.as_nanos()) as usize;
                     let mut b = bins.borrow_mut();
                     while b.len() <= k {
@@ -170,7 +168,10 @@ fn incast(fair_share: bool) -> IncastWave {
     let mut first_done = None;
     let mut tick = 0;
     while senders.iter().any(|&h| completed(&sim, h, 2).is_none()) {
-        assert!(sim.elapsed() < start + Duration::from_secs(1), "incast stuck");
+        assert!(
+            sim.elapsed() < start + Duration::from_secs(1),
+            "incast stuck"
+        );
         tick += 1;
         sim.run_until(start + rtt * tick);
         if first_done.is_none() {
@@ -271,7 +272,10 @@ fn permutation(paths: u16) -> f64 {
     });
     sim.clear_trace();
     for (i, (&k, &(_, d))) in lkeys.iter().zip(&pairs).enumerate() {
-        assert_eq!(sim.endpoint(d).mr_read(k, 0, len as u64).unwrap(), &pattern(i, len)[..]);
+        assert_eq!(
+            sim.endpoint(d).mr_read(k, 0, len as u64).unwrap(),
+            &pattern(i, len)[..]
+        );
     }
     let first = pairs
         .iter()
@@ -334,7 +338,11 @@ fn plane_failure_moves_paths_and_they_come_back() {
             .filter(|p| !p.failed && p.src_port % 2 == plane)
             .count()
     };
-    assert_eq!((on_plane(&sim, 0), on_plane(&sim, 1)), (4, 4), "spread evenly");
+    assert_eq!(
+        (on_plane(&sim, 0), on_plane(&sim, 1)),
+        (4, 4),
+        "spread evenly"
+    );
     let len = 24 << 20;
     let lkeys = post_all(&mut sim, &[(a, b)], &conns, len, 1);
     let t0 = sim.elapsed();
@@ -345,7 +353,10 @@ fn plane_failure_moves_paths_and_they_come_back() {
     let mut min_on_failed = usize::MAX;
     let mut max_on_failed_after = 0;
     while completed(&sim, a, 1).is_none() {
-        assert!(sim.elapsed() < t0 + Duration::from_secs(1), "transfer stuck");
+        assert!(
+            sim.elapsed() < t0 + Duration::from_secs(1),
+            "transfer stuck"
+        );
         sim.run_for(Duration::from_micros(20));
         let t = sim.elapsed() - t0;
         if t > Duration::from_micros(300) && t < Duration::from_micros(1300) {

@@ -26,7 +26,10 @@ pub fn connect_all(sim: &mut Sim, pairs: &[(HostId, HostId)]) -> Vec<ConnectionH
                 .any(|(&(h, _), &c)| !s.endpoint(h).is_established(c))
     });
     for (&(h, _), &c) in pairs.iter().zip(&conns) {
-        assert!(sim.endpoint(h).is_established(c), "connection not established");
+        assert!(
+            sim.endpoint(h).is_established(c),
+            "connection not established"
+        );
     }
     conns
 }
@@ -34,7 +37,12 @@ pub fn connect_all(sim: &mut Sim, pairs: &[(HostId, HostId)]) -> Vec<ConnectionH
 /// The byte pattern sender `i` writes (so the receiver can check the data).
 pub fn pattern(i: usize, len: usize) -> Vec<u8> {
     (0..len)
-        .map(|k| (k as u32).wrapping_mul(2_654_435_761).wrapping_add(i as u32 * 7919) as u8 >> 1)
+        .map(|k| {
+            (k as u32)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(i as u32 * 7919) as u8
+                >> 1
+        })
         .collect()
 }
 
@@ -60,10 +68,9 @@ pub fn post_write(
     wr_id: u64,
 ) -> u32 {
     let len = data.len();
-    let target = sim.endpoint_mut(dst).register_mr(
-        vec![0; len],
-        Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-    );
+    let target = sim
+        .endpoint_mut(dst)
+        .register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let source = sim.endpoint_mut(src).register_mr(data, Access::LOCAL_WRITE);
     let req = WriteRequest {
         wr_id,
@@ -74,7 +81,9 @@ pub fn post_write(
         rkey: target.rkey,
         imm: None,
     };
-    sim.endpoint_mut(src).post_write(conn, req).expect("post_write");
+    sim.endpoint_mut(src)
+        .post_write(conn, req)
+        .expect("post_write");
     target.lkey
 }
 
@@ -251,13 +260,7 @@ impl Transfers {
     /// Aggregate goodput in Gbit/s of the bins between `from` and `to` (fractions of the
     /// earliest completion time): the steady state, without ramp-up and tail.
     pub fn steady_gbps(&self, from: f64, to: f64) -> f64 {
-        let first = self
-            .fct
-            .iter()
-            .flatten()
-            .min()
-            .copied()
-            .unwrap_or_default();
+        let first = self.fct.iter().flatten().min().copied().unwrap_or_default();
         self.mean_gbps(first.mul_f64(from), first.mul_f64(to))
     }
 
@@ -268,7 +271,8 @@ impl Transfers {
         if b <= a {
             return 0.0;
         }
-        self.series[a..b].iter().sum::<f64>() * 8.0 / ((b - a) as f64 * self.bin.as_secs_f64())
+        self.series[a..b].iter().sum::<f64>() * 8.0
+            / ((b - a) as f64 * self.bin.as_secs_f64())
             / 1e9
     }
 
@@ -305,13 +309,20 @@ pub fn run_transfers(
     use std::rc::Rc;
     let dst_index: HashMap<HostId, usize> =
         pairs.iter().enumerate().map(|(i, p)| (p.1, i)).collect();
-    assert_eq!(dst_index.len(), pairs.len(), "destinations must be distinct");
+    assert_eq!(
+        dst_index.len(),
+        pairs.len(),
+        "destinations must be distinct"
+    );
     // (series, last delivery per flow, max gap per flow)
     type State = (Vec<f64>, Vec<Duration>, Vec<Duration>);
     let n = pairs.len();
     let start = sim.elapsed();
-    let state: Rc<RefCell<State>> =
-        Rc::new(RefCell::new((Vec::new(), vec![start; n], vec![Duration::ZERO; n])));
+    let state: Rc<RefCell<State>> = Rc::new(RefCell::new((
+        Vec::new(),
+        vec![start; n],
+        vec![Duration::ZERO; n],
+    )));
     let bin_ns = bin.as_nanos() as u64;
     {
         let state = state.clone();
@@ -385,8 +396,14 @@ pub fn run_transfers(
     let mut srcs: Vec<HostId> = pairs.iter().map(|p| p.0).collect();
     srcs.sort();
     srcs.dedup();
-    let errors = srcs.iter().map(|&h| sim.host_stats(h).completion_errors).sum();
-    let connections_lost = srcs.iter().map(|&h| sim.host_stats(h).connections_lost).sum();
+    let errors = srcs
+        .iter()
+        .map(|&h| sim.host_stats(h).completion_errors)
+        .sum();
+    let connections_lost = srcs
+        .iter()
+        .map(|&h| sim.host_stats(h).connections_lost)
+        .sum();
     let max_completion_gap = (0..n)
         .map(|i| {
             let mut times: Vec<Duration> = sim
@@ -402,7 +419,11 @@ pub fn run_transfers(
                 })
                 .collect();
             times.insert(0, start);
-            times.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default()
+            times
+                .windows(2)
+                .map(|w| w[1] - w[0])
+                .max()
+                .unwrap_or_default()
         })
         .collect();
     let st = state.borrow();

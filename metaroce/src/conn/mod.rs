@@ -674,7 +674,10 @@ impl Connection {
         };
         let to = match due {
             Some(p) => p,
-            None => match (0..planes as usize).filter(healthy).min_by_key(|&p| load[p]) {
+            None => match (0..planes as usize)
+                .filter(healthy)
+                .min_by_key(|&p| load[p])
+            {
                 Some(p) if load[from] >= load[p] + 2 => p,
                 _ => return,
             },
@@ -1132,8 +1135,7 @@ impl Connection {
             let Some(op) = self.sq.op(seg.op) else { break };
             let path = PathEth {
                 path_id: i as u8,
-                flags: self.tx[i].generation << 4
-                    | path::plane_of(port, self.cfg.planes) << 1,
+                flags: self.tx[i].generation << 4 | path::plane_of(port, self.cfg.planes) << 1,
                 timestamp: ts,
                 floor_psn: self.tx[i].floor_psn(),
             };

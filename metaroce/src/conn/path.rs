@@ -718,9 +718,7 @@ impl Planes {
             .min_by_key(|&p| load[p]);
         match healthy {
             Some(p) => p as u8,
-            None => order
-                .min_by_key(|&p| self.down_since[p])
-                .unwrap_or(0) as u8,
+            None => order.min_by_key(|&p| self.down_since[p]).unwrap_or(0) as u8,
         }
     }
 }
