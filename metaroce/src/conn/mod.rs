@@ -354,16 +354,17 @@ impl Connection {
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
-                // The handshake's round trip is the first RTT sample of every path (only
-                // when one request was sent, so the answer is unambiguous — Karn): it seeds
-                // the minimum RTT that sizes the receiver's grant before data has queued.
+                // The handshake's round trip (only when one request was sent, so the answer
+                // is unambiguous — Karn) seeds every path's minimum RTT, which sizes the
+                // receiver's grant, before data samples taken behind a queue can inflate it.
+                // SRTT and the loss timers wait for data samples.
                 let hs_rtt = (hs.attempts == 1).then(|| {
                     now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
                 });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
                 if let Some(r) = hs_rtt.filter(|r| !r.is_zero()) {
                     for p in &mut self.tx {
-                        p.rtt.update(r);
+                        p.rtt.observe_min(r);
                     }
                 }
                 self.last_heard = now;
