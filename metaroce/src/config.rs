@@ -124,7 +124,10 @@ pub struct TransportConfig {
     /// Receiver-driven fair share: this endpoint's inbound capacity in Mbit/s. When non-zero,
     /// every ACK grants its sender `recv_capacity_mbps / n`, where n is the number of
     /// connections that delivered data within the last `fair_share_window`; senders cap
-    /// their window to the grant × SRTT, so an incast settles in a round trip or two.
+    /// their connection window to the grant × their minimum RTT (see
+    /// `conn::cc::connection_window`), so an incast whose senders the receiver already
+    /// knows settles in a round trip; a receiver learns of a new sender only from its first
+    /// data (docs/RESULTS.md, "Simulator experiments", (a)).
     /// 0 disables it. Default 0.
     pub recv_capacity_mbps: u32,
     /// How recently a connection must have delivered data to count as an active sender
