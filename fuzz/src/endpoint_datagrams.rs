@@ -778,6 +778,7 @@ impl World {
             flags: 0,
             timestamp: 0,
             floor_psn: self.psn(floor),
+            plane: 0,
         }
     }
 
@@ -878,6 +879,7 @@ impl World {
                         flags,
                         timestamp: 0,
                         floor_psn: self.psn(floor),
+                        plane: 0,
                     },
                     send: SendEth {
                         stream_id: u32::from(stream),
@@ -922,6 +924,7 @@ impl World {
                         flags: 0,
                         timestamp: 0,
                         floor_psn: self.psn(floor),
+                        plane: 0,
                     },
                     reth: Reth {
                         va,

@@ -124,12 +124,32 @@ pub struct TransportConfig {
     /// Receiver-driven fair share: this endpoint's inbound capacity in Mbit/s. When non-zero,
     /// every ACK grants its sender `recv_capacity_mbps / n`, where n is the number of
     /// connections that delivered data within the last `fair_share_window`; senders cap
-    /// their window to the grant × SRTT, so an incast settles in a round trip or two.
+    /// their connection window to the grant × their minimum RTT (see
+    /// `conn::cc::connection_window`), so an incast whose senders the receiver already
+    /// knows settles in a round trip; a receiver learns of a new sender only from its first
+    /// data (docs/RESULTS.md, "Simulator experiments", (a)).
     /// 0 disables it. Default 0.
     pub recv_capacity_mbps: u32,
     /// How recently a connection must have delivered data to count as an active sender
     /// for the fair share. Default 1 ms.
     pub fair_share_window: Duration,
+    /// Planes of a multi-plane fabric this endpoint is attached to, 1..=8 (MetaRoCE "paths
+    /// grouped by plane"). The plane of a local UDP source port is `port mod planes`: a
+    /// deployment makes that true by sending each source port through the matching local
+    /// interface or source address (one NIC port per plane; e.g. a driver that picks the
+    /// interface by source port, or one IP address per plane with source ports allocated so
+    /// that `port mod planes` is the plane's index; the simulator's
+    /// `UplinkPolicy::SourcePort` does exactly this). With more than one plane, a
+    /// connection spreads its paths evenly over the planes, tells the peer each path's plane
+    /// (PathEth byte 8, bits 2:0) so that ACKs come back on the same plane, re-rolls a failed
+    /// path onto a healthy plane, treats a plane whose paths all timed out as down (its
+    /// paths move to the other planes at once), and probes a down plane again every
+    /// `plane_retry_interval`. 1 (the default) disables all of this.
+    pub planes: u16,
+    /// How long a plane found down is avoided before one path is moved back onto it to
+    /// probe it (and, if that path makes progress, the paths are spread over all planes
+    /// again). Default 10 ms.
+    pub plane_retry_interval: Duration,
     /// Congestion control parameters.
     pub congestion: CongestionConfig,
 }
@@ -162,6 +182,8 @@ impl Default for TransportConfig {
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,
+            planes: 1,
+            plane_retry_interval: Duration::from_millis(10),
             congestion: CongestionConfig::default(),
         }
     }
@@ -197,6 +219,9 @@ impl TransportConfig {
         if self.rnr_retry > 7 || self.min_rnr_timer > 31 {
             return Err("rnr_retry must be 0..=7 and min_rnr_timer 0..=31".into());
         }
+        if !(1..=8).contains(&self.planes) {
+            return Err(format!("planes must be in 1..=8, got {}", self.planes));
+        }
         if self.handshake_attempts == 0 {
             return Err("handshake_attempts must be at least 1".into());
         }
@@ -222,6 +247,14 @@ pub struct CongestionConfig {
     /// (4 MiB at a 4096-byte path MTU: about a Linux socket buffer, so a burst does not
     /// overflow the receiver's socket).
     pub max_connection_window: u32,
+    /// Largest window of the whole connection (sum over paths), in packets, until the
+    /// first ACK arrives: the blind first round trip of a new connection, before any RTT
+    /// sample, congestion signal or receiver grant exists. An N-to-1 incast puts
+    /// N × this into the receiver's port queue before anyone can react, so it should be
+    /// about one bandwidth-delay product of a single link (32 × 4 KiB = 128 KiB is
+    /// 100 Gbit/s × 10 µs). After the first ACK the per-path windows, `max_connection_window`
+    /// and the receiver's grant apply. Default 32.
+    pub initial_connection_window: u32,
     /// Additive increase, in packets per round trip per path. Default 2.0.
     pub additive_increase: f64,
     /// Multiplicative decrease applied once per round trip when ACKs echo CE marks:
@@ -311,6 +344,7 @@ impl Default for CongestionConfig {
             min_window: 2,
             max_window: 255,
             max_connection_window: 1024,
+            initial_connection_window: 32,
             additive_increase: 2.0,
             ecn_beta: 0.5,
             loss_beta: 0.8,
@@ -331,6 +365,9 @@ impl CongestionConfig {
                 "max_window must be at most 255 packets, got {}",
                 self.max_window
             ));
+        }
+        if self.initial_connection_window == 0 {
+            return Err("initial_connection_window must be at least 1".into());
         }
         if !(self.min_window..=self.max_window).contains(&self.initial_window) {
             return Err("initial_window must be in min_window..=max_window".into());

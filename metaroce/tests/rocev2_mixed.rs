@@ -25,7 +25,8 @@ struct InFlight {
     data: Vec<u8>,
 }
 
-/// N endpoints on a network with a fixed one-way delay and seeded random loss.
+/// N endpoints on a network with a fixed one-way delay and seeded random loss (plus, when
+/// lossy, two fixed RC packets per sender).
 struct Net {
     eps: Vec<Endpoint>,
     addrs: Vec<SocketAddr>,
@@ -92,6 +93,13 @@ impl Net {
                     for chunk in buf[..t.size].chunks(seg) {
                         if chunk[0] <= 0x14 {
                             self.rc_sent[i] += 1;
+                            // On a lossy run, the 5th and 20th RC packets of every sender
+                            // are lost too, so go-back-N is exercised whatever the random
+                            // draws hit.
+                            if self.loss > 0.0 && matches!(self.rc_sent[i], 5 | 20) {
+                                self.dropped += 1;
+                                continue;
+                            }
                         }
                         let r = self.rng.next_u64() as f64 / u64::MAX as f64;
                         if r < self.loss {

@@ -373,6 +373,7 @@ fn protocol_md_worked_example() {
             flags: 0,
             timestamp: 123_456,
             floor_psn: 0x10,
+            plane: 0,
         },
         send: SendEth {
             stream_id: 1,

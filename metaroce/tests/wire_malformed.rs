@@ -24,6 +24,7 @@ fn samples() -> Vec<(Opcode, Headers)> {
         flags: 0,
         timestamp: 5,
         floor_psn: 9,
+        plane: 0,
     };
     let reth = Reth {
         va: 1,
@@ -309,7 +310,7 @@ fn reserved_bits_are_ignored() {
     b[4] |= 0x3F; // BTH resv6
     b[8] |= 0x7F; // BTH resv7
     b[12 + 2] = 0xAA; // PathEth reserved
-    b[12 + 8] = 0xAA; // PathEth reserved byte before floor PSN
+    b[12 + 8] = 0xA8; // PathEth byte 8: reserved bits 7:3 (bits 2:0 carry the plane)
     b[24 + 1] = 0xAA; // NakEth reserved
     let p = Packet::parse(&b).unwrap();
     assert_eq!(p.headers, h);

@@ -156,6 +156,7 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
         flags: PathEth::FLAG_RETRANSMIT,
         timestamp: 0xDEAD_BEEF,
         floor_psn: 0x10,
+        plane: 0,
     };
     let connect = ConnectEth {
         kind: ConnectKind::Request,

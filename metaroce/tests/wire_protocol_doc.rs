@@ -106,6 +106,7 @@ const PATH: PathEth = PathEth {
     flags: 0x31, // generation 3, retransmission
     timestamp: 0x1122_3344,
     floor_psn: 0x00AA_BBCC,
+    plane: 0,
 };
 
 /// PathEth bytes as PROTOCOL.md lays them out (offsets 12..24 from the BTH start).
@@ -259,6 +260,7 @@ fn protocol_md_compare_swap_example() {
             flags: 0,
             timestamp: 123_456,
             floor_psn: 0x11,
+            plane: 0,
         },
         atomic: AtomicEth {
             va: 0x0000_7f00_0000_1000,

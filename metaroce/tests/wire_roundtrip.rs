@@ -170,6 +170,7 @@ fn path() -> impl Strategy<Value = PathEth> {
             flags,
             timestamp,
             floor_psn,
+            plane: 0,
         },
     )
 }

@@ -100,6 +100,40 @@ impl CongestionController for Aimd {
     }
 }
 
+/// The connection-wide cap on packets in flight (sum over paths), MetaRoCE's "congestion
+/// control from both sides":
+///
+/// * before the first ACK, at most `cfg.initial_connection_window` (the blind first round
+///   trip);
+/// * at most `cfg.max_connection_window`;
+/// * when the peer grants a rate (`peer_rate_mbps > 0`, the receiver's fair share or its
+///   advertised rate), at most that rate times the connection's **minimum** RTT, rounded
+///   up to whole packets (at least 1). The minimum RTT is the fabric's base RTT as far as
+///   this connection has seen it; sizing by the smoothed RTT instead would let the window
+///   grow with the very queue the grant is meant to drain. Before any RTT sample,
+///   `srtt` (the configured initial RTT) stands in.
+///
+/// `pmtu` is the payload bytes per packet.
+pub fn connection_window(
+    cfg: &CongestionConfig,
+    pmtu: u32,
+    peer_rate_mbps: u32,
+    acked: bool,
+    min_rtt: Option<Duration>,
+    srtt: Duration,
+) -> u32 {
+    let mut w = cfg.max_connection_window;
+    if !acked {
+        w = w.min(cfg.initial_connection_window);
+    }
+    if peer_rate_mbps > 0 {
+        let rtt = min_rtt.unwrap_or(srtt);
+        let bytes = f64::from(peer_rate_mbps) * 1e6 / 8.0 * rtt.as_secs_f64();
+        w = w.min(((bytes / f64::from(pmtu.max(1))).ceil() as u32).max(1));
+    }
+    w.max(1)
+}
+
 /// A controller for the configured algorithm.
 pub fn new_controller(cfg: &CongestionConfig, pmtu: u32) -> Box<dyn CongestionController> {
     match cfg.algorithm {
@@ -355,6 +389,36 @@ mod tests {
         let mut r = RttEstimator::new(Duration::from_micros(sample_us));
         r.update(Duration::from_micros(sample_us));
         r
+    }
+
+    #[test]
+    fn connection_window_caps() {
+        let cfg = CongestionConfig::default();
+        let us = Duration::from_micros;
+        // Blind first round trip.
+        assert_eq!(
+            connection_window(&cfg, 4096, 0, false, None, us(500)),
+            cfg.initial_connection_window
+        );
+        assert_eq!(
+            connection_window(&cfg, 4096, 0, true, Some(us(10)), us(10)),
+            cfg.max_connection_window
+        );
+        // 100 Gbit/s × 10 µs = 125 000 B = 31 packets of 4096 B (rounded up).
+        assert_eq!(
+            connection_window(&cfg, 4096, 100_000, true, Some(us(10)), us(400)),
+            31
+        );
+        // A grant below one packet per RTT still lets one packet fly.
+        assert_eq!(
+            connection_window(&cfg, 4096, 100, true, Some(us(10)), us(400)),
+            1
+        );
+        // Without an RTT sample the smoothed (initial) RTT stands in.
+        assert_eq!(
+            connection_window(&cfg, 4096, 1_000, true, None, us(500)),
+            16
+        );
     }
 
     #[test]

@@ -80,6 +80,10 @@ pub struct ConnectionStats {
     pub peer_rate_hint_mbps: u32,
     /// The rate we grant the peer in our ACKs (Mbit/s, 0 = no limit).
     pub granted_rate_mbps: u32,
+    /// Packets the connection may have in flight now, over all paths: the smaller of the
+    /// sum of the path windows and the connection-wide cap (see
+    /// [`connection_window`](cc::connection_window)).
+    pub send_window: u32,
 }
 
 #[derive(Debug)]
@@ -121,6 +125,8 @@ pub(crate) struct Connection {
     source_ports: Vec<u16>,
     /// Where the search for a re-roll port starts.
     next_spare: usize,
+    /// Plane health for multi-plane fabrics (`cfg.planes > 1`).
+    planes: path::Planes,
     epoch: Instant,
 }
 
@@ -253,6 +259,7 @@ impl Connection {
             oow_in: 0,
             ce_in: 0,
             next_spare: 0,
+            planes: path::Planes::new(1),
             source_ports,
             epoch,
         }
@@ -269,11 +276,13 @@ impl Connection {
         self.peer_qpn = peer_qpn;
         self.pmtu = pmtu;
         self.sq.set_pmtu(pmtu);
+        let ports = path::assign_ports(&self.source_ports, paths, self.cfg.planes);
+        self.planes = path::Planes::new(self.cfg.planes);
         self.tx = (0..paths)
             .map(|i| {
                 PathTx::new(
                     i as u8,
-                    self.source_ports[i],
+                    ports[i],
                     self.init_psn,
                     RttEstimator::new(self.cfg.initial_rtt),
                     cc::new_controller(&self.cfg.congestion, pmtu),
@@ -311,6 +320,12 @@ impl Connection {
             ce_received: self.ce_in,
             peer_rate_hint_mbps: self.peer_rate_mbps,
             granted_rate_mbps: self.granted_rate_mbps,
+            send_window: self
+                .tx
+                .iter()
+                .map(|p| p.cc.window())
+                .sum::<u32>()
+                .min(self.conn_window()),
         }
     }
 
@@ -339,7 +354,19 @@ impl Connection {
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
+                // The handshake's round trip (only when one request was sent, so the answer
+                // is unambiguous — Karn) seeds every path's minimum RTT, which sizes the
+                // receiver's grant, before data samples taken behind a queue can inflate it.
+                // SRTT and the loss timers wait for data samples.
+                let hs_rtt = (hs.attempts == 1).then(|| {
+                    now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
+                });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                if let Some(r) = hs_rtt.filter(|r| !r.is_zero()) {
+                    for p in &mut self.tx {
+                        p.rtt.observe_min(r);
+                    }
+                }
                 self.last_heard = now;
                 events.push_back(Event::Connected(self.handle));
                 Outcome::default()
@@ -442,6 +469,11 @@ impl Connection {
             a.ce_count,
             self.cfg.reorder_threshold,
         );
+        if out.progress && self.cfg.planes > 1 {
+            let port = p.src_port;
+            self.planes.on_progress(port);
+            self.rebalance_planes(now);
+        }
         let resp_timeout = self.response_timeout();
         for s in out.acked {
             self.sq.on_acked(s, now, resp_timeout);
@@ -470,6 +502,7 @@ impl Connection {
         };
         rx.apply_floor(path.floor_psn);
         rx.generation = path.flags >> 4;
+        rx.plane = path.plane;
         let psn = pkt.bth.psn;
         match rx.classify(psn) {
             RxClass::OutOfWindow => {
@@ -567,16 +600,40 @@ impl Connection {
     }
 
     /// Path `i` timed out `path_reroll_timeouts` times in a row: move it to a source port no
-    /// other path of this connection uses (new ECMP entropy).
-    fn reroll(&mut self, i: usize) {
+    /// other path of this connection uses (new ECMP entropy); with planes, on the healthy
+    /// plane with the fewest paths.
+    fn reroll(&mut self, i: usize, now: Instant) {
+        self.planes.on_path_timeouts(now, &self.tx, i);
+        let planes = self.cfg.planes;
+        let target = (planes > 1).then(|| {
+            let load = self.planes.load(&self.tx);
+            self.planes
+                .pick(&load, path::plane_of(self.tx[i].src_port, planes))
+        });
+        self.move_path(i, target);
+    }
+
+    /// Give path `i` a source port no other path uses, on plane `plane` if given and
+    /// possible, and make it probe (see [`PathTx::reroll`]).
+    fn move_path(&mut self, i: usize, plane: Option<u8>) {
         let used: Vec<u16> = self.tx.iter().map(|p| p.src_port).collect();
         let n = self.source_ports.len();
+        let planes = self.cfg.planes;
         let mut port = self.tx[i].src_port;
-        for k in 0..n {
-            let cand = self.source_ports[(self.next_spare + k) % n];
-            if !used.contains(&cand) {
-                port = cand;
-                self.next_spare = (self.next_spare + k + 1) % n;
+        let mut found = false;
+        for pass in 0..2 {
+            for k in 0..n {
+                let cand = self.source_ports[(self.next_spare + k) % n];
+                let plane_ok =
+                    pass == 1 || plane.is_none_or(|pl| path::plane_of(cand, planes) == pl);
+                if plane_ok && !used.contains(&cand) {
+                    port = cand;
+                    self.next_spare = (self.next_spare + k + 1) % n;
+                    found = true;
+                    break;
+                }
+            }
+            if found {
                 break;
             }
         }
@@ -585,12 +642,133 @@ impl Connection {
         p.reroll(port);
     }
 
+    /// Multi-plane housekeeping after an ACK: a plane found down is probed again every
+    /// `plane_retry_interval` by moving one path onto it; paths are moved one per smoothed
+    /// RTT from the most to the least loaded healthy plane until the spread is even.
+    fn rebalance_planes(&mut self, now: Instant) {
+        let planes = self.cfg.planes;
+        if planes <= 1 {
+            return;
+        }
+        let srtt = self
+            .tx
+            .iter()
+            .map(|p| p.rtt.smoothed())
+            .max()
+            .unwrap_or(self.cfg.initial_rtt);
+        if self
+            .planes
+            .last_probe
+            .is_some_and(|t| now.saturating_duration_since(t) < srtt)
+        {
+            return;
+        }
+        let load = self.planes.load(&self.tx);
+        let retry = self.cfg.plane_retry_interval;
+        let due = (0..planes as usize).find(|&p| {
+            load[p] == 0
+                && self.planes.down_since[p]
+                    .is_some_and(|t| now.saturating_duration_since(t) >= retry)
+        });
+        let healthy = |p: &usize| self.planes.down_since[*p].is_none();
+        let Some(from) = (0..planes as usize)
+            .filter(healthy)
+            .max_by_key(|&p| load[p])
+        else {
+            return;
+        };
+        let to = match due {
+            Some(p) => p,
+            None => match (0..planes as usize)
+                .filter(healthy)
+                .min_by_key(|&p| load[p])
+            {
+                Some(p) if load[from] >= load[p] + 2 => p,
+                _ => return,
+            },
+        };
+        // The path to move: an active one of the busiest plane, preferably idle.
+        let Some(i) = (0..self.tx.len())
+            .filter(|&k| {
+                self.tx[k].state == PathState::Active
+                    && path::plane_of(self.tx[k].src_port, planes) as usize == from
+            })
+            .min_by_key(|&k| self.tx[k].outstanding)
+        else {
+            return;
+        };
+        if due.is_some() {
+            tracing::info!(conn = %self.handle, plane = to, "probing a plane that was down");
+            // If the probe fails, wait another interval before the next one.
+            self.planes.down_since[to] = Some(now);
+        }
+        self.planes.last_probe = Some(now);
+        for seg in self.tx[i].abandon(now) {
+            self.sq.on_lost(seg);
+        }
+        self.move_path(i, Some(to as u8));
+    }
+
+    /// With planes: when every remaining path of a plane has timed out without progress
+    /// since (at least two paths, all suspect or probing), the plane is down — one
+    /// retransmission timeout is enough when several independent paths agree — and its
+    /// paths move to the healthy planes now instead of after `path_reroll_timeouts`.
+    fn detect_plane_down(&mut self, now: Instant) {
+        let planes = self.cfg.planes;
+        if planes <= 1 {
+            return;
+        }
+        for plane in 0..planes as u8 {
+            if self.planes.down_since[plane as usize].is_some() {
+                continue;
+            }
+            let on: Vec<usize> = (0..self.tx.len())
+                .filter(|&k| {
+                    self.tx[k].state != PathState::Failed
+                        && path::plane_of(self.tx[k].src_port, planes) == plane
+                })
+                .collect();
+            let all_timed_out = on.len() >= 2
+                && on.iter().all(|&k| {
+                    matches!(self.tx[k].state, PathState::Suspect | PathState::Probing)
+                        && self.tx[k].consecutive_rtos > 0
+                });
+            if !all_timed_out {
+                continue;
+            }
+            self.planes.down_since[plane as usize] = Some(now);
+            tracing::warn!(conn = %self.handle, plane, "plane down: every path on it timed out");
+            for k in on {
+                let load = self.planes.load(&self.tx);
+                let to = self.planes.pick(&load, plane);
+                if self.planes.down_since[to as usize].is_some() {
+                    break; // nowhere healthy to go
+                }
+                for seg in self.tx[k].abandon(now) {
+                    self.sq.on_lost(seg);
+                }
+                self.move_path(k, Some(to));
+            }
+        }
+    }
+
     /// The local source port for packets answering the peer's path `path_id` (ACKs, NAKs):
-    /// it moves with the peer's re-roll generation.
-    fn answer_port(&self, path_id: u8, generation: u8) -> u16 {
+    /// it moves with the peer's re-roll generation, and with planes it stays on the plane
+    /// the peer sends that path on (`plane`, from PathEth byte 8).
+    fn answer_port(&self, path_id: u8, generation: u8, plane: u8) -> u16 {
         let n = self.source_ports.len();
         let paths = self.rx.len().max(1);
-        self.source_ports[(path_id as usize + generation as usize * paths) % n]
+        let k = path_id as usize + generation as usize * paths;
+        let planes = self.cfg.planes;
+        if planes > 1 {
+            if let Some(&p) = (0..n)
+                .map(|j| &self.source_ports[(k + j) % n])
+                .find(|&&p| path::plane_of(p, planes) == plane)
+            {
+                return p;
+            }
+        }
+        self.source_ports[k % n]
     }
 
     fn respond(&mut self, r: Option<Respond>) {
@@ -713,10 +891,11 @@ impl Connection {
                 if p.state == PathState::Failed {
                     tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
                 } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
-                    self.reroll(i);
+                    self.reroll(i, now);
                 }
             }
         }
+        self.detect_plane_down(now);
         for s in lost {
             self.sq.on_lost(s);
         }
@@ -812,18 +991,21 @@ impl Connection {
     }
 
     fn conn_window(&self) -> u32 {
-        let mut w = self.cfg.congestion.max_connection_window;
-        if self.peer_rate_mbps > 0 {
-            let srtt = self
-                .tx
-                .iter()
-                .map(|p| p.rtt.smoothed())
-                .max()
-                .unwrap_or(self.cfg.initial_rtt);
-            let bytes = self.peer_rate_mbps as f64 * 1e6 / 8.0 * srtt.as_secs_f64();
-            w = w.min(((bytes / self.pmtu as f64).ceil() as u32).max(1));
-        }
-        w
+        let srtt = self
+            .tx
+            .iter()
+            .map(|p| p.rtt.smoothed())
+            .max()
+            .unwrap_or(self.cfg.initial_rtt);
+        let min_rtt = self.tx.iter().filter_map(|p| p.rtt.min()).min();
+        cc::connection_window(
+            &self.cfg.congestion,
+            self.pmtu,
+            self.peer_rate_mbps,
+            self.acks_received > 0,
+            min_rtt,
+            srtt,
+        )
     }
 
     pub fn poll_transmit(
@@ -860,11 +1042,11 @@ impl Connection {
         let ts = ts32(self.epoch, now);
         // 2. NAKs.
         if let Some(nak) = self.naks.pop_front() {
-            let gen = self
+            let (gen, plane) = self
                 .rx
                 .get(nak.path_id as usize)
-                .map_or(0, |r| r.generation);
-            let port = self.answer_port(nak.path_id, gen);
+                .map_or((0, 0), |r| (r.generation, r.plane));
+            let port = self.answer_port(nak.path_id, gen, plane);
             let mut bth = Bth::new(Opcode::MR_NAK, self.peer_qpn, nak.psn);
             bth.ack_req = false;
             let hdrs = Headers::Nak {
@@ -873,6 +1055,7 @@ impl Connection {
                     flags: 0,
                     timestamp: nak.echo_ts,
                     floor_psn: 0,
+                    plane: 0,
                 },
                 nak: NakEth {
                     syndrome: nak.syndrome,
@@ -890,7 +1073,7 @@ impl Connection {
                 continue;
             }
             self.next_ack_path = (i + 1) % nrx;
-            let port = self.answer_port(i as u8, self.rx[i].generation);
+            let port = self.answer_port(i as u8, self.rx[i].generation, self.rx[i].plane);
             let rx = &mut self.rx[i];
             rx.ack_pending = false;
             let flags = rx.ce_since_ack as u8;
@@ -966,6 +1149,7 @@ impl Connection {
             let path = PathEth {
                 path_id: i as u8,
                 flags: self.tx[i].generation << 4,
+                plane: path::plane_of(port, self.cfg.planes),
                 timestamp: ts,
                 floor_psn: self.tx[i].floor_psn(),
             };

@@ -398,6 +398,25 @@ impl PathTx {
             && self.consecutive_rtos % reroll_timeouts == 0
     }
 
+    /// Give up on every outstanding packet of this path without counting a timeout (the
+    /// path is being moved to another plane): they are settled and their segments returned
+    /// for retransmission, so that a late ACK from the old route cannot be mistaken for
+    /// progress on the new one.
+    pub fn abandon(&mut self, now: Instant) -> Vec<SegRef> {
+        let lost: Vec<SegRef> = self
+            .sent
+            .iter()
+            .filter(|p| p.state == PktState::Outstanding)
+            .map(|p| p.seg)
+            .collect();
+        self.sent.clear();
+        self.outstanding = 0;
+        self.probe = None;
+        self.probe_sent = false;
+        self.last_progress = now;
+        lost
+    }
+
     /// Move the path to a new source port (new ECMP entropy) and probe it with one packet
     /// at a time. The timeout back-off and the count of timeouts in a row carry on, so a
     /// path that stays dead is still retired after `retry_count` timeouts.
@@ -457,6 +476,8 @@ pub(crate) struct PathRx {
     /// The sender's re-roll generation of this path (PathEth flags 7:4): ACKs move to a new
     /// source port with it, so a re-rolled path gets new entropy in both directions.
     pub generation: u8,
+    /// The sender's plane of this path (PathEth byte 8); ACKs leave on the same plane.
+    pub plane: u8,
 }
 
 impl PathRx {
@@ -469,6 +490,7 @@ impl PathRx {
             echo_ts: 0,
             ack_pending: false,
             generation: 0,
+            plane: 0,
         }
     }
 
@@ -595,5 +617,149 @@ mod tests {
         }
         assert_eq!(rx.cum, 70);
         assert_eq!(rx.classify(200), RxClass::Duplicate);
+    }
+}
+
+/// The plane of a local UDP source port in a multi-plane fabric of `planes` planes:
+/// `port mod planes` (0 when `planes <= 1`). A deployment makes this true by sending each
+/// source port through the matching local interface or address (see
+/// [`TransportConfig::planes`](crate::TransportConfig::planes)).
+pub(crate) fn plane_of(port: u16, planes: u16) -> u8 {
+    if planes <= 1 {
+        0
+    } else {
+        (port % planes) as u8
+    }
+}
+
+/// Source ports for `paths` paths out of `ports`, spread evenly over the planes: path `i`
+/// gets the first unused port of plane `i mod planes` (or, when that plane has no port
+/// left, the first unused port at all). With one plane this is `ports[..paths]`.
+pub(crate) fn assign_ports(ports: &[u16], paths: usize, planes: u16) -> Vec<u16> {
+    if planes <= 1 {
+        return ports.iter().copied().take(paths).collect();
+    }
+    let mut used = vec![false; ports.len()];
+    let mut out = Vec::with_capacity(paths);
+    for i in 0..paths.min(ports.len()) {
+        let want = (i % planes as usize) as u8;
+        let k = (0..ports.len())
+            .find(|&k| !used[k] && plane_of(ports[k], planes) == want)
+            .or_else(|| (0..ports.len()).find(|&k| !used[k]))
+            .expect("fewer paths than ports");
+        used[k] = true;
+        out.push(ports[k]);
+    }
+    out
+}
+
+/// Per-connection view of the planes of a multi-plane fabric (MetaRoCE "paths grouped by
+/// plane"): which planes lost every path that was on them, so that re-rolled paths go to
+/// the healthy planes, and when a plane that went down may be tried again.
+#[derive(Debug, Clone)]
+pub(crate) struct Planes {
+    /// Plane count (1: no planes).
+    pub count: u16,
+    /// When each plane was found down (every path on it timed out without progress since),
+    /// `None` while it is considered healthy.
+    pub down_since: Vec<Option<Instant>>,
+    /// When a path was last moved back onto a down plane to probe it.
+    pub last_probe: Option<Instant>,
+}
+
+impl Planes {
+    pub fn new(count: u16) -> Self {
+        Self {
+            count: count.max(1),
+            down_since: vec![None; count.max(1) as usize],
+            last_probe: None,
+        }
+    }
+
+    /// Path counts per plane of the given paths (failed ones left out).
+    pub fn load(&self, paths: &[PathTx]) -> Vec<usize> {
+        let mut load = vec![0; self.count as usize];
+        for p in paths.iter().filter(|p| p.state != PathState::Failed) {
+            load[plane_of(p.src_port, self.count) as usize] += 1;
+        }
+        load
+    }
+
+    /// Path `i` timed out repeatedly and is being re-rolled: if no other path on its plane
+    /// is carrying traffic, the plane is marked down.
+    pub fn on_path_timeouts(&mut self, now: Instant, paths: &[PathTx], i: usize) {
+        if self.count <= 1 {
+            return;
+        }
+        let plane = plane_of(paths[i].src_port, self.count);
+        let healthy_peer = paths.iter().enumerate().any(|(k, p)| {
+            k != i && p.state == PathState::Active && plane_of(p.src_port, self.count) == plane
+        });
+        let d = &mut self.down_since[plane as usize];
+        if !healthy_peer && d.is_none() {
+            tracing::warn!(plane, "plane down: every path on it timed out");
+            *d = Some(now);
+        }
+    }
+
+    /// A path on this port made progress: its plane works.
+    pub fn on_progress(&mut self, port: u16) {
+        if self.count <= 1 {
+            return;
+        }
+        let plane = plane_of(port, self.count) as usize;
+        if self.down_since[plane].take().is_some() {
+            tracing::info!(plane, "plane up again: a path on it made progress");
+        }
+    }
+
+    /// The plane a re-rolled path should move to: among the planes not marked down, the
+    /// one with the fewest paths (ties: the lowest number after `avoid`, so that a path
+    /// leaves its plane when another is as good). When every plane is down, the one down
+    /// the longest (it is probed).
+    pub fn pick(&self, load: &[usize], avoid: u8) -> u8 {
+        let n = self.count as usize;
+        let order = (1..=n).map(|k| (avoid as usize + k) % n);
+        let healthy = order
+            .clone()
+            .filter(|&p| self.down_since[p].is_none())
+            .min_by_key(|&p| load[p]);
+        match healthy {
+            Some(p) => p as u8,
+            None => order.min_by_key(|&p| self.down_since[p]).unwrap_or(0) as u8,
+        }
+    }
+}
+
+#[cfg(test)]
+mod plane_tests {
+    use super::*;
+
+    #[test]
+    fn ports_spread_over_planes() {
+        let ports: Vec<u16> = (0xC000..0xC000 + 32).collect();
+        let got = assign_ports(&ports, 8, 4);
+        let planes: Vec<u8> = got.iter().map(|&p| plane_of(p, 4)).collect();
+        assert_eq!(planes, vec![0, 1, 2, 3, 0, 1, 2, 3]);
+        // Ports not in order: still one path per plane in turn.
+        let shuffled: Vec<u16> = vec![8, 12, 16, 1, 5, 2, 3, 7];
+        let got = assign_ports(&shuffled, 4, 4);
+        let planes: Vec<u8> = got.iter().map(|&p| plane_of(p, 4)).collect();
+        assert_eq!(planes, vec![0, 1, 2, 3]);
+        assert_eq!(assign_ports(&ports, 3, 1), vec![0xC000, 0xC001, 0xC002]);
+    }
+
+    #[test]
+    fn pick_prefers_healthy_least_loaded_plane() {
+        let now = Instant::now();
+        let mut p = Planes::new(4);
+        assert_eq!(p.pick(&[2, 2, 1, 2], 0), 2);
+        p.down_since[2] = Some(now);
+        assert_ne!(p.pick(&[2, 2, 0, 2], 0), 2, "a down plane is avoided");
+        for d in &mut p.down_since {
+            d.get_or_insert(now);
+        }
+        p.down_since[1] = Some(now - Duration::from_millis(5));
+        assert_eq!(p.pick(&[0, 0, 0, 0], 0), 1, "all down: probe the oldest");
     }
 }

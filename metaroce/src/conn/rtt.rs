@@ -39,6 +39,13 @@ impl RttEstimator {
         }
     }
 
+    /// A sample that may only lower the minimum: SRTT, RTTVAR and the latest sample (and so
+    /// the loss timers) are left to data samples. For the handshake's round trip, taken with
+    /// small control packets before any data queued up.
+    pub fn observe_min(&mut self, sample: Duration) {
+        self.min = Some(self.min.map_or(sample, |m| m.min(sample)));
+    }
+
     /// Smoothed RTT (SRTT).
     pub fn smoothed(&self) -> Duration {
         self.smoothed

@@ -791,6 +791,11 @@ impl Sim {
         (0..self.hosts.len() as u32).map(HostId)
     }
 
+    /// Every link direction, in creation order.
+    pub fn links(&self) -> impl ExactSizeIterator<Item = LinkId> + '_ {
+        (0..self.links.len() as u32).map(LinkId)
+    }
+
     /// Number of switches.
     pub fn switch_count(&self) -> usize {
         self.switches.len()

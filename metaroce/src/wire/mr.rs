@@ -15,7 +15,7 @@ use super::{Aeth, Error, PSN_MASK};
 /// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`], others 0 |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | transmit timestamp, ns of the sender's clock modulo 2^32 |
-/// | 8 | reserved, 0 |
+/// | 8 | plane (bits 2:0, see [`PathEth::plane`]); bits 7:3 reserved, 0 |
 /// | 9–11 | floor PSN (24 bits) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct PathEth {
@@ -29,6 +29,10 @@ pub struct PathEth {
     /// Floor PSN (24 bits): the oldest PSN on this path the sender still waits for; the
     /// receiver treats every earlier PSN as settled.
     pub floor_psn: u32,
+    /// Plane (low 3 bits, 0–7) of the path's source port when the sender groups its paths
+    /// by plane (`TransportConfig::planes > 1`), else 0; the receiver answers the path from
+    /// a port of the same plane. Byte 8; bits 7:3 are reserved and written as 0.
+    pub plane: u8,
 }
 
 impl PathEth {
@@ -36,6 +40,8 @@ impl PathEth {
     pub const LEN: usize = 12;
     /// Flag bit 0: the payload is a retransmission of data sent before.
     pub const FLAG_RETRANSMIT: u8 = 0x01;
+    /// Bits of byte 8 that carry [`PathEth::plane`].
+    pub const PLANE_MASK: u8 = 0x07;
 
     /// Parse the first 12 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
@@ -44,13 +50,14 @@ impl PathEth {
         let flags = r.u8()?;
         r.skip(2)?;
         let timestamp = r.u32()?;
-        r.skip(1)?;
+        let plane = r.u8()? & Self::PLANE_MASK;
         let floor_psn = r.u24()?;
         Ok(PathEth {
             path_id,
             flags,
             timestamp,
             floor_psn,
+            plane,
         })
     }
 
@@ -61,7 +68,7 @@ impl PathEth {
         w.u8(self.flags)?;
         w.zeros(2)?;
         w.u32(self.timestamp)?;
-        w.u8(0)?;
+        w.u8(self.plane & Self::PLANE_MASK)?;
         w.u24(self.floor_psn & PSN_MASK)
     }
 
