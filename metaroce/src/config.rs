@@ -104,9 +104,23 @@ pub struct TransportConfig {
     pub idle_timeout: Option<Duration>,
     /// Most RDMA READs and atomics a connection has outstanding as requester, and most
     /// READ/atomic responses it queues as responder (IBA `max_rd_atomic` /
-    /// `max_dest_rd_atomic`); requests beyond it wait (requester) or are dropped
-    /// unacknowledged and retried (responder). Default 16.
+    /// `max_dest_rd_atomic`); requests beyond it wait (requester) or, at the responder, are
+    /// refused with an RNR NAK, not executed, and re-sent by the requester after the RNR
+    /// time without limit (a request that was already executed is acknowledged instead).
+    /// Default 16.
     pub max_rd_atomic: u32,
+    /// Most one-sided operation ids (WRITE, READ, atomic) the responder tracks per
+    /// connection above its floor of finished ids: WRITEs in progress plus finished ids
+    /// above the first unfinished one. It also bounds the records of refused op ids (the
+    /// oldest is forgotten first; a request re-sent after its record was forgotten is taken
+    /// for an executed one). A packet of a new op id beyond it is not taken until the
+    /// floor moves: a WRITE packet is dropped unacknowledged, a READ/atomic request gets an
+    /// RNR NAK (the op id at the floor is always admitted, so the oldest operation can
+    /// finish). A requester's op ids in flight span at most its `max_outstanding_ops`, so
+    /// an honest peer with `max_outstanding_ops` at most this value never meets the bound;
+    /// it limits the memory a peer's scattered op ids can take (tens of bytes per id).
+    /// Default 65 536.
+    pub max_tracked_ops: u32,
     /// How many times a SEND refused with RNR NAK (no receive posted) is retried before it
     /// completes with `RnrRetryExceeded`; 7 means forever (IBA `rnr_retry`). Default 7.
     pub rnr_retry: u8,
@@ -159,6 +173,7 @@ impl Default for TransportConfig {
             recv_capacity_mbps: 0,
             fair_share_window: Duration::from_millis(1),
             max_rd_atomic: 16,
+            max_tracked_ops: 65_536,
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,
@@ -193,6 +208,9 @@ impl TransportConfig {
         }
         if self.max_rd_atomic == 0 {
             return Err("max_rd_atomic must be at least 1".into());
+        }
+        if self.max_tracked_ops == 0 {
+            return Err("max_tracked_ops must be at least 1".into());
         }
         if self.rnr_retry > 7 || self.min_rnr_timer > 31 {
             return Err("rnr_retry must be 0..=7 and min_rnr_timer 0..=31".into());
