@@ -55,18 +55,21 @@ pub struct TransportConfig {
     pub pmtu: u32,
     /// Largest message (SEND) or WRITE accepted, in bytes; at most 2^31 (IBA). Default 2^31.
     pub max_message_size: u64,
-    /// Receive memory budget per connection in bytes: buffers of SEND messages being
-    /// reassembled or waiting for in-order delivery. A packet of a new message that would
-    /// exceed it is dropped unacknowledged (the sender retries later), except for the next
-    /// message due on its stream, so that every stream can always make progress.
-    /// Default 256 MiB.
+    /// Receive memory budget per connection in bytes: library-owned buffers of SEND
+    /// messages being reassembled or waiting for in-order delivery. A packet of a new
+    /// message that would exceed it is dropped unacknowledged (the sender retries later),
+    /// except for the next message due on its stream, so that every stream can always make
+    /// progress: such messages share a second reserve of the same size, and one of them may
+    /// always come in when that reserve is empty. A connection thus holds at most this plus
+    /// `max(this, max_message_size)` bytes of buffers. Default 256 MiB.
     pub max_recv_buffer_bytes: u64,
     /// How far ahead of the next in-order message a stream accepts messages, in messages.
     /// Default 1024.
     pub max_stream_window: u32,
     /// Most streams a peer may open on one connection. Default 65 536.
     pub max_streams: u32,
-    /// Most posted operations (SENDs and WRITEs) not yet completed per connection; more
+    /// Most posted operations (SENDs, WRITEs, READs, atomics) not yet completed per
+    /// connection; more
     /// are refused with [`PostError::SendQueueFull`](crate::PostError::SendQueueFull).
     /// Default 65 536.
     pub max_outstanding_ops: usize,

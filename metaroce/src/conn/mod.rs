@@ -1134,6 +1134,8 @@ impl Connection {
             };
             let psn = self.tx[i].next_psn;
             let mut bth = Bth::new(opcode, self.peer_qpn, psn);
+            // AckReq marks the packet that ends an operation's data, so READ (length > 0)
+            // and atomic requests carry none; receivers ignore it (docs/PROTOCOL.md, BTH).
             bth.ack_req = last;
             let mut hdrs = hdrs;
             if retransmit {
