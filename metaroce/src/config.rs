@@ -60,8 +60,10 @@ pub struct TransportConfig {
     /// message that would exceed it is dropped unacknowledged (the sender retries later),
     /// except for the next message due on its stream, so that every stream can always make
     /// progress: such messages share a second reserve of the same size, and one of them may
-    /// always come in when that reserve is empty. A connection thus holds at most this plus
-    /// `max(this, max_message_size)` bytes of buffers. Default 256 MiB.
+    /// always come in when that reserve is empty. Each message counts 128 bytes of
+    /// bookkeeping on top of its length, so many tiny or empty messages cannot pile up
+    /// either. A connection thus holds at most this plus `max(this, max_message_size + 128)`
+    /// bytes of buffers. Default 256 MiB.
     pub max_recv_buffer_bytes: u64,
     /// How far ahead of the next in-order message a stream accepts messages, in messages.
     /// Default 1024.
@@ -119,7 +121,8 @@ pub struct TransportConfig {
     /// for an executed one). A packet of a new op id beyond it is not taken until the
     /// floor moves: a WRITE packet is dropped unacknowledged, a READ/atomic request gets an
     /// RNR NAK (the op id at the floor is always admitted, so the oldest operation can
-    /// finish). A requester's op ids in flight span at most its `max_outstanding_ops`, so
+    /// finish). The segment bitmaps of WRITEs in progress (one bit per path-MTU segment)
+    /// take at most this × 512 bytes; a new WRITE that would exceed that waits the same way. A requester's op ids in flight span at most its `max_outstanding_ops`, so
     /// an honest peer with `max_outstanding_ops` at most this value never meets the bound;
     /// it limits the memory a peer's scattered op ids can take (tens of bytes per id).
     /// Default 65 536.

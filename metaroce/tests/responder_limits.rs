@@ -314,6 +314,16 @@ fn scattered_op_ids_and_streams_stay_bounded() {
             s.buffered_bytes
         );
         assert!(s.streams <= 4096);
+        assert!(
+            s.write_track_bytes <= TRACKED as u64 * 512 + (64 << 20) / 1024 / 8,
+            "WRITE bitmaps grow without bound: {} bytes after {k} packets",
+            s.write_track_bytes
+        );
+        assert!(
+            s.buffered_messages * 128 <= BUDGET + BUDGET.max(MAX_MSG + 128),
+            "parked messages grow without bound: {} after {k} packets",
+            s.buffered_messages
+        );
     }
     let s = two.stats(1, cb).recv;
     // The bounds were reached: the test exercised them.
@@ -391,6 +401,89 @@ fn refusal_records_are_bounded() {
     );
     two.run(Duration::from_micros(200), |_, _| false);
     assert_eq!(two.naks_sent(1), vec![(0x62, 4 * TRACKED - 1)]);
+}
+
+/// First packets of 64 MiB WRITEs with scattered op ids: the segment bitmaps that track
+/// WRITEs in progress stay within `max_tracked_ops` × 512 bytes.
+#[test]
+fn write_bitmaps_are_bounded() {
+    const TRACKED: u32 = 64;
+    let mut b = config(1);
+    b.transport.max_tracked_ops = TRACKED;
+    let mut two = Two::new(config(0), b);
+    let (_ca, cb) = two.connect();
+    let huge = two.eps[1].register_mr(vec![0; 64 << 20], Access::REMOTE_WRITE);
+    let mut f = Forger {
+        dest_qp: cb.0,
+        psn: 1 << 20,
+        src_port: 0xC000,
+    };
+    let one_write = (64 << 20) / 1024 / 8; // bitmap bytes of one 64 MiB WRITE at 1024 B/packet
+    for k in 0..200u32 {
+        let write = Headers::Write {
+            path: PathEth::default(),
+            reth: Reth {
+                va: huge.addr,
+                rkey: huge.rkey,
+                dma_len: 64 << 20,
+            },
+            write: WriteEth {
+                op_id: 1000 + 2 * k,
+                offset: 0,
+            },
+            imm: None,
+        };
+        f.send(&mut two, Opcode::MR_WRITE, write, &[7; 1024]);
+        let s = two.stats(1, cb).recv;
+        assert!(
+            s.write_track_bytes <= TRACKED as u64 * 512 + one_write,
+            "WRITE bitmaps grow without bound: {} bytes after {k} packets",
+            s.write_track_bytes
+        );
+    }
+    let s = two.stats(1, cb).recv;
+    assert!(
+        s.write_track_bytes + one_write > TRACKED as u64 * 512,
+        "{s:?}"
+    );
+    assert!(s.no_buffer_drops > 0, "{s:?}");
+}
+
+/// Empty messages parked ahead of the next one on their streams: each counts against the
+/// receive budget, so they cannot pile up without bound.
+#[test]
+fn parked_empty_messages_are_bounded() {
+    const BUDGET: u64 = 64 << 10;
+    let mut b = config(1);
+    b.transport.max_recv_buffer_bytes = BUDGET;
+    let mut two = Two::new(config(0), b);
+    let (_ca, cb) = two.connect();
+    let mut f = Forger {
+        dest_qp: cb.0,
+        psn: 1 << 20,
+        src_port: 0xC000,
+    };
+    for k in 0..4000u32 {
+        let send = Headers::Send {
+            path: PathEth::default(),
+            send: SendEth {
+                stream_id: k % 4,
+                msg_seq: 1 + k / 4,
+                offset: 0,
+                msg_len: 0,
+            },
+        };
+        f.send(&mut two, Opcode::MR_SEND, send, &[]);
+        let s = two.stats(1, cb).recv;
+        assert!(
+            s.buffered_messages * 128 <= 2 * BUDGET,
+            "parked messages grow without bound: {} after {k} packets",
+            s.buffered_messages
+        );
+    }
+    let s = two.stats(1, cb).recv;
+    assert!(s.buffered_messages * 128 + 128 > BUDGET, "{s:?}");
+    assert_eq!(s.messages, 0);
 }
 
 #[derive(Debug, Clone, Copy)]

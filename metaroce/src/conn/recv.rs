@@ -56,8 +56,11 @@ enum Dest {
 #[derive(Debug)]
 struct RxMsg {
     dest: Dest,
+    /// What the message counts against the receive budget: its length plus
+    /// `MSG_OVERHEAD` for a library-owned buffer, 0 for a posted receive.
+    charge: u64,
     /// Admitted beyond `max_recv_buffer_bytes` because it was next in line on its stream
-    /// (its bytes count in `Budget::over`).
+    /// (its charge counts in `Budget::over`).
     over: bool,
     len: u32,
     got: Vec<u64>,
@@ -113,7 +116,13 @@ pub(crate) struct RecvLimits {
     pub max_tracked_ops: u32,
 }
 
-/// Bytes of library-owned receive buffers (`Dest::Owned`) a connection holds.
+/// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
+/// of its length (its bookkeeping), so that zero-length or tiny messages parked ahead of
+/// their stream's next one cannot pile up without bound.
+const MSG_OVERHEAD: u64 = 128;
+
+/// Bytes of library-owned receive buffers (`Dest::Owned`) a connection holds, each message
+/// counted with `MSG_OVERHEAD`.
 #[derive(Debug, Default)]
 struct Budget {
     /// All of them.
@@ -125,11 +134,9 @@ struct Budget {
 
 impl Budget {
     fn release(&mut self, msg: &RxMsg) {
-        if let Dest::Owned(d) = &msg.dest {
-            self.bytes -= d.len() as u64;
-            if msg.over {
-                self.over -= d.len() as u64;
-            }
+        self.bytes -= msg.charge;
+        if msg.over {
+            self.over -= msg.charge;
         }
     }
 }
@@ -151,6 +158,10 @@ pub(crate) struct RecvState {
     buf: Budget,
     /// WRITEs in progress (some segments placed).
     writes: HashMap<u32, WriteTrack>,
+    /// 64-bit words of the `got` bitmaps in `writes`: at most `max_tracked_ops` × 64 (a
+    /// WRITE's bitmap grows with its length, up to `max_message_size`), plus the WRITE at
+    /// the floor, always admitted.
+    write_words: usize,
     /// Every op id (WRITE, READ, atomic) before `write_floor` is finished; `writes_done`
     /// holds finished ids at or above it. `writes.len() + writes_done.len()` stays below
     /// `max_tracked_ops` (plus the op at the floor, always admitted): a new op id beyond
@@ -197,9 +208,15 @@ pub struct RecvStats {
     /// 2 × `max_tracked_ops`.
     pub tracked_ops: u64,
     /// Gauge: bytes of library-owned buffers held for SEND messages being reassembled or
-    /// waiting for in-order delivery. At most `max_recv_buffer_bytes` plus
-    /// `max(max_recv_buffer_bytes, max_message_size)`.
+    /// waiting for in-order delivery, each message counted with 128 bytes of bookkeeping.
+    /// At most `max_recv_buffer_bytes` plus `max(max_recv_buffer_bytes, max_message_size +
+    /// 128)`.
     pub buffered_bytes: u64,
+    /// Gauge: bytes of the segment bitmaps of WRITEs in progress (one bit per path-MTU
+    /// segment of each WRITE). At most `max_tracked_ops` × 512 bytes, plus one WRITE's.
+    pub write_track_bytes: u64,
+    /// Gauge: SEND messages being reassembled or waiting for in-order delivery.
+    pub buffered_messages: u64,
     /// Gauge: streams the peer has opened (at most `max_streams`).
     pub streams: u64,
 }
@@ -386,6 +403,7 @@ impl RecvState {
         let nsegs = hdr.msg_len.div_ceil(lim.pmtu).max(1);
         if !st.msgs.contains_key(&hdr.msg_seq) {
             let mut over = false;
+            let mut charge = 0;
             let dest = if st.posted_mode {
                 // Messages match receives in order: message next_deliver + k takes the k-th
                 // posted receive (IBA receive queue semantics, per stream).
@@ -457,23 +475,25 @@ impl RecvState {
                 // time, may be as large as max_message_size), so the peer cannot make the
                 // receiver hold one such message per stream.
                 let head = ahead == 0;
-                if self.buf.bytes + total > lim.max_recv_buffer_bytes {
+                charge = total + MSG_OVERHEAD;
+                if self.buf.bytes + charge > lim.max_recv_buffer_bytes {
                     over = head
                         && (self.buf.over == 0
-                            || self.buf.over + total <= lim.max_recv_buffer_bytes);
+                            || self.buf.over + charge <= lim.max_recv_buffer_bytes);
                     if !over {
                         self.stats.no_buffer_drops += 1;
                         return RxOutcome::Drop;
                     }
-                    self.buf.over += total;
+                    self.buf.over += charge;
                 }
-                self.buf.bytes += total;
+                self.buf.bytes += charge;
                 Dest::Owned(vec![0; hdr.msg_len as usize])
             };
             st.msgs.insert(
                 hdr.msg_seq,
                 RxMsg {
                     dest,
+                    charge,
                     over,
                     len: hdr.msg_len,
                     got: vec![0; nsegs.div_ceil(64) as usize],
@@ -757,9 +777,14 @@ impl RecvState {
             }
         }
         let nsegs = reth.dma_len.div_ceil(lim.pmtu).max(1);
-        if !self.can_track(id, lim) {
-            self.stats.no_buffer_drops += 1;
-            return RxOutcome::Drop;
+        if !self.writes.contains_key(&id) {
+            let words = nsegs.div_ceil(64) as usize;
+            let room = self.write_words + words <= lim.max_tracked_ops as usize * 64;
+            if !self.can_track(id, lim) || !(room || id == self.write_floor) {
+                self.stats.no_buffer_drops += 1;
+                return RxOutcome::Drop;
+            }
+            self.write_words += words;
         }
         let t = self.writes.entry(id).or_insert_with(|| WriteTrack {
             len: reth.dma_len,
@@ -783,7 +808,6 @@ impl RecvState {
         }
         t.got_segs += 1;
         if t.got_segs == t.nsegs {
-            self.writes.remove(&id);
             self.finish_write(id);
             if let Some(imm) = imm {
                 events.push_back(Event::WriteWithImm {
@@ -798,7 +822,9 @@ impl RecvState {
 
     /// Record operation `id` as finished (executed or refused).
     fn finish_write(&mut self, id: u32) {
-        self.writes.remove(&id);
+        if let Some(t) = self.writes.remove(&id) {
+            self.write_words -= t.got.len();
+        }
         if seq_before(id, self.write_floor) {
             return;
         }
@@ -814,6 +840,8 @@ impl RecvState {
             tracked_ops: (self.writes.len() + self.writes_done.len() + self.refused_ops.len())
                 as u64,
             buffered_bytes: self.buf.bytes,
+            write_track_bytes: self.write_words as u64 * 8,
+            buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
             streams: self.streams.len() as u64,
             ..self.stats
         }
