@@ -122,7 +122,10 @@ pub struct TransportConfig {
     /// floor moves: a WRITE packet is dropped unacknowledged, a READ/atomic request gets an
     /// RNR NAK (the op id at the floor is always admitted, so the oldest operation can
     /// finish). The segment bitmaps of WRITEs in progress (one bit per path-MTU segment)
-    /// take at most this × 512 bytes; a new WRITE that would exceed that waits the same way. A requester's op ids in flight span at most its `max_outstanding_ops`, so
+    /// take at most this × 512 bytes; a new WRITE that would exceed that waits the same way.
+    /// It also bounds the records of refused SEND messages ahead of their stream's next
+    /// one (kept so that in-order delivery skips them): beyond it such a message is NAKed
+    /// but not recorded. A requester's op ids in flight span at most its `max_outstanding_ops`, so
     /// an honest peer with `max_outstanding_ops` at most this value never meets the bound;
     /// it limits the memory a peer's scattered op ids can take (tens of bytes per id).
     /// Default 65 536.

@@ -486,6 +486,60 @@ fn parked_empty_messages_are_bounded() {
     assert_eq!(s.messages, 0);
 }
 
+/// Invalid messages (longer than `max_message_size`) ahead of their streams' next ones:
+/// the records that let in-order delivery skip them stay within `max_tracked_ops`, and a
+/// refused message at the head of its stream is still skipped.
+#[test]
+fn refused_messages_are_bounded() {
+    const TRACKED: u32 = 256;
+    let mut b = config(1);
+    b.transport.max_tracked_ops = TRACKED;
+    b.transport.max_message_size = 4096;
+    let mut two = Two::new(config(0), b);
+    let (_ca, cb) = two.connect();
+    let mut f = Forger {
+        dest_qp: cb.0,
+        psn: 1 << 20,
+        src_port: 0xC000,
+    };
+    let send = |stream_id, msg_seq, msg_len| Headers::Send {
+        path: PathEth::default(),
+        send: SendEth {
+            stream_id,
+            msg_seq,
+            offset: 0,
+            msg_len,
+        },
+    };
+    for k in 0..3000u32 {
+        f.send(
+            &mut two,
+            Opcode::MR_SEND,
+            send(k % 8, 1 + k / 8, 1 << 20),
+            &[1; 1024],
+        );
+        let s = two.stats(1, cb).recv;
+        assert!(
+            s.refused_messages <= TRACKED as u64,
+            "refused message records grow without bound: {} after {k} packets",
+            s.refused_messages
+        );
+    }
+    assert_eq!(two.stats(1, cb).recv.refused_messages, TRACKED as u64);
+    // Stream 9: message 0 is refused at the head and skipped, message 1 is delivered.
+    f.send(&mut two, Opcode::MR_SEND, send(9, 0, 1 << 20), &[1; 1024]);
+    f.send(&mut two, Opcode::MR_SEND, send(9, 1, 3), &[5, 6, 7]);
+    two.run(Duration::from_micros(100), |_, _| false);
+    let msgs: Vec<_> = two.events[1]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message { stream, data, .. } => Some((*stream, data.to_vec())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(msgs, vec![(9, vec![5, 6, 7])]);
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Kind {
     Read,

@@ -130,6 +130,10 @@ struct Budget {
     /// Those of messages admitted beyond `max_recv_buffer_bytes` because they were next in
     /// line on their stream: at most `max_recv_buffer_bytes`, or one message when alone.
     over: u64,
+    /// Entries of every stream's `refused` set. Invalid messages are recorded there only
+    /// while this is below `max_tracked_ops` (beyond it a refused message is NAKed but not
+    /// recorded); an honest peer's messages in flight, hence its refused ones, are fewer.
+    refused: usize,
 }
 
 impl Budget {
@@ -217,6 +221,10 @@ pub struct RecvStats {
     pub write_track_bytes: u64,
     /// Gauge: SEND messages being reassembled or waiting for in-order delivery.
     pub buffered_messages: u64,
+    /// Gauge: refused SEND messages ahead of their stream's next one, remembered so that
+    /// in-order delivery skips them. At most `max_tracked_ops` (plus messages too long for
+    /// their posted receive).
+    pub refused_messages: u64,
     /// Gauge: streams the peer has opened (at most `max_streams`).
     pub streams: u64,
 }
@@ -319,7 +327,9 @@ impl RecvState {
                 self.buf.release(&msg);
             }
         }
+        let before = st.refused.len();
         st.refused.retain(|&m| seq_before(m, from));
+        self.buf.refused -= before - st.refused.len();
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
     }
@@ -370,7 +380,9 @@ impl RecvState {
             // Refuse the whole message (every packet of it gets this NAK) and let delivery
             // skip it, so later messages of the stream are not stuck behind it.
             let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
-            if ahead < lim.max_stream_window && st.refused.insert(hdr.msg_seq) {
+            let room = ahead == 0 || self.buf.refused < lim.max_tracked_ops as usize;
+            if ahead < lim.max_stream_window && room && st.refused.insert(hdr.msg_seq) {
+                self.buf.refused += 1;
                 if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
                     self.buf.release(&msg);
                 }
@@ -435,7 +447,9 @@ impl RecvState {
                     st.posted.pop_front();
                     // Delivery skips it (it may not be at the head yet: messages arriving
                     // into library buffers may precede it).
-                    st.refused.insert(hdr.msg_seq);
+                    if st.refused.insert(hdr.msg_seq) {
+                        self.buf.refused += 1;
+                    }
                     st.len_errors.push_back(hdr.msg_seq);
                     if st.len_errors.len() > MAX_LEN_ERRORS {
                         st.len_errors.pop_front();
@@ -558,6 +572,7 @@ impl RecvState {
                 break;
             }
             if st.refused.remove(&st.next_deliver) {
+                buf.refused -= 1;
                 st.next_deliver = st.next_deliver.wrapping_add(1);
                 continue;
             }
@@ -842,6 +857,7 @@ impl RecvState {
             buffered_bytes: self.buf.bytes,
             write_track_bytes: self.write_words as u64 * 8,
             buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
+            refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
             ..self.stats
         }
