@@ -55,18 +55,23 @@ pub struct TransportConfig {
     pub pmtu: u32,
     /// Largest message (SEND) or WRITE accepted, in bytes; at most 2^31 (IBA). Default 2^31.
     pub max_message_size: u64,
-    /// Receive memory budget per connection in bytes: buffers of SEND messages being
-    /// reassembled or waiting for in-order delivery. A packet of a new message that would
-    /// exceed it is dropped unacknowledged (the sender retries later), except for the next
-    /// message due on its stream, so that every stream can always make progress.
-    /// Default 256 MiB.
+    /// Receive memory budget per connection in bytes: library-owned buffers of SEND
+    /// messages being reassembled or waiting for in-order delivery. A packet of a new
+    /// message that would exceed it is dropped unacknowledged (the sender retries later),
+    /// except for the next message due on its stream, so that every stream can always make
+    /// progress: such messages share a second reserve of the same size, and one of them may
+    /// always come in when that reserve is empty. Each message counts 128 bytes of
+    /// bookkeeping on top of its length, so many tiny or empty messages cannot pile up
+    /// either. A connection thus holds at most this plus `max(this, max_message_size + 128)`
+    /// bytes of buffers. Default 256 MiB.
     pub max_recv_buffer_bytes: u64,
     /// How far ahead of the next in-order message a stream accepts messages, in messages.
     /// Default 1024.
     pub max_stream_window: u32,
     /// Most streams a peer may open on one connection. Default 65 536.
     pub max_streams: u32,
-    /// Most posted operations (SENDs and WRITEs) not yet completed per connection; more
+    /// Most posted operations (SENDs, WRITEs, READs, atomics) not yet completed per
+    /// connection; more
     /// are refused with [`PostError::SendQueueFull`](crate::PostError::SendQueueFull).
     /// Default 65 536.
     pub max_outstanding_ops: usize,
@@ -104,9 +109,27 @@ pub struct TransportConfig {
     pub idle_timeout: Option<Duration>,
     /// Most RDMA READs and atomics a connection has outstanding as requester, and most
     /// READ/atomic responses it queues as responder (IBA `max_rd_atomic` /
-    /// `max_dest_rd_atomic`); requests beyond it wait (requester) or are dropped
-    /// unacknowledged and retried (responder). Default 16.
+    /// `max_dest_rd_atomic`); requests beyond it wait (requester) or, at the responder, are
+    /// refused with an RNR NAK, not executed, and re-sent by the requester after the RNR
+    /// time without limit (a request that was already executed is acknowledged instead).
+    /// Default 16.
     pub max_rd_atomic: u32,
+    /// Most one-sided operation ids (WRITE, READ, atomic) the responder tracks per
+    /// connection above its floor of finished ids: WRITEs in progress plus finished ids
+    /// above the first unfinished one. It also bounds the records of refused op ids (the
+    /// oldest is forgotten first; a request re-sent after its record was forgotten is taken
+    /// for an executed one). A packet of a new op id beyond it is not taken until the
+    /// floor moves: a WRITE packet is dropped unacknowledged, a READ/atomic request gets an
+    /// RNR NAK (the op id at the floor is always admitted, so the oldest operation can
+    /// finish). The segment bitmaps of WRITEs in progress (one bit per path-MTU segment)
+    /// take at most this × 512 bytes; a new WRITE that would exceed that waits the same way.
+    /// It also bounds the records of refused SEND messages ahead of their stream's next
+    /// one (kept so that in-order delivery skips them): beyond it such a message is NAKed
+    /// but not recorded. A requester's op ids in flight span at most its `max_outstanding_ops`, so
+    /// an honest peer with `max_outstanding_ops` at most this value never meets the bound;
+    /// it limits the memory a peer's scattered op ids can take (tens of bytes per id).
+    /// Default 65 536.
+    pub max_tracked_ops: u32,
     /// How many times a SEND refused with RNR NAK (no receive posted) is retried before it
     /// completes with `RnrRetryExceeded`; 7 means forever (IBA `rnr_retry`). Default 7.
     pub rnr_retry: u8,
@@ -179,6 +202,7 @@ impl Default for TransportConfig {
             recv_capacity_mbps: 0,
             fair_share_window: Duration::from_millis(1),
             max_rd_atomic: 16,
+            max_tracked_ops: 65_536,
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,
@@ -215,6 +239,9 @@ impl TransportConfig {
         }
         if self.max_rd_atomic == 0 {
             return Err("max_rd_atomic must be at least 1".into());
+        }
+        if self.max_tracked_ops == 0 {
+            return Err("max_tracked_ops must be at least 1".into());
         }
         if self.rnr_retry > 7 || self.min_rnr_timer > 31 {
             return Err("rnr_retry must be 0..=7 and min_rnr_timer 0..=31".into());

@@ -400,8 +400,14 @@ impl Endpoint {
     }
 
     /// Post a SEND of `data` as one message on `stream`. The peer receives it once, in
-    /// order within the stream, as [`Event::Message`]; a completion with `wr_id` follows
-    /// once every packet is acknowledged.
+    /// order within the stream, as [`Event::Message`] (or in its next posted receive); a
+    /// completion with `wr_id` follows once every packet is acknowledged.
+    ///
+    /// On a stream in the error state — a SEND on it failed with
+    /// [`WcStatus::RnrRetryExceeded`](crate::WcStatus::RnrRetryExceeded) — the SEND is not
+    /// sent and completes with [`WcStatus::WrFlushError`](crate::WcStatus::WrFlushError)
+    /// (docs/PROTOCOL.md, "Errors on a stream"); the connection's other streams are not
+    /// affected.
     pub fn post_send(
         &mut self,
         conn: ConnectionHandle,
@@ -466,6 +472,14 @@ impl Endpoint {
     /// in order (IBA receive queue semantics): each SEND lands directly in the next one and
     /// completes it ([`Event::RecvCompletion`]); a SEND finding none gets an RNR NAK and the
     /// sender retries after the RNR timer, up to `rnr_retry` times.
+    ///
+    /// On a stream in the error state (the peer's SEND on it failed with
+    /// [`WcStatus::RnrRetryExceeded`](crate::WcStatus::RnrRetryExceeded) and the peer sent a
+    /// stream abort), once in-order delivery has reached the aborted message, the receive
+    /// completes at once with [`WcStatus::WrFlushError`](crate::WcStatus::WrFlushError) —
+    /// reported by the next [`Endpoint::handle_timeout`] — as do the receives still pending
+    /// there (docs/PROTOCOL.md, "Errors on a stream"). Receives pending when the connection
+    /// ends complete with `WrFlushError` too.
     pub fn post_recv(
         &mut self,
         conn: ConnectionHandle,

@@ -303,6 +303,7 @@ impl Connection {
             max_stream_window: self.cfg.max_stream_window,
             max_streams: self.cfg.max_streams,
             require_posted_receives: self.cfg.require_posted_receives,
+            max_tracked_ops: self.cfg.max_tracked_ops,
         }
     }
 
@@ -311,7 +312,7 @@ impl Connection {
             peer: self.peer,
             pmtu: self.pmtu,
             paths: self.tx.iter().map(PathTx::info).collect(),
-            recv: self.rq.stats,
+            recv: self.rq.stats(),
             acks_sent: self.acks_sent,
             acks_received: self.acks_received,
             data_packets_received: self.data_in,
@@ -526,20 +527,18 @@ impl Connection {
                 self.rq
                     .on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events)
             }
-            Data::ReadRequest(..) | Data::Atomic(..)
-                if self.sq.internal_pending() >= self.cfg.max_rd_atomic =>
-            {
-                // Responder resources exhausted: an RNR NAK makes the requester wait and
-                // retry without counting it as a lost packet.
-                RxOutcome::Rnr
-            }
+            // With the responder's resources exhausted (`busy`), a new request gets an RNR
+            // NAK: the requester waits and retries without counting it as a lost packet.
+            // A request that was already executed is acknowledged even then.
             Data::ReadRequest(reth, op) => {
-                let (out, respond) = self.rq.on_read_request(mrs, reth, op, &lim);
+                let busy = self.sq.internal_pending() >= self.cfg.max_rd_atomic;
+                let (out, respond) = self.rq.on_read_request(mrs, reth, op, &lim, busy);
                 self.respond(respond);
                 out
             }
             Data::Atomic(at, op, fetch_add) => {
-                let (out, respond) = self.rq.on_atomic(mrs, at, op, fetch_add);
+                let busy = self.sq.internal_pending() >= self.cfg.max_rd_atomic;
+                let (out, respond) = self.rq.on_atomic(mrs, at, op, fetch_add, &lim, busy);
                 self.respond(respond);
                 out
             }
@@ -1319,6 +1318,8 @@ impl Connection {
             };
             let psn = self.tx[i].next_psn;
             let mut bth = Bth::new(opcode, self.peer_qpn, psn);
+            // AckReq marks the packet that ends an operation's data, so READ (length > 0)
+            // and atomic requests carry none; receivers ignore it (docs/PROTOCOL.md, BTH).
             bth.ack_req = last;
             let mut hdrs = hdrs;
             if retransmit {

@@ -56,6 +56,12 @@ enum Dest {
 #[derive(Debug)]
 struct RxMsg {
     dest: Dest,
+    /// What the message counts against the receive budget: its length plus
+    /// `MSG_OVERHEAD` for a library-owned buffer, 0 for a posted receive.
+    charge: u64,
+    /// Admitted beyond `max_recv_buffer_bytes` because it was next in line on its stream
+    /// (its charge counts in `Budget::over`).
+    over: bool,
     len: u32,
     got: Vec<u64>,
     got_segs: u32,
@@ -107,20 +113,71 @@ pub(crate) struct RecvLimits {
     pub max_stream_window: u32,
     pub max_streams: u32,
     pub require_posted_receives: bool,
+    pub max_tracked_ops: u32,
 }
 
-/// Most WRITE operations tracked at once (in progress or finished above the floor).
-const MAX_TRACKED_WRITES: usize = 1 << 16;
+/// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
+/// of its length (its bookkeeping), so that zero-length or tiny messages parked ahead of
+/// their stream's next one cannot pile up without bound.
+const MSG_OVERHEAD: u64 = 128;
+
+/// Bytes of library-owned receive buffers (`Dest::Owned`) a connection holds, each message
+/// counted with `MSG_OVERHEAD`.
+#[derive(Debug, Default)]
+struct Budget {
+    /// All of them.
+    bytes: u64,
+    /// Those of messages admitted beyond `max_recv_buffer_bytes` because they were next in
+    /// line on their stream: at most `max_recv_buffer_bytes`, or one message when alone.
+    over: u64,
+    /// Entries of every stream's `refused` set. Invalid messages are recorded there only
+    /// while this is below `max_tracked_ops` (beyond it a refused message is NAKed but not
+    /// recorded); an honest peer's messages in flight, hence its refused ones, are fewer.
+    refused: usize,
+}
+
+impl Budget {
+    fn release(&mut self, msg: &RxMsg) {
+        self.bytes -= msg.charge;
+        if msg.over {
+            self.over -= msg.charge;
+        }
+    }
+}
+
+/// What the responder knows of a one-sided operation id (WRITE, READ, atomic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpState {
+    /// Not finished: new, or a WRITE with segments still to come.
+    Open,
+    /// Executed (or refused so long ago that its refusal record was evicted).
+    Executed,
+    /// Refused for good with this NAK syndrome.
+    Refused(u8),
+}
 
 #[derive(Debug, Default)]
 pub(crate) struct RecvState {
     streams: HashMap<u32, StreamRx>,
-    buffered: u64,
+    buf: Budget,
+    /// WRITEs in progress (some segments placed).
     writes: HashMap<u32, WriteTrack>,
-    /// Every WRITE op id before `write_floor` is finished; `writes_done` holds finished
-    /// ids at or above it.
+    /// 64-bit words of the `got` bitmaps in `writes`: at most `max_tracked_ops` × 64 (a
+    /// WRITE's bitmap grows with its length, up to `max_message_size`), plus the WRITE at
+    /// the floor, always admitted.
+    write_words: usize,
+    /// Every op id (WRITE, READ, atomic) before `write_floor` is finished; `writes_done`
+    /// holds finished ids at or above it. `writes.len() + writes_done.len()` stays below
+    /// `max_tracked_ops` (plus the op at the floor, always admitted): a new op id beyond
+    /// that is not taken (WRITE packet dropped unacknowledged, READ/atomic RNR-NAKed) until
+    /// the floor moves.
     write_floor: u32,
     writes_done: BTreeSet<u32>,
+    /// Op ids refused for good, with their NAK syndrome, so that a re-sent request of a
+    /// refused operation is refused again rather than taken for an executed one. At most
+    /// `max_tracked_ops` entries: the oldest record is evicted first (`refused_order`).
+    refused_ops: HashMap<u32, u8>,
+    refused_order: VecDeque<u32>,
     /// Receives posted on a dead stream, flushed and not yet reported (`take_flushed`).
     flushed: VecDeque<(u32, WorkCompletion)>,
     pub stats: RecvStats,
@@ -150,6 +207,26 @@ pub struct RecvStats {
     /// Streams that entered the error state because the sender aborted them (a SEND on
     /// them failed with `RnrRetryExceeded`).
     pub dead_streams: u64,
+    /// Gauge, at the time of the snapshot: one-sided op ids the responder tracks (WRITEs
+    /// in progress, finished ids above the floor, refusal records). At most about
+    /// 2 × `max_tracked_ops`.
+    pub tracked_ops: u64,
+    /// Gauge: bytes of library-owned buffers held for SEND messages being reassembled or
+    /// waiting for in-order delivery, each message counted with 128 bytes of bookkeeping.
+    /// At most `max_recv_buffer_bytes` plus `max(max_recv_buffer_bytes, max_message_size +
+    /// 128)`.
+    pub buffered_bytes: u64,
+    /// Gauge: bytes of the segment bitmaps of WRITEs in progress (one bit per path-MTU
+    /// segment of each WRITE). At most `max_tracked_ops` × 512 bytes, plus one WRITE's.
+    pub write_track_bytes: u64,
+    /// Gauge: SEND messages being reassembled or waiting for in-order delivery.
+    pub buffered_messages: u64,
+    /// Gauge: refused SEND messages ahead of their stream's next one, remembered so that
+    /// in-order delivery skips them. At most `max_tracked_ops` (plus messages too long for
+    /// their posted receive).
+    pub refused_messages: u64,
+    /// Gauge: streams the peer has opened (at most `max_streams`).
+    pub streams: u64,
 }
 
 fn seq_before(a: u32, b: u32) -> bool {
@@ -246,19 +323,14 @@ impl RecvState {
             .filter(|&m| !seq_before(m, from))
             .collect();
         for m in dead {
-            if let Some(Dest::Owned(d)) = st.msgs.remove(&m).map(|m| m.dest) {
-                self.buffered -= d.len() as u64;
+            if let Some(msg) = st.msgs.remove(&m) {
+                self.buf.release(&msg);
             }
         }
+        let before = st.refused.len();
         st.refused.retain(|&m| seq_before(m, from));
-        Self::deliver(
-            conn,
-            stream,
-            st,
-            &mut self.buffered,
-            &mut self.stats,
-            events,
-        );
+        self.buf.refused -= before - st.refused.len();
+        Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
     }
 
@@ -308,15 +380,17 @@ impl RecvState {
             // Refuse the whole message (every packet of it gets this NAK) and let delivery
             // skip it, so later messages of the stream are not stuck behind it.
             let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
-            if ahead < lim.max_stream_window && st.refused.insert(hdr.msg_seq) {
-                if let Some(Dest::Owned(d)) = st.msgs.remove(&hdr.msg_seq).map(|m| m.dest) {
-                    self.buffered -= d.len() as u64;
+            let room = ahead == 0 || self.buf.refused < lim.max_tracked_ops as usize;
+            if ahead < lim.max_stream_window && room && st.refused.insert(hdr.msg_seq) {
+                self.buf.refused += 1;
+                if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
+                    self.buf.release(&msg);
                 }
                 Self::deliver(
                     conn,
                     hdr.stream_id,
                     st,
-                    &mut self.buffered,
+                    &mut self.buf,
                     &mut self.stats,
                     events,
                 );
@@ -340,6 +414,8 @@ impl RecvState {
         }
         let nsegs = hdr.msg_len.div_ceil(lim.pmtu).max(1);
         if !st.msgs.contains_key(&hdr.msg_seq) {
+            let mut over = false;
+            let mut charge = 0;
             let dest = if st.posted_mode {
                 // Messages match receives in order: message next_deliver + k takes the k-th
                 // posted receive (IBA receive queue semantics, per stream).
@@ -371,7 +447,9 @@ impl RecvState {
                     st.posted.pop_front();
                     // Delivery skips it (it may not be at the head yet: messages arriving
                     // into library buffers may precede it).
-                    st.refused.insert(hdr.msg_seq);
+                    if st.refused.insert(hdr.msg_seq) {
+                        self.buf.refused += 1;
+                    }
                     st.len_errors.push_back(hdr.msg_seq);
                     if st.len_errors.len() > MAX_LEN_ERRORS {
                         st.len_errors.pop_front();
@@ -391,7 +469,7 @@ impl RecvState {
                         conn,
                         hdr.stream_id,
                         st,
-                        &mut self.buffered,
+                        &mut self.buf,
                         &mut self.stats,
                         events,
                     );
@@ -405,18 +483,32 @@ impl RecvState {
                 }
                 Dest::Posted(r)
             } else {
+                // The next message due on a stream may go beyond the budget, so that every
+                // stream can progress however the budget is used by messages further
+                // ahead; those messages share a reserve of the same size (or, one at a
+                // time, may be as large as max_message_size), so the peer cannot make the
+                // receiver hold one such message per stream.
                 let head = ahead == 0;
-                if !head && self.buffered + total > lim.max_recv_buffer_bytes {
-                    self.stats.no_buffer_drops += 1;
-                    return RxOutcome::Drop;
+                charge = total + MSG_OVERHEAD;
+                if self.buf.bytes + charge > lim.max_recv_buffer_bytes {
+                    over = head
+                        && (self.buf.over == 0
+                            || self.buf.over + charge <= lim.max_recv_buffer_bytes);
+                    if !over {
+                        self.stats.no_buffer_drops += 1;
+                        return RxOutcome::Drop;
+                    }
+                    self.buf.over += charge;
                 }
-                self.buffered += total;
+                self.buf.bytes += charge;
                 Dest::Owned(vec![0; hdr.msg_len as usize])
             };
             st.msgs.insert(
                 hdr.msg_seq,
                 RxMsg {
                     dest,
+                    charge,
+                    over,
                     len: hdr.msg_len,
                     got: vec![0; nsegs.div_ceil(64) as usize],
                     got_segs: 0,
@@ -452,7 +544,7 @@ impl RecvState {
             conn,
             hdr.stream_id,
             st,
-            &mut self.buffered,
+            &mut self.buf,
             &mut self.stats,
             events,
         );
@@ -464,7 +556,7 @@ impl RecvState {
         conn: ConnectionHandle,
         stream: u32,
         st: &mut StreamRx,
-        buffered: &mut u64,
+        buf: &mut Budget,
         stats: &mut RecvStats,
         events: &mut VecDeque<Event>,
     ) {
@@ -480,6 +572,7 @@ impl RecvState {
                 break;
             }
             if st.refused.remove(&st.next_deliver) {
+                buf.refused -= 1;
                 st.next_deliver = st.next_deliver.wrapping_add(1);
                 continue;
             }
@@ -495,9 +588,9 @@ impl RecvState {
             };
             stats.messages += 1;
             stats.message_bytes += m.len as u64;
+            buf.release(&m);
             match m.dest {
                 Dest::Owned(data) => {
-                    *buffered -= data.len() as u64;
                     events.push_back(Event::Message {
                         conn,
                         stream,
@@ -519,41 +612,92 @@ impl RecvState {
         }
     }
 
-    /// Whether the operation id was already executed (or refused).
-    fn op_seen(&self, id: u32) -> bool {
-        seq_before(id, self.write_floor) || self.writes_done.contains(&id)
+    /// What is known of an operation id.
+    fn op_state(&self, id: u32) -> OpState {
+        if let Some(&syndrome) = self.refused_ops.get(&id) {
+            OpState::Refused(syndrome)
+        } else if seq_before(id, self.write_floor) || self.writes_done.contains(&id) {
+            OpState::Executed
+        } else {
+            OpState::Open
+        }
+    }
+
+    /// Whether a new operation id may be tracked: the tracking set has room, or the id is
+    /// the floor itself (finishing it never grows the set, so the oldest open operation can
+    /// always complete).
+    fn can_track(&self, id: u32, lim: &RecvLimits) -> bool {
+        id == self.write_floor
+            || self.writes.contains_key(&id)
+            || self.writes.len() + self.writes_done.len() < lim.max_tracked_ops as usize
+    }
+
+    /// The answer to a request whose op id was seen before, ahead of every other check (a
+    /// re-sent request must get the answer the first copy got, whatever changed since:
+    /// region deregistered, responder busy).
+    fn seen_answer(&mut self, id: u32) -> Option<RxOutcome> {
+        match self.op_state(id) {
+            OpState::Open => None,
+            OpState::Executed => {
+                self.stats.duplicates += 1;
+                Some(RxOutcome::Accepted)
+            }
+            OpState::Refused(syndrome) => Some(RxOutcome::Nak(syndrome)),
+        }
+    }
+
+    /// Refuse operation `id` for good with NAK `syndrome`: recorded (bounded) so that a
+    /// re-sent request gets the same NAK, and counted as finished so the floor moves on.
+    /// With the tracking set full it is not recorded: a re-sent packet is checked again.
+    fn refuse_op(&mut self, id: u32, syndrome: u8, lim: &RecvLimits) -> RxOutcome {
+        if !self.can_track(id, lim) {
+            return RxOutcome::Nak(syndrome);
+        }
+        if self.op_state(id) == OpState::Open && self.refused_ops.insert(id, syndrome).is_none() {
+            self.refused_order.push_back(id);
+            while self.refused_order.len() > lim.max_tracked_ops as usize {
+                if let Some(old) = self.refused_order.pop_front() {
+                    self.refused_ops.remove(&old);
+                }
+            }
+        }
+        self.finish_write(id);
+        RxOutcome::Nak(syndrome)
     }
 
     /// An RDMA READ request: check it, execute it once, and return the data to send back.
+    /// `busy`: the responder's `max_rd_atomic` response resources are all in use.
+    ///
+    /// Checks, in order: op id seen before (executed: acknowledged, nothing else — its
+    /// response is already reliable data of this side; refused: the same NAK again); busy
+    /// or op id tracking full → RNR NAK (nothing recorded); length → NAK 0x61; access →
+    /// NAK 0x62; then executed once.
     pub fn on_read_request(
         &mut self,
         mrs: &MrTable,
         reth: &Reth,
         op: &WriteEth,
         lim: &RecvLimits,
+        busy: bool,
     ) -> (RxOutcome, Option<Respond>) {
+        if let Some(out) = self.seen_answer(op.op_id) {
+            return (out, None);
+        }
+        if busy || !self.can_track(op.op_id, lim) {
+            return (RxOutcome::Rnr, None);
+        }
         let len = reth.dma_len as u64;
         if len > lim.max_message_size {
-            // Refused for good: its operation id counts as finished (like an access error),
-            // or the floor of finished ids would stop here.
-            self.finish_write(op.op_id);
-            return (RxOutcome::Nak(NAK_INVALID_REQUEST), None);
+            return (self.refuse_op(op.op_id, NAK_INVALID_REQUEST, lim), None);
         }
         let data = if len == 0 {
             Bytes::new()
         } else {
             match mrs.remote_read(reth.rkey, reth.va, len) {
                 Ok(d) => Bytes::copy_from_slice(d),
-                Err(_) => {
-                    self.finish_write(op.op_id);
-                    return (RxOutcome::Nak(NAK_REMOTE_ACCESS), None);
-                }
+                Err(_) => return (self.refuse_op(op.op_id, NAK_REMOTE_ACCESS, lim), None),
             }
         };
-        if self.op_seen(op.op_id) {
-            self.stats.duplicates += 1;
-            return (RxOutcome::Accepted, None);
-        }
         self.finish_write(op.op_id);
         self.stats.reads += 1;
         (
@@ -566,37 +710,41 @@ impl RecvState {
     }
 
     /// An atomic request: check it, execute it exactly once, return the original value.
+    /// Checks in the order of [`RecvState::on_read_request`] (VA alignment → NAK 0x61).
     pub fn on_atomic(
         &mut self,
         mrs: &mut MrTable,
         at: &AtomicEth,
         op: &WriteEth,
         fetch_add: bool,
+        lim: &RecvLimits,
+        busy: bool,
     ) -> (RxOutcome, Option<Respond>) {
+        if let Some(out) = self.seen_answer(op.op_id) {
+            return (out, None);
+        }
+        if busy || !self.can_track(op.op_id, lim) {
+            return (RxOutcome::Rnr, None);
+        }
         if at.va % 8 != 0 {
-            self.finish_write(op.op_id);
-            return (RxOutcome::Nak(NAK_INVALID_REQUEST), None);
-        }
-        if let Err(_e) = mrs.check_remote(at.rkey, at.va, 8, Access::REMOTE_ATOMIC) {
-            self.finish_write(op.op_id);
-            return (RxOutcome::Nak(NAK_REMOTE_ACCESS), None);
-        }
-        if self.op_seen(op.op_id) {
-            self.stats.duplicates += 1;
-            return (RxOutcome::Accepted, None);
+            return (self.refuse_op(op.op_id, NAK_INVALID_REQUEST, lim), None);
         }
         let (swap_add, compare) = (at.swap_add, at.compare);
-        let res = mrs.remote_atomic(at.rkey, at.va, |old| {
-            if fetch_add {
-                old.wrapping_add(swap_add)
-            } else if old == compare {
-                swap_add
-            } else {
-                old
-            }
-        });
+        let res = mrs
+            .check_remote(at.rkey, at.va, 8, Access::REMOTE_ATOMIC)
+            .and_then(|()| {
+                mrs.remote_atomic(at.rkey, at.va, |old| {
+                    if fetch_add {
+                        old.wrapping_add(swap_add)
+                    } else if old == compare {
+                        swap_add
+                    } else {
+                        old
+                    }
+                })
+            });
         let Ok(orig) = res else {
-            return (RxOutcome::Nak(NAK_REMOTE_ACCESS), None);
+            return (self.refuse_op(op.op_id, NAK_REMOTE_ACCESS, lim), None);
         };
         self.finish_write(op.op_id);
         self.stats.atomics += 1;
@@ -609,6 +757,10 @@ impl RecvState {
         )
     }
 
+    /// A packet of an RDMA WRITE. Checks, in order: op id seen before (finished:
+    /// acknowledged as a duplicate, nothing written; refused: the same NAK again); length
+    /// → NAK 0x61; segment → NAK 0x61; access (the whole message) → NAK 0x62; op id
+    /// tracking full → dropped unacknowledged; then placed.
     #[allow(clippy::too_many_arguments)]
     pub fn on_write(
         &mut self,
@@ -621,10 +773,13 @@ impl RecvState {
         lim: &RecvLimits,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        let id = hdr.op_id;
+        if let Some(out) = self.seen_answer(id) {
+            return out;
+        }
         let total = reth.dma_len as u64;
         if total > lim.max_message_size {
-            self.finish_write(hdr.op_id);
-            return RxOutcome::Nak(NAK_INVALID_REQUEST);
+            return self.refuse_op(id, NAK_INVALID_REQUEST, lim);
         }
         if !check_segment(hdr.offset, payload.len(), total, lim.pmtu) {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
@@ -633,21 +788,18 @@ impl RecvState {
         // refused and none of its bytes land. Zero-length WRITEs are not checked (IBA).
         if total > 0 {
             if let Err(_e) = mrs.check_remote(reth.rkey, reth.va, total, Access::REMOTE_WRITE) {
-                self.finish_write(hdr.op_id);
-                return RxOutcome::Nak(NAK_REMOTE_ACCESS);
+                return self.refuse_op(id, NAK_REMOTE_ACCESS, lim);
             }
         }
-        let id = hdr.op_id;
-        if self.op_seen(id) {
-            self.stats.duplicates += 1;
-            return RxOutcome::Accepted;
-        }
         let nsegs = reth.dma_len.div_ceil(lim.pmtu).max(1);
-        if !self.writes.contains_key(&id)
-            && self.writes.len() + self.writes_done.len() >= MAX_TRACKED_WRITES
-        {
-            self.stats.no_buffer_drops += 1;
-            return RxOutcome::Drop;
+        if !self.writes.contains_key(&id) {
+            let words = nsegs.div_ceil(64) as usize;
+            let room = self.write_words + words <= lim.max_tracked_ops as usize * 64;
+            if !self.can_track(id, lim) || !(room || id == self.write_floor) {
+                self.stats.no_buffer_drops += 1;
+                return RxOutcome::Drop;
+            }
+            self.write_words += words;
         }
         let t = self.writes.entry(id).or_insert_with(|| WriteTrack {
             len: reth.dma_len,
@@ -671,7 +823,6 @@ impl RecvState {
         }
         t.got_segs += 1;
         if t.got_segs == t.nsegs {
-            self.writes.remove(&id);
             self.finish_write(id);
             if let Some(imm) = imm {
                 events.push_back(Event::WriteWithImm {
@@ -684,14 +835,31 @@ impl RecvState {
         RxOutcome::Accepted
     }
 
+    /// Record operation `id` as finished (executed or refused).
     fn finish_write(&mut self, id: u32) {
-        self.writes.remove(&id);
+        if let Some(t) = self.writes.remove(&id) {
+            self.write_words -= t.got.len();
+        }
         if seq_before(id, self.write_floor) {
             return;
         }
         self.writes_done.insert(id);
         while self.writes_done.remove(&self.write_floor) {
             self.write_floor = self.write_floor.wrapping_add(1);
+        }
+    }
+
+    /// The counters, with the gauges filled in.
+    pub fn stats(&self) -> RecvStats {
+        RecvStats {
+            tracked_ops: (self.writes.len() + self.writes_done.len() + self.refused_ops.len())
+                as u64,
+            buffered_bytes: self.buf.bytes,
+            write_track_bytes: self.write_words as u64 * 8,
+            buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
+            refused_messages: self.buf.refused as u64,
+            streams: self.streams.len() as u64,
+            ..self.stats
         }
     }
 }

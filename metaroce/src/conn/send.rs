@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 /// PathEth flags bit 1 on an `MR_SEND`: stream abort. The packet carries no payload;
 /// SendEth names the stream and the first message the sender gave up on (offset 0, message
 /// length 0). See docs/PROTOCOL.md, "Errors on a stream".
-pub(crate) const PATH_FLAG_STREAM_ABORT: u8 = 0x02;
+pub(crate) const PATH_FLAG_STREAM_ABORT: u8 = crate::wire::PathEth::FLAG_STREAM_ABORT;
 
 /// An atomic operation (IBA 9.4.5): compare-and-swap or fetch-and-add on 8 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

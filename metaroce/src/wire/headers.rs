@@ -164,7 +164,7 @@ fn layout_len(l: Layout) -> usize {
 /// Annex A17 (CNP) and the MetaRoCE extension (docs/PROTOCOL.md).
 ///
 /// Errors: [`Error::UnknownOpcode`] for reserved, undefined or unsupported opcodes (UC, RD,
-/// FLUSH, ATOMIC_WRITE, `0xC7..=0xFF`, …).
+/// FLUSH, ATOMIC_WRITE, the undefined MetaRoCE opcodes `0xCC..=0xFF`, …).
 pub fn header_len(op: Opcode) -> Result<usize, Error> {
     match layout(op) {
         Some(l) => Ok(BTH_LEN + layout_len(l)),

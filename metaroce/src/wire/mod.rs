@@ -8,7 +8,7 @@
 //!
 //! All multi-byte fields are big-endian except the ICRC, which is little-endian
 //! ([`icrc`]). RoCEv2 packets (RC opcodes `0x00..=0x17`, UD `0x64`/`0x65`, CNP `0x81`) follow
-//! IBA Vol. 1 chapter 9 and RoCEv2 Annex A17; MetaRoCE packets use opcodes `0xC0..=0xC6`
+//! IBA Vol. 1 chapter 9 and RoCEv2 Annex A17; MetaRoCE packets use opcodes `0xC0..=0xCB`
 //! (MetaRoCE extension, byte layouts in docs/PROTOCOL.md).
 //!
 //! Parsing never allocates and never panics: every malformed input is an [`Error`].

@@ -6,13 +6,16 @@
 use super::cursor::{Reader, Writer};
 use super::{Aeth, Error, PSN_MASK};
 
-/// Per-path header: 12 bytes, first after the BTH on `MR_SEND`, `MR_WRITE`,
-/// `MR_WRITE_WITH_IMMEDIATE` and `MR_NAK`. MetaRoCE extension, see docs/PROTOCOL.md.
+/// Per-path header: 12 bytes, first after the BTH on every data packet (`MR_SEND`,
+/// `MR_WRITE`, `MR_WRITE_WITH_IMMEDIATE`, `MR_READ_REQUEST`, `MR_READ_RESPONSE`,
+/// `MR_COMPARE_SWAP`, `MR_FETCH_ADD`, `MR_ATOMIC_RESPONSE`) and on `MR_NAK`. On a READ or
+/// atomic response it describes the responder's path. MetaRoCE extension, see
+/// docs/PROTOCOL.md.
 ///
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | path id (8 bits) |
-/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`], others 0 |
+/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] (`MR_SEND` only); bits 3:2 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | transmit timestamp, ns of the sender's clock modulo 2^32 |
 /// | 8 | plane (bits 2:0, see [`PathEth::plane`]); bits 7:3 reserved, 0 |
@@ -21,7 +24,8 @@ use super::{Aeth, Error, PSN_MASK};
 pub struct PathEth {
     /// Path index (8 bits) the packet was sent on; selects the path's PSN space.
     pub path_id: u8,
-    /// Flag bits (8 bits); only [`PathEth::FLAG_RETRANSMIT`] is defined. Carried verbatim.
+    /// Flag bits (8 bits): [`PathEth::FLAG_RETRANSMIT`], [`PathEth::FLAG_STREAM_ABORT`] and
+    /// the path generation in bits 7:4 ([`PathEth::GENERATION_SHIFT`]). Carried verbatim.
     pub flags: u8,
     /// Transmit timestamp (32 bits): sender clock in nanoseconds, modulo 2^32. Echoed in
     /// [`AckEth::echo_ts`].
@@ -42,6 +46,14 @@ impl PathEth {
     pub const FLAG_RETRANSMIT: u8 = 0x01;
     /// Bits of byte 8 that carry [`PathEth::plane`].
     pub const PLANE_MASK: u8 = 0x07;
+    /// Flag bit 1, on `MR_SEND` only: stream abort. The packet carries no payload; its
+    /// SendEth names the stream and the first message the sender gave up on (offset 0,
+    /// message length 0). See docs/PROTOCOL.md, "Errors on a stream". 0 on other opcodes.
+    pub const FLAG_STREAM_ABORT: u8 = 0x02;
+    /// Flags bits 7:4 carry the path's re-roll generation (0..=15, modulo 16): it counts
+    /// the times the sender moved this path to a new UDP source port, and the receiver
+    /// sends its ACKs and NAKs for the path from a port that moves with it.
+    pub const GENERATION_SHIFT: u32 = 4;
 
     /// Parse the first 12 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
@@ -75,6 +87,11 @@ impl PathEth {
     /// True when [`PathEth::FLAG_RETRANSMIT`] is set.
     pub fn is_retransmit(&self) -> bool {
         self.flags & Self::FLAG_RETRANSMIT != 0
+    }
+
+    /// The path's re-roll generation, flags bits 7:4 (0..=15).
+    pub fn generation(&self) -> u8 {
+        self.flags >> Self::GENERATION_SHIFT
     }
 }
 
@@ -124,18 +141,22 @@ impl SendEth {
     }
 }
 
-/// WRITE segment header: 8 bytes after the RETH on `MR_WRITE` / `MR_WRITE_WITH_IMMEDIATE`.
-/// MetaRoCE extension, see docs/PROTOCOL.md.
+/// One-sided operation header: 8 bytes naming the operation a packet belongs to. After the
+/// RETH on `MR_WRITE`, `MR_WRITE_WITH_IMMEDIATE` and `MR_READ_REQUEST`; after the
+/// AtomicEth on `MR_COMPARE_SWAP` and `MR_FETCH_ADD`; right after [`PathEth`] on
+/// `MR_READ_RESPONSE` and `MR_ATOMIC_RESPONSE`. MetaRoCE extension, see docs/PROTOCOL.md.
 ///
 /// | Bytes | Field |
 /// |---|---|
-/// | 0–3 | op id: sequence number of the one-sided operation on this connection |
-/// | 4–7 | byte offset of this packet's payload within the message (lands at RETH.VA + offset) |
+/// | 0–3 | op id: sequence number of the one-sided operation (WRITEs, READs and atomics counted together, per connection and direction); a response carries the op id of the request it answers |
+/// | 4–7 | byte offset of this packet's payload within the operation's data: a WRITE's packet lands at RETH.VA + offset, a READ response's at the requester's buffer + offset; 0 on READ and atomic requests and atomic responses |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct WriteEth {
-    /// Operation id (32 bits).
+    /// Operation id (32 bits): of the WRITE, READ or atomic, or of the request a response
+    /// answers.
     pub op_id: u32,
-    /// Byte offset (32 bits) of this packet's payload within the message.
+    /// Byte offset (32 bits) of this packet's payload within the operation's data (0 on
+    /// packets without data).
     pub offset: u32,
 }
 
@@ -255,14 +276,14 @@ impl AckEth {
 ///
 /// | Bytes | Field |
 /// |---|---|
-/// | 0 | syndrome (AETH NAK codes: 0x61 invalid request, 0x62 remote access error, 0x63 remote operational error) |
+/// | 0 | syndrome (AETH coding: 0x20..=0x3F RNR NAK with the RNR timer code in bits 4:0; 0x61 invalid request, 0x62 remote access error, 0x63 remote operational error) |
 /// | 1–3 | reserved, 0 |
-/// | 4–7 | op id of the failed operation (WriteEth op id; stream id for SEND) |
+/// | 4–7 | op id of the failed operation (WriteEth op id of the request, or of the READ/atomic a refused response answers; stream id for SEND) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct NakEth {
-    /// NAK syndrome (8 bits), one of [`Aeth::NAK_INVALID_REQUEST`],
-    /// [`Aeth::NAK_REMOTE_ACCESS_ERROR`], [`Aeth::NAK_REMOTE_OPERATIONAL_ERROR`]. Not
-    /// validated by the parser.
+    /// NAK syndrome (8 bits): an RNR NAK (`0x20 | timer code`), or one of
+    /// [`Aeth::NAK_INVALID_REQUEST`], [`Aeth::NAK_REMOTE_ACCESS_ERROR`],
+    /// [`Aeth::NAK_REMOTE_OPERATIONAL_ERROR`]. Not validated by the parser.
     pub syndrome: u8,
     /// Op id (32 bits) of the failed operation.
     pub op_id: u32,
