@@ -4,7 +4,14 @@
 //! Fabric: a leaf-spine of 5 leaves × 16 hosts and 4 spines; host links 100 Gbit/s, leaf-spine
 //! links 400 Gbit/s (non-blocking), 1 µs per hop, 8 MiB port queues marking CE above 100 KB.
 //! The sink is host 0 (alone on leaf 0); the senders are the hosts of leaves 1-4. Every sender
-//! RDMA-WRITEs `--bytes` (default 2 MiB) to the sink, all posted at the same instant.
+//! RDMA-WRITEs `--bytes` (default 2 MiB) to the sink.
+//!
+//! Two waves per mechanism. Cold: every sender opens a new connection to the sink at the
+//! same instant and posts its WRITE the moment the connection is established; time counts
+//! from the first establishment. With `--cold idle` the cold wave instead runs on
+//! connections opened 2 ms earlier and idle since (never used), all WRITEs posted at the
+//! same instant. Warm: 100 µs after the cold wave ends, all senders post again on the same
+//! connections at the same instant, while the receiver still counts them as active.
 //!
 //! The round trip is the fabric's base RTT, measured first with one 4 KiB WRITE on an idle
 //! fabric (the path's minimum RTT). Each sender's goodput at the sink (bytes of WRITE packets
@@ -13,7 +20,7 @@
 //! the first bin from which Jain stays at or above 0.95.
 //!
 //! ```text
-//! cargo run --release -p metaroce --features sim --example sim_incast64 [-- --senders 64 --bytes 2097152 --seed 1]
+//! cargo run --release -p metaroce --features sim --example sim_incast64 [-- --senders 64 --bytes 2097152 --seed 1 --cold new|idle]
 //! ```
 //! Writes `experiments/sim/results/incast64.json`.
 
@@ -479,6 +486,14 @@ fn main() {
         .with("senders", o.senders)
         .with("bytes_per_sender", o.bytes)
         .with("seed", o.seed)
+        .with(
+            "cold_wave",
+            if o.idle_cold {
+                "connections opened 2 ms before, idle"
+            } else {
+                "new connections, WRITE posted on establishment"
+            },
+        )
         .with("base_rtt_ns", rtt.as_nanos() as u64)
         .with("sliding_bins", SLIDE)
         .with("packets_per_rtt_at_sink", pkts_per_rtt)
