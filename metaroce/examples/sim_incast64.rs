@@ -4,7 +4,14 @@
 //! Fabric: a leaf-spine of 5 leaves × 16 hosts and 4 spines; host links 100 Gbit/s, leaf-spine
 //! links 400 Gbit/s (non-blocking), 1 µs per hop, 8 MiB port queues marking CE above 100 KB.
 //! The sink is host 0 (alone on leaf 0); the senders are the hosts of leaves 1-4. Every sender
-//! RDMA-WRITEs `--bytes` (default 2 MiB) to the sink, all posted at the same instant.
+//! RDMA-WRITEs `--bytes` (default 2 MiB) to the sink.
+//!
+//! Two waves per mechanism. Cold: every sender opens a new connection to the sink at the
+//! same instant and posts its WRITE the moment the connection is established; time counts
+//! from the first establishment. With `--cold idle` the cold wave instead runs on
+//! connections opened 2 ms earlier and idle since (never used), all WRITEs posted at the
+//! same instant. Warm: 100 µs after the cold wave ends, all senders post again on the same
+//! connections at the same instant, while the receiver still counts them as active.
 //!
 //! The round trip is the fabric's base RTT, measured first with one 4 KiB WRITE on an idle
 //! fabric (the path's minimum RTT). Each sender's goodput at the sink (bytes of WRITE packets
@@ -13,16 +20,17 @@
 //! the first bin from which Jain stays at or above 0.95.
 //!
 //! ```text
-//! cargo run --release -p metaroce --features sim --example sim_incast64 [-- --senders 64 --bytes 2097152 --seed 1]
+//! cargo run --release -p metaroce --features sim --example sim_incast64 [-- --senders 64 --bytes 2097152 --seed 1 --cold new|idle]
 //! ```
 //! Writes `experiments/sim/results/incast64.json`.
 
 #[path = "sim_common/mod.rs"]
 mod common;
 
-use common::{connect_all, jain, pattern, post_write, Json};
+use common::{connect_all, jain, pattern, post_write, register_pair, Json};
 use metaroce::sim::{HostId, LinkConfig, Location, Sim, SimConfig, TraceKind, GBPS};
 use metaroce::wire::Opcode;
+use metaroce::{ConnectionHandle, WriteRequest};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -36,6 +44,8 @@ struct Opts {
     senders: usize,
     bytes: usize,
     seed: u64,
+    /// Cold wave on connections opened 2 ms before (idle since) instead of new ones.
+    idle_cold: bool,
 }
 
 fn opts() -> Opts {
@@ -43,6 +53,7 @@ fn opts() -> Opts {
         senders: 64,
         bytes: 2 << 20,
         seed: 1,
+        idle_cold: false,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for w in args.chunks(2) {
@@ -51,6 +62,13 @@ fn opts() -> Opts {
             "--senders" => o.senders = v.parse().expect("--senders N"),
             "--bytes" => o.bytes = v.parse().expect("--bytes N"),
             "--seed" => o.seed = v.parse().expect("--seed N"),
+            "--cold" => {
+                o.idle_cold = match v {
+                    "new" => false,
+                    "idle" => true,
+                    _ => panic!("--cold new|idle"),
+                }
+            }
             other => panic!("unknown option {other}"),
         }
     }
@@ -111,23 +129,23 @@ fn run(o: &Opts, fair_share: bool) -> Run {
     let t = sim.leaf_spine(leaves, 4, per_leaf, host, fabric);
     let sink = t.hosts[0];
     let senders: Vec<HostId> = t.hosts[per_leaf..per_leaf + o.senders].to_vec();
-    let pairs: Vec<_> = senders.iter().map(|&s| (s, sink)).collect();
-    let conns = connect_all(&mut sim, &pairs);
 
     // Base RTT: a 4 KiB write on the idle fabric completes one data round trip after it
-    // is posted (one packet out, its ACK back).
+    // is posted (one packet out, its ACK back). On a connection of its own, so that the
+    // incast's connections are all new in the cold wave.
+    let probe = connect_all(&mut sim, &[(senders[0], sink)])[0];
+    let mut conns: Vec<ConnectionHandle> = if o.idle_cold {
+        let pairs: Vec<_> = senders.iter().map(|&s| (s, sink)).collect();
+        connect_all(&mut sim, &pairs)
+    } else {
+        Vec::new()
+    };
     let t0 = sim.elapsed();
-    post_write(
-        &mut sim,
-        senders[0],
-        sink,
-        conns[0],
-        vec![1; 4096],
-        u64::MAX,
-    );
+    post_write(&mut sim, senders[0], sink, probe, vec![1; 4096], u64::MAX);
     sim.run_while(|s| s.host_stats(senders[0]).completions == 0);
     let base_rtt = sim.events(senders[0]).back().unwrap().time - t0;
     sim.run_for(Duration::from_millis(2)); // let the fair-share window forget it
+    sim.drain_events(senders[0]).for_each(drop);
 
     let index: HashMap<Ipv4Addr, usize> = senders
         .iter()
@@ -174,24 +192,71 @@ fn run(o: &Opts, fair_share: bool) -> Run {
         }
         let drops0: u64 = sim.links().map(|l| sim.link_stats(l).drops.total()).sum();
         let retx0 = retransmits(&sim, &senders, &conns);
-        let start = sim.elapsed();
-        *bins.borrow_mut() = (start, Vec::new(), Vec::new());
         let base = wave * n as u64;
-        let targets: Vec<u32> = senders
-            .iter()
-            .zip(&conns)
-            .enumerate()
-            .map(|(i, (&s, &c))| {
-                post_write(
-                    &mut sim,
-                    s,
-                    sink,
-                    c,
-                    pattern(i + base as usize, o.bytes),
-                    base + i as u64,
-                )
-            })
-            .collect();
+        let start;
+        let targets: Vec<u32>;
+        if wave == 0 && !o.idle_cold {
+            // Cold: every sender opens its connection at the same instant and posts its
+            // WRITE the moment the connection is up (in the event handler). Time is counted
+            // from the first connection's establishment, when the first WRITE is posted.
+            let mut reqs = HashMap::new();
+            targets = senders
+                .iter()
+                .enumerate()
+                .map(|(i, &s)| {
+                    let (src, dst) =
+                        register_pair(&mut sim, s, sink, pattern(i + base as usize, o.bytes));
+                    reqs.insert(
+                        s,
+                        WriteRequest {
+                            wr_id: base + i as u64,
+                            lkey: src.lkey,
+                            local_offset: 0,
+                            len: o.bytes as u32,
+                            remote_addr: dst.addr,
+                            rkey: dst.rkey,
+                            imm: None,
+                        },
+                    );
+                    dst.lkey
+                })
+                .collect();
+            conns = senders
+                .iter()
+                .map(|&s| sim.connect_endpoints(s, sink).expect("connect"))
+                .collect();
+            let posted = Rc::new(RefCell::new(0usize));
+            let p = posted.clone();
+            sim.set_event_handler(move |ctx, ev| {
+                if let metaroce::Event::Connected(c) = ev {
+                    if let Some(req) = reqs.remove(&ctx.host) {
+                        ctx.endpoint.post_write(*c, req).expect("post_write");
+                        *p.borrow_mut() += 1;
+                    }
+                }
+                false
+            });
+            sim.run_while(|_| *posted.borrow() == 0);
+            start = sim.elapsed();
+        } else {
+            start = sim.elapsed();
+            targets = senders
+                .iter()
+                .zip(&conns)
+                .enumerate()
+                .map(|(i, (&s, &c))| {
+                    post_write(
+                        &mut sim,
+                        s,
+                        sink,
+                        c,
+                        pattern(i + base as usize, o.bytes),
+                        base + i as u64,
+                    )
+                })
+                .collect();
+        }
+        *bins.borrow_mut() = (start, Vec::new(), Vec::new());
         // Sample every sender's window (packets it may have in flight) at each RTT boundary.
         let mut windows: Vec<Vec<f64>> = Vec::new();
         let fct = |s: &Sim, i: usize| {
@@ -277,6 +342,7 @@ fn run(o: &Opts, fair_share: bool) -> Run {
         });
     }
     sim.clear_trace();
+    sim.clear_event_handler();
     Run {
         label: if fair_share {
             "fair share (recv_capacity_mbps=100000)"
@@ -420,6 +486,14 @@ fn main() {
         .with("senders", o.senders)
         .with("bytes_per_sender", o.bytes)
         .with("seed", o.seed)
+        .with(
+            "cold_wave",
+            if o.idle_cold {
+                "connections opened 2 ms before, idle"
+            } else {
+                "new connections, WRITE posted on establishment"
+            },
+        )
         .with("base_rtt_ns", rtt.as_nanos() as u64)
         .with("sliding_bins", SLIDE)
         .with("packets_per_rtt_at_sink", pkts_per_rtt)

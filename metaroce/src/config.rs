@@ -146,15 +146,18 @@ pub struct TransportConfig {
     pub advertised_rate_mbps: u32,
     /// Receiver-driven fair share: this endpoint's inbound capacity in Mbit/s. When non-zero,
     /// every ACK grants its sender `recv_capacity_mbps / n`, where n is the number of
-    /// connections that delivered data within the last `fair_share_window`; senders cap
-    /// their connection window to the grant × their minimum RTT (see
-    /// `conn::cc::connection_window`), so an incast whose senders the receiver already
-    /// knows settles in a round trip; a receiver learns of a new sender only from its first
-    /// data (docs/RESULTS.md, "Simulator experiments", (a)).
-    /// 0 disables it. Default 0.
+    /// connections that delivered data or were established within the last
+    /// `fair_share_window`, and the handshake (Request / Accept) carries the same grant;
+    /// senders cap their connection window to the grant × their minimum RTT (see
+    /// `conn::cc::connection_window`), their blind first window included. So an incast
+    /// whose senders the receiver knows, or which opens new connections, settles in one or
+    /// two round trips; senders on connections idle for longer than `fair_share_window`
+    /// are learned only from their first data (docs/RESULTS.md, "Simulator experiments",
+    /// (a)). 0 disables it. Default 0.
     pub recv_capacity_mbps: u32,
-    /// How recently a connection must have delivered data to count as an active sender
-    /// for the fair share. Default 1 ms.
+    /// How recently a connection must have delivered data, or have been established, to
+    /// count as an active sender for the fair share (so an idle new connection takes a
+    /// share for at most this long). Default 1 ms.
     pub fair_share_window: Duration,
     /// Planes of a multi-plane fabric this endpoint is attached to, 1..=8 (MetaRoCE "paths
     /// grouped by plane"). The plane of a local UDP source port is `port mod planes`: a

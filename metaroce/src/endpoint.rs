@@ -195,8 +195,9 @@ pub struct Endpoint {
     /// `poll_transmit` could return a datagram is in here (it leaves only when its
     /// `poll_transmit` returns `None`, and any call that changes it puts it back).
     ready: BTreeSet<u32>,
-    /// (last data arrival, QPN) of the connections that delivered data within the
-    /// fair-share window as of `fair_share_latest` (older entries are pruned lazily).
+    /// (last data arrival or establishment, QPN) of the connections that delivered data or
+    /// were established within the fair-share window as of `fair_share_latest` (older
+    /// entries are pruned lazily).
     recent_rx: BTreeSet<(Instant, u32)>,
     stats: EndpointStats,
     /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
@@ -753,6 +754,9 @@ impl Endpoint {
                 self.recent_rx.insert((new, q));
             }
             ix.data_rx = c.last_data_rx;
+            // The set of active senders changed: the next grant must count it even at
+            // the same `now` (several connections established in one instant).
+            self.fair_share_at = None;
         }
         true
     }
@@ -833,8 +837,10 @@ impl Endpoint {
     }
 
     /// Receiver-driven fair share (MetaRoCE): grant every sender an equal part of
-    /// `recv_capacity_mbps` among the connections that delivered data recently, or the
-    /// fixed `advertised_rate_mbps`. Recomputed at most once per distinct `now`.
+    /// `recv_capacity_mbps` among the connections that delivered data or were established
+    /// within `fair_share_window` (`Connection::last_data_rx`), or the fixed
+    /// `advertised_rate_mbps`. Recomputed at most once per distinct `now`, and again when
+    /// the set of recent senders changes.
     ///
     /// The count of recent senders is kept in `recent_rx`, whose entries older than the
     /// window are pruned as `now` advances: O(log n) per pruned entry. A `now` earlier than

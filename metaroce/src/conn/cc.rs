@@ -107,7 +107,9 @@ impl CongestionController for Aimd {
 ///   trip);
 /// * at most `cfg.max_connection_window`;
 /// * when the peer grants a rate (`peer_rate_mbps > 0`, the receiver's fair share or its
-///   advertised rate), at most that rate times the connection's **minimum** RTT, rounded
+///   advertised rate, from its latest ACK or, before any ACK, from its handshake packet, so
+///   this caps the blind first round trip too), at most that rate times the connection's
+///   **minimum** RTT, rounded
 ///   up to whole packets (at least 1). The minimum RTT is the fabric's base RTT as far as
 ///   this connection has seen it; sizing by the smoothed RTT instead would let the window
 ///   grow with the very queue the grant is meant to drain. Before any RTT sample,
@@ -412,6 +414,31 @@ mod tests {
         // A grant below one packet per RTT still lets one packet fly.
         assert_eq!(
             connection_window(&cfg, 4096, 100, true, Some(us(10)), us(400)),
+            1
+        );
+        // Before the first ACK a grant from the handshake caps the blind window too, sized by
+        // the handshake RTT: 100 Gbit/s × 8.5 µs = 106 250 B = 26 packets (under the 32 of
+        // `initial_connection_window`); a 1/64 share is 1 packet.
+        assert_eq!(
+            connection_window(
+                &cfg,
+                4096,
+                100_000,
+                false,
+                Some(Duration::from_nanos(8_500)),
+                us(500)
+            ),
+            26
+        );
+        assert_eq!(
+            connection_window(
+                &cfg,
+                4096,
+                100_000 / 64,
+                false,
+                Some(Duration::from_nanos(8_500)),
+                us(500)
+            ),
             1
         );
         // Without an RTT sample the smoothed (initial) RTT stands in.

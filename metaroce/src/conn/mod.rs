@@ -113,7 +113,12 @@ pub(crate) struct Connection {
     peer_rate_mbps: u32,
     /// Rate granted to the peer in our ACKs (Mbit/s, 0 = no limit); set by the endpoint.
     pub granted_rate_mbps: u32,
-    /// When the peer last delivered new data (for the receiver's fair share).
+    /// When the peer last delivered new data, or when the connection was established,
+    /// whichever is later: the receiver's fair share counts the connection as an active
+    /// sender for `fair_share_window` from then. Counting from establishment announces a
+    /// sender before its first data (a connection is usually set up to be used at once);
+    /// the cost is that an idle new connection takes a share for at most
+    /// `fair_share_window`.
     pub last_data_rx: Option<Instant>,
     cfg: TransportConfig,
     acks_sent: u64,
@@ -209,6 +214,8 @@ impl Connection {
             .max(1);
         let pmtu = c.cfg.pmtu.min(req.pmtu as u32);
         c.establish(now, req.src_qpn, paths, pmtu, req.init_psn);
+        // The client's grant for what we send it, until its first ACK says otherwise.
+        c.peer_rate_mbps = req.grant_mbps();
         c.accept_pending = true;
         c
     }
@@ -293,6 +300,9 @@ impl Connection {
         self.rx = (0..paths).map(|_| PathRx::new(peer_init_psn)).collect();
         self.state = State::Established;
         self.handshake = None;
+        // A just-established connection is about to send: count it in the fair share now
+        // rather than when its first data comes out of the queue (see `last_data_rx`).
+        self.last_data_rx = Some(now);
     }
 
     fn limits(&self) -> RecvLimits {
@@ -363,6 +373,10 @@ impl Connection {
                     now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
                 });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                // The server's grant rides in the Accept, so the blind first window is
+                // already capped to grant × handshake RTT (`cc::connection_window`), before
+                // any ACK.
+                self.peer_rate_mbps = msg.grant_mbps();
                 if let Some(r) = hs_rtt.filter(|r| !r.is_zero()) {
                     for p in &mut self.tx {
                         p.rtt.observe_min(r);
@@ -984,7 +998,13 @@ impl Connection {
             reply_port: self.local_port,
             init_psn: self.init_psn,
             nonce: self.nonce,
-            reason,
+            // A request or accept carries our current grant for the peer instead of a
+            // reject reason (docs/PROTOCOL.md, ConnectEth bytes 28–31).
+            reason: if kind == ConnectKind::Reject {
+                reason
+            } else {
+                self.granted_rate_mbps
+            },
         });
         (bth, hdrs)
     }

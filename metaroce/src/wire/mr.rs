@@ -359,7 +359,7 @@ impl TryFrom<u8> for ConnectKind {
 /// | 14–15 | reply UDP port where the sender listens |
 /// | 16–19 | initial PSN of every path (low 24 bits, upper byte 0) |
 /// | 20–27 | connection nonce (random, identifies this incarnation) |
-/// | 28–31 | reject reason (0 unless kind = reject) |
+/// | 28–31 | kind = reject: reject reason. Request / accept: the sender's fair-share grant for its peer in Mbit/s (0 = none) |
 ///
 /// The parser checks only `kind`; version, path count and MTU are left to the connection
 /// logic so it can answer with a reject.
@@ -383,7 +383,8 @@ pub struct ConnectEth {
     pub init_psn: u32,
     /// Random connection nonce (64 bits) identifying this incarnation.
     pub nonce: u64,
-    /// Reject reason (32 bits); 0 unless `kind` is [`ConnectKind::Reject`].
+    /// Reject reason (32 bits) when `kind` is [`ConnectKind::Reject`]; in a request or an
+    /// accept, the same bytes carry the sender's grant ([`ConnectEth::grant_mbps`]).
     pub reason: u32,
 }
 
@@ -392,6 +393,18 @@ impl ConnectEth {
     pub const LEN: usize = 32;
     /// The protocol version this crate speaks (1).
     pub const VERSION: u8 = 1;
+
+    /// The rate (Mbit/s, 0 = no limit) the sender of this request or accept grants its
+    /// peer, as its ACKs will (receiver-driven fair share): bytes 28–31, which a reject
+    /// uses for the reason. 0 for a reject. A peer that leaves the bytes 0 grants nothing,
+    /// so version 1 peers that do not send a grant interoperate.
+    pub fn grant_mbps(&self) -> u32 {
+        if self.kind == ConnectKind::Reject {
+            0
+        } else {
+            self.reason
+        }
+    }
 
     /// Parse the first 32 bytes of `b`. Errors: [`Error::Truncated`] if shorter,
     /// [`Error::BadField`]`("ConnectEth.kind")` for a kind other than 1, 2, 3.
