@@ -55,6 +55,10 @@ pub struct PathStats {
     pub rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
     pub rerolls: u64,
+    /// Re-rolls to a new source port because the path delivered persistently less than
+    /// the connection's fastest path (ECMP collision handling, see
+    /// [`TransportConfig::rebalance_ratio_permille`](crate::TransportConfig::rebalance_ratio_permille)).
+    pub rebalance_rerolls: u64,
     /// CE marks the peer echoed for this path.
     pub ecn_marks: u64,
 }
@@ -427,6 +431,16 @@ impl PathTx {
         self.stats.rerolls += 1;
     }
 
+    /// Move the path to a new source port (new ECMP entropy) while it works: the re-roll
+    /// generation advances so that the peer moves its ACKs too, the window, RTT estimate
+    /// and outstanding packets carry on (packets still on the old route are acknowledged
+    /// as usual), and the path stays active. Used by ECMP collision handling.
+    pub fn rebalance(&mut self, new_port: u16) {
+        self.src_port = new_port;
+        self.generation = (self.generation + 1) & 0x0F;
+        self.stats.rebalance_rerolls += 1;
+    }
+
     /// Whether a copy of `seg` sent on this path is still awaited (neither acknowledged,
     /// refused nor declared lost).
     pub fn is_outstanding(&self, seg: SegRef) -> bool {
@@ -651,6 +665,138 @@ pub(crate) fn assign_ports(ports: &[u16], paths: usize, planes: u16) -> Vec<u16>
         out.push(ports[k]);
     }
     out
+}
+
+/// ECMP collision detection of one connection (in the spirit of PLB, Protective Load
+/// Balancing, SIGCOMM 2022, which re-rolls a flow's entropy on persistent congestion).
+///
+/// Paths that hash onto the same bottleneck link split it between their windows, so a
+/// path's delivery rate is about `link / k` when `k` of the connection's paths share its
+/// link, and a whole link when it is alone. Where every link is a bottleneck, every path
+/// sees queueing and ECN, so congestion itself says nothing; the relative rate does. The
+/// connection measures, over intervals of `rebalance_interval_rtts` smoothed RTTs (and at
+/// least `rebalance_min_packets` packets acknowledged on its fastest path), how many
+/// packets each path got acknowledged. An interval counts only if the connection was
+/// window-limited throughout (it always had data to send when a window opened) and every
+/// working path stayed active (no timeout). A path whose count stays below
+/// `rebalance_ratio_permille`‰ of the fastest path's for `rebalance_rounds` counted
+/// intervals in a row is moved to a new source port — the slowest such path, one per
+/// interval — and the `n` intervals after the `n`-th move (at most 16) are not counted, so
+/// that the windows settle and moves get rarer when they do not bring the paths level.
+/// The connection moves at most `rebalance_max_rerolls` paths this way in its lifetime.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rebalance {
+    /// Start of the current interval, `None` before the first.
+    start: Option<Instant>,
+    /// Every path's `packets_acked` at the start of the interval.
+    base: Vec<u64>,
+    /// Counted intervals in a row in which each path was slow.
+    slow_rounds: Vec<u32>,
+    /// The connection ran out of data to send with a window open during this interval.
+    pub app_limited: bool,
+    /// Intervals still to skip (after a move).
+    skip: u32,
+    /// Moves decided so far (for the budget and the back-off).
+    rerolls: u64,
+}
+
+/// What [`Rebalance::on_ack`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RebalanceMove {
+    /// Path to move.
+    pub path: usize,
+    /// Its packets acknowledged in the interval.
+    pub acked: u64,
+    /// The fastest path's packets acknowledged in the interval.
+    pub max_acked: u64,
+}
+
+/// Thresholds of [`Rebalance`] (from [`TransportConfig`](crate::TransportConfig)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RebalanceConfig {
+    pub ratio_permille: u32,
+    pub interval_rtts: u32,
+    pub min_packets: u32,
+    pub rounds: u32,
+    pub max_rerolls: u32,
+}
+
+impl Rebalance {
+    fn restart(&mut self, now: Instant, tx: &[PathTx]) {
+        self.start = Some(now);
+        self.base.clear();
+        self.base.extend(tx.iter().map(|p| p.stats.packets_acked));
+        self.slow_rounds.resize(tx.len(), 0);
+        self.app_limited = false;
+    }
+
+    /// Called after every ACK: closes the interval when it is long enough and returns the
+    /// path to move, if any.
+    pub fn on_ack(
+        &mut self,
+        now: Instant,
+        tx: &[PathTx],
+        cfg: &RebalanceConfig,
+    ) -> Option<RebalanceMove> {
+        if cfg.ratio_permille == 0 || tx.len() < 2 || self.rerolls >= cfg.max_rerolls as u64 {
+            return None;
+        }
+        let Some(start) = self.start.filter(|_| self.base.len() == tx.len()) else {
+            self.restart(now, tx);
+            return None;
+        };
+        let srtt = tx
+            .iter()
+            .filter(|p| p.state != PathState::Failed)
+            .map(|p| p.rtt.smoothed())
+            .max()?;
+        if now.saturating_duration_since(start) < srtt * cfg.interval_rtts.max(1) {
+            return None;
+        }
+        let acked: Vec<u64> = tx
+            .iter()
+            .zip(&self.base)
+            .map(|(p, &b)| p.stats.packets_acked.saturating_sub(b))
+            .collect();
+        let max_acked = acked.iter().copied().max().unwrap_or(0);
+        if max_acked < cfg.min_packets.max(1) as u64 {
+            return None; // keep measuring
+        }
+        let counted = !self.app_limited
+            && self.skip == 0
+            && tx
+                .iter()
+                .all(|p| matches!(p.state, PathState::Active | PathState::Failed));
+        self.skip = self.skip.saturating_sub(1);
+        self.restart(now, tx);
+        if !counted {
+            return None;
+        }
+        let mut pick: Option<usize> = None;
+        for (i, p) in tx.iter().enumerate() {
+            let slow = p.state == PathState::Active
+                && acked[i] * 1000 < max_acked * cfg.ratio_permille as u64;
+            self.slow_rounds[i] = if slow { self.slow_rounds[i] + 1 } else { 0 };
+            if slow
+                && self.slow_rounds[i] >= cfg.rounds.max(1)
+                && pick.is_none_or(|j| acked[i] < acked[j])
+            {
+                pick = Some(i);
+            }
+        }
+        let i = pick?;
+        self.slow_rounds.iter_mut().for_each(|r| *r = 0);
+        self.rerolls += 1;
+        // Back off: the n-th move is followed by n uncounted intervals (at most 16), so
+        // that the windows settle and a connection that cannot find a balance (windows
+        // sharing a link unevenly, more paths than links can even out) slows its churn.
+        self.skip = self.rerolls.min(16) as u32;
+        Some(RebalanceMove {
+            path: i,
+            acked: acked[i],
+            max_acked,
+        })
+    }
 }
 
 /// Per-connection view of the planes of a multi-plane fabric (MetaRoCE "paths grouped by
