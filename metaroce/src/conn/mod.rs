@@ -643,6 +643,9 @@ impl Connection {
             return;
         };
         let p = &mut self.tx[m.path];
+        if p.pending_port.is_some() {
+            return;
+        }
         tracing::info!(
             conn = %self.handle,
             path = p.id,
@@ -658,7 +661,12 @@ impl Connection {
     /// A source port no path uses, on plane `plane` if given and possible; `None` if every
     /// port is taken.
     fn spare_port(&mut self, plane: Option<u8>) -> Option<u16> {
-        let used: Vec<u16> = self.tx.iter().map(|p| p.src_port).collect();
+        let used: Vec<u16> = self
+            .tx
+            .iter()
+            .flat_map(|p| [Some(p.src_port), p.pending_port])
+            .flatten()
+            .collect();
         let n = self.source_ports.len();
         let planes = self.cfg.planes;
         for pass in 0..2 {
@@ -678,27 +686,7 @@ impl Connection {
     /// Give path `i` a source port no other path uses, on plane `plane` if given and
     /// possible, and make it probe (see [`PathTx::reroll`]).
     fn move_path(&mut self, i: usize, plane: Option<u8>) {
-        let used: Vec<u16> = self.tx.iter().map(|p| p.src_port).collect();
-        let n = self.source_ports.len();
-        let planes = self.cfg.planes;
-        let mut port = self.tx[i].src_port;
-        let mut found = false;
-        for pass in 0..2 {
-            for k in 0..n {
-                let cand = self.source_ports[(self.next_spare + k) % n];
-                let plane_ok =
-                    pass == 1 || plane.is_none_or(|pl| path::plane_of(cand, planes) == pl);
-                if plane_ok && !used.contains(&cand) {
-                    port = cand;
-                    self.next_spare = (self.next_spare + k + 1) % n;
-                    found = true;
-                    break;
-                }
-            }
-            if found {
-                break;
-            }
-        }
+        let port = self.spare_port(plane).unwrap_or(self.tx[i].src_port);
         let p = &mut self.tx[i];
         tracing::info!(conn = %self.handle, path = p.id, old_port = p.src_port, new_port = port, "path re-rolled after repeated timeouts");
         p.reroll(port);

@@ -125,6 +125,11 @@ pub(crate) struct PathTx {
     pub state: PathState,
     /// Re-roll generation (4 bits), sent in PathEth flags bits 7:4.
     pub generation: u8,
+    /// A source port this path moves to once its outstanding packets are settled (ECMP
+    /// collision handling); while set, the path sends nothing new, so that packets on the
+    /// new route cannot overtake the queued ones of the old route and open SACK holes
+    /// (each path is ordered: a hole is a loss).
+    pub pending_port: Option<u16>,
     pub stats: PathStats,
 }
 
@@ -160,6 +165,7 @@ impl PathTx {
             probe: None,
             state: PathState::Active,
             generation: 0,
+            pending_port: None,
             stats: PathStats::default(),
         }
     }
@@ -187,6 +193,7 @@ impl PathTx {
             self.cc.window()
         };
         self.state != PathState::Failed
+            && self.pending_port.is_none()
             && self.outstanding < window
             && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
     }
@@ -304,6 +311,7 @@ impl PathTx {
             self.cc.on_loss(now, nl, &self.rtt);
         }
         self.trim();
+        self.apply_pending_port();
         out
     }
 
@@ -325,6 +333,7 @@ impl PathTx {
             self.state = PathState::Active;
         }
         self.trim();
+        self.apply_pending_port();
         Some(seg)
     }
 
@@ -390,6 +399,7 @@ impl PathTx {
         if self.consecutive_rtos > retry_count {
             self.state = PathState::Failed;
         }
+        self.apply_pending_port();
         lost
     }
 
@@ -418,6 +428,7 @@ impl PathTx {
         self.probe = None;
         self.probe_sent = false;
         self.last_progress = now;
+        self.apply_pending_port();
         lost
     }
 
@@ -425,20 +436,35 @@ impl PathTx {
     /// at a time. The timeout back-off and the count of timeouts in a row carry on, so a
     /// path that stays dead is still retired after `retry_count` timeouts.
     pub fn reroll(&mut self, new_port: u16) {
+        self.pending_port = None;
         self.src_port = new_port;
         self.generation = (self.generation + 1) & 0x0F;
         self.state = PathState::Probing;
         self.stats.rerolls += 1;
     }
 
-    /// Move the path to a new source port (new ECMP entropy) while it works: the re-roll
-    /// generation advances so that the peer moves its ACKs too, the window, RTT estimate
-    /// and outstanding packets carry on (packets still on the old route are acknowledged
-    /// as usual), and the path stays active. Used by ECMP collision handling.
+    /// Move the path to a new source port (new ECMP entropy) while it works, once its
+    /// outstanding packets are settled: until then it sends nothing new (see
+    /// `pending_port`); then the re-roll generation advances so that the peer moves its
+    /// ACKs too, and the window and RTT estimate carry on. Used by ECMP collision handling.
     pub fn rebalance(&mut self, new_port: u16) {
-        self.src_port = new_port;
-        self.generation = (self.generation + 1) & 0x0F;
+        self.pending_port = Some(new_port);
         self.stats.rebalance_rerolls += 1;
+        self.apply_pending_port();
+    }
+
+    /// Take the pending source port if nothing is outstanding any more; returns whether
+    /// the path moved.
+    pub fn apply_pending_port(&mut self) -> bool {
+        if self.outstanding > 0 {
+            return false;
+        }
+        let Some(port) = self.pending_port.take() else {
+            return false;
+        };
+        self.src_port = port;
+        self.generation = (self.generation + 1) & 0x0F;
+        true
     }
 
     /// Whether a copy of `seg` sent on this path is still awaited (neither acknowledged,
