@@ -18,9 +18,9 @@ const PATHS: u16 = 8;
 /// Fabric links (leaf–spine) are the bottleneck: 4 × 10 Gbit/s behind a 100 Gbit/s host link.
 const FABRIC_GBPS: u64 = 10;
 const WRITE: usize = 16 << 20;
-const WRITES: usize = 64;
+const WRITES: usize = 96;
 /// Virtual time given to the connection to find a balance before measuring.
-const SETTLE: Duration = Duration::from_millis(150);
+const SETTLE: Duration = Duration::from_millis(250);
 /// Virtual time over which the per-spine rates are measured.
 const MEASURE: Duration = Duration::from_millis(10);
 

@@ -707,8 +707,9 @@ pub(crate) fn assign_ports(ports: &[u16], paths: usize, planes: u16) -> Vec<u16>
 /// working path stayed active (no timeout). A path whose count stays below
 /// `rebalance_ratio_permille`‰ of the fastest path's for `rebalance_rounds` counted
 /// intervals in a row is moved to a new source port — the slowest such path, one per
-/// interval — and the `n` intervals after the `n`-th move (at most 16) are not counted, so
-/// that the windows settle and moves get rarer when they do not bring the paths level.
+/// interval — and the 2^(n/2) intervals after the `n`-th move (at most 64) are not
+/// counted, so that the windows settle and moves get rarer when they do not bring the
+/// paths level.
 /// The connection moves at most `rebalance_max_rerolls` paths this way in its lifetime.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Rebalance {
@@ -813,10 +814,12 @@ impl Rebalance {
         let i = pick?;
         self.slow_rounds.iter_mut().for_each(|r| *r = 0);
         self.rerolls += 1;
-        // Back off: the n-th move is followed by n uncounted intervals (at most 16), so
-        // that the windows settle and a connection that cannot find a balance (windows
-        // sharing a link unevenly, more paths than links can even out) slows its churn.
-        self.skip = self.rerolls.min(16) as u32;
+        // Back off: the n-th move is followed by 2^(n/2) uncounted intervals (1, 2, 2, 4,
+        // 4, 8, ... at most 64), so that the windows settle, the first moves (a move lands
+        // on a given unused link with probability 1/links, so finding it can take several)
+        // come quickly, and a connection whose paths cannot be brought level (uneven
+        // sharing, noise) slows its churn.
+        self.skip = 1u32 << (self.rerolls / 2).min(6);
         Some(RebalanceMove {
             path: i,
             acked: acked[i],
