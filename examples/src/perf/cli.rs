@@ -284,8 +284,8 @@ pub struct Args {
 
     /// Turn off ECMP collision handling (re-rolling the source port of a path that
     /// delivers persistently less than the others; `TransportConfig::rebalance_ratio_permille`
-    /// = 0), to measure without it. With more than one path, each side also binds as many
-    /// spare source ports as it has paths, for re-rolls to move to.
+    /// = 0), to measure without it. With more than one path, each side also binds three
+    /// spare source ports per path, for re-rolls to move to.
     #[arg(long = "no-rebalance")]
     pub no_rebalance: bool,
 
