@@ -7,7 +7,8 @@
 Writes docs/results/exp1_paths.png, exp2_loss.png, exp3_stall.png, exp4_ecn.png and, when
 experiments/netns/results-exp3x8.json exists (run.sh --reps 8 --only exp3 --tag exp3x8),
 exp3_stall_runs.png; when experiments/netns/results-exp1r.json exists (run.sh --reps 10
---only exp1r --tag exp1r), exp1r_rebalance.png.
+--only exp1r --tag exp1r), exp1r_rebalance.png (with the two earlier exp1r runs beside it,
+results-exp1r-8spares.json and results-exp1r-nodrain.json, when they exist).
 """
 
 import json
@@ -290,16 +291,15 @@ def exp1r(path, extra=()):
             sets.append((label, json.loads(p.read_text())))
     if not sets or not runs(sets[0][1], "exp1r"):
         return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     cols = []
     for label, doc in sets:
         rs = runs(doc, "exp1r")
         p1 = statistics.median(r["goodput_mbps"] for r in rs if r["variant"] == "paths1")
         for v, name in (("paths8_off", "8 paths, off\n(--no-rebalance)"), ("paths8_on", "8 paths, on")):
-            if label is not None and v == "paths8_off":
-                continue
+            name += f"\n({len([r for r in rs if r['variant'] == v])} runs)"
             sel = [r for r in rs if r["variant"] == v and r.get("goodput_mbps") is not None]
-            cols.append((name + (f"\n{label}" if label else ""), sel, p1))
+            cols.append((name + f"\n{label or 'final'}", sel, p1))
     for i, (name, sel, p1) in enumerate(cols):
         x = [r["goodput_mbps"] / p1 for r in sel]
         colors = ["tab:red" if links_used(r) < 4 else "tab:blue" for r in sel]
@@ -328,7 +328,8 @@ def main():
     exp4(doc)
     exp3_dist(RESULTS.parent / "results-exp3x8.json")
     exp1r(RESULTS.parent / "results-exp1r.json",
-          (("no drain (first version)", RESULTS.parent / "results-exp1r-nodrain.json"),))
+          (("8 spare ports", RESULTS.parent / "results-exp1r-8spares.json"),
+           ("no drain, 8 spares", RESULTS.parent / "results-exp1r-nodrain.json")))
     print("plots in", OUT)
 
 
