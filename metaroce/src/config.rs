@@ -85,15 +85,22 @@ pub struct TransportConfig {
     /// with one packet at a time; progress makes it active again. Repeats every this many
     /// timeouts until `retry_count`. 0 disables re-rolling. Default 3.
     pub path_reroll_timeouts: u32,
-    /// ECMP collision handling (PLB-style, see docs/PROTOCOL.md and `conn::path::Rebalance`):
-    /// a path whose acknowledged packets over a measuring interval stay below this many
-    /// thousandths of the connection's fastest path's, for `rebalance_rounds` intervals in
-    /// a row while the connection is window-limited, moves to a new UDP source port (new
-    /// ECMP entropy; like a timeout re-roll, but the path stays active and keeps its
-    /// window). Paths sharing a bottleneck link split it, so with two paths on one link
-    /// and one alone on another the ratio is 500‰, with three against two 667‰; the
-    /// default sits above both and below the noise of paths sharing links equally.
-    /// 0 disables it. Default 750.
+    /// ECMP collision handling, in the spirit of PLB (Protective Load Balancing, SIGCOMM
+    /// 2022): paths that hash onto one bottleneck link split it, so a connection whose
+    /// ports leave a link unused runs slower, and every path sees queueing, so congestion
+    /// alone does not tell. A path whose acknowledged packets over a measuring interval
+    /// stay below this many thousandths of the connection's fastest path's, for
+    /// `rebalance_rounds` intervals in a row while the connection is window-limited (it
+    /// always had data to send) and no path timed out, moves to a new UDP source port that
+    /// no path uses (new ECMP entropy; the re-roll generation moves the peer's ACKs too).
+    /// Unlike a timeout re-roll the path keeps its window; it sends nothing new until its
+    /// outstanding packets are settled, so that the new route cannot overtake the old one.
+    /// One path (the slowest) moves per interval; after the n-th move 2^(n/2) intervals
+    /// (at most 64) are not counted; at most `rebalance_max_rerolls` moves. With three
+    /// paths on one link against two on another the ratio is 667‰, with two against one
+    /// 500‰; the default sits above both and below the noise of paths sharing links
+    /// equally. Needs spare source ports (more ports than paths). 0 disables it.
+    /// Default 750. Measured in docs/RESULTS.md §1.
     pub rebalance_ratio_permille: u32,
     /// Length of one measuring interval of ECMP collision handling, in smoothed RTTs (the
     /// largest of the connection's paths). Default 4.

@@ -622,6 +622,95 @@ impl PathRx {
 mod tests {
     use super::*;
 
+    fn tx(id: u8, port: u16, now: Instant) -> PathTx {
+        let cfg = crate::CongestionConfig::default();
+        PathTx::new(
+            id,
+            port,
+            0,
+            RttEstimator::new(Duration::from_micros(100)),
+            super::super::cc::new_controller(&cfg, 4096),
+            now,
+        )
+    }
+
+    /// Ack `n` packets sent now on `p`, 100 µs later.
+    fn send_and_ack(p: &mut PathTx, now: Instant, n: u32) {
+        for k in 0..n {
+            p.on_sent(SegRef { op: 0, seg: k }, now, false);
+        }
+        let cum = psn_add(p.next_psn, 0xFF_FFFF); // next_psn - 1
+        p.on_ack(now, cum, &[0; 32], Some(Duration::from_micros(100)), 0, 0);
+    }
+
+    #[test]
+    fn rebalance_moves_the_persistently_slowest_path_with_back_off() {
+        let t0 = Instant::now();
+        let mut paths: Vec<PathTx> = (0..4).map(|i| tx(i, 1000 + i as u16, t0)).collect();
+        let cfg = RebalanceConfig {
+            ratio_permille: 750,
+            interval_rtts: 4,
+            min_packets: 16,
+            rounds: 2,
+            max_rerolls: 2,
+        };
+        let mut rb = Rebalance::default();
+        let mut moves = Vec::new();
+        for step in 0..200u64 {
+            let now = t0 + Duration::from_micros(100 * step);
+            // Paths 0..2 get 30 packets per step, path 3 (sharing a link) 20: 667‰.
+            for (i, p) in paths.iter_mut().enumerate() {
+                send_and_ack(p, now, if i == 3 { 20 } else { 30 });
+            }
+            if let Some(m) = rb.on_ack(now, &paths, &cfg) {
+                moves.push((step, m.path));
+            }
+        }
+        // Intervals of 4 RTTs = 4 steps; two slow intervals, then the first move; then 1
+        // skipped interval; the budget of 2 stops it.
+        assert_eq!(moves.len(), 2, "{moves:?}");
+        assert!(moves.iter().all(|&(_, p)| p == 3), "{moves:?}");
+        assert!(moves[1].0 - moves[0].0 >= 3 * 4, "{moves:?}");
+        // Level paths are never moved, and an app-limited interval is not counted.
+        let mut rb = Rebalance::default();
+        for step in 0..200u64 {
+            let now = t0 + Duration::from_micros(100 * (200 + step));
+            for p in paths.iter_mut() {
+                send_and_ack(p, now, 30);
+            }
+            assert_eq!(rb.on_ack(now, &paths, &cfg), None);
+        }
+        let mut rb = Rebalance::default();
+        for step in 0..200u64 {
+            let now = t0 + Duration::from_micros(100 * (400 + step));
+            for (i, p) in paths.iter_mut().enumerate() {
+                send_and_ack(p, now, if i == 3 { 10 } else { 30 });
+            }
+            rb.app_limited = true;
+            assert_eq!(rb.on_ack(now, &paths, &cfg), None);
+        }
+    }
+
+    #[test]
+    fn rebalance_move_waits_until_the_path_drains() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        for k in 0..4 {
+            p.on_sent(SegRef { op: 0, seg: k }, t0, false);
+        }
+        p.rebalance(2000);
+        assert_eq!((p.src_port, p.generation), (1000, 0));
+        assert!(!p.can_send(), "a path waiting to move sends nothing new");
+        let mut sack = [0u8; 32];
+        sack[0] = 0x80; // PSN 2 (cum 0: PSNs 0 and 2 acked, 1 and 3 outstanding)
+        p.on_ack(t0, 0, &sack, None, 0, 4);
+        assert_eq!(p.src_port, 1000);
+        p.on_ack(t0, 3, &[0; 32], None, 0, 4);
+        assert_eq!((p.src_port, p.generation, p.pending_port), (2000, 1, None));
+        assert_eq!(p.stats.rebalance_rerolls, 1);
+        assert!(p.can_send());
+    }
+
     #[test]
     fn rx_window_tracks_holes_and_floor() {
         let mut rx = PathRx::new(100);
