@@ -6,7 +6,9 @@
 
 Writes docs/results/exp1_paths.png, exp2_loss.png, exp3_stall.png, exp4_ecn.png and, when
 experiments/netns/results-exp3x8.json exists (run.sh --reps 8 --only exp3 --tag exp3x8),
-exp3_stall_runs.png.
+exp3_stall_runs.png; when experiments/netns/results-exp1r.json exists (run.sh --reps 10
+--only exp1r --tag exp1r), exp1r_rebalance.png (with the two earlier exp1r runs beside it,
+results-exp1r-8spares.json and results-exp1r-nodrain.json, when they exist).
 """
 
 import json
@@ -281,6 +283,42 @@ def exp3_dist(path):
     fig.savefig(OUT / "exp3_stall_runs.png", dpi=120)
 
 
+def exp1r(path, extra=()):
+    """paths-8 / paths-1 ratio of every run, ECMP collision handling off and on."""
+    sets = []
+    for label, p in ((None, path), *extra):
+        if p.exists():
+            sets.append((label, json.loads(p.read_text())))
+    if not sets or not runs(sets[0][1], "exp1r"):
+        return
+    fig, ax = plt.subplots(figsize=(11, 4.8))
+    cols = []
+    for label, doc in sets:
+        rs = runs(doc, "exp1r")
+        p1 = statistics.median(r["goodput_mbps"] for r in rs if r["variant"] == "paths1")
+        for v, name in (("paths8_off", "8 paths, off\n(--no-rebalance)"), ("paths8_on", "8 paths, on")):
+            name += f"\n({len([r for r in rs if r['variant'] == v])} runs)"
+            sel = [r for r in rs if r["variant"] == v and r.get("goodput_mbps") is not None]
+            cols.append((name + f"\n{label or 'final'}", sel, p1))
+    for i, (name, sel, p1) in enumerate(cols):
+        x = [r["goodput_mbps"] / p1 for r in sel]
+        colors = ["tab:red" if links_used(r) < 4 else "tab:blue" for r in sel]
+        ax.bar(i, statistics.median(x), color="lightgrey")
+        ax.scatter([i + 0.12 * ((k % 5) - 2) for k in range(len(x))], x, c=colors, s=18, zorder=3)
+        ax.text(i, statistics.median(x) + 0.05, f"{statistics.median(x):.2f}x", ha="center", fontsize=8)
+        ax.text(i, 0.2, f">= 3.4x: {sum(1 for v in x if v >= 3.4)}/{len(x)}", ha="center", fontsize=8)
+    ax.axhline(3.4, color="k", ls="--", lw=1)
+    ax.text(len(cols) - 0.5, 3.4, "target 3.4x", va="bottom", ha="right", fontsize=8)
+    ax.set_xticks(range(len(cols)), [c[0] for c in cols], fontsize=8)
+    ax.set_ylabel("goodput / median goodput of paths 1")
+    ax.set_ylim(0, 4.6)
+    ax.set_title("[1r] ECMP collision handling: each dot one connection with fresh ports "
+                 "(red: used 3 links, blue: 4)", fontsize=9)
+    fig.suptitle(subtitle(sets[0][1]), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "exp1r_rebalance.png", dpi=120)
+
+
 def main():
     doc = json.loads(RESULTS.read_text())
     OUT.mkdir(parents=True, exist_ok=True)
@@ -289,6 +327,9 @@ def main():
     exp3(doc)
     exp4(doc)
     exp3_dist(RESULTS.parent / "results-exp3x8.json")
+    exp1r(RESULTS.parent / "results-exp1r.json",
+          (("8 spare ports", RESULTS.parent / "results-exp1r-8spares.json"),
+           ("no drain, 8 spares", RESULTS.parent / "results-exp1r-nodrain.json")))
     print("plots in", OUT)
 
 

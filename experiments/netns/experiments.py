@@ -259,8 +259,10 @@ def mbps_of_mib(mb_per_sec):
     return mb_per_sec * 1048576 * 8 / 1e6
 
 
-def run_perf(tag, paths, extra=(), mode=None):
-    """metaroce-perf write_bw, 64 KiB WRITEs for PERF_SECS, server in B, client in A."""
+def run_perf(tag, paths, extra=(), mode=None, mid_at=None):
+    """metaroce-perf write_bw, 64 KiB WRITEs for PERF_SECS, server in B, client in A.
+    With `mid_at` (seconds after the client starts), R's link counters are also read then,
+    and `links_late` holds what each link carried from then to the end."""
     out_json = RAW / f"{tag}.json"
     common = ["--mtu", PMTU] + (["--paths", paths] if paths else []) + (["--mode", mode] if mode else [])
     srv = Proc(NB, [PERF, "--server", "--bind", B_IP, "-p", 4791, *common], tag + ".server")
@@ -269,8 +271,16 @@ def run_perf(tag, paths, extra=(), mode=None):
     target = B_IP if mode == "rocev2" else f"{B_IP}:4791"  # rocev2: host only (OOB over TCP)
     cli = Proc(NA, [PERF, target, "-D", PERF_SECS, "-s", WRITE_SIZE, "--out_json", out_json,
                     *common, *extra], tag + ".client")
+    mid = None
+    if mid_at is not None:
+        time.sleep(mid_at)
+        mid = link_stats()
     c = cli.reap(PERF_SECS + 60)
     win = w.close()
+    if mid is not None:
+        end = link_stats()
+        win["links_late"] = {k: {"tx_bytes": end[k]["tx_bytes"] - mid[k]["tx_bytes"]}
+                             for k in sorted(end) if k in mid}
     s = srv.reap(15)
     rec = {"tool": "metaroce-perf" + (f" --mode {mode}" if mode else ""), "paths": paths,
            "client": c, "server": s, **win}
@@ -575,6 +585,29 @@ def exp1(reps, runs):
                 f"links {[v['tx_bytes'] >> 20 for k, v in rec['links'].items() if k.startswith('to_b')]} MiB")
 
 
+# exp1r: ECMP collision handling. Paths 1, paths 8 with it off (--no-rebalance) and paths 8
+# with it on (the default), interleaved; every run has fresh ephemeral source ports, so each
+# 8-path run is a new draw of the ECMP hash.
+EXP1R_VARIANTS = (("paths1", 1, ()), ("paths8_off", 8, ("--no-rebalance",)), ("paths8_on", 8, ()))
+EXP1R_MID = 2.0  # seconds into the client run: links_late covers the second half
+
+
+def exp1r(reps, runs):
+    for rep in range(reps):
+        for variant, paths, extra in EXP1R_VARIANTS:
+            tag = f"exp1r_{variant}_r{rep}"
+            log(f"[exp1r] rep {rep} {variant}")
+            rec = run_perf(tag, paths, extra, mid_at=EXP1R_MID)
+            rec.update(exp="exp1r", variant=variant, rep=rep)
+            rec["links_used"] = links_used(rec)
+            rec["links_used_late"] = links_used(rec, "links_late")
+            rec["rebalance_rerolls"] = sum(p.get("rebalance_rerolls", 0) for p in rec.get("path_stats", []))
+            runs.append(rec)
+            log(f"    {rec.get('goodput_mbps')} Mbit/s  links {rec['links_used']} "
+                f"(2nd half {rec['links_used_late']})  rerolls {rec['rebalance_rerolls']}  "
+                f"load {rec['loadavg'][0]} {rec.get('error', '')}")
+
+
 def exp2(reps, runs, rocev2):
     losses = (0, 1, 10)
     try:
@@ -687,9 +720,9 @@ def drop_stats(rec):
     rec["tbf_drop_pct"] = round(100.0 * tbf / seen, 3) if seen else None
 
 
-def links_used(rec):
+def links_used(rec, key="links"):
     """R->B links that carried more than 5% of the run's bytes (ECMP coverage of the run)."""
-    lb = [v["tx_bytes"] for k, v in rec.get("links", {}).items() if k.startswith("to_b")]
+    lb = [v["tx_bytes"] for k, v in rec.get(key, {}).items() if k.startswith("to_b")]
     return sum(1 for v in lb if v > 0.05 * max(1, sum(lb)))
 
 
@@ -762,6 +795,29 @@ def summarize(doc):
     if 1 in e1 and 8 in e1 and e1[1]["goodput_mbps"]:
         S["exp1_ratio_8_to_1"] = round(e1[8]["goodput_mbps"] / e1[1]["goodput_mbps"], 2)
     S["exp1"] = e1
+    # exp1r
+    g = group(runs, "exp1r", lambda r: r["variant"])
+    if g:
+        p1 = med(r.get("goodput_mbps") for r in g.get("paths1", []))
+        e1r = {}
+        for variant, rs in sorted(g.items()):
+            ratios = [round(r["goodput_mbps"] / p1, 2) if p1 and r.get("goodput_mbps") else None
+                      for r in rs]
+            e1r[variant] = {
+                "goodput_mbps": med(r.get("goodput_mbps") for r in rs),
+                "runs_mbps": [r.get("goodput_mbps") for r in rs],
+                "ratio_to_paths1_median": ratios,
+                "ratio_median": med(ratios),
+                "ratio_min": min((x for x in ratios if x is not None), default=None),
+                "runs_ratio_ge_3_4": sum(1 for x in ratios if x is not None and x >= 3.4),
+                "links_used": [r.get("links_used") for r in rs],
+                "links_used_second_half": [r.get("links_used_late") for r in rs],
+                "rebalance_rerolls": [r.get("rebalance_rerolls") for r in rs],
+                "retransmits": [r.get("retransmits") for r in rs],
+                "loadavg": [r["loadavg"][0] for r in rs],
+                "verified": all(r.get("verified") for r in rs),
+            }
+        S["exp1r"] = e1r
     # exp2
     one_link = cap["goodput_ceiling_mbps"] / doc["meta"]["links"]
     for r in runs:
@@ -853,6 +909,14 @@ def print_tables(doc):
             print(f"  {p:>5}  {fmt(v['goodput_mbps'], 15)}  {str(v['runs_mbps']):<26}{str(v['links_used']):<12}"
                   f"{' '.join(f'{x:.0f}' for x in v['link_share_pct_median'].values())}")
         print(f"  paths 8 / paths 1 = {S.get('exp1_ratio_8_to_1')}  (target >= 3.4)")
+    if S.get("exp1r"):
+        print("\n[1r] paths 1 vs 8, ECMP collision handling off (--no-rebalance) and on; x = / median paths 1")
+        for v, d in S["exp1r"].items():
+            print(f"  {v:<11} median {fmt(d['goodput_mbps'], 7)} Mbit/s  x median {d['ratio_median']}  "
+                  f"min {d['ratio_min']}  runs >= 3.4x: {d['runs_ratio_ge_3_4']}/{len(d['runs_mbps'])}")
+            print(f"              x per run {d['ratio_to_paths1_median']}")
+            print(f"              links used {d['links_used']}  2nd half {d['links_used_second_half']}  "
+                  f"rerolls {d['rebalance_rerolls']}")
     if "exp2" in S and S["exp2"]:
         print("\n[2] random loss on every R->B link: goodput [Mbit/s] (% of the same tool lossless)")
         tools = list(S["exp2"])
@@ -914,7 +978,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="exp1,exp2,exp3,exp4",
-                    help="comma list of exp1 exp2 exp3 exp4 (exp2steps / exp4steps: only the steps part)")
+                    help="comma list of exp1 exp1r exp2 exp3 exp4 (exp2steps / exp4steps: only the steps "
+                         "part; exp1r: paths 1 vs 8 with ECMP collision handling off and on)")
     ap.add_argument("--summarize", action="store_true", help="only re-print results.json")
     ap.add_argument("--tag", default="", help="write results-TAG.json and raw-TAG/ instead")
     args = ap.parse_args()
@@ -968,6 +1033,9 @@ def main():
     try:
         if "exp1" in only:
             exp1(args.reps, runs)
+            save()
+        if "exp1r" in only:
+            exp1r(args.reps, runs)
             save()
         if "exp2" in only:
             exp2(args.reps, runs, meta["rocev2"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # experiments/netns/run.sh — MetaRoCE on a real kernel ECMP network, beside its baselines.
 #
-# As root:   experiments/netns/run.sh [--reps N] [--only exp1,exp2,exp3,exp4]
+# As root:   experiments/netns/run.sh [--reps N] [--only exp1,exp1r,exp2,exp3,exp4] [--tag NAME]
 #
 # 1. builds metaroce-perf and the exp_stall example (release);
 # 2. brings up /work/shared/testbed/netns-ecmp.sh: namespaces ${PFX}a ==LINKS== ${PFX}r
@@ -10,6 +10,7 @@
 #    packets, like MetaRoCE's UDP (netns-ecmp.sh already turns UDP segmentation off);
 # 4. runs experiments.py: [1] goodput vs paths, [2] random loss (MetaRoCE, TCP, RoCEv2 mode
 #    if metaroce-perf has it), [3] link failure mid-transfer (exp_stall), [4] random CE marks;
+#    (--only exp1r: paths 1 vs paths 8 with ECMP collision handling off and on, interleaved);
 #    every measurement REPS times, median reported;
 # 5. tears the testbed down (also on error / Ctrl-C).
 #

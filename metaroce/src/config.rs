@@ -90,6 +90,35 @@ pub struct TransportConfig {
     /// with one packet at a time; progress makes it active again. Repeats every this many
     /// timeouts until `retry_count`. 0 disables re-rolling. Default 3.
     pub path_reroll_timeouts: u32,
+    /// ECMP collision handling, in the spirit of PLB (Protective Load Balancing, SIGCOMM
+    /// 2022): paths that hash onto one bottleneck link split it, so a connection whose
+    /// ports leave a link unused runs slower, and every path sees queueing, so congestion
+    /// alone does not tell. A path whose acknowledged packets over a measuring interval
+    /// stay below this many thousandths of the connection's fastest path's, for
+    /// `rebalance_rounds` intervals in a row while the connection is window-limited (it
+    /// always had data to send) and no path timed out, moves to a new UDP source port that
+    /// no path uses (new ECMP entropy; the re-roll generation moves the peer's ACKs too).
+    /// Unlike a timeout re-roll the path keeps its window; it sends nothing new until its
+    /// outstanding packets are settled, so that the new route cannot overtake the old one.
+    /// One path (the slowest) moves per interval; after the n-th move 2^(n/2) intervals
+    /// (at most 64) are not counted; at most `rebalance_max_rerolls` moves. With three
+    /// paths on one link against two on another the ratio is 667‰, with two against one
+    /// 500‰; the default sits above both and below the noise of paths sharing links
+    /// equally. Needs spare source ports (more ports than paths). 0 disables it.
+    /// Default 750. Measured in docs/RESULTS.md §1.
+    pub rebalance_ratio_permille: u32,
+    /// Length of one measuring interval of ECMP collision handling, in smoothed RTTs (the
+    /// largest of the connection's paths). Default 4.
+    pub rebalance_interval_rtts: u32,
+    /// Packets the fastest path must have acknowledged before a measuring interval ends
+    /// (it is extended until then), so that slow or short transfers are not judged on a
+    /// handful of packets. Default 64.
+    pub rebalance_min_packets: u32,
+    /// Measuring intervals in a row a path must be slow before it is moved. Default 2.
+    pub rebalance_rounds: u32,
+    /// Most paths a connection moves for ECMP collision handling over its lifetime, so
+    /// that a network it cannot balance does not make it churn. Default 32.
+    pub rebalance_max_rerolls: u32,
     /// RTT assumed before the first sample. Default 500 µs.
     pub initial_rtt: Duration,
     /// Lower bound of the retransmission timeout. Default 1 ms (tokio's timer granularity).
@@ -194,6 +223,11 @@ impl Default for TransportConfig {
             handshake_attempts: 20,
             retry_count: 12,
             path_reroll_timeouts: 3,
+            rebalance_ratio_permille: 750,
+            rebalance_interval_rtts: 4,
+            rebalance_min_packets: 64,
+            rebalance_rounds: 2,
+            rebalance_max_rerolls: 32,
             initial_rtt: Duration::from_micros(500),
             min_rto: Duration::from_millis(1),
             max_rto: Duration::from_secs(1),
@@ -254,6 +288,12 @@ impl TransportConfig {
         }
         if self.handshake_attempts == 0 {
             return Err("handshake_attempts must be at least 1".into());
+        }
+        if self.rebalance_ratio_permille > 1000 {
+            return Err(format!(
+                "rebalance_ratio_permille must be in 0..=1000, got {}",
+                self.rebalance_ratio_permille
+            ));
         }
         self.congestion.validate()
     }

@@ -282,6 +282,13 @@ pub struct Args {
     #[arg(long, value_name = "BYTES", default_value_t = 4096)]
     pub mtu: u32,
 
+    /// Turn off ECMP collision handling (re-rolling the source port of a path that
+    /// delivers persistently less than the others; `TransportConfig::rebalance_ratio_permille`
+    /// = 0), to measure without it. With more than one path, each side also binds three
+    /// spare source ports per path, for re-rolls to move to.
+    #[arg(long = "no-rebalance")]
+    pub no_rebalance: bool,
+
     /// Random loss in percent applied to every datagram sent (by both endpoints in loopback,
     /// by this process otherwise).
     #[arg(long, value_name = "PERCENT", default_value_t = 0.0)]
@@ -472,6 +479,8 @@ pub struct Settings {
     pub paths: u16,
     /// Path MTU.
     pub mtu: u32,
+    /// ECMP collision handling on (not `--no-rebalance`).
+    pub rebalance: bool,
     /// Impairments.
     pub impair: ImpairSettings,
     /// Seed.
@@ -812,6 +821,7 @@ impl Args {
             oob_port: self.oob_port,
             paths,
             mtu: self.mtu,
+            rebalance: !self.no_rebalance,
             impair,
             seed: self.seed,
             file,

@@ -72,7 +72,14 @@ impl Node {
         config.transport.pmtu = s.mtu;
         config.transport.max_rd_atomic = u32::from(s.outs);
         config.seed = Some(core_seed);
-        let udp = UdpBackend::bind_with(addr, usize::from(s.paths), &config.udp)?;
+        if !s.rebalance {
+            config.transport.rebalance_ratio_permille = 0;
+        }
+        // Spare source ports for re-rolls (timeouts, ECMP collisions) to move paths to:
+        // three per path, so that the pool almost surely reaches every link (8 paths on
+        // 3 of 4 links and 8 spares that all miss the 4th: (3/4)^8 = 10 %; 24: 0.1 %).
+        let spares = if s.paths > 1 { 3 * s.paths } else { 0 };
+        let udp = UdpBackend::bind_with(addr, usize::from(s.paths + spares), &config.udp)?;
         let (backend, impaired) = stack(udp, s, impair_seed, pcap)?;
         let ep = Endpoint::with_backend(backend, config)?;
         Ok(Node { ep, impaired })

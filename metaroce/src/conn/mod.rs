@@ -84,6 +84,10 @@ pub struct ConnectionStats {
     /// sum of the path windows and the connection-wide cap (see
     /// [`connection_window`](cc::connection_window)).
     pub send_window: u32,
+    /// Paths moved to a new source port because they delivered persistently less than the
+    /// connection's fastest path (ECMP collision handling; per path in
+    /// [`PathStats::rebalance_rerolls`](path::PathStats::rebalance_rerolls)).
+    pub rebalance_rerolls: u64,
 }
 
 #[derive(Debug)]
@@ -132,6 +136,8 @@ pub(crate) struct Connection {
     next_spare: usize,
     /// Plane health for multi-plane fabrics (`cfg.planes > 1`).
     planes: path::Planes,
+    /// ECMP collision detection (`cfg.rebalance_ratio_permille > 0`).
+    rebalance: path::Rebalance,
     epoch: Instant,
 }
 
@@ -267,6 +273,7 @@ impl Connection {
             ce_in: 0,
             next_spare: 0,
             planes: path::Planes::new(1),
+            rebalance: path::Rebalance::default(),
             source_ports,
             epoch,
         }
@@ -337,6 +344,7 @@ impl Connection {
                 .map(|p| p.cc.window())
                 .sum::<u32>()
                 .min(self.conn_window()),
+            rebalance_rerolls: self.tx.iter().map(|p| p.stats.rebalance_rerolls).sum(),
         }
     }
 
@@ -489,6 +497,9 @@ impl Connection {
             self.planes.on_progress(port);
             self.rebalance_planes(now);
         }
+        if out.progress {
+            self.detect_collisions(now);
+        }
         let resp_timeout = self.response_timeout();
         for s in out.acked {
             self.sq.on_acked(s, now, resp_timeout);
@@ -626,30 +637,69 @@ impl Connection {
         self.move_path(i, target);
     }
 
-    /// Give path `i` a source port no other path uses, on plane `plane` if given and
-    /// possible, and make it probe (see [`PathTx::reroll`]).
-    fn move_path(&mut self, i: usize, plane: Option<u8>) {
-        let used: Vec<u16> = self.tx.iter().map(|p| p.src_port).collect();
+    /// ECMP collision handling after an ACK (see [`path::Rebalance`]): a path persistently
+    /// slower than the connection's fastest moves to a new source port on its plane.
+    fn detect_collisions(&mut self, now: Instant) {
+        let cfg = path::RebalanceConfig {
+            ratio_permille: self.cfg.rebalance_ratio_permille,
+            interval_rtts: self.cfg.rebalance_interval_rtts,
+            min_packets: self.cfg.rebalance_min_packets,
+            rounds: self.cfg.rebalance_rounds,
+            max_rerolls: self.cfg.rebalance_max_rerolls,
+        };
+        let Some(m) = self.rebalance.on_ack(now, &self.tx, &cfg) else {
+            return;
+        };
+        let planes = self.cfg.planes;
+        let plane = (planes > 1).then(|| path::plane_of(self.tx[m.path].src_port, planes));
+        let Some(port) = self.spare_port(plane) else {
+            return;
+        };
+        let p = &mut self.tx[m.path];
+        if p.pending_port.is_some() {
+            return;
+        }
+        tracing::info!(
+            conn = %self.handle,
+            path = p.id,
+            old_port = p.src_port,
+            new_port = port,
+            acked = m.acked,
+            max_acked = m.max_acked,
+            "path re-rolled: persistently slower than the fastest path (ECMP collision)"
+        );
+        p.rebalance(port);
+    }
+
+    /// A source port no path uses, on plane `plane` if given and possible; `None` if every
+    /// port is taken.
+    fn spare_port(&mut self, plane: Option<u8>) -> Option<u16> {
+        let used: Vec<u16> = self
+            .tx
+            .iter()
+            .flat_map(|p| [Some(p.src_port), p.pending_port])
+            .flatten()
+            .collect();
         let n = self.source_ports.len();
         let planes = self.cfg.planes;
-        let mut port = self.tx[i].src_port;
-        let mut found = false;
         for pass in 0..2 {
             for k in 0..n {
                 let cand = self.source_ports[(self.next_spare + k) % n];
                 let plane_ok =
                     pass == 1 || plane.is_none_or(|pl| path::plane_of(cand, planes) == pl);
                 if plane_ok && !used.contains(&cand) {
-                    port = cand;
                     self.next_spare = (self.next_spare + k + 1) % n;
-                    found = true;
-                    break;
+                    return Some(cand);
                 }
             }
-            if found {
-                break;
-            }
         }
+        None
+    }
+
+    /// Give path `i` a source port no other path uses, on plane `plane` if given and
+    /// possible, and make it probe (see [`PathTx::reroll`]).
+    fn move_path(&mut self, i: usize, plane: Option<u8>) {
+        let port = self.spare_port(plane).unwrap_or(self.tx[i].src_port);
         let p = &mut self.tx[i];
         tracing::info!(conn = %self.handle, path = p.id, old_port = p.src_port, new_port = port, "path re-rolled after repeated timeouts");
         p.reroll(port);
@@ -1123,7 +1173,11 @@ impl Connection {
         if in_flight >= self.conn_window() {
             return None;
         }
-        self.sq.peek()?;
+        if self.sq.peek().is_none() {
+            // Out of data with a window open: rates measured now say nothing about paths.
+            self.rebalance.app_limited = true;
+            return None;
+        }
         let n = self.tx.len();
         let i = (0..n)
             .map(|k| (self.next_path + k) % n)

@@ -55,6 +55,10 @@ pub struct PathStats {
     pub rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
     pub rerolls: u64,
+    /// Re-rolls to a new source port because the path delivered persistently less than
+    /// the connection's fastest path (ECMP collision handling, see
+    /// [`TransportConfig::rebalance_ratio_permille`](crate::TransportConfig::rebalance_ratio_permille)).
+    pub rebalance_rerolls: u64,
     /// CE marks the peer echoed for this path.
     pub ecn_marks: u64,
 }
@@ -121,6 +125,11 @@ pub(crate) struct PathTx {
     pub state: PathState,
     /// Re-roll generation (4 bits), sent in PathEth flags bits 7:4.
     pub generation: u8,
+    /// A source port this path moves to once its outstanding packets are settled (ECMP
+    /// collision handling); while set, the path sends nothing new, so that packets on the
+    /// new route cannot overtake the queued ones of the old route and open SACK holes
+    /// (each path is ordered: a hole is a loss).
+    pub pending_port: Option<u16>,
     pub stats: PathStats,
 }
 
@@ -156,6 +165,7 @@ impl PathTx {
             probe: None,
             state: PathState::Active,
             generation: 0,
+            pending_port: None,
             stats: PathStats::default(),
         }
     }
@@ -183,6 +193,7 @@ impl PathTx {
             self.cc.window()
         };
         self.state != PathState::Failed
+            && self.pending_port.is_none()
             && self.outstanding < window
             && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
     }
@@ -300,6 +311,7 @@ impl PathTx {
             self.cc.on_loss(now, nl, &self.rtt);
         }
         self.trim();
+        self.apply_pending_port();
         out
     }
 
@@ -321,6 +333,7 @@ impl PathTx {
             self.state = PathState::Active;
         }
         self.trim();
+        self.apply_pending_port();
         Some(seg)
     }
 
@@ -386,6 +399,7 @@ impl PathTx {
         if self.consecutive_rtos > retry_count {
             self.state = PathState::Failed;
         }
+        self.apply_pending_port();
         lost
     }
 
@@ -414,6 +428,7 @@ impl PathTx {
         self.probe = None;
         self.probe_sent = false;
         self.last_progress = now;
+        self.apply_pending_port();
         lost
     }
 
@@ -421,10 +436,35 @@ impl PathTx {
     /// at a time. The timeout back-off and the count of timeouts in a row carry on, so a
     /// path that stays dead is still retired after `retry_count` timeouts.
     pub fn reroll(&mut self, new_port: u16) {
+        self.pending_port = None;
         self.src_port = new_port;
         self.generation = (self.generation + 1) & 0x0F;
         self.state = PathState::Probing;
         self.stats.rerolls += 1;
+    }
+
+    /// Move the path to a new source port (new ECMP entropy) while it works, once its
+    /// outstanding packets are settled: until then it sends nothing new (see
+    /// `pending_port`); then the re-roll generation advances so that the peer moves its
+    /// ACKs too, and the window and RTT estimate carry on. Used by ECMP collision handling.
+    pub fn rebalance(&mut self, new_port: u16) {
+        self.pending_port = Some(new_port);
+        self.stats.rebalance_rerolls += 1;
+        self.apply_pending_port();
+    }
+
+    /// Take the pending source port if nothing is outstanding any more; returns whether
+    /// the path moved.
+    pub fn apply_pending_port(&mut self) -> bool {
+        if self.outstanding > 0 {
+            return false;
+        }
+        let Some(port) = self.pending_port.take() else {
+            return false;
+        };
+        self.src_port = port;
+        self.generation = (self.generation + 1) & 0x0F;
+        true
     }
 
     /// Whether a copy of `seg` sent on this path is still awaited (neither acknowledged,
@@ -582,6 +622,95 @@ impl PathRx {
 mod tests {
     use super::*;
 
+    fn tx(id: u8, port: u16, now: Instant) -> PathTx {
+        let cfg = crate::CongestionConfig::default();
+        PathTx::new(
+            id,
+            port,
+            0,
+            RttEstimator::new(Duration::from_micros(100)),
+            super::super::cc::new_controller(&cfg, 4096),
+            now,
+        )
+    }
+
+    /// Ack `n` packets sent now on `p`, 100 µs later.
+    fn send_and_ack(p: &mut PathTx, now: Instant, n: u32) {
+        for k in 0..n {
+            p.on_sent(SegRef { op: 0, seg: k }, now, false);
+        }
+        let cum = psn_add(p.next_psn, 0xFF_FFFF); // next_psn - 1
+        p.on_ack(now, cum, &[0; 32], Some(Duration::from_micros(100)), 0, 0);
+    }
+
+    #[test]
+    fn rebalance_moves_the_persistently_slowest_path_with_back_off() {
+        let t0 = Instant::now();
+        let mut paths: Vec<PathTx> = (0..4).map(|i| tx(i, 1000 + i as u16, t0)).collect();
+        let cfg = RebalanceConfig {
+            ratio_permille: 750,
+            interval_rtts: 4,
+            min_packets: 16,
+            rounds: 2,
+            max_rerolls: 2,
+        };
+        let mut rb = Rebalance::default();
+        let mut moves = Vec::new();
+        for step in 0..200u64 {
+            let now = t0 + Duration::from_micros(100 * step);
+            // Paths 0..2 get 30 packets per step, path 3 (sharing a link) 20: 667‰.
+            for (i, p) in paths.iter_mut().enumerate() {
+                send_and_ack(p, now, if i == 3 { 20 } else { 30 });
+            }
+            if let Some(m) = rb.on_ack(now, &paths, &cfg) {
+                moves.push((step, m.path));
+            }
+        }
+        // Intervals of 4 RTTs = 4 steps; two slow intervals, then the first move; then 1
+        // skipped interval; the budget of 2 stops it.
+        assert_eq!(moves.len(), 2, "{moves:?}");
+        assert!(moves.iter().all(|&(_, p)| p == 3), "{moves:?}");
+        assert!(moves[1].0 - moves[0].0 >= 3 * 4, "{moves:?}");
+        // Level paths are never moved, and an app-limited interval is not counted.
+        let mut rb = Rebalance::default();
+        for step in 0..200u64 {
+            let now = t0 + Duration::from_micros(100 * (200 + step));
+            for p in paths.iter_mut() {
+                send_and_ack(p, now, 30);
+            }
+            assert_eq!(rb.on_ack(now, &paths, &cfg), None);
+        }
+        let mut rb = Rebalance::default();
+        for step in 0..200u64 {
+            let now = t0 + Duration::from_micros(100 * (400 + step));
+            for (i, p) in paths.iter_mut().enumerate() {
+                send_and_ack(p, now, if i == 3 { 10 } else { 30 });
+            }
+            rb.app_limited = true;
+            assert_eq!(rb.on_ack(now, &paths, &cfg), None);
+        }
+    }
+
+    #[test]
+    fn rebalance_move_waits_until_the_path_drains() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        for k in 0..4 {
+            p.on_sent(SegRef { op: 0, seg: k }, t0, false);
+        }
+        p.rebalance(2000);
+        assert_eq!((p.src_port, p.generation), (1000, 0));
+        assert!(!p.can_send(), "a path waiting to move sends nothing new");
+        let mut sack = [0u8; 32];
+        sack[0] = 0x80; // PSN 2 (cum 0: PSNs 0 and 2 acked, 1 and 3 outstanding)
+        p.on_ack(t0, 0, &sack, None, 0, 4);
+        assert_eq!(p.src_port, 1000);
+        p.on_ack(t0, 3, &[0; 32], None, 0, 4);
+        assert_eq!((p.src_port, p.generation, p.pending_port), (2000, 1, None));
+        assert_eq!(p.stats.rebalance_rerolls, 1);
+        assert!(p.can_send());
+    }
+
     #[test]
     fn rx_window_tracks_holes_and_floor() {
         let mut rx = PathRx::new(100);
@@ -651,6 +780,141 @@ pub(crate) fn assign_ports(ports: &[u16], paths: usize, planes: u16) -> Vec<u16>
         out.push(ports[k]);
     }
     out
+}
+
+/// ECMP collision detection of one connection (in the spirit of PLB, Protective Load
+/// Balancing, SIGCOMM 2022, which re-rolls a flow's entropy on persistent congestion).
+///
+/// Paths that hash onto the same bottleneck link split it between their windows, so a
+/// path's delivery rate is about `link / k` when `k` of the connection's paths share its
+/// link, and a whole link when it is alone. Where every link is a bottleneck, every path
+/// sees queueing and ECN, so congestion itself says nothing; the relative rate does. The
+/// connection measures, over intervals of `rebalance_interval_rtts` smoothed RTTs (and at
+/// least `rebalance_min_packets` packets acknowledged on its fastest path), how many
+/// packets each path got acknowledged. An interval counts only if the connection was
+/// window-limited throughout (it always had data to send when a window opened) and every
+/// working path stayed active (no timeout). A path whose count stays below
+/// `rebalance_ratio_permille`‰ of the fastest path's for `rebalance_rounds` counted
+/// intervals in a row is moved to a new source port — the slowest such path, one per
+/// interval — and the 2^(n/2) intervals after the `n`-th move (at most 64) are not
+/// counted, so that the windows settle and moves get rarer when they do not bring the
+/// paths level.
+/// The connection moves at most `rebalance_max_rerolls` paths this way in its lifetime.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Rebalance {
+    /// Start of the current interval, `None` before the first.
+    start: Option<Instant>,
+    /// Every path's `packets_acked` at the start of the interval.
+    base: Vec<u64>,
+    /// Counted intervals in a row in which each path was slow.
+    slow_rounds: Vec<u32>,
+    /// The connection ran out of data to send with a window open during this interval.
+    pub app_limited: bool,
+    /// Intervals still to skip (after a move).
+    skip: u32,
+    /// Moves decided so far (for the budget and the back-off).
+    rerolls: u64,
+}
+
+/// What [`Rebalance::on_ack`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RebalanceMove {
+    /// Path to move.
+    pub path: usize,
+    /// Its packets acknowledged in the interval.
+    pub acked: u64,
+    /// The fastest path's packets acknowledged in the interval.
+    pub max_acked: u64,
+}
+
+/// Thresholds of [`Rebalance`] (from [`TransportConfig`](crate::TransportConfig)).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RebalanceConfig {
+    pub ratio_permille: u32,
+    pub interval_rtts: u32,
+    pub min_packets: u32,
+    pub rounds: u32,
+    pub max_rerolls: u32,
+}
+
+impl Rebalance {
+    fn restart(&mut self, now: Instant, tx: &[PathTx]) {
+        self.start = Some(now);
+        self.base.clear();
+        self.base.extend(tx.iter().map(|p| p.stats.packets_acked));
+        self.slow_rounds.resize(tx.len(), 0);
+        self.app_limited = false;
+    }
+
+    /// Called after every ACK: closes the interval when it is long enough and returns the
+    /// path to move, if any.
+    pub fn on_ack(
+        &mut self,
+        now: Instant,
+        tx: &[PathTx],
+        cfg: &RebalanceConfig,
+    ) -> Option<RebalanceMove> {
+        if cfg.ratio_permille == 0 || tx.len() < 2 || self.rerolls >= cfg.max_rerolls as u64 {
+            return None;
+        }
+        let Some(start) = self.start.filter(|_| self.base.len() == tx.len()) else {
+            self.restart(now, tx);
+            return None;
+        };
+        let srtt = tx
+            .iter()
+            .filter(|p| p.state != PathState::Failed)
+            .map(|p| p.rtt.smoothed())
+            .max()?;
+        if now.saturating_duration_since(start) < srtt * cfg.interval_rtts.max(1) {
+            return None;
+        }
+        let acked: Vec<u64> = tx
+            .iter()
+            .zip(&self.base)
+            .map(|(p, &b)| p.stats.packets_acked.saturating_sub(b))
+            .collect();
+        let max_acked = acked.iter().copied().max().unwrap_or(0);
+        if max_acked < cfg.min_packets.max(1) as u64 {
+            return None; // keep measuring
+        }
+        let counted = !self.app_limited
+            && self.skip == 0
+            && tx
+                .iter()
+                .all(|p| matches!(p.state, PathState::Active | PathState::Failed));
+        self.skip = self.skip.saturating_sub(1);
+        self.restart(now, tx);
+        if !counted {
+            return None;
+        }
+        let mut pick: Option<usize> = None;
+        for (i, p) in tx.iter().enumerate() {
+            let slow = p.state == PathState::Active
+                && acked[i] * 1000 < max_acked * cfg.ratio_permille as u64;
+            self.slow_rounds[i] = if slow { self.slow_rounds[i] + 1 } else { 0 };
+            if slow
+                && self.slow_rounds[i] >= cfg.rounds.max(1)
+                && pick.is_none_or(|j| acked[i] < acked[j])
+            {
+                pick = Some(i);
+            }
+        }
+        let i = pick?;
+        self.slow_rounds.iter_mut().for_each(|r| *r = 0);
+        self.rerolls += 1;
+        // Back off: the n-th move is followed by 2^(n/2) uncounted intervals (1, 2, 2, 4,
+        // 4, 8, ... at most 64), so that the windows settle, the first moves (a move lands
+        // on a given unused link with probability 1/links, so finding it can take several)
+        // come quickly, and a connection whose paths cannot be brought level (uneven
+        // sharing, noise) slows its churn.
+        self.skip = 1u32 << (self.rerolls / 2).min(6);
+        Some(RebalanceMove {
+            path: i,
+            acked: acked[i],
+            max_acked,
+        })
+    }
 }
 
 /// Per-connection view of the planes of a multi-plane fabric (MetaRoCE "paths grouped by
