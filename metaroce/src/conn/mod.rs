@@ -435,7 +435,9 @@ impl Connection {
                             // RNR NAK: no receive posted; wait the coded time and retry.
                             let delay = send::rnr_timer(nak.syndrome & 0x1F);
                             let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
-                            self.sq.on_rnr(seg, now, delay, self.cfg.rnr_retry, copy);
+                            let (id, psn) = (path.path_id, pkt.bth.psn);
+                            self.sq
+                                .on_rnr(seg, id, psn, now, delay, self.cfg.rnr_retry, copy);
                         } else {
                             self.sq
                                 .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
@@ -1337,6 +1339,7 @@ impl Connection {
                 break;
             };
             self.tx[i].on_sent(seg, now, retransmit);
+            self.sq.on_transmit(seg, i as u8, psn);
             count += 1;
             in_flight += 1;
             if seg_size.is_none() {

@@ -112,9 +112,9 @@ pub(crate) struct Op {
     acked: Vec<u64>,
     acked_segs: u32,
     resp: Option<RespTrack>,
-    /// RNR NAKs per segment (empty until the first): each packet is re-sent at most
-    /// `rnr_retry` times.
-    rnr_count: Vec<u8>,
+    /// RNR state per segment (empty until the first RNR NAK): each packet is re-sent at
+    /// most `rnr_retry` times after an RNR wait.
+    rnr: Vec<RnrSeg>,
     /// Response timeouts of a READ/atomic whose request was acknowledged.
     resp_timeouts: u32,
     pub status: Option<WcStatus>,
@@ -144,6 +144,39 @@ impl Op {
     fn is_acked(&self, seg: u32) -> bool {
         self.acked[(seg / 64) as usize] >> (seg % 64) & 1 == 1
     }
+
+    /// Whether segment `seg` is waiting on its RNR timer (not to be sent until it ends).
+    fn rnr_waiting(&self, seg: u32) -> bool {
+        self.rnr
+            .get(seg as usize)
+            .is_some_and(|r| r.phase == RnrPhase::Waiting)
+    }
+}
+
+/// Which copies of a segment an RNR NAK may count for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RnrPhase {
+    /// Every copy (no RNR wait yet, or the retry budget is spent while another copy was in
+    /// flight: then that copy's answer decides).
+    Any,
+    /// On the RNR timer: not sent; NAKs of copies sent before the wait began are stale.
+    Waiting,
+    /// The wait ended: only a NAK of a copy sent since (listed in `RnrSeg::copies`) counts.
+    Resent,
+}
+
+/// At most this many copies sent since the last RNR wait are remembered per segment (the
+/// oldest is forgotten first: its NAK is then ignored, and a newer copy answers).
+const RNR_COPIES: usize = 4;
+
+/// RNR state of one segment of an operation.
+#[derive(Debug, Clone)]
+struct RnrSeg {
+    /// RNR NAKs counted (each one started a wait, or failed the operation).
+    count: u8,
+    phase: RnrPhase,
+    /// (path id, PSN) of the copies sent since the last wait ended (phase `Resent`).
+    copies: Vec<(u8, u32)>,
 }
 
 /// Byte offset and length of segment `seg` of a `len`-byte message.
@@ -274,7 +307,7 @@ impl SendQueue {
             acked: vec![0; nsegs.div_ceil(64) as usize],
             acked_segs: 0,
             resp,
-            rnr_count: Vec::new(),
+            rnr: Vec::new(),
             resp_timeouts: 0,
             status: None,
         });
@@ -363,7 +396,21 @@ impl SendQueue {
 
     fn live(&self, s: SegRef) -> bool {
         self.op(s.op)
-            .is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg))
+            .is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg) && !o.rnr_waiting(s.seg))
+    }
+
+    /// A copy of segment `s` went out on path `path_id` with PSN `psn`: after an RNR wait,
+    /// the RNR NAK of such a copy counts as the next retry.
+    pub fn on_transmit(&mut self, s: SegRef, path_id: u8, psn: u32) {
+        let Some(op) = self.op_mut(s.op) else { return };
+        if let Some(r) = op.rnr.get_mut(s.seg as usize) {
+            if r.phase == RnrPhase::Resent {
+                if r.copies.len() >= RNR_COPIES {
+                    r.copies.remove(0);
+                }
+                r.copies.push((path_id, psn));
+            }
+        }
     }
 
     /// The next segment to transmit (retransmissions first), without taking it. A READ or
@@ -505,9 +552,16 @@ impl SendQueue {
         }
     }
 
-    /// The peer had no receive for this SEND segment: retry after `delay`, or fail with
-    /// `RnrRetryExceeded` once this segment was refused `rnr_retry` + 1 times (7 = retry
-    /// forever). Counted per segment: every segment of a message is refused in each round.
+    /// The peer had no receive for this SEND segment (the copy sent on path `path_id` with
+    /// PSN `psn`): retry after `delay`, or fail with `RnrRetryExceeded` once this segment
+    /// was refused `rnr_retry` + 1 times (7 = retry forever). Counted per segment: every
+    /// segment of a message is refused in each round.
+    ///
+    /// Only a NAK that answers a copy sent after the previous RNR wait ended counts (and
+    /// starts a wait): a NAK of a copy sent before it (a tail-loss probe or loss
+    /// retransmission that was in flight when the previous NAK came back) is stale and
+    /// ignored, so `rnr_retry` + 1 NAKs mean `rnr_retry` + 1 waits. While it waits, the
+    /// segment is neither probed nor re-sent.
     ///
     /// `other_copy`: another copy of the segment is still in flight (a tail-loss probe or
     /// loss retransmission sent before this NAK came back, possibly over a faster path).
@@ -515,9 +569,12 @@ impl SendQueue {
     /// receive and deliver the message, and a SEND must not report RnrRetryExceeded for a
     /// delivered message. Its ACK completes the SEND, its RNR NAK fails it, its loss
     /// re-sends it (loss recovery, not an RNR retry).
+    #[allow(clippy::too_many_arguments)]
     pub fn on_rnr(
         &mut self,
         s: SegRef,
+        path_id: u8,
+        psn: u32,
         now: Instant,
         delay: Duration,
         rnr_retry: u8,
@@ -533,21 +590,40 @@ impl SendQueue {
         // counting it against `rnr_retry` failed READs with RnrRetryExceeded, a status IBA
         // reserves for SENDs that found no receive.
         let rnr_retry = if op.kind.is_rd_atomic() { 7 } else { rnr_retry };
-        if op.rnr_count.is_empty() {
-            op.rnr_count = vec![0; op.nsegs as usize];
+        if op.rnr.is_empty() {
+            op.rnr = vec![
+                RnrSeg {
+                    count: 0,
+                    phase: RnrPhase::Any,
+                    copies: Vec::new(),
+                };
+                op.nsegs as usize
+            ];
         }
-        let Some(count) = op.rnr_count.get_mut(s.seg as usize) else {
+        let Some(r) = op.rnr.get_mut(s.seg as usize) else {
             return;
         };
-        *count = count.saturating_add(1);
-        if rnr_retry != 7 && *count > rnr_retry {
+        let fresh = match r.phase {
+            RnrPhase::Any => true,
+            RnrPhase::Resent => r.copies.contains(&(path_id, psn)),
+            RnrPhase::Waiting => false,
+        };
+        if !fresh {
+            // Stale: answers a copy sent before the last RNR wait began.
+            return;
+        }
+        r.copies.clear();
+        r.count = r.count.saturating_add(1);
+        if rnr_retry != 7 && r.count > rnr_retry {
             if other_copy {
+                r.phase = RnrPhase::Any;
                 return;
             }
             self.finish(s.op, WcStatus::RnrRetryExceeded);
             self.fail_stream(s.op);
             return;
         }
+        r.phase = RnrPhase::Waiting;
         self.rnr_wait.push_back((now + delay, s));
     }
 
@@ -596,6 +672,12 @@ impl SendQueue {
         let mut keep = VecDeque::new();
         while let Some((t, s)) = self.rnr_wait.pop_front() {
             if t <= now {
+                if let Some(r) = self
+                    .op_mut(s.op)
+                    .and_then(|o| o.rnr.get_mut(s.seg as usize))
+                {
+                    r.phase = RnrPhase::Resent;
+                }
                 self.on_lost(s);
             } else {
                 keep.push_back((t, s));
