@@ -525,6 +525,9 @@ impl Connection {
                 .rq
                 .on_stream_abort(handle, s.stream_id, s.msg_seq, &lim, events),
             Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, mrs, events),
+            Data::Write(_, w, _) if path.flags & send::PATH_FLAG_OP_ABORT != 0 => {
+                self.rq.on_op_abort(w.op_id, &lim)
+            }
             Data::Write(reth, w, imm) => {
                 self.rq
                     .on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events)
@@ -1266,6 +1269,26 @@ impl Connection {
                     },
                     Src::Bytes(bytes::Bytes::new()),
                 ),
+                OpKind::OpAbort { wire_id } => (
+                    Opcode::MR_WRITE,
+                    Headers::Write {
+                        path: PathEth {
+                            flags: path.flags | send::PATH_FLAG_OP_ABORT,
+                            ..path
+                        },
+                        reth: Reth {
+                            va: 0,
+                            rkey: 0,
+                            dma_len: 0,
+                        },
+                        write: WriteEth {
+                            op_id: *wire_id,
+                            offset: 0,
+                        },
+                        imm: None,
+                    },
+                    Src::Bytes(bytes::Bytes::new()),
+                ),
                 OpKind::ReadResponse { req_id, data } => (
                     Opcode::MR_READ_RESPONSE,
                     Headers::ReadResponse {
@@ -1303,7 +1326,7 @@ impl Connection {
                         if probe.is_none() {
                             self.sq.take(seg);
                         }
-                        self.sq.fail(seg.op, WcStatus::LocalProtectionError);
+                        self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
                         break;
                     }
                 },

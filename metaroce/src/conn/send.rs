@@ -17,6 +17,11 @@ use std::time::{Duration, Instant};
 /// length 0). See docs/PROTOCOL.md, "Errors on a stream".
 pub(crate) const PATH_FLAG_STREAM_ABORT: u8 = crate::wire::PathEth::FLAG_STREAM_ABORT;
 
+/// PathEth flags bit 1 on an `MR_WRITE`: op abort. The packet carries no payload; its
+/// WriteEth names the op id of a WRITE the requester gave up on (see docs/PROTOCOL.md,
+/// "Errors of one operation").
+pub(crate) const PATH_FLAG_OP_ABORT: u8 = crate::wire::PathEth::FLAG_OP_ABORT;
+
 /// An atomic operation (IBA 9.4.5): compare-and-swap or fetch-and-add on 8 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtomicOp {
@@ -71,12 +76,16 @@ pub(crate) enum OpKind {
     /// Requester: tell the peer that `stream` is dead from message `msg_seq` on (a SEND
     /// failed with `RnrRetryExceeded`): an `MR_SEND` with the stream-abort flag, no payload.
     StreamAbort { stream: u32, msg_seq: u32 },
+    /// Requester: tell the peer that the WRITE with op id `wire_id` will send no more
+    /// packets (it failed locally, e.g. its source region was deregistered), so the peer
+    /// counts the op id as finished: an `MR_WRITE` with the op-abort flag, no payload.
+    OpAbort { wire_id: u32 },
 }
 
 impl OpKind {
     /// Queued by the connection itself: sent and acknowledged like data, no completion.
     fn is_internal(&self) -> bool {
-        self.is_response() || matches!(self, OpKind::StreamAbort { .. })
+        self.is_response() || matches!(self, OpKind::StreamAbort { .. } | OpKind::OpAbort { .. })
     }
 
     /// A response to the peer's READ or atomic (counts against responder resources).
@@ -126,7 +135,8 @@ impl Op {
             OpKind::Send { .. }
             | OpKind::ReadResponse { .. }
             | OpKind::AtomicResponse { .. }
-            | OpKind::StreamAbort { .. } => WcOpcode::Send,
+            | OpKind::StreamAbort { .. }
+            | OpKind::OpAbort { .. } => WcOpcode::Send,
             OpKind::Write { imm: None, .. } => WcOpcode::RdmaWrite,
             OpKind::Write { imm: Some(_), .. } => WcOpcode::RdmaWriteWithImm,
             OpKind::Read { .. } => WcOpcode::RdmaRead,
@@ -484,7 +494,8 @@ impl SendQueue {
             OpKind::Read { .. }
             | OpKind::Atomic { .. }
             | OpKind::AtomicResponse { .. }
-            | OpKind::StreamAbort { .. } => (0, 0),
+            | OpKind::StreamAbort { .. }
+            | OpKind::OpAbort { .. } => (0, 0),
             _ => seg_span(o.len, self.pmtu, s.seg),
         })
     }
@@ -805,6 +816,24 @@ impl SendQueue {
     /// Fail one operation (NAK from the responder, or a local error).
     pub fn fail(&mut self, op: u64, status: WcStatus) {
         self.finish(op, status);
+    }
+
+    /// Fail operation `id` with a local error found while sending it (its source region
+    /// went away). A WRITE sends no more packets, so the responder would wait for the rest
+    /// of its op id forever and its floor of finished op ids would stop moving (after
+    /// `max_tracked_ops` more operations it would take no new ones): an op abort tells it to
+    /// count the op id as finished. READ and atomic requests carry no local data, so they
+    /// never fail here.
+    pub fn fail_local(&mut self, id: u64, status: WcStatus) {
+        let Some(op) = self.op(id) else { return };
+        let abort = match op.kind {
+            OpKind::Write { wire_id, .. } if op.status.is_none() => Some(wire_id),
+            _ => None,
+        };
+        self.finish(id, status);
+        if let Some(wire_id) = abort {
+            self.push(0, OpKind::OpAbort { wire_id }, 0);
+        }
     }
 
     /// Fail everything pending: the first pending operation gets `first`, the rest are
