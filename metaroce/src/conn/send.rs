@@ -571,8 +571,9 @@ impl SendQueue {
     /// Only a NAK that answers a copy sent after the previous RNR wait ended counts (and
     /// starts a wait): a NAK of a copy sent before it (a tail-loss probe or loss
     /// retransmission that was in flight when the previous NAK came back) is stale and
-    /// ignored, so `rnr_retry` + 1 NAKs mean `rnr_retry` + 1 waits. While it waits, the
-    /// segment is neither probed nor re-sent.
+    /// ignored, so the SEND fails only after `rnr_retry` full waits, each followed by a
+    /// fresh copy and its RNR NAK. While it waits, the segment is neither probed nor
+    /// re-sent (`live` is false), so no copy can draw a NAK that answers nothing new.
     ///
     /// `other_copy`: another copy of the segment is still in flight (a tail-loss probe or
     /// loss retransmission sent before this NAK came back, possibly over a faster path).
