@@ -42,7 +42,10 @@ pub enum WcStatus {
     RetryExceeded,
     /// `IBV_WC_RNR_RETRY_EXC_ERR`: a SEND found no receive posted at the responder on
     /// `rnr_retry` + 1 tries (`rnr_retry` 7 retries forever), with no other copy of it in
-    /// flight; the message was not delivered (unless the network duplicated it).
+    /// flight; the message was not delivered (unless the network duplicated it). A try is
+    /// a copy sent after the previous RNR wait ended: the sender waited the responder's
+    /// RNR timer `rnr_retry` times in all, and an RNR NAK answering a copy sent before the
+    /// last wait began (a tail-loss probe or loss retransmission) is not counted.
     ///
     /// As in IBA, where this error moves the QP to the error state and flushes every later
     /// work request, it is fatal to the ordered unit — here the SEND's **stream**, which

@@ -821,3 +821,120 @@ fn ack_req_marks_the_end_of_an_operations_data() {
     // 3 + 3 SEND/WRITE packets, 2 READ requests, 3 + 1 READ response packets, 2 atomic.
     assert!(checked >= 14, "{checked}");
 }
+
+/// The requester deregisters the source region of a WRITE while the WRITE is being sent: it
+/// completes with LocalProtectionError and sends none of its remaining packets (and a READ
+/// whose sink region is deregistered completes with LocalProtectionError). The op abort
+/// it sends instead lets the responder count the op id as finished, so the responder's floor
+/// of finished op ids moves on: more than `max_tracked_ops` WRITEs and READs after it all
+/// complete with Success. Before, the responder waited for the rest of the failed WRITE
+/// forever and, once `max_tracked_ops` later operations had finished, dropped every new
+/// WRITE and RNR-NAKed every new READ.
+#[test]
+fn locally_failed_write_leaves_no_gap_in_op_ids() {
+    const TRACKED: u32 = 4;
+    let mut b = config(1);
+    b.transport.max_tracked_ops = TRACKED;
+    let mut two = Two::new(config(0), b);
+    let (ca, cb) = two.connect();
+    let dst = two.eps[1].register_mr(
+        vec![0; 256 << 10],
+        Access::REMOTE_WRITE | Access::REMOTE_READ,
+    );
+    let src = two.eps[0].register_mr(vec![5; 64 << 10], Access::LOCAL_WRITE);
+    let other = two.eps[0].register_mr(vec![9; 64 << 10], Access::LOCAL_WRITE);
+    two.eps[0]
+        .post_write(
+            ca,
+            WriteRequest {
+                wr_id: 1,
+                lkey: src.lkey,
+                local_offset: 0,
+                len: 64 << 10,
+                remote_addr: dst.addr,
+                rkey: dst.rkey,
+                imm: Some(77),
+            },
+        )
+        .unwrap();
+    // Send the first batch of the WRITE's packets, then take its source region away.
+    let mut buf = Vec::new();
+    let t = two.eps[0]
+        .poll_transmit(two.now, &mut buf)
+        .expect("a first batch");
+    let seg = t.segment_size.unwrap_or(t.size);
+    for d in buf[..t.size].chunks(seg) {
+        assert!(matches!(
+            Packet::parse(d).unwrap().headers,
+            Headers::Write { .. }
+        ));
+        let from = SocketAddr::new(ip_of(0), t.src_port);
+        two.eps[1].handle_datagram(two.now, from, Some(ip_of(1)), t.ecn, d);
+    }
+    two.eps[0].deregister_mr(src.lkey).unwrap();
+    let placed = two.stats(1, cb).recv.write_bytes;
+    assert!(placed > 0 && placed < 64 << 10, "{placed} bytes placed");
+    // A READ whose sink region goes away before its response lands fails locally too; its
+    // request executed at the responder, so its op id is finished there already.
+    let sink = two.eps[0].register_mr(vec![0; 8192], Access::LOCAL_WRITE);
+    let req = ReadRequest {
+        wr_id: 2,
+        lkey: sink.lkey,
+        local_offset: 0,
+        len: 8192,
+        remote_addr: dst.addr,
+        rkey: dst.rkey,
+    };
+    two.eps[0].post_read(ca, req).unwrap();
+    two.eps[0].deregister_mr(sink.lkey).unwrap();
+    // Then many more operations than the responder tracks.
+    let n = 6 * TRACKED as u64;
+    for k in 0..n {
+        let off = (k % 16) * 4096;
+        if k % 2 == 0 {
+            let req = WriteRequest {
+                wr_id: 10 + k,
+                lkey: other.lkey,
+                local_offset: off,
+                len: 3000,
+                remote_addr: dst.addr + 128 * 1024 + off,
+                rkey: dst.rkey,
+                imm: None,
+            };
+            two.eps[0].post_write(ca, req).unwrap();
+        } else {
+            let req = ReadRequest {
+                wr_id: 10 + k,
+                lkey: other.lkey,
+                local_offset: off,
+                len: 2000,
+                remote_addr: dst.addr + off,
+                rkey: dst.rkey,
+            };
+            two.eps[0].post_read(ca, req).unwrap();
+        }
+    }
+    two.run(Duration::from_secs(2), |_, _| false);
+    let wcs = two.completions(0);
+    assert_eq!(wcs.len() as u64, n + 2, "completions {wcs:?}");
+    let failed: Vec<_> = wcs[..2].iter().map(|wc| (wc.wr_id, wc.status)).collect();
+    assert_eq!(
+        failed,
+        [
+            (1, WcStatus::LocalProtectionError),
+            (2, WcStatus::LocalProtectionError)
+        ]
+    );
+    for wc in &wcs[2..] {
+        assert_eq!(wc.status, WcStatus::Success, "{wcs:?}");
+    }
+    let s = two.stats(1, cb).recv;
+    assert_eq!(s.aborted_ops, 1, "{s:?}");
+    // The failed WRITE's immediate is never reported at the responder.
+    assert!(
+        !two.events[1]
+            .iter()
+            .any(|e| matches!(e, Event::WriteWithImm { .. })),
+        "immediate of a failed WRITE reported"
+    );
+}

@@ -2308,6 +2308,75 @@ fn scenarios() -> Vec<Scenario> {
                 Ok(format!("statuses {st:?}, {probes} probes"))
             },
         },
+        // B requires posted receives and never posts one; A has rnr_retry = 2 and B's RNR
+        // timer is 3.84 ms (code 17). Every NAK is held 1 ms, so a tail-loss probe re-sends
+        // the SEND while its RNR NAK is on the way, and the probe draws an RNR NAK of its
+        // own. Only a NAK of a copy sent after the last RNR wait ended counts as a retry, so
+        // the SEND fails with RnrRetryExceeded only after 3 counted NAKs and 2 full RNR
+        // waits between them (>= 3 x 1 ms + 2 x 3.84 ms; measured 11.7 ms). Before, the
+        // probe's NAK counted as a retry without a wait of its own and the SEND failed
+        // after 7.9 ms.
+        Scenario {
+            name: "rnr_nak_of_a_probe_is_not_another_retry",
+            seed: 58,
+            model: false,
+            known_bug: None,
+            setup: |a, b| {
+                a.transport.rnr_retry = 2;
+                b.transport.require_posted_receives = true;
+                b.transport.min_rnr_timer = 17;
+            },
+            impair: |_| {
+                vec![Rule::always(
+                    Filter::any().from(1).kind(Kind::Nak),
+                    Action::Hold {
+                        prob: 1.0,
+                        after: MS,
+                    },
+                )]
+            },
+            ops: |_| Vec::new(),
+            drive: |w, _| {
+                let c = w.conns[0];
+                w.net.eps[0]
+                    .post_send(c, 0, 1, Bytes::from(vec![7u8; 100]))
+                    .map_err(|e| format!("{e:?}"))?;
+                w.net
+                    .run_until(Duration::from_secs(5), |n| n.completions(0, c).len() == 1);
+                w.net.run_until_idle(Duration::from_secs(1));
+                Ok(())
+            },
+            expect: |w| {
+                let c = w.conns[0];
+                let st: Vec<_> = w.net.completions(0, c).iter().map(|wc| wc.status).collect();
+                ensure(st == [WcStatus::RnrRetryExceeded], || {
+                    format!("statuses {st:?}")
+                })?;
+                let at = w.net.events[0]
+                    .iter()
+                    .zip(&w.net.event_times[0])
+                    .find_map(|(e, t)| match e {
+                        Event::Completion { conn, .. } if *conn == c => {
+                            Some(*t - w.net.start - w.t0)
+                        }
+                        _ => None,
+                    })
+                    .ok_or("no completion time")?;
+                let a = w.stats(0).unwrap();
+                let probes: u64 = a.paths.iter().map(|p| p.stats.probes).sum();
+                let naks = w.stats(1).unwrap().recv.rnr_naks;
+                // The failure took rnr_retry = 2 waits of the RNR timer and 3 NAKs of copies
+                // sent after the previous wait, each held 1 ms; probes drew more NAKs than
+                // the three that counted.
+                let least = metaroce::conn::rnr_timer(17) * 2 + 3 * MS;
+                ensure(at >= least && probes >= 1 && naks > 3, || {
+                    format!("failed after {at:?}; {probes} probes, {naks} RNR NAKs")
+                })?;
+                Ok(format!(
+                    "failed after {at:?}; {probes} probes, {naks} RNR NAKs"
+                ))
+            },
+        },
         // A may have 16 READs and atomics outstanding, B answers at most one at a time
         // (max_rd_atomic 1): B RNR-NAKs the requests beyond its response resources. That is
         // flow control, not a missing receive: with rnr_retry = 0 at A every READ and atomic
@@ -2539,6 +2608,11 @@ fn acknowledged_send_behind_an_rnr_failed_one() {
 #[test]
 fn rnr_nak_overtaken_by_a_delivered_copy() {
     run_named("rnr_nak_overtaken_by_a_delivered_copy");
+}
+
+#[test]
+fn rnr_nak_of_a_probe_is_not_another_retry() {
+    run_named("rnr_nak_of_a_probe_is_not_another_retry");
 }
 
 #[test]

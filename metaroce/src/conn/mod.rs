@@ -457,7 +457,9 @@ impl Connection {
                             // RNR NAK: no receive posted; wait the coded time and retry.
                             let delay = send::rnr_timer(nak.syndrome & 0x1F);
                             let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
-                            self.sq.on_rnr(seg, now, delay, self.cfg.rnr_retry, copy);
+                            let (id, psn) = (path.path_id, pkt.bth.psn);
+                            self.sq
+                                .on_rnr(seg, id, psn, now, delay, self.cfg.rnr_retry, copy);
                         } else {
                             self.sq
                                 .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
@@ -548,6 +550,9 @@ impl Connection {
                 .rq
                 .on_stream_abort(handle, s.stream_id, s.msg_seq, &lim, events),
             Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, mrs, events),
+            Data::Write(_, w, _) if path.flags & send::PATH_FLAG_OP_ABORT != 0 => {
+                self.rq.on_op_abort(w.op_id, &lim)
+            }
             Data::Write(reth, w, imm) => {
                 self.rq
                     .on_write(handle, mrs, reth, w, imm, pkt.payload, &lim, events)
@@ -1338,6 +1343,26 @@ impl Connection {
                     },
                     Src::Bytes(bytes::Bytes::new()),
                 ),
+                OpKind::OpAbort { wire_id } => (
+                    Opcode::MR_WRITE,
+                    Headers::Write {
+                        path: PathEth {
+                            flags: path.flags | send::PATH_FLAG_OP_ABORT,
+                            ..path
+                        },
+                        reth: Reth {
+                            va: 0,
+                            rkey: 0,
+                            dma_len: 0,
+                        },
+                        write: WriteEth {
+                            op_id: *wire_id,
+                            offset: 0,
+                        },
+                        imm: None,
+                    },
+                    Src::Bytes(bytes::Bytes::new()),
+                ),
                 OpKind::ReadResponse { req_id, data } => (
                     Opcode::MR_READ_RESPONSE,
                     Headers::ReadResponse {
@@ -1375,7 +1400,7 @@ impl Connection {
                         if probe.is_none() {
                             self.sq.take(seg);
                         }
-                        self.sq.fail(seg.op, WcStatus::LocalProtectionError);
+                        self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
                         break;
                     }
                 },
@@ -1411,6 +1436,7 @@ impl Connection {
                 break;
             };
             self.tx[i].on_sent(seg, now, retransmit);
+            self.sq.on_transmit(seg, i as u8, psn);
             count += 1;
             in_flight += 1;
             if seg_size.is_none() {

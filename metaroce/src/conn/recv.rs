@@ -200,6 +200,9 @@ pub struct RecvStats {
     pub naks: u64,
     /// RNR NAKs sent (a SEND found no posted receive).
     pub rnr_naks: u64,
+    /// Op aborts taken: WRITEs the requester gave up on after a local error (their op ids
+    /// count as finished).
+    pub aborted_ops: u64,
     /// RDMA READ requests executed.
     pub reads: u64,
     /// Atomics executed.
@@ -832,6 +835,26 @@ impl RecvState {
                 });
             }
         }
+        RxOutcome::Accepted
+    }
+
+    /// An op abort (`MR_WRITE` with PathEth flags bit 1): the requester gave up on the
+    /// WRITE with op id `id` and sends none of its remaining packets. The op id counts as
+    /// finished (what already landed stays; no immediate is reported), so the floor of
+    /// finished op ids moves past it. A finished or refused id is acknowledged as a
+    /// duplicate; an id beyond the tracking limit is dropped unacknowledged (re-sent later),
+    /// like a WRITE packet.
+    pub fn on_op_abort(&mut self, id: u32, lim: &RecvLimits) -> RxOutcome {
+        if self.op_state(id) != OpState::Open {
+            self.stats.duplicates += 1;
+            return RxOutcome::Accepted;
+        }
+        if !self.can_track(id, lim) {
+            self.stats.no_buffer_drops += 1;
+            return RxOutcome::Drop;
+        }
+        self.stats.aborted_ops += 1;
+        self.finish_write(id);
         RxOutcome::Accepted
     }
 

@@ -17,6 +17,11 @@ use std::time::{Duration, Instant};
 /// length 0). See docs/PROTOCOL.md, "Errors on a stream".
 pub(crate) const PATH_FLAG_STREAM_ABORT: u8 = crate::wire::PathEth::FLAG_STREAM_ABORT;
 
+/// PathEth flags bit 1 on an `MR_WRITE`: op abort. The packet carries no payload; its
+/// WriteEth names the op id of a WRITE the requester gave up on (see docs/PROTOCOL.md,
+/// "Errors of one operation").
+pub(crate) const PATH_FLAG_OP_ABORT: u8 = crate::wire::PathEth::FLAG_OP_ABORT;
+
 /// An atomic operation (IBA 9.4.5): compare-and-swap or fetch-and-add on 8 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtomicOp {
@@ -71,12 +76,16 @@ pub(crate) enum OpKind {
     /// Requester: tell the peer that `stream` is dead from message `msg_seq` on (a SEND
     /// failed with `RnrRetryExceeded`): an `MR_SEND` with the stream-abort flag, no payload.
     StreamAbort { stream: u32, msg_seq: u32 },
+    /// Requester: tell the peer that the WRITE with op id `wire_id` will send no more
+    /// packets (it failed locally, e.g. its source region was deregistered), so the peer
+    /// counts the op id as finished: an `MR_WRITE` with the op-abort flag, no payload.
+    OpAbort { wire_id: u32 },
 }
 
 impl OpKind {
     /// Queued by the connection itself: sent and acknowledged like data, no completion.
     fn is_internal(&self) -> bool {
-        self.is_response() || matches!(self, OpKind::StreamAbort { .. })
+        self.is_response() || matches!(self, OpKind::StreamAbort { .. } | OpKind::OpAbort { .. })
     }
 
     /// A response to the peer's READ or atomic (counts against responder resources).
@@ -112,9 +121,9 @@ pub(crate) struct Op {
     acked: Vec<u64>,
     acked_segs: u32,
     resp: Option<RespTrack>,
-    /// RNR NAKs per segment (empty until the first): each packet is re-sent at most
-    /// `rnr_retry` times.
-    rnr_count: Vec<u8>,
+    /// RNR state per segment (empty until the first RNR NAK): each packet is re-sent at
+    /// most `rnr_retry` times after an RNR wait.
+    rnr: Vec<RnrSeg>,
     /// Response timeouts of a READ/atomic whose request was acknowledged.
     resp_timeouts: u32,
     pub status: Option<WcStatus>,
@@ -126,7 +135,8 @@ impl Op {
             OpKind::Send { .. }
             | OpKind::ReadResponse { .. }
             | OpKind::AtomicResponse { .. }
-            | OpKind::StreamAbort { .. } => WcOpcode::Send,
+            | OpKind::StreamAbort { .. }
+            | OpKind::OpAbort { .. } => WcOpcode::Send,
             OpKind::Write { imm: None, .. } => WcOpcode::RdmaWrite,
             OpKind::Write { imm: Some(_), .. } => WcOpcode::RdmaWriteWithImm,
             OpKind::Read { .. } => WcOpcode::RdmaRead,
@@ -144,6 +154,39 @@ impl Op {
     fn is_acked(&self, seg: u32) -> bool {
         self.acked[(seg / 64) as usize] >> (seg % 64) & 1 == 1
     }
+
+    /// Whether segment `seg` is waiting on its RNR timer (not to be sent until it ends).
+    fn rnr_waiting(&self, seg: u32) -> bool {
+        self.rnr
+            .get(seg as usize)
+            .is_some_and(|r| r.phase == RnrPhase::Waiting)
+    }
+}
+
+/// Which copies of a segment an RNR NAK may count for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RnrPhase {
+    /// Every copy (no RNR wait yet, or the retry budget is spent while another copy was in
+    /// flight: then that copy's answer decides).
+    Any,
+    /// On the RNR timer: not sent; NAKs of copies sent before the wait began are stale.
+    Waiting,
+    /// The wait ended: only a NAK of a copy sent since (listed in `RnrSeg::copies`) counts.
+    Resent,
+}
+
+/// At most this many copies sent since the last RNR wait are remembered per segment (the
+/// oldest is forgotten first: its NAK is then ignored, and a newer copy answers).
+const RNR_COPIES: usize = 4;
+
+/// RNR state of one segment of an operation.
+#[derive(Debug, Clone)]
+struct RnrSeg {
+    /// RNR NAKs counted (each one started a wait, or failed the operation).
+    count: u8,
+    phase: RnrPhase,
+    /// (path id, PSN) of the copies sent since the last wait ended (phase `Resent`).
+    copies: Vec<(u8, u32)>,
 }
 
 /// Byte offset and length of segment `seg` of a `len`-byte message.
@@ -274,7 +317,7 @@ impl SendQueue {
             acked: vec![0; nsegs.div_ceil(64) as usize],
             acked_segs: 0,
             resp,
-            rnr_count: Vec::new(),
+            rnr: Vec::new(),
             resp_timeouts: 0,
             status: None,
         });
@@ -363,7 +406,21 @@ impl SendQueue {
 
     fn live(&self, s: SegRef) -> bool {
         self.op(s.op)
-            .is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg))
+            .is_some_and(|o| o.status.is_none() && !o.is_acked(s.seg) && !o.rnr_waiting(s.seg))
+    }
+
+    /// A copy of segment `s` went out on path `path_id` with PSN `psn`: after an RNR wait,
+    /// the RNR NAK of such a copy counts as the next retry.
+    pub fn on_transmit(&mut self, s: SegRef, path_id: u8, psn: u32) {
+        let Some(op) = self.op_mut(s.op) else { return };
+        if let Some(r) = op.rnr.get_mut(s.seg as usize) {
+            if r.phase == RnrPhase::Resent {
+                if r.copies.len() >= RNR_COPIES {
+                    r.copies.remove(0);
+                }
+                r.copies.push((path_id, psn));
+            }
+        }
     }
 
     /// The next segment to transmit (retransmissions first), without taking it. A READ or
@@ -437,7 +494,8 @@ impl SendQueue {
             OpKind::Read { .. }
             | OpKind::Atomic { .. }
             | OpKind::AtomicResponse { .. }
-            | OpKind::StreamAbort { .. } => (0, 0),
+            | OpKind::StreamAbort { .. }
+            | OpKind::OpAbort { .. } => (0, 0),
             _ => seg_span(o.len, self.pmtu, s.seg),
         })
     }
@@ -505,9 +563,17 @@ impl SendQueue {
         }
     }
 
-    /// The peer had no receive for this SEND segment: retry after `delay`, or fail with
-    /// `RnrRetryExceeded` once this segment was refused `rnr_retry` + 1 times (7 = retry
-    /// forever). Counted per segment: every segment of a message is refused in each round.
+    /// The peer had no receive for this SEND segment (the copy sent on path `path_id` with
+    /// PSN `psn`): retry after `delay`, or fail with `RnrRetryExceeded` once this segment
+    /// was refused `rnr_retry` + 1 times (7 = retry forever). Counted per segment: every
+    /// segment of a message is refused in each round.
+    ///
+    /// Only a NAK that answers a copy sent after the previous RNR wait ended counts (and
+    /// starts a wait): a NAK of a copy sent before it (a tail-loss probe or loss
+    /// retransmission that was in flight when the previous NAK came back) is stale and
+    /// ignored, so the SEND fails only after `rnr_retry` full waits, each followed by a
+    /// fresh copy and its RNR NAK. While it waits, the segment is neither probed nor
+    /// re-sent (`live` is false), so no copy can draw a NAK that answers nothing new.
     ///
     /// `other_copy`: another copy of the segment is still in flight (a tail-loss probe or
     /// loss retransmission sent before this NAK came back, possibly over a faster path).
@@ -515,9 +581,12 @@ impl SendQueue {
     /// receive and deliver the message, and a SEND must not report RnrRetryExceeded for a
     /// delivered message. Its ACK completes the SEND, its RNR NAK fails it, its loss
     /// re-sends it (loss recovery, not an RNR retry).
+    #[allow(clippy::too_many_arguments)]
     pub fn on_rnr(
         &mut self,
         s: SegRef,
+        path_id: u8,
+        psn: u32,
         now: Instant,
         delay: Duration,
         rnr_retry: u8,
@@ -533,21 +602,40 @@ impl SendQueue {
         // counting it against `rnr_retry` failed READs with RnrRetryExceeded, a status IBA
         // reserves for SENDs that found no receive.
         let rnr_retry = if op.kind.is_rd_atomic() { 7 } else { rnr_retry };
-        if op.rnr_count.is_empty() {
-            op.rnr_count = vec![0; op.nsegs as usize];
+        if op.rnr.is_empty() {
+            op.rnr = vec![
+                RnrSeg {
+                    count: 0,
+                    phase: RnrPhase::Any,
+                    copies: Vec::new(),
+                };
+                op.nsegs as usize
+            ];
         }
-        let Some(count) = op.rnr_count.get_mut(s.seg as usize) else {
+        let Some(r) = op.rnr.get_mut(s.seg as usize) else {
             return;
         };
-        *count = count.saturating_add(1);
-        if rnr_retry != 7 && *count > rnr_retry {
+        let fresh = match r.phase {
+            RnrPhase::Any => true,
+            RnrPhase::Resent => r.copies.contains(&(path_id, psn)),
+            RnrPhase::Waiting => false,
+        };
+        if !fresh {
+            // Stale: answers a copy sent before the last RNR wait began.
+            return;
+        }
+        r.copies.clear();
+        r.count = r.count.saturating_add(1);
+        if rnr_retry != 7 && r.count > rnr_retry {
             if other_copy {
+                r.phase = RnrPhase::Any;
                 return;
             }
             self.finish(s.op, WcStatus::RnrRetryExceeded);
             self.fail_stream(s.op);
             return;
         }
+        r.phase = RnrPhase::Waiting;
         self.rnr_wait.push_back((now + delay, s));
     }
 
@@ -596,6 +684,12 @@ impl SendQueue {
         let mut keep = VecDeque::new();
         while let Some((t, s)) = self.rnr_wait.pop_front() {
             if t <= now {
+                if let Some(r) = self
+                    .op_mut(s.op)
+                    .and_then(|o| o.rnr.get_mut(s.seg as usize))
+                {
+                    r.phase = RnrPhase::Resent;
+                }
                 self.on_lost(s);
             } else {
                 keep.push_back((t, s));
@@ -723,6 +817,24 @@ impl SendQueue {
     /// Fail one operation (NAK from the responder, or a local error).
     pub fn fail(&mut self, op: u64, status: WcStatus) {
         self.finish(op, status);
+    }
+
+    /// Fail operation `id` with a local error found while sending it (its source region
+    /// went away). A WRITE sends no more packets, so the responder would wait for the rest
+    /// of its op id forever and its floor of finished op ids would stop moving (after
+    /// `max_tracked_ops` more operations it would take no new ones): an op abort tells it to
+    /// count the op id as finished. READ and atomic requests carry no local data, so they
+    /// never fail here.
+    pub fn fail_local(&mut self, id: u64, status: WcStatus) {
+        let Some(op) = self.op(id) else { return };
+        let abort = match op.kind {
+            OpKind::Write { wire_id, .. } if op.status.is_none() => Some(wire_id),
+            _ => None,
+        };
+        self.finish(id, status);
+        if let Some(wire_id) = abort {
+            self.push(0, OpKind::OpAbort { wire_id }, 0);
+        }
     }
 
     /// Fail everything pending: the first pending operation gets `first`, the rest are

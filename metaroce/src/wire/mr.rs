@@ -15,7 +15,7 @@ use super::{Aeth, Error, PSN_MASK};
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | path id (8 bits) |
-/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] (`MR_SEND` only); bits 3:2 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
+/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] on `MR_SEND`, [`PathEth::FLAG_OP_ABORT`] on `MR_WRITE`, else 0; bits 3:2 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | transmit timestamp, ns of the sender's clock modulo 2^32 |
 /// | 8 | plane (bits 2:0, see [`PathEth::plane`]); bits 7:3 reserved, 0 |
@@ -50,6 +50,11 @@ impl PathEth {
     /// SendEth names the stream and the first message the sender gave up on (offset 0,
     /// message length 0). See docs/PROTOCOL.md, "Errors on a stream". 0 on other opcodes.
     pub const FLAG_STREAM_ABORT: u8 = 0x02;
+    /// Flag bit 1, on `MR_WRITE`: op abort. The packet carries no payload; its WriteEth
+    /// names the op id of a WRITE the sender gave up on after a local error (offset 0;
+    /// RETH all 0). See docs/PROTOCOL.md, "Errors of one operation". The same bit as
+    /// [`PathEth::FLAG_STREAM_ABORT`]: its meaning depends on the opcode.
+    pub const FLAG_OP_ABORT: u8 = 0x02;
     /// Flags bits 7:4 carry the path's re-roll generation (0..=15, modulo 16): it counts
     /// the times the sender moved this path to a new UDP source port, and the receiver
     /// sends its ACKs and NAKs for the path from a port that moves with it.
