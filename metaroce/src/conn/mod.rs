@@ -573,9 +573,13 @@ impl Connection {
                 out
             }
             Data::ReadResponse(op) => {
-                let out = self
-                    .sq
-                    .on_read_response(op.op_id, op.offset, pkt.payload, mrs);
+                let out = self.sq.on_read_response(
+                    self.last_heard,
+                    op.op_id,
+                    op.offset,
+                    pkt.payload,
+                    mrs,
+                );
                 self.drain_completions(events);
                 response_outcome(out)
             }

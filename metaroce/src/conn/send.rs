@@ -107,6 +107,8 @@ struct RespTrack {
     got: Vec<u64>,
     got_segs: u32,
     nsegs: u32,
+    /// When the last new response segment arrived (restarts the response wait).
+    last_progress: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -223,8 +225,9 @@ pub(crate) struct SendQueue {
     cursor: usize,
     retx: VecDeque<SegRef>,
     rnr_wait: VecDeque<(Instant, SegRef)>,
-    /// READ/atomic requests acknowledged but not answered yet, with their deadline.
-    resp_wait: VecDeque<(Instant, SegRef)>,
+    /// READ/atomic requests acknowledged but not answered yet: (deadline, request segment,
+    /// base response timeout, when the wait was armed).
+    resp_wait: VecDeque<(Instant, SegRef, Duration, Instant)>,
     stream_seq: HashMap<u32, u32>,
     /// Streams in the error state: a SEND on it failed with `RnrRetryExceeded`; the value
     /// is the first message sequence number the stream lost. SENDs posted later on such a
@@ -291,6 +294,7 @@ impl SendQueue {
                     got: vec![0; data_segs.div_ceil(64) as usize],
                     got_segs: 0,
                     nsegs: data_segs,
+                    last_progress: None,
                 }),
             ),
             OpKind::Atomic { .. } => (1, None),
@@ -542,7 +546,7 @@ impl SendQueue {
                 // ACK; if the response never comes (the responder went away), the request
                 // is sent again and, after retry_count tries, fails.
                 let wait = resp_timeout * (1u32 << op.resp_timeouts.min(10));
-                self.resp_wait.push_back((now + wait, s));
+                self.resp_wait.push_back((now + wait, s, resp_timeout, now));
             } else {
                 self.finish(s.op, WcStatus::Success);
             }
@@ -643,25 +647,39 @@ impl SendQueue {
     pub fn wait_deadline(&self) -> Option<Instant> {
         self.rnr_wait
             .iter()
-            .chain(self.resp_wait.iter())
             .map(|(t, _)| *t)
+            .chain(self.resp_wait.iter().map(|(t, ..)| *t))
             .min()
     }
 
     /// Handle the RNR and response waits that have ended: RNR-refused segments go back to the
     /// retransmission queue; unanswered READ/atomic requests are sent again, or fail with
-    /// `RetryExceeded` after `retry_count` response timeouts.
+    /// `RetryExceeded` after `retry_count` response timeouts in a row. A READ whose response
+    /// is still arriving is not timed out: each new response segment restarts the wait at
+    /// the base response timeout and clears the count (IBA: the requester's transport timer
+    /// restarts with every valid response packet), so a response longer than the whole
+    /// retry budget completes instead of being requested again and failing.
     pub fn on_wait_timer(&mut self, now: Instant, retry_count: u32) {
         let mut keep = VecDeque::new();
-        while let Some((t, s)) = self.resp_wait.pop_front() {
+        while let Some((t, s, base, armed)) = self.resp_wait.pop_front() {
             if t > now {
-                keep.push_back((t, s));
+                keep.push_back((t, s, base, armed));
                 continue;
             }
             let Some(op) = self.op_mut(s.op) else {
                 continue;
             };
             if op.status.is_some() {
+                continue;
+            }
+            let progress = op
+                .resp
+                .as_ref()
+                .and_then(|r| r.last_progress)
+                .filter(|&p| p > armed && p + base > now);
+            if let Some(p) = progress {
+                op.resp_timeouts = 0;
+                keep.push_back((p + base, s, base, p));
                 continue;
             }
             op.resp_timeouts += 1;
@@ -698,9 +716,11 @@ impl SendQueue {
         self.rnr_wait = keep;
     }
 
-    /// A READ response packet: place it in the requester's buffer.
+    /// A READ response packet that arrived at `now`: place it in the requester's buffer.
+    /// A new segment is progress of the READ (restarts its response wait).
     pub fn on_read_response(
         &mut self,
+        now: Instant,
         wire_id: u32,
         offset: u32,
         payload: &[u8],
@@ -733,6 +753,7 @@ impl SendQueue {
         }
         resp.got[w] |= 1 << b;
         resp.got_segs += 1;
+        resp.last_progress = Some(now);
         let done = resp.got_segs == resp.nsegs;
         if !payload.is_empty() {
             match mrs.local_mut(lkey, local_offset + offset as u64, payload.len() as u64) {
