@@ -880,8 +880,26 @@ impl Qp {
                 if !matches!(w_op, SendOp::Read { .. }) {
                     return;
                 }
-                if p != psn_add(first_psn, read_rcvd) {
-                    return; // out of order: the timer recovers
+                let expected = psn_add(first_psn, read_rcvd);
+                if p != expected {
+                    // A response beyond the expected one means the responder went past a
+                    // lost packet (one path, in order). Re-request the rest of the READ
+                    // from the first missing PSN now (rxe would wait for the local ACK
+                    // timer, which on a long READ fires again and again while the
+                    // responder still streams the old response): once per gap, guarded
+                    // by `retry_from` like the ACK-past-READ retry above, and counted
+                    // against `retry_cnt`. Behind-`una` duplicates were dropped earlier.
+                    if psn_diff(p, expected) > 0 && self.retry_from.is_none() {
+                        if self.retry_left == 0 {
+                            self.fail_front(WcStatus::RetryExceeded, events);
+                            return;
+                        }
+                        self.retry_left -= 1;
+                        self.rewind();
+                        // The re-issued request gets a full timeout of its own.
+                        self.rearm_after_progress(now);
+                    }
+                    return;
                 }
                 if aeth.is_some() && syn_type != Some(SYN_ACK) {
                     return;
@@ -1352,17 +1370,30 @@ impl Qp {
                 {
                     return;
                 }
-                self.push_out(
-                    cfg,
-                    RespItem::Read {
-                        base,
-                        k,
-                        n,
-                        va: r.va,
-                        rkey,
-                        remaining: r.dma_len,
-                    },
-                );
+                let replay = RespItem::Read {
+                    base,
+                    k,
+                    n,
+                    va: r.va,
+                    rkey,
+                    remaining: r.dma_len,
+                };
+                // The requester asks again because it lost part of the response: if
+                // that READ is still being answered (or queued), restart its response
+                // at the requested PSN in place instead of finishing a stream the
+                // requester drops and then replaying after it (rxe's responder likewise
+                // switches to the duplicate's PSN). Later queued responses keep their
+                // order; further queued copies of this READ are dropped.
+                let same =
+                    |it: &RespItem| matches!(*it, RespItem::Read { base: b, .. } if b == base);
+                if let Some(i) = self.out.iter().position(same) {
+                    self.out[i] = replay;
+                    let mut first = true;
+                    self.out
+                        .retain(|it| !same(it) || std::mem::replace(&mut first, false));
+                } else {
+                    self.push_out(cfg, replay);
+                }
             }
             0x13 | 0x14 => {
                 let found = self.resources.iter().rev().find_map(|res| match *res {
