@@ -1286,3 +1286,54 @@ fn read_response_gap_re_requests_the_rest_once_and_responder_switches() {
         "{resps} response packets"
     );
 }
+
+/// The last response packet of a READ is lost while the next READ is already being
+/// answered: the requester re-requests the first READ's tail and the second READ, and
+/// the responder answers them in PSN order (it abandons the second READ's stream for
+/// the replays), so both complete without a timeout.
+#[test]
+fn lost_read_tail_while_next_read_streams() {
+    let mut n = Net::new(1024, None, None);
+    const LEN: usize = 256 << 10; // 256 packets each
+    let res = n.a.register_mr(vec![0; 2 * LEN], Access::LOCAL_WRITE);
+    let tgt = n.b.register_mr(
+        pattern(2 * LEN, 6),
+        Access::LOCAL_WRITE | Access::REMOTE_READ,
+    );
+    for i in 0..2u64 {
+        n.a.post_send(
+            n.qa,
+            SendWr {
+                wr_id: i + 1,
+                op: SendOp::Read {
+                    remote_addr: tgt.addr + i * LEN as u64,
+                    rkey: tgt.rkey,
+                },
+                lkey: res.lkey,
+                local_offset: i * LEN as u64,
+                len: LEN as u32,
+                solicited: false,
+            },
+        )
+        .unwrap();
+    }
+    let mut lost = false;
+    n.run_paced(
+        400_000_000,
+        Duration::from_micros(5),
+        Duration::from_secs(10),
+        // Lose the first READ's LAST response once.
+        &mut |s| !s.from_a && s.opcode == 0x0F && !std::mem::replace(&mut lost, true),
+        &|n| n.completions_a().len() == 2,
+    );
+    let c = n.completions_a();
+    assert_eq!(c.len(), 2, "{c:?}");
+    assert!(c.iter().all(|c| c.status == WcStatus::Success), "{c:?}");
+    assert_eq!(c[0].wr_id, 1);
+    assert_eq!(
+        n.a.mr_read(res.lkey, 0, 2 * LEN as u64).unwrap(),
+        &pattern(2 * LEN, 6)[..]
+    );
+    let st = n.a.qp_stats(n.qa).unwrap();
+    assert_eq!(st.timeouts, 0, "{st:?}");
+}

@@ -1378,22 +1378,16 @@ impl Qp {
                     rkey,
                     remaining: r.dma_len,
                 };
-                // The requester asks again because it lost part of the response: if
-                // that READ is still being answered (or queued), restart its response
-                // at the requested PSN in place instead of finishing a stream the
-                // requester drops and then replaying after it (rxe's responder likewise
-                // switches to the duplicate's PSN). Later queued responses keep their
-                // order; further queued copies of this READ are dropped.
-                let same =
-                    |it: &RespItem| matches!(*it, RespItem::Read { base: b, .. } if b == base);
-                if let Some(i) = self.out.iter().position(same) {
-                    self.out[i] = replay;
-                    let mut first = true;
-                    self.out
-                        .retain(|it| !same(it) || std::mem::replace(&mut first, false));
-                } else {
-                    self.push_out(cfg, replay);
-                }
+                // The requester asks again because it lost part of the response and goes
+                // back N: it will also ask again for every later READ. Abandon the queued
+                // (or in-progress) responses of this READ and of later ones instead of
+                // finishing streams the requester drops, and answer from the requested
+                // PSN (rxe's responder likewise switches to the duplicate's PSN). The
+                // later READs' responses follow when their own requests come again.
+                self.out.retain(
+                    |it| !matches!(*it, RespItem::Read { base: b, .. } if psn_diff(b, base) >= 0),
+                );
+                self.push_out(cfg, replay);
             }
             0x13 | 0x14 => {
                 let found = self.resources.iter().rev().find_map(|res| match *res {
