@@ -1282,7 +1282,7 @@ fn read_response_gap_re_requests_the_rest_once_and_responder_switches() {
         .filter(|s| !s.from_a && (0x0D..=0x10).contains(&s.opcode))
         .count();
     assert!(
-        resps >= NPKT + 1 && resps <= NPKT + 8,
+        (NPKT + 1..=NPKT + 8).contains(&resps),
         "{resps} response packets"
     );
 }
