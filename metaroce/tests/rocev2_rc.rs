@@ -1013,3 +1013,327 @@ fn corrupted_and_foreign_packets_are_dropped() {
     while n.b.poll_event().map(|e| n.ev_b.push(e)).is_some() {}
     assert_eq!(n.completions_b().len(), 1);
 }
+
+impl Net {
+    /// Like `run`, but over a rate-limited link: each direction serializes its packets at
+    /// `bits_per_sec` (IP packet bytes) and delivers them `prop` later, in order. An
+    /// endpoint is asked for its next packet only when its link is idle (a NIC sending at
+    /// line rate), so queued responses stay at the responder. `drop` decides, per packet,
+    /// whether the link loses it. Virtual time advances to the next delivery, idle link
+    /// or timer.
+    fn run_paced(
+        &mut self,
+        bits_per_sec: u64,
+        prop: Duration,
+        limit: Duration,
+        drop: &mut dyn FnMut(&Seen) -> bool,
+        done: &dyn Fn(&Net) -> bool,
+    ) {
+        use std::collections::VecDeque;
+        let end = self.now + limit;
+        let mut buf = Vec::new();
+        // Per direction (index 0: A to B, 1: B to A): when the link is next free, and the
+        // packets in flight with their arrival times.
+        let mut free = [self.now; 2];
+        let mut flight: [VecDeque<(Instant, Vec<u8>)>; 2] = [VecDeque::new(), VecDeque::new()];
+        for _ in 0..10_000_000 {
+            let mut moved = false;
+            for (d, from_a) in [(0usize, true), (1, false)] {
+                while free[d] <= self.now {
+                    let src = if from_a { &mut self.a } else { &mut self.b };
+                    let Some(t) = src.poll_transmit(self.now, &mut buf) else {
+                        break;
+                    };
+                    let mut pkt = Vec::new();
+                    t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
+                    let ser =
+                        Duration::from_nanos(pkt.len() as u64 * 8 * 1_000_000_000 / bits_per_sec);
+                    free[d] = free[d].max(self.now) + ser;
+                    let s = seen(from_a, pkt);
+                    if !drop(&s) {
+                        flight[d].push_back((free[d] + prop, s.ip_packet.clone()));
+                    }
+                    self.wire.push(s);
+                    moved = true;
+                }
+            }
+            for (d, to_b) in [(0usize, true), (1, false)] {
+                while flight[d].front().is_some_and(|(t, _)| *t <= self.now) {
+                    let (_, pkt) = flight[d].pop_front().unwrap();
+                    let dst = if to_b { &mut self.b } else { &mut self.a };
+                    dst.handle_ip_packet(self.now, &pkt);
+                    moved = true;
+                }
+            }
+            while let Some(e) = self.a.poll_event() {
+                self.ev_a.push(e);
+            }
+            while let Some(e) = self.b.poll_event() {
+                self.ev_b.push(e);
+            }
+            if done(self) {
+                return;
+            }
+            if !moved {
+                let next = [
+                    self.a.poll_timeout(),
+                    self.b.poll_timeout(),
+                    flight[0].front().map(|f| f.0),
+                    flight[1].front().map(|f| f.0),
+                    (free[0] > self.now).then_some(free[0]),
+                    (free[1] > self.now).then_some(free[1]),
+                ]
+                .into_iter()
+                .flatten()
+                .min();
+                match next {
+                    Some(t) if t <= end => {
+                        self.now = self.now.max(t);
+                        self.a.handle_timeout(self.now);
+                        self.b.handle_timeout(self.now);
+                    }
+                    _ => return,
+                }
+            }
+        }
+        panic!("no quiescence");
+    }
+}
+
+/// IBA 9.7.6.1.3 / reference §6.3: the local ACK timer covers the oldest outstanding
+/// request and every valid in-sequence response restarts it. A READ whose response
+/// streams for many timeout periods over a slow but lossless link must complete without
+/// a single timeout or re-request; likewise a long WRITE acknowledged by coalesced ACKs
+/// and atomics queued behind it.
+#[test]
+fn long_read_response_on_slow_link_restarts_the_ack_timer() {
+    let mut n = Net::new(1024, None, None); // ACK timeout 2^10 x 4.096 us = 4.19 ms
+    const LEN: usize = 4 << 20; // 4096 response packets
+    let res = n.a.register_mr(vec![0; LEN + 16], Access::LOCAL_WRITE);
+    let tgt = n.b.register_mr(
+        pattern(LEN + 8, 3),
+        Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
+    );
+    let src = n.a.register_mr(pattern(LEN, 9), Access::LOCAL_WRITE);
+    let sink =
+        n.b.register_mr(vec![0; LEN], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    n.a.post_send(
+        n.qa,
+        SendWr {
+            wr_id: 1,
+            op: SendOp::Read {
+                remote_addr: tgt.addr,
+                rkey: tgt.rkey,
+            },
+            lkey: res.lkey,
+            local_offset: 0,
+            len: LEN as u32,
+            solicited: false,
+        },
+    )
+    .unwrap();
+    // A long WRITE behind it (ACKed every `max_pkts_per_ack` packets), then an atomic.
+    n.a.post_send(
+        n.qa,
+        SendWr {
+            wr_id: 2,
+            op: SendOp::Write {
+                remote_addr: sink.addr,
+                rkey: sink.rkey,
+                imm: None,
+            },
+            lkey: src.lkey,
+            local_offset: 0,
+            len: LEN as u32,
+            solicited: false,
+        },
+    )
+    .unwrap();
+    n.a.post_send(
+        n.qa,
+        SendWr {
+            wr_id: 3,
+            op: SendOp::FetchAdd {
+                remote_addr: tgt.addr + LEN as u64,
+                rkey: tgt.rkey,
+                add: 1,
+            },
+            lkey: res.lkey,
+            local_offset: LEN as u64,
+            len: 8,
+            solicited: false,
+        },
+    )
+    .unwrap();
+    // 400 Mbit/s: the READ response alone needs ~86 ms on the wire, ~20 ACK timeouts
+    // (while 64 WRITE packets, one ACK's worth, take 1.4 ms).
+    let start = n.now;
+    n.run_paced(
+        400_000_000,
+        Duration::from_micros(5),
+        Duration::from_secs(10),
+        &mut |_| false,
+        &|n| n.completions_a().len() == 3,
+    );
+    let elapsed = n.now - start;
+    assert!(
+        elapsed > Duration::from_millis(4 * 20),
+        "the link is slow enough to span many timeouts: {elapsed:?}"
+    );
+    let c = n.completions_a();
+    assert_eq!(c.len(), 3, "{c:?}");
+    assert!(c.iter().all(|c| c.status == WcStatus::Success), "{c:?}");
+    assert_eq!(
+        n.a.mr_read(res.lkey, 0, LEN as u64).unwrap(),
+        &pattern(LEN + 8, 3)[..LEN]
+    );
+    assert_eq!(
+        n.b.mr_read(sink.lkey, 0, LEN as u64).unwrap(),
+        &pattern(LEN, 9)[..]
+    );
+    assert_eq!(
+        n.a.mr_read(res.lkey, LEN as u64, 8).unwrap(),
+        &pattern(LEN + 8, 3)[LEN..]
+    );
+    let st = n.a.qp_stats(n.qa).unwrap();
+    assert_eq!(st.timeouts, 0, "{st:?}");
+    assert_eq!(st.retransmitted, 0, "{st:?}");
+    let reads = n
+        .wire
+        .iter()
+        .filter(|s| s.from_a && s.opcode == 0x0C)
+        .count();
+    assert_eq!(reads, 1, "one READ request, never re-requested");
+    let atomics = n
+        .wire
+        .iter()
+        .filter(|s| s.from_a && s.opcode == 0x14)
+        .count();
+    assert_eq!(atomics, 1);
+}
+
+/// A READ response packet lost in the middle of a long READ over a slow link: the
+/// requester sees the next response beyond the gap and re-requests the rest from the
+/// first missing PSN at once (no timeout), and the responder abandons the old response
+/// stream for the replay instead of finishing it first. Without both, the requester's
+/// timer fires again and again while the stale stream drains, each timeout adding a
+/// full replay, until the retry budget runs out.
+#[test]
+fn read_response_gap_re_requests_the_rest_once_and_responder_switches() {
+    let mut n = Net::new(1024, None, None); // ACK timeout 4.19 ms
+    const LEN: usize = 4 << 20; // 4096 response packets, ~86 ms at 400 Mbit/s
+    const NPKT: usize = LEN / 1024;
+    let res = n.a.register_mr(vec![0; LEN], Access::LOCAL_WRITE);
+    let tgt =
+        n.b.register_mr(pattern(LEN, 4), Access::LOCAL_WRITE | Access::REMOTE_READ);
+    n.a.post_send(
+        n.qa,
+        SendWr {
+            wr_id: 1,
+            op: SendOp::Read {
+                remote_addr: tgt.addr,
+                rkey: tgt.rkey,
+            },
+            lkey: res.lkey,
+            local_offset: 0,
+            len: LEN as u32,
+            solicited: false,
+        },
+    )
+    .unwrap();
+    // Lose the 101st response packet (index 100) once.
+    let mut resp_seen = 0;
+    n.run_paced(
+        400_000_000,
+        Duration::from_micros(5),
+        Duration::from_secs(10),
+        &mut |s| {
+            if !s.from_a && (0x0D..=0x10).contains(&s.opcode) {
+                resp_seen += 1;
+                resp_seen == 101
+            } else {
+                false
+            }
+        },
+        &|n| !n.completions_a().is_empty(),
+    );
+    let c = n.completions_a();
+    assert_eq!(c.len(), 1);
+    assert_eq!(c[0].status, WcStatus::Success, "{c:?}");
+    assert_eq!(
+        n.a.mr_read(res.lkey, 0, LEN as u64).unwrap(),
+        &pattern(LEN, 4)[..]
+    );
+    let st = n.a.qp_stats(n.qa).unwrap();
+    assert_eq!(st.timeouts, 0, "{st:?}");
+    let reqs: Vec<&Seen> = n
+        .wire
+        .iter()
+        .filter(|s| s.from_a && s.opcode == 0x0C)
+        .collect();
+    assert_eq!(reqs.len(), 2, "one re-request for the one gap");
+    let k = (reqs[1].psn.wrapping_sub(reqs[0].psn) & 0xFF_FFFF) as usize;
+    assert_eq!(k, 100, "re-requested from the first missing response PSN");
+    // The responder switched to the replay: besides the 4096 needed packets, only those
+    // sent while the gap and the re-request crossed the link (one round trip) are waste.
+    let resps = n
+        .wire
+        .iter()
+        .filter(|s| !s.from_a && (0x0D..=0x10).contains(&s.opcode))
+        .count();
+    assert!(
+        (NPKT + 1..=NPKT + 8).contains(&resps),
+        "{resps} response packets"
+    );
+}
+
+/// The last response packet of a READ is lost while the next READ is already being
+/// answered: the requester re-requests the first READ's tail and the second READ, and
+/// the responder answers them in PSN order (it abandons the second READ's stream for
+/// the replays), so both complete without a timeout.
+#[test]
+fn lost_read_tail_while_next_read_streams() {
+    let mut n = Net::new(1024, None, None);
+    const LEN: usize = 256 << 10; // 256 packets each
+    let res = n.a.register_mr(vec![0; 2 * LEN], Access::LOCAL_WRITE);
+    let tgt = n.b.register_mr(
+        pattern(2 * LEN, 6),
+        Access::LOCAL_WRITE | Access::REMOTE_READ,
+    );
+    for i in 0..2u64 {
+        n.a.post_send(
+            n.qa,
+            SendWr {
+                wr_id: i + 1,
+                op: SendOp::Read {
+                    remote_addr: tgt.addr + i * LEN as u64,
+                    rkey: tgt.rkey,
+                },
+                lkey: res.lkey,
+                local_offset: i * LEN as u64,
+                len: LEN as u32,
+                solicited: false,
+            },
+        )
+        .unwrap();
+    }
+    let mut lost = false;
+    n.run_paced(
+        400_000_000,
+        Duration::from_micros(5),
+        Duration::from_secs(10),
+        // Lose the first READ's LAST response once.
+        &mut |s| !s.from_a && s.opcode == 0x0F && !std::mem::replace(&mut lost, true),
+        &|n| n.completions_a().len() == 2,
+    );
+    let c = n.completions_a();
+    assert_eq!(c.len(), 2, "{c:?}");
+    assert!(c.iter().all(|c| c.status == WcStatus::Success), "{c:?}");
+    assert_eq!(c[0].wr_id, 1);
+    assert_eq!(
+        n.a.mr_read(res.lkey, 0, 2 * LEN as u64).unwrap(),
+        &pattern(2 * LEN, 6)[..]
+    );
+    let st = n.a.qp_stats(n.qa).unwrap();
+    assert_eq!(st.timeouts, 0, "{st:?}");
+}

@@ -194,7 +194,8 @@ pub struct ConnectAttrs {
     pub path_mtu: u32,
     /// Local ACK timeout exponent: 4.096 µs × 2^timeout; 0 disables the timer (5 bits).
     pub timeout: u8,
-    /// Retransmissions after an ACK timeout / sequence NAK without progress (3 bits).
+    /// Retransmissions after an ACK timeout, sequence NAK or READ-response gap without
+    /// progress (3 bits).
     pub retry_cnt: u8,
     /// Retransmissions after RNR NAKs (3 bits); 7 = infinite.
     pub rnr_retry: u8,

@@ -880,8 +880,26 @@ impl Qp {
                 if !matches!(w_op, SendOp::Read { .. }) {
                     return;
                 }
-                if p != psn_add(first_psn, read_rcvd) {
-                    return; // out of order: the timer recovers
+                let expected = psn_add(first_psn, read_rcvd);
+                if p != expected {
+                    // A response beyond the expected one means the responder went past a
+                    // lost packet (one path, in order). Re-request the rest of the READ
+                    // from the first missing PSN now (rxe would wait for the local ACK
+                    // timer, which on a long READ fires again and again while the
+                    // responder still streams the old response): once per gap, guarded
+                    // by `retry_from` like the ACK-past-READ retry above, and counted
+                    // against `retry_cnt`. Behind-`una` duplicates were dropped earlier.
+                    if psn_diff(p, expected) > 0 && self.retry_from.is_none() {
+                        if self.retry_left == 0 {
+                            self.fail_front(WcStatus::RetryExceeded, events);
+                            return;
+                        }
+                        self.retry_left -= 1;
+                        self.rewind();
+                        // The re-issued request gets a full timeout of its own.
+                        self.rearm_after_progress(now);
+                    }
+                    return;
                 }
                 if aeth.is_some() && syn_type != Some(SYN_ACK) {
                     return;
@@ -1352,17 +1370,24 @@ impl Qp {
                 {
                     return;
                 }
-                self.push_out(
-                    cfg,
-                    RespItem::Read {
-                        base,
-                        k,
-                        n,
-                        va: r.va,
-                        rkey,
-                        remaining: r.dma_len,
-                    },
+                let replay = RespItem::Read {
+                    base,
+                    k,
+                    n,
+                    va: r.va,
+                    rkey,
+                    remaining: r.dma_len,
+                };
+                // The requester asks again because it lost part of the response and goes
+                // back N: it will also ask again for every later READ. Abandon the queued
+                // (or in-progress) responses of this READ and of later ones instead of
+                // finishing streams the requester drops, and answer from the requested
+                // PSN (rxe's responder likewise switches to the duplicate's PSN). The
+                // later READs' responses follow when their own requests come again.
+                self.out.retain(
+                    |it| !matches!(*it, RespItem::Read { base: b, .. } if psn_diff(b, base) >= 0),
                 );
+                self.push_out(cfg, replay);
             }
             0x13 | 0x14 => {
                 let found = self.resources.iter().rev().find_map(|res| match *res {
