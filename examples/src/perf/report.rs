@@ -197,13 +197,23 @@ pub fn bw_header(s: &Settings) {
 /// One write_bw row.
 pub fn bw_row(s: &Settings, r: &BwRow) {
     println!(
-        "{:>7}{:>16}{:>19.2}{:>22.2}{:>16.6}",
+        "{:>7}{:>16}{:>19.2}{:>22.2}{:>16}",
         r.size,
         r.result.ops,
         bw_value(s, r.result.peak_bytes_per_sec),
         bw_value(s, r.result.avg_bytes_per_sec),
-        r.result.msg_rate_mpps
+        mpps(r.result.msg_rate_mpps)
     );
+}
+
+/// A message rate in Mpps with six decimals, or in scientific notation when that would
+/// show 0.000000 for a rate that is not zero (few large messages).
+fn mpps(v: f64) -> String {
+    if v > 0.0 && v < 5e-7 {
+        format!("{v:.3e}")
+    } else {
+        format!("{v:.6}")
+    }
 }
 
 /// The send_lat column header.
