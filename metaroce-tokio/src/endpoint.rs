@@ -351,7 +351,9 @@ impl Endpoint {
         shared.wake_driver.notify_one();
     }
 
-    /// Whether `err` (from a connection) means this endpoint is gone.
+    /// Whether this endpoint is closed ([`close`](Self::close) was called on it or a
+    /// clone): new operations on it and its connections fail with
+    /// [`Error::EndpointClosed`](crate::Error::EndpointClosed).
     pub fn is_closed(&self) -> bool {
         self.shared().lock().closed
     }

@@ -148,7 +148,10 @@ mod tests {
         );
         assert_eq!(b.recv().await.unwrap(), Ctrl::Bye);
         b.post(Ctrl::Error("no".into())).await.unwrap();
-        assert_eq!(a.recv().await.unwrap_err(), "the server reported an error: no");
+        assert_eq!(
+            a.recv().await.unwrap_err(),
+            "the server reported an error: no"
+        );
         drop(b);
         assert!(a.recv_raw().await.is_none());
     }

@@ -351,9 +351,10 @@ async fn rc_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
     let (a, b) = tokio::io::duplex(1 << 16);
     let server_net = Net::Rc(server.clone());
     let rx_depth = s.rx_depth;
-    let server_task = tokio::spawn(async move {
-        server::serve(server_net, Chan::bytes(b), false, rx_depth).await
-    });
+    let server_task =
+        tokio::spawn(
+            async move { server::serve(server_net, Chan::bytes(b), false, rx_depth).await },
+        );
     let mut chan = Chan::bytes(a);
     let r = client::run(&Net::Rc(client.clone()), &mut chan, s).await;
     drop(chan);
@@ -444,13 +445,7 @@ async fn rc_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcom
         canonical(peer.ip()),
         derive_seed(seed, SEED_SERVER_CORE),
     )?;
-    let r = server::serve(
-        Net::Rc(net.clone()),
-        Chan::bytes(tcp),
-        true,
-        s.rx_depth,
-    )
-    .await?;
+    let r = server::serve(Net::Rc(net.clone()), Chan::bytes(tcp), true, s.rx_depth).await?;
     report::rule();
     Ok(Outcome {
         client: None,

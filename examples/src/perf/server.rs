@@ -163,14 +163,7 @@ fn ring_shape(max_size: u64, rx_depth: usize, cap: u64) -> (u64, u64) {
 }
 
 /// RC send_bw: keeps `count` receives posted and checksums what lands, in order.
-async fn rc_sink(
-    rc: Arc<RcNet>,
-    ring: Mr,
-    slot: u64,
-    count: u64,
-    sink: Arc<Sink>,
-    fail: FailTx,
-) {
+async fn rc_sink(rc: Arc<RcNet>, ring: Mr, slot: u64, count: u64, sink: Arc<Sink>, fail: FailTx) {
     let r: Res<()> = async {
         for k in 0..count {
             rc.post_recv(k, &ring, k * slot, slot as u32)?;
@@ -497,7 +490,14 @@ fn start_services(
             )?;
             let rc = rc.clone();
             tasks.push(if test == Test::SendBw {
-                tokio::spawn(rc_sink(rc, ring, slot, count, sink_state.clone(), fail.clone()))
+                tokio::spawn(rc_sink(
+                    rc,
+                    ring,
+                    slot,
+                    count,
+                    sink_state.clone(),
+                    fail.clone(),
+                ))
             } else {
                 tokio::spawn(rc_echo(rc, ring, slot, count, echoed.clone(), fail.clone()))
             });
@@ -560,8 +560,15 @@ fn setup_round(
             let remote = land.remote();
             let expected = pattern(client_pattern_seed(seed), size);
             let counters = Arc::new(WlCounters::default());
-            let answering =
-                write_lat_round(net.clone(), land, mine, peer, size, expected, counters.clone());
+            let answering = write_lat_round(
+                net.clone(),
+                land,
+                mine,
+                peer,
+                size,
+                expected,
+                counters.clone(),
+            );
             let fail = fail.clone();
             let h = tokio::spawn(async move {
                 let r = answering.await;

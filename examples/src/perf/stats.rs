@@ -69,9 +69,7 @@ impl BwMeter {
         let merge = self.points.len() > 1 && ns < self.opened + res;
         match self.points.last_mut() {
             // Merge into the last point (never into the origin) within its resolution.
-            Some(p) if merge => {
-                *p = (p.0.max(ns), self.bytes)
-            }
+            Some(p) if merge => *p = (p.0.max(ns), self.bytes),
             _ => {
                 self.opened = ns;
                 self.points.push((ns, self.bytes));
@@ -198,7 +196,10 @@ mod tests {
         let mut m = BwMeter::new(t0);
         m.record(t0 + Duration::from_millis(23_700), 2 << 30);
         let r = m.finish();
-        assert!((r.peak_bytes_per_sec / r.avg_bytes_per_sec - 1.0).abs() < 1e-9, "{r:?}");
+        assert!(
+            (r.peak_bytes_per_sec / r.avg_bytes_per_sec - 1.0).abs() < 1e-9,
+            "{r:?}"
+        );
         // Two 256 MiB completions at 1.0 s and 2.0 s: the best interval is either second,
         // 256 MiB/s, never 256 MiB per 100 ms.
         let mut m = BwMeter::new(t0);
