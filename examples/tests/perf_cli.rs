@@ -291,3 +291,18 @@ fn unwritable_out_json_fails_before_the_run() {
     assert!(stderr(&o).contains("--out_json /nonexistent/x.json"));
     assert!(!stdout(&o).contains(BW_HEADER), "no run: {}", stdout(&o));
 }
+
+#[test]
+fn preamble_counts_spare_ports_and_warm_up() {
+    let o = perf(&["send_lat", "-n", "20", "-s", "64"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    assert!(
+        s.contains(" Paths           : 8 (+ 24 spare source ports for re-rolls)"),
+        "{s}"
+    );
+    assert!(
+        s.contains(" Iterations      : 20 (+ 10 warm-up, not measured)"),
+        "{s}"
+    );
+}

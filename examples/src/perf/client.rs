@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 pub const MAX_SLOTS_BYTES: u64 = 1 << 30;
 
 /// Latency iterations before the measured ones (checked, not reported).
-const WARMUP: u64 = 10;
+pub const WARMUP: u64 = 10;
 
 /// Receive buffers the client keeps posted for RC send_lat echoes.
 const RC_LAT_RECVS: u64 = 4;
