@@ -155,4 +155,19 @@ mod tests {
         drop(b);
         assert!(a.recv_raw().await.is_none());
     }
+
+    #[tokio::test]
+    async fn recv_raw_is_cancel_safe() {
+        let (mut w, r) = tokio::io::duplex(1024);
+        let mut r = Chan::bytes(r);
+        let body = Ctrl::Bye.encode();
+        let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        // Half a frame arrives, the receive is dropped (as a losing select! branch is).
+        w.write_all(&frame[..3]).await.unwrap();
+        let wait = std::time::Duration::from_millis(20);
+        assert!(tokio::time::timeout(wait, r.recv_raw()).await.is_err());
+        w.write_all(&frame[3..]).await.unwrap();
+        assert_eq!(r.recv().await.unwrap(), Ctrl::Bye);
+    }
 }
