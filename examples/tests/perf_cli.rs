@@ -254,3 +254,55 @@ fn emulate_routes_a_lossless_run_through_the_impairment_layer() {
     assert!(out.contains("Impairment dropped 0 of"), "{out}");
     assert!(out.contains("OK"), "{out}");
 }
+
+#[test]
+fn peak_of_a_single_message_is_its_average() {
+    // One 32 MiB READ takes longer than the 100 ms peak window: the peak is the rate over
+    // its whole time in flight, not 32 MiB per window.
+    let o = perf(&["read_bw", "-s", "33554432", "-n", "1"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    let row: Vec<&str> = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("33554432"))
+        .expect("a row for 33554432 bytes")
+        .split_whitespace()
+        .collect();
+    let peak: f64 = row[2].parse().unwrap();
+    let avg: f64 = row[3].parse().unwrap();
+    assert!((peak - avg).abs() <= 0.011, "peak {peak} vs average {avg}");
+    let rate: f64 = row[4].parse().unwrap();
+    assert!(rate > 0.0, "message rate shown as {}", row[4]);
+}
+
+#[test]
+fn a_word_that_is_no_test_and_no_host_is_called_an_unknown_test() {
+    assert_usage_error(
+        &["nosuchtest"],
+        "unknown test 'nosuchtest' (expected one of: write_bw",
+    );
+    assert_usage_error(&["nosuchtest"], "or give the server address as HOST:PORT");
+}
+
+#[test]
+fn unwritable_out_json_fails_before_the_run() {
+    let o = perf(&["-n", "10", "--out_json", "/nonexistent/x.json"]);
+    assert_ne!(o.status.code(), Some(0));
+    assert!(stderr(&o).contains("--out_json /nonexistent/x.json"));
+    assert!(!stdout(&o).contains(BW_HEADER), "no run: {}", stdout(&o));
+}
+
+#[test]
+fn preamble_counts_spare_ports_and_warm_up() {
+    let o = perf(&["send_lat", "-n", "20", "-s", "64"]);
+    assert_eq!(o.status.code(), Some(0));
+    let s = stdout(&o);
+    assert!(
+        s.contains(" Paths           : 8 (+ 24 spare source ports for re-rolls)"),
+        "{s}"
+    );
+    assert!(
+        s.contains(" Iterations      : 20 (+ 10 warm-up, not measured)"),
+        "{s}"
+    );
+}

@@ -423,3 +423,36 @@ fn a_failed_check_exits_1_in_every_test() {
         }
     }
 }
+
+#[test]
+fn a_failure_on_the_server_side_ends_the_client() {
+    // Under 50% loss the server's echo SEND (send_lat) or reply WRITE (write_lat) often
+    // exhausts its retry budget. The server reports that over the control channel and the
+    // client ends with the server's error, instead of waiting forever for an echo (a run
+    // may also succeed, or fail on the client's own side first).
+    let limit = std::time::Duration::from_secs(120);
+    let mut server_reports = 0;
+    for (test, mode, seed) in [
+        ("send_lat", "rocev2", "1"),
+        ("send_lat", "rocev2", "2"),
+        ("send_lat", "rocev2", "3"),
+        ("write_lat", "rocev2", "4"),
+        ("send_lat", "metaroce", "5"),
+    ] {
+        let args = [
+            test, "--loss", "50", "-n", "50", "--mode", mode, "--seed", seed,
+        ];
+        let o = common::perf_bounded(&args, limit)
+            .unwrap_or_else(|| panic!("{args:?} did not end within {limit:?}"));
+        match o.status.code() {
+            Some(0) => {}
+            Some(1) => {
+                let e = stderr(&o);
+                assert!(e.contains("metaroce-perf: "), "{args:?}: {e}");
+                server_reports += usize::from(e.contains("the server reported an error: "));
+            }
+            other => panic!("{args:?}: exit status {other:?}"),
+        }
+    }
+    eprintln!("runs ended by the server's report: {server_reports}");
+}

@@ -302,6 +302,13 @@ impl Connection {
     /// has landed in the peer's memory. A refusal by the peer (bad rkey, out of bounds, no
     /// REMOTE_WRITE right) is `Err(Error::Completion(wc))` with
     /// `wc.status == WcStatus::RemoteAccessError`, and nothing was written.
+    ///
+    /// The WRITE is posted at the future's first poll (or, with the send queue full, at the
+    /// first poll that finds room). Dropping the future after that does **not** cancel it:
+    /// the WRITE still runs to completion, only its work completion is discarded. `src` is
+    /// **not** copied at post time: each packet's bytes are read from the region when the
+    /// packet is built, and again for a retransmission, so — as with verbs — leave
+    /// `src[range]` unchanged until the WRITE completed, or the peer may receive a mix.
     pub async fn write(
         &self,
         src: &MemoryRegion,
@@ -335,6 +342,11 @@ impl Connection {
     /// (`dst` needs `Access::LOCAL_WRITE`, the peer's region `REMOTE_READ`). Resolves once
     /// every byte has landed in `dst`. A refusal is `Err(Error::Completion(wc))` with
     /// `RemoteAccessError`, and `dst` is untouched.
+    ///
+    /// Posted at the future's first poll (with the send queue full, at the first poll that
+    /// finds room); dropping the future after that does **not** cancel the READ: response
+    /// bytes keep landing in `dst[range]` until it completes, so do not reuse that range
+    /// for something else before then.
     pub async fn read(
         &self,
         dst: &MemoryRegion,
@@ -456,6 +468,12 @@ impl Connection {
 
     /// Send one message on stream `stream` and wait for its completion (all packets
     /// acknowledged). [`MessageStream`]'s `Sink` is the pipelined way to send.
+    ///
+    /// Posted at the future's first poll (with the send queue full, at the first poll that
+    /// finds room); dropping the future after that does **not** cancel the SEND — it is
+    /// still delivered, only its work completion is discarded. `data` is not copied: the
+    /// connection keeps this reference-counted [`bytes::Bytes`] (immutable, so later
+    /// changes to the caller's buffers cannot reach it) until the message is acknowledged.
     pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
         let h = self.inner.handle;
         self.run_op(move |core, wr_id| core.post_send(h, stream, wr_id, data.clone()))

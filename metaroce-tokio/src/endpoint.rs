@@ -166,6 +166,40 @@ impl Endpoint {
     /// [`MemoryLink`](crate::rocev2::MemoryLink) in tests. One driver task serves both;
     /// memory regions are shared. The native QPs' local IP is `ip_backend.local_ip()`.
     /// Must be called within a tokio runtime.
+    ///
+    /// `backend` carries the MetaRoCE connections (and RC QPs connected with `connect_udp`):
+    /// build it as [`bind`](Self::bind) does, with
+    /// [`UdpBackend::bind_with`](crate::backend::UdpBackend::bind_with)`(addr,
+    /// config.transport.paths + config.spare_ports, &config.udp)`. On such an endpoint
+    /// [`QueuePair::connect_to`](crate::rocev2::QueuePair::connect_to) connects natively;
+    /// on one from [`bind`](Self::bind) it falls back to UDP encapsulation, which reaches
+    /// metaroce peers only. (The README's RoCEv2 example; compiled, not run.)
+    ///
+    /// ```no_run
+    /// use std::sync::Arc;
+    /// use metaroce_tokio::backend::UdpBackend;
+    /// use metaroce_tokio::rocev2::{exchange, QpInit, RawIpBackend};
+    /// use metaroce_tokio::{Access, Config, Endpoint};
+    ///
+    /// async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    ///     let config = Config::default();
+    ///     let ports = config.transport.paths as usize + config.spare_ports;
+    ///     let udp = UdpBackend::bind_with("10.0.0.1:4791".parse()?, ports, &config.udp)?;
+    ///     let raw = Arc::new(RawIpBackend::bind("10.0.0.1".parse()?)?); // CAP_NET_RAW
+    ///     let ep = Endpoint::with_rocev2(udp, raw, config)?;
+    ///     let region = ep.alloc(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    ///     let _meta = ep.connect("10.0.0.2:4791".parse()?).await?; // MetaRoCE to one peer
+    ///     let qp = ep.create_rc_qp(QpInit { access: Access::REMOTE_WRITE, ..QpInit::default() })?;
+    ///     let mut tcp = tokio::net::TcpStream::connect("10.0.0.3:18515").await?;
+    ///     let peer = exchange(&mut tcp, &qp.exchange_info(Some(region.remote()))).await?;
+    ///     qp.connect_to(&peer)?; // native RoCEv2 (with_rocev2) to an RNIC, same region
+    ///     let their = peer.region.expect("peer sent its region");
+    ///     qp.write(region.keys().lkey, 0, 4096, their.addr, their.rkey, None).await?;
+    ///     Ok(())
+    /// }
+    /// ```
+    ///
+    /// Errors: the configuration is invalid (`InvalidInput`, naming the field).
     pub fn with_rocev2(
         backend: impl DatagramBackend,
         ip_backend: Arc<dyn crate::rocev2::IpBackend>,
@@ -317,7 +351,9 @@ impl Endpoint {
         shared.wake_driver.notify_one();
     }
 
-    /// Whether `err` (from a connection) means this endpoint is gone.
+    /// Whether this endpoint is closed ([`close`](Self::close) was called on it or a
+    /// clone): new operations on it and its connections fail with
+    /// [`Error::EndpointClosed`](crate::Error::EndpointClosed).
     pub fn is_closed(&self) -> bool {
         self.shared().lock().closed
     }

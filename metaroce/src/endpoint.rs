@@ -405,8 +405,8 @@ impl Endpoint {
     /// completion with `wr_id` follows once every packet is acknowledged.
     ///
     /// On a stream in the error state — a SEND on it failed with
-    /// [`WcStatus::RnrRetryExceeded`](crate::WcStatus::RnrRetryExceeded) — the SEND is not
-    /// sent and completes with [`WcStatus::WrFlushError`](crate::WcStatus::WrFlushError)
+    /// [`WcStatus::RnrRetryExceeded`] — the SEND is not
+    /// sent and completes with [`WcStatus::WrFlushError`]
     /// (docs/PROTOCOL.md, "Errors on a stream"); the connection's other streams are not
     /// affected.
     pub fn post_send(
@@ -475,9 +475,9 @@ impl Endpoint {
     /// sender retries after the RNR timer, up to `rnr_retry` times.
     ///
     /// On a stream in the error state (the peer's SEND on it failed with
-    /// [`WcStatus::RnrRetryExceeded`](crate::WcStatus::RnrRetryExceeded) and the peer sent a
+    /// [`WcStatus::RnrRetryExceeded`] and the peer sent a
     /// stream abort), once in-order delivery has reached the aborted message, the receive
-    /// completes at once with [`WcStatus::WrFlushError`](crate::WcStatus::WrFlushError) —
+    /// completes at once with [`WcStatus::WrFlushError`] —
     /// reported by the next [`Endpoint::handle_timeout`] — as do the receives still pending
     /// there (docs/PROTOCOL.md, "Errors on a stream"). Receives pending when the connection
     /// ends complete with `WrFlushError` too.

@@ -593,14 +593,15 @@ impl Args {
         let mode = self.mode.unwrap_or(Mode::Metaroce);
 
         // Positionals: [TEST] [SERVER]; a first positional that is no test is the server.
-        let (test, server) = match (self.first.as_deref(), self.second.as_deref()) {
-            (None, _) => (Test::WriteBw, None),
+        // `guessed`: the server address is the first positional, which may be a mistyped test.
+        let (test, server, guessed) = match (self.first.as_deref(), self.second.as_deref()) {
+            (None, _) => (Test::WriteBw, None, false),
             (Some(a), b) => match Test::from_name(a) {
-                Some(t) => (t, b),
+                Some(t) => (t, b, false),
                 None if b.is_some() => return Err(unknown_test(a)),
                 // Host names cannot contain '_' (RFC 1123): such a word is a test name.
                 None if a.contains('_') => return Err(unknown_test(a)),
-                None => (Test::WriteBw, Some(a)),
+                None => (Test::WriteBw, Some(a), true),
             },
         };
         let role = match (server, self.server) {
@@ -617,8 +618,21 @@ impl Args {
                          --oob-port for the TCP port (default {DEFAULT_OOB_PORT})"
                     ));
                 }
+                let addr = parse_server(s).map_err(|e| {
+                    // A single word that does not resolve and has no port, no dot and is no
+                    // IP address reads more like a mistyped test than a host.
+                    let wordlike = !s.contains([':', '.']) && s.parse::<IpAddr>().is_err();
+                    if guessed && wordlike {
+                        format!(
+                            "{}, or give the server address as HOST:PORT ({e})",
+                            unknown_test(s)
+                        )
+                    } else {
+                        e
+                    }
+                })?;
                 Role::Client {
-                    addr: parse_server(s)?,
+                    addr,
                     given: s.to_string(),
                 }
             }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 pub const MAX_SLOTS_BYTES: u64 = 1 << 30;
 
 /// Latency iterations before the measured ones (checked, not reported).
-const WARMUP: u64 = 10;
+pub const WARMUP: u64 = 10;
 
 /// Receive buffers the client keeps posted for RC send_lat echoes.
 const RC_LAT_RECVS: u64 = 4;
@@ -225,6 +225,16 @@ pub async fn run(net: &Net, ctrl: &mut Chan, s: &Settings) -> Res<ClientRun> {
     Ok(out)
 }
 
+/// `f`, unless the server reports a failure on its side first (then its report): a wait
+/// for something only the server's side completes must not outlive that side.
+async fn or_peer_failure<T>(ctrl: &mut Chan, f: impl Future<Output = Res<T>>) -> Res<T> {
+    tokio::select! {
+        biased;
+        r = f => r,
+        e = ctrl.peer_failure() => Err(e),
+    }
+}
+
 /// SETUP → READY; the server's region must hold `need` bytes.
 async fn setup(
     ctrl: &mut Chan,
@@ -271,8 +281,15 @@ async fn done(ctrl: &mut Chan, check_len: u64, ops: u64) -> Res<(u32, u64, u64, 
 }
 
 /// Keeps `s.tx_depth` operations `op(i)` outstanding until `ops` completed (or the
-/// duration ran out), metering completions.
-async fn pump<F, Fut>(s: &Settings, size: u64, ops: Option<u64>, mut op: F) -> Res<BwResult>
+/// duration ran out), metering completions. Ends early with the server's report when it
+/// reports a failure on its side.
+async fn pump<F, Fut>(
+    s: &Settings,
+    ctrl: &mut Chan,
+    size: u64,
+    ops: Option<u64>,
+    mut op: F,
+) -> Res<BwResult>
 where
     F: FnMut(u64) -> Fut,
     Fut: Future<Output = Res<u64>>,
@@ -296,7 +313,12 @@ where
             inflight.push(op(posted));
             posted += 1;
         }
-        match inflight.next().await {
+        let next = tokio::select! {
+            biased;
+            r = inflight.next() => r,
+            e = ctrl.peer_failure() => Some(Err(e)),
+        };
+        match next {
             None => break,
             Some(Ok(len)) => {
                 let now = Instant::now();
@@ -337,7 +359,7 @@ async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun)
         let p = plan(s, size);
         let region = setup(ctrl, size, p.ops, p.region_len, 0, NO_REGION, p.region_len).await?;
         let src = &src;
-        let result = pump(s, size, p.ops, |i| {
+        let result = pump(s, &mut *ctrl, size, p.ops, |i| {
             let off = (i % p.slots) * size;
             let len = size.min(p.region_len - off);
             net.write(src, off, len, region, off, None)
@@ -397,7 +419,7 @@ async fn read_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) 
         )
         .await?;
         let dst = &dst;
-        let result = pump(s, size, p.ops, |i| {
+        let result = pump(s, &mut *ctrl, size, p.ops, |i| {
             let off = (i % p.slots) * size;
             net.read(dst, off, size, region, off)
         })
@@ -453,7 +475,7 @@ async fn send_bw(
         let result = match (net, &stream) {
             (Net::Meta(c), Some(st)) => {
                 let id = st.id();
-                pump(s, size, s.iters, |i| {
+                pump(s, &mut *ctrl, size, s.iters, |i| {
                     let w = window(i) as usize;
                     let m = pat.slice(w..w + size as usize);
                     async move {
@@ -475,7 +497,7 @@ async fn send_bw(
                     Fill::Random(seed),
                 )?;
                 let (rc, src) = (&**rc, &src);
-                pump(s, size, s.iters, |i| async move {
+                pump(s, &mut *ctrl, size, s.iters, |i| async move {
                     rc.send(src, window(i), size).await.map(|_| size)
                 })
                 .await?
@@ -641,6 +663,7 @@ async fn write_lat(
                     biased;
                     Some(r) = writes.next() => { r?; }
                     r = net.next_imm() => break r?,
+                    e = ctrl.peer_failure() => return Err(e),
                 }
             };
             let rtt = t0.elapsed();
@@ -685,7 +708,7 @@ async fn read_lat(
         let mut bad = 0;
         while let Some((i, measured)) = smp.next() {
             let t0 = Instant::now();
-            net.read(&dst, 0, size, region, window(i)).await?;
+            or_peer_failure(ctrl, net.read(&dst, 0, size, region, window(i))).await?;
             let rtt = t0.elapsed();
             let w = window(i) as usize;
             if !dst.eq_at(0, &expected[w..w + size as usize])? {
@@ -720,7 +743,7 @@ async fn atomic_lat(
         while let Some((i, measured)) = smp.next() {
             let add = atomic_add(seed, i);
             let t0 = Instant::now();
-            let old = net.fetch_add(&result, counter, add).await?;
+            let old = or_peer_failure(ctrl, net.fetch_add(&result, counter, add)).await?;
             let rtt = t0.elapsed();
             if old != expected {
                 bad += 1;
@@ -780,8 +803,10 @@ async fn send_lat(
         let seed = derive_seed(s.seed, 200 + round as u64);
         setup(ctrl, size, s.iters, 0, seed, NO_REGION, 0).await?;
         let row = match (net, &mut data, &ring) {
-            (Net::Meta(_), Some(data), _) => meta_send_lat(data, s, size, seed).await?,
-            (Net::Rc(rc), _, Some(ring)) => rc_send_lat(net, rc, s, size, seed, ring, pool).await?,
+            (Net::Meta(_), Some(data), _) => meta_send_lat(ctrl, data, s, size, seed).await?,
+            (Net::Rc(rc), _, Some(ring)) => {
+                rc_send_lat(ctrl, net, rc, s, size, seed, ring, pool).await?
+            }
             _ => return Err("no ping-pong channel".into()),
         };
         done(ctrl, 0, row.checked).await?;
@@ -804,6 +829,7 @@ async fn ping(data: &mut MessageStream, msg: Bytes) -> Res<(Duration, Bytes)> {
 }
 
 async fn meta_send_lat(
+    ctrl: &mut Chan,
     data: &mut MessageStream,
     s: &Settings,
     size: u64,
@@ -818,14 +844,16 @@ async fn meta_send_lat(
     while let Some((i, measured)) = smp.next() {
         let w = window(i) as usize;
         let m = pat.slice(w..w + n);
-        let (rtt, echo) = ping(data, m).await?;
+        let (rtt, echo) = or_peer_failure(ctrl, ping(data, m)).await?;
         bad += u64::from(echo[..] != expected[w..w + n]);
         smp.record(measured, rtt);
     }
     Ok(lat_row(size, smp, s.test, bad, 0, None))
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn rc_send_lat(
+    ctrl: &mut Chan,
     net: &Net,
     rc: &RcNet,
     s: &Settings,
@@ -855,6 +883,7 @@ async fn rc_send_lat(
                 biased;
                 Some(r) = sends.next() => { r?; }
                 r = rc.recv() => break r?,
+                e = ctrl.peer_failure() => return Err(e),
             }
         };
         let rtt = t0.elapsed();

@@ -124,6 +124,10 @@ async fn run(s: Settings) -> Res<i32> {
         ),
         None => None,
     };
+    // Like --pcap: a path that cannot be written fails now, not after the run.
+    if let Some(path) = &s.out_json {
+        std::fs::File::create(path).map_err(|e| format!("--out_json {}: {e}", path.display()))?;
+    }
     let sink = sink.as_ref();
     let out = match (s.mode, &s.role) {
         (Mode::Metaroce, Role::Loopback) => meta_loopback(&s, sink).await?,
@@ -347,10 +351,11 @@ async fn rc_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
     let (a, b) = tokio::io::duplex(1 << 16);
     let server_net = Net::Rc(server.clone());
     let rx_depth = s.rx_depth;
-    let server_task = tokio::spawn(async move {
-        server::serve(server_net, Chan::Bytes(Box::new(b)), false, rx_depth).await
-    });
-    let mut chan = Chan::Bytes(Box::new(a));
+    let server_task =
+        tokio::spawn(
+            async move { server::serve(server_net, Chan::bytes(b), false, rx_depth).await },
+        );
+    let mut chan = Chan::bytes(a);
     let r = client::run(&Net::Rc(client.clone()), &mut chan, s).await;
     drop(chan);
     let (c, r) = with_local_server(r, server_task).await?;
@@ -404,7 +409,7 @@ async fn rc_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>) 
         peer_ip,
         derive_seed(seed, SEED_CLIENT_CORE),
     )?;
-    let mut chan = Chan::Bytes(Box::new(tcp));
+    let mut chan = Chan::bytes(tcp);
     let c = client::run(&Net::Rc(net.clone()), &mut chan, s).await?;
     Ok(Outcome {
         client: Some(c),
@@ -440,13 +445,7 @@ async fn rc_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcom
         canonical(peer.ip()),
         derive_seed(seed, SEED_SERVER_CORE),
     )?;
-    let r = server::serve(
-        Net::Rc(net.clone()),
-        Chan::Bytes(Box::new(tcp)),
-        true,
-        s.rx_depth,
-    )
-    .await?;
+    let r = server::serve(Net::Rc(net.clone()), Chan::bytes(tcp), true, s.rx_depth).await?;
     report::rule();
     Ok(Outcome {
         client: None,

@@ -78,7 +78,7 @@ impl Node {
         // Spare source ports for re-rolls (timeouts, ECMP collisions) to move paths to:
         // three per path, so that the pool almost surely reaches every link (8 paths on
         // 3 of 4 links and 8 spares that all miss the 4th: (3/4)^8 = 10 %; 24: 0.1 %).
-        let spares = if s.paths > 1 { 3 * s.paths } else { 0 };
+        let spares = spare_ports(s.paths);
         let udp = UdpBackend::bind_with(addr, usize::from(s.paths + spares), &config.udp)?;
         let (backend, impaired) = stack(udp, s, impair_seed, pcap)?;
         let ep = Endpoint::with_backend(backend, config)?;
@@ -158,5 +158,15 @@ impl RcNode {
     /// The impairment counters (zero without impairment).
     pub fn impair_stats(&self) -> ImpairStats {
         impair_stats(&self.impaired)
+    }
+}
+
+/// Spare source ports bound beside `paths` path ports, for re-rolls (timeouts, ECMP
+/// collisions) to move paths to: three per path, none for a single path.
+pub fn spare_ports(paths: u16) -> u16 {
+    if paths > 1 {
+        3 * paths
+    } else {
+        0
     }
 }

@@ -131,7 +131,7 @@ pub enum Ctrl {
     },
     /// End of the run.
     Bye,
-    /// The server refused something.
+    /// The server refused something, or a task serving the client failed: the run ends.
     Error(String),
 }
 

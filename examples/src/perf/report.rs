@@ -90,7 +90,13 @@ pub fn preamble(s: &Settings, link: Option<(&str, &str)>) {
     match s.mode {
         Mode::Metaroce => {
             kv("Connection type", "reliable, multipath (RC semantics)");
-            kv("Paths", s.paths);
+            match super::net::spare_ports(s.paths) {
+                0 => kv("Paths", s.paths),
+                spares => kv(
+                    "Paths",
+                    format!("{} (+ {spares} spare source ports for re-rolls)", s.paths),
+                ),
+            }
         }
         Mode::Rocev2 => {
             kv(
@@ -156,9 +162,21 @@ pub fn preamble(s: &Settings, link: Option<(&str, &str)>) {
             ),
             None => kv("Data", format!("pseudo-random, seed {}", s.seed)),
         }
+        // Latency tests run unmeasured (but checked) warm-up iterations first.
+        let warmup = match s.iters {
+            _ if s.test.is_bw() => String::new(),
+            Some(n) => format!(
+                " (+ {} warm-up, not measured)",
+                super::client::WARMUP.min(n)
+            ),
+            None => format!(" (+ {} warm-up iterations)", super::client::WARMUP),
+        };
         match (s.iters, s.duration) {
-            (_, Some(d)) => kv("Duration", format!("{:.1} s per size", d.as_secs_f64())),
-            (Some(n), None) if s.file.is_none() => kv("Iterations", n),
+            (_, Some(d)) => kv(
+                "Duration",
+                format!("{:.1} s per size{warmup}", d.as_secs_f64()),
+            ),
+            (Some(n), None) if s.file.is_none() => kv("Iterations", format!("{n}{warmup}")),
             _ => {}
         }
     }
@@ -197,13 +215,23 @@ pub fn bw_header(s: &Settings) {
 /// One write_bw row.
 pub fn bw_row(s: &Settings, r: &BwRow) {
     println!(
-        "{:>7}{:>16}{:>19.2}{:>22.2}{:>16.6}",
+        "{:>7}{:>16}{:>19.2}{:>22.2}{:>16}",
         r.size,
         r.result.ops,
         bw_value(s, r.result.peak_bytes_per_sec),
         bw_value(s, r.result.avg_bytes_per_sec),
-        r.result.msg_rate_mpps
+        mpps(r.result.msg_rate_mpps)
     );
+}
+
+/// A message rate in Mpps with six decimals, or in scientific notation when that would
+/// show 0.000000 for a rate that is not zero (few large messages).
+fn mpps(v: f64) -> String {
+    if v > 0.0 && v < 5e-7 {
+        format!("{v:.3e}")
+    } else {
+        format!("{v:.6}")
+    }
 }
 
 /// The send_lat column header.

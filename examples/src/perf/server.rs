@@ -16,6 +16,7 @@ use metaroce_tokio::{MessageStream, RemoteRegion};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
@@ -125,10 +126,16 @@ async fn refuse(ctrl: &mut Chan, text: String) -> String {
     text
 }
 
+/// Where a task serving the client's operations reports that it stopped: [`serve`] sends
+/// the report to the client as an ERROR, which ends the run on both sides (the client may
+/// be waiting for something only this task would have sent).
+type FailTx = UnboundedSender<String>;
+
 /// Echoes every message of `stream` back on it.
-async fn echo(mut stream: MessageStream, count: Arc<AtomicU64>) {
+async fn echo(mut stream: MessageStream, count: Arc<AtomicU64>, fail: FailTx) {
     while let Some(m) = stream.next().await {
-        if stream.feed(m).await.is_err() {
+        if let Err(e) = stream.feed(m).await {
+            let _ = fail.send(format!("send_lat echo stopped: {e}"));
             break;
         }
         count.fetch_add(1, Ordering::Relaxed);
@@ -156,7 +163,7 @@ fn ring_shape(max_size: u64, rx_depth: usize, cap: u64) -> (u64, u64) {
 }
 
 /// RC send_bw: keeps `count` receives posted and checksums what lands, in order.
-async fn rc_sink(rc: Arc<RcNet>, ring: Mr, slot: u64, count: u64, sink: Arc<Sink>) {
+async fn rc_sink(rc: Arc<RcNet>, ring: Mr, slot: u64, count: u64, sink: Arc<Sink>, fail: FailTx) {
     let r: Res<()> = async {
         for k in 0..count {
             rc.post_recv(k, &ring, k * slot, slot as u32)?;
@@ -176,13 +183,21 @@ async fn rc_sink(rc: Arc<RcNet>, ring: Mr, slot: u64, count: u64, sink: Arc<Sink
     }
     .await;
     if let Err(e) = r {
+        let _ = fail.send(format!("send_bw receiver stopped: {e}"));
         sink.fail(e);
     }
 }
 
 /// RC send_lat: keeps `count` receives posted and SENDs every message back from its buffer
 /// (which is posted again once that SEND completed).
-async fn rc_echo(rc: Arc<RcNet>, ring: Mr, slot: u64, count: u64, echoed: Arc<AtomicU64>) {
+async fn rc_echo(
+    rc: Arc<RcNet>,
+    ring: Mr,
+    slot: u64,
+    count: u64,
+    echoed: Arc<AtomicU64>,
+    fail: FailTx,
+) {
     let r: Res<()> = async {
         for k in 0..count {
             rc.post_recv(k, &ring, k * slot, slot as u32)?;
@@ -207,7 +222,7 @@ async fn rc_echo(rc: Arc<RcNet>, ring: Mr, slot: u64, count: u64, echoed: Arc<At
     }
     .await;
     if let Err(e) = r {
-        tracing::warn!("send_lat echo stopped: {e}");
+        let _ = fail.send(format!("send_lat echo stopped: {e}"));
     }
 }
 
@@ -274,8 +289,13 @@ pub async fn serve(net: Net, mut ctrl: Chan, print: bool, rx_depth: usize) -> Re
     let mut pool = Pool::default();
     let mut round = Round::None;
     let mut current = (0u64, 0u64, 0u64);
+    let (fail, mut failed) = tokio::sync::mpsc::unbounded_channel::<String>();
     let result = loop {
-        let Some(msg) = ctrl.recv_raw().await else {
+        let msg = tokio::select! {
+            m = ctrl.recv_raw() => m,
+            Some(e) = failed.recv() => break Err(refuse(&mut ctrl, e).await),
+        };
+        let Some(msg) = msg else {
             break Err("the client went away before the end of the run".to_string());
         };
         let Some(m) = Ctrl::decode(&msg) else {
@@ -310,6 +330,7 @@ pub async fn serve(net: Net, mut ctrl: Chan, print: bool, rx_depth: usize) -> Re
                     &echoed,
                     &sink_state,
                     &mut tasks,
+                    &fail,
                 ) {
                     break Err(refuse(&mut ctrl, e).await);
                 }
@@ -349,7 +370,7 @@ pub async fn serve(net: Net, mut ctrl: Chan, print: bool, rx_depth: usize) -> Re
                 if let Round::WriteLat(h, _) = std::mem::replace(&mut round, Round::None) {
                     h.abort();
                 }
-                match setup_round(&net, test, size, region_len, seed, peer, &mut pool) {
+                match setup_round(&net, test, size, region_len, seed, peer, &mut pool, &fail) {
                     Ok((r, remote)) => {
                         round = r;
                         if test == Test::SendBw {
@@ -440,16 +461,17 @@ fn start_services(
     echoed: &Arc<AtomicU64>,
     sink_state: &Arc<Sink>,
     tasks: &mut Vec<JoinHandle<()>>,
+    fail: &FailTx,
 ) -> Res<()> {
     match (net, test) {
         (Net::Meta(conn), Test::SendLat | Test::SendBw) => {
             // Every stream after the control stream carries the test's messages.
             let conn = conn.clone();
-            let (echoed, sink_state) = (echoed.clone(), sink_state.clone());
+            let (echoed, sink_state, fail) = (echoed.clone(), sink_state.clone(), fail.clone());
             tasks.push(tokio::spawn(async move {
                 while let Some(stream) = conn.accept_stream().await {
                     if test == Test::SendLat {
-                        tokio::spawn(echo(stream, echoed.clone()));
+                        tokio::spawn(echo(stream, echoed.clone(), fail.clone()));
                     } else {
                         tokio::spawn(sink(stream, sink_state.clone()));
                     }
@@ -468,9 +490,16 @@ fn start_services(
             )?;
             let rc = rc.clone();
             tasks.push(if test == Test::SendBw {
-                tokio::spawn(rc_sink(rc, ring, slot, count, sink_state.clone()))
+                tokio::spawn(rc_sink(
+                    rc,
+                    ring,
+                    slot,
+                    count,
+                    sink_state.clone(),
+                    fail.clone(),
+                ))
             } else {
-                tokio::spawn(rc_echo(rc, ring, slot, count, echoed.clone()))
+                tokio::spawn(rc_echo(rc, ring, slot, count, echoed.clone(), fail.clone()))
             });
         }
         (_, Test::WriteLat) => net.prepare_imm()?,
@@ -481,6 +510,7 @@ fn start_services(
 
 /// Allocates what the client's operations of one size target; returns the round state and
 /// the descriptor for READY.
+#[allow(clippy::too_many_arguments)]
 fn setup_round(
     net: &Net,
     test: Test,
@@ -489,6 +519,7 @@ fn setup_round(
     seed: u64,
     peer: RemoteRegion,
     pool: &mut Pool,
+    fail: &FailTx,
 ) -> Res<(Round, RemoteRegion)> {
     let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
     let rr = Access::LOCAL_WRITE | Access::REMOTE_READ;
@@ -529,7 +560,7 @@ fn setup_round(
             let remote = land.remote();
             let expected = pattern(client_pattern_seed(seed), size);
             let counters = Arc::new(WlCounters::default());
-            let h = tokio::spawn(write_lat_round(
+            let answering = write_lat_round(
                 net.clone(),
                 land,
                 mine,
@@ -537,7 +568,15 @@ fn setup_round(
                 size,
                 expected,
                 counters.clone(),
-            ));
+            );
+            let fail = fail.clone();
+            let h = tokio::spawn(async move {
+                let r = answering.await;
+                if let Err(e) = &r {
+                    let _ = fail.send(format!("answering WRITEs: {e}"));
+                }
+                r
+            });
             (Round::WriteLat(h, counters), remote)
         }
         Test::SendBw | Test::SendLat => (Round::None, NO_REGION),

@@ -3,14 +3,28 @@
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
-/// Width of the peak-bandwidth window.
+/// Shortest interval the peak bandwidth is measured over.
 pub const PEAK_WINDOW: Duration = Duration::from_millis(100);
 
-/// Bytes completed per millisecond since the first post, to find the best window.
+/// Resolution of the completion record: completions closer together than this share one
+/// point (the later one's time, the sum of their bytes).
+const POINT_RES: Duration = Duration::from_millis(1);
+
+/// Records completions to compute the average and the peak bandwidth of a run.
+///
+/// The peak is the best rate over a real interval between two completion instants (or the
+/// first post and a completion) at least [`PEAK_WINDOW`] long: the bytes completed in
+/// (t_i, t_j] over t_j − t_i. So it is a rate the run achieved, never one made up by
+/// putting a large completion's bytes into a window shorter than its time in flight; a run
+/// with one completion has peak = average. Memory: one point per [`POINT_RES`] of run time
+/// at most.
 #[derive(Debug)]
 pub struct BwMeter {
     start: Instant,
-    bins: Vec<u64>,
+    /// (ns since `start`, bytes completed by then), in time order; the first is (0, 0).
+    points: Vec<(u64, u64)>,
+    /// When the last point received its first completion (ns since `start`).
+    opened: u64,
     bytes: u64,
     ops: u64,
     last: Instant,
@@ -27,7 +41,8 @@ pub struct BwResult {
     pub elapsed_sec: f64,
     /// Average bandwidth, bytes per second.
     pub avg_bytes_per_sec: f64,
-    /// Best 100 ms window, bytes per second (the average for shorter runs).
+    /// Best rate over an interval of at least 100 ms between completions (or the first
+    /// post and a completion), bytes per second; the average when higher (short runs).
     pub peak_bytes_per_sec: f64,
     /// Operations per second, in millions.
     pub msg_rate_mpps: f64,
@@ -38,7 +53,8 @@ impl BwMeter {
     pub fn new(start: Instant) -> Self {
         Self {
             start,
-            bins: Vec::new(),
+            points: vec![(0, 0)],
+            opened: 0,
             bytes: 0,
             ops: 0,
             last: start,
@@ -47,12 +63,18 @@ impl BwMeter {
 
     /// One operation of `bytes` completed at `now`.
     pub fn record(&mut self, now: Instant, bytes: u64) {
-        let ms = now.saturating_duration_since(self.start).as_millis() as usize;
-        if self.bins.len() <= ms {
-            self.bins.resize(ms + 1, 0);
-        }
-        self.bins[ms] += bytes;
+        let ns = now.saturating_duration_since(self.start).as_nanos() as u64;
         self.bytes += bytes;
+        let res = POINT_RES.as_nanos() as u64;
+        let merge = self.points.len() > 1 && ns < self.opened + res;
+        match self.points.last_mut() {
+            // Merge into the last point (never into the origin) within its resolution.
+            Some(p) if merge => *p = (p.0.max(ns), self.bytes),
+            _ => {
+                self.opened = ns;
+                self.points.push((ns, self.bytes));
+            }
+        }
         self.ops += 1;
         self.last = self.last.max(now);
     }
@@ -62,18 +84,23 @@ impl BwMeter {
         let elapsed = self.last.saturating_duration_since(self.start);
         let secs = elapsed.as_secs_f64().max(1e-9);
         let avg = self.bytes as f64 / secs;
-        let w = PEAK_WINDOW.as_millis() as usize;
-        let peak = if elapsed < PEAK_WINDOW || self.bins.len() < w {
-            avg
-        } else {
-            let mut sum: u64 = self.bins[..w].iter().sum();
-            let mut best = sum;
-            for i in w..self.bins.len() {
-                sum = sum + self.bins[i] - self.bins[i - w];
-                best = best.max(sum);
+        // For every completion point j, the shortest interval (t_i, t_j] of at least the
+        // window: i is the last point at least PEAK_WINDOW before t_j.
+        let w = PEAK_WINDOW.as_nanos() as u64;
+        let mut peak = avg;
+        let mut i = 0;
+        for j in 1..self.points.len() {
+            let (tj, bj) = self.points[j];
+            if tj < w {
+                continue;
             }
-            best as f64 / PEAK_WINDOW.as_secs_f64()
-        };
+            while i + 1 < j && self.points[i + 1].0 + w <= tj {
+                i += 1;
+            }
+            let (ti, bi) = self.points[i];
+            let rate = (bj - bi) as f64 / ((tj - ti) as f64 / 1e9);
+            peak = peak.max(rate);
+        }
         BwResult {
             bytes: self.bytes,
             ops: self.ops,
@@ -160,6 +187,35 @@ mod tests {
         let r = m.finish();
         assert!((r.peak_bytes_per_sec - 3_000_000.0).abs() < 1.0, "{r:?}");
         assert!(r.avg_bytes_per_sec < r.peak_bytes_per_sec);
+    }
+
+    #[test]
+    fn peak_of_few_large_completions_is_what_was_achieved() {
+        let t0 = Instant::now();
+        // One 2 GiB completion after 23.7 s: peak = average.
+        let mut m = BwMeter::new(t0);
+        m.record(t0 + Duration::from_millis(23_700), 2 << 30);
+        let r = m.finish();
+        assert!(
+            (r.peak_bytes_per_sec / r.avg_bytes_per_sec - 1.0).abs() < 1e-9,
+            "{r:?}"
+        );
+        // Two 256 MiB completions at 1.0 s and 2.0 s: the best interval is either second,
+        // 256 MiB/s, never 256 MiB per 100 ms.
+        let mut m = BwMeter::new(t0);
+        m.record(t0 + Duration::from_millis(1000), 256 << 20);
+        m.record(t0 + Duration::from_millis(2000), 256 << 20);
+        let r = m.finish();
+        let mib_s = f64::from(256u32 << 20);
+        assert!((r.peak_bytes_per_sec - mib_s).abs() < 1.0, "{r:?}");
+        // Completions within one point's resolution merge, bytes kept.
+        let mut m = BwMeter::new(t0);
+        for us in 0..1000 {
+            m.record(t0 + Duration::from_micros(200_000 + us), 1000);
+        }
+        let r = m.finish();
+        assert_eq!(r.bytes, 1_000_000);
+        assert!(r.peak_bytes_per_sec <= 1_000_000.0 / 0.1 + 1.0, "{r:?}");
     }
 
     #[test]

@@ -38,3 +38,47 @@ pub fn temp_path(name: &str) -> PathBuf {
 
 pub const BW_HEADER: &str =
     " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
+
+/// Run `metaroce-perf` with `args` like [`perf`], but kill it if it has not ended after
+/// `limit` (a guard against a hang, not a timing assertion): `None` then.
+pub fn perf_bounded(args: &[&str], limit: std::time::Duration) -> Option<Output> {
+    let t0 = Instant::now();
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out_path = temp_path(&format!("bounded{k}.out"));
+    let err_path = temp_path(&format!("bounded{k}.err"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
+        .args(args)
+        .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("run metaroce-perf");
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("wait for metaroce-perf") {
+            break Some(st);
+        }
+        if t0.elapsed() > limit {
+            child.kill().ok();
+            child.wait().ok();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let stdout = std::fs::read(&out_path).unwrap_or_default();
+    let stderr = std::fs::read(&err_path).unwrap_or_default();
+    std::fs::remove_file(&out_path).ok();
+    std::fs::remove_file(&err_path).ok();
+    eprintln!(
+        "metaroce-perf {} -> {:?} in {:.2?}\n--- stdout\n{}--- stderr\n{}",
+        args.join(" "),
+        status.map(|s| s.code()),
+        t0.elapsed(),
+        String::from_utf8_lossy(&stdout),
+        String::from_utf8_lossy(&stderr)
+    );
+    Some(Output {
+        status: status?,
+        stdout,
+        stderr,
+    })
+}
