@@ -21,52 +21,38 @@
 //! (min / median / p99 / max), the fraction of data packets that were retransmissions,
 //! and the wall and CPU time with simulator events per second.
 
+use clap::builder::TypedValueParser as _;
+use clap::Parser;
 use metaroce::sim::{HostId, LinkConfig, Sim, SimConfig, GBPS};
 use metaroce::{Access, ConnectionHandle, Event, MrKeys, WcStatus, WriteRequest};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-#[derive(Debug, Clone, Copy)]
+/// Command-line options (`--name N` or `--name=N`).
+#[derive(Debug, Clone, Copy, Parser)]
 struct Opts {
+    /// Leaf switches.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     leaves: usize,
+    /// Hosts per leaf.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     hosts_per_leaf: usize,
+    /// Spine switches.
+    #[arg(long, default_value_t = 8)]
     spines: usize,
+    /// Connections per ordered host pair.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..).map(|v| v as usize))]
     conns_per_pair: usize,
+    /// Bytes per WRITE.
+    #[arg(long, default_value_t = 256 << 10, value_parser = clap::value_parser!(u32).range(1..))]
     bytes: u32,
+    /// Simulator seed.
+    #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Paths per connection.
+    #[arg(long, default_value_t = 8)]
     paths: u16,
-}
-
-fn parse() -> Opts {
-    let mut o = Opts {
-        leaves: 8,
-        hosts_per_leaf: 8,
-        spines: 8,
-        conns_per_pair: 1,
-        bytes: 256 << 10,
-        seed: 1,
-        paths: 8,
-    };
-    for a in std::env::args().skip(1) {
-        let (k, v) = a.split_once('=').unwrap_or((&a, ""));
-        let n = || -> u64 {
-            v.parse()
-                .unwrap_or_else(|_| panic!("{k} needs a number, got {v:?}"))
-        };
-        match k {
-            "--leaves" => o.leaves = n() as usize,
-            "--hosts-per-leaf" => o.hosts_per_leaf = n() as usize,
-            "--spines" => o.spines = n() as usize,
-            "--conns-per-pair" => o.conns_per_pair = n() as usize,
-            "--bytes" => o.bytes = n() as u32,
-            "--seed" => o.seed = n(),
-            "--paths" => o.paths = n() as u16,
-            _ => panic!("unknown option {a:?}"),
-        }
-    }
-    assert!(o.leaves > 0 && o.hosts_per_leaf > 0 && o.conns_per_pair > 0 && o.bytes > 0);
-    o
 }
 
 /// CPU time of this single-threaded process (from `/proc/self/schedstat`; zero if
@@ -113,7 +99,7 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 fn main() {
-    let o = parse();
+    let o = Opts::parse();
     let wall0 = Instant::now();
     let mut sim = Sim::new(SimConfig::with_seed(o.seed));
     let paths = o.paths;

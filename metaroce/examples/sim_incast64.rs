@@ -40,39 +40,34 @@ use std::time::Duration;
 /// Bins of the sliding goodput window.
 const SLIDE: usize = 10;
 
+/// Command-line options.
+#[derive(clap::Parser)]
 struct Opts {
+    /// Senders into the one sink.
+    #[arg(long, default_value_t = 64)]
     senders: usize,
+    /// Bytes each sender WRITEs.
+    #[arg(long, default_value_t = 2 << 20)]
     bytes: usize,
+    /// Simulator seed.
+    #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Cold wave on connections opened 2 ms before (idle since) instead of new ones.
+    /// Cold wave on new connections (`new`) or on connections opened 2 ms before and idle
+    /// since (`idle`).
+    #[arg(long = "cold", value_name = "new|idle", default_value = "new", value_parser = parse_cold, action = clap::ArgAction::Set)]
     idle_cold: bool,
 }
 
-fn opts() -> Opts {
-    let mut o = Opts {
-        senders: 64,
-        bytes: 2 << 20,
-        seed: 1,
-        idle_cold: false,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for w in args.chunks(2) {
-        let v = w.get(1).map(String::as_str).unwrap_or("");
-        match w[0].as_str() {
-            "--senders" => o.senders = v.parse().expect("--senders N"),
-            "--bytes" => o.bytes = v.parse().expect("--bytes N"),
-            "--seed" => o.seed = v.parse().expect("--seed N"),
-            "--cold" => {
-                o.idle_cold = match v {
-                    "new" => false,
-                    "idle" => true,
-                    _ => panic!("--cold new|idle"),
-                }
-            }
-            other => panic!("unknown option {other}"),
-        }
+fn parse_cold(v: &str) -> Result<bool, String> {
+    match v {
+        "new" => Ok(false),
+        "idle" => Ok(true),
+        _ => Err("expected new or idle".into()),
     }
-    o
+}
+
+fn opts() -> Opts {
+    clap::Parser::parse()
 }
 
 /// What one wave of the incast measured.

@@ -24,17 +24,19 @@ use std::time::Duration;
 
 const HOSTS: usize = 16;
 
+/// Command-line options.
+#[derive(clap::Parser)]
+struct Opts {
+    /// Bytes each flow WRITEs.
+    #[arg(long, default_value_t = 8 << 20)]
+    bytes: usize,
+    /// Simulator seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
 fn main() {
-    let mut bytes = 8usize << 20;
-    let mut seed = 1u64;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for w in args.chunks(2) {
-        match w[0].as_str() {
-            "--bytes" => bytes = w[1].parse().expect("--bytes N"),
-            "--seed" => seed = w[1].parse().expect("--seed N"),
-            other => panic!("unknown option {other}"),
-        }
-    }
+    let Opts { bytes, seed } = clap::Parser::parse();
     println!(
         "multi-plane: {HOSTS} hosts, planes of 2 leaves x 8 spines, 100 Gbit/s per host per plane, \
          host i -> host i+8, 8 paths per plane"

@@ -28,17 +28,19 @@ const LEAVES: usize = 4;
 const SPINES: usize = 8;
 const PER_LEAF: usize = 8;
 
+/// Command-line options.
+#[derive(clap::Parser)]
+struct Opts {
+    /// Bytes each flow WRITEs.
+    #[arg(long, default_value_t = 16 << 20)]
+    bytes: usize,
+    /// Simulator seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
 fn main() {
-    let mut bytes = 16usize << 20;
-    let mut seed = 1u64;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for w in args.chunks(2) {
-        match w[0].as_str() {
-            "--bytes" => bytes = w[1].parse().expect("--bytes N"),
-            "--seed" => seed = w[1].parse().expect("--seed N"),
-            other => panic!("unknown option {other}"),
-        }
-    }
+    let Opts { bytes, seed } = clap::Parser::parse();
     let bisection_gbps = (LEAVES * PER_LEAF) as f64 * 100.0;
     println!(
         "permutation traffic, {LEAVES} leaves x {PER_LEAF} hosts, {SPINES} spines, 100 Gbit/s links; \

@@ -148,15 +148,16 @@ fn run(seed: u64, aware: bool, min_rto: Duration, fail_at: Duration, up_at: Dura
     }
 }
 
+/// Command-line options.
+#[derive(clap::Parser)]
+struct Opts {
+    /// Simulator seed.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
 fn main() {
-    let mut seed = 1u64;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    for w in args.chunks(2) {
-        match w[0].as_str() {
-            "--seed" => seed = w[1].parse().expect("--seed N"),
-            other => panic!("unknown option {other}"),
-        }
-    }
+    let Opts { seed } = clap::Parser::parse();
     let (fail_at, up_at) = (ms(1.0), ms(3.0));
     println!(
         "plane failure: {PLANES} planes (2 leaves x 4 spines each), {HOSTS} hosts, 100 Gbit/s per \
