@@ -574,10 +574,14 @@ impl Endpoint {
                 return;
             }
         };
-        if crate::rocev2::is_rc_opcode(pkt.bth.opcode) {
-            // Standard RC opcodes belong to the RC queue pairs (`Endpoint::rc`).
+        if crate::rocev2::is_rc_opcode(pkt.bth.opcode)
+            || (pkt.bth.opcode == wire::Opcode::CNP && self.rc.has_qp(pkt.bth.dest_qp))
+        {
+            // Standard RC opcodes, and CNPs addressed to an RC QP, belong to the RC queue
+            // pairs (`Endpoint::rc`).
             let dst = local_ip.or(self.local_ip());
-            self.rc.handle_datagram(now, from, dst, data, &mut self.mrs);
+            self.rc
+                .handle_datagram(now, from, dst, ecn, data, &mut self.mrs);
             return;
         }
         if self.cfg.transport.verify_icrc {

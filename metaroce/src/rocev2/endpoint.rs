@@ -149,9 +149,8 @@ impl RcEndpoint {
         ecn: Option<EcnCodepoint>,
         datagram: &[u8],
     ) {
-        let _ = ecn;
         self.host
-            .handle_datagram(now, from, local_ip, datagram, &mut self.mrs);
+            .handle_datagram(now, from, local_ip, ecn, datagram, &mut self.mrs);
     }
 
     /// A whole received IP packet (IPv4 without options, or IPv6 without extension

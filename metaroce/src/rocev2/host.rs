@@ -9,7 +9,7 @@ use super::{
 };
 use crate::mr::{Access, MrError, MrKeys, MrTable};
 use crate::wire::icrc::{self, IpHeader, IPV4_FLAG_DF};
-use crate::wire::{Packet, PSN_MASK, ROCEV2_UDP_PORT};
+use crate::wire::{Opcode, Packet, PSN_MASK, ROCEV2_UDP_PORT};
 use crate::{EcnCodepoint, Transmit};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -86,6 +86,11 @@ impl RcHost {
         self.qps.is_empty()
     }
 
+    /// Whether a QP with this number exists (CNP demultiplexing on a shared socket).
+    pub fn has_qp(&self, qpn: u32) -> bool {
+        self.qps.contains_key(&qpn)
+    }
+
     pub fn qp(&self, qpn: u32) -> Option<&Qp> {
         self.qps.get(&qpn)
     }
@@ -118,6 +123,7 @@ impl RcHost {
         now: Instant,
         from: SocketAddr,
         local_ip: Option<IpAddr>,
+        ecn: Option<EcnCodepoint>,
         datagram: &[u8],
         mrs: &mut MrTable,
     ) {
@@ -135,7 +141,8 @@ impl RcHost {
                 return;
             }
         }
-        self.process(now, canonical(from.ip()), canonical(dst), datagram, mrs);
+        let ce = ecn == Some(EcnCodepoint::Ce);
+        self.process(now, canonical(from.ip()), canonical(dst), ce, datagram, mrs);
     }
 
     pub fn handle_ip_packet(&mut self, now: Instant, packet: &[u8], mrs: &mut MrTable) {
@@ -165,7 +172,12 @@ impl RcHost {
                 return;
             }
         }
-        self.process(now, src, dst, payload, mrs);
+        // ECN field: IPv4 TOS bits 1:0, IPv6 traffic class bits 1:0.
+        let ecn_bits = match packet[0] >> 4 {
+            4 => packet[1] & 3,
+            _ => (packet[1] >> 4) & 3,
+        };
+        self.process(now, src, dst, ecn_bits == 3, payload, mrs);
     }
 
     fn process(
@@ -173,6 +185,7 @@ impl RcHost {
         now: Instant,
         src: IpAddr,
         dst: IpAddr,
+        ce: bool,
         udp_payload: &[u8],
         mrs: &mut MrTable,
     ) {
@@ -180,6 +193,17 @@ impl RcHost {
             self.stats.rx_malformed += 1;
             return;
         };
+        if pkt.bth.opcode == Opcode::CNP {
+            // Reaction point input (RoCEv2 Annex A17.9): BTH.DestQP is our QP; accepted
+            // only from that QP's peer (the 16 reserved bytes are ignored).
+            match self.qps.get_mut(&pkt.bth.dest_qp) {
+                Some(qp) if dst == qp.local_ip && qp.attrs.is_some_and(|a| a.remote_ip == src) => {
+                    qp.on_cnp(now, &self.cfg);
+                }
+                _ => self.stats.rx_no_qp += 1,
+            }
+            return;
+        }
         if !super::is_rc_opcode(pkt.bth.opcode) {
             self.stats.rx_malformed += 1;
             return;
@@ -201,6 +225,7 @@ impl RcHost {
         qp.on_packet(
             now,
             &self.cfg,
+            ce,
             &pkt.bth,
             &pkt.headers,
             pkt.payload,
@@ -212,7 +237,7 @@ impl RcHost {
     pub fn handle_timeout(&mut self, now: Instant) {
         for qp in self.qps.values_mut() {
             if qp.next_timeout().is_some_and(|t| t <= now) {
-                qp.handle_timeout(now, &mut self.events);
+                qp.handle_timeout(now, &self.cfg, &mut self.events);
             }
         }
     }
@@ -277,6 +302,7 @@ impl RcHost {
             } else {
                 a.hop_limit
             };
+            let tos = self.tos(a.traffic_class);
             let ip = match (qp.local_ip, a.remote_ip) {
                 (IpAddr::V4(src), IpAddr::V4(dst)) => {
                     let id = self.ip_id;
@@ -287,13 +313,13 @@ impl RcHost {
                         id,
                         flags_frag: IPV4_FLAG_DF,
                         ttl,
-                        tos: a.traffic_class,
+                        tos,
                     }
                 }
                 (IpAddr::V6(src), IpAddr::V6(dst)) => IpHeader::V6 {
                     src,
                     dst,
-                    traffic_class: a.traffic_class,
+                    traffic_class: tos,
                     flow_label: 0,
                     hop_limit: ttl,
                 },
@@ -307,7 +333,7 @@ impl RcHost {
                 destination: SocketAddr::new(a.remote_ip, ROCEV2_UDP_PORT),
                 src_port: qp.sport,
                 ip,
-                ecn: EcnCodepoint::from_bits(a.traffic_class),
+                ecn: EcnCodepoint::from_bits(tos),
                 size: len,
             });
         }
@@ -338,11 +364,23 @@ impl RcHost {
             return Some(Transmit {
                 destination: peer,
                 src_port,
-                ecn: EcnCodepoint::from_bits(a.traffic_class),
+                ecn: EcnCodepoint::from_bits(self.tos(a.traffic_class)),
                 size: len,
                 segment_size: None,
             });
         }
+    }
+
+    /// The TOS byte sent: the DSCP of `traffic_class`, the ECN field ECT(0) when
+    /// [`DcqcnConfig::ect`](super::DcqcnConfig::ect) (else Not-ECT). The application's ECN
+    /// bits are never sent (a class of 3 would mark every packet CE).
+    fn tos(&self, traffic_class: u8) -> u8 {
+        let ecn = if self.cfg.dcqcn.ect {
+            EcnCodepoint::Ect0 as u8
+        } else {
+            0
+        };
+        (traffic_class & !3) | ecn
     }
 
     pub fn poll_timeout(&self) -> Option<Instant> {

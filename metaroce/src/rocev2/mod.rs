@@ -49,11 +49,13 @@
 //!
 //! Nothing here panics on input from the network; every limit is a field of [`RcConfig`].
 
+mod dcqcn;
 mod endpoint;
 mod host;
 mod qp;
 mod unified;
 
+pub use dcqcn::DcqcnConfig;
 pub use endpoint::{RcEndpoint, RcStats};
 pub(crate) use host::RcHost;
 pub use host::RcQps;
@@ -99,6 +101,9 @@ pub struct RcConfig {
     pub initial_ip_id: Option<u16>,
     /// Drop received packets whose ICRC does not verify (as rxe does). Default `true`.
     pub verify_icrc: bool,
+    /// ECN marking and DCQCN congestion control of every QP (on by default; see
+    /// [`DcqcnConfig`]).
+    pub dcqcn: DcqcnConfig,
 }
 
 impl RcConfig {
@@ -117,6 +122,7 @@ impl RcConfig {
             default_ttl: 64,
             initial_ip_id: None,
             verify_icrc: true,
+            dcqcn: DcqcnConfig::default(),
         }
     }
 }
@@ -206,7 +212,9 @@ pub struct ConnectAttrs {
     /// READ/ATOMIC responder resources kept for duplicates (`max_dest_rd_atomic`); 0 refuses
     /// incoming READ/ATOMIC with NAK Invalid Request.
     pub max_dest_rd_atomic: u8,
-    /// IP TOS / traffic class byte (DSCP << 2 | ECN).
+    /// IP TOS / traffic class byte: only its DSCP (upper six bits) is used; the ECN field
+    /// is set by the QP (ECT(0) by default, see [`DcqcnConfig::ect`]), never taken from here
+    /// (RFC 3168 §5: the ECN field belongs to the transport, not the application).
     pub traffic_class: u8,
     /// IPv4 TTL / IPv6 hop limit; 0 = [`RcConfig::default_ttl`].
     pub hop_limit: u8,
@@ -433,6 +441,18 @@ pub struct QpStats {
     pub duplicates_received: u64,
     /// Out-of-sequence request packets dropped.
     pub out_of_sequence: u64,
+    /// Packets received with the IP ECN field CE (notification point input).
+    pub ce_received: u64,
+    /// CNPs sent (notification point; at most one per `cnp_interval`).
+    pub cnps_sent: u64,
+    /// CNPs received for this QP (reaction point input).
+    pub cnps_received: u64,
+    /// READ/atomic requests refused (NAK Invalid Request) because `max_dest_rd_atomic`
+    /// were outstanding.
+    pub rd_atomic_refused: u64,
+    /// The reaction point's current rate, bits per second (`line_rate_bps` when not
+    /// throttled; 0 before the first CNP or timer).
+    pub dcqcn_rate_bps: u64,
 }
 
 /// Why an application call was refused; nothing was posted.

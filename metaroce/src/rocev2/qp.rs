@@ -1,6 +1,7 @@
 //! One RC queue pair: requester (send queue, retransmission) and responder (receive queue,
 //! PSN checks, duplicate replay). Modelled on the behaviour in reference §6.
 
+use super::dcqcn::ReactionPoint;
 use super::{
     ack_timeout, rnr_timer, Completion, ConnectAttrs, QpState, QpStats, RcConfig, RcEvent,
     RcOpcode, RecvWr, SendOp, SendWr,
@@ -28,6 +29,10 @@ struct SendWqe {
     npkts: u32,
     /// READ: response packets received in order.
     read_rcvd: u32,
+    /// READ: the response index the last re-issued request (a retry of a partially received
+    /// READ) asked from; a responder may restart there with FIRST/ONLY (IBA §9.7.5.1.x,
+    /// see `on_response`).
+    read_restart: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -128,6 +133,15 @@ pub(crate) struct Qp {
     in_msg: Option<InMsg>,
     resources: VecDeque<Resource>,
     out: VecDeque<RespItem>,
+    // congestion control (DCQCN)
+    /// Reaction point: rate limiter on this QP's request and READ-response packets.
+    rp: ReactionPoint,
+    /// Notification point: when the last CNP was queued.
+    last_cnp: Option<Instant>,
+    /// A CNP is due (sent before any other packet).
+    cnp_pending: bool,
+    /// The limiter held a packet back until then: a wake-up for `next_timeout`.
+    pace_wake: Option<Instant>,
 }
 
 fn npkts(len: u32, pmtu: u32) -> u32 {
@@ -171,6 +185,10 @@ impl Qp {
             in_msg: None,
             resources: VecDeque::new(),
             out: VecDeque::new(),
+            rp: ReactionPoint::new(),
+            last_cnp: None,
+            cnp_pending: false,
+            pace_wake: None,
         }
     }
 
@@ -204,6 +222,7 @@ impl Qp {
             last_psn: 0,
             npkts: n,
             read_rcvd: 0,
+            read_restart: None,
         });
     }
 
@@ -215,10 +234,15 @@ impl Qp {
         if self.state != QpState::Rts {
             return None;
         }
-        match (self.rnr_until, self.ack_deadline) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [
+            self.rnr_until,
+            self.ack_deadline,
+            self.pace_wake,
+            self.rp.next_timer(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     fn outstanding(&self) -> bool {
@@ -262,10 +286,15 @@ impl Qp {
         self.retry_from = Some(self.una);
     }
 
-    pub fn handle_timeout(&mut self, now: Instant, events: &mut VecDeque<RcEvent>) {
+    pub fn handle_timeout(&mut self, now: Instant, cfg: &RcConfig, events: &mut VecDeque<RcEvent>) {
         if self.state != QpState::Rts {
             return;
         }
+        if self.pace_wake.is_some_and(|t| t <= now) {
+            self.pace_wake = None;
+        }
+        self.rp.handle_timeout(now, &cfg.dcqcn);
+        self.stats.dcqcn_rate_bps = self.rp.rate_bps(&cfg.dcqcn);
         if self.rnr_until.is_some_and(|t| t <= now) {
             self.rnr_until = None;
         }
@@ -275,13 +304,28 @@ impl Qp {
                 return;
             }
             self.stats.timeouts += 1;
-            if self.retry_left == 0 {
-                self.fail_front(WcStatus::RetryExceeded, events);
-                return;
-            }
-            self.retry_left -= 1;
-            self.rewind();
+            // The timer is no response-triggered retry: it always goes back.
+            self.retry_from = None;
+            self.go_back(now, events);
         }
+    }
+
+    /// Go back N (IBA §9.7.5.x requester retry; rxe `req_retry`): spend one unit of
+    /// `retry_cnt` (none left: the front WR completes with `RetryExceeded`, the QP goes to
+    /// ERROR), resend from the oldest unacknowledged PSN and rearm the ACK timer so that the
+    /// resent requests get a full timeout. A response-triggered retry is started once per
+    /// gap: while one is under way (`retry_from`), this does nothing.
+    fn go_back(&mut self, now: Instant, events: &mut VecDeque<RcEvent>) {
+        if self.retry_from.is_some() {
+            return;
+        }
+        if self.retry_left == 0 {
+            self.fail_front(WcStatus::RetryExceeded, events);
+            return;
+        }
+        self.retry_left -= 1;
+        self.rewind();
+        self.rearm_after_progress(now);
     }
 
     fn complete_front(&mut self, status: WcStatus, events: &mut VecDeque<RcEvent>) {
@@ -382,15 +426,38 @@ impl Qp {
         events: &mut VecDeque<RcEvent>,
     ) -> Option<OutPacket> {
         self.attrs?;
-        if let Some(p) = self.poll_response(mrs, buf) {
+        if self.cnp_pending {
+            self.cnp_pending = false;
+            let mut bth = Bth::new(Opcode::CNP, self.remote_qpn(), 0);
+            bth.becn = true;
+            if let Some(p) = self.emit(buf, bth, Headers::Cnp, &[]) {
+                self.stats.cnps_sent += 1;
+                return Some(p);
+            }
+        }
+        // The DCQCN rate limiter holds back READ responses and requests (not ACKs/NAKs).
+        let paced = cfg.dcqcn.enabled && !self.rp.may_send(now);
+        if let Some((p, data)) = self.poll_response(mrs, buf, paced) {
             self.stats.tx_responses += 1;
+            if data {
+                self.rp.on_transmit(now, p.len, &cfg.dcqcn);
+            }
             return Some(p);
         }
         if self.state != QpState::Rts {
             return None;
         }
+        if paced {
+            if self.sq.get(self.cursor).is_some() || self.out.front().is_some() {
+                self.pace_wake = self.rp.send_at(now);
+            }
+            return None;
+        }
         let p = self.poll_request(now, cfg, mrs, buf, events)?;
         self.stats.tx_requests += 1;
+        if cfg.dcqcn.enabled {
+            self.rp.on_transmit(now, p.len, &cfg.dcqcn);
+        }
         Some(p)
     }
 
@@ -412,7 +479,14 @@ impl Qp {
         Some(OutPacket { len })
     }
 
-    fn poll_response(&mut self, mrs: &MrTable, buf: &mut Vec<u8>) -> Option<OutPacket> {
+    /// The next response packet and whether it carries READ data (rate limited); with
+    /// `paced`, a READ response at the front waits (and what is queued behind it).
+    fn poll_response(
+        &mut self,
+        mrs: &MrTable,
+        buf: &mut Vec<u8>,
+        paced: bool,
+    ) -> Option<(OutPacket, bool)> {
         let rqpn = self.remote_qpn();
         loop {
             let item = *self.out.front()?;
@@ -420,12 +494,14 @@ impl Qp {
                 RespItem::Ack { psn, syndrome, msn } => {
                     self.out.pop_front();
                     let bth = Bth::new(Opcode::RC_ACKNOWLEDGE, rqpn, psn);
-                    return self.emit(
-                        buf,
-                        bth,
-                        rc(None, Some(Aeth { syndrome, msn }), None, None, None),
-                        &[],
-                    );
+                    return self
+                        .emit(
+                            buf,
+                            bth,
+                            rc(None, Some(Aeth { syndrome, msn }), None, None, None),
+                            &[],
+                        )
+                        .map(|p| (p, false));
                 }
                 RespItem::AtomicAck { psn, orig, msn } => {
                     self.out.pop_front();
@@ -441,7 +517,7 @@ impl Qp {
                         imm: None,
                         ieth: None,
                     };
-                    return self.emit(buf, bth, h, &[]);
+                    return self.emit(buf, bth, h, &[]).map(|p| (p, false));
                 }
                 RespItem::Read {
                     base,
@@ -454,6 +530,9 @@ impl Qp {
                     if k >= n {
                         self.out.pop_front();
                         continue;
+                    }
+                    if paced {
+                        return None;
                     }
                     let plen = remaining.min(self.pmtu);
                     let data = if plen == 0 {
@@ -496,7 +575,7 @@ impl Qp {
                             self.out.pop_front();
                         }
                     }
-                    return p;
+                    return p.map(|p| (p, true));
                 }
             }
         }
@@ -615,6 +694,9 @@ impl Qp {
                 );
                 bth.ack_req = true;
                 consumed = n - k;
+                if let Some(w) = self.sq.get_mut(idx) {
+                    w.read_restart = (k > 0).then_some(k);
+                }
             }
             SendOp::CompareSwap {
                 remote_addr,
@@ -707,6 +789,7 @@ impl Qp {
         &mut self,
         now: Instant,
         cfg: &RcConfig,
+        ce: bool,
         bth: &Bth,
         headers: &Headers,
         payload: &[u8],
@@ -716,10 +799,41 @@ impl Qp {
         if self.state != QpState::Rts {
             return;
         }
+        if ce {
+            self.on_ce(now, cfg);
+        }
         match bth.opcode.0 {
             0x0D..=0x12 => self.on_response(now, bth, headers, payload, mrs, events),
             _ => self.on_request(cfg, bth, headers, payload, mrs, events),
         }
+    }
+
+    /// Notification point (RoCEv2 Annex A17.9; DCQCN paper §3 NP): a CE-marked packet
+    /// arrived; queue a CNP unless one was queued less than `cnp_interval` ago.
+    fn on_ce(&mut self, now: Instant, cfg: &RcConfig) {
+        self.stats.ce_received += 1;
+        if !cfg.dcqcn.enabled {
+            return;
+        }
+        if self
+            .last_cnp
+            .is_some_and(|t| now.saturating_duration_since(t) < cfg.dcqcn.cnp_interval)
+        {
+            return;
+        }
+        self.last_cnp = Some(now);
+        self.cnp_pending = true;
+    }
+
+    /// Reaction point: a CNP from the peer for this QP (RoCEv2 Annex A17.9; DCQCN paper §3
+    /// RP): cut the rate.
+    pub fn on_cnp(&mut self, now: Instant, cfg: &RcConfig) {
+        if self.state != QpState::Rts {
+            return;
+        }
+        self.stats.cnps_received += 1;
+        self.rp.on_cnp(now, &cfg.dcqcn);
+        self.stats.dcqcn_rate_bps = self.rp.rate_bps(&cfg.dcqcn);
     }
 
     // ---------------------------------------------------------------- requester
@@ -769,13 +883,8 @@ impl Qp {
                     }
                     let behind = self.cursor > 0
                         || self.cursor_pkt > psn_diff(self.una, w_first).max(0) as u32;
-                    if behind && self.retry_from.is_none() {
-                        if self.retry_left == 0 {
-                            self.fail_front(WcStatus::RetryExceeded, events);
-                            return;
-                        }
-                        self.retry_left -= 1;
-                        self.rewind();
+                    if behind {
+                        self.go_back(now, events);
                     }
                     return;
                 }
@@ -802,6 +911,7 @@ impl Qp {
         let w_op = w.wr.op;
         let (first_psn, last_psn, n, read_rcvd, wr) =
             (w.first_psn, w.last_psn, w.npkts, w.read_rcvd, w.wr);
+        let w_restart = w.read_restart;
         match op {
             Opcode::RC_ACKNOWLEDGE => match syn_type {
                 Some(SYN_ACK) if !w_op.is_read_or_atomic() => {
@@ -889,15 +999,8 @@ impl Qp {
                     // responder still streams the old response): once per gap, guarded
                     // by `retry_from` like the ACK-past-READ retry above, and counted
                     // against `retry_cnt`. Behind-`una` duplicates were dropped earlier.
-                    if psn_diff(p, expected) > 0 && self.retry_from.is_none() {
-                        if self.retry_left == 0 {
-                            self.fail_front(WcStatus::RetryExceeded, events);
-                            return;
-                        }
-                        self.retry_left -= 1;
-                        self.rewind();
-                        // The re-issued request gets a full timeout of its own.
-                        self.rearm_after_progress(now);
+                    if psn_diff(p, expected) > 0 {
+                        self.go_back(now, events);
                     }
                     return;
                 }
@@ -914,9 +1017,17 @@ impl Qp {
                 } else {
                     Opcode::RC_RDMA_READ_RESPONSE_MIDDLE
                 };
-                // A replayed READ may restart a partial read with FIRST/ONLY only at k = 0;
-                // anything else out of shape is dropped.
-                if op != expected_op {
+                // A responder answering a re-issued READ (a retry from response k) may
+                // restart the response there: FIRST (ONLY if one packet is left) instead
+                // of MIDDLE (LAST) — IBA §9.7.5.1.x; rxe and RNICs do. Accept that at the
+                // restart point only; anything else out of shape is dropped.
+                let restarted = if k + 1 == n {
+                    Opcode::RC_RDMA_READ_RESPONSE_ONLY
+                } else {
+                    Opcode::RC_RDMA_READ_RESPONSE_FIRST
+                };
+                let restart_ok = w_restart == Some(k) && op == restarted;
+                if op != expected_op && !restart_ok {
                     return;
                 }
                 let off = u64::from(k) * u64::from(self.pmtu);
@@ -1002,23 +1113,24 @@ impl Qp {
         self.out.push_back(item);
     }
 
+    /// A fatal responder error on the request with PSN `psn` (IBA §9.9.3 responder class
+    /// B/C errors; §9.7.5 "responses in PSN order"): the responses still owed for earlier
+    /// requests (READ responses, atomic ACKs, a coalesced ACK) go out first, then the NAK,
+    /// and the QP moves to ERROR. The requester thus completes everything before the bad
+    /// request as it would have, the bad request with the NAK's error, and flushes the rest.
     fn nak_fatal(
         &mut self,
-        cfg: &RcConfig,
+        _cfg: &RcConfig,
         syndrome: u8,
         psn: u32,
         events: &mut VecDeque<RcEvent>,
     ) {
-        self.out.clear();
-        self.push_out(
-            cfg,
-            RespItem::Ack {
-                psn,
-                syndrome,
-                msn: self.msn,
-            },
-        );
+        let owed = std::mem::take(&mut self.out);
+        let msn = self.msn;
         self.enter_error(WcStatus::from_nak_syndrome(syndrome), events);
+        self.out = owed;
+        // Never dropped for `max_pending_responses`: it is the last response of this QP.
+        self.out.push_back(RespItem::Ack { psn, syndrome, msn });
     }
 
     fn on_request(
@@ -1254,18 +1366,20 @@ impl Qp {
                     self.nak_fatal(cfg, Aeth::NAK_REMOTE_ACCESS_ERROR, p, events);
                     return;
                 }
+                if !self.make_room(attrs.max_dest_rd_atomic) {
+                    self.stats.rd_atomic_refused += 1;
+                    self.nak_fatal(cfg, Aeth::NAK_INVALID_REQUEST, p, events);
+                    return;
+                }
                 let n = npkts(r.dma_len, pmtu);
                 self.msn = psn_add(self.msn, 1);
-                self.save_resource(
-                    attrs.max_dest_rd_atomic,
-                    Resource::Read {
-                        first_psn: p,
-                        n,
-                        va: r.va,
-                        rkey: r.rkey,
-                        len: r.dma_len,
-                    },
-                );
+                self.save_resource(Resource::Read {
+                    first_psn: p,
+                    n,
+                    va: r.va,
+                    rkey: r.rkey,
+                    len: r.dma_len,
+                });
                 self.push_out(
                     cfg,
                     RespItem::Read {
@@ -1292,12 +1406,17 @@ impl Qp {
                     self.nak_fatal(cfg, Aeth::NAK_INVALID_REQUEST, p, events);
                     return;
                 }
+                if !self.make_room(attrs.max_dest_rd_atomic) {
+                    self.stats.rd_atomic_refused += 1;
+                    self.nak_fatal(cfg, Aeth::NAK_INVALID_REQUEST, p, events);
+                    return;
+                }
                 let Some(orig) = atomic_exec(mrs, op, &a) else {
                     self.nak_fatal(cfg, Aeth::NAK_REMOTE_ACCESS_ERROR, p, events);
                     return;
                 };
                 self.msn = psn_add(self.msn, 1);
-                self.save_resource(attrs.max_dest_rd_atomic, Resource::Atomic { psn: p, orig });
+                self.save_resource(Resource::Atomic { psn: p, orig });
                 let msn = self.msn;
                 self.push_out(cfg, RespItem::AtomicAck { psn: p, orig, msn });
                 self.epsn = psn_add(p, 1);
@@ -1332,10 +1451,35 @@ impl Qp {
         );
     }
 
-    fn save_resource(&mut self, max: u8, r: Resource) {
-        while self.resources.len() >= usize::from(max.max(1)) {
-            self.resources.pop_front();
+    /// Whether the responses of the resource `r` are still queued (it is outstanding: a
+    /// lost response of it could still be asked for again).
+    fn resource_outstanding(&self, r: &Resource) -> bool {
+        self.out.iter().any(|it| match (*it, *r) {
+            (RespItem::Read { base, .. }, Resource::Read { first_psn, .. }) => base == first_psn,
+            (RespItem::AtomicAck { psn: a, .. }, Resource::Atomic { psn: b, .. }) => a == b,
+            _ => false,
+        })
+    }
+
+    /// Room for one more READ/atomic responder resource (IBA §9.7.4.x / o9-xx
+    /// `max_dest_rd_atomic`): at most `max` outstanding. A resource whose responses are all
+    /// sent may be retired (a requester within its `max_rd_atomic` has completed it before
+    /// it sends the request that needs the slot); an outstanding one never is. `false`: the
+    /// requester exceeded the limit.
+    fn make_room(&mut self, max: u8) -> bool {
+        let max = usize::from(max.max(1));
+        while self.resources.len() >= max {
+            let Some(i) =
+                (0..self.resources.len()).find(|&i| !self.resource_outstanding(&self.resources[i]))
+            else {
+                return false;
+            };
+            self.resources.remove(i);
         }
+        true
+    }
+
+    fn save_resource(&mut self, r: Resource) {
         self.resources.push_back(r);
     }
 
@@ -1400,8 +1544,12 @@ impl Qp {
                 }
             }
             _ => {
+                // Duplicate SEND/WRITE (IBA §9.7.5.1.x, C9-105 in rxe's numbering): not
+                // executed again, acknowledged with the duplicate's own PSN. ePSN − 1
+                // would be wrong when a READ/atomic follows: an ACK past it tells the
+                // requester the READ's responses were lost and makes it go back.
                 let msn = self.msn;
-                let psn = psn_add(self.epsn, wire::PSN_MASK);
+                let psn = p;
                 self.push_out(
                     cfg,
                     RespItem::Ack {
