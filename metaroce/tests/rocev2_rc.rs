@@ -2,8 +2,7 @@
 //! (reference §6), byte-exact packets (§5.3) and recovery under loss.
 
 use metaroce::rocev2::{
-    Completion, ConnectAttrs, QpInit, QpState, RcConfig, RcEndpoint, RcEvent, RcOpcode, RecvWr,
-    SendOp, SendWr,
+    ConnectAttrs, QpInit, QpState, RcConfig, RcEndpoint, RcEvent, RcOpcode, RecvWr, SendOp, SendWr,
 };
 use metaroce::wire::{icrc, Headers, Packet};
 use metaroce::{Access, WcStatus};

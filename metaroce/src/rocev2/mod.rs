@@ -47,6 +47,13 @@
 //! host running rxe); the original value an atomic returns is written little-endian into the
 //! requester's 8-byte local buffer.
 //!
+//! ## Congestion control
+//!
+//! Every RC packet is ECN-capable (ECT(0)); a QP that receives CE-marked packets sends CNPs
+//! (RoCEv2 Annex A17.9, at most one per [`DcqcnConfig::cnp_interval`]) and a QP that receives
+//! CNPs limits its rate with DCQCN (Zhu et al., SIGCOMM 2015). See [`DcqcnConfig`]; on by
+//! default, `RcConfig::dcqcn.enabled = false` turns it off.
+//!
 //! Nothing here panics on input from the network; every limit is a field of [`RcConfig`].
 
 mod dcqcn;
