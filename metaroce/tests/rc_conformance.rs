@@ -8,7 +8,7 @@
 
 mod rc_net;
 
-use metaroce::rocev2::{ConnectAttrs, QpState, RcConfig, RcTransmit, SendOp, SendWr};
+use metaroce::rocev2::{ConnectAttrs, QpState, RcConfig, RcTransmit, RecvWr, SendOp, SendWr};
 use metaroce::wire::icrc::{self, IpHeader};
 use metaroce::wire::{self, Aeth, Bth, Headers, Opcode, Packet};
 use metaroce::{Access, WcStatus};
@@ -121,6 +121,200 @@ fn nak_after_coalesced_ack_completes_earlier_writes() {
     assert_eq!(
         statuses(&n),
         vec![(1, WcStatus::Success), (2, WcStatus::RemoteAccessError)]
+    );
+}
+
+/// IBA §9.7.5.2.x (≈) NAK codes and §9.9.3 (≈) responder errors: NAK Invalid Request
+/// (0x61: READ with `max_dest_rd_atomic` 0), Remote Access Error (0x62: rkey without the
+/// access) and Remote Operational Error (0x63: the receive WR's buffer is gone) complete the
+/// requester's WR with `RemoteInvalidRequest` / `RemoteAccessError` /
+/// `RemoteOperationalError`; the responder's own receive WR completes `LocalProtectionError`.
+#[test]
+fn nak_codes_map_to_work_completion_statuses() {
+    // 0x61
+    let mut n = Net::with(1024, None, None, |a: &mut ConnectAttrs| {
+        a.max_dest_rd_atomic = 0
+    });
+    let res = n.a.register_mr(vec![0; 64], Access::LOCAL_WRITE);
+    let tgt =
+        n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_READ);
+    n.a.post_send(n.qa, read_wr(1, res.lkey, 0, 64, tgt.addr, tgt.rkey))
+        .unwrap();
+    n.run_all();
+    assert_eq!(statuses(&n), vec![(1, WcStatus::RemoteInvalidRequest)]);
+    assert!(n.wire.iter().any(|s| !s.from_a && s.syndrome == Some(0x61)));
+    // 0x62
+    let mut n = Net::new(1024, None, None);
+    let res = n.a.register_mr(vec![0; 64], Access::LOCAL_WRITE);
+    let tgt = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
+    n.a.post_send(n.qa, read_wr(1, res.lkey, 0, 64, tgt.addr, tgt.rkey))
+        .unwrap();
+    n.run_all();
+    assert_eq!(statuses(&n), vec![(1, WcStatus::RemoteAccessError)]);
+    assert!(n.wire.iter().any(|s| !s.from_a && s.syndrome == Some(0x62)));
+    // 0x63
+    let mut n = Net::new(1024, None, None);
+    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let rb = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
+    n.b.post_recv(
+        n.qb,
+        RecvWr {
+            wr_id: 7,
+            lkey: rb.lkey,
+            offset: 0,
+            len: 64,
+        },
+    )
+    .unwrap();
+    n.b.deregister_mr(rb.lkey).unwrap();
+    n.a.post_send(n.qa, send(1, src.lkey, 0, 64, None)).unwrap();
+    n.run_all();
+    assert_eq!(statuses(&n), vec![(1, WcStatus::RemoteOperationalError)]);
+    assert!(n.wire.iter().any(|s| !s.from_a && s.syndrome == Some(0x63)));
+    let cb = n.completions_b();
+    assert_eq!(
+        (cb[0].wr_id, cb[0].status),
+        (7, WcStatus::LocalProtectionError)
+    );
+}
+
+/// IBA §9.9.3 (≈) responder errors: a SEND longer than the receive WR completes that WR
+/// `LocalLengthError` and is NAK Invalid Request; the requester sees `RemoteInvalidRequest`.
+#[test]
+fn send_longer_than_the_receive_wr_is_a_length_error() {
+    let mut n = Net::new(1024, None, None);
+    let src = n.a.register_mr(pattern(3000, 1), Access::LOCAL_WRITE);
+    let rb = n.b.register_mr(vec![0; 4096], Access::LOCAL_WRITE);
+    n.b.post_recv(
+        n.qb,
+        RecvWr {
+            wr_id: 7,
+            lkey: rb.lkey,
+            offset: 0,
+            len: 2000,
+        },
+    )
+    .unwrap();
+    n.a.post_send(n.qa, send(1, src.lkey, 0, 3000, None))
+        .unwrap();
+    n.run_all();
+    assert_eq!(statuses(&n), vec![(1, WcStatus::RemoteInvalidRequest)]);
+    let cb = n.completions_b();
+    assert_eq!((cb[0].wr_id, cb[0].status), (7, WcStatus::LocalLengthError));
+    assert_eq!(n.b.qp_state(n.qb), Some(QpState::Error));
+}
+
+/// Reference §6.3 requester local errors: a WR whose local region was deregistered after
+/// posting completes `LocalProtectionError` and the QP goes to ERROR, flushing the rest.
+#[test]
+fn local_region_gone_after_posting_is_a_local_protection_error() {
+    let mut n = Net::new(1024, None, None);
+    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let tgt =
+        n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    n.a.post_send(n.qa, write_wr(1, src.lkey, 0, 64, tgt.addr, tgt.rkey))
+        .unwrap();
+    n.a.post_send(n.qa, write_wr(2, src.lkey, 0, 64, tgt.addr, tgt.rkey))
+        .unwrap();
+    n.a.deregister_mr(src.lkey).unwrap();
+    n.run_all();
+    assert_eq!(
+        statuses(&n),
+        vec![
+            (1, WcStatus::LocalProtectionError),
+            (2, WcStatus::WrFlushError)
+        ]
+    );
+    assert!(n.wire.iter().all(|s| !s.from_a), "nothing was sent");
+    assert_eq!(n.a.qp_state(n.qa), Some(QpState::Error));
+}
+
+/// IBA §9.7.4 (≈) initiator depth: with `max_rd_atomic` = 1 the requester sends the next
+/// READ only after the previous one completed (its last response arrived).
+#[test]
+fn requester_keeps_at_most_max_rd_atomic_outstanding() {
+    let mut n = Net::with(1024, None, None, |a: &mut ConnectAttrs| a.max_rd_atomic = 1);
+    let res = n.a.register_mr(vec![0; 3 * 2048], Access::LOCAL_WRITE);
+    let tgt =
+        n.b.register_mr(pattern(2048, 8), Access::LOCAL_WRITE | Access::REMOTE_READ);
+    for i in 0..3u64 {
+        n.a.post_send(
+            n.qa,
+            read_wr(i, res.lkey, i * 2048, 2048, tgt.addr, tgt.rkey),
+        )
+        .unwrap();
+    }
+    n.run_all();
+    assert_eq!(statuses(&n).len(), 3);
+    // Wire order: REQ, FIRST, LAST, REQ, FIRST, LAST, REQ, FIRST, LAST.
+    let ops: Vec<u8> = n.wire.iter().map(|s| s.opcode).collect();
+    assert_eq!(ops, [0x0C, 0x0D, 0x0F].repeat(3));
+}
+
+/// Reference §6.4 (rxe) / IBA §9.7.4.x (≈): a zero-length WRITE or READ exchanges one ONLY
+/// packet and its R_Key and VA are not checked.
+#[test]
+fn zero_length_write_and_read_skip_the_rkey_check() {
+    let mut n = Net::new(1024, None, None);
+    n.a.post_send(n.qa, write_wr(1, 0, 0, 0, 0xdead_0000, 0x1234_5678))
+        .unwrap();
+    n.a.post_send(n.qa, read_wr(2, 0, 0, 0, 0xdead_0000, 0x1234_5678))
+        .unwrap();
+    n.run_all();
+    assert_eq!(
+        statuses(&n),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    let ops: Vec<u8> = n.wire.iter().map(|s| s.opcode).collect();
+    assert_eq!(ops, vec![0x0A, 0x0C, 0x11, 0x10]);
+}
+
+/// IBA §9.2 (≈) BTH.SE: set on the last packet of a SEND (or WRITE with immediate) whose WR
+/// asked for a solicited event, on no other packet.
+#[test]
+fn solicited_event_only_on_the_last_packet_when_asked() {
+    let mut n = Net::new(1024, None, None);
+    let src = n.a.register_mr(pattern(3000, 1), Access::LOCAL_WRITE);
+    let rb = n.b.register_mr(vec![0; 6000], Access::LOCAL_WRITE);
+    for i in 0..2 {
+        n.b.post_recv(
+            n.qb,
+            RecvWr {
+                wr_id: i,
+                lkey: rb.lkey,
+                offset: i * 3000,
+                len: 3000,
+            },
+        )
+        .unwrap();
+    }
+    let mut wr = send(1, src.lkey, 0, 3000, None);
+    wr.solicited = true;
+    n.a.post_send(n.qa, wr).unwrap();
+    n.a.post_send(n.qa, send(2, src.lkey, 0, 3000, None))
+        .unwrap();
+    n.run_all();
+    let se: Vec<(u8, bool)> = n
+        .wire
+        .iter()
+        .filter(|s| s.from_a)
+        .map(|s| {
+            (
+                s.opcode,
+                Packet::parse(&s.ip_packet[28..]).unwrap().bth.solicited,
+            )
+        })
+        .collect();
+    assert_eq!(
+        se,
+        vec![
+            (0x00, false),
+            (0x01, false),
+            (0x02, true),
+            (0x00, false),
+            (0x01, false),
+            (0x02, false)
+        ]
     );
 }
 

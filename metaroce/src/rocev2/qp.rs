@@ -436,7 +436,8 @@ impl Qp {
             }
         }
         // The DCQCN rate limiter holds back READ responses and requests (not ACKs/NAKs).
-        let paced = cfg.dcqcn.enabled && !self.rp.may_send(now);
+        // In ERROR only owed responses remain: they go out unpaced (no timer would wake them).
+        let paced = cfg.dcqcn.enabled && self.state == QpState::Rts && !self.rp.may_send(now);
         if let Some((p, data)) = self.poll_response(mrs, buf, paced) {
             self.stats.tx_responses += 1;
             if data {
