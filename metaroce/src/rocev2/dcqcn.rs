@@ -75,6 +75,25 @@ impl Default for DcqcnConfig {
     }
 }
 
+impl DcqcnConfig {
+    /// Checks the limits: `0 < min_rate_bps <= line_rate_bps`, `alpha_timer` and
+    /// `increase_timer` at least 1 µs, `byte_counter` and `alpha_g_inv` at least 1.
+    pub fn validate(&self) -> Result<(), super::RcError> {
+        use super::RcError::Invalid;
+        if self.min_rate_bps == 0 || self.min_rate_bps > self.line_rate_bps {
+            return Err(Invalid("dcqcn rates (0 < min_rate_bps <= line_rate_bps)"));
+        }
+        let us = Duration::from_micros(1);
+        if self.alpha_timer < us || self.increase_timer < us {
+            return Err(Invalid("dcqcn timers (>= 1 us)"));
+        }
+        if self.byte_counter == 0 || self.alpha_g_inv == 0 {
+            return Err(Invalid("dcqcn byte_counter / alpha_g_inv (>= 1)"));
+        }
+        Ok(())
+    }
+}
+
 /// Reaction-point state of one QP: current rate `rc`, target rate `rt`, α, the stage
 /// counters and the rate limiter's next permitted transmission time.
 #[derive(Debug, Clone)]
@@ -206,21 +225,30 @@ impl ReactionPoint {
     /// Run the timers due at `now`.
     pub fn handle_timeout(&mut self, now: Instant, cfg: &DcqcnConfig) {
         let g = 1.0 / f64::from(cfg.alpha_g_inv.max(1));
-        while let Some(t) = self.alpha_at.filter(|t| *t <= now) {
-            self.alpha *= 1.0 - g;
+        let min = Duration::from_micros(1);
+        if let Some(t) = self.alpha_at.filter(|t| *t <= now) {
+            // Every whole period that passed decays α once (a late call catches up).
+            let period = cfg.alpha_timer.max(min);
+            let k = (now - t).as_nanos() / period.as_nanos() + 1;
+            self.alpha *= (1.0 - g).powi(k.min(1 << 20) as i32);
             // α decays only while throttled; once recovered its timer stops.
-            self.alpha_at = self
-                .rc
-                .is_some()
-                .then(|| t + cfg.alpha_timer.max(Duration::from_nanos(1)));
+            let k = u32::try_from(k).unwrap_or(u32::MAX);
+            self.alpha_at = self.rc.is_some().then(|| t + period.saturating_mul(k));
         }
+        let period = cfg.increase_timer.max(min);
+        // At most this many stages per call (recovery takes far fewer); after a long gap
+        // the rest are skipped rather than looped over.
+        let mut budget = 4096u32;
         while let Some(t) = self.timer_at.filter(|t| *t <= now) {
             self.timer_stages += 1;
             self.increase(cfg);
-            self.timer_at = self
-                .rc
-                .is_some()
-                .then(|| t + cfg.increase_timer.max(Duration::from_nanos(1)));
+            budget -= 1;
+            let next = if budget == 0 {
+                now + period
+            } else {
+                t + period
+            };
+            self.timer_at = self.rc.is_some().then_some(next);
         }
         if self.rc.is_none() {
             self.timer_at = None;

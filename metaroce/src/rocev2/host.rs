@@ -47,7 +47,7 @@ pub(crate) fn validate(cfg: &RcConfig) -> Result<(), RcError> {
     if cfg.max_unacked_psns == 0 || cfg.max_unacked_psns > 1 << 22 {
         return Err(RcError::Invalid("max_unacked_psns (1..=2^22)"));
     }
-    Ok(())
+    cfg.dcqcn.validate()
 }
 
 impl RcHost {
