@@ -40,6 +40,8 @@ struct Net {
     dropped: u64,
     /// Datagrams sent with a standard RC opcode (first BTH byte <= 0x14), per sender.
     rc_sent: Vec<u64>,
+    /// Deliver every RC-opcode datagram with ECN CE (a congested switch).
+    ce_rc: bool,
 }
 
 fn config(i: usize, seed: u64) -> EndpointConfig {
@@ -71,6 +73,7 @@ impl Net {
             events: (0..n).map(|_| Vec::new()).collect(),
             dropped: 0,
             rc_sent: vec![0; n],
+            ce_rc: false,
         }
     }
 
@@ -141,13 +144,8 @@ impl Net {
         while self.queue.peek().is_some_and(|p| p.at.0 <= self.now) {
             let p = self.queue.pop().unwrap();
             let local = self.addrs[p.to].ip();
-            self.eps[p.to].handle_datagram(
-                self.now,
-                p.from,
-                Some(local),
-                None::<EcnCodepoint>,
-                &p.data,
-            );
+            let ecn = (self.ce_rc && p.data[0] <= 0x14).then_some(EcnCodepoint::Ce);
+            self.eps[p.to].handle_datagram(self.now, p.from, Some(local), ecn, &p.data);
         }
         for ep in &mut self.eps {
             if ep.poll_timeout().is_some_and(|t| t <= self.now) {
@@ -441,4 +439,75 @@ fn udp_wire_checks_addresses() {
     let local = Some("10.0.0.1".parse().unwrap());
     ep.rc().connect_qp(q.qpn, attrs, wire(peer, local)).unwrap();
     assert_eq!(ep.rc().qp_wire(q.qpn), Some(wire(peer, local)));
+}
+
+/// RoCEv2 Annex A17.9 on a `metaroce::Endpoint`: an RC QP (carried over UDP) that receives
+/// CE-marked packets sends CNPs, and the peer endpoint routes a CNP whose DestQP is one of
+/// its RC QPs to that QP's reaction point (not to the MetaRoCE side).
+#[test]
+fn rc_qp_on_an_endpoint_answers_ce_with_cnps_routed_to_the_qp() {
+    let mut net = Net::new(2, 7, 0.0);
+    net.ce_rc = true;
+    let len = 256 * 1024;
+    let remote = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    let dst = net.eps[A].register_mr(vec![0; len], remote);
+    let src = net.eps[B].register_mr(pattern(len, 5), Access::LOCAL_WRITE);
+    let init = QpInit {
+        access: Access::REMOTE_WRITE,
+        ..QpInit::default()
+    };
+    let qa = net.eps[A].rc().create_qp(init).unwrap();
+    let qb = net.eps[B].rc().create_qp(init).unwrap();
+    let attrs = |ip, qpn, psn| {
+        let mut a = ConnectAttrs::new(ip, qpn, psn);
+        a.timeout = 14;
+        a
+    };
+    let (ip_a, ip_b) = (net.ip(A), net.ip(B));
+    let (addr_a, addr_b) = (net.addrs[A], net.addrs[B]);
+    net.eps[A]
+        .rc()
+        .connect_qp(
+            qa.qpn,
+            attrs(ip_b, qb.qpn, qb.psn),
+            RcWire::Udp {
+                peer: addr_b,
+                local_ip: None,
+            },
+        )
+        .unwrap();
+    net.eps[B]
+        .rc()
+        .connect_qp(
+            qb.qpn,
+            attrs(ip_a, qa.qpn, qa.psn),
+            RcWire::Udp {
+                peer: addr_a,
+                local_ip: None,
+            },
+        )
+        .unwrap();
+    let op = SendOp::Write {
+        remote_addr: dst.addr,
+        rkey: dst.rkey,
+        imm: None,
+    };
+    net.eps[B]
+        .rc()
+        .post_send(qb.qpn, rc_wr(1, op, src.lkey, 0, len as u32))
+        .unwrap();
+    assert!(net.run_until(Duration::from_secs(10), |n| !n.rc_wcs(B).is_empty()));
+    assert_eq!(net.rc_wcs(B)[0].status, WcStatus::Success);
+    assert_eq!(
+        net.eps[A].mr_read(dst.lkey, 0, len as u64).unwrap(),
+        &pattern(len, 5)[..]
+    );
+    let sa = net.eps[A].rc().qp_stats(qa.qpn).unwrap();
+    let sb = net.eps[B].rc().qp_stats(qb.qpn).unwrap();
+    assert_eq!(sa.ce_received, 256);
+    assert!(sa.cnps_sent >= 1);
+    assert_eq!(
+        sb.cnps_received, sa.cnps_sent,
+        "every CNP reached the RC QP"
+    );
 }
