@@ -719,6 +719,44 @@ fn ce_marks_draw_rate_limited_cnps_and_cut_the_rate() {
     assert!(cnp.ip_packet[40..56].iter().all(|b| *b == 0));
 }
 
+/// IBA §9.7.6.1 (≈) ACK timer with the DCQCN limiter: a QP throttled to a low rate (every
+/// packet CE-marked) is slow, not lossy — the ACK timer counts from its latest
+/// transmission, so it never times out and resends nothing, even with a 4 ms timeout.
+#[test]
+fn throttled_qp_does_not_time_out_spuriously() {
+    let mut n = Net::new(1024, None, None); // timeout 10: 4.2 ms
+    let len = 1 << 20;
+    let src = n.a.register_mr(pattern(len, 3), Access::LOCAL_WRITE);
+    let tgt =
+        n.b.register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let t0 = n.now;
+    n.a.post_send(
+        n.qa,
+        write_wr(1, src.lkey, 0, len as u32, tgt.addr, tgt.rkey),
+    )
+    .unwrap();
+    n.run(
+        Duration::from_secs(10),
+        &mut |s| {
+            if s.from_a {
+                s.ip_packet[1] |= 3;
+            }
+            false
+        },
+        &|n| !n.ev_a.is_empty(),
+    );
+    assert_eq!(statuses(&n), vec![(1, WcStatus::Success)]);
+    let sa = n.a.qp_stats(n.qa).unwrap();
+    println!(
+        "1 MiB, every packet CE: {:?}, {} CNPs, rate {} bit/s",
+        n.now - t0,
+        sa.cnps_received,
+        sa.dcqcn_rate_bps
+    );
+    assert!(n.now - t0 > Duration::from_millis(10), "really throttled");
+    assert_eq!((sa.timeouts, sa.retransmitted), (0, 0));
+}
+
 /// DCQCN paper §3 (reaction point recovery): without further CNPs the rate climbs back to
 /// the line rate by the timer and byte-counter stages; `DcqcnConfig::enabled = false` sends
 /// no CNP at all (CE marks are only counted).

@@ -134,7 +134,6 @@ impl ReactionPoint {
     }
 
     /// Whether the limiter is active (a CNP cut the rate and it has not recovered).
-    #[cfg(test)]
     pub fn throttled(&self) -> bool {
         self.rc.is_some()
     }

@@ -759,6 +759,12 @@ impl Qp {
         if psn_diff(after, self.high_psn) > 0 {
             self.high_psn = after;
         }
+        if self.rp.throttled() {
+            // The DCQCN limiter, not the network, spaces these packets: the ACK timer
+            // counts from the latest transmission, so a slow (throttled) QP is not taken
+            // for a lossy one (IBA §9.7.6.1: the timer covers the wait for the response).
+            self.ack_deadline = None;
+        }
         self.arm_ack_timer(now);
         Some(p)
     }
