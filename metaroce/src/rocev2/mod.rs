@@ -458,7 +458,7 @@ pub struct QpStats {
     /// were outstanding.
     pub rd_atomic_refused: u64,
     /// The reaction point's current rate, bits per second (`line_rate_bps` when not
-    /// throttled; 0 before the first CNP or timer).
+    /// throttled; 0 until the QP first sends, receives a CNP or runs a timer).
     pub dcqcn_rate_bps: u64,
 }
 

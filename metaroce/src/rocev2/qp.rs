@@ -442,6 +442,7 @@ impl Qp {
             self.stats.tx_responses += 1;
             if data {
                 self.rp.on_transmit(now, p.len, &cfg.dcqcn);
+                self.stats.dcqcn_rate_bps = self.rp.rate_bps(&cfg.dcqcn);
             }
             return Some(p);
         }
@@ -458,6 +459,7 @@ impl Qp {
         self.stats.tx_requests += 1;
         if cfg.dcqcn.enabled {
             self.rp.on_transmit(now, p.len, &cfg.dcqcn);
+            self.stats.dcqcn_rate_bps = self.rp.rate_bps(&cfg.dcqcn);
         }
         Some(p)
     }
