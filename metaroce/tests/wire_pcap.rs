@@ -165,10 +165,13 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
         src_qpn: 0x00_0101,
         dst_qpn: 0,
         pmtu: 1024,
-        reply_port: 50000,
+        listen_port: 50000,
         init_psn: 0x00_1000,
         nonce: 0x0123_4567_89AB_CDEF,
         reason: 0,
+        server_nonce: 0,
+        flags: 0,
+        cookie: [0; 16],
     };
     let mut ack = AckEth {
         path_id: 2,

@@ -211,14 +211,17 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
         prop_oneof![
             Just(ConnectKind::Request),
             Just(ConnectKind::Accept),
-            Just(ConnectKind::Reject)
+            Just(ConnectKind::Reject),
+            Just(ConnectKind::Retry),
+            Just(ConnectKind::Confirm)
         ],
         any::<u8>(),
         any::<u16>(),
         (u24(), u24(), u24()),
-        any::<[u16; 2]>(),
-        any::<u64>(),
+        any::<[u16; 3]>(),
+        any::<[u64; 2]>(),
         any::<u32>(),
+        any::<[u8; 16]>(),
     )
         .prop_map(
             |(
@@ -226,9 +229,10 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
                 version,
                 paths,
                 (src_qpn, dst_qpn, init_psn),
-                [pmtu, reply_port],
-                nonce,
+                [pmtu, listen_port, flags],
+                [nonce, server_nonce],
                 reason,
+                cookie,
             )| {
                 ConnectEth {
                     kind,
@@ -237,10 +241,13 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
                     src_qpn,
                     dst_qpn,
                     pmtu,
-                    reply_port,
+                    listen_port,
                     init_psn,
                     nonce,
                     reason,
+                    server_nonce,
+                    flags,
+                    cookie,
                 }
             },
         )

@@ -13,7 +13,7 @@ use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::MrTable;
 use crate::wire::{
     self, icrc, AckEth, AtomicAckEth, AtomicEth, Bth, ConnectEth, ConnectKind, Headers, NakEth,
-    Opcode, PathEth, Reth, SendEth, WriteEth,
+    Opcode, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
 use path::{PathRx, PathTx, RxClass, SegRef};
@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 pub use path::{PathInfo, PathState, PathStats};
 
 /// Protocol version carried in CONNECT.
-pub(crate) const PROTOCOL_VERSION: u8 = 1;
+pub(crate) const PROTOCOL_VERSION: u8 = ConnectEth::VERSION;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum State {
@@ -35,12 +35,39 @@ pub(crate) enum State {
     Established,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 struct Handshake {
     attempts: u32,
     next_at: Instant,
     pending: bool,
     paths_offered: u16,
+    /// The retry cookie of the server's last Retry, echoed in the next Requests.
+    cookie: [u8; 16],
+    /// Retries accepted so far (bounded by `handshake_attempts`).
+    retries: u32,
+    /// Requests sent since the last Retry (or since the start): the handshake RTT is
+    /// sampled only when exactly one was (Karn).
+    sends_since_retry: u32,
+}
+
+/// Server side of a connection accepted but not yet confirmed by its client (half-open):
+/// the Accept is re-sent every `handshake_interval`, at most `handshake_attempts` times,
+/// then the connection expires with [`ConnectionError::HandshakeTimeout`].
+#[derive(Debug, Clone, Copy)]
+struct HalfOpen {
+    next_at: Instant,
+    attempts: u32,
+}
+
+/// Why [`Connection::authenticate`] refused a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AuthError {
+    /// No trailer (kind 0) on a non-CONNECT packet.
+    Missing,
+    /// A token that is not the connection's, or a trailer kind this connection does not use.
+    Bad,
+    /// The connection is not established, so it has no token yet.
+    NotEstablished,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -97,6 +124,18 @@ pub(crate) struct Connection {
     pub peer: SocketAddr,
     pub peer_qpn: u32,
     pub nonce: u64,
+    /// The server's nonce (the other half of the identity); 0 until known.
+    pub server_nonce: u64,
+    /// Token expected in the trailer of every packet received (identity-derived).
+    rx_token: u64,
+    /// Token put in the trailer of every packet sent.
+    tx_token: u64,
+    /// Server side: the client has confirmed the Accept (a Confirm or any authenticated
+    /// packet); always true on the client side.
+    pub confirmed: bool,
+    half_open: Option<HalfOpen>,
+    /// Client side: a Confirm is due.
+    confirm_pending: bool,
     pub local_ip: Option<IpAddr>,
     local_port: u16,
     pub pmtu: u32,
@@ -184,6 +223,9 @@ impl Connection {
             next_at: now,
             pending: true,
             paths_offered,
+            cookie: [0; 16],
+            retries: 0,
+            sends_since_retry: 0,
         });
         c.outgoing = true;
         c
@@ -201,6 +243,7 @@ impl Connection {
         init_psn: u32,
         cfg: TransportConfig,
         req: &ConnectEth,
+        server_nonce: u64,
     ) -> Self {
         let mut c = Self::blank(
             handle,
@@ -223,7 +266,60 @@ impl Connection {
         // The client's grant for what we send it, until its first ACK says otherwise.
         c.peer_rate_mbps = req.grant_mbps();
         c.accept_pending = true;
+        c.server_nonce = server_nonce;
+        let (c2s, s2c) = crate::secret::tokens(req.nonce, server_nonce);
+        c.rx_token = c2s;
+        c.tx_token = s2c;
+        c.confirmed = false;
+        c.half_open = Some(HalfOpen {
+            next_at: now + c.cfg.handshake_interval,
+            attempts: 1,
+        });
         c
+    }
+
+    /// Check a received packet's trailer against the connection's token in constant time,
+    /// before any state is touched (issue #9). `MR_CONNECT` packets never come here.
+    pub fn authenticate(&self, trailer: &Trailer) -> Result<(), AuthError> {
+        if self.state != State::Established {
+            return Err(AuthError::NotEstablished);
+        }
+        match trailer {
+            Trailer::Token(t) if crate::secret::ct_eq_u64(*t, self.rx_token) => Ok(()),
+            Trailer::None => Err(AuthError::Missing),
+            _ => Err(AuthError::Bad),
+        }
+    }
+
+    /// An authenticated packet arrived: on the server side the connection is no longer
+    /// half-open.
+    pub fn on_authenticated(&mut self) {
+        self.confirmed = true;
+        self.half_open = None;
+    }
+
+    /// Server side: the client's Confirm (both nonces echoed, compared in constant time).
+    /// Returns whether it matched.
+    pub fn on_confirm(&mut self, msg: &ConnectEth) -> bool {
+        let ok = self.state == State::Established
+            && !self.outgoing
+            && crate::secret::ct_eq_u64(msg.nonce, self.nonce)
+            && crate::secret::ct_eq_u64(msg.server_nonce, self.server_nonce);
+        if ok {
+            self.on_authenticated();
+        }
+        ok
+    }
+
+    /// The token this side puts on the packets it sends (for endpoint-generated packets
+    /// such as MR_CLOSE).
+    pub fn tx_token(&self) -> u64 {
+        self.tx_token
+    }
+
+    /// `(tx_token, rx_token)`.
+    pub fn tokens(&self) -> (u64, u64) {
+        (self.tx_token, self.rx_token)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -245,6 +341,12 @@ impl Connection {
             peer,
             peer_qpn: 0,
             nonce,
+            server_nonce: 0,
+            rx_token: 0,
+            tx_token: 0,
+            confirmed: true,
+            half_open: None,
+            confirm_pending: false,
             local_ip,
             local_port,
             pmtu: cfg.pmtu,
@@ -355,12 +457,33 @@ impl Connection {
         msg: &ConnectEth,
         events: &mut VecDeque<Event>,
     ) -> Outcome {
-        let Some(hs) = &self.handshake else {
-            return Outcome::default();
-        };
-        if msg.nonce != self.nonce {
+        if !crate::secret::ct_eq_u64(msg.nonce, self.nonce) {
             return Outcome::default();
         }
+        let Some(hs) = &mut self.handshake else {
+            // Established: a repeated Accept of this very identity means our Confirm was
+            // lost; send it again.
+            if msg.kind == ConnectKind::Accept
+                && self.state == State::Established
+                && crate::secret::ct_eq_u64(msg.server_nonce, self.server_nonce)
+            {
+                self.confirm_pending = true;
+            }
+            return Outcome::default();
+        };
+        if msg.kind == ConnectKind::Retry {
+            // Repeat the Request at once with the cookie; a Retry consumes an attempt's
+            // worth of budget so a loop of Retries cannot keep us forever.
+            if hs.retries < self.cfg.handshake_attempts {
+                hs.retries += 1;
+                hs.sends_since_retry = 0;
+                hs.cookie = msg.cookie;
+                hs.pending = true;
+                hs.next_at = now + self.cfg.handshake_interval;
+            }
+            return Outcome::default();
+        }
+        let hs = *hs;
         match msg.kind {
             ConnectKind::Accept => {
                 if !(256..=4096).contains(&msg.pmtu)
@@ -373,14 +496,19 @@ impl Connection {
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
-                // The handshake's round trip (only when one request was sent, so the answer
-                // is unambiguous — Karn) seeds every path's minimum RTT, which sizes the
-                // receiver's grant, before data samples taken behind a queue can inflate it.
-                // SRTT and the loss timers wait for data samples.
-                let hs_rtt = (hs.attempts == 1).then(|| {
+                // The handshake's round trip (only when one request was sent since the
+                // last Retry, so the answer is unambiguous — Karn) seeds every path's minimum
+                // RTT, which sizes the receiver's grant, before data samples taken behind a
+                // queue can inflate it. SRTT and the loss timers wait for data samples.
+                let hs_rtt = (hs.sends_since_retry == 1).then(|| {
                     now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
                 });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                self.server_nonce = msg.server_nonce;
+                let (c2s, s2c) = crate::secret::tokens(self.nonce, msg.server_nonce);
+                self.tx_token = c2s;
+                self.rx_token = s2c;
+                self.confirm_pending = true;
                 // The server's grant rides in the Accept, so the blind first window is
                 // already capped to grant × handshake RTT (`cc::connection_window`), before
                 // any ACK.
@@ -397,7 +525,7 @@ impl Connection {
             ConnectKind::Reject => Outcome {
                 lost: Some(ConnectionError::Rejected(msg.reason)),
             },
-            ConnectKind::Request => Outcome::default(),
+            ConnectKind::Request | ConnectKind::Retry | ConnectKind::Confirm => Outcome::default(),
         }
     }
 
@@ -911,6 +1039,9 @@ impl Connection {
         if let Some(hs) = &self.handshake {
             consider(Some(hs.next_at));
         }
+        if let Some(h) = &self.half_open {
+            consider(Some(h.next_at));
+        }
         for p in &self.tx {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
@@ -946,9 +1077,21 @@ impl Connection {
         self.drain_completions(events);
         self.rq.take_flushed(self.handle, events);
         // A server that has heard nothing from its client since accepting re-sends the
-        // Accept with every timer: if it was lost, the client drops data until one arrives.
-        if !self.outgoing && self.acks_received == 0 && self.data_in == 0 {
-            self.accept_pending = true;
+        // Accept every `handshake_interval` (if it was lost, the client drops data until one
+        // arrives), at most `handshake_attempts` times: then the half-open connection
+        // expires (issue #9: half-open state is bounded in time).
+        if let Some(h) = &mut self.half_open {
+            if now >= h.next_at {
+                if h.attempts >= self.cfg.handshake_attempts {
+                    self.flush(WcStatus::WrFlushError, events);
+                    return Outcome {
+                        lost: Some(ConnectionError::HandshakeTimeout),
+                    };
+                }
+                h.attempts += 1;
+                h.next_at = now + self.cfg.handshake_interval;
+                self.accept_pending = true;
+            }
         }
         if self.sq.wait_deadline().is_some_and(|t| t <= now) {
             self.sq.on_wait_timer(now, self.cfg.retry_count);
@@ -1007,10 +1150,11 @@ impl Connection {
         payload: &[u8],
     ) -> Option<usize> {
         let start = buf.len();
-        let len = wire::packet_len(hdrs, payload.len());
+        let trailer = self.trailer_for(bth.opcode);
+        let len = wire::packet_len_with(hdrs, payload.len(), &trailer);
         buf.resize(start + len, 0);
         let out = &mut buf[start..];
-        if wire::emit_packet(bth, hdrs, payload, out).is_err() {
+        if wire::emit_packet_with(bth, hdrs, payload, &trailer, out).is_err() {
             buf.truncate(start);
             return None;
         }
@@ -1036,6 +1180,16 @@ impl Connection {
         }
     }
 
+    /// The trailer of a packet of `opcode` sent on this connection: none on `MR_CONNECT`,
+    /// the token of our sending direction on everything else.
+    pub fn trailer_for(&self, opcode: Opcode) -> Trailer {
+        if opcode == Opcode::MR_CONNECT {
+            Trailer::None
+        } else {
+            Trailer::Token(self.tx_token)
+        }
+    }
+
     pub fn connect_packet(&self, kind: ConnectKind, reason: u32) -> (Bth, Headers) {
         let paths = match (&self.handshake, kind) {
             (Some(hs), _) => hs.paths_offered,
@@ -1054,9 +1208,19 @@ impl Connection {
             src_qpn: self.handle.0,
             dst_qpn: self.peer_qpn,
             pmtu: self.pmtu as u16,
-            reply_port: self.local_port,
+            listen_port: self.local_port,
             init_psn: self.init_psn,
             nonce: self.nonce,
+            server_nonce: if kind == ConnectKind::Request {
+                0
+            } else {
+                self.server_nonce
+            },
+            flags: 0,
+            cookie: match (&self.handshake, kind) {
+                (Some(hs), ConnectKind::Request) => hs.cookie,
+                _ => [0; 16],
+            },
             // A request or accept carries our current grant for the peer instead of a
             // reject reason (docs/PROTOCOL.md, ConnectEth bytes 28–31).
             reason: if kind == ConnectKind::Reject {
@@ -1101,10 +1265,20 @@ impl Connection {
             hs.pending = false;
             // Each attempt leaves from the next source port, so one broken route cannot keep
             // the connection from forming.
-            let port = self.source_ports[hs.attempts as usize % self.source_ports.len()];
+            // (The Request repeated at once after a Retry is no new attempt: same port.)
+            let turn = hs.attempts.saturating_sub(hs.retries) as usize;
+            let port = self.source_ports[turn % self.source_ports.len()];
             hs.attempts += 1;
+            hs.sends_since_retry += 1;
             hs.next_at = now + self.cfg.handshake_interval;
             let (bth, hdrs) = self.connect_packet(ConnectKind::Request, 0);
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            return Some(self.transmit(port, None, n, None));
+        }
+        if self.confirm_pending {
+            self.confirm_pending = false;
+            let port = self.source_ports[0];
+            let (bth, hdrs) = self.connect_packet(ConnectKind::Confirm, 0);
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
@@ -1409,7 +1583,7 @@ impl Connection {
                     }
                 },
             };
-            let size = wire::packet_len(&hdrs, payload.len());
+            let size = wire::packet_len_with(&hdrs, payload.len(), &self.trailer_for(opcode));
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.
             if seg_size.is_some_and(|s| size > s) {
                 break;
