@@ -16,7 +16,7 @@ use crate::wire::{
     Opcode, PathEth, Reth, SendEth, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
-use path::{PathRx, PathTx, RxClass, SegRef};
+use path::{PathRx, PathTx, RxCheck, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
 use send::{OpKind, SendQueue};
@@ -73,6 +73,16 @@ pub struct ConnectionStats {
     pub duplicate_packets: u64,
     /// Data packets beyond the SACK window, dropped.
     pub out_of_window_packets: u64,
+    /// Data packets whose floor PSN was ahead of their own PSN (a sender's floor is the
+    /// oldest PSN it still awaits, so it never is): dropped, nothing moved.
+    pub bad_floor_packets: u64,
+    /// ACKs dropped because they acknowledged PSNs the path never sent (cumulative PSN or
+    /// a SACK bit at or beyond the path's next PSN, or before its first PSN): nothing
+    /// completed, no window moved, no RTT sample.
+    pub bad_acks: u64,
+    /// READ / atomic response packets dropped because they did not answer a request this
+    /// side sent (unknown or not yet sent op id, length or offset off the request).
+    pub bad_responses: u64,
     /// Data packets received with a CE mark.
     pub ce_received: u64,
     /// The rate the peer grants us in its ACKs (Mbit/s, 0 = no limit): its receiver-driven
@@ -130,6 +140,9 @@ pub(crate) struct Connection {
     data_in: u64,
     dup_in: u64,
     oow_in: u64,
+    bad_floor_in: u64,
+    bad_acks: u64,
+    bad_responses: u64,
     ce_in: u64,
     source_ports: Vec<u16>,
     /// Where the search for a re-roll port starts.
@@ -270,6 +283,9 @@ impl Connection {
             data_in: 0,
             dup_in: 0,
             oow_in: 0,
+            bad_floor_in: 0,
+            bad_acks: 0,
+            bad_responses: 0,
             ce_in: 0,
             next_spare: 0,
             planes: path::Planes::new(1),
@@ -335,6 +351,9 @@ impl Connection {
             data_packets_received: self.data_in,
             duplicate_packets: self.dup_in,
             out_of_window_packets: self.oow_in,
+            bad_floor_packets: self.bad_floor_in,
+            bad_acks: self.bad_acks,
+            bad_responses: self.bad_responses,
             ce_received: self.ce_in,
             peer_rate_hint_mbps: self.peer_rate_mbps,
             granted_rate_mbps: self.granted_rate_mbps,
@@ -482,8 +501,6 @@ impl Connection {
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return;
         };
-        self.acks_received += 1;
-        self.peer_rate_mbps = a.rate_hint;
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
         let out = p.on_ack(
@@ -494,6 +511,14 @@ impl Connection {
             a.ce_count,
             self.cfg.reorder_threshold,
         );
+        if out.invalid {
+            // Acknowledges PSNs this path never sent: dropped before it moved anything
+            // (not even the rate grant it carries).
+            self.bad_acks += 1;
+            return;
+        }
+        self.acks_received += 1;
+        self.peer_rate_mbps = a.rate_hint;
         if out.progress && self.cfg.planes > 1 {
             let port = p.src_port;
             self.planes.on_progress(port);
@@ -528,18 +553,33 @@ impl Connection {
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
             return;
         };
+        let psn = pkt.bth.psn;
+        // Nothing moves before the packet's own PSN is known to be in window and its floor
+        // consistent with it (docs/PROTOCOL.md, "Delivery": receiver checks).
+        match rx.check(psn, path.floor_psn) {
+            RxCheck::Ok => {}
+            RxCheck::OutOfWindow => {
+                self.oow_in += 1;
+                return;
+            }
+            RxCheck::BadFloor => {
+                self.bad_floor_in += 1;
+                return;
+            }
+        }
         rx.apply_floor(path.floor_psn);
         rx.generation = path.flags >> 4;
         rx.plane = path.plane;
-        let psn = pkt.bth.psn;
         match rx.classify(psn) {
             RxClass::OutOfWindow => {
                 self.oow_in += 1;
                 return;
             }
             RxClass::Duplicate => {
+                // Acknowledged again (its ACK may have been lost), but its timestamp is not
+                // echoed: it advanced nothing, and an old timestamp echoed back would
+                // inflate the sender's RTT estimate.
                 self.dup_in += 1;
-                rx.echo_ts = path.timestamp;
                 rx.ack_pending = true;
                 return;
             }

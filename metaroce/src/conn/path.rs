@@ -34,6 +34,9 @@ pub(crate) struct SentPacket {
     pub psn: u32,
     pub seg: SegRef,
     pub state: PktState,
+    /// When it was sent: an ACK's echoed timestamp must fall within the send times of the
+    /// packets it newly acknowledges for its RTT sample to count.
+    pub sent_at: Instant,
 }
 
 /// Per-path counters, readable by the application.
@@ -110,6 +113,11 @@ pub(crate) struct PathTx {
     pub id: u8,
     pub src_port: u16,
     pub next_psn: u32,
+    /// The path's first PSN: no ACK may acknowledge a PSN before it (while the path has
+    /// sent fewer than 2^22 packets; beyond that every PSN behind `next_psn` was sent).
+    first_psn: u32,
+    /// Packets sent on the path so far (all transmissions).
+    total_sent: u64,
     sent: VecDeque<SentPacket>,
     pub outstanding: u32,
     pub rtt: RttEstimator,
@@ -139,6 +147,11 @@ pub(crate) struct AckOutcome {
     pub acked: Vec<SegRef>,
     pub lost: Vec<SegRef>,
     pub progress: bool,
+    /// The ACK acknowledged PSNs the path never sent: it was dropped, nothing moved.
+    pub invalid: bool,
+    /// The RTT sample was taken (the ACK newly acknowledged packets and its echoed
+    /// timestamp lies within their send times).
+    pub rtt_sampled: bool,
 }
 
 impl PathTx {
@@ -154,6 +167,8 @@ impl PathTx {
             id,
             src_port,
             next_psn: init_psn,
+            first_psn: init_psn,
+            total_sent: 0,
             sent: VecDeque::new(),
             outstanding: 0,
             rtt,
@@ -215,7 +230,9 @@ impl PathTx {
             psn,
             seg,
             state: PktState::Outstanding,
+            sent_at: now,
         });
+        self.total_sent += 1;
         self.outstanding += 1;
         self.stats.packets_sent += 1;
         if retransmit {
@@ -233,8 +250,31 @@ impl PathTx {
         Some(d as usize)
     }
 
+    /// Whether an ACK with cumulative PSN `cum` whose highest acknowledged PSN is
+    /// `highest` acknowledges only PSNs this path sent: `highest` before `next_psn`, and
+    /// `cum` not before the path's first PSN − 1 (the receiver's initial `cum`) while fewer
+    /// than 2^22 packets went out (after that every PSN in the half-space behind
+    /// `next_psn` was sent).
+    fn ack_in_range(&self, cum: u32, highest: u32) -> bool {
+        if psn_diff(highest, self.next_psn) >= 0 {
+            return false;
+        }
+        self.total_sent >= 1 << 22
+            || psn_diff(cum, psn_add(self.first_psn, crate::wire::PSN_MASK)) >= 0
+    }
+
     /// Process an ACK: `cum` acknowledges every PSN up to and including it; bit i of
-    /// `sack` acknowledges `cum + 1 + i`.
+    /// `sack` acknowledges `cum + 1 + i`; `rtt_sample` is the time since the timestamp the
+    /// ACK echoes.
+    ///
+    /// Checks, in order, before anything moves (docs/PROTOCOL.md, "Delivery"): the ACK
+    /// acknowledges only PSNs the path sent ([`ack_in_range`](Self::ack_in_range)), else
+    /// it is dropped (`invalid`: no completion, no window or ECN change, no RTT sample).
+    /// The RTT sample is taken only if the ACK newly acknowledges at least one packet and
+    /// the echoed timestamp lies within the send times of the packets it newly
+    /// acknowledges (RFC 6298 §3 / Karn: every transmission has its own PSN, so a newly
+    /// acknowledged PSN names one transmission; a duplicate ACK, a late ACK or a replayed
+    /// packet's stale timestamp takes no sample).
     #[allow(clippy::too_many_arguments)]
     pub fn on_ack(
         &mut self,
@@ -246,9 +286,6 @@ impl PathTx {
         reorder_threshold: u32,
     ) -> AckOutcome {
         let mut out = AckOutcome::default();
-        if let Some(s) = rtt_sample {
-            self.rtt.update(s);
-        }
         // Highest PSN this ACK acknowledges.
         let mut highest = cum;
         for i in (0..SACK_BITS).rev() {
@@ -257,10 +294,12 @@ impl PathTx {
                 break;
             }
         }
-        // Ignore ACKs for PSNs never sent.
-        if psn_diff(highest, self.next_psn) >= 0 {
+        if !self.ack_in_range(cum, highest) {
+            out.invalid = true;
             return out;
         }
+        // Send times of the packets this ACK newly acknowledges (oldest, newest).
+        let mut span: Option<(Instant, Instant)> = None;
         for p in self.sent.iter_mut() {
             if p.state != PktState::Outstanding {
                 continue;
@@ -273,6 +312,8 @@ impl PathTx {
             if acked {
                 p.state = PktState::Settled;
                 out.acked.push(p.seg);
+                let t = p.sent_at;
+                span = Some(span.map_or((t, t), |(a, b)| (a.min(t), b.max(t))));
             } else if psn_diff(highest, p.psn) > reorder_threshold as i32 {
                 p.state = PktState::Settled;
                 out.lost.push(p.seg);
@@ -284,6 +325,16 @@ impl PathTx {
             }
         }
         let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
+        if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
+            let (lo, hi) = (
+                now.saturating_duration_since(newest),
+                now.saturating_duration_since(oldest),
+            );
+            if s >= lo && s <= hi {
+                self.rtt.update(s);
+                out.rtt_sampled = true;
+            }
+        }
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
         self.stats.sack_losses += nl as u64;
@@ -502,6 +553,17 @@ pub(crate) enum RxClass {
     OutOfWindow,
 }
 
+/// What [`PathRx::check`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RxCheck {
+    /// In window with a consistent floor: the floor may be applied.
+    Ok,
+    /// The packet's own PSN is beyond the SACK window: drop, move nothing.
+    OutOfWindow,
+    /// The floor is ahead of the packet's own PSN: drop, move nothing.
+    BadFloor,
+}
+
 /// Receiver side of a path: cumulative PSN plus a 256-bit SACK bitmap.
 #[derive(Debug, Clone)]
 pub(crate) struct PathRx {
@@ -574,7 +636,26 @@ impl PathRx {
         self.shift(n);
     }
 
-    /// Apply the sender's floor: every PSN before it is settled.
+    /// Check a data packet's PSN and floor before anything moves (docs/PROTOCOL.md,
+    /// "Delivery", receiver checks): the packet's own PSN must be in the SACK window as it
+    /// stands (`cum + 1 ..= cum + 256`, the floor not applied yet), and its floor must not
+    /// be ahead of its own PSN (a sender's floor is the oldest PSN it still awaits, and the
+    /// packet itself is awaited). Only then may [`apply_floor`](Self::apply_floor) run; a
+    /// floor behind `cum` is stale and moves nothing.
+    pub fn check(&self, psn: u32, floor: u32) -> RxCheck {
+        let d = psn_diff(psn, self.cum);
+        if d > 0 && d as u32 > SACK_BITS {
+            return RxCheck::OutOfWindow;
+        }
+        if psn_diff(floor, psn) > 0 {
+            return RxCheck::BadFloor;
+        }
+        RxCheck::Ok
+    }
+
+    /// Apply the sender's floor: every PSN before it is settled. Call only for a packet
+    /// that passed [`check`](Self::check) with this floor: the window then moves at most
+    /// up to the packet's own PSN.
     pub fn apply_floor(&mut self, floor: u32) {
         let d = psn_diff(psn_add(floor, crate::wire::PSN_MASK), self.cum);
         if d > 0 {

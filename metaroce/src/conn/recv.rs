@@ -203,6 +203,13 @@ pub struct RecvStats {
     /// Op aborts taken: WRITEs the requester gave up on after a local error (their op ids
     /// count as finished).
     pub aborted_ops: u64,
+    /// One-sided packets (WRITE, READ, atomic) whose op id was already taken by an
+    /// operation with other parameters (opcode, VA, rkey, length, immediate, operands):
+    /// refused with NAK 0x61 (invalid request), never taken for a duplicate of it.
+    pub op_mismatches: u64,
+    /// One-sided packets whose op id lies `max_tracked_ops` or more ahead of the floor of
+    /// finished op ids: dropped unacknowledged, not executed.
+    pub op_id_out_of_window: u64,
     /// RDMA READ requests executed.
     pub reads: u64,
     /// Atomics executed.
