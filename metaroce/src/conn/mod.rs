@@ -621,12 +621,12 @@ impl Connection {
                     mrs,
                 );
                 self.drain_completions(events);
-                response_outcome(out)
+                self.response_outcome(out)
             }
             Data::AtomicResponse(op, ack) => {
                 let out = self.sq.on_atomic_response(op.op_id, ack.orig, mrs);
                 self.drain_completions(events);
-                response_outcome(out)
+                self.response_outcome(out)
             }
         };
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
@@ -881,6 +881,18 @@ impl Connection {
             }
         }
         self.source_ports[k % n]
+    }
+
+    /// A READ/atomic response that does not answer a request this side sent is dropped
+    /// unacknowledged and counted: it places nothing and completes nothing.
+    fn response_outcome(&mut self, out: send::RespOutcome) -> RxOutcome {
+        match out {
+            send::RespOutcome::Accepted => RxOutcome::Accepted,
+            send::RespOutcome::Invalid => {
+                self.bad_responses += 1;
+                RxOutcome::Drop
+            }
+        }
     }
 
     fn respond(&mut self, r: Option<Respond>) {
@@ -1507,13 +1519,6 @@ impl Connection {
 enum Src {
     Bytes(bytes::Bytes),
     Mr(u32, u64),
-}
-
-fn response_outcome(out: send::RespOutcome) -> RxOutcome {
-    match out {
-        send::RespOutcome::Accepted => RxOutcome::Accepted,
-        send::RespOutcome::Invalid => RxOutcome::Nak(recv::NAK_INVALID_REQUEST),
-    }
 }
 
 #[derive(Debug, Clone, Copy)]
