@@ -80,6 +80,10 @@ pub struct ConnectionStats {
     /// a SACK bit at or beyond the path's next PSN, or before its first PSN): nothing
     /// completed, no window moved, no RTT sample.
     pub bad_acks: u64,
+    /// ACKs with SACK bits for PSNs the path never sent (at or beyond its next PSN): those
+    /// bits were ignored, the rest of the ACK processed. A receiver reports such a PSN only
+    /// if a packet forged or replayed under it reached it first.
+    pub acks_ignoring_unsent: u64,
     /// READ / atomic response packets dropped because they did not answer a request this
     /// side sent (unknown or not yet sent op id, length or offset off the request).
     pub bad_responses: u64,
@@ -142,6 +146,7 @@ pub(crate) struct Connection {
     oow_in: u64,
     bad_floor_in: u64,
     bad_acks: u64,
+    acks_ignoring_unsent: u64,
     bad_responses: u64,
     ce_in: u64,
     source_ports: Vec<u16>,
@@ -285,6 +290,7 @@ impl Connection {
             oow_in: 0,
             bad_floor_in: 0,
             bad_acks: 0,
+            acks_ignoring_unsent: 0,
             bad_responses: 0,
             ce_in: 0,
             next_spare: 0,
@@ -353,6 +359,7 @@ impl Connection {
             out_of_window_packets: self.oow_in,
             bad_floor_packets: self.bad_floor_in,
             bad_acks: self.bad_acks,
+            acks_ignoring_unsent: self.acks_ignoring_unsent,
             bad_responses: self.bad_responses,
             ce_received: self.ce_in,
             peer_rate_hint_mbps: self.peer_rate_mbps,
@@ -517,6 +524,9 @@ impl Connection {
             self.bad_acks += 1;
             return;
         }
+        if out.ignored_unsent {
+            self.acks_ignoring_unsent += 1;
+        }
         self.acks_received += 1;
         self.peer_rate_mbps = a.rate_hint;
         if out.progress && self.cfg.planes > 1 {
@@ -570,21 +580,22 @@ impl Connection {
         rx.apply_floor(path.floor_psn);
         rx.generation = path.flags >> 4;
         rx.plane = path.plane;
-        match rx.classify(psn) {
+        // A PSN received before is still handed to the semantic layer, which is
+        // idempotent (per-segment bitmaps, op id records): a network duplicate is counted
+        // there as a duplicate and changes nothing, but if a forged or replayed packet
+        // took this PSN first, the sender's real packet under it is still placed —
+        // otherwise it would be acknowledged (the PSN is marked) and never placed.
+        let dup = match rx.classify(psn) {
             RxClass::OutOfWindow => {
                 self.oow_in += 1;
                 return;
             }
             RxClass::Duplicate => {
-                // Acknowledged again (its ACK may have been lost), but its timestamp is not
-                // echoed: it advanced nothing, and an old timestamp echoed back would
-                // inflate the sender's RTT estimate.
                 self.dup_in += 1;
-                rx.ack_pending = true;
-                return;
+                true
             }
-            RxClass::New => {}
-        }
+            RxClass::New => false,
+        };
         let outcome = match data {
             Data::Send(s) if path.flags & send::PATH_FLAG_STREAM_ABORT != 0 => self
                 .rq
@@ -633,6 +644,12 @@ impl Connection {
             return;
         };
         match outcome {
+            RxOutcome::Accepted if dup => {
+                // Acknowledged again (its ACK may have been lost), but its timestamp is not
+                // echoed: it advanced no PSN, and an old timestamp echoed back would
+                // inflate the sender's RTT estimate.
+                rx.ack_pending = true;
+            }
             RxOutcome::Accepted => {
                 rx.mark(psn);
                 self.last_data_rx = Some(self.last_heard);
@@ -644,8 +661,11 @@ impl Connection {
                 rx.echo_ts = path.timestamp;
                 rx.ack_pending = true;
             }
-            RxOutcome::Drop => {}
-            RxOutcome::Nak(_) | RxOutcome::Rnr => {
+            RxOutcome::Drop if !dup => {}
+            RxOutcome::Drop | RxOutcome::Nak(_) | RxOutcome::Rnr => {
+                // (A dropped packet under a PSN already marked — taken first by a forged
+                // packet — would be acknowledged and never retried: it gets an RNR NAK, so
+                // the sender re-sends it after the RNR timer.)
                 let syndrome = match outcome {
                     RxOutcome::Nak(s) => s,
                     _ => 0x20 | (self.cfg.min_rnr_timer & 0x1F),

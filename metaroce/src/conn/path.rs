@@ -147,8 +147,12 @@ pub(crate) struct AckOutcome {
     pub acked: Vec<SegRef>,
     pub lost: Vec<SegRef>,
     pub progress: bool,
-    /// The ACK acknowledged PSNs the path never sent: it was dropped, nothing moved.
+    /// The ACK's cumulative PSN acknowledged PSNs the path never sent: it was dropped,
+    /// nothing moved.
     pub invalid: bool,
+    /// The ACK had SACK bits for PSNs the path never sent (at or beyond `next_psn`): they
+    /// were ignored.
+    pub ignored_unsent: bool,
     /// The RTT sample was taken (the ACK newly acknowledged packets and its echoed
     /// timestamp lies within their send times).
     pub rtt_sampled: bool,
@@ -250,13 +254,12 @@ impl PathTx {
         Some(d as usize)
     }
 
-    /// Whether an ACK with cumulative PSN `cum` whose highest acknowledged PSN is
-    /// `highest` acknowledges only PSNs this path sent: `highest` before `next_psn`, and
-    /// `cum` not before the path's first PSN − 1 (the receiver's initial `cum`) while fewer
-    /// than 2^22 packets went out (after that every PSN in the half-space behind
-    /// `next_psn` was sent).
-    fn ack_in_range(&self, cum: u32, highest: u32) -> bool {
-        if psn_diff(highest, self.next_psn) >= 0 {
+    /// Whether an ACK's cumulative PSN `cum` acknowledges only PSNs this path sent: before
+    /// `next_psn`, and not before the path's first PSN − 1 (the receiver's initial `cum`)
+    /// while fewer than 2^22 packets went out (after that every PSN in the half-space
+    /// behind `next_psn` was sent).
+    fn cum_in_range(&self, cum: u32) -> bool {
+        if psn_diff(cum, self.next_psn) >= 0 {
             return false;
         }
         self.total_sent >= 1 << 22
@@ -267,9 +270,13 @@ impl PathTx {
     /// `sack` acknowledges `cum + 1 + i`; `rtt_sample` is the time since the timestamp the
     /// ACK echoes.
     ///
-    /// Checks, in order, before anything moves (docs/PROTOCOL.md, "Delivery"): the ACK
-    /// acknowledges only PSNs the path sent ([`ack_in_range`](Self::ack_in_range)), else
-    /// it is dropped (`invalid`: no completion, no window or ECN change, no RTT sample).
+    /// Checks, in order, before anything moves (docs/PROTOCOL.md, "Delivery"): the
+    /// cumulative PSN acknowledges only PSNs the path sent
+    /// ([`cum_in_range`](Self::cum_in_range)), else the ACK is dropped (`invalid`: no
+    /// completion, no window or ECN change, no RTT sample); SACK bits for PSNs at or beyond
+    /// `next_psn` are ignored (`ignored_unsent`) — a receiver reports such a PSN only when
+    /// a forged or replayed packet reached it under a PSN this side had not used yet, and
+    /// dropping every ACK until the path catches up would let one such packet stall it.
     /// The RTT sample is taken only if the ACK newly acknowledges at least one packet and
     /// the echoed timestamp lies within the send times of the packets it newly
     /// acknowledges (RFC 6298 §3 / Karn: every transmission has its own PSN, so a newly
@@ -286,18 +293,21 @@ impl PathTx {
         reorder_threshold: u32,
     ) -> AckOutcome {
         let mut out = AckOutcome::default();
-        // Highest PSN this ACK acknowledges.
-        let mut highest = cum;
-        for i in (0..SACK_BITS).rev() {
-            if sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0 {
-                highest = psn_add(cum, i + 1);
-                break;
-            }
-        }
-        if !self.ack_in_range(cum, highest) {
+        if !self.cum_in_range(cum) {
             out.invalid = true;
             return out;
         }
+        // SACK bits for PSNs this path has sent (bit i is PSN cum + 1 + i): the first
+        // `sent_bits` of them.
+        let sent_bits = (psn_diff(self.next_psn, cum) - 1).clamp(0, SACK_BITS as i32) as u32;
+        let bit = |i: u32| i < sent_bits && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0;
+        out.ignored_unsent =
+            (sent_bits..SACK_BITS).any(|i| sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0);
+        // Highest PSN this ACK acknowledges.
+        let highest = (0..sent_bits)
+            .rev()
+            .find(|&i| bit(i))
+            .map_or(cum, |i| psn_add(cum, i + 1));
         // Send times of the packets this ACK newly acknowledges (oldest, newest).
         let mut span: Option<(Instant, Instant)> = None;
         for p in self.sent.iter_mut() {
@@ -305,10 +315,7 @@ impl PathTx {
                 continue;
             }
             let d = psn_diff(p.psn, cum);
-            let acked = d <= 0 || {
-                let i = (d - 1) as u32;
-                i < SACK_BITS && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
-            };
+            let acked = d <= 0 || bit((d - 1) as u32);
             if acked {
                 p.state = PktState::Settled;
                 out.acked.push(p.seg);
