@@ -793,3 +793,74 @@ fn in_window_injection_never_preempts_real_packets() {
         assert_eq!(p.stats.rtos, 0, "path {} timed out: {:?}", p.id, p.stats);
     }
 }
+
+// =======================================================================================
+// The in-window rule against honest traffic
+
+/// A path whose data is lost for a while (its packets and probes never arrive, so the
+/// sender gives up on more PSNs than the receiver's 256-packet window) must still come back
+/// once the loss ends: the receiver's window is then behind the sender's floor by more than
+/// a window, and the sender's packets must not be dropped as out of window forever. (The
+/// receiver resynchronizes on two consistent packets ahead of its window after the path was
+/// quiet for `min_rto`, see `PathRx::check`.)
+#[test]
+fn path_recovers_after_losing_more_than_a_window() {
+    let mut a = config(0);
+    a.transport.path_reroll_timeouts = 0;
+    a.transport.retry_count = 1000;
+    a.transport.min_rto = Duration::from_millis(1);
+    a.transport.max_rto = Duration::from_millis(1);
+    let mut net = Net::with(a, config(1));
+    let (c, s) = net.connect();
+    let (src, dst) = regions(&mut net, 64 << 10);
+    // Path 0's data is lost for the first 400 ms (about 190 RTOs, each followed by a probe
+    // and a few packets of a minimal window: more PSNs than the receiver's window).
+    let until = net.now + Duration::from_millis(400);
+    let clock = std::rc::Rc::new(std::cell::Cell::new(net.now));
+    let ck = clock.clone();
+    net.drop = Some(Box::new(move |from, d| {
+        from == 0
+            && ck.get() < until
+            && Packet::parse(d).is_ok_and(|p| data_psn(&p).is_some_and(|(id, _)| id == 0))
+    }));
+    // WRITEs back to back until 50 ms after the loss ended.
+    let mut posted = 0;
+    while net.now < until + Duration::from_millis(50) {
+        clock.set(net.now);
+        if net.completions(0).len() == posted {
+            net.eps[0]
+                .post_write(c, write_req(posted as u64, &src, &dst, 0, 64 << 10))
+                .unwrap();
+            posted += 1;
+        }
+        if !net.step() {
+            break;
+        }
+    }
+    let p0_mid = net.eps[0].connection_stats(c).unwrap().paths[0];
+    let _ = &p0_mid;
+    net.run_until(Duration::from_secs(10), |n| {
+        n.completions(0).len() == posted
+    });
+    let wcs = net.completions(0);
+    let cs = net.eps[0].connection_stats(c).unwrap();
+    let ss = net.eps[1].connection_stats(s).unwrap();
+    let p0 = cs.paths[0];
+    println!(
+        "{posted} WRITEs; path 0: {:?} sent {} acked {} rtos {} (at the end of the loss: sent {}); receiver oow {}",
+        p0.state,
+        p0.stats.packets_sent,
+        p0.stats.packets_acked,
+        p0.stats.rtos,
+        p0_mid.stats.packets_sent,
+        ss.out_of_window_packets,
+    );
+    assert_eq!(wcs.len(), posted);
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
+    assert!(
+        net.eps[1].mr_read(dst.lkey, 0, 64 << 10).unwrap() == &pattern(64 << 10)[..],
+        "bytes differ"
+    );
+    assert_eq!(p0.state, metaroce::PathState::Active, "{p0:?}");
+    assert!(p0.stats.packets_acked > 0, "{p0:?}");
+}

@@ -566,7 +566,8 @@ impl Connection {
         let psn = pkt.bth.psn;
         // Nothing moves before the packet's own PSN is known to be in window and its floor
         // consistent with it (docs/PROTOCOL.md, "Delivery": receiver checks).
-        match rx.check(psn, path.floor_psn) {
+        let (now, quiet) = (self.last_heard, self.cfg.min_rto);
+        match rx.check(psn, path.floor_psn, now, quiet) {
             RxCheck::Ok => {}
             RxCheck::OutOfWindow => {
                 self.oow_in += 1;
@@ -588,6 +589,12 @@ impl Connection {
         let dup = match rx.classify(psn) {
             RxClass::OutOfWindow => {
                 self.oow_in += 1;
+                return;
+            }
+            RxClass::Duplicate if !rx.recent(psn) => {
+                // Far behind the window: a very late copy (or a blind guess). Nothing to
+                // place or acknowledge.
+                self.dup_in += 1;
                 return;
             }
             RxClass::Duplicate => {
@@ -652,6 +659,7 @@ impl Connection {
             }
             RxOutcome::Accepted => {
                 rx.mark(psn);
+                rx.on_new(self.last_heard);
                 self.last_data_rx = Some(self.last_heard);
                 if ecn == Some(EcnCodepoint::Ce) {
                     rx.ce_count = rx.ce_count.wrapping_add(1);

@@ -587,6 +587,11 @@ pub(crate) struct PathRx {
     pub generation: u8,
     /// The sender's plane of this path (PathEth byte 8); ACKs leave on the same plane.
     pub plane: u8,
+    /// When a new packet was last accepted on the path.
+    last_new: Option<Instant>,
+    /// A packet ahead of the window with a consistent floor, seen while the path was quiet:
+    /// (PSN, floor). See [`check`](Self::check).
+    resync: Option<(u32, u32)>,
 }
 
 impl PathRx {
@@ -600,6 +605,8 @@ impl PathRx {
             ack_pending: false,
             generation: 0,
             plane: 0,
+            last_new: None,
+            resync: None,
         }
     }
 
@@ -644,20 +651,54 @@ impl PathRx {
     }
 
     /// Check a data packet's PSN and floor before anything moves (docs/PROTOCOL.md,
-    /// "Delivery", receiver checks): the packet's own PSN must be in the SACK window as it
-    /// stands (`cum + 1 ..= cum + 256`, the floor not applied yet), and its floor must not
-    /// be ahead of its own PSN (a sender's floor is the oldest PSN it still awaits, and the
-    /// packet itself is awaited). Only then may [`apply_floor`](Self::apply_floor) run; a
-    /// floor behind `cum` is stale and moves nothing.
-    pub fn check(&self, psn: u32, floor: u32) -> RxCheck {
-        let d = psn_diff(psn, self.cum);
-        if d > 0 && d as u32 > SACK_BITS {
-            return RxCheck::OutOfWindow;
-        }
+    /// "Delivery", receiver checks): its floor must not be ahead of its own PSN (a sender's
+    /// floor is the oldest PSN it still awaits, and the packet itself is awaited), and its
+    /// own PSN must be in the SACK window as it stands (`cum + 1 ..= cum + 256`, the floor
+    /// not applied yet). Only then may [`apply_floor`](Self::apply_floor) run, moving the
+    /// window at most up to the packet's own PSN; a floor behind `cum` is stale and moves
+    /// nothing.
+    ///
+    /// Resynchronization: a sender whose packets on this path were all lost for a while
+    /// (a blackhole lasting many retransmission timeouts) may have given up on more PSNs
+    /// than the window holds, so its packets arrive ahead of the window. Such a packet is
+    /// dropped, but remembered as a candidate when its floor is consistent with it
+    /// (`floor <= psn < floor + 256`) and the path has accepted no new packet for `quiet`
+    /// (the sender's minimum RTO). A second consistent packet ahead of the window, with a
+    /// higher PSN less than 256 after the candidate's and a floor not behind it, while the
+    /// path is still quiet, is accepted (`Ok`): its floor then moves the window. The
+    /// sender's probes after a blackhole are at least one RTO apart and nothing else
+    /// arrives on the path, so it recovers on its second probe; a forged packet during
+    /// traffic on the path moves nothing.
+    pub fn check(&mut self, psn: u32, floor: u32, now: Instant, quiet: Duration) -> RxCheck {
         if psn_diff(floor, psn) > 0 {
             return RxCheck::BadFloor;
         }
-        RxCheck::Ok
+        let d = psn_diff(psn, self.cum);
+        if d <= 0 || d as u32 <= SACK_BITS {
+            return RxCheck::Ok;
+        }
+        let consistent = (psn_diff(psn, floor) as u32) < SACK_BITS;
+        let is_quiet = self
+            .last_new
+            .is_none_or(|t| now.saturating_duration_since(t) >= quiet);
+        if !consistent || !is_quiet {
+            return RxCheck::OutOfWindow;
+        }
+        if let Some((cpsn, cfloor)) = self.resync {
+            let step = psn_diff(psn, cpsn);
+            if step > 0 && (step as u32) < SACK_BITS && psn_diff(floor, cfloor) >= 0 {
+                self.resync = None;
+                return RxCheck::Ok;
+            }
+        }
+        self.resync = Some((psn, floor));
+        RxCheck::OutOfWindow
+    }
+
+    /// A new packet was accepted on the path at `now` (it is not quiet).
+    pub fn on_new(&mut self, now: Instant) {
+        self.last_new = Some(now);
+        self.resync = None;
     }
 
     /// Apply the sender's floor: every PSN before it is settled. Call only for a packet
@@ -682,6 +723,12 @@ impl PathRx {
         } else {
             RxClass::New
         }
+    }
+
+    /// Whether `psn` is within the window or at most 256 PSNs behind its start (a PSN a
+    /// duplicate or a packet whose PSN a forged one took first may still carry).
+    pub fn recent(&self, psn: u32) -> bool {
+        psn_diff(psn, self.cum) > -(SACK_BITS as i32)
     }
 
     /// Record `psn` as received (it must have been classified `New`).
