@@ -866,6 +866,80 @@ mod tests {
     }
 
     #[test]
+    fn rx_checks_own_psn_before_floor_and_resyncs_only_when_quiet() {
+        let t0 = Instant::now();
+        let quiet = Duration::from_millis(1);
+        let mut rx = PathRx::new(0);
+        rx.mark(0);
+        rx.on_new(t0);
+        // Floor ahead of the packet's own PSN; own PSN beyond the window.
+        assert_eq!(rx.check(5, 50, t0, quiet), RxCheck::BadFloor);
+        assert_eq!(rx.check(300, 290, t0, quiet), RxCheck::OutOfWindow);
+        assert_eq!(
+            rx.check(301, 291, t0, quiet),
+            RxCheck::OutOfWindow,
+            "not quiet"
+        );
+        assert_eq!(rx.check(200, 100, t0, quiet), RxCheck::Ok);
+        assert_eq!(rx.cum, 0, "check moves nothing");
+        // Quiet: the first consistent packet ahead is a candidate, the second is taken.
+        let t1 = t0 + quiet;
+        assert_eq!(rx.check(1000, 900, t1, quiet), RxCheck::OutOfWindow);
+        assert_eq!(
+            rx.check(1000, 900, t1, quiet),
+            RxCheck::OutOfWindow,
+            "same PSN"
+        );
+        assert_eq!(rx.check(1001, 1200, t1, quiet), RxCheck::BadFloor);
+        assert_eq!(rx.check(1100, 1000, t1, quiet), RxCheck::Ok);
+        rx.apply_floor(1000);
+        assert_eq!(rx.classify(1100), RxClass::New);
+        // An inconsistent floor (more than a window behind its PSN) never resyncs.
+        let mut rx = PathRx::new(0);
+        assert_eq!(rx.check(5000, 1000, t1, quiet), RxCheck::OutOfWindow);
+        assert_eq!(rx.check(5001, 1000, t1, quiet), RxCheck::OutOfWindow);
+        assert!(rx.recent(0) && !rx.recent(0xFF_FFFF - 300));
+    }
+
+    #[test]
+    fn rtt_sample_only_from_newly_acked_packets_within_their_send_times() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        let us = Duration::from_micros;
+        p.on_sent(SegRef { op: 0, seg: 0 }, t0, false);
+        p.on_sent(SegRef { op: 0, seg: 1 }, t0 + us(10), false);
+        let srtt0 = p.rtt.smoothed();
+        // Echo older than the oldest newly acked packet: no sample.
+        let out = p.on_ack(t0 + us(50), 0, &[0; 32], Some(us(5000)), 0, 0);
+        assert_eq!(out.acked.len(), 1);
+        assert!(!out.rtt_sampled);
+        assert_eq!(p.rtt.smoothed(), srtt0);
+        // Within the send times: taken.
+        let out = p.on_ack(t0 + us(50), 1, &[0; 32], Some(us(40)), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.smoothed(), us(40));
+        // A duplicate ACK newly acknowledges nothing: no sample.
+        let out = p.on_ack(t0 + us(9000), 1, &[0; 32], Some(us(9000)), 0, 0);
+        assert!(!out.rtt_sampled && out.acked.is_empty() && !out.invalid);
+        assert_eq!(p.rtt.smoothed(), us(40));
+        // Cumulative PSN never sent: dropped; SACK bit beyond next_psn: ignored.
+        p.on_sent(SegRef { op: 0, seg: 2 }, t0 + us(60), false);
+        assert!(
+            p.on_ack(t0 + us(70), 3, &[0; 32], Some(us(10)), 0, 0)
+                .invalid
+        );
+        assert!(
+            p.on_ack(t0 + us(70), 0xFF_FFF0, &[0; 32], None, 0, 0)
+                .invalid
+        );
+        let mut sack = [0u8; 32];
+        sack[0] = 0x40; // PSN 3: never sent
+        let out = p.on_ack(t0 + us(70), 1, &sack, None, 0, 0);
+        assert!(!out.invalid && out.ignored_unsent && out.acked.is_empty());
+        assert_eq!(p.outstanding, 1);
+    }
+
+    #[test]
     fn rx_window_wraps_at_2_pow_24() {
         let mut rx = PathRx::new(0xFF_FFFE);
         for psn in [0xFF_FFFE, 0xFF_FFFF, 0, 1] {
