@@ -366,12 +366,17 @@ fn forged_floor_out_of_window_moves_nothing() {
     let cs = net.eps[0].connection_stats(c).unwrap();
     let ss = net.eps[1].connection_stats(s).unwrap();
     println!(
-        "receiver: dup {} oow {}",
-        ss.duplicate_packets, ss.out_of_window_packets
+        "receiver: dup {} oow {} bad_floor {}",
+        ss.duplicate_packets, ss.out_of_window_packets, ss.bad_floor_packets
     );
     assert_eq!(
         ss.duplicate_packets, dup_before,
         "real packets taken as duplicates"
+    );
+    assert_eq!(
+        (ss.out_of_window_packets, ss.bad_floor_packets),
+        (1, 1),
+        "{ss:?}"
     );
     for p in &cs.paths {
         assert_eq!(
@@ -847,7 +852,7 @@ fn path_recovers_after_losing_more_than_a_window() {
     let ss = net.eps[1].connection_stats(s).unwrap();
     let p0 = cs.paths[0];
     println!(
-        "{posted} WRITEs; path 0: {:?} sent {} acked {} rtos {} (at the end of the loss: sent {}); receiver oow {}",
+        "{posted} WRITEs; path 0: {:?} sent {} acked {} rtos {} (50 ms after the loss: sent {}); receiver oow {}",
         p0.state,
         p0.stats.packets_sent,
         p0.stats.packets_acked,
