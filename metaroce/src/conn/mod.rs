@@ -16,7 +16,7 @@ use crate::wire::{
     Opcode, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
-use path::{PathRx, PathTx, RxClass, SegRef};
+use path::{PathRx, PathTx, RxCheck, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
 use send::{OpKind, SendQueue};
@@ -100,6 +100,20 @@ pub struct ConnectionStats {
     pub duplicate_packets: u64,
     /// Data packets beyond the SACK window, dropped.
     pub out_of_window_packets: u64,
+    /// Data packets whose floor PSN was ahead of their own PSN (a sender's floor is the
+    /// oldest PSN it still awaits, so it never is): dropped, nothing moved.
+    pub bad_floor_packets: u64,
+    /// ACKs dropped because they acknowledged PSNs the path never sent (cumulative PSN or
+    /// a SACK bit at or beyond the path's next PSN, or before its first PSN): nothing
+    /// completed, no window moved, no RTT sample.
+    pub bad_acks: u64,
+    /// ACKs with SACK bits for PSNs the path never sent (at or beyond its next PSN): those
+    /// bits were ignored, the rest of the ACK processed. A receiver reports such a PSN only
+    /// if a packet forged or replayed under it reached it first.
+    pub acks_ignoring_unsent: u64,
+    /// READ / atomic response packets dropped because they did not answer a request this
+    /// side sent (unknown or not yet sent op id, length or offset off the request).
+    pub bad_responses: u64,
     /// Data packets received with a CE mark.
     pub ce_received: u64,
     /// The rate the peer grants us in its ACKs (Mbit/s, 0 = no limit): its receiver-driven
@@ -169,6 +183,10 @@ pub(crate) struct Connection {
     data_in: u64,
     dup_in: u64,
     oow_in: u64,
+    bad_floor_in: u64,
+    bad_acks: u64,
+    acks_ignoring_unsent: u64,
+    bad_responses: u64,
     ce_in: u64,
     source_ports: Vec<u16>,
     /// Where the search for a re-roll port starts.
@@ -372,6 +390,10 @@ impl Connection {
             data_in: 0,
             dup_in: 0,
             oow_in: 0,
+            bad_floor_in: 0,
+            bad_acks: 0,
+            acks_ignoring_unsent: 0,
+            bad_responses: 0,
             ce_in: 0,
             next_spare: 0,
             planes: path::Planes::new(1),
@@ -437,6 +459,10 @@ impl Connection {
             data_packets_received: self.data_in,
             duplicate_packets: self.dup_in,
             out_of_window_packets: self.oow_in,
+            bad_floor_packets: self.bad_floor_in,
+            bad_acks: self.bad_acks,
+            acks_ignoring_unsent: self.acks_ignoring_unsent,
+            bad_responses: self.bad_responses,
             ce_received: self.ce_in,
             peer_rate_hint_mbps: self.peer_rate_mbps,
             granted_rate_mbps: self.granted_rate_mbps,
@@ -610,8 +636,6 @@ impl Connection {
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return;
         };
-        self.acks_received += 1;
-        self.peer_rate_mbps = a.rate_hint;
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
         let out = p.on_ack(
@@ -622,6 +646,17 @@ impl Connection {
             a.ce_count,
             self.cfg.reorder_threshold,
         );
+        if out.invalid {
+            // Acknowledges PSNs this path never sent: dropped before it moved anything
+            // (not even the rate grant it carries).
+            self.bad_acks += 1;
+            return;
+        }
+        if out.ignored_unsent {
+            self.acks_ignoring_unsent += 1;
+        }
+        self.acks_received += 1;
+        self.peer_rate_mbps = a.rate_hint;
         if out.progress && self.cfg.planes > 1 {
             let port = p.src_port;
             self.planes.on_progress(port);
@@ -656,23 +691,46 @@ impl Connection {
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
             return;
         };
+        let psn = pkt.bth.psn;
+        // Nothing moves before the packet's own PSN is known to be in window and its floor
+        // consistent with it (docs/PROTOCOL.md, "Delivery": receiver checks).
+        let (now, quiet) = (self.last_heard, self.cfg.min_rto);
+        match rx.check(psn, path.floor_psn, now, quiet) {
+            RxCheck::Ok => {}
+            RxCheck::OutOfWindow => {
+                self.oow_in += 1;
+                return;
+            }
+            RxCheck::BadFloor => {
+                self.bad_floor_in += 1;
+                return;
+            }
+        }
         rx.apply_floor(path.floor_psn);
         rx.generation = path.flags >> 4;
         rx.plane = path.plane;
-        let psn = pkt.bth.psn;
-        match rx.classify(psn) {
+        // A PSN received before is still handed to the semantic layer, which is
+        // idempotent (per-segment bitmaps, op id records): a network duplicate is counted
+        // there as a duplicate and changes nothing, but if a forged or replayed packet
+        // took this PSN first, the sender's real packet under it is still placed —
+        // otherwise it would be acknowledged (the PSN is marked) and never placed.
+        let dup = match rx.classify(psn) {
             RxClass::OutOfWindow => {
                 self.oow_in += 1;
                 return;
             }
-            RxClass::Duplicate => {
+            RxClass::Duplicate if !rx.recent(psn) => {
+                // Far behind the window: a very late copy (or a blind guess). Nothing to
+                // place or acknowledge.
                 self.dup_in += 1;
-                rx.echo_ts = path.timestamp;
-                rx.ack_pending = true;
                 return;
             }
-            RxClass::New => {}
-        }
+            RxClass::Duplicate => {
+                self.dup_in += 1;
+                true
+            }
+            RxClass::New => false,
+        };
         let outcome = match data {
             Data::Send(s) if path.flags & send::PATH_FLAG_STREAM_ABORT != 0 => self
                 .rq
@@ -709,20 +767,27 @@ impl Connection {
                     mrs,
                 );
                 self.drain_completions(events);
-                response_outcome(out)
+                self.response_outcome(out)
             }
             Data::AtomicResponse(op, ack) => {
                 let out = self.sq.on_atomic_response(op.op_id, ack.orig, mrs);
                 self.drain_completions(events);
-                response_outcome(out)
+                self.response_outcome(out)
             }
         };
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
             return;
         };
         match outcome {
+            RxOutcome::Accepted if dup => {
+                // Acknowledged again (its ACK may have been lost), but its timestamp is not
+                // echoed: it advanced no PSN, and an old timestamp echoed back would
+                // inflate the sender's RTT estimate.
+                rx.ack_pending = true;
+            }
             RxOutcome::Accepted => {
                 rx.mark(psn);
+                rx.on_new(self.last_heard);
                 self.last_data_rx = Some(self.last_heard);
                 if ecn == Some(EcnCodepoint::Ce) {
                     rx.ce_count = rx.ce_count.wrapping_add(1);
@@ -732,8 +797,11 @@ impl Connection {
                 rx.echo_ts = path.timestamp;
                 rx.ack_pending = true;
             }
-            RxOutcome::Drop => {}
-            RxOutcome::Nak(_) | RxOutcome::Rnr => {
+            RxOutcome::Drop if !dup => {}
+            RxOutcome::Drop | RxOutcome::Nak(_) | RxOutcome::Rnr => {
+                // (A dropped packet under a PSN already marked — taken first by a forged
+                // packet — would be acknowledged and never retried: it gets an RNR NAK, so
+                // the sender re-sends it after the RNR timer.)
                 let syndrome = match outcome {
                     RxOutcome::Nak(s) => s,
                     _ => 0x20 | (self.cfg.min_rnr_timer & 0x1F),
@@ -969,6 +1037,18 @@ impl Connection {
             }
         }
         self.source_ports[k % n]
+    }
+
+    /// A READ/atomic response that does not answer a request this side sent is dropped
+    /// unacknowledged and counted: it places nothing and completes nothing.
+    fn response_outcome(&mut self, out: send::RespOutcome) -> RxOutcome {
+        match out {
+            send::RespOutcome::Accepted => RxOutcome::Accepted,
+            send::RespOutcome::Invalid => {
+                self.bad_responses += 1;
+                RxOutcome::Drop
+            }
+        }
     }
 
     fn respond(&mut self, r: Option<Respond>) {
@@ -1641,13 +1721,6 @@ impl Connection {
 enum Src {
     Bytes(bytes::Bytes),
     Mr(u32, u64),
-}
-
-fn response_outcome(out: send::RespOutcome) -> RxOutcome {
-    match out {
-        send::RespOutcome::Accepted => RxOutcome::Accepted,
-        send::RespOutcome::Invalid => RxOutcome::Nak(recv::NAK_INVALID_REQUEST),
-    }
 }
 
 #[derive(Debug, Clone, Copy)]

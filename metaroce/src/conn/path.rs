@@ -34,6 +34,9 @@ pub(crate) struct SentPacket {
     pub psn: u32,
     pub seg: SegRef,
     pub state: PktState,
+    /// When it was sent: an ACK's echoed timestamp must fall within the send times of the
+    /// packets it newly acknowledges for its RTT sample to count.
+    pub sent_at: Instant,
 }
 
 /// Per-path counters, readable by the application.
@@ -110,6 +113,11 @@ pub(crate) struct PathTx {
     pub id: u8,
     pub src_port: u16,
     pub next_psn: u32,
+    /// The path's first PSN: no ACK may acknowledge a PSN before it (while the path has
+    /// sent fewer than 2^22 packets; beyond that every PSN behind `next_psn` was sent).
+    first_psn: u32,
+    /// Packets sent on the path so far (all transmissions).
+    total_sent: u64,
     sent: VecDeque<SentPacket>,
     pub outstanding: u32,
     pub rtt: RttEstimator,
@@ -139,6 +147,15 @@ pub(crate) struct AckOutcome {
     pub acked: Vec<SegRef>,
     pub lost: Vec<SegRef>,
     pub progress: bool,
+    /// The ACK's cumulative PSN acknowledged PSNs the path never sent: it was dropped,
+    /// nothing moved.
+    pub invalid: bool,
+    /// The ACK had SACK bits for PSNs the path never sent (at or beyond `next_psn`): they
+    /// were ignored.
+    pub ignored_unsent: bool,
+    /// The RTT sample was taken (the ACK newly acknowledged packets and its echoed
+    /// timestamp lies within their send times).
+    pub rtt_sampled: bool,
 }
 
 impl PathTx {
@@ -154,6 +171,8 @@ impl PathTx {
             id,
             src_port,
             next_psn: init_psn,
+            first_psn: init_psn,
+            total_sent: 0,
             sent: VecDeque::new(),
             outstanding: 0,
             rtt,
@@ -215,7 +234,9 @@ impl PathTx {
             psn,
             seg,
             state: PktState::Outstanding,
+            sent_at: now,
         });
+        self.total_sent += 1;
         self.outstanding += 1;
         self.stats.packets_sent += 1;
         if retransmit {
@@ -233,8 +254,34 @@ impl PathTx {
         Some(d as usize)
     }
 
+    /// Whether an ACK's cumulative PSN `cum` acknowledges only PSNs this path sent: before
+    /// `next_psn`, and not before the path's first PSN − 1 (the receiver's initial `cum`)
+    /// while fewer than 2^22 packets went out (after that every PSN in the half-space
+    /// behind `next_psn` was sent).
+    fn cum_in_range(&self, cum: u32) -> bool {
+        if psn_diff(cum, self.next_psn) >= 0 {
+            return false;
+        }
+        self.total_sent >= 1 << 22
+            || psn_diff(cum, psn_add(self.first_psn, crate::wire::PSN_MASK)) >= 0
+    }
+
     /// Process an ACK: `cum` acknowledges every PSN up to and including it; bit i of
-    /// `sack` acknowledges `cum + 1 + i`.
+    /// `sack` acknowledges `cum + 1 + i`; `rtt_sample` is the time since the timestamp the
+    /// ACK echoes.
+    ///
+    /// Checks, in order, before anything moves (docs/PROTOCOL.md, "Delivery"): the
+    /// cumulative PSN acknowledges only PSNs the path sent
+    /// ([`cum_in_range`](Self::cum_in_range)), else the ACK is dropped (`invalid`: no
+    /// completion, no window or ECN change, no RTT sample); SACK bits for PSNs at or beyond
+    /// `next_psn` are ignored (`ignored_unsent`) — a receiver reports such a PSN only when
+    /// a forged or replayed packet reached it under a PSN this side had not used yet, and
+    /// dropping every ACK until the path catches up would let one such packet stall it.
+    /// The RTT sample is taken only if the ACK newly acknowledges at least one packet and
+    /// the echoed timestamp lies within the send times of the packets it newly
+    /// acknowledges (RFC 6298 §3 / Karn: every transmission has its own PSN, so a newly
+    /// acknowledged PSN names one transmission; a duplicate ACK, a late ACK or a replayed
+    /// packet's stale timestamp takes no sample).
     #[allow(clippy::too_many_arguments)]
     pub fn on_ack(
         &mut self,
@@ -246,33 +293,34 @@ impl PathTx {
         reorder_threshold: u32,
     ) -> AckOutcome {
         let mut out = AckOutcome::default();
-        if let Some(s) = rtt_sample {
-            self.rtt.update(s);
-        }
-        // Highest PSN this ACK acknowledges.
-        let mut highest = cum;
-        for i in (0..SACK_BITS).rev() {
-            if sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0 {
-                highest = psn_add(cum, i + 1);
-                break;
-            }
-        }
-        // Ignore ACKs for PSNs never sent.
-        if psn_diff(highest, self.next_psn) >= 0 {
+        if !self.cum_in_range(cum) {
+            out.invalid = true;
             return out;
         }
+        // SACK bits for PSNs this path has sent (bit i is PSN cum + 1 + i): the first
+        // `sent_bits` of them.
+        let sent_bits = (psn_diff(self.next_psn, cum) - 1).clamp(0, SACK_BITS as i32) as u32;
+        let bit = |i: u32| i < sent_bits && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0;
+        out.ignored_unsent =
+            (sent_bits..SACK_BITS).any(|i| sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0);
+        // Highest PSN this ACK acknowledges.
+        let highest = (0..sent_bits)
+            .rev()
+            .find(|&i| bit(i))
+            .map_or(cum, |i| psn_add(cum, i + 1));
+        // Send times of the packets this ACK newly acknowledges (oldest, newest).
+        let mut span: Option<(Instant, Instant)> = None;
         for p in self.sent.iter_mut() {
             if p.state != PktState::Outstanding {
                 continue;
             }
             let d = psn_diff(p.psn, cum);
-            let acked = d <= 0 || {
-                let i = (d - 1) as u32;
-                i < SACK_BITS && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
-            };
+            let acked = d <= 0 || bit((d - 1) as u32);
             if acked {
                 p.state = PktState::Settled;
                 out.acked.push(p.seg);
+                let t = p.sent_at;
+                span = Some(span.map_or((t, t), |(a, b)| (a.min(t), b.max(t))));
             } else if psn_diff(highest, p.psn) > reorder_threshold as i32 {
                 p.state = PktState::Settled;
                 out.lost.push(p.seg);
@@ -284,6 +332,16 @@ impl PathTx {
             }
         }
         let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
+        if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
+            let (lo, hi) = (
+                now.saturating_duration_since(newest),
+                now.saturating_duration_since(oldest),
+            );
+            if s >= lo && s <= hi {
+                self.rtt.update(s);
+                out.rtt_sampled = true;
+            }
+        }
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
         self.stats.sack_losses += nl as u64;
@@ -502,6 +560,17 @@ pub(crate) enum RxClass {
     OutOfWindow,
 }
 
+/// What [`PathRx::check`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RxCheck {
+    /// In window with a consistent floor: the floor may be applied.
+    Ok,
+    /// The packet's own PSN is beyond the SACK window: drop, move nothing.
+    OutOfWindow,
+    /// The floor is ahead of the packet's own PSN: drop, move nothing.
+    BadFloor,
+}
+
 /// Receiver side of a path: cumulative PSN plus a 256-bit SACK bitmap.
 #[derive(Debug, Clone)]
 pub(crate) struct PathRx {
@@ -518,6 +587,11 @@ pub(crate) struct PathRx {
     pub generation: u8,
     /// The sender's plane of this path (PathEth byte 8); ACKs leave on the same plane.
     pub plane: u8,
+    /// When a new packet was last accepted on the path.
+    last_new: Option<Instant>,
+    /// A packet ahead of the window with a consistent floor, seen while the path was quiet:
+    /// (PSN, floor). See [`check`](Self::check).
+    resync: Option<(u32, u32)>,
 }
 
 impl PathRx {
@@ -531,6 +605,8 @@ impl PathRx {
             ack_pending: false,
             generation: 0,
             plane: 0,
+            last_new: None,
+            resync: None,
         }
     }
 
@@ -574,7 +650,60 @@ impl PathRx {
         self.shift(n);
     }
 
-    /// Apply the sender's floor: every PSN before it is settled.
+    /// Check a data packet's PSN and floor before anything moves (docs/PROTOCOL.md,
+    /// "Delivery", receiver checks): its floor must not be ahead of its own PSN (a sender's
+    /// floor is the oldest PSN it still awaits, and the packet itself is awaited), and its
+    /// own PSN must be in the SACK window as it stands (`cum + 1 ..= cum + 256`, the floor
+    /// not applied yet). Only then may [`apply_floor`](Self::apply_floor) run, moving the
+    /// window at most up to the packet's own PSN; a floor behind `cum` is stale and moves
+    /// nothing.
+    ///
+    /// Resynchronization: a sender whose packets on this path were all lost for a while
+    /// (a blackhole lasting many retransmission timeouts) may have given up on more PSNs
+    /// than the window holds, so its packets arrive ahead of the window. Such a packet is
+    /// dropped, but remembered as a candidate when its floor is consistent with it
+    /// (`floor <= psn < floor + 256`) and the path has accepted no new packet for `quiet`
+    /// (the sender's minimum RTO). A second consistent packet ahead of the window, with a
+    /// higher PSN less than 256 after the candidate's and a floor not behind it, while the
+    /// path is still quiet, is accepted (`Ok`): its floor then moves the window. The
+    /// sender's probes after a blackhole are at least one RTO apart and nothing else
+    /// arrives on the path, so it recovers on its second probe; a forged packet during
+    /// traffic on the path moves nothing.
+    pub fn check(&mut self, psn: u32, floor: u32, now: Instant, quiet: Duration) -> RxCheck {
+        if psn_diff(floor, psn) > 0 {
+            return RxCheck::BadFloor;
+        }
+        let d = psn_diff(psn, self.cum);
+        if d <= 0 || d as u32 <= SACK_BITS {
+            return RxCheck::Ok;
+        }
+        let consistent = (psn_diff(psn, floor) as u32) < SACK_BITS;
+        let is_quiet = self
+            .last_new
+            .is_none_or(|t| now.saturating_duration_since(t) >= quiet);
+        if !consistent || !is_quiet {
+            return RxCheck::OutOfWindow;
+        }
+        if let Some((cpsn, cfloor)) = self.resync {
+            let step = psn_diff(psn, cpsn);
+            if step > 0 && (step as u32) < SACK_BITS && psn_diff(floor, cfloor) >= 0 {
+                self.resync = None;
+                return RxCheck::Ok;
+            }
+        }
+        self.resync = Some((psn, floor));
+        RxCheck::OutOfWindow
+    }
+
+    /// A new packet was accepted on the path at `now` (it is not quiet).
+    pub fn on_new(&mut self, now: Instant) {
+        self.last_new = Some(now);
+        self.resync = None;
+    }
+
+    /// Apply the sender's floor: every PSN before it is settled. Call only for a packet
+    /// that passed [`check`](Self::check) with this floor: the window then moves at most
+    /// up to the packet's own PSN.
     pub fn apply_floor(&mut self, floor: u32) {
         let d = psn_diff(psn_add(floor, crate::wire::PSN_MASK), self.cum);
         if d > 0 {
@@ -594,6 +723,12 @@ impl PathRx {
         } else {
             RxClass::New
         }
+    }
+
+    /// Whether `psn` is within the window or at most 256 PSNs behind its start (a PSN a
+    /// duplicate or a packet whose PSN a forged one took first may still carry).
+    pub fn recent(&self, psn: u32) -> bool {
+        psn_diff(psn, self.cum) > -(SACK_BITS as i32)
     }
 
     /// Record `psn` as received (it must have been classified `New`).
@@ -728,6 +863,80 @@ mod tests {
         assert_eq!(rx.cum, 102);
         assert_eq!(rx.sack_bytes(), [0; 32]);
         assert_eq!(rx.classify(101), RxClass::Duplicate);
+    }
+
+    #[test]
+    fn rx_checks_own_psn_before_floor_and_resyncs_only_when_quiet() {
+        let t0 = Instant::now();
+        let quiet = Duration::from_millis(1);
+        let mut rx = PathRx::new(0);
+        rx.mark(0);
+        rx.on_new(t0);
+        // Floor ahead of the packet's own PSN; own PSN beyond the window.
+        assert_eq!(rx.check(5, 50, t0, quiet), RxCheck::BadFloor);
+        assert_eq!(rx.check(300, 290, t0, quiet), RxCheck::OutOfWindow);
+        assert_eq!(
+            rx.check(301, 291, t0, quiet),
+            RxCheck::OutOfWindow,
+            "not quiet"
+        );
+        assert_eq!(rx.check(200, 100, t0, quiet), RxCheck::Ok);
+        assert_eq!(rx.cum, 0, "check moves nothing");
+        // Quiet: the first consistent packet ahead is a candidate, the second is taken.
+        let t1 = t0 + quiet;
+        assert_eq!(rx.check(1000, 900, t1, quiet), RxCheck::OutOfWindow);
+        assert_eq!(
+            rx.check(1000, 900, t1, quiet),
+            RxCheck::OutOfWindow,
+            "same PSN"
+        );
+        assert_eq!(rx.check(1001, 1200, t1, quiet), RxCheck::BadFloor);
+        assert_eq!(rx.check(1100, 1000, t1, quiet), RxCheck::Ok);
+        rx.apply_floor(1000);
+        assert_eq!(rx.classify(1100), RxClass::New);
+        // An inconsistent floor (more than a window behind its PSN) never resyncs.
+        let mut rx = PathRx::new(0);
+        assert_eq!(rx.check(5000, 1000, t1, quiet), RxCheck::OutOfWindow);
+        assert_eq!(rx.check(5001, 1000, t1, quiet), RxCheck::OutOfWindow);
+        assert!(rx.recent(0) && !rx.recent(0xFF_FFFF - 300));
+    }
+
+    #[test]
+    fn rtt_sample_only_from_newly_acked_packets_within_their_send_times() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        let us = Duration::from_micros;
+        p.on_sent(SegRef { op: 0, seg: 0 }, t0, false);
+        p.on_sent(SegRef { op: 0, seg: 1 }, t0 + us(10), false);
+        let srtt0 = p.rtt.smoothed();
+        // Echo older than the oldest newly acked packet: no sample.
+        let out = p.on_ack(t0 + us(50), 0, &[0; 32], Some(us(5000)), 0, 0);
+        assert_eq!(out.acked.len(), 1);
+        assert!(!out.rtt_sampled);
+        assert_eq!(p.rtt.smoothed(), srtt0);
+        // Within the send times: taken.
+        let out = p.on_ack(t0 + us(50), 1, &[0; 32], Some(us(40)), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.smoothed(), us(40));
+        // A duplicate ACK newly acknowledges nothing: no sample.
+        let out = p.on_ack(t0 + us(9000), 1, &[0; 32], Some(us(9000)), 0, 0);
+        assert!(!out.rtt_sampled && out.acked.is_empty() && !out.invalid);
+        assert_eq!(p.rtt.smoothed(), us(40));
+        // Cumulative PSN never sent: dropped; SACK bit beyond next_psn: ignored.
+        p.on_sent(SegRef { op: 0, seg: 2 }, t0 + us(60), false);
+        assert!(
+            p.on_ack(t0 + us(70), 3, &[0; 32], Some(us(10)), 0, 0)
+                .invalid
+        );
+        assert!(
+            p.on_ack(t0 + us(70), 0xFF_FFF0, &[0; 32], None, 0, 0)
+                .invalid
+        );
+        let mut sack = [0u8; 32];
+        sack[0] = 0x40; // PSN 3: never sent
+        let out = p.on_ack(t0 + us(70), 1, &sack, None, 0, 0);
+        assert!(!out.invalid && out.ignored_unsent && out.acked.is_empty());
+        assert_eq!(p.outstanding, 1);
     }
 
     #[test]

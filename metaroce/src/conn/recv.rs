@@ -95,10 +95,66 @@ struct StreamRx {
 /// Length-errored messages remembered per stream.
 const MAX_LEN_ERRORS: usize = 1024;
 
+/// What a one-sided operation id was used for: its opcode and every parameter that
+/// decides what it does (VA, rkey, length, immediate, atomic operands). A later packet with
+/// the same op id must carry the same parameters to count as part of (or a duplicate of)
+/// that operation; otherwise it belongs to another operation — a forgery, or a requester
+/// whose op id was taken by one — and is refused, never acknowledged as a duplicate
+/// (docs/PROTOCOL.md, "Semantics": operation ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OpParams {
+    opcode: u8,
+    rkey: u32,
+    len: u32,
+    va: u64,
+    /// WRITE: the immediate (bit 32 set when present); atomics: swap or add operand.
+    x: u64,
+    /// Compare operand of a compare-and-swap.
+    y: u64,
+}
+
+impl OpParams {
+    /// An RDMA WRITE (with immediate when `imm` is set).
+    pub fn write(reth: &Reth, imm: Option<u32>) -> Self {
+        Self {
+            opcode: if imm.is_some() { 2 } else { 1 },
+            rkey: reth.rkey,
+            len: reth.dma_len,
+            va: reth.va,
+            x: imm.map_or(0, |i| (1 << 32) | i as u64),
+            y: 0,
+        }
+    }
+
+    /// An RDMA READ request.
+    pub fn read(reth: &Reth) -> Self {
+        Self {
+            opcode: 3,
+            rkey: reth.rkey,
+            len: reth.dma_len,
+            va: reth.va,
+            x: 0,
+            y: 0,
+        }
+    }
+
+    /// An atomic (fetch-and-add or compare-and-swap).
+    pub fn atomic(at: &AtomicEth, fetch_add: bool) -> Self {
+        Self {
+            opcode: if fetch_add { 4 } else { 5 },
+            rkey: at.rkey,
+            len: 8,
+            va: at.va,
+            x: at.swap_add,
+            y: if fetch_add { 0 } else { at.compare },
+        }
+    }
+}
+
 #[derive(Debug)]
 struct WriteTrack {
-    /// The WRITE's length (RETH DMA length) as its first packet gave it.
-    len: u32,
+    /// The WRITE's parameters as its first packet gave them.
+    params: OpParams,
     got: Vec<u64>,
     got_segs: u32,
     nsegs: u32,
@@ -178,6 +234,11 @@ pub(crate) struct RecvState {
     /// `max_tracked_ops` entries: the oldest record is evicted first (`refused_order`).
     refused_ops: HashMap<u32, u8>,
     refused_order: VecDeque<u32>,
+    /// What the most recently executed op ids were used for (at most `max_tracked_ops`,
+    /// oldest evicted first): a packet reusing one of them with other parameters is refused
+    /// instead of being acknowledged as a duplicate of an operation it is not part of.
+    executed: HashMap<u32, OpParams>,
+    executed_order: VecDeque<u32>,
     /// Receives posted on a dead stream, flushed and not yet reported (`take_flushed`).
     flushed: VecDeque<(u32, WorkCompletion)>,
     pub stats: RecvStats,
@@ -203,6 +264,13 @@ pub struct RecvStats {
     /// Op aborts taken: WRITEs the requester gave up on after a local error (their op ids
     /// count as finished).
     pub aborted_ops: u64,
+    /// One-sided packets (WRITE, READ, atomic) whose op id was already taken by an
+    /// operation with other parameters (opcode, VA, rkey, length, immediate, operands):
+    /// refused with NAK 0x61 (invalid request), never taken for a duplicate of it.
+    pub op_mismatches: u64,
+    /// One-sided packets whose op id lies `max_tracked_ops` or more ahead of the floor of
+    /// finished op ids: dropped unacknowledged, not executed.
+    pub op_id_out_of_window: u64,
     /// RDMA READ requests executed.
     pub reads: u64,
     /// Atomics executed.
@@ -211,8 +279,8 @@ pub struct RecvStats {
     /// them failed with `RnrRetryExceeded`).
     pub dead_streams: u64,
     /// Gauge, at the time of the snapshot: one-sided op ids the responder tracks (WRITEs
-    /// in progress, finished ids above the floor, refusal records). At most about
-    /// 2 × `max_tracked_ops`.
+    /// in progress, finished ids above the floor, refusal records, records of what executed
+    /// ids did). At most about 3 × `max_tracked_ops`.
     pub tracked_ops: u64,
     /// Gauge: bytes of library-owned buffers held for SEND messages being reassembled or
     /// waiting for in-order delivery, each message counted with 128 bytes of bookkeeping.
@@ -626,6 +694,33 @@ impl RecvState {
         }
     }
 
+    /// Whether `id` lies `max_tracked_ops` or more ahead of the floor of finished op ids: an
+    /// honest requester's ids are never that far ahead of the oldest one it still awaits
+    /// (the responder takes at most that many), so such a packet is not executed.
+    fn op_ahead(&self, id: u32, lim: &RecvLimits) -> bool {
+        !seq_before(id, self.write_floor)
+            && id.wrapping_sub(self.write_floor) >= lim.max_tracked_ops
+    }
+
+    /// Remember what executed op id `id` did (bounded, oldest evicted first).
+    fn record_executed(&mut self, id: u32, params: OpParams, lim: &RecvLimits) {
+        if self.executed.insert(id, params).is_none() {
+            self.executed_order.push_back(id);
+            while self.executed_order.len() > lim.max_tracked_ops as usize {
+                if let Some(old) = self.executed_order.pop_front() {
+                    self.executed.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// A packet with op id `id` whose parameters differ from the operation that holds the
+    /// id: refused with "invalid request", counted, nothing recorded.
+    fn mismatch(&mut self) -> RxOutcome {
+        self.stats.op_mismatches += 1;
+        RxOutcome::Nak(NAK_INVALID_REQUEST)
+    }
+
     /// Whether a new operation id may be tracked: the tracking set has room, or the id is
     /// the floor itself (finishing it never grows the set, so the oldest open operation can
     /// always complete).
@@ -638,10 +733,26 @@ impl RecvState {
     /// The answer to a request whose op id was seen before, ahead of every other check (a
     /// re-sent request must get the answer the first copy got, whatever changed since:
     /// region deregistered, responder busy).
-    fn seen_answer(&mut self, id: u32) -> Option<RxOutcome> {
+    ///
+    /// Checks, in order: op id `max_tracked_ops` or more ahead of the floor → dropped
+    /// unacknowledged (counted in `op_id_out_of_window`); refused before → the same NAK;
+    /// executed (or in progress) under other parameters → NAK 0x61 (counted in
+    /// `op_mismatches`); executed with the same parameters, or so long ago that its record
+    /// was evicted → acknowledged as a duplicate.
+    fn seen_answer(&mut self, id: u32, params: &OpParams, lim: &RecvLimits) -> Option<RxOutcome> {
+        if self.op_ahead(id, lim) {
+            self.stats.op_id_out_of_window += 1;
+            return Some(RxOutcome::Drop);
+        }
         match self.op_state(id) {
-            OpState::Open => None,
+            OpState::Open => match self.writes.get(&id) {
+                Some(t) if t.params != *params => Some(self.mismatch()),
+                _ => None,
+            },
             OpState::Executed => {
+                if self.executed.get(&id).is_some_and(|p| p != params) {
+                    return Some(self.mismatch());
+                }
                 self.stats.duplicates += 1;
                 Some(RxOutcome::Accepted)
             }
@@ -683,7 +794,8 @@ impl RecvState {
         lim: &RecvLimits,
         busy: bool,
     ) -> (RxOutcome, Option<Respond>) {
-        if let Some(out) = self.seen_answer(op.op_id) {
+        let params = OpParams::read(reth);
+        if let Some(out) = self.seen_answer(op.op_id, &params, lim) {
             return (out, None);
         }
         if busy || !self.can_track(op.op_id, lim) {
@@ -702,6 +814,7 @@ impl RecvState {
             }
         };
         self.finish_write(op.op_id);
+        self.record_executed(op.op_id, params, lim);
         self.stats.reads += 1;
         (
             RxOutcome::Accepted,
@@ -723,7 +836,8 @@ impl RecvState {
         lim: &RecvLimits,
         busy: bool,
     ) -> (RxOutcome, Option<Respond>) {
-        if let Some(out) = self.seen_answer(op.op_id) {
+        let params = OpParams::atomic(at, fetch_add);
+        if let Some(out) = self.seen_answer(op.op_id, &params, lim) {
             return (out, None);
         }
         if busy || !self.can_track(op.op_id, lim) {
@@ -750,6 +864,7 @@ impl RecvState {
             return (self.refuse_op(op.op_id, NAK_REMOTE_ACCESS, lim), None);
         };
         self.finish_write(op.op_id);
+        self.record_executed(op.op_id, params, lim);
         self.stats.atomics += 1;
         (
             RxOutcome::Accepted,
@@ -777,7 +892,8 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         let id = hdr.op_id;
-        if let Some(out) = self.seen_answer(id) {
+        let params = OpParams::write(reth, imm);
+        if let Some(out) = self.seen_answer(id, &params, lim) {
             return out;
         }
         let total = reth.dma_len as u64;
@@ -805,12 +921,12 @@ impl RecvState {
             self.write_words += words;
         }
         let t = self.writes.entry(id).or_insert_with(|| WriteTrack {
-            len: reth.dma_len,
+            params,
             got: vec![0; nsegs.div_ceil(64) as usize],
             got_segs: 0,
             nsegs,
         });
-        if t.nsegs != nsegs || t.len != reth.dma_len {
+        if t.nsegs != nsegs {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         if !test_set(&mut t.got, hdr.offset / lim.pmtu) {
@@ -827,6 +943,7 @@ impl RecvState {
         t.got_segs += 1;
         if t.got_segs == t.nsegs {
             self.finish_write(id);
+            self.record_executed(id, params, lim);
             if let Some(imm) = imm {
                 events.push_back(Event::WriteWithImm {
                     conn,
@@ -845,6 +962,10 @@ impl RecvState {
     /// duplicate; an id beyond the tracking limit is dropped unacknowledged (re-sent later),
     /// like a WRITE packet.
     pub fn on_op_abort(&mut self, id: u32, lim: &RecvLimits) -> RxOutcome {
+        if self.op_ahead(id, lim) {
+            self.stats.op_id_out_of_window += 1;
+            return RxOutcome::Drop;
+        }
         if self.op_state(id) != OpState::Open {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
@@ -875,8 +996,10 @@ impl RecvState {
     /// The counters, with the gauges filled in.
     pub fn stats(&self) -> RecvStats {
         RecvStats {
-            tracked_ops: (self.writes.len() + self.writes_done.len() + self.refused_ops.len())
-                as u64,
+            tracked_ops: (self.writes.len()
+                + self.writes_done.len()
+                + self.refused_ops.len()
+                + self.executed.len()) as u64,
             buffered_bytes: self.buf.bytes,
             write_track_bytes: self.write_words as u64 * 8,
             buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),

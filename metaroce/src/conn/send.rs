@@ -213,7 +213,8 @@ pub fn rnr_timer(code: u8) -> Duration {
 pub(crate) enum RespOutcome {
     /// Placed (or a duplicate of placed data): acknowledge.
     Accepted,
-    /// Inconsistent with the operation: refuse.
+    /// Does not answer a request this side sent (not sent yet, not a READ/atomic, length
+    /// or offset off the request): dropped and counted, nothing placed.
     Invalid,
 }
 
@@ -740,6 +741,10 @@ impl SendQueue {
         else {
             return RespOutcome::Invalid;
         };
+        if op.next_seg == 0 {
+            // The request was never sent: nothing can answer it yet.
+            return RespOutcome::Invalid;
+        }
         let Some(resp) = op.resp.as_mut() else {
             return RespOutcome::Invalid;
         };
@@ -789,6 +794,10 @@ impl SendQueue {
         else {
             return RespOutcome::Invalid;
         };
+        if op.next_seg == 0 {
+            // The request was never sent: nothing can answer it yet.
+            return RespOutcome::Invalid;
+        }
         let status = match mrs.local_mut(lkey, local_offset, 8) {
             Ok(dst) => {
                 dst.copy_from_slice(&orig.to_le_bytes());
