@@ -321,6 +321,7 @@ impl Connection {
             max_streams: self.cfg.max_streams,
             require_posted_receives: self.cfg.require_posted_receives,
             max_tracked_ops: self.cfg.max_tracked_ops,
+            max_held_immediates: self.cfg.max_held_immediates,
         }
     }
 
@@ -589,6 +590,9 @@ impl Connection {
                 response_outcome(out)
             }
         };
+        // A READ, atomic, refusal or op abort may have moved the floor of finished op ids
+        // past held immediates (the WRITE_WITH_IMM fence).
+        self.rq.take_released(handle, events);
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
             return;
         };
