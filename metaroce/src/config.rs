@@ -125,8 +125,10 @@ pub struct TransportConfig {
     pub min_rto: Duration,
     /// Upper bound of the retransmission timeout, after exponential back-off. Default 1 s.
     pub max_rto: Duration,
-    /// Packets by which a PSN may trail the highest acknowledged PSN of its path before it
-    /// is declared lost. Each path is ordered, so the default is 0: a SACK hole is a loss.
+    /// Packet threshold of loss detection: a PSN trailing the highest acknowledged PSN of
+    /// its path by more than this many packets is declared lost at once, whatever the
+    /// time-based rule (RACK, RFC 8985, see docs/PROTOCOL.md "Loss detection") says.
+    /// Default 0: off, loss detection is time-based only.
     pub reorder_threshold: u32,
     /// Most packets one GSO batch may carry (set by the I/O backend). Default 1.
     pub max_gso_segments: usize,

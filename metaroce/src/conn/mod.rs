@@ -495,8 +495,16 @@ impl Connection {
             a.ce_count,
             self.cfg.reorder_threshold,
         );
+        // A spurious probe taught this path how long the host stalls: the other paths of
+        // the connection run on the same host.
+        let extra = p.pto_extra;
+        let port = p.src_port;
+        if !extra.is_zero() {
+            for q in &mut self.tx {
+                q.learn_stall(extra);
+            }
+        }
         if out.progress && self.cfg.planes > 1 {
-            let port = p.src_port;
             self.planes.on_progress(port);
             self.rebalance_planes(now);
         }

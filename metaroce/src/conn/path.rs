@@ -2,8 +2,10 @@
 //! detection, and the receiver's 256-packet SACK window.
 //!
 //! Every transmission takes a fresh PSN of its path, retransmissions included; a lost
-//! packet's data is re-sent under a new PSN, possibly on another path. Each path is
-//! ordered, so a hole below the highest acknowledged PSN is a loss (MetaRoCE mechanism 3).
+//! packet's data is re-sent under a new PSN, possibly on another path. A hole below the
+//! highest acknowledged PSN is declared lost only after a reorder window learned from the
+//! path (time-based loss detection after RACK-TLP, RFC 8985), since real paths reorder a
+//! little (RSS queues, multi-queue NICs, host scheduling).
 //! Data packets carry the sender's floor PSN so that the receiver can slide its window
 //! past PSNs the sender no longer waits for.
 
@@ -34,7 +36,29 @@ pub(crate) struct SentPacket {
     pub psn: u32,
     pub seg: SegRef,
     pub state: PktState,
+    /// When it was sent (RACK `xmit_ts`).
+    pub sent: Instant,
 }
+
+/// A packet declared lost from a SACK hole, remembered for a while to find out whether the
+/// declaration was spurious (the packet was delivered after all), RFC 8985 §6.2 / DSACK.
+#[derive(Debug, Clone, Copy)]
+struct LostRec {
+    psn: u32,
+    /// The first PSN sent with a floor above `psn`: an ACK whose highest acknowledged PSN
+    /// is below it was built before the receiver could slide over `psn` by the floor, so
+    /// if it covers `psn`, the packet itself arrived.
+    floor_past: Option<u32>,
+}
+
+/// Lost-packet records kept per path for spurious-loss detection.
+const LOST_LOG: usize = 64;
+/// RACK `reo_wnd_mult` bound, and the loss recoveries after which it is reset (RFC 8985
+/// §6.2 step 4: `reo_wnd_persist` = 16).
+const REO_WND_MULT_MAX: u32 = 16;
+const REO_WND_PERSIST: u32 = 16;
+/// Bound of the allowance spurious probes add to a path's probe timeout and RTO.
+const PTO_EXTRA_MAX: Duration = Duration::from_millis(50);
 
 /// Per-path counters, readable by the application.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -51,6 +75,12 @@ pub struct PathStats {
     pub timeout_losses: u64,
     /// Tail-loss probes sent.
     pub probes: u64,
+    /// SACK-hole losses found spurious afterwards (the packet had been delivered, only
+    /// reordered): each one widens the path's reorder window (RACK `reo_wnd_mult`).
+    pub spurious_losses: u64,
+    /// Tail-loss probes found spurious afterwards (the ACK that followed acknowledged
+    /// packets sent before the probe): each one lengthens the path's probe timeout.
+    pub spurious_probes: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
@@ -120,6 +150,30 @@ pub(crate) struct PathTx {
     /// count from it.
     last_progress: Instant,
     probe_sent: bool,
+    /// The next PSN when the pending tail-loss probe was scheduled: packets below it were
+    /// outstanding before the probe.
+    probe_psn: Option<u32>,
+    /// `last_progress` before the pending probe was scheduled.
+    probe_since: Instant,
+    /// Learned allowance added to the probe timeout and the RTO after spurious probes
+    /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
+    /// needed. Shared by the paths of a connection (`learn_stall`).
+    pub pto_extra: Duration,
+    /// RACK state (RFC 8985 §6): send time, PSN and RTT of the most recently sent packet
+    /// that was delivered.
+    rack_sent: Option<Instant>,
+    rack_psn: u32,
+    rack_rtt: Duration,
+    /// The path has shown reordering (a hole filled after a later PSN was acknowledged).
+    reordering_seen: bool,
+    reo_wnd_mult: u32,
+    reo_wnd_persist: u32,
+    /// When the reorder window was last widened (at most once per SRTT).
+    reo_wnd_widened: Option<Instant>,
+    /// When the reorder timer fires: the earliest time an outstanding packet below
+    /// `rack_psn` passes its deadline.
+    rack_deadline: Option<Instant>,
+    lost_log: VecDeque<LostRec>,
     /// A segment to send on this path as a tail-loss probe, ahead of everything else.
     pub probe: Option<SegRef>,
     pub state: PathState,
@@ -162,6 +216,18 @@ impl PathTx {
             consecutive_rtos: 0,
             last_progress: now,
             probe_sent: false,
+            probe_psn: None,
+            probe_since: now,
+            pto_extra: Duration::ZERO,
+            rack_sent: None,
+            rack_psn: init_psn,
+            rack_rtt: Duration::ZERO,
+            reordering_seen: false,
+            reo_wnd_mult: 1,
+            reo_wnd_persist: REO_WND_PERSIST,
+            reo_wnd_widened: None,
+            rack_deadline: None,
+            lost_log: VecDeque::new(),
             probe: None,
             state: PathState::Active,
             generation: 0,
@@ -211,10 +277,17 @@ impl PathTx {
         if self.outstanding == 0 {
             self.last_progress = now;
         }
+        let floor = self.floor_psn();
+        for r in self.lost_log.iter_mut() {
+            if r.floor_past.is_none() && psn_diff(floor, r.psn) > 0 {
+                r.floor_past = Some(psn);
+            }
+        }
         self.sent.push_back(SentPacket {
             psn,
             seg,
             state: PktState::Outstanding,
+            sent: now,
         });
         self.outstanding += 1;
         self.stats.packets_sent += 1;
@@ -233,8 +306,22 @@ impl PathTx {
         Some(d as usize)
     }
 
+    /// RACK reorder window (RFC 8985 §6.2 step 4): 0 while the path has shown no
+    /// reordering (fast reaction to real loss), then `min(reo_wnd_mult · min_RTT / 4, SRTT)`,
+    /// `reo_wnd_mult` growing by one for each spurious loss found (at most once per SRTT).
+    pub fn reo_wnd(&self) -> Duration {
+        if !self.reordering_seen {
+            return Duration::ZERO;
+        }
+        let min = self.rtt.min().unwrap_or(self.rtt.smoothed());
+        (min / 4 * self.reo_wnd_mult).min(self.rtt.smoothed())
+    }
+
     /// Process an ACK: `cum` acknowledges every PSN up to and including it; bit i of
-    /// `sack` acknowledges `cum + 1 + i`.
+    /// `sack` acknowledges `cum + 1 + i`. Outstanding packets sent before the most
+    /// recently sent delivered packet are declared lost once `RACK.rtt + reo_wnd` has passed
+    /// since they were sent (RFC 8985 §6.2), or at once when they trail the highest
+    /// acknowledged PSN by more than `reorder_threshold` packets (0: no packet threshold).
     #[allow(clippy::too_many_arguments)]
     pub fn on_ack(
         &mut self,
@@ -261,28 +348,76 @@ impl PathTx {
         if psn_diff(highest, self.next_psn) >= 0 {
             return out;
         }
+        let covers = |psn: u32| {
+            let d = psn_diff(psn, cum);
+            d <= 0 || {
+                let i = (d - 1) as u32;
+                i < SACK_BITS && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
+            }
+        };
+        // Spurious loss declarations (the packet was delivered, only late): widen the
+        // reorder window.
+        let mut spurious = 0u32;
+        self.lost_log.retain(|r| {
+            let built_before_floor = r.floor_past.is_none_or(|f| psn_diff(highest, f) < 0);
+            if covers(r.psn) && built_before_floor {
+                spurious += 1;
+                return false;
+            }
+            built_before_floor
+        });
+        if spurious > 0 {
+            self.stats.spurious_losses += spurious as u64;
+            self.reordering_seen = true;
+            let srtt = self.rtt.smoothed();
+            if self.reo_wnd_widened.is_none_or(|t| now >= t + srtt) {
+                self.reo_wnd_widened = Some(now);
+                self.reo_wnd_mult = (self.reo_wnd_mult + 1).min(REO_WND_MULT_MAX);
+                self.reo_wnd_persist = REO_WND_PERSIST;
+            }
+        }
+        // A probe is spurious when this ACK acknowledges a packet that was outstanding
+        // before it (the path was only slow: host scheduling, a queue).
+        let probe_psn = self.probe_psn;
+        let prev_rack = self.rack_sent.map(|_| self.rack_psn);
+        let mut probe_spurious = false;
         for p in self.sent.iter_mut() {
             if p.state != PktState::Outstanding {
                 continue;
             }
-            let d = psn_diff(p.psn, cum);
-            let acked = d <= 0 || {
-                let i = (d - 1) as u32;
-                i < SACK_BITS && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0
-            };
-            if acked {
+            if psn_diff(p.psn, highest) > 0 {
+                break; // PSNs are in order: nothing further is acknowledged.
+            }
+            if covers(p.psn) {
                 p.state = PktState::Settled;
                 out.acked.push(p.seg);
-            } else if psn_diff(highest, p.psn) > reorder_threshold as i32 {
-                p.state = PktState::Settled;
-                out.lost.push(p.seg);
-            } else {
-                // PSNs are in order: nothing further can be acked or lost by this ACK.
-                if psn_diff(p.psn, highest) > 0 {
-                    break;
+                if probe_psn.is_some_and(|q| psn_diff(p.psn, q) < 0) {
+                    probe_spurious = true;
+                }
+                // A hole filled below a PSN delivered by an earlier ACK: the path reorders.
+                if prev_rack.is_some_and(|r| psn_diff(p.psn, r) < 0) {
+                    self.reordering_seen = true;
+                }
+                if self.rack_sent.is_none_or(|t| p.sent >= t) {
+                    self.rack_sent = Some(p.sent);
+                    self.rack_psn = p.psn;
+                    self.rack_rtt = now.saturating_duration_since(p.sent);
                 }
             }
         }
+        if probe_spurious {
+            self.stats.spurious_probes += 1;
+            // The ACK came this long after the last progress: the probe timeout should
+            // have covered it. Learn it, bounded by the RTO.
+            let gap = now.saturating_duration_since(self.probe_since);
+            let need = gap.saturating_sub(self.tlp_base());
+            self.pto_extra = (self.pto_extra.max(need + need / 4)).min(PTO_EXTRA_MAX);
+        } else if probe_psn.is_some() && !out.acked.is_empty() {
+            // The probe was needed (only it, or packets after it, came back): a real tail
+            // loss; react faster next time.
+            self.pto_extra /= 2;
+        }
+        out.lost = self.rack_detect(now, highest, reorder_threshold);
         let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
@@ -304,6 +439,7 @@ impl PathTx {
             out.progress = true;
             self.last_progress = now;
             self.probe_sent = false;
+            self.probe_psn = None;
             self.consecutive_rtos = 0;
             self.cc.on_ack(now, na, &self.rtt);
         }
@@ -313,6 +449,56 @@ impl PathTx {
         self.trim();
         self.apply_pending_port();
         out
+    }
+
+    /// RACK loss detection (RFC 8985 §6.2 step 5): every outstanding packet sent before
+    /// the most recently sent delivered one (`rack_psn`) whose `sent + RACK.rtt + reo_wnd`
+    /// has passed is lost; the earliest deadline still ahead arms the reorder timer.
+    /// Returns the lost segments; `outstanding` and the counters are the caller's.
+    fn rack_detect(&mut self, now: Instant, highest: u32, reorder_threshold: u32) -> Vec<SegRef> {
+        let mut lost = Vec::new();
+        self.rack_deadline = None;
+        if self.rack_sent.is_none() {
+            return lost;
+        }
+        let wait = self.rack_rtt + self.reo_wnd();
+        let rack_psn = self.rack_psn;
+        let mut deadline: Option<Instant> = None;
+        for p in self.sent.iter_mut() {
+            if psn_diff(p.psn, rack_psn) >= 0 {
+                break;
+            }
+            if p.state != PktState::Outstanding {
+                continue;
+            }
+            let due = p.sent + wait;
+            let by_count =
+                reorder_threshold > 0 && psn_diff(highest, p.psn) > reorder_threshold as i32;
+            if now >= due || by_count {
+                p.state = PktState::Settled;
+                lost.push(p.seg);
+                if self.lost_log.len() == LOST_LOG {
+                    self.lost_log.pop_front();
+                }
+                self.lost_log.push_back(LostRec {
+                    psn: p.psn,
+                    floor_past: None,
+                });
+            } else {
+                deadline = Some(deadline.map_or(due, |d| d.min(due)));
+            }
+        }
+        self.rack_deadline = deadline;
+        if !lost.is_empty() {
+            // RFC 8985 §6.2 step 4: after `reo_wnd_persist` recoveries without a spurious
+            // loss, the multiplier goes back to 1.
+            self.reo_wnd_persist = self.reo_wnd_persist.saturating_sub(1);
+            if self.reo_wnd_persist == 0 {
+                self.reo_wnd_mult = 1;
+                self.reo_wnd_persist = REO_WND_PERSIST;
+            }
+        }
+        lost
     }
 
     /// The peer refused the packet with this PSN (NAK): settle it and return its segment.
@@ -328,6 +514,7 @@ impl PathTx {
         self.outstanding -= 1;
         self.consecutive_rtos = 0;
         self.probe_sent = false;
+        self.probe_psn = None;
         self.last_progress = now;
         if self.state != PathState::Failed {
             self.state = PathState::Active;
@@ -337,8 +524,31 @@ impl PathTx {
         Some(seg)
     }
 
+    /// Probe timeout (PTO): `max(2·SRTT, SRTT + 4·RTTVAR, 200 µs)`. RFC 8985 §7.2 uses
+    /// 2·SRTT; the RTTVAR term (as in QUIC's PTO, RFC 9002 §6.2.1) keeps probes from firing
+    /// on every RTT spike of a path whose RTT varies (host scheduling, queueing), which on
+    /// a clean loopback made almost every retransmission a spurious probe.
+    /// The RTTVAR term only counts once the path has an RTT sample: before that RTTVAR is
+    /// the made-up `initial_rtt / 2`, and the first probe comes after 2 · `initial_rtt`.
+    fn tlp_base(&self) -> Duration {
+        let srtt = self.rtt.smoothed();
+        let var = if self.rtt.latest().is_some() {
+            srtt + 4 * self.rtt.var()
+        } else {
+            Duration::ZERO
+        };
+        (2 * srtt).max(var).max(Duration::from_micros(200))
+    }
+
+    /// Another path of the connection found its probe spurious after a stall of the host:
+    /// the stall allowance applies to this path too.
+    pub fn learn_stall(&mut self, extra: Duration) {
+        self.pto_extra = self.pto_extra.max(extra);
+    }
+
+    /// The probe timeout plus what spurious probes taught (`pto_extra`).
     fn tlp_delay(&self) -> Duration {
-        (2 * self.rtt.smoothed()).max(Duration::from_micros(200))
+        self.tlp_base() + self.pto_extra
     }
 
     fn rto(&self, min: Duration, max: Duration) -> Duration {
@@ -352,18 +562,34 @@ impl PathTx {
             return None;
         }
         let wait = if self.probe_sent {
-            self.rto(min_rto, max_rto)
+            self.rto(min_rto, max_rto) + self.pto_extra
         } else {
             self.tlp_delay()
         };
-        Some(self.last_progress + wait)
+        let t = self.last_progress + wait;
+        Some(self.rack_deadline.map_or(t, |r| r.min(t)))
     }
 
     /// Fire the loss timer: first a tail-loss probe (the newest outstanding segment is sent
     /// again on this path to elicit a SACK), then a retransmission timeout that declares
     /// every outstanding packet lost. Returns the segments to retransmit.
     pub fn on_loss_timer(&mut self, now: Instant, retry_count: u32) -> Vec<SegRef> {
+        if self.rack_deadline.is_some_and(|d| d <= now) {
+            // The reorder timer (RFC 8985 §6.3): holes whose reorder window has passed.
+            let lost = self.rack_detect(now, self.rack_psn, 0);
+            let nl = lost.len() as u32;
+            self.outstanding -= nl;
+            self.stats.sack_losses += nl as u64;
+            if nl > 0 {
+                self.cc.on_loss(now, nl, &self.rtt);
+            }
+            self.trim();
+            self.apply_pending_port();
+            return lost;
+        }
         if !self.probe_sent {
+            self.probe_psn = Some(self.next_psn);
+            self.probe_since = self.last_progress;
             self.probe_sent = true;
             self.last_progress = now;
             self.probe = self
@@ -388,6 +614,8 @@ impl PathTx {
         self.outstanding = 0;
         self.probe = None;
         self.probe_sent = false;
+        self.probe_psn = None;
+        self.rack_deadline = None;
         self.last_progress = now;
         self.stats.rtos += 1;
         self.stats.timeout_losses += lost.len() as u64;
@@ -427,6 +655,8 @@ impl PathTx {
         self.outstanding = 0;
         self.probe = None;
         self.probe_sent = false;
+        self.probe_psn = None;
+        self.rack_deadline = None;
         self.last_progress = now;
         self.apply_pending_port();
         lost
