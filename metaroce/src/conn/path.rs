@@ -941,6 +941,93 @@ mod tests {
         assert!(p.can_send());
     }
 
+    fn seg(k: u32) -> SegRef {
+        SegRef { op: 0, seg: k }
+    }
+
+    /// SACK bitmap acknowledging `cum + 1 + i` for each `i` in `bits`.
+    fn sack(bits: &[u32]) -> [u8; 32] {
+        let mut s = [0u8; 32];
+        for &i in bits {
+            s[(i / 8) as usize] |= 0x80 >> (i % 8);
+        }
+        s
+    }
+
+    /// Before the path has shown reordering, a hole below a delivered packet is lost at
+    /// once (reo_wnd = 0: the fast reaction to real loss, RFC 8985 §6.2 step 4).
+    #[test]
+    fn rack_hole_is_lost_at_once_on_a_path_without_reordering() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        for k in 0..4 {
+            p.on_sent(seg(k), t0, false);
+        }
+        let t1 = t0 + Duration::from_micros(20);
+        // cum 0, PSN 2 and 3 acknowledged: PSN 1 is a hole.
+        let out = p.on_ack(t1, 0, &sack(&[1, 2]), Some(Duration::from_micros(20)), 0, 0);
+        assert_eq!(out.lost, vec![seg(1)]);
+        assert_eq!(p.reo_wnd(), Duration::ZERO);
+    }
+
+    /// Once a hole filled late (reordering seen), a hole waits `RACK.rtt + reo_wnd` from
+    /// its sending; the reorder timer then declares it lost. A loss that turns out to be
+    /// delivered (acknowledged before the floor passed it) is spurious and widens the
+    /// window.
+    #[test]
+    fn rack_waits_a_reorder_window_once_the_path_reorders() {
+        let t0 = Instant::now();
+        let us = Duration::from_micros;
+        let mut p = tx(0, 1000, t0);
+        p.rtt.update(us(20));
+        for k in 0..4 {
+            p.on_sent(seg(k), t0, false);
+        }
+        // PSN 1 lost at once (no reordering seen yet).
+        let out = p.on_ack(t0 + us(20), 0, &sack(&[1]), Some(us(20)), 0, 0);
+        assert_eq!(out.lost, vec![seg(1)]);
+        // PSN 1 was only late: it is acknowledged before any packet carried a floor above
+        // it (nothing was sent since).
+        let out = p.on_ack(t0 + us(22), 3, &[0; 32], Some(us(22)), 0, 0);
+        assert_eq!(out.acked, vec![seg(3)], "PSN 1 was settled as lost");
+        assert_eq!(p.stats.spurious_losses, 1);
+        assert!(p.reo_wnd() > Duration::ZERO);
+        let wnd = p.reo_wnd();
+        // Now a hole is not lost at once.
+        let t1 = t0 + us(100);
+        for k in 4..8 {
+            p.on_sent(seg(k), t1, false);
+        }
+        let out = p.on_ack(t1 + us(20), 4, &sack(&[1, 2]), Some(us(20)), 0, 0);
+        assert!(out.lost.is_empty(), "{out:?}");
+        let d = p
+            .loss_deadline(Duration::from_millis(1), Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(d, t1 + us(20) + wnd, "reorder timer at sent + RACK.rtt + reo_wnd");
+        // Filled in time: no loss.
+        let out = p.on_ack(t1 + us(21), 7, &[0; 32], Some(us(21)), 0, 0);
+        assert_eq!((out.acked.len(), out.lost.len()), (1, 0));
+        // A hole that stays: lost when the reorder timer fires.
+        let t2 = t0 + us(200);
+        for k in 8..12 {
+            p.on_sent(seg(k), t2, false);
+        }
+        let out = p.on_ack(t2 + us(20), 8, &sack(&[1, 2]), Some(us(20)), 0, 0);
+        assert!(out.lost.is_empty());
+        let d = p
+            .loss_deadline(Duration::from_millis(1), Duration::from_secs(1))
+            .unwrap();
+        let lost = p.on_loss_timer(d, 12);
+        assert_eq!(lost, vec![seg(9)]);
+        assert_eq!(p.stats.probes, 0, "the reorder timer is not a tail-loss probe");
+        // The floor now passes PSN 9: an ACK built after the receiver saw it says nothing
+        // about whether PSN 9 arrived, so it is not taken for a spurious loss.
+        p.on_sent(seg(12), t2 + us(60), true);
+        let out = p.on_ack(t2 + us(80), 12, &[0; 32], Some(us(20)), 0, 0);
+        assert_eq!(out.acked.len(), 1);
+        assert_eq!(p.stats.spurious_losses, 1);
+    }
+
     #[test]
     fn rx_window_tracks_holes_and_floor() {
         let mut rx = PathRx::new(100);
