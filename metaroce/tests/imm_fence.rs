@@ -45,8 +45,7 @@ fn imm_waits_for_every_byte_of_an_earlier_write() {
         let src = pattern(seed, BIG);
         let local = net.eps[0].register_mr(src.clone(), Access::LOCAL_WRITE);
         let big = net.eps[1].register_mr(vec![0; BIG], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
-        let small =
-            net.eps[1].register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+        let small = net.eps[1].register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
         net.snap_on_imm = Some((1, big.lkey, 0, BIG as u64));
         let w = |wr_id, len: u32, dst: &metaroce::MrKeys, imm| WriteRequest {
             wr_id,
@@ -57,8 +56,12 @@ fn imm_waits_for_every_byte_of_an_earlier_write() {
             rkey: dst.rkey,
             imm,
         };
-        net.eps[0].post_write(c, w(1, BIG as u32, &big, None)).unwrap();
-        net.eps[0].post_write(c, w(2, 16, &small, Some(0xABCD))).unwrap();
+        net.eps[0]
+            .post_write(c, w(1, BIG as u32, &big, None))
+            .unwrap();
+        net.eps[0]
+            .post_write(c, w(2, 16, &small, Some(0xABCD)))
+            .unwrap();
         let ok = net.run_until(Duration::from_secs(10), |n| n.completions(0, c).len() == 2);
         assert!(ok, "seed {seed}: WRITEs did not complete");
         assert!(net
@@ -119,12 +122,19 @@ fn read_and_refused_write_in_between_do_not_block_the_immediate() {
             },
         )
         .unwrap();
-    net.eps[0].post_write(c, w(3, dst.rkey ^ 0x5555, None)).unwrap();
+    net.eps[0]
+        .post_write(c, w(3, dst.rkey ^ 0x5555, None))
+        .unwrap();
     net.eps[0].post_write(c, w(4, dst.rkey, Some(2))).unwrap();
     let ok = net.run_until(Duration::from_secs(10), |n| {
         n.completions(0, c).len() == 4 && n.immediates(1, s).len() == 2
     });
-    assert!(ok, "{:?} / {:?}", net.completions(0, c), net.immediates(1, s));
+    assert!(
+        ok,
+        "{:?} / {:?}",
+        net.completions(0, c),
+        net.immediates(1, s)
+    );
     let st: Vec<WcStatus> = net.completions(0, c).iter().map(|wc| wc.status).collect();
     assert_eq!(
         st,
@@ -205,7 +215,10 @@ fn held_immediates_are_bounded() {
     let imms: Vec<u32> = net.immediates(1, s).iter().map(|i| i.0).collect();
     assert_eq!(imms, (1..=10).collect::<Vec<u32>>());
     for (imm, mem) in &net.imm_snaps {
-        assert!(mem[..] == src[..], "immediate {imm} before the big WRITE landed");
+        assert!(
+            mem[..] == src[..],
+            "immediate {imm} before the big WRITE landed"
+        );
     }
     assert!(net.events[1]
         .iter()

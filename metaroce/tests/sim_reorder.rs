@@ -36,7 +36,9 @@ fn run(seed: u64, imp: Impairments) -> Run {
         .connect_and_wait(a, b, Duration::from_millis(50))
         .unwrap();
     let data: Vec<u8> = (0..LEN).map(|i| (i * 7 + 3) as u8).collect();
-    let src = sim.endpoint_mut(a).register_mr(data.clone(), Access::LOCAL_WRITE);
+    let src = sim
+        .endpoint_mut(a)
+        .register_mr(data.clone(), Access::LOCAL_WRITE);
     let dst = sim
         .endpoint_mut(b)
         .register_mr(vec![0; LEN], Access::LOCAL_WRITE | Access::REMOTE_WRITE);

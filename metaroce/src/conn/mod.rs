@@ -969,7 +969,10 @@ impl Connection {
         let mut lost = Vec::new();
         for i in 0..self.tx.len() {
             let p = &mut self.tx[i];
-            if p.loss_deadline(min_rto, max_rto).is_some_and(|d| d <= now) {
+            if let Some(d) = p.loss_deadline(min_rto, max_rto).filter(|&d| d <= now) {
+                if p.defer_if_late(now, d) {
+                    continue;
+                }
                 let segs = p.on_loss_timer(now, retry);
                 lost.extend(segs);
                 if p.state == PathState::Failed {

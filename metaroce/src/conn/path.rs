@@ -57,6 +57,9 @@ const LOST_LOG: usize = 64;
 /// §6.2 step 4: `reo_wnd_persist` = 16).
 const REO_WND_MULT_MAX: u32 = 16;
 const REO_WND_PERSIST: u32 = 16;
+/// A loss timer handled this much after its deadline was late because of the host (see
+/// `PathTx::defer_if_late`).
+const LATE_TIMER: Duration = Duration::from_millis(1);
 /// Bound of the allowance spurious probes add to a path's probe timeout and RTO.
 const PTO_EXTRA_MAX: Duration = Duration::from_millis(50);
 
@@ -81,6 +84,9 @@ pub struct PathStats {
     /// Tail-loss probes found spurious afterwards (the ACK that followed acknowledged
     /// packets sent before the probe): each one lengthens the path's probe timeout.
     pub spurious_probes: u64,
+    /// Loss timers handled more than 1 ms after their deadline (the host did not run the
+    /// endpoint in time) and re-armed once for a grace period instead of firing.
+    pub late_timers: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
@@ -174,6 +180,9 @@ pub(crate) struct PathTx {
     /// `rack_psn` passes its deadline.
     rack_deadline: Option<Instant>,
     lost_log: VecDeque<LostRec>,
+    /// The loss timer ran late (the host did not run the driver in time) and was given one
+    /// grace period until this time instead of firing (`defer_if_late`).
+    late_grace: Option<Instant>,
     /// A segment to send on this path as a tail-loss probe, ahead of everything else.
     pub probe: Option<SegRef>,
     pub state: PathState,
@@ -228,6 +237,7 @@ impl PathTx {
             reo_wnd_widened: None,
             rack_deadline: None,
             lost_log: VecDeque::new(),
+            late_grace: None,
             probe: None,
             state: PathState::Active,
             generation: 0,
@@ -440,6 +450,7 @@ impl PathTx {
             self.last_progress = now;
             self.probe_sent = false;
             self.probe_psn = None;
+            self.late_grace = None;
             self.consecutive_rtos = 0;
             self.cc.on_ack(now, na, &self.rtt);
         }
@@ -567,13 +578,31 @@ impl PathTx {
             self.tlp_delay()
         };
         let t = self.last_progress + wait;
-        Some(self.rack_deadline.map_or(t, |r| r.min(t)))
+        let t = self.rack_deadline.map_or(t, |r| r.min(t));
+        Some(self.late_grace.map_or(t, |g| g.max(t)))
+    }
+
+    /// The loss timer, due at `deadline`, is handled only at `now`: if that is more than
+    /// `LATE_TIMER` late, the host did not run this endpoint meanwhile (scheduling), and the
+    /// silence of the path says nothing about the network — the peer's ACKs, or the peer
+    /// itself on a loaded host, were held up just as long. The timer is then re-armed once
+    /// for a grace period of `max(SRTT, 200 µs)` from `now` instead of firing; returns
+    /// whether it was. In virtual time (simulator, tests) timers are never late.
+    pub fn defer_if_late(&mut self, now: Instant, deadline: Instant) -> bool {
+        if self.late_grace.is_some() || now.saturating_duration_since(deadline) < LATE_TIMER {
+            return false;
+        }
+        let grace = self.rtt.smoothed().max(Duration::from_micros(200));
+        self.late_grace = Some(now + grace);
+        self.stats.late_timers += 1;
+        true
     }
 
     /// Fire the loss timer: first a tail-loss probe (the newest outstanding segment is sent
     /// again on this path to elicit a SACK), then a retransmission timeout that declares
     /// every outstanding packet lost. Returns the segments to retransmit.
     pub fn on_loss_timer(&mut self, now: Instant, retry_count: u32) -> Vec<SegRef> {
+        self.late_grace = None;
         if self.rack_deadline.is_some_and(|d| d <= now) {
             // The reorder timer (RFC 8985 §6.3): holes whose reorder window has passed.
             let lost = self.rack_detect(now, self.rack_psn, 0);
@@ -600,6 +629,13 @@ impl PathTx {
                 .map(|p| p.seg);
             if self.probe.is_some() {
                 self.stats.probes += 1;
+                tracing::debug!(
+                    path = self.id,
+                    outstanding = self.outstanding,
+                    since_progress = ?now.saturating_duration_since(self.probe_since),
+                    pto = ?self.tlp_delay(),
+                    "tail-loss probe"
+                );
             }
             return Vec::new();
         }
@@ -618,6 +654,13 @@ impl PathTx {
         self.rack_deadline = None;
         self.last_progress = now;
         self.stats.rtos += 1;
+        tracing::debug!(
+            path = self.id,
+            lost = lost.len(),
+            srtt = ?self.rtt.smoothed(),
+            stall = ?self.pto_extra,
+            "retransmission timeout"
+        );
         self.stats.timeout_losses += lost.len() as u64;
         self.consecutive_rtos += 1;
         self.cc.on_timeout(now);
@@ -1003,7 +1046,11 @@ mod tests {
         let d = p
             .loss_deadline(Duration::from_millis(1), Duration::from_secs(1))
             .unwrap();
-        assert_eq!(d, t1 + us(20) + wnd, "reorder timer at sent + RACK.rtt + reo_wnd");
+        assert_eq!(
+            d,
+            t1 + us(20) + wnd,
+            "reorder timer at sent + RACK.rtt + reo_wnd"
+        );
         // Filled in time: no loss.
         let out = p.on_ack(t1 + us(21), 7, &[0; 32], Some(us(21)), 0, 0);
         assert_eq!((out.acked.len(), out.lost.len()), (1, 0));
@@ -1019,13 +1066,38 @@ mod tests {
             .unwrap();
         let lost = p.on_loss_timer(d, 12);
         assert_eq!(lost, vec![seg(9)]);
-        assert_eq!(p.stats.probes, 0, "the reorder timer is not a tail-loss probe");
+        assert_eq!(
+            p.stats.probes, 0,
+            "the reorder timer is not a tail-loss probe"
+        );
         // The floor now passes PSN 9: an ACK built after the receiver saw it says nothing
         // about whether PSN 9 arrived, so it is not taken for a spurious loss.
         p.on_sent(seg(12), t2 + us(60), true);
         let out = p.on_ack(t2 + us(80), 12, &[0; 32], Some(us(20)), 0, 0);
         assert_eq!(out.acked.len(), 1);
         assert_eq!(p.stats.spurious_losses, 1);
+    }
+
+    /// A loss timer handled long after its deadline (the host did not run the endpoint)
+    /// is re-armed once for a grace period instead of firing; a timer on time fires.
+    #[test]
+    fn late_loss_timer_gets_one_grace_period() {
+        let t0 = Instant::now();
+        let (min, max) = (Duration::from_millis(1), Duration::from_secs(1));
+        let mut p = tx(0, 1000, t0);
+        p.on_sent(seg(0), t0, false);
+        let d = p.loss_deadline(min, max).unwrap();
+        assert!(!p.defer_if_late(d, d), "on time: fires");
+        let late = d + Duration::from_millis(5);
+        assert!(p.defer_if_late(late, d));
+        let g = p.loss_deadline(min, max).unwrap();
+        assert!(g > late, "re-armed after now");
+        assert!(
+            !p.defer_if_late(g + Duration::from_millis(5), g),
+            "only once"
+        );
+        assert!(p.on_loss_timer(g, 12).is_empty());
+        assert_eq!((p.stats.probes, p.stats.late_timers), (1, 1));
     }
 
     #[test]
