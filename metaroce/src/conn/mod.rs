@@ -487,6 +487,7 @@ impl Connection {
         self.peer_rate_mbps = a.rate_hint;
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
+        let extra_before = p.pto_extra;
         let out = p.on_ack(
             now,
             cum,
@@ -499,7 +500,7 @@ impl Connection {
         // the connection run on the same host.
         let extra = p.pto_extra;
         let port = p.src_port;
-        if !extra.is_zero() {
+        if extra > extra_before {
             for q in &mut self.tx {
                 q.learn_stall(extra);
             }
