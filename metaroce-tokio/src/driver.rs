@@ -36,6 +36,18 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         loop {
             let deadline;
             {
+                let due = shared
+                    .lock()
+                    .core
+                    .poll_timeout()
+                    .is_some_and(|t| t <= Instant::now());
+                if due {
+                    // A loss timer that came due while the task was not running (scheduling
+                    // delay, a long send batch) must see the ACKs that arrived meanwhile, or
+                    // it fires tail-loss probes and timeouts for packets already delivered:
+                    // take in what the socket holds first.
+                    drain_ready(&shared, &mut bufs, &mut metas);
+                }
                 let mut st = shared.lock();
                 let now = Instant::now();
                 if st.core.poll_timeout().is_some_and(|t| t <= now) {

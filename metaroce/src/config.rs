@@ -170,8 +170,10 @@ pub struct TransportConfig {
     pub min_rto: Duration,
     /// Upper bound of the retransmission timeout, after exponential back-off. Default 1 s.
     pub max_rto: Duration,
-    /// Packets by which a PSN may trail the highest acknowledged PSN of its path before it
-    /// is declared lost. Each path is ordered, so the default is 0: a SACK hole is a loss.
+    /// Packet threshold of loss detection: a PSN trailing the highest acknowledged PSN of
+    /// its path by more than this many packets is declared lost at once, whatever the
+    /// time-based rule (RACK, RFC 8985, see docs/PROTOCOL.md "Loss detection") says.
+    /// Default 0: off, loss detection is time-based only.
     pub reorder_threshold: u32,
     /// Most packets one GSO batch may carry (set by the I/O backend). Default 1.
     pub max_gso_segments: usize,
@@ -204,6 +206,17 @@ pub struct TransportConfig {
     /// it limits the memory a peer's scattered op ids can take (tens of bytes per id).
     /// Default 65 536.
     pub max_tracked_ops: u32,
+    /// Most immediates of WRITEs with immediate a responder holds back (the WRITE_WITH_IMM
+    /// fence, see docs/PROTOCOL.md "RDMA WRITE"): the immediate of op id *k* is reported
+    /// only when every op id before *k* of the connection is finished (executed, refused
+    /// or aborted), so a WRITE with immediate whose data has landed waits while an earlier
+    /// WRITE is still incomplete. With this many held, the packet that would complete
+    /// another such WRITE is dropped unacknowledged (not placed; the requester re-sends it,
+    /// as for a full receive window); the WRITE at the floor of finished op ids is always
+    /// taken, so the oldest operation always finishes. Each held immediate takes tens of
+    /// bytes. Default 4096; 0 holds none (every WRITE with immediate then completes only
+    /// once it is the oldest unfinished operation).
+    pub max_held_immediates: u32,
     /// How many times a SEND refused with RNR NAK (no receive posted) is retried before it
     /// completes with `RnrRetryExceeded`; 7 means forever (IBA `rnr_retry`). Default 7.
     pub rnr_retry: u8,
@@ -285,6 +298,7 @@ impl Default for TransportConfig {
             fair_share_window: Duration::from_millis(1),
             max_rd_atomic: 16,
             max_tracked_ops: 65_536,
+            max_held_immediates: 4096,
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,

@@ -445,6 +445,7 @@ impl Connection {
             max_streams: self.cfg.max_streams,
             require_posted_receives: self.cfg.require_posted_receives,
             max_tracked_ops: self.cfg.max_tracked_ops,
+            max_held_immediates: self.cfg.max_held_immediates,
         }
     }
 
@@ -638,6 +639,7 @@ impl Connection {
         };
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
+        let extra_before = p.pto_extra;
         let out = p.on_ack(
             now,
             cum,
@@ -657,8 +659,16 @@ impl Connection {
         }
         self.acks_received += 1;
         self.peer_rate_mbps = a.rate_hint;
+        // A spurious probe taught this path how long the host stalls: the other paths of
+        // the connection run on the same host.
+        let extra = p.pto_extra;
+        let port = p.src_port;
+        if extra > extra_before {
+            for q in &mut self.tx {
+                q.learn_stall(extra);
+            }
+        }
         if out.progress && self.cfg.planes > 1 {
-            let port = p.src_port;
             self.planes.on_progress(port);
             self.rebalance_planes(now);
         }
@@ -775,6 +785,9 @@ impl Connection {
                 self.response_outcome(out)
             }
         };
+        // A READ, atomic, refusal or op abort may have moved the floor of finished op ids
+        // past held immediates (the WRITE_WITH_IMM fence).
+        self.rq.take_released(handle, events);
         let Some(rx) = self.rx.get_mut(path.path_id as usize) else {
             return;
         };
@@ -1180,7 +1193,10 @@ impl Connection {
         let mut lost = Vec::new();
         for i in 0..self.tx.len() {
             let p = &mut self.tx[i];
-            if p.loss_deadline(min_rto, max_rto).is_some_and(|d| d <= now) {
+            if let Some(d) = p.loss_deadline(min_rto, max_rto).filter(|&d| d <= now) {
+                if p.defer_if_late(now, d) {
+                    continue;
+                }
                 let segs = p.on_loss_timer(now, retry);
                 lost.extend(segs);
                 if p.state == PathState::Failed {

@@ -2,8 +2,10 @@
 //! detection, and the receiver's 256-packet SACK window.
 //!
 //! Every transmission takes a fresh PSN of its path, retransmissions included; a lost
-//! packet's data is re-sent under a new PSN, possibly on another path. Each path is
-//! ordered, so a hole below the highest acknowledged PSN is a loss (MetaRoCE mechanism 3).
+//! packet's data is re-sent under a new PSN, possibly on another path. A hole below the
+//! highest acknowledged PSN is declared lost only after a reorder window learned from the
+//! path (time-based loss detection after RACK-TLP, RFC 8985), since real paths reorder a
+//! little (RSS queues, multi-queue NICs, host scheduling).
 //! Data packets carry the sender's floor PSN so that the receiver can slide its window
 //! past PSNs the sender no longer waits for.
 
@@ -34,10 +36,33 @@ pub(crate) struct SentPacket {
     pub psn: u32,
     pub seg: SegRef,
     pub state: PktState,
-    /// When it was sent: an ACK's echoed timestamp must fall within the send times of the
-    /// packets it newly acknowledges for its RTT sample to count.
-    pub sent_at: Instant,
+    /// When it was sent (RACK `xmit_ts`); an ACK's echoed timestamp must also fall within
+    /// the send times of the packets it newly acknowledges for its RTT sample to count.
+    pub sent: Instant,
 }
+
+/// A packet declared lost from a SACK hole, remembered for a while to find out whether the
+/// declaration was spurious (the packet was delivered after all), RFC 8985 §6.2 / DSACK.
+#[derive(Debug, Clone, Copy)]
+struct LostRec {
+    psn: u32,
+    /// The first PSN sent with a floor above `psn`: an ACK whose highest acknowledged PSN
+    /// is below it was built before the receiver could slide over `psn` by the floor, so
+    /// if it covers `psn`, the packet itself arrived.
+    floor_past: Option<u32>,
+}
+
+/// Lost-packet records kept per path for spurious-loss detection.
+const LOST_LOG: usize = 64;
+/// RACK `reo_wnd_mult` bound, and the loss recoveries after which it is reset (RFC 8985
+/// §6.2 step 4: `reo_wnd_persist` = 16).
+const REO_WND_MULT_MAX: u32 = 16;
+const REO_WND_PERSIST: u32 = 16;
+/// A loss timer handled this much after its deadline was late because of the host (see
+/// `PathTx::defer_if_late`).
+const LATE_TIMER: Duration = Duration::from_millis(1);
+/// Bound of the allowance spurious probes add to a path's probe timeout and RTO.
+const PTO_EXTRA_MAX: Duration = Duration::from_millis(50);
 
 /// Per-path counters, readable by the application.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -54,6 +79,15 @@ pub struct PathStats {
     pub timeout_losses: u64,
     /// Tail-loss probes sent.
     pub probes: u64,
+    /// SACK-hole losses found spurious afterwards (the packet had been delivered, only
+    /// reordered): each one widens the path's reorder window (RACK `reo_wnd_mult`).
+    pub spurious_losses: u64,
+    /// Tail-loss probes found spurious afterwards (the ACK that followed acknowledged
+    /// packets sent before the probe): each one lengthens the path's probe timeout.
+    pub spurious_probes: u64,
+    /// Loss timers handled more than 1 ms after their deadline (the host did not run the
+    /// endpoint in time) and re-armed once for a grace period instead of firing.
+    pub late_timers: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
@@ -128,6 +162,33 @@ pub(crate) struct PathTx {
     /// count from it.
     last_progress: Instant,
     probe_sent: bool,
+    /// The next PSN when the pending tail-loss probe was scheduled: packets below it were
+    /// outstanding before the probe.
+    probe_psn: Option<u32>,
+    /// `last_progress` before the pending probe was scheduled.
+    probe_since: Instant,
+    /// Learned allowance added to the probe timeout and the RTO after spurious probes
+    /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
+    /// needed. Shared by the paths of a connection (`learn_stall`).
+    pub pto_extra: Duration,
+    /// RACK state (RFC 8985 §6): send time, PSN and RTT of the most recently sent packet
+    /// that was delivered.
+    rack_sent: Option<Instant>,
+    rack_psn: u32,
+    rack_rtt: Duration,
+    /// The path has shown reordering (a hole filled after a later PSN was acknowledged).
+    reordering_seen: bool,
+    reo_wnd_mult: u32,
+    reo_wnd_persist: u32,
+    /// When the reorder window was last widened (at most once per SRTT).
+    reo_wnd_widened: Option<Instant>,
+    /// When the reorder timer fires: the earliest time an outstanding packet below
+    /// `rack_psn` passes its deadline.
+    rack_deadline: Option<Instant>,
+    lost_log: VecDeque<LostRec>,
+    /// The loss timer ran late (the host did not run the driver in time) and was given one
+    /// grace period until this time instead of firing (`defer_if_late`).
+    late_grace: Option<Instant>,
     /// A segment to send on this path as a tail-loss probe, ahead of everything else.
     pub probe: Option<SegRef>,
     pub state: PathState,
@@ -181,6 +242,19 @@ impl PathTx {
             consecutive_rtos: 0,
             last_progress: now,
             probe_sent: false,
+            probe_psn: None,
+            probe_since: now,
+            pto_extra: Duration::ZERO,
+            rack_sent: None,
+            rack_psn: init_psn,
+            rack_rtt: Duration::ZERO,
+            reordering_seen: false,
+            reo_wnd_mult: 1,
+            reo_wnd_persist: REO_WND_PERSIST,
+            reo_wnd_widened: None,
+            rack_deadline: None,
+            lost_log: VecDeque::new(),
+            late_grace: None,
             probe: None,
             state: PathState::Active,
             generation: 0,
@@ -230,11 +304,17 @@ impl PathTx {
         if self.outstanding == 0 {
             self.last_progress = now;
         }
+        let floor = self.floor_psn();
+        for r in self.lost_log.iter_mut() {
+            if r.floor_past.is_none() && psn_diff(floor, r.psn) > 0 {
+                r.floor_past = Some(psn);
+            }
+        }
         self.sent.push_back(SentPacket {
             psn,
             seg,
             state: PktState::Outstanding,
-            sent_at: now,
+            sent: now,
         });
         self.total_sent += 1;
         self.outstanding += 1;
@@ -266,9 +346,22 @@ impl PathTx {
             || psn_diff(cum, psn_add(self.first_psn, crate::wire::PSN_MASK)) >= 0
     }
 
+    /// RACK reorder window (RFC 8985 §6.2 step 4): 0 while the path has shown no
+    /// reordering (fast reaction to real loss), then `min(reo_wnd_mult · min_RTT / 4, SRTT)`,
+    /// `reo_wnd_mult` growing by one for each spurious loss found (at most once per SRTT).
+    pub fn reo_wnd(&self) -> Duration {
+        if !self.reordering_seen {
+            return Duration::ZERO;
+        }
+        let min = self.rtt.min().unwrap_or(self.rtt.smoothed());
+        (min / 4 * self.reo_wnd_mult).min(self.rtt.smoothed())
+    }
+
     /// Process an ACK: `cum` acknowledges every PSN up to and including it; bit i of
-    /// `sack` acknowledges `cum + 1 + i`; `rtt_sample` is the time since the timestamp the
-    /// ACK echoes.
+    /// `sack` acknowledges `cum + 1 + i`. Outstanding packets sent before the most
+    /// recently sent delivered packet are declared lost once `RACK.rtt + reo_wnd` has passed
+    /// since they were sent (RFC 8985 §6.2), or at once when they trail the highest
+    /// acknowledged PSN by more than `reorder_threshold` packets (0: no packet threshold).
     ///
     /// Checks, in order, before anything moves (docs/PROTOCOL.md, "Delivery"): the
     /// cumulative PSN acknowledges only PSNs the path sent
@@ -308,30 +401,66 @@ impl PathTx {
             .rev()
             .find(|&i| bit(i))
             .map_or(cum, |i| psn_add(cum, i + 1));
+        let covers = |psn: u32| {
+            let d = psn_diff(psn, cum);
+            d <= 0 || bit((d - 1) as u32)
+        };
+        // Spurious loss declarations (the packet was delivered, only late): widen the
+        // reorder window.
+        let mut spurious = 0u32;
+        self.lost_log.retain(|r| {
+            let built_before_floor = r.floor_past.is_none_or(|f| psn_diff(highest, f) < 0);
+            if covers(r.psn) && built_before_floor {
+                spurious += 1;
+                return false;
+            }
+            built_before_floor
+        });
+        if spurious > 0 {
+            self.stats.spurious_losses += spurious as u64;
+            self.reordering_seen = true;
+            let srtt = self.rtt.smoothed();
+            if self.reo_wnd_widened.is_none_or(|t| now >= t + srtt) {
+                self.reo_wnd_widened = Some(now);
+                self.reo_wnd_mult = (self.reo_wnd_mult + 1).min(REO_WND_MULT_MAX);
+                self.reo_wnd_persist = REO_WND_PERSIST;
+            }
+        }
+        // A probe is spurious when this ACK acknowledges a packet that was outstanding
+        // before it (the path was only slow: host scheduling, a queue).
+        let probe_psn = self.probe_psn;
+        let prev_rack = self.rack_sent.map(|_| self.rack_psn);
+        let mut probe_spurious = false;
         // Send times of the packets this ACK newly acknowledges (oldest, newest).
         let mut span: Option<(Instant, Instant)> = None;
         for p in self.sent.iter_mut() {
             if p.state != PktState::Outstanding {
                 continue;
             }
-            let d = psn_diff(p.psn, cum);
-            let acked = d <= 0 || bit((d - 1) as u32);
-            if acked {
+            if psn_diff(p.psn, highest) > 0 {
+                break; // PSNs are in order: nothing further is acknowledged.
+            }
+            if covers(p.psn) {
                 p.state = PktState::Settled;
                 out.acked.push(p.seg);
-                let t = p.sent_at;
+                let t = p.sent;
                 span = Some(span.map_or((t, t), |(a, b)| (a.min(t), b.max(t))));
-            } else if psn_diff(highest, p.psn) > reorder_threshold as i32 {
-                p.state = PktState::Settled;
-                out.lost.push(p.seg);
-            } else {
-                // PSNs are in order: nothing further can be acked or lost by this ACK.
-                if psn_diff(p.psn, highest) > 0 {
-                    break;
+                if probe_psn.is_some_and(|q| psn_diff(p.psn, q) < 0) {
+                    probe_spurious = true;
+                }
+                // A hole filled below a PSN delivered by an earlier ACK: the path reorders.
+                if prev_rack.is_some_and(|r| psn_diff(p.psn, r) < 0) {
+                    self.reordering_seen = true;
+                }
+                if self.rack_sent.is_none_or(|t| p.sent >= t) {
+                    self.rack_sent = Some(p.sent);
+                    self.rack_psn = p.psn;
+                    self.rack_rtt = now.saturating_duration_since(p.sent);
                 }
             }
         }
-        let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
+        // RTT sample: only when this ACK newly acknowledges packets and its echoed
+        // timestamp lies within their send times (Karn; a stale or forged echo takes none).
         if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
             let (lo, hi) = (
                 now.saturating_duration_since(newest),
@@ -342,6 +471,20 @@ impl PathTx {
                 out.rtt_sampled = true;
             }
         }
+        if probe_spurious {
+            self.stats.spurious_probes += 1;
+            // The ACK came this long after the last progress: the probe timeout should
+            // have covered it. Learn it, bounded by the RTO.
+            let gap = now.saturating_duration_since(self.probe_since);
+            let need = gap.saturating_sub(self.tlp_base());
+            self.pto_extra = (self.pto_extra.max(need + need / 4)).min(PTO_EXTRA_MAX);
+        } else if probe_psn.is_some() && !out.acked.is_empty() {
+            // The probe was needed (only it, or packets after it, came back): a real tail
+            // loss; react faster next time.
+            self.pto_extra /= 2;
+        }
+        out.lost = self.rack_detect(now, highest, reorder_threshold);
+        let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
         self.stats.sack_losses += nl as u64;
@@ -362,6 +505,8 @@ impl PathTx {
             out.progress = true;
             self.last_progress = now;
             self.probe_sent = false;
+            self.probe_psn = None;
+            self.late_grace = None;
             self.consecutive_rtos = 0;
             self.cc.on_ack(now, na, &self.rtt);
         }
@@ -371,6 +516,56 @@ impl PathTx {
         self.trim();
         self.apply_pending_port();
         out
+    }
+
+    /// RACK loss detection (RFC 8985 §6.2 step 5): every outstanding packet sent before
+    /// the most recently sent delivered one (`rack_psn`) whose `sent + RACK.rtt + reo_wnd`
+    /// has passed is lost; the earliest deadline still ahead arms the reorder timer.
+    /// Returns the lost segments; `outstanding` and the counters are the caller's.
+    fn rack_detect(&mut self, now: Instant, highest: u32, reorder_threshold: u32) -> Vec<SegRef> {
+        let mut lost = Vec::new();
+        self.rack_deadline = None;
+        if self.rack_sent.is_none() {
+            return lost;
+        }
+        let wait = self.rack_rtt + self.reo_wnd();
+        let rack_psn = self.rack_psn;
+        let mut deadline: Option<Instant> = None;
+        for p in self.sent.iter_mut() {
+            if psn_diff(p.psn, rack_psn) >= 0 {
+                break;
+            }
+            if p.state != PktState::Outstanding {
+                continue;
+            }
+            let due = p.sent + wait;
+            let by_count =
+                reorder_threshold > 0 && psn_diff(highest, p.psn) > reorder_threshold as i32;
+            if now >= due || by_count {
+                p.state = PktState::Settled;
+                lost.push(p.seg);
+                if self.lost_log.len() == LOST_LOG {
+                    self.lost_log.pop_front();
+                }
+                self.lost_log.push_back(LostRec {
+                    psn: p.psn,
+                    floor_past: None,
+                });
+            } else {
+                deadline = Some(deadline.map_or(due, |d| d.min(due)));
+            }
+        }
+        self.rack_deadline = deadline;
+        if !lost.is_empty() {
+            // RFC 8985 §6.2 step 4: after `reo_wnd_persist` recoveries without a spurious
+            // loss, the multiplier goes back to 1.
+            self.reo_wnd_persist = self.reo_wnd_persist.saturating_sub(1);
+            if self.reo_wnd_persist == 0 {
+                self.reo_wnd_mult = 1;
+                self.reo_wnd_persist = REO_WND_PERSIST;
+            }
+        }
+        lost
     }
 
     /// The peer refused the packet with this PSN (NAK): settle it and return its segment.
@@ -386,6 +581,7 @@ impl PathTx {
         self.outstanding -= 1;
         self.consecutive_rtos = 0;
         self.probe_sent = false;
+        self.probe_psn = None;
         self.last_progress = now;
         if self.state != PathState::Failed {
             self.state = PathState::Active;
@@ -395,8 +591,31 @@ impl PathTx {
         Some(seg)
     }
 
+    /// Probe timeout (PTO): `max(2·SRTT, SRTT + 4·RTTVAR, 200 µs)`. RFC 8985 §7.2 uses
+    /// 2·SRTT; the RTTVAR term (as in QUIC's PTO, RFC 9002 §6.2.1) keeps probes from firing
+    /// on every RTT spike of a path whose RTT varies (host scheduling, queueing), which on
+    /// a clean loopback made almost every retransmission a spurious probe.
+    /// The RTTVAR term only counts once the path has an RTT sample: before that RTTVAR is
+    /// the made-up `initial_rtt / 2`, and the first probe comes after 2 · `initial_rtt`.
+    fn tlp_base(&self) -> Duration {
+        let srtt = self.rtt.smoothed();
+        let var = if self.rtt.latest().is_some() {
+            srtt + 4 * self.rtt.var()
+        } else {
+            Duration::ZERO
+        };
+        (2 * srtt).max(var).max(Duration::from_micros(200))
+    }
+
+    /// Another path of the connection found its probe spurious after a stall of the host:
+    /// the stall allowance applies to this path too.
+    pub fn learn_stall(&mut self, extra: Duration) {
+        self.pto_extra = self.pto_extra.max(extra);
+    }
+
+    /// The probe timeout plus what spurious probes taught (`pto_extra`).
     fn tlp_delay(&self) -> Duration {
-        (2 * self.rtt.smoothed()).max(Duration::from_micros(200))
+        self.tlp_base() + self.pto_extra
     }
 
     fn rto(&self, min: Duration, max: Duration) -> Duration {
@@ -410,18 +629,52 @@ impl PathTx {
             return None;
         }
         let wait = if self.probe_sent {
-            self.rto(min_rto, max_rto)
+            self.rto(min_rto, max_rto) + self.pto_extra
         } else {
             self.tlp_delay()
         };
-        Some(self.last_progress + wait)
+        let t = self.last_progress + wait;
+        let t = self.rack_deadline.map_or(t, |r| r.min(t));
+        Some(self.late_grace.map_or(t, |g| g.max(t)))
+    }
+
+    /// The loss timer, due at `deadline`, is handled only at `now`: if that is more than
+    /// `LATE_TIMER` late, the host did not run this endpoint meanwhile (scheduling), and the
+    /// silence of the path says nothing about the network — the peer's ACKs, or the peer
+    /// itself on a loaded host, were held up just as long. The timer is then re-armed once
+    /// for a grace period of `max(SRTT, 200 µs)` from `now` instead of firing; returns
+    /// whether it was. In virtual time (simulator, tests) timers are never late.
+    pub fn defer_if_late(&mut self, now: Instant, deadline: Instant) -> bool {
+        if self.late_grace.is_some() || now.saturating_duration_since(deadline) < LATE_TIMER {
+            return false;
+        }
+        let grace = self.rtt.smoothed().max(Duration::from_micros(200));
+        self.late_grace = Some(now + grace);
+        self.stats.late_timers += 1;
+        true
     }
 
     /// Fire the loss timer: first a tail-loss probe (the newest outstanding segment is sent
     /// again on this path to elicit a SACK), then a retransmission timeout that declares
     /// every outstanding packet lost. Returns the segments to retransmit.
     pub fn on_loss_timer(&mut self, now: Instant, retry_count: u32) -> Vec<SegRef> {
+        self.late_grace = None;
+        if self.rack_deadline.is_some_and(|d| d <= now) {
+            // The reorder timer (RFC 8985 §6.3): holes whose reorder window has passed.
+            let lost = self.rack_detect(now, self.rack_psn, 0);
+            let nl = lost.len() as u32;
+            self.outstanding -= nl;
+            self.stats.sack_losses += nl as u64;
+            if nl > 0 {
+                self.cc.on_loss(now, nl, &self.rtt);
+            }
+            self.trim();
+            self.apply_pending_port();
+            return lost;
+        }
         if !self.probe_sent {
+            self.probe_psn = Some(self.next_psn);
+            self.probe_since = self.last_progress;
             self.probe_sent = true;
             self.last_progress = now;
             self.probe = self
@@ -432,6 +685,13 @@ impl PathTx {
                 .map(|p| p.seg);
             if self.probe.is_some() {
                 self.stats.probes += 1;
+                tracing::debug!(
+                    path = self.id,
+                    outstanding = self.outstanding,
+                    since_progress = ?now.saturating_duration_since(self.probe_since),
+                    pto = ?self.tlp_delay(),
+                    "tail-loss probe"
+                );
             }
             return Vec::new();
         }
@@ -446,8 +706,17 @@ impl PathTx {
         self.outstanding = 0;
         self.probe = None;
         self.probe_sent = false;
+        self.probe_psn = None;
+        self.rack_deadline = None;
         self.last_progress = now;
         self.stats.rtos += 1;
+        tracing::debug!(
+            path = self.id,
+            lost = lost.len(),
+            srtt = ?self.rtt.smoothed(),
+            stall = ?self.pto_extra,
+            "retransmission timeout"
+        );
         self.stats.timeout_losses += lost.len() as u64;
         self.consecutive_rtos += 1;
         self.cc.on_timeout(now);
@@ -485,6 +754,8 @@ impl PathTx {
         self.outstanding = 0;
         self.probe = None;
         self.probe_sent = false;
+        self.probe_psn = None;
+        self.rack_deadline = None;
         self.last_progress = now;
         self.apply_pending_port();
         lost
@@ -844,6 +1115,122 @@ mod tests {
         assert_eq!((p.src_port, p.generation, p.pending_port), (2000, 1, None));
         assert_eq!(p.stats.rebalance_rerolls, 1);
         assert!(p.can_send());
+    }
+
+    fn seg(k: u32) -> SegRef {
+        SegRef { op: 0, seg: k }
+    }
+
+    /// SACK bitmap acknowledging `cum + 1 + i` for each `i` in `bits`.
+    fn sack(bits: &[u32]) -> [u8; 32] {
+        let mut s = [0u8; 32];
+        for &i in bits {
+            s[(i / 8) as usize] |= 0x80 >> (i % 8);
+        }
+        s
+    }
+
+    /// Before the path has shown reordering, a hole below a delivered packet is lost at
+    /// once (reo_wnd = 0: the fast reaction to real loss, RFC 8985 §6.2 step 4).
+    #[test]
+    fn rack_hole_is_lost_at_once_on_a_path_without_reordering() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        for k in 0..4 {
+            p.on_sent(seg(k), t0, false);
+        }
+        let t1 = t0 + Duration::from_micros(20);
+        // cum 0, PSN 2 and 3 acknowledged: PSN 1 is a hole.
+        let out = p.on_ack(t1, 0, &sack(&[1, 2]), Some(Duration::from_micros(20)), 0, 0);
+        assert_eq!(out.lost, vec![seg(1)]);
+        assert_eq!(p.reo_wnd(), Duration::ZERO);
+    }
+
+    /// Once a hole filled late (reordering seen), a hole waits `RACK.rtt + reo_wnd` from
+    /// its sending; the reorder timer then declares it lost. A loss that turns out to be
+    /// delivered (acknowledged before the floor passed it) is spurious and widens the
+    /// window.
+    #[test]
+    fn rack_waits_a_reorder_window_once_the_path_reorders() {
+        let t0 = Instant::now();
+        let us = Duration::from_micros;
+        let mut p = tx(0, 1000, t0);
+        p.rtt.update(us(20));
+        for k in 0..4 {
+            p.on_sent(seg(k), t0, false);
+        }
+        // PSN 1 lost at once (no reordering seen yet).
+        let out = p.on_ack(t0 + us(20), 0, &sack(&[1]), Some(us(20)), 0, 0);
+        assert_eq!(out.lost, vec![seg(1)]);
+        // PSN 1 was only late: it is acknowledged before any packet carried a floor above
+        // it (nothing was sent since).
+        let out = p.on_ack(t0 + us(22), 3, &[0; 32], Some(us(22)), 0, 0);
+        assert_eq!(out.acked, vec![seg(3)], "PSN 1 was settled as lost");
+        assert_eq!(p.stats.spurious_losses, 1);
+        assert!(p.reo_wnd() > Duration::ZERO);
+        let wnd = p.reo_wnd();
+        // Now a hole is not lost at once.
+        let t1 = t0 + us(100);
+        for k in 4..8 {
+            p.on_sent(seg(k), t1, false);
+        }
+        let out = p.on_ack(t1 + us(20), 4, &sack(&[1, 2]), Some(us(20)), 0, 0);
+        assert!(out.lost.is_empty(), "{out:?}");
+        let d = p
+            .loss_deadline(Duration::from_millis(1), Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(
+            d,
+            t1 + us(20) + wnd,
+            "reorder timer at sent + RACK.rtt + reo_wnd"
+        );
+        // Filled in time: no loss.
+        let out = p.on_ack(t1 + us(21), 7, &[0; 32], Some(us(21)), 0, 0);
+        assert_eq!((out.acked.len(), out.lost.len()), (1, 0));
+        // A hole that stays: lost when the reorder timer fires.
+        let t2 = t0 + us(200);
+        for k in 8..12 {
+            p.on_sent(seg(k), t2, false);
+        }
+        let out = p.on_ack(t2 + us(20), 8, &sack(&[1, 2]), Some(us(20)), 0, 0);
+        assert!(out.lost.is_empty());
+        let d = p
+            .loss_deadline(Duration::from_millis(1), Duration::from_secs(1))
+            .unwrap();
+        let lost = p.on_loss_timer(d, 12);
+        assert_eq!(lost, vec![seg(9)]);
+        assert_eq!(
+            p.stats.probes, 0,
+            "the reorder timer is not a tail-loss probe"
+        );
+        // The floor now passes PSN 9: an ACK built after the receiver saw it says nothing
+        // about whether PSN 9 arrived, so it is not taken for a spurious loss.
+        p.on_sent(seg(12), t2 + us(60), true);
+        let out = p.on_ack(t2 + us(80), 12, &[0; 32], Some(us(20)), 0, 0);
+        assert_eq!(out.acked.len(), 1);
+        assert_eq!(p.stats.spurious_losses, 1);
+    }
+
+    /// A loss timer handled long after its deadline (the host did not run the endpoint)
+    /// is re-armed once for a grace period instead of firing; a timer on time fires.
+    #[test]
+    fn late_loss_timer_gets_one_grace_period() {
+        let t0 = Instant::now();
+        let (min, max) = (Duration::from_millis(1), Duration::from_secs(1));
+        let mut p = tx(0, 1000, t0);
+        p.on_sent(seg(0), t0, false);
+        let d = p.loss_deadline(min, max).unwrap();
+        assert!(!p.defer_if_late(d, d), "on time: fires");
+        let late = d + Duration::from_millis(5);
+        assert!(p.defer_if_late(late, d));
+        let g = p.loss_deadline(min, max).unwrap();
+        assert!(g > late, "re-armed after now");
+        assert!(
+            !p.defer_if_late(g + Duration::from_millis(5), g),
+            "only once"
+        );
+        assert!(p.on_loss_timer(g, 12).is_empty());
+        assert_eq!((p.stats.probes, p.stats.late_timers), (1, 1));
     }
 
     #[test]

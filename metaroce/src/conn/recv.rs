@@ -170,6 +170,7 @@ pub(crate) struct RecvLimits {
     pub max_streams: u32,
     pub require_posted_receives: bool,
     pub max_tracked_ops: u32,
+    pub max_held_immediates: u32,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -239,6 +240,13 @@ pub(crate) struct RecvState {
     /// instead of being acknowledged as a duplicate of an operation it is not part of.
     executed: HashMap<u32, OpParams>,
     executed_order: VecDeque<u32>,
+    /// Immediates of WRITEs with immediate whose data has fully landed but which wait for
+    /// an earlier op id to finish (the WRITE_WITH_IMM fence): op id → (immediate, length).
+    /// At most `max_held_immediates` entries (see [`RecvState::on_write`]).
+    held_imms: HashMap<u32, (u32, u32)>,
+    /// Immediates released by the floor of finished op ids, in op id order, not yet
+    /// reported as events (`take_released`).
+    released_imms: VecDeque<(u32, u32)>,
     /// Receives posted on a dead stream, flushed and not yet reported (`take_flushed`).
     flushed: VecDeque<(u32, WorkCompletion)>,
     pub stats: RecvStats,
@@ -298,6 +306,12 @@ pub struct RecvStats {
     pub refused_messages: u64,
     /// Gauge: streams the peer has opened (at most `max_streams`).
     pub streams: u64,
+    /// Gauge: immediates of WRITEs with immediate that have fully landed and wait for an
+    /// earlier operation to finish (the fence, see `TransportConfig::max_held_immediates`).
+    pub held_immediates: u64,
+    /// Last packets of WRITEs with immediate dropped unacknowledged because
+    /// `max_held_immediates` immediates were already held (the requester re-sends them).
+    pub held_immediate_drops: u64,
 }
 
 fn seq_before(a: u32, b: u32) -> bool {
@@ -929,7 +943,23 @@ impl RecvState {
         if t.nsegs != nsegs {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
-        if !test_set(&mut t.got, hdr.offset / lim.pmtu) {
+        let seg = hdr.offset / lim.pmtu;
+        let new_seg = t.got[(seg / 64) as usize] & (1 << (seg % 64)) == 0;
+        // The WRITE_WITH_IMM fence: the packet that would complete a WRITE with immediate
+        // whose immediate would have to be held (an earlier op id is not finished) while
+        // `max_held_immediates` are held already is dropped unacknowledged, before it is
+        // placed; the requester re-sends it. The op id at the floor is always taken (its
+        // immediate is released at once), so the oldest operation can always finish.
+        if new_seg
+            && imm.is_some()
+            && t.got_segs + 1 == t.nsegs
+            && id != self.write_floor
+            && self.held_imms.len() >= lim.max_held_immediates as usize
+        {
+            self.stats.held_immediate_drops += 1;
+            return RxOutcome::Drop;
+        }
+        if !test_set(&mut t.got, seg) {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
         }
@@ -942,17 +972,28 @@ impl RecvState {
         }
         t.got_segs += 1;
         if t.got_segs == t.nsegs {
+            // Held until every earlier op id is finished; `finish_write` releases it (at
+            // once when this op id is the floor).
+            if let Some(imm) = imm {
+                self.held_imms.insert(id, (imm, reth.dma_len));
+            }
             self.finish_write(id);
             self.record_executed(id, params, lim);
-            if let Some(imm) = imm {
-                events.push_back(Event::WriteWithImm {
-                    conn,
-                    imm,
-                    byte_len: reth.dma_len,
-                });
-            }
+            self.take_released(conn, events);
         }
         RxOutcome::Accepted
+    }
+
+    /// Report the immediates the floor of finished op ids released, in op id order, as
+    /// [`Event::WriteWithImm`].
+    pub fn take_released(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        for (imm, byte_len) in self.released_imms.drain(..) {
+            events.push_back(Event::WriteWithImm {
+                conn,
+                imm,
+                byte_len,
+            });
+        }
     }
 
     /// An op abort (`MR_WRITE` with PathEth flags bit 1): the requester gave up on the
@@ -989,6 +1030,9 @@ impl RecvState {
         }
         self.writes_done.insert(id);
         while self.writes_done.remove(&self.write_floor) {
+            if let Some(r) = self.held_imms.remove(&self.write_floor) {
+                self.released_imms.push_back(r);
+            }
             self.write_floor = self.write_floor.wrapping_add(1);
         }
     }
@@ -1005,6 +1049,7 @@ impl RecvState {
             buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
             refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
+            held_immediates: self.held_imms.len() as u64,
             ..self.stats
         }
     }

@@ -398,6 +398,10 @@ pub struct Net {
     pub snap_on: HashMap<(usize, u64), (u32, u64, u64)>,
     /// The copies, by `(i, wr_id)`, with the virtual time since the start.
     pub snaps: HashMap<(usize, u64), (Duration, Vec<u8>)>,
+    /// Memory to copy the moment an `Event::WriteWithImm` is polled from endpoint `i`:
+    /// `(i, lkey, offset, len)`; the copies go to `imm_snaps` as `(imm, memory)`.
+    pub snap_on_imm: Option<(usize, u32, u64, u64)>,
+    pub imm_snaps: Vec<(u32, Vec<u8>)>,
     /// The counters of every connection of endpoint `i` as of the last datagram or timer:
     /// they stay readable after the connection ended.
     pub last_stats: [HashMap<ConnectionHandle, metaroce::ConnectionStats>; 2],
@@ -435,6 +439,8 @@ impl Net {
             steps: 0,
             snap_on: HashMap::new(),
             snaps: HashMap::new(),
+            snap_on_imm: None,
+            imm_snaps: Vec::new(),
             last_stats: [HashMap::new(), HashMap::new()],
         }
     }
@@ -677,6 +683,17 @@ impl Net {
                         .map(<[u8]>::to_vec)
                         .unwrap_or_default();
                     self.snaps.insert((i, wc.wr_id), (self.elapsed(), mem));
+                }
+            }
+            if let (Event::WriteWithImm { imm, .. }, Some((side, lkey, off, len))) =
+                (&e, self.snap_on_imm)
+            {
+                if side == i {
+                    let mem = self.eps[i]
+                        .mr_read(lkey, off, len)
+                        .map(<[u8]>::to_vec)
+                        .unwrap_or_default();
+                    self.imm_snaps.push((*imm, mem));
                 }
             }
             self.events[i].push(e);
