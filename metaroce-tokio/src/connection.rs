@@ -53,11 +53,11 @@ impl ConnEntry {
 
     /// The connection ended: end every stream and waiter.
     pub fn on_lost(&mut self, reason: ConnectionError) {
-        self.lost = Some(reason);
+        self.lost = Some(reason.clone());
         self.accept_tx = None;
         self.imm_tx = None;
         for s in self.streams.values_mut() {
-            s.close(Error::ConnectionLost(reason));
+            s.close(Error::ConnectionLost(reason.clone()));
         }
     }
 }
@@ -135,7 +135,7 @@ impl Connection {
     pub fn close_reason(&self) -> Option<ConnectionError> {
         let st = self.shared().lock();
         match st.conns.get(&self.inner.handle) {
-            Some(e) => e.lost,
+            Some(e) => e.lost.clone(),
             None => Some(ConnectionError::LocallyClosed),
         }
     }
@@ -149,7 +149,7 @@ impl Connection {
             .conns
             .get_mut(&self.inner.handle)
             .ok_or(Error::EndpointClosed)?;
-        if let Some(r) = entry.lost {
+        if let Some(r) = entry.lost.clone() {
             return Err(Error::ConnectionLost(r));
         }
         loop {
@@ -172,7 +172,7 @@ impl Connection {
             .conns
             .get_mut(&self.inner.handle)
             .ok_or(Error::EndpointClosed)?;
-        if let Some(r) = entry.lost {
+        if let Some(r) = entry.lost.clone() {
             return Err(Error::ConnectionLost(r));
         }
         if entry.streams.contains_key(&id) {
@@ -231,7 +231,11 @@ impl Connection {
                 if st.closed {
                     return Err(Error::EndpointClosed);
                 }
-                if let Some(r) = st.conns.get(&self.inner.handle).and_then(|e| e.lost) {
+                if let Some(r) = st
+                    .conns
+                    .get(&self.inner.handle)
+                    .and_then(|e| e.lost.clone())
+                {
                     return Err(Error::ConnectionLost(r));
                 }
                 let wr_id = st.wr_id();
@@ -247,7 +251,7 @@ impl Connection {
                         return Err(Error::ConnectionLost(
                             st.conns
                                 .get(&self.inner.handle)
-                                .and_then(|e| e.lost)
+                                .and_then(|e| e.lost.clone())
                                 .unwrap_or(ConnectionError::LocallyClosed),
                         ))
                     }

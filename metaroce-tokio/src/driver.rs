@@ -197,7 +197,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
             }
             Event::ConnectionLost { conn, reason } => {
                 if let Some(tx) = st.connecting.remove(&conn) {
-                    let _ = tx.send(Err(reason));
+                    let _ = tx.send(Err(reason.clone()));
                 }
                 if let Some(e) = st.conns.get_mut(&conn) {
                     e.on_lost(reason);

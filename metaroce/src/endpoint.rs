@@ -41,7 +41,32 @@ pub enum PostError {
     InvalidConfig(String),
     /// Too many connections.
     TooManyConnections,
+    /// The connection is closing ([`Endpoint::close_with`]): operations already posted
+    /// drain, new ones are refused.
+    Closing,
+    /// The stream was finished by this side ([`Endpoint::finish_stream`]): no more SENDs.
+    StreamFinished {
+        /// Stream id.
+        stream: u32,
+    },
+    /// The stream was reset by this side ([`Endpoint::reset_stream`]) or stopped by the
+    /// peer ([`Event::StreamStopped`]): no more SENDs.
+    StreamReset {
+        /// Stream id.
+        stream: u32,
+    },
+    /// A close reason longer than [`MAX_CLOSE_REASON`] bytes.
+    ReasonTooLong {
+        /// Given length in bytes.
+        len: usize,
+        /// The limit ([`MAX_CLOSE_REASON`]).
+        max: usize,
+    },
 }
+
+/// Longest close reason, in bytes, that [`Endpoint::close_with`] and [`Endpoint::abort`]
+/// accept (the MR_CLOSE payload; one packet at the smallest path MTU).
+pub const MAX_CLOSE_REASON: usize = 256;
 
 impl fmt::Display for PostError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -55,6 +80,16 @@ impl fmt::Display for PostError {
             PostError::SendQueueFull => f.write_str("send queue full (max_outstanding_ops)"),
             PostError::InvalidConfig(s) => write!(f, "invalid configuration: {s}"),
             PostError::TooManyConnections => f.write_str("too many connections (max_connections)"),
+            PostError::Closing => f.write_str("connection is closing"),
+            PostError::StreamFinished { stream } => {
+                write!(f, "stream {stream} was finished: no more sends")
+            }
+            PostError::StreamReset { stream } => {
+                write!(f, "stream {stream} was reset or stopped: no more sends")
+            }
+            PostError::ReasonTooLong { len, max } => {
+                write!(f, "close reason of {len} bytes exceeds {max} bytes")
+            }
         }
     }
 }
@@ -234,6 +269,56 @@ pub struct Endpoint {
     /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
     pub(crate) rc: crate::rocev2::RcHost,
     rc_turn: bool,
+    /// Closes sent and not yet answered, by connection nonce (the connection itself is
+    /// gone; the answer is matched by nonce and peer address).
+    closers: HashMap<u64, Closer>,
+    /// (next retransmission, nonce) of every entry in `closers` with a copy sent.
+    close_timers: BTreeSet<(Instant, u64)>,
+    /// Nonces in `closers` whose MR_CLOSE is due now.
+    close_ready: VecDeque<u64>,
+}
+
+/// An MR_CLOSE being retransmitted until the peer answers (or `close_attempts` copies
+/// went out): all that is left of a closed connection.
+#[derive(Debug)]
+struct Closer {
+    peer: SocketAddr,
+    peer_qpn: u32,
+    local_ip: Option<IpAddr>,
+    /// The connection's token towards the peer (carried by every MR_CLOSE copy) and the
+    /// one the peer's packets carry (its answer must, issue #9).
+    tx_token: u64,
+    rx_token: u64,
+    code: u32,
+    reason: Bytes,
+    sent: u32,
+    /// Wait after the first copy (doubles after each).
+    interval: std::time::Duration,
+    next_at: Option<Instant>,
+}
+
+/// Sizes of an endpoint's per-connection tables (see [`Endpoint::table_sizes`]): every one
+/// returns to its idle value when the connections end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableSizes {
+    /// Connections.
+    pub connections: usize,
+    /// Connection-request nonces of accepted connections.
+    pub nonces: usize,
+    /// Timer and fair-share index entries.
+    pub index: usize,
+    /// Armed connection timers.
+    pub timers: usize,
+    /// Connections marked ready to transmit.
+    pub ready: usize,
+    /// Fair-share entries.
+    pub recent_rx: usize,
+    /// Closes waiting for the peer's answer.
+    pub closers: usize,
+    /// Control packets queued.
+    pub control: usize,
+    /// Events not yet polled.
+    pub events: usize,
 }
 
 impl Endpoint {
@@ -276,6 +361,9 @@ impl Endpoint {
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
+            closers: HashMap::new(),
+            close_timers: BTreeSet::new(),
+            close_ready: VecDeque::new(),
         })
     }
 
@@ -445,6 +533,9 @@ impl Endpoint {
         if c.state != State::Established {
             return Err(PostError::NotConnected);
         }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
         if len > max {
             return Err(PostError::MessageTooLarge { len, max });
         }
@@ -471,9 +562,146 @@ impl Endpoint {
         data: Bytes,
     ) -> Result<(), PostError> {
         let c = self.conn_for_post(conn, data.len() as u64)?;
+        match c.sq.stream_end(stream) {
+            Some(crate::conn::send::StreamEnd::Finished) => {
+                return Err(PostError::StreamFinished { stream })
+            }
+            Some(crate::conn::send::StreamEnd::Reset) => {
+                return Err(PostError::StreamReset { stream })
+            }
+            None => {}
+        }
         c.post_send(wr_id, stream, data);
         self.touched(conn.0);
         Ok(())
+    }
+
+    /// Finish `stream` (like a QUIC stream FIN or TCP half-close): after every SEND posted
+    /// on it so far, the peer reports [`Event::StreamFinished`] — once, after the stream's
+    /// last [`Event::Message`] / [`Event::RecvCompletion`]. The FIN is a payload-less
+    /// `MR_SEND` (docs/PROTOCOL.md, "Ending a stream"), delivered reliably; it reports no
+    /// completion. Later [`post_send`](Self::post_send)s on the stream fail with
+    /// [`PostError::StreamFinished`]. Finishing a stream never used sends a FIN with a
+    /// message count of 0.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
+    /// [`PostError::Closing`]; [`PostError::StreamFinished`] /
+    /// [`PostError::StreamReset`] if the stream was already finished or reset.
+    pub fn finish_stream(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+    ) -> Result<(), PostError> {
+        let c = self.conn_for_stream(conn)?;
+        match c.sq.stream_end(stream) {
+            Some(crate::conn::send::StreamEnd::Finished) => {
+                return Err(PostError::StreamFinished { stream })
+            }
+            Some(crate::conn::send::StreamEnd::Reset) => {
+                return Err(PostError::StreamReset { stream })
+            }
+            None => {}
+        }
+        c.sq.finish_stream(stream);
+        self.touched(conn.0);
+        Ok(())
+    }
+
+    /// Reset `stream` with an application `code` (like QUIC RESET_STREAM): every SEND on
+    /// it not yet completed completes with [`WcStatus::WrFlushError`] (reported by the next
+    /// [`poll_event`](Self::poll_event)), and the peer, once it has delivered the messages
+    /// before the first of them, reports [`Event::StreamReset`] with `code` (its receives
+    /// still posted on the stream are flushed). Later posts on the stream fail with
+    /// [`PostError::StreamReset`]. Resetting a stream again does nothing; resetting a
+    /// finished stream whose FIN is still in flight resets it.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
+    /// [`PostError::Closing`].
+    pub fn reset_stream(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+        code: u32,
+    ) -> Result<(), PostError> {
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return Err(PostError::NotConnected);
+        }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
+        c.sq.reset_stream(stream, code);
+        c.report(&mut self.events);
+        self.touched(conn.0);
+        Ok(())
+    }
+
+    /// Ask the peer to stop sending on `stream` with an application `code` (like QUIC
+    /// STOP_SENDING), as its receiver: the peer reports [`Event::StreamStopped`] with
+    /// `code`, flushes its pending SENDs on the stream and resets it with the same code, so
+    /// this side then reports [`Event::StreamReset`] after the messages delivered before
+    /// the reset point. Messages that arrive meanwhile are still delivered. Only the first
+    /// call per stream sends anything; a peer that never sent on the stream ignores it.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
+    /// [`PostError::Closing`].
+    pub fn stop_stream(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+        code: u32,
+    ) -> Result<(), PostError> {
+        let c = self.conn_for_stream(conn)?;
+        c.sq.stop_stream(stream, code);
+        self.touched(conn.0);
+        Ok(())
+    }
+
+    /// Bytes of SENDs posted on `stream` that have not completed yet (sent and not yet
+    /// acknowledged, or not yet sent): what a driver's `poll_ready` compares with its
+    /// send-buffer limit. It drops as [`Event::Completion`]s of the stream's SENDs are
+    /// reported. 0 for unknown connections and streams.
+    pub fn stream_send_pending(&self, conn: ConnectionHandle, stream: u32) -> u64 {
+        self.conns
+            .get(&conn.0)
+            .map_or(0, |c| c.sq.stream_pending(stream))
+    }
+
+    /// The application consumed `bytes` more bytes of the messages delivered on `stream`
+    /// of `conn` (with `TransportConfig::explicit_consume`), in delivery order: they stop
+    /// counting against `max_stream_recv_bytes` and `max_recv_buffer_bytes`. Call it as a
+    /// driver's per-stream queue drains — e.g. once per message taken, with the message's
+    /// length (0 for an empty message); partial amounts are fine. A sender held back by
+    /// flow control resumes within one RNR timer (`min_rnr_timer`, 0.64 ms by default)
+    /// plus a round trip. Bytes beyond what was delivered, unknown connections and streams
+    /// are ignored. Without `explicit_consume` it does nothing.
+    pub fn stream_consumed(&mut self, conn: ConnectionHandle, stream: u32, bytes: u64) {
+        if let Some(c) = self.conns.get_mut(&conn.0) {
+            c.stream_consumed(stream, bytes);
+        }
+    }
+
+    fn conn_for_stream(&mut self, conn: ConnectionHandle) -> Result<&mut Connection, PostError> {
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return Err(PostError::NotConnected);
+        }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
+        Ok(c)
     }
 
     /// Post an RDMA WRITE (or WRITE with immediate). Each packet lands directly at its
@@ -551,6 +779,9 @@ impl Endpoint {
         if c.state != State::Established {
             return Err(PostError::NotConnected);
         }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
         c.post_recv(
             stream,
             crate::conn::recv::PostedRecv {
@@ -564,25 +795,245 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Close a connection now: pending operations complete with `WrFlushError`, the peer
-    /// is told (best effort), and [`Event::ConnectionLost`] with `LocallyClosed` follows.
-    pub fn close(&mut self, _now: Instant, conn: ConnectionHandle) {
-        if let Some(c) = self.conns.get(&conn.0) {
-            if c.state == State::Established {
-                let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth {
-                    reason: 0,
-                    nonce: c.nonce,
-                });
-                let t = Trailer::Token(c.tx_token());
-                if self.control.len() < self.cfg.max_control_queue {
-                    self.control.push_back((c.peer, bth, hdrs, t, c.local_ip));
-                } else {
-                    self.stats.control_dropped += 1;
+    /// Close a connection now, with code 0 and no reason: the same as
+    /// [`abort`](Self::abort)`(now, conn, 0, &[])`. Unknown handles are ignored.
+    pub fn close(&mut self, now: Instant, conn: ConnectionHandle) {
+        let _ = self.abort(now, conn, 0, &[]);
+    }
+
+    /// Close a connection gracefully with an application `code` and `reason` (at most
+    /// [`MAX_CLOSE_REASON`] bytes), as quinn's `Connection::close` and a TCP FIN do:
+    ///
+    /// 1. From now on new posts on the connection are refused with
+    ///    [`PostError::Closing`]; operations already posted (and the responses this side
+    ///    owes the peer) go on until they complete, for at most
+    ///    `TransportConfig::close_timeout`. Incoming data is still handled meanwhile.
+    /// 2. Then what is still pending completes with `WrFlushError`, posted receives are
+    ///    flushed, [`Event::ConnectionLost`] with [`ConnectionError::LocallyClosed`] is
+    ///    reported and every per-connection structure is freed.
+    /// 3. The peer is sent an `MR_CLOSE` carrying `code` (CloseEth reason) and `reason`
+    ///    (payload), retransmitted until the peer answers or `close_attempts` copies went
+    ///    out; it reports [`ConnectionError::ClosedByPeer`] with the same code and bytes.
+    ///
+    /// A connection still connecting is closed at once (the peer holds nothing yet worth
+    /// telling). Calling it again while the close drains changes nothing.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`] for a handle with no connection;
+    /// [`PostError::ReasonTooLong`] if `reason` exceeds [`MAX_CLOSE_REASON`] (nothing is
+    /// done then).
+    pub fn close_with(
+        &mut self,
+        now: Instant,
+        conn: ConnectionHandle,
+        code: u32,
+        reason: &[u8],
+    ) -> Result<(), PostError> {
+        if reason.len() > MAX_CLOSE_REASON {
+            return Err(PostError::ReasonTooLong {
+                len: reason.len(),
+                max: MAX_CLOSE_REASON,
+            });
+        }
+        let timeout = self.cfg.transport.close_timeout;
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return self.abort(now, conn, code, reason);
+        }
+        if c.closing.is_none() {
+            c.closing = Some(crate::conn::Closing {
+                code,
+                reason: Bytes::copy_from_slice(reason),
+                deadline: now + timeout,
+            });
+            tracing::debug!(%conn, code, "closing: draining");
+        }
+        self.touched(conn.0);
+        self.progress_close(now, conn.0);
+        Ok(())
+    }
+
+    /// Close a connection at once with an application `code` and `reason`: pending
+    /// operations complete with `WrFlushError` and posted receives are flushed now,
+    /// [`Event::ConnectionLost`] with [`ConnectionError::LocallyClosed`] follows, and the
+    /// peer is sent an `MR_CLOSE` as by [`close_with`](Self::close_with) (retransmitted
+    /// until answered). Also ends a graceful close early.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::ReasonTooLong`] as for
+    /// [`close_with`](Self::close_with).
+    pub fn abort(
+        &mut self,
+        now: Instant,
+        conn: ConnectionHandle,
+        code: u32,
+        reason: &[u8],
+    ) -> Result<(), PostError> {
+        if reason.len() > MAX_CLOSE_REASON {
+            return Err(PostError::ReasonTooLong {
+                len: reason.len(),
+                max: MAX_CLOSE_REASON,
+            });
+        }
+        if !self.conns.contains_key(&conn.0) {
+            return Err(PostError::UnknownConnection);
+        }
+        self.finish_close(now, conn.0, code, Bytes::copy_from_slice(reason));
+        Ok(())
+    }
+
+    /// A gracefully closing connection `q` finished draining, or its `close_timeout`
+    /// passed: end it.
+    fn progress_close(&mut self, now: Instant, q: u32) {
+        let Some(c) = self.conns.get(&q) else { return };
+        let Some(cl) = &c.closing else { return };
+        if now >= cl.deadline || !c.sq.has_pending() {
+            let (code, reason) = (cl.code, cl.reason.clone());
+            self.finish_close(now, q, code, reason);
+        }
+    }
+
+    /// Remove connection `q` as closed locally and start sending its MR_CLOSE.
+    fn finish_close(&mut self, now: Instant, q: u32, code: u32, reason: Bytes) {
+        let Some(c) = self.conns.get(&q) else { return };
+        if c.state == State::Established {
+            let t = &self.cfg.transport;
+            let interval = c.largest_rto().max(t.min_rto);
+            let (tx_token, rx_token) = c.tokens();
+            let closer = Closer {
+                peer: c.peer,
+                peer_qpn: c.peer_qpn,
+                local_ip: c.local_ip,
+                tx_token,
+                rx_token,
+                code,
+                reason,
+                sent: 0,
+                interval,
+                next_at: None,
+            };
+            let nonce = c.nonce;
+            self.forget_closer(nonce);
+            self.closers.insert(nonce, closer);
+            self.close_ready.push_back(nonce);
+        }
+        let _ = now;
+        self.remove(
+            ConnectionHandle(q),
+            ConnectionError::LocallyClosed,
+            WcStatus::WrFlushError,
+        );
+    }
+
+    /// Drop the record of a close (answered, or out of attempts).
+    fn forget_closer(&mut self, nonce: u64) {
+        if let Some(cl) = self.closers.remove(&nonce) {
+            if let Some(t) = cl.next_at {
+                self.close_timers.remove(&(t, nonce));
+            }
+        }
+    }
+
+    /// Sizes of the per-connection tables: for checking that connections that ended left
+    /// nothing behind (e.g. over many connect/close cycles).
+    pub fn table_sizes(&self) -> TableSizes {
+        TableSizes {
+            connections: self.conns.len(),
+            nonces: self.by_nonce.len(),
+            index: self.index.len(),
+            timers: self.timers.len(),
+            ready: self.ready.len(),
+            recent_rx: self.recent_rx.len(),
+            closers: self.closers.len(),
+            control: self.control.len(),
+            events: self.events.len(),
+        }
+    }
+
+    /// An MR_CLOSE arrived for local QPN `dest_qp`. Like every non-CONNECT packet it must
+    /// carry the connection's token (issue #9): a close, or the answer to ours, that does
+    /// not is counted and dropped, so an off-path sender can neither end a connection nor
+    /// stop a close from being retransmitted.
+    fn handle_close(
+        &mut self,
+        from: SocketAddr,
+        local_ip: Option<IpAddr>,
+        dest_qp: u32,
+        msg: &wire::CloseEth,
+        trailer: &Trailer,
+        payload: &[u8],
+    ) {
+        let token_ok = |expected: u64| match trailer {
+            Trailer::Token(t) => secret::ct_eq_u64(*t, expected),
+            _ => false,
+        };
+        if msg.is_ack() {
+            // The answer to our close: stop retransmitting it.
+            match self.closers.get(&msg.nonce) {
+                Some(cl) if cl.peer.ip() == from.ip() && token_ok(cl.rx_token) => {
+                    self.forget_closer(msg.nonce);
+                }
+                Some(cl) if cl.peer.ip() == from.ip() => self.stats.bad_auth += 1,
+                _ => self.stats.unknown_connection += 1,
+            }
+            return;
+        }
+        let mut answer = None;
+        match self.conns.get(&dest_qp) {
+            Some(c) if c.nonce == msg.nonce && c.peer.ip() == from.ip() => {
+                match c.authenticate(trailer) {
+                    Ok(()) => {}
+                    Err(AuthError::Missing) => {
+                        self.stats.missing_auth += 1;
+                        return;
+                    }
+                    Err(AuthError::Bad) => {
+                        self.stats.bad_auth += 1;
+                        return;
+                    }
+                    Err(AuthError::NotEstablished) => {
+                        self.stats.unknown_connection += 1;
+                        return;
+                    }
+                }
+                answer = Some((c.peer, c.peer_qpn, c.local_ip, c.tx_token()));
+                let n = payload.len().min(MAX_CLOSE_REASON);
+                let reason = ConnectionError::ClosedByPeer {
+                    code: msg.reason,
+                    reason: Bytes::copy_from_slice(&payload[..n]),
+                };
+                self.remove(ConnectionHandle(dest_qp), reason, WcStatus::WrFlushError);
+            }
+            Some(_) => self.stats.unknown_connection += 1,
+            None => {
+                // Already gone. If both sides closed at once, the peer's close is the answer
+                // to ours: stop ours and answer it. A close for a connection we no longer
+                // know cannot be authenticated: it is not answered (the peer's
+                // retransmissions are bounded by its `close_attempts`).
+                match self.closers.get(&msg.nonce) {
+                    Some(cl) if cl.peer.ip() == from.ip() && token_ok(cl.rx_token) => {
+                        let a = (cl.peer, cl.peer_qpn, cl.local_ip, cl.tx_token);
+                        self.forget_closer(msg.nonce);
+                        answer = Some(a);
+                    }
+                    Some(_) => self.stats.bad_auth += 1,
+                    None => self.stats.unknown_connection += 1,
                 }
             }
         }
-        self.remove(conn, ConnectionError::LocallyClosed, WcStatus::WrFlushError);
+        if let Some((peer, peer_qpn, lip, tx)) = answer {
+            let bth = Bth::new(Opcode::MR_CLOSE, peer_qpn, 0);
+            let hdrs = Headers::Close(wire::CloseEth {
+                reason: msg.reason,
+                flags: wire::CloseEth::FLAG_ACK,
+                reply_port: self.cfg.local_addr.port(),
+                nonce: msg.nonce,
+            });
+            self.push_control(peer, bth, hdrs, Trailer::Token(tx), lip.or(local_ip));
+        }
     }
 
     fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
@@ -666,6 +1117,10 @@ impl Endpoint {
             self.handle_connect(now, from, local_ip, pkt.bth.dest_qp, msg);
             return;
         }
+        if let Headers::Close(msg) = &pkt.headers {
+            self.handle_close(from, local_ip, pkt.bth.dest_qp, msg, &pkt.trailer, pkt.payload);
+            return;
+        }
         let qpn = pkt.bth.dest_qp;
         let Some(c) = self.conns.get_mut(&qpn) else {
             self.stats.unknown_connection += 1;
@@ -699,6 +1154,7 @@ impl Endpoint {
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
         self.touched(qpn);
         self.apply(ConnectionHandle(qpn), out);
+        self.progress_close(now, qpn);
     }
 
     /// Queue an endpoint-generated packet (Retry, Reject, CLOSE), bounded by
@@ -887,6 +1343,8 @@ impl Endpoint {
                     let bth = Bth::new(Opcode::MR_CLOSE, msg.src_qpn, 0);
                     let hdrs = Headers::Close(wire::CloseEth {
                         reason: 1,
+                        flags: 0,
+                        reply_port: self.cfg.local_addr.port(),
                         nonce: msg.nonce,
                     });
                     let (c2s, _) = secret::tokens(msg.nonce, msg.server_nonce);
@@ -1006,6 +1464,25 @@ impl Endpoint {
                 let out = c.handle_timeout(now, &mut self.events);
                 self.touched(q);
                 self.apply(ConnectionHandle(q), out);
+                self.progress_close(now, q);
+            }
+        }
+        // Closes waiting for an answer: send the next copy, or give up.
+        while let Some(&(t, nonce)) = self.close_timers.first() {
+            if t > now {
+                break;
+            }
+            self.close_timers.pop_first();
+            let attempts = self.cfg.transport.close_attempts;
+            let Some(cl) = self.closers.get_mut(&nonce) else {
+                continue;
+            };
+            cl.next_at = None;
+            if cl.sent >= attempts {
+                tracing::debug!(peer = %cl.peer, "close not answered; giving up");
+                self.closers.remove(&nonce);
+            } else {
+                self.close_ready.push_back(nonce);
             }
         }
     }
@@ -1015,6 +1492,11 @@ impl Endpoint {
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.check_index();
         let conns = self.timers.first().map(|&(t, _)| t);
+        let closes = self.close_timers.first().map(|&(t, _)| t);
+        let conns = match (conns, closes) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         match (conns, self.rc.poll_timeout()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -1096,6 +1578,52 @@ impl Endpoint {
             if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
                 let _ = icrc::stamp(&ip, port, dest.port(), buf);
             }
+            return Some(Transmit {
+                destination: dest,
+                src_port: port,
+                ecn: None,
+                size: len,
+                segment_size: None,
+            });
+        }
+        while let Some(nonce) = self.close_ready.pop_front() {
+            let reply_port = self.cfg.local_addr.port();
+            let my_ip = self.local_ip();
+            let port = self.cfg.source_ports[0];
+            let Some(cl) = self.closers.get_mut(&nonce) else {
+                continue;
+            };
+            if cl.next_at.is_some() {
+                continue;
+            }
+            let bth = Bth::new(Opcode::MR_CLOSE, cl.peer_qpn, 0);
+            let hdrs = Headers::Close(wire::CloseEth {
+                reason: cl.code,
+                flags: 0,
+                reply_port,
+                nonce,
+            });
+            let trailer = Trailer::Token(cl.tx_token);
+            let len = wire::packet_len_with(&hdrs, cl.reason.len(), &trailer);
+            buf.resize(len, 0);
+            if wire::emit_packet_with(&bth, &hdrs, &cl.reason, &trailer, buf).is_err() {
+                buf.clear();
+                self.closers.remove(&nonce);
+                continue;
+            }
+            let dest = cl.peer;
+            let local = cl.local_ip.or(my_ip).unwrap_or(match dest.ip() {
+                IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+            });
+            if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
+                let _ = icrc::stamp(&ip, port, dest.port(), buf);
+            }
+            let wait = cl.interval.saturating_mul(1u32 << cl.sent.min(16));
+            cl.sent += 1;
+            let at = now + wait;
+            cl.next_at = Some(at);
+            self.close_timers.insert((at, nonce));
             return Some(Transmit {
                 destination: dest,
                 src_port: port,

@@ -140,7 +140,10 @@ pub struct WorkCompletion {
 }
 
 /// Why a connection ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Not `Copy` since [`ConnectionError::ClosedByPeer`] carries the peer's reason bytes;
+/// cloning is cheap (the bytes are reference-counted).
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConnectionError {
     /// The peer did not answer the connection request in time.
@@ -149,11 +152,24 @@ pub enum ConnectionError {
     Rejected(u32),
     /// Every path exceeded the retry budget without progress.
     RetryExceeded,
-    /// The peer closed the connection.
-    ClosedByPeer,
+    /// The peer closed the connection with
+    /// [`Endpoint::close_with`](crate::Endpoint::close_with) or
+    /// [`Endpoint::abort`](crate::Endpoint::abort) (or, with code 0 and no reason,
+    /// [`Endpoint::close`](crate::Endpoint::close)): `code` is the CloseEth reason field,
+    /// `reason` the MR_CLOSE payload (at most
+    /// [`MAX_CLOSE_REASON`](crate::MAX_CLOSE_REASON) bytes; longer payloads are cut).
+    /// Code 1 is sent by the core itself to drop a ghost connection (a stale connection
+    /// request reached a restarted peer).
+    ClosedByPeer {
+        /// Application error code (CloseEth bytes 0–3).
+        code: u32,
+        /// Application reason bytes (MR_CLOSE payload), possibly empty.
+        reason: Bytes,
+    },
     /// The application closed the connection.
     LocallyClosed,
-    /// Nothing was heard from the peer for the idle timeout.
+    /// Nothing was heard from the peer for `TransportConfig::idle_timeout` (keepalives
+    /// included): the peer is dead or unreachable. Pending operations were flushed.
     IdleTimeout,
     /// The peer came back as a new incarnation (a validated connection Request from the
     /// same address and QPN as this connection, after it was confirmed, or with another
@@ -170,7 +186,13 @@ impl fmt::Display for ConnectionError {
                 write!(f, "connection rejected by peer (reason {code})")
             }
             ConnectionError::RetryExceeded => f.write_str("retry count exceeded on every path"),
-            ConnectionError::ClosedByPeer => f.write_str("closed by peer"),
+            ConnectionError::ClosedByPeer { code, reason } => {
+                write!(f, "closed by peer (code {code}")?;
+                if !reason.is_empty() {
+                    write!(f, ": {}", String::from_utf8_lossy(reason))?;
+                }
+                f.write_str(")")
+            }
             ConnectionError::LocallyClosed => f.write_str("closed locally"),
             ConnectionError::IdleTimeout => f.write_str("idle timeout"),
             ConnectionError::PeerRestarted => {
@@ -240,6 +262,43 @@ pub enum Event {
         imm: u32,
         /// Bytes written.
         byte_len: u32,
+    },
+    /// The peer finished `stream` ([`Endpoint::finish_stream`](crate::Endpoint::finish_stream)):
+    /// reported once, after the stream's last [`Event::Message`] / [`Event::RecvCompletion`].
+    /// No further message arrives on the stream.
+    StreamFinished {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+    },
+    /// The peer reset `stream` with `code`
+    /// ([`Endpoint::reset_stream`](crate::Endpoint::reset_stream), or in answer to this
+    /// side's [`Endpoint::stop_stream`](crate::Endpoint::stop_stream)), or gave up on it after
+    /// a SEND failed with `RnrRetryExceeded` (code [`STREAM_CODE_RNR`](crate::STREAM_CODE_RNR)).
+    /// Reported once, after the messages delivered before the reset point; receives still
+    /// posted on the stream were completed with `WrFlushError` just before. No further
+    /// message arrives on the stream.
+    StreamReset {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The peer's code.
+        code: u32,
+    },
+    /// The peer, receiving on `stream`, asked this side to stop sending on it
+    /// ([`Endpoint::stop_stream`](crate::Endpoint::stop_stream)) with `code`: the stream was
+    /// reset with that code (its SENDs not yet completed were completed with
+    /// `WrFlushError` before this event; later posts on it are refused with
+    /// [`PostError::StreamReset`](crate::PostError::StreamReset)). Reported once.
+    StreamStopped {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The peer's code.
+        code: u32,
     },
     /// A work completion or error of an RC queue pair (RoCEv2 mode, [`Endpoint::rc`](crate::Endpoint::rc)).
     Rc(crate::rocev2::RcEvent),

@@ -68,10 +68,12 @@ pub mod wire;
 pub use config::{
     CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy, TransportConfig,
 };
+pub use conn::send::STREAM_CODE_RNR;
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{
-    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, WriteRequest,
+    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, TableSizes,
+    WriteRequest, MAX_CLOSE_REASON,
 };
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 pub use mr::{Access, MrError, MrKeys};

@@ -194,7 +194,7 @@ impl Net {
 
     fn lost(&self, i: usize, conn: ConnectionHandle) -> Option<ConnectionError> {
         self.events[i].iter().find_map(|e| match e {
-            Event::ConnectionLost { conn: c, reason } if *c == conn => Some(*reason),
+            Event::ConnectionLost { conn: c, reason } if *c == conn => Some(reason.clone()),
             _ => None,
         })
     }
@@ -331,7 +331,21 @@ fn blind_sweep_full_space_accepts_nothing() {
 #[test]
 fn token_is_required_on_every_packet() {
     let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    // Learn the client nonce from its Request (an on-path observer sees it), so the forged
+    // CLOSEs below match the connection in everything but the token.
+    let nonce = std::rc::Rc::new(std::cell::Cell::new(0u64));
+    let seen = nonce.clone();
+    net.hold = Some(Box::new(move |_, d: &[u8]| {
+        if let Ok(p) = wire::Packet::parse(d) {
+            if let Headers::Connect(m) = p.headers {
+                seen.set(m.nonce);
+            }
+        }
+        false
+    }));
     let (c, s) = net.connect(0, 1);
+    net.hold = None;
+    assert_ne!(nonce.get(), 0);
     let mr = net.eps[1].register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let from = SocketAddr::new(net.addrs[0].ip(), PORTS[1]);
     let (tx, _) = net.eps[0].connection_tokens(c).unwrap();
@@ -367,7 +381,9 @@ fn token_is_required_on_every_packet() {
     let bth = Bth::new(Opcode::MR_CLOSE, s.0, 0);
     let hdrs = Headers::Close(wire::CloseEth {
         reason: 0,
-        nonce: 0,
+        flags: 0,
+        reply_port: 0,
+        nonce: nonce.get(),
     });
     for t in [Trailer::None, Trailer::Token(0x1234)] {
         let mut p = vec![0u8; wire::packet_len_with(&hdrs, 0, &t)];

@@ -12,6 +12,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 pub(crate) const NAK_INVALID_REQUEST: u8 = 0x61;
 pub(crate) const NAK_REMOTE_ACCESS: u8 = 0x62;
 pub(crate) const NAK_REMOTE_OPERATIONAL: u8 = 0x63;
+/// MetaRoCE flow-control RNR NAK: `0x40 | RNR timer code` (the AETH class `010xxxxx`,
+/// reserved in IBA): the receiver's buffers for the SEND's stream or connection hold too
+/// many unconsumed bytes; retry after the timer, not counted against `rnr_retry`.
+pub(crate) const NAK_FLOW_RNR: u8 = 0x40;
 
 /// What the semantic layer made of a new packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +28,9 @@ pub(crate) enum RxOutcome {
     Nak(u8),
     /// No receive posted for this SEND: RNR NAK, the sender retries after the RNR timer.
     Rnr,
+    /// Receive flow control (`explicit_consume`): the stream or connection holds too many
+    /// unconsumed bytes; flow-control RNR NAK, the sender waits and retries without limit.
+    FlowRnr,
 }
 
 /// Work the responder must queue after accepting a READ or atomic request.
@@ -90,6 +97,20 @@ struct StreamRx {
     /// `MAX_LEN_ERRORS`): every later packet of one is refused again, so a re-sent packet
     /// (its NAK lost or overtaken) is not acknowledged as a duplicate.
     len_errors: VecDeque<u32>,
+    /// The sender finished the stream after this many messages (its FIN).
+    fin_at: Option<u32>,
+    /// The stream's end (`Event::StreamFinished` or `Event::StreamReset`) was reported.
+    end_reported: bool,
+    /// The code of the stream abort that killed the stream.
+    reset_code: u32,
+    /// Charges of this stream's messages in library-owned buffers being reassembled or
+    /// waiting for in-order delivery.
+    buffered: u64,
+    /// With `explicit_consume`: bytes still to be consumed of each delivered message, in
+    /// delivery order (each also charges `MSG_OVERHEAD` until fully consumed).
+    unconsumed_q: VecDeque<u32>,
+    /// Charges of `unconsumed_q`.
+    unconsumed: u64,
 }
 
 /// Length-errored messages remembered per stream.
@@ -171,6 +192,8 @@ pub(crate) struct RecvLimits {
     pub require_posted_receives: bool,
     pub max_tracked_ops: u32,
     pub max_held_immediates: u32,
+    pub explicit_consume: bool,
+    pub max_stream_recv_bytes: u64,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -191,6 +214,10 @@ struct Budget {
     /// while this is below `max_tracked_ops` (beyond it a refused message is NAKed but not
     /// recorded); an honest peer's messages in flight, hence its refused ones, are fewer.
     refused: usize,
+    /// Of `bytes`: delivered and not yet consumed (`explicit_consume`).
+    unconsumed: u64,
+    /// `explicit_consume` is on (copied from the limits).
+    explicit: bool,
 }
 
 impl Budget {
@@ -198,6 +225,28 @@ impl Budget {
         self.bytes -= msg.charge;
         if msg.over {
             self.over -= msg.charge;
+        }
+    }
+
+    /// `msg` of stream `st` leaves the reassembly buffers (dropped or refused).
+    fn release_msg(&mut self, st: &mut StreamRx, msg: &RxMsg) {
+        self.release(msg);
+        st.buffered -= msg.charge;
+    }
+
+    /// `msg` of stream `st` was delivered: with `explicit_consume` its bytes stay charged
+    /// (as unconsumed) until `RecvState::consume`; otherwise they are released.
+    fn delivered(&mut self, st: &mut StreamRx, msg: &RxMsg) {
+        st.buffered -= msg.charge;
+        if self.explicit && matches!(msg.dest, Dest::Owned(_)) {
+            if msg.over {
+                self.over -= msg.charge;
+            }
+            st.unconsumed_q.push_back(msg.len);
+            st.unconsumed += msg.charge;
+            self.unconsumed += msg.charge;
+        } else {
+            self.release(msg);
         }
     }
 }
@@ -312,6 +361,13 @@ pub struct RecvStats {
     /// Last packets of WRITEs with immediate dropped unacknowledged because
     /// `max_held_immediates` immediates were already held (the requester re-sends them).
     pub held_immediate_drops: u64,
+    /// Flow-control RNR NAKs sent (`explicit_consume`: a message did not fit the stream's
+    /// or the connection's unconsumed-byte limits; the sender waits).
+    pub flow_rnr_naks: u64,
+    /// Gauge: bytes delivered in `Event::Message` and not yet consumed
+    /// (`explicit_consume`), each message counted with 128 bytes of bookkeeping; included in
+    /// `buffered_bytes`.
+    pub unconsumed_bytes: u64,
 }
 
 fn seq_before(a: u32, b: u32) -> bool {
@@ -383,9 +439,11 @@ impl RecvState {
         conn: ConnectionHandle,
         stream: u32,
         first: u32,
+        code: u32,
         lim: &RecvLimits,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
             return RxOutcome::Accepted;
         }
@@ -395,12 +453,17 @@ impl RecvState {
         } else {
             first
         };
+        if st.end_reported {
+            // Already ended (finished or reset) and reported: late or duplicate.
+            return RxOutcome::Accepted;
+        }
         match st.dead_from {
             Some(d) if !seq_before(from, d) => return RxOutcome::Accepted,
             None => self.stats.dead_streams += 1,
             Some(_) => {}
         }
         st.dead_from = Some(from);
+        st.reset_code = code;
         let dead: Vec<u32> = st
             .msgs
             .keys()
@@ -409,7 +472,7 @@ impl RecvState {
             .collect();
         for m in dead {
             if let Some(msg) = st.msgs.remove(&m) {
-                self.buf.release(&msg);
+                self.buf.release_msg(st, &msg);
             }
         }
         let before = st.refused.len();
@@ -417,6 +480,61 @@ impl RecvState {
         self.buf.refused -= before - st.refused.len();
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
+    }
+
+    /// The sender finished `stream` after `count` messages (an `MR_SEND` with the FIN
+    /// flag). Once delivery reaches message `count`, `Event::StreamFinished` is reported
+    /// (once). The first FIN counts: a duplicate, a different later one, or one naming a
+    /// count below the messages already delivered (impossible from an honest sender) is
+    /// ignored; so is a FIN of a stream that was reset. Always acknowledged.
+    pub fn on_stream_fin(
+        &mut self,
+        conn: ConnectionHandle,
+        stream: u32,
+        count: u32,
+        lim: &RecvLimits,
+        events: &mut VecDeque<Event>,
+    ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
+        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            return RxOutcome::Accepted;
+        }
+        let st = self.streams.entry(stream).or_default();
+        if st.fin_at.is_some() || st.dead_from.is_some() || seq_before(count, st.next_deliver) {
+            return RxOutcome::Accepted;
+        }
+        st.fin_at = Some(count);
+        Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
+        RxOutcome::Accepted
+    }
+
+    /// The application consumed `bytes` more bytes of the messages delivered on `stream`
+    /// (`explicit_consume`), in delivery order: they, and the bookkeeping charge of every
+    /// message consumed to its end (a zero-length message is consumed by any call that
+    /// reaches it), stop counting against the limits. Bytes beyond what was delivered are
+    /// ignored.
+    pub fn consume(&mut self, stream: u32, bytes: u64) {
+        let Some(st) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        let mut n = bytes;
+        while let Some(front) = st.unconsumed_q.front_mut() {
+            let take = n.min(*front as u64);
+            *front -= take as u32;
+            n -= take;
+            let mut freed = take;
+            let done = *front == 0;
+            if done {
+                st.unconsumed_q.pop_front();
+                freed += MSG_OVERHEAD;
+            }
+            st.unconsumed -= freed;
+            self.buf.unconsumed -= freed;
+            self.buf.bytes -= freed;
+            if !done {
+                break;
+            }
+        }
     }
 
     /// Fail every posted receive not yet completed (the connection ended).
@@ -447,6 +565,7 @@ impl RecvState {
         mrs: &mut MrTable,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
         let total = hdr.msg_len as u64;
         let valid = total <= lim.max_message_size
             && check_segment(hdr.offset, payload.len(), total, lim.pmtu);
@@ -469,7 +588,7 @@ impl RecvState {
             if ahead < lim.max_stream_window && room && st.refused.insert(hdr.msg_seq) {
                 self.buf.refused += 1;
                 if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
-                    self.buf.release(&msg);
+                    self.buf.release_msg(st, &msg);
                 }
                 Self::deliver(
                     conn,
@@ -575,17 +694,46 @@ impl RecvState {
                 // receiver hold one such message per stream.
                 let head = ahead == 0;
                 charge = total + MSG_OVERHEAD;
+                let explicit = lim.explicit_consume;
+                if explicit {
+                    // Receive flow control: the stream's limit. The next message due is
+                    // checked against delivered, unconsumed bytes only, so messages
+                    // further ahead cannot keep it out (they could never be delivered).
+                    let held = if head {
+                        st.unconsumed
+                    } else {
+                        st.unconsumed + st.buffered
+                    };
+                    if held > 0 && held + charge > lim.max_stream_recv_bytes {
+                        self.stats.flow_rnr_naks += 1;
+                        return RxOutcome::FlowRnr;
+                    }
+                }
                 if self.buf.bytes + charge > lim.max_recv_buffer_bytes {
+                    // With flow control the reserve for next-due messages is closed while
+                    // unconsumed bytes fill the budget: otherwise every stream's head could
+                    // come in through it, one after the other, without bound.
+                    let unconsumed_ok = !explicit
+                        || self.buf.unconsumed == 0
+                        || self.buf.unconsumed + charge <= lim.max_recv_buffer_bytes;
                     over = head
+                        && unconsumed_ok
                         && (self.buf.over == 0
                             || self.buf.over + charge <= lim.max_recv_buffer_bytes);
                     if !over {
+                        if explicit {
+                            // Wait, do not drop: a drop costs the sender timeouts and,
+                            // for long enough, the connection.
+                            self.stats.flow_rnr_naks += 1;
+                            return RxOutcome::FlowRnr;
+                        }
                         self.stats.no_buffer_drops += 1;
                         return RxOutcome::Drop;
                     }
                     self.buf.over += charge;
                 }
                 self.buf.bytes += charge;
+                st.buffered += charge;
                 Dest::Owned(vec![0; hdr.msg_len as usize])
             };
             st.msgs.insert(
@@ -654,6 +802,21 @@ impl RecvState {
                         wc: flush_wc(r.wr_id),
                     });
                 }
+                if !st.end_reported {
+                    st.end_reported = true;
+                    events.push_back(Event::StreamReset {
+                        conn,
+                        stream,
+                        code: st.reset_code,
+                    });
+                }
+                break;
+            }
+            if st.fin_at == Some(st.next_deliver) {
+                if !st.end_reported {
+                    st.end_reported = true;
+                    events.push_back(Event::StreamFinished { conn, stream });
+                }
                 break;
             }
             if st.refused.remove(&st.next_deliver) {
@@ -673,7 +836,7 @@ impl RecvState {
             };
             stats.messages += 1;
             stats.message_bytes += m.len as u64;
-            buf.release(&m);
+            buf.delivered(st, &m);
             match m.dest {
                 Dest::Owned(data) => {
                     events.push_back(Event::Message {
@@ -1050,6 +1213,7 @@ impl RecvState {
             refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
             held_immediates: self.held_imms.len() as u64,
+            unconsumed_bytes: self.buf.unconsumed,
             ..self.stats
         }
     }

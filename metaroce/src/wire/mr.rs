@@ -15,7 +15,7 @@ use super::{Aeth, Error, PSN_MASK};
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | path id (8 bits) |
-/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] on `MR_SEND`, [`PathEth::FLAG_OP_ABORT`] on `MR_WRITE`, else 0; bits 3:2 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
+/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] on `MR_SEND`, [`PathEth::FLAG_OP_ABORT`] on `MR_WRITE`, else 0; bit 2 = [`PathEth::FLAG_STREAM_FIN`] on `MR_SEND` (with bit 1: STOP), else 0; bit 3 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | transmit timestamp, ns of the sender's clock modulo 2^32 |
 /// | 8 | plane (bits 2:0, see [`PathEth::plane`]); bits 7:3 reserved, 0 |
@@ -55,6 +55,11 @@ impl PathEth {
     /// RETH all 0). See docs/PROTOCOL.md, "Errors of one operation". The same bit as
     /// [`PathEth::FLAG_STREAM_ABORT`]: its meaning depends on the opcode.
     pub const FLAG_OP_ABORT: u8 = 0x02;
+    /// Flag bit 2, on `MR_SEND` only: stream FIN — the stream ends after `msg_seq`
+    /// messages (SendEth: stream, message count, offset 0, length 0, no payload). With
+    /// bit 1 also set: STOP — the receiver of the stream asks its sender to stop, SendEth
+    /// offset = the application's code. See docs/PROTOCOL.md, "Ending a stream".
+    pub const FLAG_STREAM_FIN: u8 = 0x04;
     /// Flags bits 7:4 carry the path's re-roll generation (0..=15, modulo 16): it counts
     /// the times the sender moved this path to a new UDP source port, and the receiver
     /// sends its ACKs and NAKs for the path from a port that moves with it.
@@ -192,7 +197,7 @@ impl WriteEth {
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | path id (8 bits) |
-/// | 1 | flags (8 bits): bit 0 = [`AckEth::FLAG_ECE`] |
+/// | 1 | flags (8 bits): bit 0 = [`AckEth::FLAG_ECE`]; bit 1 = [`AckEth::FLAG_KEEPALIVE`] |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | echoed timestamp (the [`PathEth::timestamp`] of the newest packet that triggered this ACK) |
 /// | 8–11 | CE count: cumulative number of CE-marked packets received on this path |
@@ -202,7 +207,8 @@ impl WriteEth {
 pub struct AckEth {
     /// Path index (8 bits) whose PSN space this ACK refers to.
     pub path_id: u8,
-    /// Flag bits (8 bits); only [`AckEth::FLAG_ECE`] is defined. Carried verbatim.
+    /// Flag bits (8 bits): [`AckEth::FLAG_ECE`], [`AckEth::FLAG_KEEPALIVE`]. Carried
+    /// verbatim.
     pub flags: u8,
     /// Echoed transmit timestamp (32 bits, ns modulo 2^32, sender's clock).
     pub echo_ts: u32,
@@ -220,6 +226,12 @@ impl AckEth {
     pub const LEN: usize = 48;
     /// Flag bit 0 (ECE): a CE mark was seen on this path since the previous ACK.
     pub const FLAG_ECE: u8 = 0x01;
+    /// Flag bit 1: keepalive. The packet is not an acknowledgement: it asks the peer to
+    /// send at once an ACK of path `path_id` (the receiver's PSN space of the sender's path
+    /// `path_id`) that echoes this packet's `echo_ts` (the sender's transmit timestamp
+    /// here). BTH.PSN, CE count, rate hint and SACK are 0 and ignored. See
+    /// docs/PROTOCOL.md, "Keepalive".
+    pub const FLAG_KEEPALIVE: u8 = 0x02;
     /// Number of PSNs the SACK bitmap covers beyond the cumulative PSN (256).
     pub const SACK_BITS: usize = 256;
 
@@ -516,17 +528,26 @@ impl ConnectEth {
 }
 
 /// Connection tear-down header: 16 bytes after the BTH on `MR_CLOSE`. MetaRoCE extension,
-/// see docs/PROTOCOL.md.
+/// see docs/PROTOCOL.md. A close (flags bit 0 clear) may carry up to 256 bytes of
+/// application reason as payload; its answer (flags bit 0 set) carries none.
 ///
 /// | Bytes | Field |
 /// |---|---|
-/// | 0–3 | reason code (0 = normal close by the application) |
-/// | 4–7 | reserved, 0 |
+/// | 0–3 | reason code (0 = normal close by the application; the application's code) |
+/// | 4 | flags (8 bits): bit 0 = [`CloseEth::FLAG_ACK`]; bits 7:1 reserved, 0 |
+/// | 5 | reserved, 0 |
+/// | 6–7 | reply port: the UDP port the sender listens on, where the answer goes |
 /// | 8–15 | connection nonce (the [`ConnectEth::nonce`] of the incarnation being closed) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct CloseEth {
-    /// Reason code (32 bits); [`CloseEth::REASON_NORMAL`] = 0, others defined by the core.
+    /// Reason code (32 bits); [`CloseEth::REASON_NORMAL`] = 0, others defined by the
+    /// application (1 is used by the core to drop a ghost connection).
     pub reason: u32,
+    /// Flag bits (8 bits): [`CloseEth::FLAG_ACK`]. Reserved bits are ignored on parse.
+    pub flags: u8,
+    /// The sender's listening UDP port (16 bits): the answer to a close goes there. 0 in
+    /// packets of senders that predate it; the receiver then answers the source port.
+    pub reply_port: u16,
     /// Nonce (64 bits) of the connection incarnation being closed.
     pub nonce: u64,
 }
@@ -536,14 +557,26 @@ impl CloseEth {
     pub const LEN: usize = 16;
     /// Reason 0: orderly close requested by the application.
     pub const REASON_NORMAL: u32 = 0;
+    /// Flag bit 0: this packet answers a close (the close was received); it carries no
+    /// payload and is never answered itself.
+    pub const FLAG_ACK: u8 = 0x01;
+
+    /// True when [`CloseEth::FLAG_ACK`] is set.
+    pub fn is_ack(&self) -> bool {
+        self.flags & Self::FLAG_ACK != 0
+    }
 
     /// Parse the first 16 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
         let mut r = Reader::with_len(b, Self::LEN)?;
         let reason = r.u32()?;
-        r.skip(4)?;
+        let flags = r.u8()? & Self::FLAG_ACK;
+        r.skip(1)?;
+        let reply_port = r.u16()?;
         Ok(CloseEth {
             reason,
+            flags,
+            reply_port,
             nonce: r.u64()?,
         })
     }
@@ -552,7 +585,9 @@ impl CloseEth {
     pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
         let mut w = Writer::with_len(out, Self::LEN)?;
         w.u32(self.reason)?;
-        w.zeros(4)?;
+        w.u8(self.flags & Self::FLAG_ACK)?;
+        w.zeros(1)?;
+        w.u16(self.reply_port)?;
         w.u64(self.nonce)
     }
 }
