@@ -80,7 +80,7 @@ fn table() -> Vec<(u8, Kind, usize)> {
         (0x64, Kind::Ud(false), 20),
         (0x65, Kind::Ud(true), 24),
         (0x81, Kind::Cnp, 28),
-        (0xC0, Kind::Connect, 44),
+        (0xC0, Kind::Connect, 72),
         (0xC1, Kind::Ack, 60),
         (0xC2, Kind::Send, 40),
         (0xC3, Kind::Write(false), 48),
@@ -520,7 +520,7 @@ fn header_sizes() {
     assert_eq!(WriteEth::LEN, 8);
     assert_eq!(AckEth::LEN, 48);
     assert_eq!(NakEth::LEN, 8);
-    assert_eq!(ConnectEth::LEN, 32);
+    assert_eq!(ConnectEth::LEN, 60);
     assert_eq!(CloseEth::LEN, 16);
 }
 
@@ -634,11 +634,14 @@ proptest! {
         let aligned = bytes.len() & !3;
         if let Ok(p) = Packet::parse(&bytes[..aligned]) {
             prop_assert_eq!(p.bth.opcode, Opcode(op));
-            // A parsed packet re-emits to the same length.
+            // A parsed packet (trailer included) re-emits to the same length.
             let mut out = vec![0u8; aligned];
-            let n = wire::emit_packet(&p.bth, &p.headers, p.payload, &mut out).unwrap();
+            let n = wire::emit_packet_with(&p.bth, &p.headers, p.payload, &p.trailer, &mut out)
+                .unwrap();
             prop_assert_eq!(n, aligned);
-            prop_assert_eq!(Packet::parse(&out).unwrap().headers, p.headers);
+            let q = Packet::parse(&out).unwrap();
+            prop_assert_eq!(q.headers, p.headers);
+            prop_assert_eq!(q.trailer, p.trailer);
         }
     }
 
