@@ -313,11 +313,11 @@ impl Endpoint {
         }
     }
 
-    /// Register `data` as a memory region with `access` rights. Pass
+    /// Register `data` as a memory region with `access` rights, without copying it (as
+    /// [`register_buffer`](Self::register_buffer)). Pass
     /// `Access::LOCAL_WRITE | Access::REMOTE_WRITE` to let peers WRITE into it.
     pub fn register(&self, data: Vec<u8>, access: Access) -> MemoryRegion {
-        let keys = self.shared().lock().core.register_mr(data, access);
-        MemoryRegion::new(self.inner.clone(), keys)
+        self.register_buffer(data, access)
     }
 
     /// Register a zero-filled region of `len` bytes.

@@ -40,6 +40,7 @@ mod connection;
 mod driver;
 mod endpoint;
 mod error;
+mod external;
 mod mr;
 pub mod rocev2;
 mod stream;
@@ -47,7 +48,7 @@ mod stream;
 pub use connection::Connection;
 pub use endpoint::{Config, Endpoint};
 pub use error::{ConnectError, Error};
-pub use mr::{MemoryRegion, RemoteRegion};
+pub use mr::{ExternalMemory, MemoryRegion, OwnedBuffer, RemoteRegion, COPY_CHUNK};
 pub use stream::MessageStream;
 
 pub use metaroce;

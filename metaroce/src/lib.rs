@@ -68,8 +68,9 @@ pub use config::{CongestionAlgorithm, CongestionConfig, EndpointConfig, Transpor
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{
-    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, WriteRequest,
+    AtomicRequest, CancelOutcome, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest,
+    WriteRequest,
 };
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
-pub use mr::{Access, MrError, MrKeys};
+pub use mr::{Access, MrError, MrKeys, RegionMemory};
 pub use transmit::{EcnCodepoint, Transmit};

@@ -899,6 +899,27 @@ impl Connection {
         self.rq.post_recv(stream, r);
     }
 
+    /// Cancel operation or posted receive `wr_id` (see `Endpoint::cancel`); due
+    /// completions are reported into `events`.
+    pub fn cancel(
+        &mut self,
+        wr_id: u64,
+        events: &mut VecDeque<Event>,
+    ) -> crate::endpoint::CancelOutcome {
+        use crate::endpoint::CancelOutcome;
+        let out = match self.sq.cancel(wr_id) {
+            Some(o) => o,
+            None => match self.rq.withdraw_recv(wr_id) {
+                Some(true) => CancelOutcome::Cancelled,
+                Some(false) => CancelOutcome::Finishing,
+                None => CancelOutcome::Unknown,
+            },
+        };
+        self.drain_completions(events);
+        self.rq.take_flushed(self.handle, events);
+        out
+    }
+
     // ---- timers ----
 
     pub fn next_timeout(&self) -> Option<Instant> {
@@ -1397,8 +1418,11 @@ impl Connection {
                     bytes = b;
                     &bytes
                 }
-                Src::Mr(lkey, off) => match mrs.local(lkey, off, len as u64) {
-                    Ok(p) => p,
+                Src::Mr(lkey, off) => match mrs.local_vec(lkey, off, len as u64) {
+                    Ok(p) => {
+                        bytes = bytes::Bytes::from(p);
+                        &bytes
+                    }
                     Err(_) => {
                         // The source region went away under the operation.
                         if probe.is_none() {

@@ -277,6 +277,34 @@ impl RecvState {
         }
     }
 
+    /// Withdraw the posted receive `wr_id` if no message has begun landing in it (nor in a
+    /// receive posted after it on the same stream, whose message-to-receive matching would
+    /// shift): it completes with `WrFlushError` (reported by `take_flushed`) and the next
+    /// message of its stream takes the next receive. `Some(false)`: a message is landing
+    /// in it (or it was flushed already); it completes normally. `None`: no such receive.
+    pub fn withdraw_recv(&mut self, wr_id: u64) -> Option<bool> {
+        if self.flushed.iter().any(|(_, wc)| wc.wr_id == wr_id) {
+            return Some(false);
+        }
+        for (&sid, st) in self.streams.iter_mut() {
+            let Some(k) = st.posted.iter().position(|r| r.wr_id == wr_id) else {
+                continue;
+            };
+            let later: Vec<u64> = st.posted.iter().skip(k).map(|r| r.wr_id).collect();
+            let bound = st
+                .msgs
+                .values()
+                .any(|m| matches!(m.dest, Dest::Posted(r) if later.contains(&r.wr_id)));
+            if bound {
+                return Some(false);
+            }
+            st.posted.remove(k);
+            self.flushed.push_back((sid, flush_wc(wr_id)));
+            return Some(true);
+        }
+        None
+    }
+
     /// Whether flushed receives wait to be reported.
     pub fn has_flushed(&self) -> bool {
         !self.flushed.is_empty()
@@ -535,9 +563,11 @@ impl RecvState {
             Dest::Owned(data) => data[off..off + payload.len()].copy_from_slice(payload),
             Dest::Posted(r) => {
                 if !payload.is_empty() {
-                    match mrs.local_mut(r.lkey, r.offset + off as u64, payload.len() as u64) {
-                        Ok(dst) => dst.copy_from_slice(payload),
-                        Err(_) => return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL),
+                    if mrs
+                        .local_write(r.lkey, r.offset + off as u64, payload)
+                        .is_err()
+                    {
+                        return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
                     }
                 }
             }
@@ -697,7 +727,7 @@ impl RecvState {
             Bytes::new()
         } else {
             match mrs.remote_read(reth.rkey, reth.va, len) {
-                Ok(d) => Bytes::copy_from_slice(d),
+                Ok(d) => Bytes::from(d),
                 Err(_) => return (self.refuse_op(op.op_id, NAK_REMOTE_ACCESS, lim), None),
             }
         };

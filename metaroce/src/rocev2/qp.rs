@@ -457,7 +457,7 @@ impl Qp {
                     }
                     let plen = remaining.min(self.pmtu);
                     let data = if plen == 0 {
-                        Some(&[][..])
+                        Some(Vec::new())
                     } else {
                         read_remote(mrs, rkey, va, plen)
                     };
@@ -481,7 +481,7 @@ impl Qp {
                         msn: self.msn,
                     });
                     let bth = Bth::new(op, rqpn, psn_add(base, k));
-                    let p = self.emit(buf, bth, rc(None, aeth, None, None, None), data);
+                    let p = self.emit(buf, bth, rc(None, aeth, None, None, None), &data);
                     if let Some(RespItem::Read {
                         k: kk,
                         va: vv,
@@ -550,15 +550,15 @@ impl Qp {
         let off = u64::from(k) * u64::from(pmtu);
         let mut bth;
         let headers;
-        let mut payload: &[u8] = &[];
+        let mut payload_buf = Vec::new();
         let mut consumed = 1;
         match wr.op {
             SendOp::Send { imm } | SendOp::Write { imm, .. } => {
                 let is_send = matches!(wr.op, SendOp::Send { .. });
                 let plen = (u64::from(wr.len) - off.min(u64::from(wr.len))).min(u64::from(pmtu));
                 if plen > 0 {
-                    match mrs.local(wr.lkey, wr.local_offset + off, plen) {
-                        Ok(d) => payload = d,
+                    match mrs.local_vec(wr.lkey, wr.local_offset + off, plen) {
+                        Ok(d) => payload_buf = d,
                         Err(_) => {
                             // Only if the region was deregistered after posting.
                             self.fail_at(idx, WcStatus::LocalProtectionError, events);
@@ -665,7 +665,7 @@ impl Qp {
         if bth.ack_req {
             self.noack_pkts = 0;
         }
-        let p = self.emit(buf, bth, headers, payload)?;
+        let p = self.emit(buf, bth, headers, &payload_buf)?;
         // Advance the cursor.
         self.cursor_pkt += consumed;
         if self.cursor_pkt >= n {
@@ -862,8 +862,8 @@ impl Qp {
             Opcode::RC_ATOMIC_ACKNOWLEDGE => {
                 if w_op.is_atomic() && p == first_psn && syn_type == Some(SYN_ACK) {
                     if let Some(a) = atomic_ack {
-                        match mrs.local_mut(wr.lkey, wr.local_offset, 8) {
-                            Ok(dst) => dst.copy_from_slice(&a.orig.to_le_bytes()),
+                        match mrs.local_write(wr.lkey, wr.local_offset, &a.orig.to_le_bytes()) {
+                            Ok(()) => {}
                             Err(_) => {
                                 self.fail_front(WcStatus::LocalProtectionError, events);
                                 return;
@@ -925,8 +925,8 @@ impl Qp {
                     return;
                 }
                 if want > 0 {
-                    match mrs.local_mut(wr.lkey, wr.local_offset + off, want) {
-                        Ok(dst) => dst.copy_from_slice(payload),
+                    match mrs.local_write(wr.lkey, wr.local_offset + off, payload) {
+                        Ok(()) => {}
                         Err(_) => {
                             self.fail_front(WcStatus::LocalProtectionError, events);
                             return;
@@ -1124,8 +1124,8 @@ impl Qp {
                     return;
                 }
                 if plen > 0 {
-                    match mrs.local_mut(wqe.lkey, wqe.offset + u64::from(at), u64::from(plen)) {
-                        Ok(dst) => dst.copy_from_slice(payload),
+                    match mrs.local_write(wqe.lkey, wqe.offset + u64::from(at), payload) {
+                        Ok(()) => {}
                         Err(_) => {
                             self.in_msg = None;
                             events.push_back(self.recv_completion(
@@ -1433,34 +1433,22 @@ fn rc(
 }
 
 /// `len` bytes at `va` of the region `rkey`, if READ is allowed there.
-fn read_remote(mrs: &MrTable, rkey: u32, va: u64, len: u32) -> Option<&[u8]> {
-    mrs.check_remote(rkey, va, u64::from(len), Access::REMOTE_READ)
-        .ok()?;
-    let keys = mrs.keys(rkey)?;
-    mrs.local(rkey, va.checked_sub(keys.addr)?, u64::from(len))
-        .ok()
+fn read_remote(mrs: &MrTable, rkey: u32, va: u64, len: u32) -> Option<Vec<u8>> {
+    mrs.remote_read(rkey, va, u64::from(len)).ok()
 }
 
 /// Execute an atomic on the 8-byte little-endian value at `a.va`; the original value.
 fn atomic_exec(mrs: &mut MrTable, op: u8, a: &AtomicEth) -> Option<u64> {
-    mrs.check_remote(a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
-        .ok()?;
-    let keys = mrs.keys(a.rkey)?;
-    let slot = mrs
-        .local_mut(a.rkey, a.va.checked_sub(keys.addr)?, 8)
-        .ok()?;
-    let mut b = [0u8; 8];
-    b.copy_from_slice(slot);
-    let old = u64::from_le_bytes(b);
-    let new = if op == 0x13 {
-        if old == a.compare {
-            a.swap_add
+    mrs.remote_atomic(a.rkey, a.va, |old| {
+        if op == 0x13 {
+            if old == a.compare {
+                a.swap_add
+            } else {
+                old
+            }
         } else {
-            old
+            old.wrapping_add(a.swap_add)
         }
-    } else {
-        old.wrapping_add(a.swap_add)
-    };
-    slot.copy_from_slice(&new.to_le_bytes());
-    Some(old)
+    })
+    .ok()
 }

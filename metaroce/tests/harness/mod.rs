@@ -672,10 +672,7 @@ impl Net {
         while let Some(e) = self.eps[i].poll_event() {
             if let Event::Completion { wc, .. } | Event::RecvCompletion { wc, .. } = &e {
                 if let Some(&(lkey, off, len)) = self.snap_on.get(&(i, wc.wr_id)) {
-                    let mem = self.eps[i]
-                        .mr_read(lkey, off, len)
-                        .map(<[u8]>::to_vec)
-                        .unwrap_or_default();
+                    let mem = self.eps[i].mr_read(lkey, off, len).unwrap_or_default();
                     self.snaps.insert((i, wc.wr_id), (self.elapsed(), mem));
                 }
             }
