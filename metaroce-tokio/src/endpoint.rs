@@ -55,6 +55,14 @@ impl Default for Config {
 pub(crate) enum Waiter {
     Op(oneshot::Sender<WorkCompletion>),
     Stream(u32),
+    /// The operation's future was dropped and the core was asked to cancel it
+    /// (`Connection::run_op`): its completion is discarded, except that `dereg` (an
+    /// atomic's result region) is deregistered only then, and a cancelled `recv_into`
+    /// that still received a message is reported (`Connection::take_cancelled_recv`).
+    Cancelled {
+        dereg: Option<u32>,
+        recv: Option<crate::connection::RecvTarget>,
+    },
 }
 
 pub(crate) struct State {

@@ -45,7 +45,7 @@ mod mr;
 pub mod rocev2;
 mod stream;
 
-pub use connection::Connection;
+pub use connection::{CancelledRecv, Connection};
 pub use endpoint::{Config, Endpoint};
 pub use error::{ConnectError, Error};
 pub use mr::{ExternalMemory, MemoryRegion, OwnedBuffer, RemoteRegion, COPY_CHUNK};

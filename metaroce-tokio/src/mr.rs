@@ -228,6 +228,12 @@ impl Endpoint {
         self.register_backing(Box::new(buf), access)
     }
 
+    /// Number of memory regions registered on this endpoint now (the application's and
+    /// the 8-byte result regions of atomics in flight).
+    pub fn registered_regions(&self) -> usize {
+        self.inner.shared.lock().core.registered_mrs()
+    }
+
     pub(crate) fn register_backing(&self, b: Box<dyn Backing>, access: Access) -> MemoryRegion {
         let mem: Cell = Arc::new(Mutex::new(b));
         let keys = self

@@ -554,12 +554,13 @@ impl Endpoint {
     ///   never sent and an op abort (`MR_WRITE` with PathEth flags bit 1, docs/PROTOCOL.md
     ///   "Errors of one operation") tells the responder to count its op id as finished, so
     ///   the responder's op tracking does not wait for it. It completes with
-    ///   [`WcStatus::WrFlushError`] in posting order. From this call on the core never
-    ///   writes into a READ's or atomic's local destination (late responses are
-    ///   acknowledged and discarded). A cancelled WRITE's completion waits until the peer
-    ///   acknowledged the abort: after it, no byte of that WRITE lands (what landed before
-    ///   stays; the target range is undefined, as after any failed WRITE). A request the
-    ///   peer executed before the abort reached it stays executed (an atomic may have run).
+    ///   [`WcStatus::WrFlushError`] in posting order, once the peer acknowledged the abort.
+    ///   From this call on the core never writes into a READ's or atomic's local
+    ///   destination (late responses are acknowledged and discarded). After the
+    ///   completion, no byte of a cancelled WRITE lands (what landed before stays; the
+    ///   target range is undefined, as after any failed WRITE), and a cancelled READ or
+    ///   atomic either was executed by the peer before the abort reached it (an atomic may
+    ///   have run) or never will be.
     /// - A posted receive no message has begun landing in is withdrawn: it completes with
     ///   `WrFlushError` ([`Event::RecvCompletion`]) and the stream's next message takes the
     ///   next receive. If a message is landing in it, it is not withdrawn

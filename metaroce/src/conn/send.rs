@@ -129,8 +129,8 @@ pub(crate) struct Op {
     /// Response timeouts of a READ/atomic whose request was acknowledged.
     resp_timeouts: u32,
     pub status: Option<WcStatus>,
-    /// A cancelled WRITE: the id of the op abort that must be acknowledged before the
-    /// WRITE's completion is reported (from then on no byte of it lands at the peer).
+    /// A cancelled operation: the id of the op abort that must be acknowledged before its
+    /// completion is reported (from then on the peer neither places nor executes it).
     hold: Option<u64>,
 }
 
@@ -904,10 +904,11 @@ impl SendQueue {
     /// tracking never waits for packets that will not come and a request still in flight
     /// is not executed when it arrives after the abort. A READ's or atomic's later
     /// responses are acknowledged and not placed (the local destination is never written
-    /// again). The operation completes with `WrFlushError`, in posting order; a cancelled
-    /// WRITE's completion waits until the abort is acknowledged, so no byte of it lands at
-    /// the peer after the completion (bytes that landed before stay). SENDs cannot be
-    /// cancelled (their message sequence numbers order the stream).
+    /// again). The operation completes with `WrFlushError`, in posting order, once the
+    /// abort is acknowledged: from then on no byte of a cancelled WRITE lands at the peer
+    /// (bytes that landed before stay) and a cancelled READ or atomic either was executed
+    /// before the abort or never will be. SENDs cannot be cancelled (their message sequence
+    /// numbers order the stream).
     pub fn cancel(&mut self, wr_id: u64) -> Option<crate::endpoint::CancelOutcome> {
         use crate::endpoint::CancelOutcome;
         let app = |o: &Op| !o.kind.is_internal() && o.wr_id == wr_id;
@@ -920,18 +921,17 @@ impl SendQueue {
         if op.status.is_some() {
             return Some(CancelOutcome::Finishing);
         }
-        let (wire_id, is_write) = match op.kind {
-            OpKind::Write { wire_id, .. } => (wire_id, true),
-            OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } => (wire_id, false),
+        let wire_id = match op.kind {
+            OpKind::Write { wire_id, .. }
+            | OpKind::Read { wire_id, .. }
+            | OpKind::Atomic { wire_id, .. } => wire_id,
             _ => return Some(CancelOutcome::NotCancellable),
         };
         let id = self.base_id + i as u64;
         self.finish(id, WcStatus::WrFlushError);
         let abort = self.base_id + self.ops.len() as u64;
         self.push(0, OpKind::OpAbort { wire_id }, 0);
-        if is_write {
-            self.ops[i].hold = Some(abort);
-        }
+        self.ops[i].hold = Some(abort);
         Some(CancelOutcome::Cancelled)
     }
 
