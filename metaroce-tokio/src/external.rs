@@ -36,7 +36,10 @@ impl ExternalMemory {
     ///   mapping used concurrently by this process, no device DMA into them while the
     ///   region is registered) — this handle is their only user, as a `Box<[u8]>` would
     ///   be;
-    /// - `len <= isize::MAX`.
+    /// - `len <= isize::MAX`;
+    /// - moving `owner` does not invalidate `ptr`: hold the memory through a raw pointer
+    ///   or a handle (an mmap guard, a `Vec`), not a `Box<[u8]>` or `&mut [u8]` whose move
+    ///   asserts unique access to the bytes.
     pub unsafe fn new(ptr: *mut u8, len: usize, owner: Box<dyn Any + Send>) -> ExternalMemory {
         ExternalMemory { ptr, len, owner }
     }
