@@ -318,6 +318,15 @@ impl MrTable {
         span(offset, len, r.keys.len).map(|_| ())
     }
 
+    /// Copy local bytes `[offset, offset + dst.len())` of the region named by `lkey` into
+    /// `dst`.
+    pub(crate) fn local_read(&self, lkey: u32, offset: u64, dst: &mut [u8]) -> Result<(), MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        let (o, _) = span(offset, dst.len() as u64, r.keys.len)?;
+        r.data.read_at(o, dst);
+        Ok(())
+    }
+
     /// A copy of local bytes `[offset, offset + len)` of the region named by `lkey`.
     pub(crate) fn local_vec(&self, lkey: u32, offset: u64, len: u64) -> Result<Vec<u8>, MrError> {
         let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;

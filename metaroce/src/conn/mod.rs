@@ -1237,6 +1237,9 @@ impl Connection {
         let mut seg_size = None;
         let mut count = 0;
         let port = self.tx[i].src_port;
+        // Bytes of WRITE segments, copied out of the source region (one region lock per
+        // packet); reused across the batch.
+        let mut scratch: Vec<u8> = Vec::new();
         while count < max {
             let (seg, retx) = match probe {
                 Some(s) => (s, true),
@@ -1418,20 +1421,21 @@ impl Connection {
                     bytes = b;
                     &bytes
                 }
-                Src::Mr(lkey, off) => match mrs.local_vec(lkey, off, len as u64) {
-                    Ok(p) => {
-                        bytes = bytes::Bytes::from(p);
-                        &bytes
-                    }
-                    Err(_) => {
-                        // The source region went away under the operation.
-                        if probe.is_none() {
-                            self.sq.take(seg);
+                Src::Mr(lkey, off) => {
+                    scratch.clear();
+                    scratch.resize(len as usize, 0);
+                    match mrs.local_read(lkey, off, &mut scratch) {
+                        Ok(()) => &scratch,
+                        Err(_) => {
+                            // The source region went away under the operation.
+                            if probe.is_none() {
+                                self.sq.take(seg);
+                            }
+                            self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
+                            break;
                         }
-                        self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
-                        break;
                     }
-                },
+                }
             };
             let size = wire::packet_len(&hdrs, payload.len());
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.

@@ -562,13 +562,12 @@ impl RecvState {
         match &mut msg.dest {
             Dest::Owned(data) => data[off..off + payload.len()].copy_from_slice(payload),
             Dest::Posted(r) => {
-                if !payload.is_empty() {
-                    if mrs
+                if !payload.is_empty()
+                    && mrs
                         .local_write(r.lkey, r.offset + off as u64, payload)
                         .is_err()
-                    {
-                        return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
-                    }
+                {
+                    return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
                 }
             }
         }

@@ -2222,7 +2222,7 @@ impl Workload {
                 .mr_read(self.regions[side].src.lkey, 0, SRC_LEN as u64)
                 .map_err(|e| format!("{e}"))?;
             let want_src = pattern(0x5_0c0 + side as u64, SRC_LEN as usize);
-            if src != &want_src[..] {
+            if src[..] != want_src[..] {
                 return Err(format!("side {side}: the local source region changed"));
             }
             // Candidate writers per byte of the rw region: None = canary.
@@ -2319,7 +2319,7 @@ impl Workload {
                     .mr_read(lkey, off, len)
                     .map_err(|e| format!("side {side}: {e}"))
             };
-            if read(regs.rsrc.lkey, 0, RSRC_LEN as u64)? != &rsrc_bytes(side)[..] {
+            if read(regs.rsrc.lkey, 0, RSRC_LEN as u64)?[..] != rsrc_bytes(side)[..] {
                 return Err(format!("side {side}: the READ source region changed"));
             }
 
