@@ -200,8 +200,9 @@ pub struct RecvStats {
     pub naks: u64,
     /// RNR NAKs sent (a SEND found no posted receive).
     pub rnr_naks: u64,
-    /// Op aborts taken: WRITEs the requester gave up on after a local error (their op ids
-    /// count as finished).
+    /// Op aborts taken: WRITEs the requester gave up on after a local error, and WRITEs,
+    /// READs and atomics it cancelled before they were executed here (their op ids count as
+    /// finished).
     pub aborted_ops: u64,
     /// RDMA READ requests executed.
     pub reads: u64,
@@ -868,7 +869,8 @@ impl RecvState {
     }
 
     /// An op abort (`MR_WRITE` with PathEth flags bit 1): the requester gave up on the
-    /// WRITE with op id `id` and sends none of its remaining packets. The op id counts as
+    /// operation with op id `id` (a WRITE that failed locally, or any operation it
+    /// cancelled) and sends none of its remaining packets. The op id counts as
     /// finished (what already landed stays; no immediate is reported), so the floor of
     /// finished op ids moves past it. A finished or refused id is acknowledged as a
     /// duplicate; an id beyond the tracking limit is dropped unacknowledged (re-sent later),
