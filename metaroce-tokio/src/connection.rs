@@ -161,31 +161,36 @@ impl Drop for PendingOp<'_> {
         let Some(mut rx) = self.rx.take() else {
             return;
         };
-        let result = self.result.take();
+        // Taken over before the lock: from here the result region is deregistered through
+        // the core, never by a handle dropped under the endpoint lock.
+        let dereg = self.result.take().map(MemoryRegion::detach);
         let shared = self.conn.shared();
         let conn = self.conn.inner.handle;
         let key = (conn, self.wr_id);
         let mut st = shared.lock();
-        if let Ok(wc) = rx.try_recv() {
-            // Completed, but the completion was never taken.
-            if let Some(r) = self.recv {
-                report_cancelled_recv(&mut st, conn, r, wc);
+        let finished = match rx.try_recv() {
+            Ok(wc) => {
+                // Completed, but the completion was never taken.
+                if let Some(r) = self.recv {
+                    report_cancelled_recv(&mut st, conn, r, wc);
+                }
+                true
             }
-            drop(st);
-            drop(result);
-            return;
-        }
-        if st.waiters.remove(&key).is_none() {
-            // The endpoint is shutting down.
-            drop(st);
-            drop(result);
+            // No waiter: the endpoint is shutting down.
+            Err(_) => st.waiters.remove(&key).is_none(),
+        };
+        if finished {
+            if let Some(lkey) = dereg {
+                let core_side = st.core.deregister_mr_memory(lkey);
+                drop(st);
+                drop(core_side);
+            }
             return;
         }
         // Cancelled, too late, not cancellable (a SEND) or already finished with its
         // completion still queued in the core: in every case a completion follows, and
         // only then is the result region released / a received message reported.
         let _ = st.core.cancel(std::time::Instant::now(), conn, self.wr_id);
-        let dereg = result.map(MemoryRegion::detach);
         st.waiters.insert(
             key,
             Waiter::Cancelled {
