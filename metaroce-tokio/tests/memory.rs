@@ -142,7 +142,12 @@ async fn external_memory_receives_remote_writes() {
 /// and a long `with_bytes` on another region) while the stream proceeds: the receiver's
 /// placed-bytes counter moves *during* the copies. Samples are taken from the async side
 /// while a blocking thread copies; a sample pair counts only if the copy generation (odd
-/// while a copy runs) did not change between them.
+/// while a copy runs) did not change between them, and one copy must contain several
+/// such pairs that saw bytes land. On the old code, where `read` held the endpoint lock
+/// for the whole copy, a pair could only fit in the moments the copier waited for the
+/// lock: run there, this test saw 16 pairs in 10 copies, at most 3 in one copy, and 32
+/// 1 MiB WRITEs completed in all; with per-region locks, 298 pairs, up to 32 in one copy,
+/// 268 WRITEs (debug build, 2 shared cores).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_copies_do_not_stall_packet_processing() {
     let (_se, ce, c, s) = pair().await;
@@ -187,6 +192,7 @@ async fn local_copies_do_not_stall_packet_processing() {
         })
     };
     let (mut samples, mut moving, mut landed) = (0u32, 0u32, 0u64);
+    let mut per_copy = std::collections::HashMap::<u64, u32>::new();
     while !copier.is_finished() {
         let g1 = gen.load(Ordering::SeqCst);
         let w1 = s.stats().unwrap().recv.write_bytes;
@@ -198,10 +204,12 @@ async fn local_copies_do_not_stall_packet_processing() {
             if w2 > w1 {
                 moving += 1;
                 landed += w2 - w1;
+                *per_copy.entry(g1).or_default() += 1;
             }
         }
     }
     let spent = copier.join().unwrap();
+    let best = per_copy.values().copied().max().unwrap_or(0);
     // with_bytes on another region: the endpoint lock is not held by the closure, so the
     // stream goes on (and the endpoint can even be queried from inside it).
     let s2 = s.clone();
@@ -224,13 +232,14 @@ async fn local_copies_do_not_stall_packet_processing() {
     let writes = writer.await.unwrap();
     println!(
         "10 reads of 64 MiB took {spent:?}; {samples} sample pairs inside a copy, {moving} \
-         saw WRITE bytes land ({landed} bytes); {during_with_bytes} bytes landed during a \
-         50 ms with_bytes; {writes} 1 MiB WRITEs in all"
+         saw WRITE bytes land ({landed} bytes), at most {best} within one copy; \
+         {during_with_bytes} bytes landed during a 50 ms with_bytes; {writes} 1 MiB WRITEs \
+         in all"
     );
     assert!(samples > 0, "no sample fell inside a copy");
     assert!(
-        moving > 0,
-        "no WRITE byte landed during a 64 MiB local copy"
+        best >= 8,
+        "WRITE bytes landed in at most {best} sample pairs within one 64 MiB copy"
     );
     assert!(
         during_with_bytes > 0,
