@@ -122,15 +122,18 @@ async fn timed_out_recv_into_is_withdrawn_and_the_message_takes_the_next_receive
     let buf = s.endpoint().alloc(8192, Access::LOCAL_WRITE);
     let r = tokio::time::timeout(Duration::from_millis(50), s.recv_into(5, &buf, 0..4096)).await;
     assert!(r.is_err(), "no message was sent");
-    let (got, sent) = tokio::join!(
-        s.recv_into(5, &buf, 4096..8192),
-        c.send(5, Bytes::from(vec![9u8; 3000]))
-    );
+    // Bounded: on the old code the message landed in the abandoned buffer and this
+    // receive never completed.
+    let (got, sent) = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::join!(
+            s.recv_into(5, &buf, 4096..8192),
+            c.send(5, Bytes::from(vec![9u8; 3000]))
+        )
+    })
+    .await
+    .expect("the message did not reach the next posted receive");
     sent.unwrap();
-    let wc = tokio::time::timeout(Duration::from_secs(5), async { got })
-        .await
-        .unwrap()
-        .unwrap();
+    let wc = got.unwrap();
     assert_eq!(wc.byte_len, 3000);
     let mem = buf.read(0, 8192).unwrap();
     assert!(
