@@ -1049,7 +1049,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             .mr_read(peer.counter.lkey, 0, 8)
             .expect("counter readable");
         let mut b = [0u8; 8];
-        b.copy_from_slice(raw);
+        b.copy_from_slice(&raw);
         let fin = u64::from_le_bytes(b);
         let adds = |only_success: bool| -> u64 {
             planned

@@ -27,6 +27,9 @@ pub(crate) struct ConnEntry {
     pub next_stream: u32,
     /// Receivers of an accepted connection, until `Endpoint::accept` takes them.
     pub user: Option<UserReceivers>,
+    /// Messages that landed in the buffer of a `recv_into` whose future was dropped
+    /// (`Connection::take_cancelled_recv`); at most one per posted receive.
+    pub cancelled_recvs: std::collections::VecDeque<CancelledRecv>,
 }
 
 /// The receivers a user handle owns: peer-opened stream ids and WRITE-with-immediate
@@ -48,6 +51,7 @@ impl ConnEntry {
             lost: None,
             next_stream: 0,
             user: Some((accept_rx, imm_rx)),
+            cancelled_recvs: std::collections::VecDeque::new(),
         }
     }
 
@@ -59,6 +63,143 @@ impl ConnEntry {
         for s in self.streams.values_mut() {
             s.close(Error::ConnectionLost(reason.clone()));
         }
+    }
+}
+
+/// Where a `recv_into` receive was posted: stream, region lkey, offset in the region.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecvTarget {
+    pub stream: u32,
+    pub lkey: u32,
+    pub offset: u64,
+}
+
+/// A message that landed in the buffer of a [`Connection::recv_into`] whose future was
+/// dropped (or timed out) after the message had begun landing, so the receive could not
+/// be withdrawn. Its bytes are in that region at `offset`, `wc.byte_len` of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CancelledRecv {
+    /// The stream the receive was posted on.
+    pub stream: u32,
+    /// lkey of the region given to `recv_into` ([`MemoryRegion::keys`]).
+    pub lkey: u32,
+    /// Start of the range given to `recv_into`.
+    pub offset: u64,
+    /// The receive completion (`status == Success`, `byte_len` = message length).
+    pub wc: WorkCompletion,
+}
+
+/// The completion of an operation whose future was dropped (`Waiter::Cancelled`), under
+/// the endpoint lock.
+pub(crate) fn on_cancelled_completion(
+    st: &mut crate::endpoint::State,
+    conn: ConnectionHandle,
+    wc: WorkCompletion,
+    dereg: Option<u32>,
+    recv: Option<RecvTarget>,
+) {
+    if let Some(lkey) = dereg {
+        // The core is done with the operation: nothing can write the result region now.
+        drop(st.core.deregister_mr_memory(lkey));
+    }
+    if let Some(r) = recv {
+        report_cancelled_recv(st, conn, r, wc);
+    }
+}
+
+fn report_cancelled_recv(
+    st: &mut crate::endpoint::State,
+    conn: ConnectionHandle,
+    r: RecvTarget,
+    wc: WorkCompletion,
+) {
+    if wc.status == WcStatus::WrFlushError {
+        return; // withdrawn (or flushed): no message was received into it.
+    }
+    tracing::debug!(%conn, stream = r.stream, len = wc.byte_len, "message landed in a cancelled recv_into");
+    if let Some(e) = st.conns.get_mut(&conn) {
+        e.cancelled_recvs.push_back(CancelledRecv {
+            stream: r.stream,
+            lkey: r.lkey,
+            offset: r.offset,
+            wc,
+        });
+    }
+}
+
+/// A posted operation, until its completion is taken. Dropped before that (the future
+/// was dropped: cancelled, timed out), it asks the core to cancel the operation and
+/// leaves a `Waiter::Cancelled` so that what the operation still holds is released only
+/// when the core reports it finished.
+struct PendingOp<'a> {
+    conn: &'a Connection,
+    wr_id: u64,
+    rx: Option<oneshot::Receiver<WorkCompletion>>,
+    /// An atomic's result region: deregistered only once the core finished the atomic.
+    result: Option<MemoryRegion>,
+    recv: Option<RecvTarget>,
+}
+
+impl PendingOp<'_> {
+    async fn wait(&mut self) -> Result<WorkCompletion, Error> {
+        let Some(rx) = self.rx.as_mut() else {
+            return Err(Error::EndpointClosed);
+        };
+        let wc = rx.await;
+        self.rx = None;
+        let wc = wc.map_err(|_| Error::EndpointClosed)?;
+        if wc.status == WcStatus::Success {
+            Ok(wc)
+        } else {
+            Err(Error::Completion(wc))
+        }
+    }
+}
+
+impl Drop for PendingOp<'_> {
+    fn drop(&mut self) {
+        let Some(mut rx) = self.rx.take() else {
+            return;
+        };
+        // Taken over before the lock: from here the result region is deregistered through
+        // the core, never by a handle dropped under the endpoint lock.
+        let dereg = self.result.take().map(MemoryRegion::detach);
+        let shared = self.conn.shared();
+        let conn = self.conn.inner.handle;
+        let key = (conn, self.wr_id);
+        let mut st = shared.lock();
+        let finished = match rx.try_recv() {
+            Ok(wc) => {
+                // Completed, but the completion was never taken.
+                if let Some(r) = self.recv {
+                    report_cancelled_recv(&mut st, conn, r, wc);
+                }
+                true
+            }
+            // No waiter: the endpoint is shutting down.
+            Err(_) => st.waiters.remove(&key).is_none(),
+        };
+        if finished {
+            if let Some(lkey) = dereg {
+                let core_side = st.core.deregister_mr_memory(lkey);
+                drop(st);
+                drop(core_side);
+            }
+            return;
+        }
+        // Cancelled, too late, not cancellable (a SEND) or already finished with its
+        // completion still queued in the core: in every case a completion follows, and
+        // only then is the result region released / a received message reported.
+        let _ = st.core.cancel(std::time::Instant::now(), conn, self.wr_id);
+        st.waiters.insert(
+            key,
+            Waiter::Cancelled {
+                dereg,
+                recv: self.recv,
+            },
+        );
+        drop(st);
+        shared.wake_driver.notify_one();
     }
 }
 
@@ -218,13 +359,24 @@ impl Connection {
         self.inner.imm_rx.lock().await.recv().await
     }
 
-    /// Post an operation and wait for its completion.
+    /// Post an operation and wait for its completion. Dropping the future after the post
+    /// cancels the operation (see [`PendingOp`]).
     async fn run_op(
         &self,
         post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
     ) -> Result<WorkCompletion, Error> {
+        self.post_op(post, None, None).await?.wait().await
+    }
+
+    /// Post an operation; the returned [`PendingOp`] waits for (or, dropped, cancels) it.
+    async fn post_op(
+        &self,
+        post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
+        result: Option<MemoryRegion>,
+        recv: Option<RecvTarget>,
+    ) -> Result<PendingOp<'_>, Error> {
         let shared = self.shared();
-        let rx = loop {
+        let (wr_id, rx) = loop {
             let notified = shared.sq_space.notified();
             {
                 let mut st = shared.lock();
@@ -244,7 +396,7 @@ impl Connection {
                         let (tx, rx) = oneshot::channel();
                         st.waiters
                             .insert((self.inner.handle, wr_id), Waiter::Op(tx));
-                        break rx;
+                        break (wr_id, rx);
                     }
                     Err(PostError::SendQueueFull) => {}
                     Err(PostError::UnknownConnection) => {
@@ -261,12 +413,13 @@ impl Connection {
             notified.await;
         };
         shared.wake_driver.notify_one();
-        let wc = rx.await.map_err(|_| Error::EndpointClosed)?;
-        if wc.status == WcStatus::Success {
-            Ok(wc)
-        } else {
-            Err(Error::Completion(wc))
-        }
+        Ok(PendingOp {
+            conn: self,
+            wr_id,
+            rx: Some(rx),
+            result,
+            recv,
+        })
     }
 
     fn write_request(
@@ -295,7 +448,7 @@ impl Connection {
             lkey: src.keys().lkey,
             local_offset: range.start,
             len,
-            remote_addr: dst.addr.wrapping_add(dst_offset),
+            remote_addr: dst.addr_at(dst_offset)?,
             rkey: dst.rkey,
             imm,
         })
@@ -307,12 +460,24 @@ impl Connection {
     /// REMOTE_WRITE right) is `Err(Error::Completion(wc))` with
     /// `wc.status == WcStatus::RemoteAccessError`, and nothing was written.
     ///
-    /// The WRITE is posted at the future's first poll (or, with the send queue full, at the
-    /// first poll that finds room). Dropping the future after that does **not** cancel it:
-    /// the WRITE still runs to completion, only its work completion is discarded. `src` is
-    /// **not** copied at post time: each packet's bytes are read from the region when the
-    /// packet is built, and again for a retransmission, so — as with verbs — leave
+    /// `src` is **not** copied at post time: each packet's bytes are read from the region
+    /// when the packet is built, and again for a retransmission, so — as with verbs — leave
     /// `src[range]` unchanged until the WRITE completed, or the peer may receive a mix.
+    ///
+    /// # Errors
+    /// [`Error::ForeignRegion`] (`src` belongs to another endpoint), [`Error::Memory`]
+    /// (`range` reversed, or `dst.addr + dst_offset` passes `u64::MAX`), [`Error::Post`]
+    /// (longer than `max_message_size`, range outside `src`), [`Error::ConnectionLost`],
+    /// [`Error::Completion`] (the work completion of a failed WRITE).
+    ///
+    /// # Cancel safety
+    /// The WRITE is posted at the future's first poll (or, with the send queue full, at the
+    /// first poll that finds room). Dropping the future before that posts nothing. Dropping
+    /// it after that **cancels** the WRITE ([`metaroce::Endpoint::cancel`]): packets not
+    /// sent yet are never sent, the peer is told to stop tracking the operation (an op
+    /// abort), and the connection stays usable. Bytes that landed before stay; the target
+    /// range's content is then undefined, as after any failed WRITE. A deadline is a
+    /// timeout around the future: `tokio::time::timeout(d, conn.write(..))`.
     pub async fn write(
         &self,
         src: &MemoryRegion,
@@ -328,6 +493,13 @@ impl Connection {
 
     /// RDMA WRITE with immediate: as [`write`](Self::write), and the peer's
     /// [`recv_imm`](Self::recv_imm) yields `(imm, len)` once all bytes have landed.
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    ///
+    /// # Cancel safety
+    /// As [`write`](Self::write); a cancelled WRITE with immediate never reports its
+    /// immediate at the peer.
     pub async fn write_with_imm(
         &self,
         src: &MemoryRegion,
@@ -347,10 +519,16 @@ impl Connection {
     /// every byte has landed in `dst`. A refusal is `Err(Error::Completion(wc))` with
     /// `RemoteAccessError`, and `dst` is untouched.
     ///
+    /// # Errors
+    /// As [`write`](Self::write); `dst` needs `LOCAL_WRITE` ([`Error::Post`] otherwise).
+    ///
+    /// # Cancel safety
     /// Posted at the future's first poll (with the send queue full, at the first poll that
-    /// finds room); dropping the future after that does **not** cancel the READ: response
-    /// bytes keep landing in `dst[range]` until it completes, so do not reuse that range
-    /// for something else before then.
+    /// finds room). Dropping the future after that **cancels** the READ: from that moment
+    /// no response byte is written into `dst` (later responses are acknowledged and
+    /// discarded), so `dst[range]` is free for other use at once; what landed before the
+    /// drop stays there. The request is not sent if it had not been, and the peer is told
+    /// to stop tracking it.
     pub async fn read(
         &self,
         dst: &MemoryRegion,
@@ -378,19 +556,31 @@ impl Connection {
         remote_offset: u64,
         op: AtomicOp,
     ) -> Result<u64, Error> {
+        let remote_addr = remote.addr_at(remote_offset)?;
         let ep = self.endpoint();
         let result = ep.alloc(8, metaroce::Access::LOCAL_WRITE);
         let req = AtomicRequest {
             wr_id: 0,
             lkey: result.keys().lkey,
             local_offset: 0,
-            remote_addr: remote.addr.wrapping_add(remote_offset),
+            remote_addr,
             rkey: remote.rkey,
             op,
         };
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_atomic(h, AtomicRequest { wr_id, ..req }))
+        let lkey = req.lkey;
+        let mut op = self
+            .post_op(
+                move |core, wr_id| core.post_atomic(h, AtomicRequest { wr_id, ..req }),
+                Some(result),
+                None,
+            )
             .await?;
+        op.wait().await?;
+        let result = op.result.take();
+        drop(op);
+        let result = result.ok_or(Error::Memory(metaroce::MrError::InvalidKey))?;
+        debug_assert_eq!(result.keys().lkey, lkey);
         let b = result.read(0, 8)?;
         let mut v = [0u8; 8];
         v.copy_from_slice(&b);
@@ -401,6 +591,18 @@ impl Connection {
     /// `remote_offset` of the peer's region (which needs `REMOTE_ATOMIC`): if they equal
     /// `compare` they become `swap`. Returns the value before the operation. Executed
     /// exactly once however often the request is retransmitted.
+    ///
+    /// # Errors
+    /// [`Error::Memory`] if `remote.addr + remote_offset` passes `u64::MAX`;
+    /// [`Error::ConnectionLost`]; [`Error::Completion`] (e.g. `RemoteAccessError`: no
+    /// REMOTE_ATOMIC right, out of bounds; `RemoteInvalidRequest`: not 8-byte aligned).
+    ///
+    /// # Cancel safety
+    /// Dropping the future after its first poll cancels the atomic: if the request had
+    /// not reached the peer it is not executed; if it had, it stays executed (its result
+    /// is discarded). Either way the 8-byte result region the connection allocated for it
+    /// stays registered until the core reports the atomic finished, so no response can
+    /// land in freed memory.
     pub async fn compare_swap(
         &self,
         remote: RemoteRegion,
@@ -418,6 +620,12 @@ impl Connection {
 
     /// Atomic fetch-and-add (wrapping) on the 8 bytes at `remote_offset` of the peer's
     /// region. Returns the value before the addition. Executed exactly once.
+    ///
+    /// # Errors
+    /// As [`compare_swap`](Self::compare_swap).
+    ///
+    /// # Cancel safety
+    /// As [`compare_swap`](Self::compare_swap).
     pub async fn fetch_add(
         &self,
         remote: RemoteRegion,
@@ -434,6 +642,20 @@ impl Connection {
     /// a message arriving when none is posted is refused with an RNR NAK and retried by the
     /// sender. Resolves with the receive completion (`byte_len` = message length); a message
     /// longer than the buffer is `Err` with `LocalLengthError`.
+    ///
+    /// # Errors
+    /// [`Error::ForeignRegion`], [`Error::Memory`] (reversed range), [`Error::Post`]
+    /// (range outside `dst`, no `LOCAL_WRITE`), [`Error::ConnectionLost`],
+    /// [`Error::Completion`] (`LocalLengthError`, `WrFlushError` when the connection ends).
+    ///
+    /// # Cancel safety
+    /// The receive is posted at the first poll. Dropping the future after that withdraws
+    /// it if no message has begun landing in it: the stream's next message then goes to the
+    /// next posted receive (or is refused with an RNR NAK and retried by the sender), so
+    /// nothing lands in the abandoned buffer. If a message is already landing, the receive
+    /// cannot be withdrawn: the message completes into `dst[range]` and is reported by
+    /// [`take_cancelled_recv`](Self::take_cancelled_recv) — a message is never received
+    /// silently.
     pub async fn recv_into(
         &self,
         stream: u32,
@@ -455,19 +677,43 @@ impl Connection {
         })?;
         let (lkey, offset) = (dst.keys().lkey, range.start);
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| {
-            core.post_recv(
-                h,
-                stream,
-                RecvRequest {
-                    wr_id,
-                    lkey,
-                    offset,
-                    len,
+        let target = RecvTarget {
+            stream,
+            lkey,
+            offset,
+        };
+        let mut op = self
+            .post_op(
+                move |core, wr_id| {
+                    core.post_recv(
+                        h,
+                        stream,
+                        RecvRequest {
+                            wr_id,
+                            lkey,
+                            offset,
+                            len,
+                        },
+                    )
                 },
+                None,
+                Some(target),
             )
-        })
-        .await
+            .await?;
+        op.wait().await
+    }
+
+    /// The next message that landed in the buffer of a [`recv_into`](Self::recv_into)
+    /// whose future was dropped after the message had begun landing (so its receive could
+    /// not be withdrawn): the stream, the buffer (`lkey`, `offset`) and the completion.
+    /// Nothing is received silently: every message a dropped `recv_into` got shows up here.
+    pub fn take_cancelled_recv(&self) -> Option<CancelledRecv> {
+        self.shared()
+            .lock()
+            .conns
+            .get_mut(&self.inner.handle)?
+            .cancelled_recvs
+            .pop_front()
     }
 
     /// Send one message on stream `stream` and wait for its completion (all packets

@@ -204,16 +204,23 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 }
                 freed = true;
             }
-            Event::RecvCompletion { conn, wc, .. } => {
-                if let Some(Waiter::Op(tx)) = st.waiters.remove(&(conn, wc.wr_id)) {
+            Event::RecvCompletion { conn, wc, .. } => match st.waiters.remove(&(conn, wc.wr_id)) {
+                Some(Waiter::Op(tx)) => {
                     let _ = tx.send(wc);
                 }
-            }
+                Some(Waiter::Cancelled { dereg, recv }) => {
+                    crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
+                }
+                _ => {}
+            },
             Event::Completion { conn, wc } => {
                 freed = true;
                 match st.waiters.remove(&(conn, wc.wr_id)) {
                     Some(Waiter::Op(tx)) => {
                         let _ = tx.send(wc);
+                    }
+                    Some(Waiter::Cancelled { dereg, recv }) => {
+                        crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
                     }
                     Some(Waiter::Stream(id)) => {
                         if let Some(s) =

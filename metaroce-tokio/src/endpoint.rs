@@ -58,6 +58,14 @@ impl Default for Config {
 pub(crate) enum Waiter {
     Op(oneshot::Sender<WorkCompletion>),
     Stream(u32),
+    /// The operation's future was dropped and the core was asked to cancel it
+    /// (`Connection::run_op`): its completion is discarded, except that `dereg` (an
+    /// atomic's result region) is deregistered only then, and a cancelled `recv_into`
+    /// that still received a message is reported (`Connection::take_cancelled_recv`).
+    Cancelled {
+        dereg: Option<u32>,
+        recv: Option<crate::connection::RecvTarget>,
+    },
 }
 
 pub(crate) struct State {
@@ -320,11 +328,11 @@ impl Endpoint {
         }
     }
 
-    /// Register `data` as a memory region with `access` rights. Pass
+    /// Register `data` as a memory region with `access` rights, without copying it (as
+    /// [`register_buffer`](Self::register_buffer)). Pass
     /// `Access::LOCAL_WRITE | Access::REMOTE_WRITE` to let peers WRITE into it.
     pub fn register(&self, data: Vec<u8>, access: Access) -> MemoryRegion {
-        let keys = self.shared().lock().core.register_mr(data, access);
-        MemoryRegion::new(self.inner.clone(), keys)
+        self.register_buffer(data, access)
     }
 
     /// Register a zero-filled region of `len` bytes.

@@ -40,14 +40,15 @@ mod connection;
 mod driver;
 mod endpoint;
 mod error;
+mod external;
 mod mr;
 pub mod rocev2;
 mod stream;
 
-pub use connection::Connection;
+pub use connection::{CancelledRecv, Connection};
 pub use endpoint::{Config, Endpoint};
 pub use error::{ConnectError, Error};
-pub use mr::{MemoryRegion, RemoteRegion};
+pub use mr::{ExternalMemory, MemoryRegion, OwnedBuffer, RemoteRegion, COPY_CHUNK};
 pub use stream::MessageStream;
 
 pub use metaroce;

@@ -1,9 +1,38 @@
-//! Memory regions owned by the endpoint and their remote descriptors.
+//! Memory regions and their remote descriptors.
+//!
+//! # Where the bytes live, and who may touch them when
+//!
+//! A [`MemoryRegion`] owns its buffer (a `Vec<u8>`, `BytesMut`, `Box<[u8]>` or any
+//! [`OwnedBuffer`], registered without a copy; or externally owned memory, see
+//! [`ExternalMemory`]). The buffer sits behind a lock of its own, not the endpoint's: the
+//! protocol core checks every access (rkey, bounds, access rights) under the endpoint lock
+//! and then takes the region's lock for the one packet it places or reads. Local copies
+//! ([`read`](MemoryRegion::read), [`read_into`](MemoryRegion::read_into),
+//! [`write`](MemoryRegion::write)) take only the region's lock, in chunks of
+//! [`COPY_CHUNK`] bytes, so packet processing — of this region and of every other — waits
+//! at most one chunk, never a whole large copy.
+//!
+//! # When remote bytes are visible
+//!
+//! Each packet of a peer's RDMA WRITE is placed when the driver processes it, in any order
+//! (packets are sprayed over many paths); a local read at that moment sees whatever packets
+//! have landed. Every byte of a WRITE is visible to a local read that starts after either
+//! - the peer's WRITE with immediate is reported by [`recv_imm`](crate::Connection::recv_imm)
+//!   (all of its bytes landed before the immediate is reported), or
+//! - the writer, after its `write` resolved (every packet acknowledged, hence placed), says
+//!   so in a later message or operation.
+//!
+//! A local read concurrent with a remote WRITE may see part of it; bytes of one packet are
+//! placed under one region lock, so a read never sees a torn packet within one
+//! [`COPY_CHUNK`]. READ responses, atomic results and posted receives land the same way
+//! and are complete when their operation resolves.
 
 use crate::endpoint::EndpointRef;
 use crate::error::Error;
-use metaroce::{MrError, MrKeys};
-use std::sync::Arc;
+use crate::Endpoint;
+use metaroce::{Access, MrError, MrKeys, RegionMemory};
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What a peer needs to address a region: its address, length and rkey.
 ///
@@ -32,7 +61,9 @@ impl RemoteRegion {
         b
     }
 
-    /// Decode [`to_bytes`](Self::to_bytes); `None` if `b` is not 20 bytes.
+    /// Decode [`to_bytes`](Self::to_bytes); `None` if `b` is not 20 bytes. A descriptor
+    /// from the network is not trusted: [`slice`](Self::slice) and the operations that
+    /// take it check their arithmetic, and the owner's endpoint checks every access.
     pub fn from_bytes(b: &[u8]) -> Option<RemoteRegion> {
         if b.len() != Self::ENCODED_LEN {
             return None;
@@ -44,29 +75,140 @@ impl RemoteRegion {
         })
     }
 
-    /// The sub-region `[offset, offset + len)`, or `None` if it does not fit.
+    /// The sub-region `[offset, offset + len)`, or `None` if it does not fit in this one
+    /// or its address would pass `u64::MAX` (checked arithmetic in every build).
     pub fn slice(&self, offset: u64, len: u64) -> Option<RemoteRegion> {
         let end = offset.checked_add(len)?;
-        (end <= self.len).then(|| RemoteRegion {
-            addr: self.addr + offset,
+        if end > self.len {
+            return None;
+        }
+        let addr = self.addr.checked_add(offset)?;
+        addr.checked_add(len)?;
+        Some(RemoteRegion {
+            addr,
             len,
             rkey: self.rkey,
         })
+    }
+
+    /// The address `offset` bytes into the region, if it does not pass `u64::MAX`. (Not
+    /// checked against `len`: the owner's endpoint checks bounds, and refuses with a remote
+    /// access error.)
+    pub(crate) fn addr_at(&self, offset: u64) -> Result<u64, Error> {
+        self.addr
+            .checked_add(offset)
+            .ok_or(Error::Memory(MrError::OutOfBounds))
+    }
+}
+
+/// Largest piece a local copy moves under the region's lock (64 KiB, a few microseconds
+/// of `memcpy`): the most a packet for the region waits for an application copy.
+pub const COPY_CHUNK: usize = 64 * 1024;
+
+/// An owned byte buffer a [`MemoryRegion`] can be built on without a copy: `Vec<u8>`,
+/// `bytes::BytesMut`, `Box<[u8]>`, or any type with stable `AsRef<[u8]>`/`AsMut<[u8]>`
+/// views. The region's length is the buffer's length at registration; the buffer is not
+/// resized while registered (nothing but the region can reach it).
+pub trait OwnedBuffer: AsRef<[u8]> + AsMut<[u8]> + Send + 'static {}
+
+impl<T: AsRef<[u8]> + AsMut<[u8]> + Send + 'static> OwnedBuffer for T {}
+
+/// The bytes behind a region, type-erased.
+pub(crate) trait Backing: Send + 'static {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+    fn as_any(&self) -> &dyn Any;
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+}
+
+impl<B: OwnedBuffer> Backing for B {
+    fn bytes(&self) -> &[u8] {
+        self.as_ref()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.as_mut()
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
+type Cell = Arc<Mutex<Box<dyn Backing>>>;
+
+fn lock(cell: &Mutex<Box<dyn Backing>>) -> MutexGuard<'_, Box<dyn Backing>> {
+    // A panic in a user closure under the lock leaves plain bytes: keep going.
+    cell.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The core's handle on a region's bytes: one region lock per call.
+struct Shared(Cell);
+
+impl RegionMemory for Shared {
+    fn len(&self) -> usize {
+        lock(&self.0).bytes().len()
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        let g = lock(&self.0);
+        if let Some(s) = g.bytes().get(offset..offset.saturating_add(dst.len())) {
+            dst.copy_from_slice(s);
+        }
+    }
+    fn write_at(&mut self, offset: usize, src: &[u8]) {
+        let mut g = lock(&self.0);
+        if let Some(d) = g
+            .bytes_mut()
+            .get_mut(offset..offset.saturating_add(src.len()))
+        {
+            d.copy_from_slice(src);
+        }
+    }
+    fn atomic_at(&mut self, offset: usize, f: &mut dyn FnMut(u64) -> u64) -> u64 {
+        // Read and write under one hold of the lock: local writes cannot slip between.
+        let mut g = lock(&self.0);
+        let Some(cell) = g.bytes_mut().get_mut(offset..offset.saturating_add(8)) else {
+            return 0;
+        };
+        let mut b = [0u8; 8];
+        b.copy_from_slice(cell);
+        let old = u64::from_le_bytes(b);
+        cell.copy_from_slice(&f(old).to_le_bytes());
+        old
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
     }
 }
 
 /// A region of memory registered with an endpoint.
 ///
-/// The endpoint owns the bytes; peers WRITE into them while local code runs, so local
-/// access goes through short critical sections ([`read`](Self::read),
-/// [`with_bytes`](Self::with_bytes), [`write`](Self::write)) rather than references that
-/// could race. **Visibility:** bytes of a remote WRITE are visible locally once
-/// `recv_imm` reports it (WRITE with immediate), or once the writer says so in a later
-/// message (the writer's completion means every byte has landed). Deregistered on drop:
-/// later accesses by peers get a remote access error.
+/// Peers WRITE into it while local code runs, so local code never gets a plain reference
+/// that a remote write could race with: it copies in and out ([`read`](Self::read),
+/// [`read_into`](Self::read_into), [`write`](Self::write)) or runs a closure under the
+/// region's lock ([`with_bytes`](Self::with_bytes)). See the [module docs](self) for when
+/// remote bytes are visible. Deregistered on drop (later accesses by peers get a remote
+/// access error); [`into_inner`](Self::into_inner) deregisters and returns the buffer.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use metaroce_tokio::{Access, Endpoint};
+/// let ep = Endpoint::bind("127.0.0.1:0".parse()?, Default::default()).await?;
+/// let mr = ep.register_buffer(bytes::BytesMut::zeroed(4096), Access::LOCAL_WRITE);
+/// mr.write(0, b"hello")?;
+/// assert_eq!(mr.read(0, 5)?, b"hello");
+/// let buf: bytes::BytesMut = mr.into_inner().expect("registered as BytesMut");
+/// assert_eq!(&buf[..5], b"hello");
+/// # Ok(()) }
+/// ```
 pub struct MemoryRegion {
     ep: Arc<EndpointRef>,
     keys: MrKeys,
+    mem: Cell,
+    /// Deregistration was handed to someone else (`detach`): Drop does nothing.
+    detached: bool,
 }
 
 impl std::fmt::Debug for MemoryRegion {
@@ -77,13 +219,48 @@ impl std::fmt::Debug for MemoryRegion {
     }
 }
 
-impl MemoryRegion {
-    pub(crate) fn new(ep: Arc<EndpointRef>, keys: MrKeys) -> Self {
-        Self { ep, keys }
+impl Endpoint {
+    /// Register `buf` as a memory region with `access` rights, without copying it: the
+    /// region owns the buffer until [`MemoryRegion::into_inner`] gives it back. Its length
+    /// is `buf.as_ref().len()`. `access` needs `LOCAL_WRITE` for the region to receive
+    /// READ results and messages, the `REMOTE_*` rights for what peers may do.
+    pub fn register_buffer<B: OwnedBuffer>(&self, buf: B, access: Access) -> MemoryRegion {
+        self.register_backing(Box::new(buf), access)
     }
 
+    /// Number of memory regions registered on this endpoint now (the application's and
+    /// the 8-byte result regions of atomics in flight).
+    pub fn registered_regions(&self) -> usize {
+        self.inner.shared.lock().core.registered_mrs()
+    }
+
+    pub(crate) fn register_backing(&self, b: Box<dyn Backing>, access: Access) -> MemoryRegion {
+        let mem: Cell = Arc::new(Mutex::new(b));
+        let keys = self
+            .inner
+            .shared
+            .lock()
+            .core
+            .register_mr_memory(Box::new(Shared(mem.clone())), access);
+        MemoryRegion {
+            ep: self.inner.clone(),
+            keys,
+            mem,
+            detached: false,
+        }
+    }
+}
+
+impl MemoryRegion {
     pub(crate) fn ep(&self) -> &Arc<EndpointRef> {
         &self.ep
+    }
+
+    /// Give up the handle without deregistering: the caller deregisters `lkey` later
+    /// (through the core) once no operation can touch it.
+    pub(crate) fn detach(mut self) -> u32 {
+        self.detached = true;
+        self.keys.lkey
     }
 
     /// Keys, address, length and access rights.
@@ -110,36 +287,139 @@ impl MemoryRegion {
         }
     }
 
+    fn span(&self, offset: u64, len: usize) -> Result<usize, Error> {
+        offset
+            .checked_add(len as u64)
+            .filter(|&e| e <= self.keys.len)
+            .map(|_| offset as usize)
+            .ok_or(Error::Memory(MrError::OutOfBounds))
+    }
+
     /// Copy out bytes `[offset, offset + len)`.
+    ///
+    /// # Errors
+    /// [`Error::Memory`]`(OutOfBounds)` if the range is not inside the region.
     pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, Error> {
-        self.with_bytes(|b| {
-            let end = offset
-                .checked_add(len)
-                .filter(|&e| e <= b.len() as u64)
-                .ok_or(Error::Memory(MrError::OutOfBounds))?;
-            Ok(b[offset as usize..end as usize].to_vec())
-        })?
+        let n = usize::try_from(len).map_err(|_| Error::Memory(MrError::OutOfBounds))?;
+        self.span(offset, n)?;
+        let mut out = vec![0u8; n];
+        self.read_into(offset, &mut out)?;
+        Ok(out)
     }
 
-    /// Run `f` over the whole region. Incoming packets wait while `f` runs: keep it short.
-    pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R, Error> {
-        let st = self.ep.shared.lock();
-        let b = st.core.mr_read(self.keys.lkey, 0, self.keys.len)?;
-        Ok(f(b))
-    }
-
-    /// Copy `data` into the region at `offset`.
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
-        let mut st = self.ep.shared.lock();
-        st.core
-            .mr_write(self.keys.lkey, offset, data.len() as u64)?
-            .copy_from_slice(data);
+    /// Copy bytes `[offset, offset + dst.len())` into `dst`, [`COPY_CHUNK`] bytes per hold
+    /// of the region's lock (remote writes may land between chunks).
+    ///
+    /// # Errors
+    /// [`Error::Memory`]`(OutOfBounds)` if the range is not inside the region.
+    pub fn read_into(&self, offset: u64, dst: &mut [u8]) -> Result<(), Error> {
+        let start = self.span(offset, dst.len())?;
+        for (i, chunk) in dst.chunks_mut(COPY_CHUNK).enumerate() {
+            let at = start + i * COPY_CHUNK;
+            let g = lock(&self.mem);
+            match g.bytes().get(at..at + chunk.len()) {
+                Some(s) => chunk.copy_from_slice(s),
+                None => return Err(Error::Memory(MrError::OutOfBounds)),
+            }
+        }
         Ok(())
     }
+
+    /// Copy `data` into the region at `offset`, [`COPY_CHUNK`] bytes per hold of the
+    /// region's lock. Peers see the bytes in their next READ of the range.
+    ///
+    /// # Errors
+    /// [`Error::Memory`]`(OutOfBounds)` if the range is not inside the region.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), Error> {
+        let start = self.span(offset, data.len())?;
+        for (i, chunk) in data.chunks(COPY_CHUNK).enumerate() {
+            let at = start + i * COPY_CHUNK;
+            let mut g = lock(&self.mem);
+            match g.bytes_mut().get_mut(at..at + chunk.len()) {
+                Some(d) => d.copy_from_slice(chunk),
+                None => return Err(Error::Memory(MrError::OutOfBounds)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Run `f` over the whole region under the region's lock: a consistent view (no remote
+    /// write lands while `f` runs). Packets for **this** region wait until `f` returns, and
+    /// while one waits so does the driver: keep `f` short, or copy out with
+    /// [`read_into`](Self::read_into). Other regions' packets and the endpoint's lock are
+    /// not held by `f`.
+    pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R, Error> {
+        let g = lock(&self.mem);
+        Ok(f(g.bytes()))
+    }
+
+    /// Deregister the region and return its buffer, as registered. From the moment this
+    /// returns, the transport never touches the buffer again: peers' later accesses get a
+    /// remote access error, and a local operation still using the region fails with a
+    /// local protection error. (An operation future borrows the region, so none can be
+    /// pending when `self` is moved here; one cancelled by dropping its future has been
+    /// stopped by the core already.)
+    ///
+    /// # Errors
+    /// `Err(self)`, still registered, if `B` is not the type that was registered (for
+    /// [`Endpoint::register`] and [`Endpoint::alloc`] it is `Vec<u8>`; external memory
+    /// cannot be taken back this way: use [`deregister`](Self::deregister)).
+    pub fn into_inner<B: OwnedBuffer>(self) -> Result<B, MemoryRegion> {
+        if !lock(&self.mem).as_any().is::<B>() {
+            return Err(self);
+        }
+        let b = self.deregister();
+        match b.downcast::<B>() {
+            Ok(b) => Ok(*b),
+            // Checked above; unreachable, but never panic.
+            Err(_) => unreachable_buffer(),
+        }
+    }
+
+    /// Deregister the region and return its buffer type-erased (downcast it with
+    /// `Box::<dyn Any>::downcast`; for [`ExternalMemory`] this drops nothing until the box
+    /// is dropped). The transport never touches the memory again (see
+    /// [`into_inner`](Self::into_inner)).
+    pub fn deregister(mut self) -> Box<dyn Any> {
+        self.detached = true;
+        let core_side = self
+            .ep
+            .shared
+            .lock()
+            .core
+            .deregister_mr_memory(self.keys.lkey);
+        drop(core_side);
+        let mem = std::mem::replace(&mut self.mem, Arc::new(Mutex::new(Box::new(Vec::new()))));
+        match Arc::try_unwrap(mem) {
+            Ok(m) => m.into_inner().unwrap_or_else(|e| e.into_inner()).into_any(),
+            // Only the core holds another reference, and it just gave it back.
+            Err(shared) => {
+                let g = lock(&shared);
+                Box::new(g.bytes().to_vec())
+            }
+        }
+    }
+}
+
+#[cold]
+fn unreachable_buffer<B>() -> Result<B, MemoryRegion> {
+    unreachable!("buffer type checked before deregistration")
 }
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        self.ep.shared.lock().core.deregister_mr(self.keys.lkey);
+        if !self.detached {
+            // The core's handle is dropped outside the endpoint lock (it is only a
+            // reference count; the buffer goes with this region's last reference).
+            let core_side = self
+                .ep
+                .shared
+                .lock()
+                .core
+                .deregister_mr_memory(self.keys.lkey);
+            drop(core_side);
+        }
     }
 }
+
+pub use crate::external::ExternalMemory;

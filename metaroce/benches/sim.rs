@@ -358,7 +358,7 @@ fn all_to_all(o: &Opts) {
     let ok = hosts
         .iter()
         .zip(&dst)
-        .all(|(&h, d)| sim.endpoint(h).mr_read(d.lkey, 0, u64::from(len)).unwrap() == &pattern[..]);
+        .all(|(&h, d)| sim.endpoint(h).mr_read(d.lkey, 0, u64::from(len)).unwrap() == pattern[..]);
     let mut retx = 0u64;
     let mut sent = 0u64;
     for &h in &hosts {

@@ -282,7 +282,7 @@ fn run(o: &Opts, fair_share: bool) -> Run {
         let data_ok = targets.iter().enumerate().all(|(i, &lkey)| {
             sim.endpoint(sink)
                 .mr_read(lkey, 0, o.bytes as u64)
-                .is_ok_and(|d| d == &pattern(i + base as usize, o.bytes)[..])
+                .is_ok_and(|d| d == pattern(i + base as usize, o.bytes)[..])
         });
         let b = bins.borrow();
         let (bins_g, qbins) = (&b.1, &b.2);

@@ -6,7 +6,7 @@ use crate::config::{EndpointConfig, TransportConfig};
 use crate::conn::AuthError;
 use crate::conn::{Connection, ConnectionStats, Outcome, State};
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
-use crate::mr::{Access, MrError, MrKeys, MrTable};
+use crate::mr::{Access, MrError, MrKeys, MrTable, RegionMemory};
 use crate::secret::{self, SecretRng};
 use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, Trailer};
 use crate::{EcnCodepoint, Transmit};
@@ -17,6 +17,22 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
+
+/// What [`Endpoint::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CancelOutcome {
+    /// Cancelled: it completes with `WrFlushError` (see [`Endpoint::cancel`] for when).
+    Cancelled,
+    /// Too late to cancel: it has its final status (or a message is landing in the
+    /// receive) and completes with that.
+    Finishing,
+    /// This kind of operation cannot be cancelled (a SEND); it runs to completion.
+    NotCancellable,
+    /// No pending operation or receive with this `wr_id` on this connection (already
+    /// reported, never posted, or the connection is gone).
+    Unknown,
+}
 
 /// Why an application call was refused. Nothing was posted.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -493,13 +509,34 @@ impl Endpoint {
     /// Register `data` as a memory region with `access` rights; returns its keys and the
     /// address peers use. The endpoint owns the bytes until [`deregister_mr`](Self::deregister_mr).
     pub fn register_mr(&mut self, data: Vec<u8>, access: Access) -> MrKeys {
-        self.mrs.register(data, access)
+        self.mrs.register(Box::new(data), access)
     }
 
-    /// Deregister a region; returns its bytes. Later remote accesses with its rkey get a
-    /// remote access error; pending local WRITEs from it fail with a local protection error.
+    /// Register memory the caller implements ([`RegionMemory`]: its bytes may live behind
+    /// the caller's own lock, so local copies need not hold whatever guards this endpoint).
+    /// The core calls it once per packet placed or read, with bounds and access rights
+    /// already checked. Returns the keys and the address peers use.
+    pub fn register_mr_memory(&mut self, mem: Box<dyn RegionMemory>, access: Access) -> MrKeys {
+        self.mrs.register(mem, access)
+    }
+
+    /// Deregister a region; returns its bytes (the registered `Vec` itself, or a copy of
+    /// memory registered with [`register_mr_memory`](Self::register_mr_memory)). Later
+    /// remote accesses with its rkey get a remote access error; pending local WRITEs from it
+    /// fail with a local protection error.
     pub fn deregister_mr(&mut self, lkey: u32) -> Option<Vec<u8>> {
+        self.mrs.deregister(lkey).map(crate::mr::into_vec)
+    }
+
+    /// Deregister a region and return its memory as registered. From this call on the core
+    /// never touches it again.
+    pub fn deregister_mr_memory(&mut self, lkey: u32) -> Option<Box<dyn RegionMemory>> {
         self.mrs.deregister(lkey)
+    }
+
+    /// Number of regions registered now.
+    pub fn registered_mrs(&self) -> usize {
+        self.mrs.count()
     }
 
     /// Keys of a registered region.
@@ -507,14 +544,14 @@ impl Endpoint {
         self.mrs.keys(lkey)
     }
 
-    /// Read bytes `[offset, offset + len)` of a local region.
-    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
-        self.mrs.local(lkey, offset, len)
+    /// A copy of bytes `[offset, offset + len)` of a local region.
+    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<Vec<u8>, MrError> {
+        self.mrs.local_vec(lkey, offset, len)
     }
 
-    /// Mutable access to bytes `[offset, offset + len)` of a local region.
-    pub fn mr_write(&mut self, lkey: u32, offset: u64, len: u64) -> Result<&mut [u8], MrError> {
-        self.mrs.local_mut(lkey, offset, len)
+    /// Copy `data` into a local region at `offset`.
+    pub fn mr_write(&mut self, lkey: u32, offset: u64, data: &[u8]) -> Result<(), MrError> {
+        self.mrs.local_write(lkey, offset, data)
     }
 
     // ---- posting ----
@@ -714,7 +751,7 @@ impl Endpoint {
         req: WriteRequest,
     ) -> Result<(), PostError> {
         self.mrs
-            .local(req.lkey, req.local_offset, req.len as u64)
+            .check_local(req.lkey, req.local_offset, req.len as u64)
             .map_err(PostError::LocalMemory)?;
         let c = self.conn_for_post(conn, req.len as u64)?;
         c.post_write(&req);
@@ -793,6 +830,37 @@ impl Endpoint {
         );
         self.touched(conn.0);
         Ok(())
+    }
+
+    /// Cancel the operation or posted receive with `wr_id` on `conn` (an application gave
+    /// up on it: its future was dropped, its deadline passed).
+    ///
+    /// - A WRITE, READ or atomic not finished yet stops at once: its unsent packets are
+    ///   never sent and an op abort (`MR_WRITE` with PathEth flags bit 1, docs/PROTOCOL.md
+    ///   "Errors of one operation") tells the responder to count its op id as finished, so
+    ///   the responder's op tracking does not wait for it. It completes with
+    ///   [`WcStatus::WrFlushError`] in posting order, once the peer acknowledged the abort.
+    ///   From this call on the core never writes into a READ's or atomic's local
+    ///   destination (late responses are acknowledged and discarded). After the
+    ///   completion, no byte of a cancelled WRITE lands (what landed before stays; the
+    ///   target range is undefined, as after any failed WRITE), and a cancelled READ or
+    ///   atomic either was executed by the peer before the abort reached it (an atomic may
+    ///   have run) or never will be.
+    /// - A posted receive no message has begun landing in is withdrawn: it completes with
+    ///   `WrFlushError` ([`Event::RecvCompletion`]) and the stream's next message takes the
+    ///   next receive. If a message is landing in it, it is not withdrawn
+    ///   ([`CancelOutcome::Finishing`]): it completes normally, with the message.
+    /// - SENDs are not cancellable ([`CancelOutcome::NotCancellable`]): their message
+    ///   sequence numbers order the stream.
+    ///
+    /// Completions that become due are queued as events before this returns.
+    pub fn cancel(&mut self, _now: Instant, conn: ConnectionHandle, wr_id: u64) -> CancelOutcome {
+        let Some(c) = self.conns.get_mut(&conn.0) else {
+            return CancelOutcome::Unknown;
+        };
+        let out = c.cancel(wr_id, &mut self.events);
+        self.touched(conn.0);
+        out
     }
 
     /// Close a connection now, with code 0 and no reason: the same as

@@ -74,9 +74,9 @@ pub use conn::send::STREAM_CODE_RNR;
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{
-    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, TableSizes,
-    WriteRequest, MAX_CLOSE_REASON,
+    AtomicRequest, CancelOutcome, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest,
+    TableSizes, WriteRequest, MAX_CLOSE_REASON,
 };
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
-pub use mr::{Access, MrError, MrKeys};
+pub use mr::{Access, MrError, MrKeys, RegionMemory};
 pub use transmit::{EcnCodepoint, Transmit};

@@ -105,14 +105,83 @@ impl fmt::Display for MrError {
 
 impl std::error::Error for MrError {}
 
-#[derive(Debug)]
-struct Region {
-    keys: MrKeys,
-    data: Vec<u8>,
+/// The bytes behind a registered memory region.
+///
+/// The core never holds a reference into region memory: it calls these methods once per
+/// packet, with the range already checked against the region's bounds and access rights,
+/// so an implementation may keep its bytes behind its own lock (the async crate does: an
+/// application copy then locks only that region, never the endpoint). `Vec<u8>` implements
+/// it directly (the simulator and tests use that).
+///
+/// Every method may assume `offset + len <= self.len()` (the core checked it); an
+/// implementation must not panic otherwise either, but what it does then is unspecified.
+/// **Visibility:** a remote WRITE's packet is placed by one [`write_at`](Self::write_at)
+/// call when the packet is processed; READ responses, atomic results and posted receives
+/// likewise, one packet at a time.
+pub trait RegionMemory: Send + 'static {
+    /// Length in bytes (fixed for the life of the registration).
+    fn len(&self) -> usize;
+
+    /// Whether the region is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copy `dst.len()` bytes starting at `offset` into `dst` (bounds checked by the core).
+    fn read_at(&self, offset: usize, dst: &mut [u8]);
+
+    /// Copy `src` into the region at `offset` (bounds checked by the core).
+    fn write_at(&mut self, offset: usize, src: &[u8]);
+
+    /// Replace the little-endian `u64` at `offset` with `f(old)` and return `old`, as one
+    /// indivisible step with respect to local accesses (IBA 9.4.5 atomics). The default
+    /// reads then writes; an implementation with interior locking overrides it to hold its
+    /// lock across both.
+    fn atomic_at(&mut self, offset: usize, f: &mut dyn FnMut(u64) -> u64) -> u64 {
+        let mut b = [0u8; 8];
+        self.read_at(offset, &mut b);
+        let old = u64::from_le_bytes(b);
+        self.write_at(offset, &f(old).to_le_bytes());
+        old
+    }
+
+    /// The memory as `Any`, so that its owner can take its own type back after
+    /// deregistration (`Box<dyn Any>::downcast`).
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any>;
 }
 
-/// The endpoint's table of registered regions. The core owns the bytes; the application
-/// reads and writes them through the endpoint.
+impl RegionMemory for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        if let Some(s) = self.get(offset..offset.saturating_add(dst.len())) {
+            dst.copy_from_slice(s);
+        }
+    }
+    fn write_at(&mut self, offset: usize, src: &[u8]) {
+        if let Some(d) = self.get_mut(offset..offset.saturating_add(src.len())) {
+            d.copy_from_slice(src);
+        }
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+}
+
+struct Region {
+    keys: MrKeys,
+    data: Box<dyn RegionMemory>,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region").field("keys", &self.keys).finish()
+    }
+}
+
+/// The endpoint's table of registered regions. Each region's bytes sit behind its own
+/// [`RegionMemory`]; the table checks keys, bounds and access rights and then calls it.
 #[derive(Debug)]
 pub(crate) struct MrTable {
     slots: Vec<Option<Region>>,
@@ -135,6 +204,16 @@ impl Default for MrTable {
 /// Bits of a random region address: page-aligned (low 12 bits 0) below 2^48, never 0.
 const IOVA_MASK: u64 = 0x0000_FFFF_FFFF_F000;
 
+/// `[offset, offset + len)` inside a region of `region_len` bytes, as `usize` offsets.
+fn span(offset: u64, len: u64, region_len: u64) -> Result<(usize, usize), MrError> {
+    let end = offset.checked_add(len).ok_or(MrError::OutOfBounds)?;
+    if end > region_len {
+        return Err(MrError::OutOfBounds);
+    }
+    // Both fit in usize: region lengths come from in-memory buffers.
+    Ok((offset as usize, end as usize))
+}
+
 impl MrTable {
     /// A table whose rkeys and addresses come from (a child of) the endpoint's secret RNG.
     pub(crate) fn new(secret: &mut SecretRng) -> Self {
@@ -153,7 +232,7 @@ impl MrTable {
         }
     }
 
-    pub(crate) fn register(&mut self, data: Vec<u8>, access: Access) -> MrKeys {
+    pub(crate) fn register(&mut self, data: Box<dyn RegionMemory>, access: Access) -> MrKeys {
         let idx = match self.free.pop() {
             Some(i) => i,
             None => {
@@ -221,7 +300,7 @@ impl MrTable {
             .filter(|r| r.keys.lkey == key)
     }
 
-    pub(crate) fn deregister(&mut self, key: u32) -> Option<Vec<u8>> {
+    pub(crate) fn deregister(&mut self, key: u32) -> Option<Box<dyn RegionMemory>> {
         let idx = (key >> 8).checked_sub(1)? as usize;
         let slot = self.slots.get_mut(idx)?;
         if slot.as_ref().map(|r| r.keys.lkey) != Some(key) {
@@ -231,6 +310,11 @@ impl MrTable {
         self.by_rkey.remove(&region.keys.rkey);
         self.free.push(idx);
         Some(region.data)
+    }
+
+    /// Number of registered regions.
+    pub(crate) fn count(&self) -> usize {
+        self.slots.len() - self.free.len()
     }
 
     pub(crate) fn keys(&self, key: u32) -> Option<MrKeys> {
@@ -246,11 +330,7 @@ impl MrTable {
         let off = va
             .checked_sub(region.keys.addr)
             .ok_or(MrError::OutOfBounds)?;
-        let end = off.checked_add(len).ok_or(MrError::OutOfBounds)?;
-        if end > region.keys.len {
-            return Err(MrError::OutOfBounds);
-        }
-        Ok(off as usize)
+        span(off, len, region.keys.len).map(|(o, _)| o)
     }
 
     /// Validate a remote access to a whole message `[va, va+len)`.
@@ -269,16 +349,18 @@ impl MrTable {
     pub(crate) fn remote_write(&mut self, rkey: u32, va: u64, data: &[u8]) -> Result<(), MrError> {
         let r = self.remote_slot_mut(rkey).ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, data.len() as u64, Access::REMOTE_WRITE)?;
-        r.data[off..off + data.len()].copy_from_slice(data);
+        r.data.write_at(off, data);
         Ok(())
     }
 
-    /// Bytes `[va, va+len)` of the region named by `rkey`, for an RDMA READ (checked for
-    /// REMOTE_READ).
-    pub(crate) fn remote_read(&self, rkey: u32, va: u64, len: u64) -> Result<&[u8], MrError> {
+    /// A copy of bytes `[va, va+len)` of the region named by `rkey`, for an RDMA READ
+    /// (checked for REMOTE_READ).
+    pub(crate) fn remote_read(&self, rkey: u32, va: u64, len: u64) -> Result<Vec<u8>, MrError> {
         let r = self.remote_slot(rkey).ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, len, Access::REMOTE_READ)?;
-        Ok(&r.data[off..off + len as usize])
+        let mut out = vec![0u8; len as usize];
+        r.data.read_at(off, &mut out);
+        Ok(out)
     }
 
     /// Execute an atomic on the 8 bytes at `va` of the region named by `rkey` (checked for
@@ -292,22 +374,35 @@ impl MrTable {
     ) -> Result<u64, MrError> {
         let r = self.remote_slot_mut(rkey).ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, 8, Access::REMOTE_ATOMIC)?;
-        let cell = &mut r.data[off..off + 8];
-        let mut b = [0u8; 8];
-        b.copy_from_slice(cell);
-        let old = u64::from_le_bytes(b);
-        cell.copy_from_slice(&f(old).to_le_bytes());
-        Ok(old)
+        let mut f = Some(f);
+        Ok(r.data.atomic_at(off, &mut |old| match f.take() {
+            Some(f) => f(old),
+            None => old,
+        }))
     }
 
-    /// Local bytes `[offset, offset+len)` of the region named by `lkey`.
-    pub(crate) fn local(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
+    /// Check that local bytes `[offset, offset+len)` of the region `lkey` exist.
+    pub(crate) fn check_local(&self, lkey: u32, offset: u64, len: u64) -> Result<(), MrError> {
         let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
-        let end = offset.checked_add(len).ok_or(MrError::OutOfBounds)?;
-        if end > r.keys.len {
-            return Err(MrError::OutOfBounds);
-        }
-        Ok(&r.data[offset as usize..end as usize])
+        span(offset, len, r.keys.len).map(|_| ())
+    }
+
+    /// Copy local bytes `[offset, offset + dst.len())` of the region named by `lkey` into
+    /// `dst`.
+    pub(crate) fn local_read(&self, lkey: u32, offset: u64, dst: &mut [u8]) -> Result<(), MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        let (o, _) = span(offset, dst.len() as u64, r.keys.len)?;
+        r.data.read_at(o, dst);
+        Ok(())
+    }
+
+    /// A copy of local bytes `[offset, offset + len)` of the region named by `lkey`.
+    pub(crate) fn local_vec(&self, lkey: u32, offset: u64, len: u64) -> Result<Vec<u8>, MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        let (o, e) = span(offset, len, r.keys.len)?;
+        let mut out = vec![0u8; e - o];
+        r.data.read_at(o, &mut out);
+        Ok(out)
     }
 
     /// Check that `[offset, offset+len)` of the local region `lkey` exists and may be
@@ -323,24 +418,31 @@ impl MrTable {
         if !r.keys.access.contains(Access::LOCAL_WRITE) {
             return Err(MrError::AccessDenied);
         }
-        let end = offset.checked_add(len).ok_or(MrError::OutOfBounds)?;
-        if end > r.keys.len {
-            return Err(MrError::OutOfBounds);
-        }
-        Ok(())
+        span(offset, len, r.keys.len).map(|_| ())
     }
 
-    pub(crate) fn local_mut(
+    /// Copy `src` into the local region `lkey` at `offset` (bounds checked; the owner's
+    /// local access needs no access right).
+    pub(crate) fn local_write(
         &mut self,
         lkey: u32,
         offset: u64,
-        len: u64,
-    ) -> Result<&mut [u8], MrError> {
+        src: &[u8],
+    ) -> Result<(), MrError> {
         let r = self.slot_mut(lkey).ok_or(MrError::InvalidKey)?;
-        let end = offset.checked_add(len).ok_or(MrError::OutOfBounds)?;
-        if end > r.keys.len {
-            return Err(MrError::OutOfBounds);
-        }
-        Ok(&mut r.data[offset as usize..end as usize])
+        let (o, _) = span(offset, src.len() as u64, r.keys.len)?;
+        r.data.write_at(o, src);
+        Ok(())
+    }
+}
+
+/// The bytes of a deregistered region as a `Vec<u8>`: the vector itself if it was
+/// registered as one, else a copy.
+pub(crate) fn into_vec(m: Box<dyn RegionMemory>) -> Vec<u8> {
+    let mut copy = vec![0u8; m.len()];
+    m.read_at(0, &mut copy);
+    match m.into_any().downcast::<Vec<u8>>() {
+        Ok(v) => *v,
+        Err(_) => copy,
     }
 }

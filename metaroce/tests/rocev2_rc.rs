@@ -139,9 +139,7 @@ fn write_read_and_atomics() {
         },
     )
     .unwrap();
-    n.b.mr_write(tgt.lkey, 4000, 8)
-        .unwrap()
-        .copy_from_slice(&5u64.to_le_bytes());
+    n.b.mr_write(tgt.lkey, 4000, &5u64.to_le_bytes()).unwrap();
     n.a.post_send(
         n.qa,
         SendWr {

@@ -165,7 +165,7 @@ fn connection_streams_and_write_through_one_switch() {
     }
     // The WRITE landed.
     let landed = sim.endpoint(b).mr_read(dst, 0, data.len() as u64).unwrap();
-    assert!(landed == &data[..], "WRITE bytes differ");
+    assert!(landed == data[..], "WRITE bytes differ");
     assert_eq!(sim.endpoint(b).stats().bad_icrc, 0);
     assert!(sim.stats().events > 0);
     assert_eq!(sim.stats().packets_dropped, 0);
@@ -198,7 +198,7 @@ fn bottleneck_rate_and_delay_are_respected() {
         goodput >= 7e9,
         "goodput {goodput} below 70% of the bottleneck"
     );
-    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == data[..]);
     let st = sim.endpoint(a).connection_stats(c).unwrap();
     for p in &st.paths {
         let min = p.min_rtt.expect("rtt sample");
@@ -244,7 +244,7 @@ fn queue_limit_drops_and_transport_recovers() {
     let limit = sim.config().nic_queue_bytes.unwrap();
     assert_eq!(nic.drops.total(), 0);
     assert!(nic.max_queue_bytes <= limit + 4200, "{nic:?}");
-    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == data[..]);
 }
 
 /// The ECN threshold marks CE; the receiver echoes the marks and the sender counts them.
@@ -320,7 +320,7 @@ fn impairments_are_applied_and_survived() {
         sim.endpoint(b).stats().bad_icrc > 0,
         "corruption not caught"
     );
-    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == data[..]);
 }
 
 /// The only link to `b` goes down for 3 ms mid-transfer, then comes back: the transfer
@@ -357,7 +357,7 @@ fn scheduled_link_down_and_up() {
     let ls = sim.link_stats(b_link.reverse);
     assert!(ls.drops.link_down > 0, "{ls:?}");
     assert!(sim.link_info(b_link.reverse).up);
-    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == data[..]);
     // 16 MiB at 10 Gbit/s takes 13.4 ms; the outage adds to that.
     assert!(sim.elapsed() - t0 > Duration::from_millis(16));
 }

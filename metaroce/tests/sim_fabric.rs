@@ -127,7 +127,7 @@ fn leaf_spine_paths_spread_over_spines() {
         let data = pattern(1, 4 << 20);
         let dst = post_write(&mut sim, a, b, c, data.clone());
         run_to_completions(&mut sim, &[a], 1, Duration::from_secs(1));
-        assert!(sim.endpoint(b).mr_read(dst, 0, data.len() as u64).unwrap() == &data[..]);
+        assert!(sim.endpoint(b).mr_read(dst, 0, data.len() as u64).unwrap() == data[..]);
         let used = spines_used(&sim, &up, 0);
         let counts: Vec<u64> = up.iter().map(|&l| sim.link_stats(l).packets).collect();
         println!("seed {seed}, {paths} paths: packets per spine {counts:?}");
@@ -213,7 +213,7 @@ fn blackholed_spine_link_mid_transfer() {
     run_to_completions(&mut sim, &[a], 1, Duration::from_secs(5));
     let ls = sim.link_stats(victim);
     assert!(ls.drops.blackhole > 0, "{ls:?}");
-    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == data[..]);
     let st = sim.endpoint(a).connection_stats(c).unwrap();
     let retx: u64 = st.paths.iter().map(|p| p.stats.retransmits).sum();
     assert!(retx > 0);
@@ -330,7 +330,7 @@ fn plane_failure_is_survived() {
         sim.schedule(at, Action::LinkDown(l));
     }
     run_to_completions(&mut sim, &[a], 1, Duration::from_secs(5));
-    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst, 0, len as u64).unwrap() == data[..]);
     let drops: u64 = mp.planes[1]
         .all_links()
         .iter()

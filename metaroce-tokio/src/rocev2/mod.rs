@@ -223,19 +223,12 @@ impl RcEndpoint {
 
     /// Copy bytes out of a region.
     pub fn read_mr(&self, lkey: u32, offset: u64, len: u64) -> Result<Vec<u8>, MrError> {
-        self.shared()
-            .lock()
-            .core
-            .mr_read(lkey, offset, len)
-            .map(<[u8]>::to_vec)
+        self.shared().lock().core.mr_read(lkey, offset, len)
     }
 
     /// Copy bytes into a region.
     pub fn write_mr(&self, lkey: u32, offset: u64, data: &[u8]) -> Result<(), MrError> {
-        let mut st = self.shared().lock();
-        let dst = st.core.mr_write(lkey, offset, data.len() as u64)?;
-        dst.copy_from_slice(data);
-        Ok(())
+        self.shared().lock().core.mr_write(lkey, offset, data)
     }
 
     /// Endpoint counters.
@@ -637,7 +630,7 @@ impl QueuePair {
                 .mr_read(lkey, offset, 8)
                 .map_err(|e| Error::Post(RcError::LocalMemory(e)))?;
             let mut a = [0u8; 8];
-            a.copy_from_slice(b);
+            a.copy_from_slice(&b);
             Ok(u64::from_le_bytes(a))
         })
     }

@@ -391,7 +391,7 @@ pub fn run_transfers(
     let data_ok = targets.iter().enumerate().all(|(i, &lkey)| {
         sim.endpoint(pairs[i].1)
             .mr_read(lkey, 0, bytes as u64)
-            .is_ok_and(|d| d == &pattern(i, bytes)[..])
+            .is_ok_and(|d| d[..] == pattern(i, bytes)[..])
     });
     let mut srcs: Vec<HostId> = pairs.iter().map(|p| p.0).collect();
     srcs.sort();

@@ -1195,6 +1195,27 @@ impl Connection {
         self.rq.post_recv(stream, r);
     }
 
+    /// Cancel operation or posted receive `wr_id` (see `Endpoint::cancel`); due
+    /// completions are reported into `events`.
+    pub fn cancel(
+        &mut self,
+        wr_id: u64,
+        events: &mut VecDeque<Event>,
+    ) -> crate::endpoint::CancelOutcome {
+        use crate::endpoint::CancelOutcome;
+        let out = match self.sq.cancel(wr_id) {
+            Some(o) => o,
+            None => match self.rq.withdraw_recv(wr_id) {
+                Some(true) => CancelOutcome::Cancelled,
+                Some(false) => CancelOutcome::Finishing,
+                None => CancelOutcome::Unknown,
+            },
+        };
+        self.drain_completions(events);
+        self.rq.take_flushed(self.handle, events);
+        out
+    }
+
     // ---- timers ----
 
     pub fn next_timeout(&self) -> Option<Instant> {
@@ -1604,6 +1625,9 @@ impl Connection {
         let mut seg_size = None;
         let mut count = 0;
         let port = self.tx[i].src_port;
+        // Bytes of WRITE segments, copied out of the source region (one region lock per
+        // packet); reused across the batch.
+        let mut scratch: Vec<u8> = Vec::new();
         while count < max {
             let (seg, retx) = match probe {
                 Some(s) => (s, true),
@@ -1784,17 +1808,21 @@ impl Connection {
                     bytes = b;
                     &bytes
                 }
-                Src::Mr(lkey, off) => match mrs.local(lkey, off, len as u64) {
-                    Ok(p) => p,
-                    Err(_) => {
-                        // The source region went away under the operation.
-                        if probe.is_none() {
-                            self.sq.take(seg);
+                Src::Mr(lkey, off) => {
+                    scratch.clear();
+                    scratch.resize(len as usize, 0);
+                    match mrs.local_read(lkey, off, &mut scratch) {
+                        Ok(()) => &scratch,
+                        Err(_) => {
+                            // The source region went away under the operation.
+                            if probe.is_none() {
+                                self.sq.take(seg);
+                            }
+                            self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
+                            break;
                         }
-                        self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
-                        break;
                     }
-                },
+                }
             };
             let size = wire::packet_len_with(&hdrs, payload.len(), &self.trailer_for(opcode));
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.

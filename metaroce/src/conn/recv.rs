@@ -318,8 +318,9 @@ pub struct RecvStats {
     pub naks: u64,
     /// RNR NAKs sent (a SEND found no posted receive).
     pub rnr_naks: u64,
-    /// Op aborts taken: WRITEs the requester gave up on after a local error (their op ids
-    /// count as finished).
+    /// Op aborts taken: WRITEs the requester gave up on after a local error, and WRITEs,
+    /// READs and atomics it cancelled before they were executed here (their op ids count as
+    /// finished).
     pub aborted_ops: u64,
     /// One-sided packets (WRITE, READ, atomic) whose op id was already taken by an
     /// operation with other parameters (opcode, VA, rkey, length, immediate, operands):
@@ -413,6 +414,34 @@ impl RecvState {
         } else {
             st.posted.push_back(r);
         }
+    }
+
+    /// Withdraw the posted receive `wr_id` if no message has begun landing in it (nor in a
+    /// receive posted after it on the same stream, whose message-to-receive matching would
+    /// shift): it completes with `WrFlushError` (reported by `take_flushed`) and the next
+    /// message of its stream takes the next receive. `Some(false)`: a message is landing
+    /// in it (or it was flushed already); it completes normally. `None`: no such receive.
+    pub fn withdraw_recv(&mut self, wr_id: u64) -> Option<bool> {
+        if self.flushed.iter().any(|(_, wc)| wc.wr_id == wr_id) {
+            return Some(false);
+        }
+        for (&sid, st) in self.streams.iter_mut() {
+            let Some(k) = st.posted.iter().position(|r| r.wr_id == wr_id) else {
+                continue;
+            };
+            let later: Vec<u64> = st.posted.iter().skip(k).map(|r| r.wr_id).collect();
+            let bound = st
+                .msgs
+                .values()
+                .any(|m| matches!(m.dest, Dest::Posted(r) if later.contains(&r.wr_id)));
+            if bound {
+                return Some(false);
+            }
+            st.posted.remove(k);
+            self.flushed.push_back((sid, flush_wc(wr_id)));
+            return Some(true);
+        }
+        None
     }
 
     /// Whether flushed receives wait to be reported.
@@ -764,11 +793,12 @@ impl RecvState {
         match &mut msg.dest {
             Dest::Owned(data) => data[off..off + payload.len()].copy_from_slice(payload),
             Dest::Posted(r) => {
-                if !payload.is_empty() {
-                    match mrs.local_mut(r.lkey, r.offset + off as u64, payload.len() as u64) {
-                        Ok(dst) => dst.copy_from_slice(payload),
-                        Err(_) => return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL),
-                    }
+                if !payload.is_empty()
+                    && mrs
+                        .local_write(r.lkey, r.offset + off as u64, payload)
+                        .is_err()
+                {
+                    return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
                 }
             }
         }
@@ -986,7 +1016,7 @@ impl RecvState {
             Bytes::new()
         } else {
             match mrs.remote_read(reth.rkey, reth.va, len) {
-                Ok(d) => Bytes::copy_from_slice(d),
+                Ok(d) => Bytes::from(d),
                 Err(_) => return (self.refuse_op(op.op_id, NAK_REMOTE_ACCESS, lim), None),
             }
         };
@@ -1160,7 +1190,8 @@ impl RecvState {
     }
 
     /// An op abort (`MR_WRITE` with PathEth flags bit 1): the requester gave up on the
-    /// WRITE with op id `id` and sends none of its remaining packets. The op id counts as
+    /// operation with op id `id` (a WRITE that failed locally, or any operation it
+    /// cancelled) and sends none of its remaining packets. The op id counts as
     /// finished (what already landed stays; no immediate is reported), so the floor of
     /// finished op ids moves past it. A finished or refused id is acknowledged as a
     /// duplicate; an id beyond the tracking limit is dropped unacknowledged (re-sent later),

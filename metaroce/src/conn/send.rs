@@ -164,6 +164,9 @@ pub(crate) struct Op {
     /// Response timeouts of a READ/atomic whose request was acknowledged.
     resp_timeouts: u32,
     pub status: Option<WcStatus>,
+    /// A cancelled operation: the id of the op abort that must be acknowledged before its
+    /// completion is reported (from then on the peer neither places nor executes it).
+    hold: Option<u64>,
 }
 
 impl Op {
@@ -380,6 +383,7 @@ impl SendQueue {
             rnr: Vec::new(),
             resp_timeouts: 0,
             status: None,
+            hold: None,
         });
     }
 
@@ -931,8 +935,8 @@ impl SendQueue {
         resp.last_progress = Some(now);
         let done = resp.got_segs == resp.nsegs;
         if !payload.is_empty() {
-            match mrs.local_mut(lkey, local_offset + offset as u64, payload.len() as u64) {
-                Ok(dst) => dst.copy_from_slice(payload),
+            match mrs.local_write(lkey, local_offset + offset as u64, payload) {
+                Ok(()) => {}
                 Err(_) => {
                     self.finish(id, WcStatus::LocalProtectionError);
                     return RespOutcome::Accepted;
@@ -968,11 +972,8 @@ impl SendQueue {
             // The request was never sent: nothing can answer it yet.
             return RespOutcome::Invalid;
         }
-        let status = match mrs.local_mut(lkey, local_offset, 8) {
-            Ok(dst) => {
-                dst.copy_from_slice(&orig.to_le_bytes());
-                WcStatus::Success
-            }
+        let status = match mrs.local_write(lkey, local_offset, &orig.to_le_bytes()) {
+            Ok(()) => WcStatus::Success,
             Err(_) => WcStatus::LocalProtectionError,
         };
         self.finish(id, status);
@@ -1155,10 +1156,62 @@ impl SendQueue {
         self.flow_parked.clear();
     }
 
+    /// Whether the operation at the front has its final status and nothing holds its
+    /// completion back (a cancelled WRITE waits for its op abort to be acknowledged).
+    fn front_due(&self) -> Option<WcStatus> {
+        let op = self.ops.front()?;
+        let status = op.status?;
+        if let Some(h) = op.hold {
+            if self.op(h).is_some_and(|a| a.status.is_none()) {
+                return None;
+            }
+        }
+        Some(status)
+    }
+
+    /// Cancel the application operation `wr_id` (the oldest pending one with that id).
+    ///
+    /// A WRITE, READ or atomic that has not finished stops at once: nothing more of it is
+    /// sent, and an op abort (`MR_WRITE` with the op-abort flag, docs/PROTOCOL.md "Errors
+    /// of one operation") tells the responder to count its op id as finished, so its
+    /// tracking never waits for packets that will not come and a request still in flight
+    /// is not executed when it arrives after the abort. A READ's or atomic's later
+    /// responses are acknowledged and not placed (the local destination is never written
+    /// again). The operation completes with `WrFlushError`, in posting order, once the
+    /// abort is acknowledged: from then on no byte of a cancelled WRITE lands at the peer
+    /// (bytes that landed before stay) and a cancelled READ or atomic either was executed
+    /// before the abort or never will be. SENDs cannot be cancelled (their message sequence
+    /// numbers order the stream).
+    pub fn cancel(&mut self, wr_id: u64) -> Option<crate::endpoint::CancelOutcome> {
+        use crate::endpoint::CancelOutcome;
+        let app = |o: &Op| !o.kind.is_internal() && o.wr_id == wr_id;
+        let i = self
+            .ops
+            .iter()
+            .position(|o| app(o) && o.status.is_none())
+            .or_else(|| self.ops.iter().position(app))?;
+        let op = &self.ops[i];
+        if op.status.is_some() {
+            return Some(CancelOutcome::Finishing);
+        }
+        let wire_id = match op.kind {
+            OpKind::Write { wire_id, .. }
+            | OpKind::Read { wire_id, .. }
+            | OpKind::Atomic { wire_id, .. } => wire_id,
+            _ => return Some(CancelOutcome::NotCancellable),
+        };
+        let id = self.base_id + i as u64;
+        self.finish(id, WcStatus::WrFlushError);
+        let abort = self.base_id + self.ops.len() as u64;
+        self.push(0, OpKind::OpAbort { wire_id }, 0);
+        self.ops[i].hold = Some(abort);
+        Some(CancelOutcome::Cancelled)
+    }
+
     /// Pop completions that are due, in posting order (internal operations report none).
     pub fn pop_completion(&mut self) -> Option<WorkCompletion> {
         loop {
-            let status = self.ops.front()?.status?;
+            let status = self.front_due()?;
             let op = self.ops.pop_front()?;
             self.base_id += 1;
             self.cursor = self.cursor.saturating_sub(1);
@@ -1178,7 +1231,7 @@ impl SendQueue {
     /// Whether a completion is due and not yet popped (an operation flushed when it was
     /// posted, with nothing pending before it).
     pub fn completion_ready(&self) -> bool {
-        self.ops.front().is_some_and(|o| o.status.is_some())
+        self.front_due().is_some()
     }
 
     /// Whether anything is posted and not yet completed.

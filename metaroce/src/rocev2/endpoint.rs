@@ -64,12 +64,12 @@ impl RcEndpoint {
 
     /// Register `data` as a memory region with `access`.
     pub fn register_mr(&mut self, data: Vec<u8>, access: Access) -> MrKeys {
-        self.mrs.register(data, access)
+        self.mrs.register(Box::new(data), access)
     }
 
     /// Deregister a region, returning its bytes.
     pub fn deregister_mr(&mut self, lkey: u32) -> Option<Vec<u8>> {
-        self.mrs.deregister(lkey)
+        self.mrs.deregister(lkey).map(crate::mr::into_vec)
     }
 
     /// Keys of a region.
@@ -77,14 +77,14 @@ impl RcEndpoint {
         self.mrs.keys(lkey)
     }
 
-    /// Read `[offset, offset + len)` of a region.
-    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
-        self.mrs.local(lkey, offset, len)
+    /// A copy of bytes `[offset, offset + len)` of a region.
+    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<Vec<u8>, MrError> {
+        self.mrs.local_vec(lkey, offset, len)
     }
 
-    /// Mutable `[offset, offset + len)` of a region.
-    pub fn mr_write(&mut self, lkey: u32, offset: u64, len: u64) -> Result<&mut [u8], MrError> {
-        self.mrs.local_mut(lkey, offset, len)
+    /// Copy `data` into a region at `offset`.
+    pub fn mr_write(&mut self, lkey: u32, offset: u64, data: &[u8]) -> Result<(), MrError> {
+        self.mrs.local_write(lkey, offset, data)
     }
 
     // ------------------------------------------------------------------ QPs

@@ -596,8 +596,8 @@ impl<'a> RcQps<'a> {
     }
 
     /// Bytes `[offset, offset + len)` of a registered region.
-    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<&[u8], MrError> {
-        self.mrs.local(lkey, offset, len)
+    pub fn mr_read(&self, lkey: u32, offset: u64, len: u64) -> Result<Vec<u8>, MrError> {
+        self.mrs.local_vec(lkey, offset, len)
     }
 }
 
@@ -611,7 +611,7 @@ fn check_local(
     if len == 0 {
         return Ok(());
     }
-    mrs.local(lkey, offset, u64::from(len))
+    mrs.check_local(lkey, offset, u64::from(len))
         .map_err(RcError::LocalMemory)?;
     if write {
         let k = mrs

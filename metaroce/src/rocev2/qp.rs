@@ -539,7 +539,7 @@ impl Qp {
                     }
                     let plen = remaining.min(self.pmtu);
                     let data = if plen == 0 {
-                        Some(&[][..])
+                        Some(Vec::new())
                     } else {
                         read_remote(mrs, rkey, va, plen)
                     };
@@ -563,7 +563,7 @@ impl Qp {
                         msn: self.msn,
                     });
                     let bth = Bth::new(op, rqpn, psn_add(base, k));
-                    let p = self.emit(buf, bth, rc(None, aeth, None, None, None), data);
+                    let p = self.emit(buf, bth, rc(None, aeth, None, None, None), &data);
                     if let Some(RespItem::Read {
                         k: kk,
                         va: vv,
@@ -632,15 +632,15 @@ impl Qp {
         let off = u64::from(k) * u64::from(pmtu);
         let mut bth;
         let headers;
-        let mut payload: &[u8] = &[];
+        let mut payload_buf = Vec::new();
         let mut consumed = 1;
         match wr.op {
             SendOp::Send { imm } | SendOp::Write { imm, .. } => {
                 let is_send = matches!(wr.op, SendOp::Send { .. });
                 let plen = (u64::from(wr.len) - off.min(u64::from(wr.len))).min(u64::from(pmtu));
                 if plen > 0 {
-                    match mrs.local(wr.lkey, wr.local_offset + off, plen) {
-                        Ok(d) => payload = d,
+                    match mrs.local_vec(wr.lkey, wr.local_offset + off, plen) {
+                        Ok(d) => payload_buf = d,
                         Err(_) => {
                             // Only if the region was deregistered after posting.
                             self.fail_at(idx, WcStatus::LocalProtectionError, events);
@@ -750,7 +750,7 @@ impl Qp {
         if bth.ack_req {
             self.noack_pkts = 0;
         }
-        let p = self.emit(buf, bth, headers, payload)?;
+        let p = self.emit(buf, bth, headers, &payload_buf)?;
         // Advance the cursor.
         self.cursor_pkt += consumed;
         if self.cursor_pkt >= n {
@@ -981,8 +981,8 @@ impl Qp {
             Opcode::RC_ATOMIC_ACKNOWLEDGE => {
                 if w_op.is_atomic() && p == first_psn && syn_type == Some(SYN_ACK) {
                     if let Some(a) = atomic_ack {
-                        match mrs.local_mut(wr.lkey, wr.local_offset, 8) {
-                            Ok(dst) => dst.copy_from_slice(&a.orig.to_le_bytes()),
+                        match mrs.local_write(wr.lkey, wr.local_offset, &a.orig.to_le_bytes()) {
+                            Ok(()) => {}
                             Err(_) => {
                                 self.fail_front(WcStatus::LocalProtectionError, events);
                                 return;
@@ -1045,8 +1045,8 @@ impl Qp {
                     return;
                 }
                 if want > 0 {
-                    match mrs.local_mut(wr.lkey, wr.local_offset + off, want) {
-                        Ok(dst) => dst.copy_from_slice(payload),
+                    match mrs.local_write(wr.lkey, wr.local_offset + off, payload) {
+                        Ok(()) => {}
                         Err(_) => {
                             self.fail_front(WcStatus::LocalProtectionError, events);
                             return;
@@ -1245,8 +1245,8 @@ impl Qp {
                     return;
                 }
                 if plen > 0 {
-                    match mrs.local_mut(wqe.lkey, wqe.offset + u64::from(at), u64::from(plen)) {
-                        Ok(dst) => dst.copy_from_slice(payload),
+                    match mrs.local_write(wqe.lkey, wqe.offset + u64::from(at), payload) {
+                        Ok(()) => {}
                         Err(_) => {
                             self.in_msg = None;
                             events.push_back(self.recv_completion(
@@ -1590,7 +1590,7 @@ fn rc(
 }
 
 /// `len` bytes at `va` of the region `rkey`, if READ is allowed there.
-fn read_remote(mrs: &MrTable, rkey: u32, va: u64, len: u32) -> Option<&[u8]> {
+fn read_remote(mrs: &MrTable, rkey: u32, va: u64, len: u32) -> Option<Vec<u8>> {
     mrs.remote_read(rkey, va, u64::from(len)).ok()
 }
 

@@ -684,10 +684,7 @@ impl Net {
         while let Some(e) = self.eps[i].poll_event() {
             if let Event::Completion { wc, .. } | Event::RecvCompletion { wc, .. } = &e {
                 if let Some(&(lkey, off, len)) = self.snap_on.get(&(i, wc.wr_id)) {
-                    let mem = self.eps[i]
-                        .mr_read(lkey, off, len)
-                        .map(<[u8]>::to_vec)
-                        .unwrap_or_default();
+                    let mem = self.eps[i].mr_read(lkey, off, len).unwrap_or_default();
                     self.snaps.insert((i, wc.wr_id), (self.elapsed(), mem));
                 }
             }
@@ -697,7 +694,6 @@ impl Net {
                 if side == i {
                     let mem = self.eps[i]
                         .mr_read(lkey, off, len)
-                        .map(<[u8]>::to_vec)
                         .unwrap_or_default();
                     self.imm_snaps.push((*imm, mem));
                 }
@@ -2250,7 +2246,7 @@ impl Workload {
                 .mr_read(self.regions[side].src.lkey, 0, SRC_LEN as u64)
                 .map_err(|e| format!("{e}"))?;
             let want_src = pattern(0x5_0c0 + side as u64, SRC_LEN as usize);
-            if src != &want_src[..] {
+            if src[..] != want_src[..] {
                 return Err(format!("side {side}: the local source region changed"));
             }
             // Candidate writers per byte of the rw region: None = canary.
@@ -2347,7 +2343,7 @@ impl Workload {
                     .mr_read(lkey, off, len)
                     .map_err(|e| format!("side {side}: {e}"))
             };
-            if read(regs.rsrc.lkey, 0, RSRC_LEN as u64)? != &rsrc_bytes(side)[..] {
+            if read(regs.rsrc.lkey, 0, RSRC_LEN as u64)?[..] != rsrc_bytes(side)[..] {
                 return Err(format!("side {side}: the READ source region changed"));
             }
 
