@@ -122,27 +122,33 @@ fn packet_checks(data: &[u8], p: &Packet<'_>, h: u64) {
     let pad = usize::from(p.bth.pad_count);
     assert_eq!(
         data.len(),
-        hdr + p.payload.len() + pad + ICRC_LEN,
+        hdr + p.payload.len() + pad + p.trailer.len() + ICRC_LEN,
         "sizes of a parsed packet"
     );
+    if !p.bth.opcode.is_metaroce() {
+        assert!(p.trailer.is_empty(), "trailer on a RoCEv2 opcode");
+    }
     assert_eq!(p.payload, &data[hdr..hdr + p.payload.len()]);
     assert_eq!(p.icrc, data[data.len() - ICRC_LEN..]);
-    if hdr.is_multiple_of(4) {
+    if hdr.is_multiple_of(4) && p.trailer.len().is_multiple_of(4) {
         // Length and headers are multiples of 4, so the pad is the canonical one.
         assert_eq!(pad, wire::pad_for(p.payload.len()));
     }
 
     // Emit what was parsed and parse it again.
-    let total = wire::packet_len(&p.headers, p.payload.len());
+    let total = wire::packet_len_with(&p.headers, p.payload.len(), &p.trailer);
     let mut out = vec![0xA5u8; total + 7];
-    let n = wire::emit_packet(&p.bth, &p.headers, p.payload, &mut out)
+    let n = wire::emit_packet_with(&p.bth, &p.headers, p.payload, &p.trailer, &mut out)
         .unwrap_or_else(|e| panic!("emit of a parsed packet failed: {e}: {p:?}"));
     assert_eq!(n, total);
     assert!(
         out[n..].iter().all(|&b| b == 0xA5),
         "emit wrote past its length"
     );
-    assert!(wire::emit_packet(&p.bth, &p.headers, p.payload, &mut out[..n - 1]).is_err());
+    assert!(
+        wire::emit_packet_with(&p.bth, &p.headers, p.payload, &p.trailer, &mut out[..n - 1])
+            .is_err()
+    );
     let q = Packet::parse(&out[..n])
         .unwrap_or_else(|e| panic!("emitted packet does not parse: {e}: {p:?}"));
     let mut expect_bth = p.bth;
@@ -150,10 +156,11 @@ fn packet_checks(data: &[u8], p: &Packet<'_>, h: u64) {
     assert_eq!(q.bth, expect_bth, "BTH round trip");
     assert_eq!(q.headers, p.headers, "headers round trip");
     assert_eq!(q.payload, p.payload, "payload round trip");
+    assert_eq!(q.trailer, p.trailer, "trailer round trip");
     assert_eq!(q.icrc, [0; ICRC_LEN], "emit leaves the ICRC zero");
     // Emitting the re-parsed packet gives the same bytes (canonical form).
     let mut again = vec![0u8; n];
-    wire::emit_packet(&q.bth, &q.headers, q.payload, &mut again).expect("re-emit");
+    wire::emit_packet_with(&q.bth, &q.headers, q.payload, &q.trailer, &mut again).expect("re-emit");
     assert_eq!(again, out[..n], "emit is not canonical");
     // Headers emitted alone parse back with the same opcode.
     let mut hb = vec![0u8; p.headers.len()];
@@ -175,7 +182,10 @@ fn packet_checks(data: &[u8], p: &Packet<'_>, h: u64) {
     ) {
         icrc::stamp(&ip, 0xC000, wire::ROCEV2_UDP_PORT, &mut stamped).expect("stamp");
         let s = Packet::parse(&stamped).expect("stamped packet parses");
-        assert_eq!((s.bth, s.headers, s.payload), (q.bth, q.headers, q.payload));
+        assert_eq!(
+            (s.bth, s.headers, s.payload, s.trailer),
+            (q.bth, q.headers, q.payload, q.trailer)
+        );
     }
 }
 

@@ -308,16 +308,17 @@ fn reserved_bits_are_ignored() {
         .unwrap();
     let mut b = emit(op, &h, &[]);
     b[4] |= 0x3F; // BTH resv6
-    b[8] |= 0x7F; // BTH resv7
+    b[8] |= 0x7C; // BTH reserved bits 6:2 (bits 1:0 are the MetaRoCE trailer kind)
     b[12 + 2] = 0xAA; // PathEth reserved
     b[12 + 8] = 0xA8; // PathEth byte 8: reserved bits 7:3 (bits 2:0 carry the plane)
     b[24 + 1] = 0xAA; // NakEth reserved
     let p = Packet::parse(&b).unwrap();
     assert_eq!(p.headers, h);
     assert!(!p.bth.fecn && !p.bth.becn && !p.bth.ack_req);
-    // CNP reserved bytes too.
+    // CNP reserved bytes too; on a non-MetaRoCE opcode BTH byte 8 bits 6:0 are all reserved.
     let mut c = emit(Opcode::CNP, &Headers::Cnp, &[]);
     c[12..28].fill(0x5A);
+    c[8] |= 0x7F;
     assert_eq!(Packet::parse(&c).unwrap().headers, Headers::Cnp);
 }
 

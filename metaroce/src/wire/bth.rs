@@ -18,7 +18,8 @@ use super::{Error, Opcode, BTH_LEN, DEFAULT_PKEY, PSN_MASK};
 /// | 4 | 5:0 | reserved (sent 0, ignored on receive) |
 /// | 5–7 | 23:0 | DestQP |
 /// | 8 | 7 | AckReq |
-/// | 8 | 6:0 | reserved (sent 0, ignored on receive) |
+/// | 8 | 6:2 | reserved (sent 0, ignored on receive) |
+/// | 8 | 1:0 | MetaRoCE trailer kind ([`Trailer`](super::Trailer); not part of [`Bth`], read and written by [`Packet::parse`](super::Packet::parse) / [`emit_packet_with`](super::emit_packet_with)); reserved on RoCEv2 opcodes |
 /// | 9–11 | 23:0 | PSN |
 ///
 /// In MetaRoCE packets the BTH keeps this exact layout (TVer 0, P_Key 0xFFFF); DestQP is the

@@ -3,8 +3,11 @@
 //! A *UDP payload* is laid out as
 //!
 //! ```text
-//! BTH (12 B) | extension headers (0..=48 B, set by the opcode) | payload | pad (0..=3 B) | ICRC (4 B)
+//! BTH (12 B) | extension headers (0..=48 B, set by the opcode) | payload | pad (0..=3 B) | trailer (0, 8 or 24 B) | ICRC (4 B)
 //! ```
+//!
+//! The trailer ([`Trailer`]) exists only on MetaRoCE opcodes; its kind is BTH byte 8 bits
+//! 1:0.
 //!
 //! All multi-byte fields are big-endian except the ICRC, which is little-endian
 //! ([`icrc`]). RoCEv2 packets (RC opcodes `0x00..=0x17`, UD `0x64`/`0x65`, CNP `0x81`) follow
@@ -35,12 +38,14 @@ mod headers;
 pub mod icrc;
 mod mr;
 mod opcode;
+mod trailer;
 
 pub use bth::Bth;
 pub use eth::{Aeth, AtomicAckEth, AtomicEth, Deth, Reth};
 pub use headers::{header_len, Headers, CNP_RESERVED_LEN, IMM_LEN};
 pub use mr::{AckEth, CloseEth, ConnectEth, ConnectKind, NakEth, PathEth, SendEth, WriteEth};
 pub use opcode::{Opcode, Transport};
+pub use trailer::Trailer;
 
 /// UDP destination port of RoCEv2 (4791, IANA-assigned). RoCEv2 Annex A17.
 pub const ROCEV2_UDP_PORT: u16 = 4791;
@@ -125,9 +130,10 @@ impl std::error::Error for Error {}
 
 /// A parsed packet borrowing the datagram.
 ///
-/// `payload` excludes the pad and the ICRC; `icrc` holds the 4 trailing wire bytes as
-/// received (the CRC value is `u32::from_le_bytes(icrc)`). Sizes: a packet is
-/// `12 + headers.len() + payload.len() + bth.pad_count + 4` bytes.
+/// `payload` excludes the pad, the trailer and the ICRC; `trailer` is the authentication
+/// trailer (always [`Trailer::None`] on RoCEv2 opcodes); `icrc` holds the 4 trailing wire
+/// bytes as received (the CRC value is `u32::from_le_bytes(icrc)`). Sizes: a packet is
+/// `12 + headers.len() + payload.len() + bth.pad_count + trailer.len() + 4` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Packet<'a> {
     /// Base transport header (12 B).
@@ -136,6 +142,9 @@ pub struct Packet<'a> {
     pub headers: Headers,
     /// Payload bytes (after the headers, before the pad).
     pub payload: &'a [u8],
+    /// Authentication trailer (between the pad and the ICRC); its kind is BTH byte 8 bits
+    /// 1:0 on MetaRoCE opcodes.
+    pub trailer: Trailer,
     /// The 4 ICRC bytes as they appear on the wire (little-endian CRC value).
     pub icrc: [u8; ICRC_LEN],
 }
@@ -146,9 +155,13 @@ impl<'a> Packet<'a> {
     /// Checks, in order: at least 16 bytes (BTH + ICRC) → [`Error::Truncated`]; TVer 0 →
     /// [`Error::UnsupportedTver`]; opcode known → [`Error::UnknownOpcode`]; length ≥ BTH +
     /// headers + ICRC → [`Error::Truncated`]; length a multiple of 4 → [`Error::BadLength`];
-    /// pad count ≤ the bytes between headers and ICRC → [`Error::BadPadCount`]; the header
-    /// fields themselves → [`Error::BadField`]. Reserved bits and the values of pad bytes are
-    /// ignored. The ICRC is **not** verified (see [`icrc::verify`]).
+    /// on a MetaRoCE opcode, trailer kind (BTH byte 8 bits 1:0) not 3 →
+    /// [`Error::BadField`]`("BTH.trailer")` and length ≥ BTH + headers + trailer + ICRC →
+    /// [`Error::Truncated`]; pad count ≤ the bytes between headers and trailer →
+    /// [`Error::BadPadCount`]; the header fields themselves → [`Error::BadField`]. Reserved
+    /// bits and the values of pad bytes are ignored. Trailer kind 0 is accepted on every
+    /// opcode (the connection logic decides). The ICRC is **not** verified (see
+    /// [`icrc::verify`]).
     pub fn parse(udp_payload: &'a [u8]) -> Result<Packet<'a>, Error> {
         let len = udp_payload.len();
         let min = BTH_LEN + ICRC_LEN;
@@ -169,16 +182,29 @@ impl<'a> Packet<'a> {
         if len % 4 != 0 {
             return Err(Error::BadLength);
         }
+        let kind = Trailer::kind_in(bth.opcode, udp_payload.get(8).copied().unwrap_or(0));
+        let tlen = Trailer::len_of_kind(kind).ok_or(Error::BadField("BTH.trailer"))?;
+        if len < hdr + tlen + ICRC_LEN {
+            return Err(Error::Truncated {
+                needed: hdr + tlen + ICRC_LEN,
+                got: len,
+            });
+        }
         let pad = usize::from(bth.pad_count);
-        let area = len - hdr - ICRC_LEN;
+        let area = len - hdr - tlen - ICRC_LEN;
         if pad > area {
             return Err(Error::BadPadCount);
         }
         let ext = udp_payload.get(BTH_LEN..hdr).ok_or(Error::BadLength)?;
         let headers = Headers::parse(bth.opcode, ext)?;
-        let payload = udp_payload
-            .get(hdr..len - ICRC_LEN - pad)
-            .ok_or(Error::BadLength)?;
+        let tail = len - ICRC_LEN - tlen;
+        let payload = udp_payload.get(hdr..tail - pad).ok_or(Error::BadLength)?;
+        let trailer = Trailer::parse(
+            kind,
+            udp_payload
+                .get(tail..len - ICRC_LEN)
+                .ok_or(Error::BadLength)?,
+        )?;
         let icrc = udp_payload
             .get(len - ICRC_LEN..)
             .and_then(|s| <[u8; ICRC_LEN]>::try_from(s).ok())
@@ -187,6 +213,7 @@ impl<'a> Packet<'a> {
             bth,
             headers,
             payload,
+            trailer,
             icrc,
         })
     }
@@ -203,35 +230,59 @@ pub fn pad_for(payload_len: usize) -> usize {
     (4 - payload_len % 4) % 4
 }
 
-/// Total UDP payload length in bytes of a packet with these headers and a payload of
-/// `payload_len` bytes: BTH (12) + `headers.len()` + payload + pad + ICRC (4). Saturates at
-/// `usize::MAX` instead of overflowing.
+/// Total UDP payload length in bytes of a packet with these headers, a payload of
+/// `payload_len` bytes and no trailer: BTH (12) + `headers.len()` + payload + pad + ICRC (4).
+/// Saturates at `usize::MAX` instead of overflowing. See [`packet_len_with`].
 pub fn packet_len(headers: &Headers, payload_len: usize) -> usize {
-    (BTH_LEN + headers.len() + ICRC_LEN)
+    packet_len_with(headers, payload_len, &Trailer::None)
+}
+
+/// Total UDP payload length in bytes of a packet with these headers, a payload of
+/// `payload_len` bytes and `trailer`: BTH (12) + `headers.len()` + payload + pad +
+/// `trailer.len()` + ICRC (4). Saturates at `usize::MAX` instead of overflowing.
+pub fn packet_len_with(headers: &Headers, payload_len: usize, trailer: &Trailer) -> usize {
+    (BTH_LEN + headers.len() + trailer.len() + ICRC_LEN)
         .saturating_add(payload_len)
         .saturating_add(pad_for(payload_len))
 }
 
-/// Emit a whole packet into the start of `out`: the BTH (with `pad_count` replaced by
-/// [`pad_for`]`(payload.len())`), the headers, the payload, zero pad bytes and 4 ICRC bytes
-/// left as zero — stamp them afterwards with [`icrc::stamp`]. Returns the total length,
-/// [`packet_len`]`(headers, payload.len())`.
-///
-/// Errors: [`Error::UnknownOpcode`] if `bth.opcode` is not known;
-/// [`Error::BadField`]`("headers do not match opcode")` if `headers` is not the sequence the
-/// opcode prescribes ([`Headers::matches_opcode`]); [`Error::BufferTooSmall`] if `out` is
-/// shorter than the packet.
+/// Emit a whole packet without a trailer (kind 0); see [`emit_packet_with`].
 pub fn emit_packet(
     bth: &Bth,
     headers: &Headers,
     payload: &[u8],
     out: &mut [u8],
 ) -> Result<usize, Error> {
+    emit_packet_with(bth, headers, payload, &Trailer::None, out)
+}
+
+/// Emit a whole packet into the start of `out`: the BTH (with `pad_count` replaced by
+/// [`pad_for`]`(payload.len())` and, on MetaRoCE opcodes, the trailer kind in byte 8 bits
+/// 1:0), the headers, the payload, zero pad bytes, the trailer and 4 ICRC bytes left as
+/// zero — stamp them afterwards with [`icrc::stamp`]. Returns the total length,
+/// [`packet_len_with`]`(headers, payload.len(), trailer)`.
+///
+/// Errors: [`Error::UnknownOpcode`] if `bth.opcode` is not known;
+/// [`Error::BadField`]`("headers do not match opcode")` if `headers` is not the sequence the
+/// opcode prescribes ([`Headers::matches_opcode`]);
+/// [`Error::BadField`]`("trailer on a RoCEv2 opcode")` for a trailer other than
+/// [`Trailer::None`] on a non-MetaRoCE opcode; [`Error::BufferTooSmall`] if `out` is shorter
+/// than the packet.
+pub fn emit_packet_with(
+    bth: &Bth,
+    headers: &Headers,
+    payload: &[u8],
+    trailer: &Trailer,
+    out: &mut [u8],
+) -> Result<usize, Error> {
     header_len(bth.opcode)?;
     if !headers.matches_opcode(bth.opcode) {
         return Err(Error::BadField("headers do not match opcode"));
     }
-    let total = packet_len(headers, payload.len());
+    if !trailer.is_empty() && !bth.opcode.is_metaroce() {
+        return Err(Error::BadField("trailer on a RoCEv2 opcode"));
+    }
+    let total = packet_len_with(headers, payload.len(), trailer);
     let got = out.len();
     let out = out
         .get_mut(..total)
@@ -242,13 +293,25 @@ pub fn emit_packet(
     b.pad_count = pad as u8;
     let (bth_bytes, rest) = out.split_at_mut(BTH_LEN);
     b.emit(bth_bytes)?;
+    if let Some(b8) = bth_bytes.get_mut(8) {
+        *b8 |= trailer.kind();
+    }
     let n = headers.emit(rest)?;
     let rest = rest
         .get_mut(n..)
         .ok_or(Error::BufferTooSmall { needed: total, got })?;
-    let mut w = cursor::Writer::with_len(rest, payload.len() + pad + ICRC_LEN)?;
+    let tlen = trailer.len();
+    let body = payload.len() + pad;
+    let rest = rest
+        .get_mut(..body + tlen + ICRC_LEN)
+        .ok_or(Error::BufferTooSmall { needed: total, got })?;
+    let (body_bytes, tail) = rest.split_at_mut(body);
+    let mut w = cursor::Writer::with_len(body_bytes, body)?;
     w.bytes(payload)?;
-    w.zeros(pad + ICRC_LEN)?;
+    w.zeros(pad)?;
+    let (tr, icrc) = tail.split_at_mut(tlen);
+    trailer.emit(tr)?;
+    icrc.fill(0);
     Ok(total)
 }
 
