@@ -824,6 +824,7 @@ impl World {
                 };
                 let h = Headers::Connect(ConnectEth {
                     kind,
+                    flags: 0,
                     version: if bad_version { 2 } else { ConnectEth::VERSION },
                     paths,
                     src_qpn: self.qp(src_qpn),

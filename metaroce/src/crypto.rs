@@ -50,10 +50,21 @@
 //! still fall into the replay window, i.e. until the window's lower edge has passed the
 //! first packet number of the current phase: at most `replay_window` packet numbers.
 //!
-//! Limitation: if both ends initiate updates at the same moment and one of them updates
-//! again before every packet of the intermediate phase has arrived, packets two generations
-//! ahead can be tried with the key of the same phase parity and fail; they count as
-//! authentication failures and are retransmitted by the delivery layer (nothing is lost).
+//! Packet numbers grow across generations, so the receiver tells the generations apart
+//! beyond the phase bit by the first packet number it verified under each of the last three
+//! keys: a packet of the current phase below the previous generation's first packet number
+//! is two generations old, one of the other phase below the first packet number of the
+//! generation before the previous one is three generations old; both are dropped as
+//! [`OpenError::KeyDiscarded`] without a tag check and retransmitted by the delivery layer
+//! like a loss. One of the other phase at or above the current generation's first packet
+//! number is of the next generation, below it of the previous one.
+//!
+//! If both ends initiate updates at the same moment, one of them can go on to the next
+//! update before any packet of the intermediate generation has reached the peer; the peer
+//! then sees a packet of its own phase bit that is two generations ahead. So a packet of
+//! the current phase that fails to verify and is newer than every packet seen is tried once
+//! more with the key two generations ahead (derived once and cached): a forged packet costs
+//! at most two tag checks.
 //!
 //! Nothing here panics or allocates on untrusted input. All state is per connection.
 
@@ -384,12 +395,16 @@ impl KeyMaterial {
         let (mut key, iv, mut next) = expand_secret(alg, &secret);
         next.zeroize();
         let cipher = match alg {
-            AeadAlgorithm::Aes128Gcm => Cipher::A128(Box::new(Aes128Gcm::new(
-                aes_gcm::Key::<Aes128Gcm>::from_slice(&key[..16]),
-            ))),
-            AeadAlgorithm::Aes256Gcm => Cipher::A256(Box::new(Aes256Gcm::new(
-                aes_gcm::Key::<Aes256Gcm>::from_slice(&key),
-            ))),
+            AeadAlgorithm::Aes128Gcm => {
+                Cipher::A128(Box::new(Aes128Gcm::new(
+                    aes_gcm::Key::<Aes128Gcm>::from_slice(&key[..16]),
+                )))
+            }
+            AeadAlgorithm::Aes256Gcm => {
+                Cipher::A256(Box::new(Aes256Gcm::new(
+                    aes_gcm::Key::<Aes256Gcm>::from_slice(&key),
+                )))
+            }
         };
         key.zeroize();
         Self { secret, cipher, iv }
@@ -509,7 +524,9 @@ impl ReplayWindow {
 
     fn bit(&self, pn: u64) -> bool {
         let i = (pn % self.size) as usize;
-        self.bits.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+        self.bits
+            .get(i / 64)
+            .is_some_and(|w| w & (1 << (i % 64)) != 0)
     }
 
     fn clear(&mut self, pn: u64) {
@@ -534,9 +551,17 @@ struct RecvKeys {
     generation: u64,
     /// Lowest packet number verified under `key` (0 for generation 0).
     first_pn: u64,
+    /// `first_pn` of the previous generation: a packet of the current phase below it is
+    /// two generations old (same phase bit), not of the current one.
+    prev_first_pn: u64,
+    /// `first_pn` of the generation before the previous one: a packet of the other phase
+    /// below it is three generations old, not of the previous one.
+    prev2_first_pn: u64,
     prev: Option<KeyMaterial>,
     /// The next generation's key, derived when first needed and cached.
     next: Option<KeyMaterial>,
+    /// The generation after `next`, for simultaneous updates (see `open`); cached.
+    skip: Option<KeyMaterial>,
     replay: ReplayWindow,
 }
 
@@ -610,8 +635,11 @@ impl PacketProtection {
                 phase: false,
                 generation: 0,
                 first_pn: 0,
+                prev_first_pn: 0,
+                prev2_first_pn: 0,
                 prev: None,
                 next: None,
+                skip: None,
                 replay: ReplayWindow::new(cfg.replay_window.min(MAX_REPLAY_WINDOW)),
             },
             update_requested: false,
@@ -747,12 +775,42 @@ impl PacketProtection {
         let r = &mut self.recv;
         let mut updated = false;
         if phase == r.phase {
-            if !r.key.open(pn, aad, body, &tag) {
-                return Err(OpenError::Auth);
+            // Packet numbers grow across generations: below the previous generation's first
+            // packet number means two generations back, whose key is gone.
+            if pn < r.prev_first_pn {
+                return Err(OpenError::KeyDiscarded);
             }
-            r.first_pn = r.first_pn.min(pn);
+            if r.key.open(pn, aad, body, &tag) {
+                r.first_pn = r.first_pn.min(pn);
+            } else {
+                // Both ends initiated an update at once and the peer went on to the next
+                // one before any packet of the intermediate generation arrived: a packet
+                // newer than everything seen may be two generations ahead (same phase bit).
+                let newest = r.replay.top().is_none_or(|t| pn > t);
+                if !newest {
+                    return Err(OpenError::Auth);
+                }
+                let alg = self.alg;
+                let next = r.next.get_or_insert_with(|| r.key.next(alg));
+                let skip = r.skip.get_or_insert_with(|| next.next(alg));
+                if !skip.open(pn, aad, body, &tag) {
+                    return Err(OpenError::Auth);
+                }
+                let top_before = r.replay.top().unwrap_or(0);
+                if let (Some(n1), Some(n2)) = (r.next.take(), r.skip.take()) {
+                    r.prev = Some(n1);
+                    r.key = n2;
+                }
+                r.generation += 2;
+                // The intermediate generation's packets are all newer than what was seen.
+                r.prev2_first_pn = r.first_pn;
+                r.prev_first_pn = top_before.saturating_add(1);
+                r.first_pn = pn;
+                updated = true;
+                self.stats.key_updates_received += 2;
+            }
         } else if pn < r.first_pn {
-            let Some(prev) = &r.prev else {
+            let Some(prev) = r.prev.as_ref().filter(|_| pn >= r.prev2_first_pn) else {
                 return Err(OpenError::KeyDiscarded);
             };
             if !prev.open(pn, aad, body, &tag) {
@@ -768,8 +826,11 @@ impl PacketProtection {
             if let Some(n) = r.next.take() {
                 r.prev = Some(core::mem::replace(&mut r.key, n));
             }
+            r.skip = None;
             r.phase = phase;
             r.generation += 1;
+            r.prev2_first_pn = r.prev_first_pn;
+            r.prev_first_pn = r.first_pn;
             r.first_pn = pn;
             updated = true;
             self.stats.key_updates_received += 1;
@@ -783,7 +844,7 @@ impl PacketProtection {
                 r.prev = None;
             }
         }
-        if updated && self.recv.generation > self.send.generation {
+        while updated && self.recv.generation > self.send.generation {
             self.update_send();
         }
         Ok(Opened {
@@ -844,18 +905,29 @@ mod tests {
             .unwrap();
         assert_eq!(
             buf,
-            hex("42831ec2217774244b7221b784d0d49ce3aa212f2c02a4e035c17e2329aca12e
-                 21d514b25466931c7d8f6a5aac84aa051ba30b396a0aac973d58e091")
+            hex(
+                "42831ec2217774244b7221b784d0d49ce3aa212f2c02a4e035c17e2329aca12e
+                 21d514b25466931c7d8f6a5aac84aa051ba30b396a0aac973d58e091"
+            )
         );
-        assert_eq!(tag.as_slice(), hex("5bc94fbc3221a5db94fae95ae7121a47").as_slice());
+        assert_eq!(
+            tag.as_slice(),
+            hex("5bc94fbc3221a5db94fae95ae7121a47").as_slice()
+        );
 
         let c = Aes256Gcm::new_from_slice(&[0u8; 32]).unwrap();
         let mut buf = [0u8; 16];
         let tag = c
             .encrypt_in_place_detached(Nonce::from_slice(&[0u8; 12]), &[], &mut buf)
             .unwrap();
-        assert_eq!(buf.as_slice(), hex("cea7403d4d606b6e074ec5d3baf39d18").as_slice());
-        assert_eq!(tag.as_slice(), hex("d0d1c8a799996bf0265b98b5d48ab919").as_slice());
+        assert_eq!(
+            buf.as_slice(),
+            hex("cea7403d4d606b6e074ec5d3baf39d18").as_slice()
+        );
+        assert_eq!(
+            tag.as_slice(),
+            hex("d0d1c8a799996bf0265b98b5d48ab919").as_slice()
+        );
     }
 
     fn key16() -> PacketProtectionKey {
@@ -899,11 +971,19 @@ mod tests {
                 expect[8] |= TRAILER_KIND_AEAD;
                 let mut p = plain.clone();
                 assert_eq!(c.seal(&mut p).unwrap(), u64::from(i));
-                assert_ne!(p[hdr..hdr + 37], plain[hdr..hdr + 37], "payload is encrypted");
+                assert_ne!(
+                    p[hdr..hdr + 37],
+                    plain[hdr..hdr + 37],
+                    "payload is encrypted"
+                );
                 assert_eq!(p[..hdr], expect[..hdr], "headers stay in the clear");
                 let o = s.open(&mut p).unwrap();
                 assert_eq!(o.pn, u64::from(i));
-                assert_eq!(p[..hdr + 40], expect[..hdr + 40], "payload and pad decrypted");
+                assert_eq!(
+                    p[..hdr + 40],
+                    expect[..hdr + 40],
+                    "payload and pad decrypted"
+                );
                 let mut q = packet(b"back", i);
                 s.seal(&mut q).unwrap();
                 c.open(&mut q).unwrap();
@@ -923,9 +1003,19 @@ mod tests {
         // Our own direction's keys do not open: c2s != s2c.
         assert_eq!(c2.open(&mut p.clone()), Err(OpenError::Auth));
         let other = ProtectionConfig::new(PacketProtectionKey::new(&[9u8; 16]).unwrap());
-        let mut s = PacketProtection::new(&other, Side::Server, 0x0102_0304_0506_0708, 0x1112_1314_1516_1718);
+        let mut s = PacketProtection::new(
+            &other,
+            Side::Server,
+            0x0102_0304_0506_0708,
+            0x1112_1314_1516_1718,
+        );
         assert_eq!(s.open(&mut p.clone()), Err(OpenError::Auth));
-        let mut s = PacketProtection::new(&cfg, Side::Server, 0x0102_0304_0506_0708, 0x1112_1314_1516_1719);
+        let mut s = PacketProtection::new(
+            &cfg,
+            Side::Server,
+            0x0102_0304_0506_0708,
+            0x1112_1314_1516_1719,
+        );
         assert_eq!(s.open(&mut p.clone()), Err(OpenError::Auth));
         assert_eq!(s.stats().auth_failures, 1);
     }
@@ -1016,7 +1106,11 @@ mod tests {
         }
         assert!(s.open(&mut new[3].clone()).unwrap().key_updated);
         assert_eq!(s.recv_generation(), 1);
-        assert_eq!(s.send_generation(), 1, "server responded with its own update");
+        assert_eq!(
+            s.send_generation(),
+            1,
+            "server responded with its own update"
+        );
         let hdr = wire::header_len(Opcode::MR_SEND).unwrap();
         for (p, want) in old[5..]
             .iter()
@@ -1073,6 +1167,36 @@ mod tests {
         assert!(c.send_generation() >= 9, "{}", c.send_generation());
         assert_eq!(s.recv_generation(), c.send_generation());
         assert_eq!(s.stats().auth_failures + s.stats().key_discarded, 0);
+    }
+
+    /// Both ends initiate at once; the client, confirmed by the server's new phase, updates
+    /// again, and its generation-2 packet reaches the server before any generation-1 one.
+    #[test]
+    fn simultaneous_updates_skip_a_generation() {
+        let cfg = ProtectionConfig::new(key16());
+        let (mut c, mut s) = pair(&cfg);
+        assert!(c.request_key_update());
+        assert!(s.request_key_update());
+        let mut c1 = packet(b"c gen 1", 0);
+        c.seal(&mut c1).unwrap();
+        let mut s1 = packet(b"s gen 1", 0);
+        s.seal(&mut s1).unwrap();
+        assert_eq!((c.send_generation(), s.send_generation()), (1, 1));
+        assert!(c.open(&mut s1).unwrap().key_updated);
+        assert!(c.request_key_update());
+        let mut c2 = packet(b"c gen 2", 1);
+        c.seal(&mut c2).unwrap();
+        assert_eq!(c.send_generation(), 2);
+        let o = s.open(&mut c2).unwrap();
+        assert!(o.key_updated);
+        assert_eq!(s.recv_generation(), 2);
+        assert_eq!(s.send_generation(), 2, "the server follows");
+        s.open(&mut c1).unwrap();
+        assert_eq!(s.stats().auth_failures, 0);
+        let mut s2 = packet(b"s gen 2", 1);
+        s.seal(&mut s2).unwrap();
+        assert!(c.open(&mut s2).unwrap().key_updated);
+        assert_eq!(c.recv_generation(), 2);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use crate::config::{EndpointConfig, TransportConfig};
 use crate::conn::{Connection, ConnectionStats, Outcome, State};
+use crate::crypto::OpenError;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::{Access, MrError, MrKeys, MrTable};
 use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode};
@@ -38,6 +39,9 @@ pub enum PostError {
     InvalidConfig(String),
     /// Too many connections.
     TooManyConnections,
+    /// The connection does not use AEAD packet protection
+    /// ([`TransportConfig::packet_protection`]).
+    NotProtected,
 }
 
 impl fmt::Display for PostError {
@@ -52,6 +56,7 @@ impl fmt::Display for PostError {
             PostError::SendQueueFull => f.write_str("send queue full (max_outstanding_ops)"),
             PostError::InvalidConfig(s) => write!(f, "invalid configuration: {s}"),
             PostError::TooManyConnections => f.write_str("too many connections (max_connections)"),
+            PostError::NotProtected => f.write_str("connection does not use packet protection"),
         }
     }
 }
@@ -148,6 +153,15 @@ pub struct EndpointStats {
     pub unsupported: u64,
     /// Connection requests rejected.
     pub rejected: u64,
+    /// Packets dropped on an AEAD-protected connection because they were not protected
+    /// (no AEAD trailer) or their tag did not verify: forged, tampered or mis-keyed.
+    pub aead_auth_failures: u64,
+    /// Packets dropped on an AEAD-protected connection as replays: a packet number seen
+    /// before, below the replay window, or of a discarded key phase.
+    pub aead_replays: u64,
+    /// Key updates of the receive direction completed on AEAD-protected connections (the
+    /// peer's new key phase verified).
+    pub key_updates: u64,
 }
 
 /// What the endpoint remembers about one connection to find the work due without walking
@@ -180,6 +194,11 @@ pub struct Endpoint {
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
+    /// Control packets already built and sealed (the `MR_CLOSE` of an AEAD connection,
+    /// whose keys are gone once it is removed).
+    sealed_control: VecDeque<(SocketAddr, Vec<u8>)>,
+    /// Scratch buffer: a received AEAD packet is decrypted in a copy.
+    scratch: Vec<u8>,
     rr_cursor: u32,
     fair_share_at: Option<Instant>,
     /// The latest `now` the fair share was computed for.
@@ -225,6 +244,8 @@ impl Endpoint {
             mrs: MrTable::default(),
             events: VecDeque::new(),
             control: VecDeque::new(),
+            sealed_control: VecDeque::new(),
+            scratch: Vec::new(),
             rr_cursor: 0,
             fair_share_at: None,
             fair_share_latest: None,
@@ -510,17 +531,43 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Ask an AEAD-protected connection to update its keys (docs/PROTOCOL.md, "Key
+    /// update"): the next packet it sends uses the next key phase, unless the previous
+    /// update is not yet confirmed by the peer, in which case the update waits for that.
+    /// Returns `Ok(true)` if it happens at the next packet, `Ok(false)` if deferred.
+    ///
+    /// Errors: [`PostError::UnknownConnection`] if there is no such connection,
+    /// [`PostError::NotProtected`] if it does not use packet protection.
+    pub fn update_keys(&mut self, conn: ConnectionHandle) -> Result<bool, PostError> {
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        let r = c.update_keys().ok_or(PostError::NotProtected)?;
+        self.touched(conn.0);
+        Ok(r)
+    }
+
     /// Close a connection now: pending operations complete with `WrFlushError`, the peer
     /// is told (best effort), and [`Event::ConnectionLost`] with `LocallyClosed` follows.
     pub fn close(&mut self, _now: Instant, conn: ConnectionHandle) {
-        if let Some(c) = self.conns.get(&conn.0) {
+        let port = self.cfg.source_ports[0];
+        if let Some(c) = self.conns.get_mut(&conn.0) {
             if c.state == State::Established {
                 let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
                 let hdrs = Headers::Close(wire::CloseEth {
                     reason: 0,
                     nonce: c.nonce,
                 });
-                self.control.push_back((c.peer, bth, hdrs, c.local_ip));
+                if c.is_protected() {
+                    // Sealed now, while the keys exist; sent from the control queue.
+                    let mut b = Vec::new();
+                    if c.emit(&mut b, port, &bth, &hdrs, &[]).is_some() {
+                        self.sealed_control.push_back((c.peer, b));
+                    }
+                } else {
+                    self.control.push_back((c.peer, bth, hdrs, c.local_ip));
+                }
             }
         }
         self.remove(conn, ConnectionError::LocallyClosed, WcStatus::WrFlushError);
@@ -607,6 +654,45 @@ impl Endpoint {
             self.stats.unknown_connection += 1;
             return;
         }
+        if c.is_protected() {
+            // AEAD: verify (and decrypt) before any connection state is touched. An
+            // unprotected packet on a protected connection is a forgery or a downgrade.
+            if !matches!(pkt.trailer, wire::Trailer::Aead { .. }) {
+                self.stats.aead_auth_failures += 1;
+                return;
+            }
+            let mut plain = std::mem::take(&mut self.scratch);
+            plain.clear();
+            plain.extend_from_slice(data);
+            match c.open(&mut plain) {
+                Ok(o) => {
+                    if o.key_updated {
+                        self.stats.key_updates += 1;
+                    }
+                }
+                Err(e) => {
+                    match e {
+                        OpenError::Replay | OpenError::TooOld | OpenError::KeyDiscarded => {
+                            self.stats.aead_replays += 1
+                        }
+                        OpenError::Auth | OpenError::Malformed => {
+                            self.stats.aead_auth_failures += 1
+                        }
+                    }
+                    self.scratch = plain;
+                    return;
+                }
+            }
+            // The layout is unchanged by decryption, so this parses as before.
+            if let Ok(pkt) = wire::Packet::parse(&plain) {
+                let out =
+                    c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
+                self.touched(qpn);
+                self.apply(ConnectionHandle(qpn), out);
+            }
+            self.scratch = plain;
+            return;
+        }
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
         self.touched(qpn);
         self.apply(ConnectionHandle(qpn), out);
@@ -657,6 +743,11 @@ impl Endpoint {
                     Some(2)
                 } else if !valid || msg.version != crate::conn::PROTOCOL_VERSION {
                     Some(3)
+                } else if crate::conn::aead_flag(msg)
+                    != self.cfg.transport.packet_protection.is_some()
+                {
+                    // No silent downgrade in either direction.
+                    Some(crate::conn::REJECT_PROTECTION_MISMATCH)
                 } else {
                     None
                 };
@@ -666,6 +757,7 @@ impl Endpoint {
                     return;
                 }
                 let epoch = self.epoch(now);
+                let server_nonce = 0;
                 let qpn = self.new_qpn();
                 let init_psn = self.initial_psn();
                 let conn = Connection::new_incoming(
@@ -679,6 +771,7 @@ impl Endpoint {
                     init_psn,
                     self.cfg.transport.clone(),
                     msg,
+                    server_nonce,
                 );
                 self.conns.insert(qpn, conn);
                 self.touched(qpn);
@@ -893,6 +986,16 @@ impl Endpoint {
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         self.epoch(now);
+        if let Some((dest, bytes)) = self.sealed_control.pop_front() {
+            buf.extend_from_slice(&bytes);
+            return Some(Transmit {
+                destination: dest,
+                src_port: self.cfg.source_ports[0],
+                ecn: None,
+                size: bytes.len(),
+                segment_size: None,
+            });
+        }
         while let Some((dest, bth, hdrs, local_ip)) = self.control.pop_front() {
             let port = self.cfg.source_ports[0];
             let len = wire::packet_len(&hdrs, 0);

@@ -33,6 +33,7 @@ fn samples() -> Vec<(Opcode, Headers)> {
     };
     let connect = ConnectEth {
         kind: ConnectKind::Reject,
+        flags: 0,
         version: 1,
         paths: 1,
         src_qpn: 1,

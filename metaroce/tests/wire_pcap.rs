@@ -160,6 +160,7 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
     };
     let connect = ConnectEth {
         kind: ConnectKind::Request,
+        flags: 0,
         version: ConnectEth::VERSION,
         paths: 4,
         src_qpn: 0x00_0101,
@@ -200,6 +201,7 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
             bth(Opcode::MR_CONNECT, 0x101, 0, false),
             Headers::Connect(ConnectEth {
                 kind: ConnectKind::Accept,
+                flags: 0,
                 src_qpn: 0x202,
                 dst_qpn: 0x101,
                 paths: 2,

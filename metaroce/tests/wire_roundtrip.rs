@@ -232,6 +232,7 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
             )| {
                 ConnectEth {
                     kind,
+                    flags: 0,
                     version,
                     paths,
                     src_qpn,
@@ -622,7 +623,7 @@ proptest! {
             prop_assert_eq!(p.bth.opcode, Opcode(op));
             // A parsed packet re-emits to the same length.
             let mut out = vec![0u8; aligned];
-            let n = wire::emit_packet(&p.bth, &p.headers, p.payload, &mut out).unwrap();
+            let n = wire::emit_packet_with(&p.bth, &p.headers, p.payload, &p.trailer, &mut out).unwrap();
             prop_assert_eq!(n, aligned);
             prop_assert_eq!(Packet::parse(&out).unwrap().headers, p.headers);
         }

@@ -9,6 +9,7 @@ pub mod rtt;
 pub(crate) mod send;
 
 use crate::config::TransportConfig;
+use crate::crypto::{OpenError, Opened, PacketProtection, ProtectionStats, Side};
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::MrTable;
 use crate::wire::{
@@ -28,6 +29,23 @@ pub use path::{PathInfo, PathState, PathStats};
 
 /// Protocol version carried in CONNECT.
 pub(crate) const PROTOCOL_VERSION: u8 = 1;
+
+/// Reject reason (ConnectEth bytes 28–31) when one side requires AEAD packet protection and
+/// the other does not offer it ([`TransportConfig::packet_protection`]): 4.
+pub const REJECT_PROTECTION_MISMATCH: u32 = 4;
+
+/// Whether a handshake message asks for (Request) or confirms (Accept) AEAD packet
+/// protection: `ConnectEth` flags bit 0.
+pub(crate) fn aead_flag(msg: &ConnectEth) -> bool {
+    msg.flags & ConnectEth::FLAG_AEAD != 0
+}
+
+/// The server's nonce of the connection identity (the client's is `ConnectEth::nonce` of
+/// the Request). Until the handshake carries one, 0: the keys then depend on the
+/// application key and the client nonce only.
+pub(crate) fn server_nonce(_msg: &ConnectEth) -> u64 {
+    0
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum State {
@@ -88,6 +106,8 @@ pub struct ConnectionStats {
     /// connection's fastest path (ECMP collision handling; per path in
     /// [`PathStats::rebalance_rerolls`](path::PathStats::rebalance_rerolls)).
     pub rebalance_rerolls: u64,
+    /// AEAD packet protection counters, `None` when the connection is not protected.
+    pub protection: Option<ProtectionStats>,
 }
 
 #[derive(Debug)]
@@ -139,6 +159,8 @@ pub(crate) struct Connection {
     /// ECMP collision detection (`cfg.rebalance_ratio_permille > 0`).
     rebalance: path::Rebalance,
     epoch: Instant,
+    /// AEAD packet protection, once the handshake agreed on it.
+    protection: Option<Box<PacketProtection>>,
 }
 
 /// Nanoseconds since the endpoint's epoch, modulo 2^32 (PathEth timestamp).
@@ -201,6 +223,7 @@ impl Connection {
         init_psn: u32,
         cfg: TransportConfig,
         req: &ConnectEth,
+        server_nonce: u64,
     ) -> Self {
         let mut c = Self::blank(
             handle,
@@ -220,6 +243,15 @@ impl Connection {
             .max(1);
         let pmtu = c.cfg.pmtu.min(req.pmtu as u32);
         c.establish(now, req.src_qpn, paths, pmtu, req.init_psn);
+        // The endpoint accepts a request only if both sides agree on protection.
+        if let Some(pc) = &c.cfg.packet_protection {
+            c.protection = Some(Box::new(PacketProtection::new(
+                pc,
+                Side::Server,
+                req.nonce,
+                server_nonce,
+            )));
+        }
         // The client's grant for what we send it, until its first ACK says otherwise.
         c.peer_rate_mbps = req.grant_mbps();
         c.accept_pending = true;
@@ -276,6 +308,7 @@ impl Connection {
             rebalance: path::Rebalance::default(),
             source_ports,
             epoch,
+            protection: None,
         }
     }
 
@@ -345,6 +378,7 @@ impl Connection {
                 .sum::<u32>()
                 .min(self.conn_window()),
             rebalance_rerolls: self.tx.iter().map(|p| p.stats.rebalance_rerolls).sum(),
+            protection: self.protection.as_ref().map(|p| *p.stats()),
         }
     }
 
@@ -371,6 +405,12 @@ impl Connection {
                         lost: Some(ConnectionError::Rejected(u32::MAX)),
                     };
                 }
+                // No silent downgrade: an Accept must confirm exactly what we asked for.
+                if aead_flag(msg) != self.cfg.packet_protection.is_some() {
+                    return Outcome {
+                        lost: Some(ConnectionError::Rejected(REJECT_PROTECTION_MISMATCH)),
+                    };
+                }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
                 // The handshake's round trip (only when one request was sent, so the answer
@@ -381,6 +421,14 @@ impl Connection {
                     now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
                 });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                if let Some(pc) = &self.cfg.packet_protection {
+                    self.protection = Some(Box::new(PacketProtection::new(
+                        pc,
+                        Side::Client,
+                        self.nonce,
+                        server_nonce(msg),
+                    )));
+                }
                 // The server's grant rides in the Accept, so the blind first window is
                 // already capped to grant × handshake RTT (`cc::connection_window`), before
                 // any ACK.
@@ -997,9 +1045,31 @@ impl Connection {
         icrc::IpHeader::synthesized(local, self.peer.ip()).ok()
     }
 
-    /// Append one packet to `buf` and stamp its ICRC; returns its length.
-    fn emit(
-        &self,
+    /// The trailer a packet of this connection carries (its bytes are filled in by
+    /// [`PacketProtection::seal`] for AEAD): none on `MR_CONNECT`.
+    fn trailer_for(&self, op: Opcode) -> wire::Trailer {
+        if op == Opcode::MR_CONNECT {
+            wire::Trailer::None
+        } else if self.protection.is_some() {
+            wire::Trailer::Aead {
+                key_phase: false,
+                pn: 0,
+                tag: [0; 16],
+            }
+        } else {
+            wire::Trailer::None
+        }
+    }
+
+    /// Bytes the trailer adds to every non-CONNECT packet (for GSO sizing).
+    fn trailer_len(&self) -> usize {
+        self.trailer_for(Opcode::MR_ACK).len()
+    }
+
+    /// Append one packet to `buf`, seal it when the connection is AEAD-protected (every
+    /// opcode but `MR_CONNECT`) and stamp its ICRC; returns its length.
+    pub fn emit(
+        &mut self,
         buf: &mut Vec<u8>,
         src_port: u16,
         bth: &Bth,
@@ -1007,17 +1077,44 @@ impl Connection {
         payload: &[u8],
     ) -> Option<usize> {
         let start = buf.len();
-        let len = wire::packet_len(hdrs, payload.len());
+        let trailer = self.trailer_for(bth.opcode);
+        let len = wire::packet_len_with(hdrs, payload.len(), &trailer);
         buf.resize(start + len, 0);
         let out = &mut buf[start..];
-        if wire::emit_packet(bth, hdrs, payload, out).is_err() {
+        if wire::emit_packet_with(bth, hdrs, payload, &trailer, out).is_err() {
             buf.truncate(start);
             return None;
+        }
+        if let (Some(p), wire::Trailer::Aead { .. }) = (self.protection.as_mut(), trailer) {
+            if p.seal(out).is_err() {
+                buf.truncate(start);
+                return None;
+            }
         }
         if let Some(ip) = self.ip_header() {
             let _ = icrc::stamp(&ip, src_port, self.peer.port(), out);
         }
         Some(len)
+    }
+
+    /// Whether received packets must be AEAD-protected.
+    pub fn is_protected(&self) -> bool {
+        self.protection.is_some()
+    }
+
+    /// Verify and decrypt a received packet in place (see [`PacketProtection::open`]);
+    /// `Err(OpenError::Malformed)` on an unprotected connection.
+    pub fn open(&mut self, pkt: &mut [u8]) -> Result<Opened, OpenError> {
+        match self.protection.as_mut() {
+            Some(p) => p.open(pkt),
+            None => Err(OpenError::Malformed),
+        }
+    }
+
+    /// Ask for a key update (see [`PacketProtection::request_key_update`]); `None` when the
+    /// connection is not protected.
+    pub fn update_keys(&mut self) -> Option<bool> {
+        self.protection.as_mut().map(|p| p.request_key_update())
     }
 
     fn transmit(
@@ -1051,6 +1148,11 @@ impl Connection {
             kind,
             version: PROTOCOL_VERSION,
             paths,
+            flags: if self.cfg.packet_protection.is_some() {
+                ConnectEth::FLAG_AEAD
+            } else {
+                0
+            },
             src_qpn: self.handle.0,
             dst_qpn: self.peer_qpn,
             pmtu: self.pmtu as u16,
@@ -1409,7 +1511,7 @@ impl Connection {
                     }
                 },
             };
-            let size = wire::packet_len(&hdrs, payload.len());
+            let size = wire::packet_len(&hdrs, payload.len()) + self.trailer_len();
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.
             if seg_size.is_some_and(|s| size > s) {
                 break;

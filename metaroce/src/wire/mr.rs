@@ -358,7 +358,8 @@ impl TryFrom<u8> for ConnectKind {
 /// | 0 | kind ([`ConnectKind`]: 1 request, 2 accept, 3 reject) |
 /// | 1 | protocol version ([`ConnectEth::VERSION`] = 1) |
 /// | 2–3 | path count (request: proposed; accept: agreed) |
-/// | 4–7 | sender's QPN (low 24 bits, upper byte 0) |
+/// | 4 | flags: bit 0 = AEAD packet protection requested (Request) / in use (Accept); bits 7:1 reserved 0 |
+/// | 5–7 | sender's QPN (24 bits) |
 /// | 8–11 | receiver's QPN (low 24 bits, upper byte 0; 0 in a request) |
 /// | 12–13 | path MTU in payload bytes (256..=4096, a power of two) |
 /// | 14–15 | reply UDP port where the sender listens |
@@ -376,6 +377,8 @@ pub struct ConnectEth {
     pub version: u8,
     /// Number of paths (16 bits): proposed in a request, agreed in an accept.
     pub paths: u16,
+    /// Flags (8 bits, byte 4): [`ConnectEth::FLAG_AEAD`]; other bits reserved, sent 0.
+    pub flags: u8,
     /// Sender's connection QPN (24 bits; masked on emit and parse).
     pub src_qpn: u32,
     /// Receiver's connection QPN (24 bits; masked on emit and parse); 0 in a request.
@@ -398,6 +401,8 @@ impl ConnectEth {
     pub const LEN: usize = 32;
     /// The protocol version this crate speaks (1).
     pub const VERSION: u8 = 1;
+    /// Flags bit 0: AEAD packet protection requested (Request) / in use (Accept).
+    pub const FLAG_AEAD: u8 = 0x01;
 
     /// The rate (Mbit/s, 0 = no limit) the sender of this request or accept grants its
     /// peer, as its ACKs will (receiver-driven fair share): bytes 28–31, which a reject
@@ -420,7 +425,8 @@ impl ConnectEth {
             kind,
             version: r.u8()?,
             paths: r.u16()?,
-            src_qpn: r.u32()? & PSN_MASK,
+            flags: r.u8()?,
+            src_qpn: r.u24()?,
             dst_qpn: r.u32()? & PSN_MASK,
             pmtu: r.u16()?,
             reply_port: r.u16()?,
@@ -437,7 +443,8 @@ impl ConnectEth {
         w.u8(self.kind as u8)?;
         w.u8(self.version)?;
         w.u16(self.paths)?;
-        w.u32(self.src_qpn & PSN_MASK)?;
+        w.u8(self.flags)?;
+        w.u24(self.src_qpn & PSN_MASK)?;
         w.u32(self.dst_qpn & PSN_MASK)?;
         w.u16(self.pmtu)?;
         w.u16(self.reply_port)?;
