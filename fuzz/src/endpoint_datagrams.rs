@@ -824,15 +824,21 @@ impl World {
                 };
                 let h = Headers::Connect(ConnectEth {
                     kind,
-                    flags: 0,
-                    version: if bad_version { 2 } else { ConnectEth::VERSION },
+                    version: if bad_version {
+                        ConnectEth::VERSION.wrapping_add(1)
+                    } else {
+                        ConnectEth::VERSION
+                    },
                     paths,
                     src_qpn: self.qp(src_qpn),
                     dst_qpn: self.qp(dst_qpn),
                     pmtu,
-                    reply_port: raw_port.unwrap_or(LISTEN_PORT),
+                    listen_port: raw_port.unwrap_or(LISTEN_PORT),
                     init_psn,
                     nonce: self.nonce(nonce),
+                    server_nonce: 0,
+                    flags: 0,
+                    cookie: [0; 16],
                     reason,
                 });
                 (Bth::new(Opcode::MR_CONNECT, self.qp(qp), 0), h, Vec::new())

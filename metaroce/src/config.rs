@@ -14,9 +14,20 @@ pub struct EndpointConfig {
     /// Local UDP source ports, one per path, in path order (ECMP entropy). A connection
     /// uses at most this many paths. Must not be empty.
     pub source_ports: Vec<u16>,
-    /// Seed of the endpoint's RNG (QPNs, initial PSNs, connection nonces). Same seed and
-    /// same inputs give the same outputs.
+    /// Seed of the endpoint's *reproducible* RNG: QPNs and initial PSNs. Same seeds and
+    /// same inputs give the same outputs. Default: the constant `0x6d65_7461_726f_6365`
+    /// (deterministic for the simulator and tests).
+    ///
+    /// **Real deployments must set this and [`secret_seed`](Self::secret_seed) from the
+    /// operating system's randomness** (`metaroce-tokio` and `metaroce-perf` do by default).
     pub seed: u64,
+    /// Seed (32 bytes) of the endpoint's *secret* RNG: connection nonces (and so the
+    /// per-connection tokens), the retry-cookie key, rkeys and region addresses (issue #9).
+    /// `None` (the default) derives it from [`seed`](Self::seed): deterministic and **not
+    /// secret** — fine for the simulator and tests, never for a network an attacker can
+    /// reach. **Real deployments must fill it from the OS** (e.g. the `getrandom` crate);
+    /// `metaroce-tokio` always does. Two incarnations of an endpoint must not share it.
+    pub secret_seed: Option<[u8; 32]>,
     /// Whether connection requests from peers are accepted. Default `true`.
     pub accept_incoming: bool,
     /// Most connections at once; requests beyond it are rejected. Default 65 536.
@@ -25,8 +36,37 @@ pub struct EndpointConfig {
     /// (the default) draws a random one per connection from the seeded RNG. Set it to test
     /// PSN wrap-around at 2^24 (e.g. `Some(0xFF_FFF0)`).
     pub initial_psn: Option<u32>,
+    /// When a connection Request must first prove, with a retry cookie, that its sender
+    /// receives at its address (stateless handshake, RFC 9000 §8.1 in spirit). Default
+    /// [`RetryPolicy::Always`].
+    pub retry: RetryPolicy,
+    /// Lifetime of a retry cookie: cookies are MACs over a time bucket of this length and
+    /// are accepted in their bucket and the next one (so for 1 to 2 lifetimes). Default 10 s.
+    pub retry_cookie_lifetime: Duration,
+    /// Most accepted connections that have not yet heard from their client (half-open);
+    /// further Requests get Reject reason 2 (connection limit). Default 4096.
+    pub max_half_open: usize,
+    /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
+    /// once; more are dropped (the peer retries). Default 1024.
+    pub max_control_queue: usize,
     /// Transport parameters of every connection.
     pub transport: TransportConfig,
+}
+
+/// When the server answers a connection Request with a Retry (cookie) instead of creating
+/// state. MetaRoCE extension, docs/PROTOCOL.md "Connection set-up".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryPolicy {
+    /// Every Request must carry a valid cookie (one extra round trip per connection). The
+    /// default: the server then holds no per-peer state and sends nothing larger than it
+    /// received for any unvalidated address, so a flood of forged Requests costs it
+    /// nothing and it cannot be used as a reflector; the cost, one RTT at set-up, is small
+    /// next to the connection's lifetime.
+    Always,
+    /// Demand cookies only once this many connections (established or half-open) exist.
+    AboveLoad(usize),
+    /// Never demand cookies: state on the first Request (the pre-issue-#9 behaviour).
+    Never,
 }
 
 impl EndpointConfig {
@@ -39,6 +79,11 @@ impl EndpointConfig {
             accept_incoming: true,
             max_connections: 65_536,
             initial_psn: None,
+            secret_seed: None,
+            retry: RetryPolicy::Always,
+            retry_cookie_lifetime: Duration::from_secs(10),
+            max_half_open: 4096,
+            max_control_queue: 1024,
             transport: TransportConfig::default(),
         }
     }

@@ -594,7 +594,8 @@ fn layout(pkt: &[u8]) -> Option<(usize, usize)> {
     let op = *pkt.first()?;
     let hdr = wire::header_len(Opcode(op)).ok()?;
     let body_end = pkt.len().checked_sub(AEAD_TRAILER_LEN + ICRC_LEN)?;
-    (body_end >= hdr && hdr >= BTH_LEN && hdr + 8 <= MAX_AAD + 8).then_some((hdr, body_end))
+    // MR_CONNECT (72 bytes of headers) is never protected; every other opcode fits the AAD.
+    (body_end >= hdr && hdr >= BTH_LEN && hdr + 8 <= MAX_AAD).then_some((hdr, body_end))
 }
 
 /// The AAD of a packet: its BTH and extension headers with BTH byte 4 zeroed, then the

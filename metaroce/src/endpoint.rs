@@ -1,12 +1,15 @@
 //! The endpoint: one local address, its connections, its memory regions; the sans-IO
 //! driving contract.
 
+use crate::config::RetryPolicy;
 use crate::config::{EndpointConfig, TransportConfig};
+use crate::conn::AuthError;
 use crate::conn::{Connection, ConnectionStats, Outcome, State};
 use crate::crypto::OpenError;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::{Access, MrError, MrKeys, MrTable};
-use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode};
+use crate::secret::{self, SecretRng};
+use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, Trailer};
 use crate::{EcnCodepoint, Transmit};
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
@@ -162,6 +165,26 @@ pub struct EndpointStats {
     /// Key updates of the receive direction completed on AEAD-protected connections (the
     /// peer's new key phase verified).
     pub key_updates: u64,
+    /// Packets for an established connection whose trailer token was wrong (or of a kind
+    /// the connection does not use), dropped before any state was touched.
+    pub bad_auth: u64,
+    /// Non-CONNECT MetaRoCE packets without a trailer (kind 0), dropped.
+    pub missing_auth: u64,
+    /// Retry packets sent (each the size of the Request it answers).
+    pub retries_sent: u64,
+    /// Requests whose cookie was present but invalid or expired (answered with a fresh
+    /// Retry).
+    pub bad_cookie: u64,
+    /// Connections ended because their client came back as a new incarnation
+    /// ([`ConnectionError::PeerRestarted`]).
+    pub peer_restarts: u64,
+    /// Handshake replies dropped because `max_control_queue` was full.
+    pub control_dropped: u64,
+    /// Bytes received in MR_CONNECT packets (for the amplification bound).
+    pub handshake_bytes_in: u64,
+    /// Bytes of MR_CONNECT replies (Retry, Reject) sent by the endpoint itself before any
+    /// connection exists (the amplification numerator).
+    pub handshake_bytes_out: u64,
 }
 
 /// What the endpoint remembers about one connection to find the work due without walking
@@ -188,12 +211,20 @@ struct ConnIndex {
 pub struct Endpoint {
     cfg: EndpointConfig,
     rng: Xoshiro256PlusPlus,
+    /// Secret randomness (nonces, cookie key, memory keys): see `EndpointConfig::secret_seed`.
+    secret: SecretRng,
+    cookie_key: [u8; 32],
+    /// (client listen address, client QPN) → our QPN: a validated Request from the same
+    /// address and QPN as a live connection is a restarted client.
+    by_peer_qpn: HashMap<(SocketAddr, u32), u32>,
+    /// Accepted connections not yet confirmed by their client.
+    half_open: BTreeSet<u32>,
     epoch: Option<Instant>,
     conns: BTreeMap<u32, Connection>,
     by_nonce: HashMap<u64, u32>,
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
-    control: VecDeque<(SocketAddr, Bth, Headers, Option<IpAddr>)>,
+    control: VecDeque<(SocketAddr, Bth, Headers, Trailer, Option<IpAddr>)>,
     /// Control packets already built and sealed (the `MR_CLOSE` of an AEAD connection,
     /// whose keys are gone once it is removed).
     sealed_control: VecDeque<(SocketAddr, Vec<u8>)>,
@@ -233,15 +264,26 @@ impl Endpoint {
                 "source_ports must not be empty".into(),
             ));
         }
+        let mut secret = SecretRng::new(
+            cfg.secret_seed
+                .unwrap_or_else(|| SecretRng::default_seed(cfg.seed)),
+        );
+        let mut cookie_key = [0u8; 32];
+        secret.fill(&mut cookie_key);
+        let mrs = MrTable::new(&mut secret);
         Ok(Self {
             rc: crate::rocev2::RcHost::for_endpoint(&cfg),
             rc_turn: false,
             rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
+            secret,
+            cookie_key,
+            by_peer_qpn: HashMap::new(),
+            half_open: BTreeSet::new(),
             cfg,
             epoch: None,
             conns: BTreeMap::new(),
             by_nonce: HashMap::new(),
-            mrs: MrTable::default(),
+            mrs,
             events: VecDeque::new(),
             control: VecDeque::new(),
             sealed_control: VecDeque::new(),
@@ -307,7 +349,7 @@ impl Endpoint {
         }
         let epoch = self.epoch(now);
         let qpn = self.new_qpn();
-        let nonce = self.rng.next_u64();
+        let nonce = self.secret.next_u64();
         let init_psn = self.initial_psn();
         let conn = Connection::new_outgoing(
             ConnectionHandle(qpn),
@@ -342,6 +384,18 @@ impl Endpoint {
     /// The peer address of a connection.
     pub fn peer_addr(&self, conn: ConnectionHandle) -> Option<SocketAddr> {
         self.conns.get(&conn.0).map(|c| c.peer)
+    }
+
+    /// The connection's tokens (issue #9): `(sent, expected)` — the token this side puts in
+    /// the trailer of every non-CONNECT packet it sends, and the one it requires on every
+    /// packet it receives. `None` for unknown handles or before establishment. For test
+    /// harnesses and capture tools that build or check packets by hand; an application
+    /// never needs them, and they are as secret as the connection itself.
+    pub fn connection_tokens(&self, conn: ConnectionHandle) -> Option<(u64, u64)> {
+        self.conns
+            .get(&conn.0)
+            .filter(|c| c.state == State::Established)
+            .map(|c| c.tokens())
     }
 
     /// Counters and path state of a connection.
@@ -562,11 +616,16 @@ impl Endpoint {
                 if c.is_protected() {
                     // Sealed now, while the keys exist; sent from the control queue.
                     let mut b = Vec::new();
-                    if c.emit(&mut b, port, &bth, &hdrs, &[]).is_some() {
+                    if c.emit(&mut b, port, &bth, &hdrs, &[]).is_some()
+                        && self.sealed_control.len() < self.cfg.max_control_queue
+                    {
                         self.sealed_control.push_back((c.peer, b));
                     }
+                } else if self.control.len() < self.cfg.max_control_queue {
+                    let t = Trailer::Token(c.tx_token());
+                    self.control.push_back((c.peer, bth, hdrs, t, c.local_ip));
                 } else {
-                    self.control.push_back((c.peer, bth, hdrs, c.local_ip));
+                    self.stats.control_dropped += 1;
                 }
             }
         }
@@ -580,6 +639,10 @@ impl Endpoint {
             if self.by_nonce.get(&c.nonce) == Some(&conn.0) {
                 self.by_nonce.remove(&c.nonce);
             }
+            if self.by_peer_qpn.get(&(c.peer, c.peer_qpn)) == Some(&conn.0) {
+                self.by_peer_qpn.remove(&(c.peer, c.peer_qpn));
+            }
+            self.half_open.remove(&conn.0);
             tracing::debug!(%conn, %reason, "connection lost");
             self.events
                 .push_back(Event::ConnectionLost { conn, reason });
@@ -642,6 +705,7 @@ impl Endpoint {
             return;
         }
         if let Headers::Connect(msg) = &pkt.headers {
+            self.stats.handshake_bytes_in += data.len() as u64;
             self.handle_connect(now, from, local_ip, pkt.bth.dest_qp, msg);
             return;
         }
@@ -654,13 +718,32 @@ impl Endpoint {
             self.stats.unknown_connection += 1;
             return;
         }
-        if c.is_protected() {
-            // AEAD: verify (and decrypt) before any connection state is touched. An
-            // unprotected packet on a protected connection is a forgery or a downgrade.
-            if !matches!(pkt.trailer, wire::Trailer::Aead { .. }) {
-                self.stats.aead_auth_failures += 1;
+        // Identity (issue #9): the trailer token (or, with AEAD, the trailer kind) is
+        // checked in constant time before the connection sees the packet; a miss is counted
+        // and dropped.
+        match c.authenticate(&pkt.trailer) {
+            Ok(()) => {}
+            Err(AuthError::Missing) => {
+                self.stats.missing_auth += 1;
+                if c.is_protected() {
+                    self.stats.aead_auth_failures += 1;
+                }
                 return;
             }
+            Err(AuthError::Bad) => {
+                self.stats.bad_auth += 1;
+                if c.is_protected() {
+                    self.stats.aead_auth_failures += 1;
+                }
+                return;
+            }
+            Err(AuthError::NotEstablished) => {
+                self.stats.unknown_connection += 1;
+                return;
+            }
+        }
+        if c.is_protected() {
+            // AEAD: verify (and decrypt, in a copy) before any connection state is touched.
             let mut plain = std::mem::take(&mut self.scratch);
             plain.clear();
             plain.extend_from_slice(data);
@@ -683,6 +766,10 @@ impl Endpoint {
                     return;
                 }
             }
+            if !c.confirmed {
+                c.on_authenticated();
+                self.half_open.remove(&qpn);
+            }
             // The layout is unchanged by decryption, so this parses as before.
             if let Ok(pkt) = wire::Packet::parse(&plain) {
                 let out =
@@ -693,9 +780,165 @@ impl Endpoint {
             self.scratch = plain;
             return;
         }
+        if !c.confirmed {
+            c.on_authenticated();
+            self.half_open.remove(&qpn);
+        }
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
         self.touched(qpn);
         self.apply(ConnectionHandle(qpn), out);
+    }
+
+    /// Queue an endpoint-generated packet (Retry, Reject, CLOSE), bounded by
+    /// `max_control_queue`.
+    fn push_control(
+        &mut self,
+        dest: SocketAddr,
+        bth: Bth,
+        hdrs: Headers,
+        t: Trailer,
+        ip: Option<IpAddr>,
+    ) {
+        if self.control.len() < self.cfg.max_control_queue {
+            self.control.push_back((dest, bth, hdrs, t, ip));
+        } else {
+            self.stats.control_dropped += 1;
+        }
+    }
+
+    /// The retry-cookie time bucket of `now`.
+    fn cookie_bucket(&self, now: Instant) -> u64 {
+        let life = self.cfg.retry_cookie_lifetime.as_nanos().max(1);
+        let since = self
+            .epoch
+            .map_or(0, |e| now.saturating_duration_since(e).as_nanos());
+        (since / life) as u64
+    }
+
+    fn cookie_valid(&self, now: Instant, peer: SocketAddr, msg: &ConnectEth) -> bool {
+        let b = self.cookie_bucket(now);
+        [b, b.wrapping_sub(1)].iter().any(|&bucket| {
+            let c = secret::cookie(&self.cookie_key, peer, msg.nonce, msg.src_qpn, bucket);
+            secret::ct_eq(&c, &msg.cookie)
+        })
+    }
+
+    fn handle_request(
+        &mut self,
+        now: Instant,
+        from: SocketAddr,
+        local_ip: Option<IpAddr>,
+        msg: &ConnectEth,
+    ) {
+        // The client's listening address: the source IP (never another) and the port the
+        // Request names, which the retry cookie round trip validates.
+        let peer = SocketAddr::new(from.ip(), msg.listen_port);
+        let reply = |kind: ConnectKind, reason: u32, cookie: [u8; 16]| {
+            let mut m = ConnectEth::new(kind);
+            m.dst_qpn = msg.src_qpn;
+            m.nonce = msg.nonce;
+            m.reason = reason;
+            m.cookie = cookie;
+            (
+                Bth::new(Opcode::MR_CONNECT, msg.src_qpn, 0),
+                Headers::Connect(m),
+            )
+        };
+        let load = self.conns.len();
+        let need_cookie = match self.cfg.retry {
+            RetryPolicy::Always => true,
+            RetryPolicy::AboveLoad(n) => load >= n,
+            RetryPolicy::Never => false,
+        };
+        let validated = !need_cookie || self.cookie_valid(now, peer, msg);
+        // A Request for an identity we already accepted: a duplicate or a retransmission.
+        // If the client has not confirmed yet, our Accept was lost: send it again. Either
+        // way create nothing. (A restarted client with the *same* nonce — the same secret
+        // seed — cannot be told from a late duplicate; it is never merged with the old
+        // connection either: it gets no Accept until that one has ended.)
+        if let Some(&q) = self.by_nonce.get(&msg.nonce) {
+            if let Some(c) = self.conns.get_mut(&q) {
+                let same_ip = c.peer.ip() == peer.ip();
+                if c.peer == peer && c.peer_qpn == msg.src_qpn && !c.confirmed && validated {
+                    c.accept_pending = true;
+                    self.touched(q);
+                }
+                if same_ip {
+                    return;
+                }
+            }
+        }
+        if !validated {
+            if msg.cookie != [0; 16] {
+                self.stats.bad_cookie += 1;
+            }
+            let b = self.cookie_bucket(now);
+            let cookie = secret::cookie(&self.cookie_key, peer, msg.nonce, msg.src_qpn, b);
+            let (bth, hdrs) = reply(ConnectKind::Retry, 0, cookie);
+            self.stats.retries_sent += 1;
+            self.push_control(peer, bth, hdrs, Trailer::None, local_ip);
+            return;
+        }
+        // A validated Request with a new nonce from the address and QPN of a live
+        // connection: the client restarted (its endpoint cannot hold two connections with
+        // one QPN). End the old incarnation; never merge the two (issue #9).
+        if let Some(&q) = self.by_peer_qpn.get(&(peer, msg.src_qpn)) {
+            let restarted = self.conns.get(&q).is_some_and(|c| c.nonce != msg.nonce);
+            if restarted {
+                self.stats.peer_restarts += 1;
+                self.remove(
+                    ConnectionHandle(q),
+                    ConnectionError::PeerRestarted,
+                    WcStatus::WrFlushError,
+                );
+            }
+        }
+        let valid = msg.paths > 0 && (256..=4096).contains(&msg.pmtu) && msg.pmtu.is_power_of_two();
+        let reason = if !self.cfg.accept_incoming {
+            Some(ConnectEth::REASON_NOT_ACCEPTING)
+        } else if self.conns.len() >= self.cfg.max_connections
+            || self.half_open.len() >= self.cfg.max_half_open
+        {
+            Some(ConnectEth::REASON_LIMIT)
+        } else if !valid || msg.version != crate::conn::PROTOCOL_VERSION {
+            Some(ConnectEth::REASON_INVALID)
+        } else if crate::conn::aead_flag(msg) != self.cfg.transport.packet_protection.is_some() {
+            // No silent downgrade in either direction.
+            Some(ConnectEth::REASON_AEAD_MISMATCH)
+        } else {
+            None
+        };
+        if let Some(r) = reason {
+            self.stats.rejected += 1;
+            let (bth, hdrs) = reply(ConnectKind::Reject, r, [0; 16]);
+            self.push_control(peer, bth, hdrs, Trailer::None, local_ip);
+            return;
+        }
+        let epoch = self.epoch(now);
+        let qpn = self.new_qpn();
+        let init_psn = self.initial_psn();
+        let server_nonce = self.secret.next_u64();
+        let conn = Connection::new_incoming(
+            ConnectionHandle(qpn),
+            now,
+            epoch,
+            peer,
+            local_ip.or(self.local_ip()),
+            self.cfg.local_addr.port(),
+            self.cfg.source_ports.clone(),
+            init_psn,
+            self.cfg.transport.clone(),
+            msg,
+            server_nonce,
+        );
+        self.conns.insert(qpn, conn);
+        self.touched(qpn);
+        self.by_nonce.insert(msg.nonce, qpn);
+        self.by_peer_qpn.insert((peer, msg.src_qpn), qpn);
+        self.half_open.insert(qpn);
+        tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
+        self.events
+            .push_back(Event::Incoming(ConnectionHandle(qpn)));
     }
 
     fn handle_connect(
@@ -707,98 +950,38 @@ impl Endpoint {
         msg: &ConnectEth,
     ) {
         match msg.kind {
-            ConnectKind::Request => {
-                let peer = SocketAddr::new(from.ip(), msg.reply_port);
-                if let Some(&q) = self.by_nonce.get(&msg.nonce) {
-                    if let Some(c) = self.conns.get_mut(&q) {
-                        if c.peer == peer {
-                            c.accept_pending = true;
-                            self.touched(q);
-                        }
-                    }
+            ConnectKind::Request => self.handle_request(now, from, local_ip, msg),
+            ConnectKind::Confirm => {
+                let Some(c) = self.conns.get_mut(&dest_qp) else {
+                    self.stats.unknown_connection += 1;
+                    return;
+                };
+                if c.peer.ip() != from.ip() || !c.on_confirm(msg) {
+                    self.stats.unknown_connection += 1;
                     return;
                 }
-                let reject = |reason: u32| {
-                    let bth = Bth::new(Opcode::MR_CONNECT, 0, 0);
-                    let mut m = *msg;
-                    m.kind = ConnectKind::Reject;
-                    m.dst_qpn = msg.src_qpn;
-                    m.src_qpn = 0;
-                    m.reason = reason;
-                    (
-                        peer,
-                        Bth {
-                            dest_qp: msg.src_qpn,
-                            ..bth
-                        },
-                        Headers::Connect(m),
-                        local_ip,
-                    )
-                };
-                let valid =
-                    msg.paths > 0 && (256..=4096).contains(&msg.pmtu) && msg.pmtu.is_power_of_two();
-                let reason = if !self.cfg.accept_incoming {
-                    Some(1)
-                } else if self.conns.len() >= self.cfg.max_connections {
-                    Some(2)
-                } else if !valid || msg.version != crate::conn::PROTOCOL_VERSION {
-                    Some(3)
-                } else if crate::conn::aead_flag(msg)
-                    != self.cfg.transport.packet_protection.is_some()
-                {
-                    // No silent downgrade in either direction.
-                    Some(crate::conn::REJECT_PROTECTION_MISMATCH)
-                } else {
-                    None
-                };
-                if let Some(r) = reason {
-                    self.stats.rejected += 1;
-                    self.control.push_back(reject(r));
-                    return;
-                }
-                let epoch = self.epoch(now);
-                let server_nonce = 0;
-                let qpn = self.new_qpn();
-                let init_psn = self.initial_psn();
-                let conn = Connection::new_incoming(
-                    ConnectionHandle(qpn),
-                    now,
-                    epoch,
-                    peer,
-                    local_ip.or(self.local_ip()),
-                    self.cfg.local_addr.port(),
-                    self.cfg.source_ports.clone(),
-                    init_psn,
-                    self.cfg.transport.clone(),
-                    msg,
-                    server_nonce,
-                );
-                self.conns.insert(qpn, conn);
-                self.touched(qpn);
-                self.by_nonce.insert(msg.nonce, qpn);
-                tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
-                self.events
-                    .push_back(Event::Incoming(ConnectionHandle(qpn)));
+                self.half_open.remove(&dest_qp);
+                self.touched(dest_qp);
             }
-            ConnectKind::Accept | ConnectKind::Reject => {
+            ConnectKind::Accept | ConnectKind::Reject | ConnectKind::Retry => {
                 // An Accept for a connection we do not have, or from a peer QPN other than
                 // the one our connection is established with: a stale request reached a
-                // restarted peer, or we gave up. Tell the peer to drop it, or it would keep a
-                // ghost connection forever.
+                // restarted peer, or we gave up. Tell the peer to drop it (an MR_CLOSE
+                // authenticated with the token of the Accept's identity, smaller than the
+                // Accept), or it would keep a ghost connection until its half-open expiry.
                 let ghost = match self.conns.get(&dest_qp) {
                     None => true,
                     Some(c) => c.state == State::Established && c.peer_qpn != msg.src_qpn,
                 };
                 if ghost && msg.kind == ConnectKind::Accept {
-                    let peer = SocketAddr::new(from.ip(), msg.reply_port);
+                    let peer = SocketAddr::new(from.ip(), msg.listen_port);
                     let bth = Bth::new(Opcode::MR_CLOSE, msg.src_qpn, 0);
                     let hdrs = Headers::Close(wire::CloseEth {
                         reason: 1,
                         nonce: msg.nonce,
                     });
-                    if self.control.len() < 1024 {
-                        self.control.push_back((peer, bth, hdrs, local_ip));
-                    }
+                    let (c2s, _) = secret::tokens(msg.nonce, msg.server_nonce);
+                    self.push_control(peer, bth, hdrs, Trailer::Token(c2s), local_ip);
                 }
                 let Some(c) = self.conns.get_mut(&dest_qp) else {
                     self.stats.unknown_connection += 1;
@@ -996,13 +1179,16 @@ impl Endpoint {
                 segment_size: None,
             });
         }
-        while let Some((dest, bth, hdrs, local_ip)) = self.control.pop_front() {
+        while let Some((dest, bth, hdrs, trailer, local_ip)) = self.control.pop_front() {
             let port = self.cfg.source_ports[0];
-            let len = wire::packet_len(&hdrs, 0);
+            let len = wire::packet_len_with(&hdrs, 0, &trailer);
             buf.resize(len, 0);
-            if wire::emit_packet(&bth, &hdrs, &[], buf).is_err() {
+            if wire::emit_packet_with(&bth, &hdrs, &[], &trailer, buf).is_err() {
                 buf.clear();
                 continue;
+            }
+            if bth.opcode == Opcode::MR_CONNECT {
+                self.stats.handshake_bytes_out += len as u64;
             }
             let local = local_ip.or(self.local_ip()).unwrap_or(match dest.ip() {
                 IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),

@@ -155,6 +155,11 @@ pub enum ConnectionError {
     LocallyClosed,
     /// Nothing was heard from the peer for the idle timeout.
     IdleTimeout,
+    /// The peer came back as a new incarnation (a validated connection Request from the
+    /// same address and QPN as this connection, after it was confirmed, or with another
+    /// nonce): this connection is ended, its pending operations fail with
+    /// `WrFlushError`, and the new incarnation is a separate connection (issue #9).
+    PeerRestarted,
 }
 
 impl fmt::Display for ConnectionError {
@@ -168,6 +173,9 @@ impl fmt::Display for ConnectionError {
             ConnectionError::ClosedByPeer => f.write_str("closed by peer"),
             ConnectionError::LocallyClosed => f.write_str("closed locally"),
             ConnectionError::IdleTimeout => f.write_str("idle timeout"),
+            ConnectionError::PeerRestarted => {
+                f.write_str("peer restarted: a new incarnation replaced this connection")
+            }
         }
     }
 }

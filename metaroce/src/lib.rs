@@ -60,12 +60,15 @@ pub mod endpoint;
 pub mod event;
 pub mod mr;
 pub mod rocev2;
+pub(crate) mod secret;
 #[cfg(feature = "sim")]
 pub mod sim;
 pub mod transmit;
 pub mod wire;
 
-pub use config::{CongestionAlgorithm, CongestionConfig, EndpointConfig, TransportConfig};
+pub use config::{
+    CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy, TransportConfig,
+};
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{

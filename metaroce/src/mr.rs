@@ -1,9 +1,18 @@
 //! Memory regions: memory registered with the endpoint, addressed by peers through rkeys.
 //!
 //! Like an IBA protection domain, one endpoint's regions are usable by every connection of
-//! that endpoint. Keys follow rxe's scheme (RoCEv2 reference §7): `index << 8 | variant`,
-//! so a stale key whose index was reused is still rejected.
+//! that endpoint.
+//!
+//! Keys (issue #9): the **lkey** follows rxe's scheme (RoCEv2 reference §7), `index << 8 |
+//! variant`; it never leaves the host. The **rkey** is a random 32-bit value from the
+//! endpoint's secret RNG, drawn per registration, looked up in a map and never equal to a
+//! live rkey; the region's **address** is a random page-aligned 48-bit VA, also per
+//! registration. A remote access must name both: a key from another endpoint or from an
+//! earlier registration matches with probability 2^-32 per try (the address check adds
+//! more), and no counter wraps to revive a stale key.
 
+use crate::secret::SecretRng;
+use std::collections::HashMap;
 use std::fmt;
 
 /// Access rights of a memory region (`ibv_access_flags` values).
@@ -104,18 +113,46 @@ struct Region {
 
 /// The endpoint's table of registered regions. The core owns the bytes; the application
 /// reads and writes them through the endpoint.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct MrTable {
     slots: Vec<Option<Region>>,
     variants: Vec<u8>,
     free: Vec<usize>,
+    /// rkey → slot index of every live region.
+    by_rkey: HashMap<u32, usize>,
+    rng: SecretRng,
 }
 
-/// Base of the IOVA space handed out: regions get disjoint, page-aligned VAs so that a VA
-/// names a region unambiguously in traces.
-const IOVA_BASE: u64 = 0x1000_0000_0000;
+impl Default for MrTable {
+    /// A table with a fixed, public key seed: only for the standalone RoCEv2
+    /// [`RcEndpoint`](crate::rocev2::RcEndpoint), whose standard has no key protection
+    /// anyway. MetaRoCE endpoints use [`MrTable::new`].
+    fn default() -> Self {
+        Self::with_rng(SecretRng::new(SecretRng::default_seed(0x7263)))
+    }
+}
+
+/// Bits of a random region address: page-aligned (low 12 bits 0) below 2^48, never 0.
+const IOVA_MASK: u64 = 0x0000_FFFF_FFFF_F000;
 
 impl MrTable {
+    /// A table whose rkeys and addresses come from (a child of) the endpoint's secret RNG.
+    pub(crate) fn new(secret: &mut SecretRng) -> Self {
+        let mut seed = [0u8; 32];
+        secret.fill(&mut seed);
+        Self::with_rng(SecretRng::new(seed))
+    }
+
+    fn with_rng(rng: SecretRng) -> Self {
+        Self {
+            slots: Vec::new(),
+            variants: Vec::new(),
+            free: Vec::new(),
+            by_rkey: HashMap::new(),
+            rng,
+        }
+    }
+
     pub(crate) fn register(&mut self, data: Vec<u8>, access: Access) -> MrKeys {
         let idx = match self.free.pop() {
             Some(i) => i,
@@ -127,11 +164,26 @@ impl MrTable {
         };
         self.variants[idx] = self.variants[idx].wrapping_add(1);
         let key = ((idx as u32 + 1) << 8) | self.variants[idx] as u32;
-        // Each slot owns a 2^40-byte IOVA window: the VA says which slot it is in.
-        let addr = IOVA_BASE + ((idx as u64) << 40);
+        let rkey = loop {
+            let k = self.rng.next_u32();
+            if k != 0 && !self.by_rkey.contains_key(&k) {
+                break k;
+            }
+        };
+        let addr = loop {
+            let a = self.rng.next_u64() & IOVA_MASK;
+            // Room for the region below 2^48 (regions are far smaller than the space).
+            if a != 0
+                && a.checked_add(data.len() as u64)
+                    .is_some_and(|e| e <= 1 << 48)
+            {
+                break a;
+            }
+        };
+        self.by_rkey.insert(rkey, idx);
         let keys = MrKeys {
             lkey: key,
-            rkey: key,
+            rkey,
             addr,
             len: data.len() as u64,
             access,
@@ -143,6 +195,22 @@ impl MrTable {
     fn slot(&self, key: u32) -> Option<&Region> {
         let idx = (key >> 8).checked_sub(1)? as usize;
         self.slots.get(idx)?.as_ref().filter(|r| r.keys.lkey == key)
+    }
+
+    fn remote_slot(&self, rkey: u32) -> Option<&Region> {
+        let idx = *self.by_rkey.get(&rkey)?;
+        self.slots
+            .get(idx)?
+            .as_ref()
+            .filter(|r| r.keys.rkey == rkey)
+    }
+
+    fn remote_slot_mut(&mut self, rkey: u32) -> Option<&mut Region> {
+        let idx = *self.by_rkey.get(&rkey)?;
+        self.slots
+            .get_mut(idx)?
+            .as_mut()
+            .filter(|r| r.keys.rkey == rkey)
     }
 
     fn slot_mut(&mut self, key: u32) -> Option<&mut Region> {
@@ -160,6 +228,7 @@ impl MrTable {
             return None;
         }
         let region = slot.take()?;
+        self.by_rkey.remove(&region.keys.rkey);
         self.free.push(idx);
         Some(region.data)
     }
@@ -192,13 +261,13 @@ impl MrTable {
         len: u64,
         need: Access,
     ) -> Result<(), MrError> {
-        let r = self.slot(rkey).ok_or(MrError::InvalidKey)?;
+        let r = self.remote_slot(rkey).ok_or(MrError::InvalidKey)?;
         Self::check(r, va, len, need).map(|_| ())
     }
 
     /// Write `data` at `va` in the region named by `rkey` (checked).
     pub(crate) fn remote_write(&mut self, rkey: u32, va: u64, data: &[u8]) -> Result<(), MrError> {
-        let r = self.slot_mut(rkey).ok_or(MrError::InvalidKey)?;
+        let r = self.remote_slot_mut(rkey).ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, data.len() as u64, Access::REMOTE_WRITE)?;
         r.data[off..off + data.len()].copy_from_slice(data);
         Ok(())
@@ -207,7 +276,7 @@ impl MrTable {
     /// Bytes `[va, va+len)` of the region named by `rkey`, for an RDMA READ (checked for
     /// REMOTE_READ).
     pub(crate) fn remote_read(&self, rkey: u32, va: u64, len: u64) -> Result<&[u8], MrError> {
-        let r = self.slot(rkey).ok_or(MrError::InvalidKey)?;
+        let r = self.remote_slot(rkey).ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, len, Access::REMOTE_READ)?;
         Ok(&r.data[off..off + len as usize])
     }
@@ -221,7 +290,7 @@ impl MrTable {
         va: u64,
         f: impl FnOnce(u64) -> u64,
     ) -> Result<u64, MrError> {
-        let r = self.slot_mut(rkey).ok_or(MrError::InvalidKey)?;
+        let r = self.remote_slot_mut(rkey).ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, 8, Access::REMOTE_ATOMIC)?;
         let cell = &mut r.data[off..off + 8];
         let mut b = [0u8; 8];

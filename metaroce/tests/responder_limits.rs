@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 use metaroce::wire::{
-    self, icrc, AtomicEth, Bth, Headers, Opcode, Packet, PathEth, Reth, SendEth, WriteEth,
+    self, icrc, AtomicEth, Bth, Headers, Opcode, Packet, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use metaroce::{
     Access, AtomicOp, AtomicRequest, ConnectionHandle, ConnectionStats, Endpoint, EndpointConfig,
@@ -150,6 +150,8 @@ impl Two {
 /// 256-packet window never stops it (a peer may do exactly that).
 struct Forger {
     dest_qp: u32,
+    /// The token endpoint 0's connection sends with (the trailer every packet carries).
+    token: u64,
     psn: u32,
     src_port: u16,
 }
@@ -179,8 +181,9 @@ impl Forger {
             h => h,
         };
         let bth = Bth::new(opcode, self.dest_qp, self.psn);
-        let mut buf = vec![0u8; wire::packet_len(&headers, payload.len())];
-        wire::emit_packet(&bth, &headers, payload, &mut buf).unwrap();
+        let trailer = Trailer::Token(self.token);
+        let mut buf = vec![0u8; wire::packet_len_with(&headers, payload.len(), &trailer)];
+        wire::emit_packet_with(&bth, &headers, payload, &trailer, &mut buf).unwrap();
         let ip = icrc::IpHeader::synthesized(ip_of(0), ip_of(1)).unwrap();
         icrc::stamp(&ip, self.src_port, 4791, &mut buf).unwrap();
         let from = SocketAddr::new(ip_of(0), self.src_port);
@@ -235,6 +238,7 @@ fn scattered_op_ids_and_streams_stay_bounded() {
     );
     let mut f = Forger {
         dest_qp: cb.0,
+        token: two.eps[0].connection_tokens(ca).unwrap().0,
         psn: 1 << 20,
         src_port: 0xC000,
     };
@@ -368,9 +372,10 @@ fn refusal_records_are_bounded() {
     let mut b = config(1);
     b.transport.max_tracked_ops = TRACKED;
     let mut two = Two::new(config(0), b);
-    let (_ca, cb) = two.connect();
+    let (ca, cb) = two.connect();
     let mut f = Forger {
         dest_qp: cb.0,
+        token: two.eps[0].connection_tokens(ca).unwrap().0,
         psn: 1 << 20,
         src_port: 0xC000,
     };
@@ -412,10 +417,11 @@ fn write_bitmaps_are_bounded() {
     let mut b = config(1);
     b.transport.max_tracked_ops = TRACKED;
     let mut two = Two::new(config(0), b);
-    let (_ca, cb) = two.connect();
+    let (ca, cb) = two.connect();
     let huge = two.eps[1].register_mr(vec![0; 64 << 20], Access::REMOTE_WRITE);
     let mut f = Forger {
         dest_qp: cb.0,
+        token: two.eps[0].connection_tokens(ca).unwrap().0,
         psn: 1 << 20,
         src_port: 0xC000,
     };
@@ -458,9 +464,10 @@ fn parked_empty_messages_are_bounded() {
     let mut b = config(1);
     b.transport.max_recv_buffer_bytes = BUDGET;
     let mut two = Two::new(config(0), b);
-    let (_ca, cb) = two.connect();
+    let (ca, cb) = two.connect();
     let mut f = Forger {
         dest_qp: cb.0,
+        token: two.eps[0].connection_tokens(ca).unwrap().0,
         psn: 1 << 20,
         src_port: 0xC000,
     };
@@ -497,9 +504,10 @@ fn refused_messages_are_bounded() {
     b.transport.max_tracked_ops = TRACKED;
     b.transport.max_message_size = 4096;
     let mut two = Two::new(config(0), b);
-    let (_ca, cb) = two.connect();
+    let (ca, cb) = two.connect();
     let mut f = Forger {
         dest_qp: cb.0,
+        token: two.eps[0].connection_tokens(ca).unwrap().0,
         psn: 1 << 20,
         src_port: 0xC000,
     };

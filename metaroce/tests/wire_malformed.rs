@@ -33,16 +33,18 @@ fn samples() -> Vec<(Opcode, Headers)> {
     };
     let connect = ConnectEth {
         kind: ConnectKind::Reject,
-        flags: 0,
         version: 1,
         paths: 1,
         src_qpn: 1,
         dst_qpn: 2,
         pmtu: 4096,
-        reply_port: 4791,
+        listen_port: 4791,
         init_psn: 3,
         nonce: 4,
         reason: 5,
+        server_nonce: 6,
+        flags: 0,
+        cookie: [7; 16],
     };
     vec![
         (Opcode::RC_SEND_ONLY, rc(None, None, None)),
@@ -289,7 +291,7 @@ fn connect_kind_must_be_defined() {
         .find(|s| s.0 == Opcode::MR_CONNECT)
         .unwrap();
     let mut b = emit(op, &h, &[]);
-    for kind in [0u8, 4, 0x80, 0xFF] {
+    for kind in [0u8, 6, 0x80, 0xFF] {
         b[12] = kind;
         assert_eq!(
             Packet::parse(&b),

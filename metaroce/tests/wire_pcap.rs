@@ -160,16 +160,18 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
     };
     let connect = ConnectEth {
         kind: ConnectKind::Request,
-        flags: 0,
         version: ConnectEth::VERSION,
         paths: 4,
         src_qpn: 0x00_0101,
         dst_qpn: 0,
         pmtu: 1024,
-        reply_port: 50000,
+        listen_port: 50000,
         init_psn: 0x00_1000,
         nonce: 0x0123_4567_89AB_CDEF,
         reason: 0,
+        server_nonce: 0,
+        flags: 0,
+        cookie: [0; 16],
     };
     let mut ack = AckEth {
         path_id: 2,
@@ -201,7 +203,6 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
             bth(Opcode::MR_CONNECT, 0x101, 0, false),
             Headers::Connect(ConnectEth {
                 kind: ConnectKind::Accept,
-                flags: 0,
                 src_qpn: 0x202,
                 dst_qpn: 0x101,
                 paths: 2,

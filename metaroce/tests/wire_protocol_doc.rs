@@ -36,7 +36,7 @@ fn emit(bth: &Bth, headers: &Headers, payload: &[u8]) -> Vec<u8> {
 #[test]
 fn opcode_table_names_and_header_lengths() {
     let rows: [(u8, &str, usize); 12] = [
-        (0xC0, "MR_CONNECT", 44),
+        (0xC0, "MR_CONNECT", 72),
         (0xC1, "MR_ACK", 60),
         (0xC2, "MR_SEND", 40),
         (0xC3, "MR_WRITE", 48),
@@ -78,8 +78,8 @@ fn metaroce_range_defined_is_c0_to_cb() {
         let op = Opcode(v);
         assert!(op.is_metaroce());
         assert_eq!(op.is_known(), v <= 0xCB, "{op}");
-        // A 64-byte datagram is long enough for every defined MetaRoCE header (≤ 60 + 4).
-        let mut d = [0u8; 64];
+        // A 76-byte datagram is long enough for every defined MetaRoCE header (≤ 72 + 4).
+        let mut d = [0u8; 76];
         d[0] = v;
         d[2] = 0xFF;
         d[3] = 0xFF;

@@ -80,7 +80,7 @@ fn table() -> Vec<(u8, Kind, usize)> {
         (0x64, Kind::Ud(false), 20),
         (0x65, Kind::Ud(true), 24),
         (0x81, Kind::Cnp, 28),
-        (0xC0, Kind::Connect, 44),
+        (0xC0, Kind::Connect, 72),
         (0xC1, Kind::Ack, 60),
         (0xC2, Kind::Send, 40),
         (0xC3, Kind::Write(false), 48),
@@ -211,14 +211,17 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
         prop_oneof![
             Just(ConnectKind::Request),
             Just(ConnectKind::Accept),
-            Just(ConnectKind::Reject)
+            Just(ConnectKind::Reject),
+            Just(ConnectKind::Retry),
+            Just(ConnectKind::Confirm)
         ],
         any::<u8>(),
         any::<u16>(),
         (u24(), u24(), u24()),
-        any::<[u16; 2]>(),
-        any::<u64>(),
+        any::<[u16; 3]>(),
+        any::<[u64; 2]>(),
         any::<u32>(),
+        any::<[u8; 16]>(),
     )
         .prop_map(
             |(
@@ -226,22 +229,25 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
                 version,
                 paths,
                 (src_qpn, dst_qpn, init_psn),
-                [pmtu, reply_port],
-                nonce,
+                [pmtu, listen_port, flags],
+                [nonce, server_nonce],
                 reason,
+                cookie,
             )| {
                 ConnectEth {
                     kind,
-                    flags: 0,
                     version,
                     paths,
                     src_qpn,
                     dst_qpn,
                     pmtu,
-                    reply_port,
+                    listen_port,
                     init_psn,
                     nonce,
                     reason,
+                    server_nonce,
+                    flags,
+                    cookie,
                 }
             },
         )
@@ -507,7 +513,7 @@ fn header_sizes() {
     assert_eq!(WriteEth::LEN, 8);
     assert_eq!(AckEth::LEN, 48);
     assert_eq!(NakEth::LEN, 8);
-    assert_eq!(ConnectEth::LEN, 32);
+    assert_eq!(ConnectEth::LEN, 60);
     assert_eq!(CloseEth::LEN, 16);
 }
 

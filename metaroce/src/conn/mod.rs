@@ -14,7 +14,7 @@ use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::MrTable;
 use crate::wire::{
     self, icrc, AckEth, AtomicAckEth, AtomicEth, Bth, ConnectEth, ConnectKind, Headers, NakEth,
-    Opcode, PathEth, Reth, SendEth, WriteEth,
+    Opcode, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
 use path::{PathRx, PathTx, RxClass, SegRef};
@@ -28,23 +28,16 @@ use std::time::{Duration, Instant};
 pub use path::{PathInfo, PathState, PathStats};
 
 /// Protocol version carried in CONNECT.
-pub(crate) const PROTOCOL_VERSION: u8 = 1;
+pub(crate) const PROTOCOL_VERSION: u8 = ConnectEth::VERSION;
 
-/// Reject reason (ConnectEth bytes 28–31) when one side requires AEAD packet protection and
-/// the other does not offer it ([`TransportConfig::packet_protection`]): 4.
-pub const REJECT_PROTECTION_MISMATCH: u32 = 4;
+/// Reject reason when one side requires AEAD packet protection and the other does not
+/// offer it ([`TransportConfig::packet_protection`]): 4, [`ConnectEth::REASON_AEAD_MISMATCH`].
+pub const REJECT_PROTECTION_MISMATCH: u32 = ConnectEth::REASON_AEAD_MISMATCH;
 
 /// Whether a handshake message asks for (Request) or confirms (Accept) AEAD packet
 /// protection: `ConnectEth` flags bit 0.
 pub(crate) fn aead_flag(msg: &ConnectEth) -> bool {
     msg.flags & ConnectEth::FLAG_AEAD != 0
-}
-
-/// The server's nonce of the connection identity (the client's is `ConnectEth::nonce` of
-/// the Request). Until the handshake carries one, 0: the keys then depend on the
-/// application key and the client nonce only.
-pub(crate) fn server_nonce(_msg: &ConnectEth) -> u64 {
-    0
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,12 +46,36 @@ pub(crate) enum State {
     Established,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 struct Handshake {
     attempts: u32,
     next_at: Instant,
     pending: bool,
     paths_offered: u16,
+    /// The retry cookie of the server's last Retry, echoed in the next Requests.
+    cookie: [u8; 16],
+    /// Retries accepted so far (bounded by `handshake_attempts`).
+    retries: u32,
+}
+
+/// Server side of a connection accepted but not yet confirmed by its client (half-open):
+/// the Accept is re-sent every `handshake_interval`, at most `handshake_attempts` times,
+/// then the connection expires with [`ConnectionError::HandshakeTimeout`].
+#[derive(Debug, Clone, Copy)]
+struct HalfOpen {
+    next_at: Instant,
+    attempts: u32,
+}
+
+/// Why [`Connection::authenticate`] refused a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AuthError {
+    /// No trailer (kind 0) on a non-CONNECT packet.
+    Missing,
+    /// A token that is not the connection's, or a trailer kind this connection does not use.
+    Bad,
+    /// The connection is not established, so it has no token yet.
+    NotEstablished,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -117,6 +134,18 @@ pub(crate) struct Connection {
     pub peer: SocketAddr,
     pub peer_qpn: u32,
     pub nonce: u64,
+    /// The server's nonce (the other half of the identity); 0 until known.
+    pub server_nonce: u64,
+    /// Token expected in the trailer of every packet received (identity-derived).
+    rx_token: u64,
+    /// Token put in the trailer of every packet sent.
+    tx_token: u64,
+    /// Server side: the client has confirmed the Accept (a Confirm or any authenticated
+    /// packet); always true on the client side.
+    pub confirmed: bool,
+    half_open: Option<HalfOpen>,
+    /// Client side: a Confirm is due.
+    confirm_pending: bool,
     pub local_ip: Option<IpAddr>,
     local_port: u16,
     pub pmtu: u32,
@@ -206,6 +235,8 @@ impl Connection {
             next_at: now,
             pending: true,
             paths_offered,
+            cookie: [0; 16],
+            retries: 0,
         });
         c.outgoing = true;
         c
@@ -255,7 +286,67 @@ impl Connection {
         // The client's grant for what we send it, until its first ACK says otherwise.
         c.peer_rate_mbps = req.grant_mbps();
         c.accept_pending = true;
+        c.server_nonce = server_nonce;
+        let (c2s, s2c) = crate::secret::tokens(req.nonce, server_nonce);
+        c.rx_token = c2s;
+        c.tx_token = s2c;
+        c.confirmed = false;
+        c.half_open = Some(HalfOpen {
+            next_at: now + c.cfg.handshake_interval,
+            attempts: 1,
+        });
         c
+    }
+
+    /// Check a received packet's trailer against the connection's token in constant time,
+    /// before any state is touched (issue #9). `MR_CONNECT` packets never come here.
+    pub fn authenticate(&self, trailer: &Trailer) -> Result<(), AuthError> {
+        if self.state != State::Established {
+            return Err(AuthError::NotEstablished);
+        }
+        match trailer {
+            // With AEAD the trailer kind is all that is checked here; the tag is verified
+            // by `open` before the connection sees the packet.
+            Trailer::Aead { .. } if self.protection.is_some() => Ok(()),
+            Trailer::Token(t)
+                if self.protection.is_none() && crate::secret::ct_eq_u64(*t, self.rx_token) =>
+            {
+                Ok(())
+            }
+            Trailer::None => Err(AuthError::Missing),
+            _ => Err(AuthError::Bad),
+        }
+    }
+
+    /// An authenticated packet arrived: on the server side the connection is no longer
+    /// half-open.
+    pub fn on_authenticated(&mut self) {
+        self.confirmed = true;
+        self.half_open = None;
+    }
+
+    /// Server side: the client's Confirm (both nonces echoed, compared in constant time).
+    /// Returns whether it matched.
+    pub fn on_confirm(&mut self, msg: &ConnectEth) -> bool {
+        let ok = self.state == State::Established
+            && !self.outgoing
+            && crate::secret::ct_eq_u64(msg.nonce, self.nonce)
+            && crate::secret::ct_eq_u64(msg.server_nonce, self.server_nonce);
+        if ok {
+            self.on_authenticated();
+        }
+        ok
+    }
+
+    /// The token this side puts on the packets it sends (for endpoint-generated packets
+    /// such as MR_CLOSE).
+    pub fn tx_token(&self) -> u64 {
+        self.tx_token
+    }
+
+    /// `(tx_token, rx_token)`.
+    pub fn tokens(&self) -> (u64, u64) {
+        (self.tx_token, self.rx_token)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -277,6 +368,12 @@ impl Connection {
             peer,
             peer_qpn: 0,
             nonce,
+            server_nonce: 0,
+            rx_token: 0,
+            tx_token: 0,
+            confirmed: true,
+            half_open: None,
+            confirm_pending: false,
             local_ip,
             local_port,
             pmtu: cfg.pmtu,
@@ -389,12 +486,32 @@ impl Connection {
         msg: &ConnectEth,
         events: &mut VecDeque<Event>,
     ) -> Outcome {
-        let Some(hs) = &self.handshake else {
-            return Outcome::default();
-        };
-        if msg.nonce != self.nonce {
+        if !crate::secret::ct_eq_u64(msg.nonce, self.nonce) {
             return Outcome::default();
         }
+        let Some(hs) = &mut self.handshake else {
+            // Established: a repeated Accept of this very identity means our Confirm was
+            // lost; send it again.
+            if msg.kind == ConnectKind::Accept
+                && self.state == State::Established
+                && crate::secret::ct_eq_u64(msg.server_nonce, self.server_nonce)
+            {
+                self.confirm_pending = true;
+            }
+            return Outcome::default();
+        };
+        if msg.kind == ConnectKind::Retry {
+            // Repeat the Request at once with the cookie; a Retry consumes an attempt's
+            // worth of budget so a loop of Retries cannot keep us forever.
+            if hs.retries < self.cfg.handshake_attempts {
+                hs.retries += 1;
+                hs.cookie = msg.cookie;
+                hs.pending = true;
+                hs.next_at = now + self.cfg.handshake_interval;
+            }
+            return Outcome::default();
+        }
+        let hs = *hs;
         match msg.kind {
             ConnectKind::Accept => {
                 if !(256..=4096).contains(&msg.pmtu)
@@ -421,12 +538,17 @@ impl Connection {
                     now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
                 });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
+                self.server_nonce = msg.server_nonce;
+                let (c2s, s2c) = crate::secret::tokens(self.nonce, msg.server_nonce);
+                self.tx_token = c2s;
+                self.rx_token = s2c;
+                self.confirm_pending = true;
                 if let Some(pc) = &self.cfg.packet_protection {
                     self.protection = Some(Box::new(PacketProtection::new(
                         pc,
                         Side::Client,
                         self.nonce,
-                        server_nonce(msg),
+                        msg.server_nonce,
                     )));
                 }
                 // The server's grant rides in the Accept, so the blind first window is
@@ -445,7 +567,7 @@ impl Connection {
             ConnectKind::Reject => Outcome {
                 lost: Some(ConnectionError::Rejected(msg.reason)),
             },
-            ConnectKind::Request => Outcome::default(),
+            ConnectKind::Request | ConnectKind::Retry | ConnectKind::Confirm => Outcome::default(),
         }
     }
 
@@ -959,6 +1081,9 @@ impl Connection {
         if let Some(hs) = &self.handshake {
             consider(Some(hs.next_at));
         }
+        if let Some(h) = &self.half_open {
+            consider(Some(h.next_at));
+        }
         for p in &self.tx {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
@@ -994,9 +1119,21 @@ impl Connection {
         self.drain_completions(events);
         self.rq.take_flushed(self.handle, events);
         // A server that has heard nothing from its client since accepting re-sends the
-        // Accept with every timer: if it was lost, the client drops data until one arrives.
-        if !self.outgoing && self.acks_received == 0 && self.data_in == 0 {
-            self.accept_pending = true;
+        // Accept every `handshake_interval` (if it was lost, the client drops data until one
+        // arrives), at most `handshake_attempts` times: then the half-open connection
+        // expires (issue #9: half-open state is bounded in time).
+        if let Some(h) = &mut self.half_open {
+            if now >= h.next_at {
+                if h.attempts >= self.cfg.handshake_attempts {
+                    self.flush(WcStatus::WrFlushError, events);
+                    return Outcome {
+                        lost: Some(ConnectionError::HandshakeTimeout),
+                    };
+                }
+                h.attempts += 1;
+                h.next_at = now + self.cfg.handshake_interval;
+                self.accept_pending = true;
+            }
         }
         if self.sq.wait_deadline().is_some_and(|t| t <= now) {
             self.sq.on_wait_timer(now, self.cfg.retry_count);
@@ -1045,25 +1182,21 @@ impl Connection {
         icrc::IpHeader::synthesized(local, self.peer.ip()).ok()
     }
 
-    /// The trailer a packet of this connection carries (its bytes are filled in by
-    /// [`PacketProtection::seal`] for AEAD): none on `MR_CONNECT`.
-    fn trailer_for(&self, op: Opcode) -> wire::Trailer {
+    /// The trailer a packet of this connection carries: none on `MR_CONNECT`; the AEAD
+    /// trailer (its bytes filled in by [`PacketProtection::seal`]) when the connection is
+    /// protected; else the direction's token.
+    pub fn trailer_for(&self, op: Opcode) -> Trailer {
         if op == Opcode::MR_CONNECT {
-            wire::Trailer::None
+            Trailer::None
         } else if self.protection.is_some() {
-            wire::Trailer::Aead {
+            Trailer::Aead {
                 key_phase: false,
                 pn: 0,
                 tag: [0; 16],
             }
         } else {
-            wire::Trailer::None
+            Trailer::Token(self.tx_token)
         }
-    }
-
-    /// Bytes the trailer adds to every non-CONNECT packet (for GSO sizing).
-    fn trailer_len(&self) -> usize {
-        self.trailer_for(Opcode::MR_ACK).len()
     }
 
     /// Append one packet to `buf`, seal it when the connection is AEAD-protected (every
@@ -1133,6 +1266,8 @@ impl Connection {
         }
     }
 
+    /// The trailer of a packet of `opcode` sent on this connection: none on `MR_CONNECT`,
+    /// the token of our sending direction on everything else.
     pub fn connect_packet(&self, kind: ConnectKind, reason: u32) -> (Bth, Headers) {
         let paths = match (&self.handshake, kind) {
             (Some(hs), _) => hs.paths_offered,
@@ -1156,9 +1291,18 @@ impl Connection {
             src_qpn: self.handle.0,
             dst_qpn: self.peer_qpn,
             pmtu: self.pmtu as u16,
-            reply_port: self.local_port,
+            listen_port: self.local_port,
             init_psn: self.init_psn,
             nonce: self.nonce,
+            server_nonce: if kind == ConnectKind::Request {
+                0
+            } else {
+                self.server_nonce
+            },
+            cookie: match (&self.handshake, kind) {
+                (Some(hs), ConnectKind::Request) => hs.cookie,
+                _ => [0; 16],
+            },
             // A request or accept carries our current grant for the peer instead of a
             // reject reason (docs/PROTOCOL.md, ConnectEth bytes 28–31).
             reason: if kind == ConnectKind::Reject {
@@ -1207,6 +1351,13 @@ impl Connection {
             hs.attempts += 1;
             hs.next_at = now + self.cfg.handshake_interval;
             let (bth, hdrs) = self.connect_packet(ConnectKind::Request, 0);
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            return Some(self.transmit(port, None, n, None));
+        }
+        if self.confirm_pending {
+            self.confirm_pending = false;
+            let port = self.source_ports[0];
+            let (bth, hdrs) = self.connect_packet(ConnectKind::Confirm, 0);
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
@@ -1511,7 +1662,7 @@ impl Connection {
                     }
                 },
             };
-            let size = wire::packet_len(&hdrs, payload.len()) + self.trailer_len();
+            let size = wire::packet_len_with(&hdrs, payload.len(), &self.trailer_for(opcode));
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.
             if seg_size.is_some_and(|s| size > s) {
                 break;

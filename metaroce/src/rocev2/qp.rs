@@ -1434,33 +1434,21 @@ fn rc(
 
 /// `len` bytes at `va` of the region `rkey`, if READ is allowed there.
 fn read_remote(mrs: &MrTable, rkey: u32, va: u64, len: u32) -> Option<&[u8]> {
-    mrs.check_remote(rkey, va, u64::from(len), Access::REMOTE_READ)
-        .ok()?;
-    let keys = mrs.keys(rkey)?;
-    mrs.local(rkey, va.checked_sub(keys.addr)?, u64::from(len))
-        .ok()
+    mrs.remote_read(rkey, va, u64::from(len)).ok()
 }
 
 /// Execute an atomic on the 8-byte little-endian value at `a.va`; the original value.
 fn atomic_exec(mrs: &mut MrTable, op: u8, a: &AtomicEth) -> Option<u64> {
-    mrs.check_remote(a.rkey, a.va, 8, Access::REMOTE_ATOMIC)
-        .ok()?;
-    let keys = mrs.keys(a.rkey)?;
-    let slot = mrs
-        .local_mut(a.rkey, a.va.checked_sub(keys.addr)?, 8)
-        .ok()?;
-    let mut b = [0u8; 8];
-    b.copy_from_slice(slot);
-    let old = u64::from_le_bytes(b);
-    let new = if op == 0x13 {
-        if old == a.compare {
-            a.swap_add
+    mrs.remote_atomic(a.rkey, a.va, |old| {
+        if op == 0x13 {
+            if old == a.compare {
+                a.swap_add
+            } else {
+                old
+            }
         } else {
-            old
+            old.wrapping_add(a.swap_add)
         }
-    } else {
-        old.wrapping_add(a.swap_add)
-    };
-    slot.copy_from_slice(&new.to_le_bytes());
-    Some(old)
+    })
+    .ok()
 }

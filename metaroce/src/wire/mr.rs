@@ -335,6 +335,12 @@ pub enum ConnectKind {
     Accept = 2,
     /// 3: the responder refuses a request ([`ConnectEth::reason`] says why).
     Reject = 3,
+    /// 4: the responder asks the initiator to repeat its request with the
+    /// [`ConnectEth::cookie`] it carries (stateless address validation).
+    Retry = 4,
+    /// 5: the initiator confirms an Accept (both nonces echoed): the responder's
+    /// connection stops being half-open.
+    Confirm = 5,
 }
 
 impl TryFrom<u8> for ConnectKind {
@@ -345,69 +351,107 @@ impl TryFrom<u8> for ConnectKind {
             1 => Ok(ConnectKind::Request),
             2 => Ok(ConnectKind::Accept),
             3 => Ok(ConnectKind::Reject),
+            4 => Ok(ConnectKind::Retry),
+            5 => Ok(ConnectKind::Confirm),
             _ => Err(Error::BadField("ConnectEth.kind")),
         }
     }
 }
 
-/// Connection set-up header: 32 bytes after the BTH on `MR_CONNECT`. MetaRoCE extension,
-/// see docs/PROTOCOL.md.
+/// Connection set-up header: 60 bytes after the BTH on `MR_CONNECT`. MetaRoCE extension,
+/// see docs/PROTOCOL.md ("Connection set-up"; protocol version 2, issue #9).
 ///
 /// | Bytes | Field |
 /// |---|---|
-/// | 0 | kind ([`ConnectKind`]: 1 request, 2 accept, 3 reject) |
-/// | 1 | protocol version ([`ConnectEth::VERSION`] = 1) |
+/// | 0 | kind ([`ConnectKind`]: 1 request, 2 accept, 3 reject, 4 retry, 5 confirm) |
+/// | 1 | protocol version ([`ConnectEth::VERSION`] = 2) |
 /// | 2–3 | path count (request: proposed; accept: agreed) |
-/// | 4 | flags: bit 0 = AEAD packet protection requested (Request) / in use (Accept); bits 7:1 reserved 0 |
-/// | 5–7 | sender's QPN (24 bits) |
+/// | 4–7 | sender's QPN (low 24 bits, upper byte 0) |
 /// | 8–11 | receiver's QPN (low 24 bits, upper byte 0; 0 in a request) |
 /// | 12–13 | path MTU in payload bytes (256..=4096, a power of two) |
-/// | 14–15 | reply UDP port where the sender listens |
+/// | 14–15 | UDP port where the sender listens (validated by the retry cookie) |
 /// | 16–19 | initial PSN of every path (low 24 bits, upper byte 0) |
-/// | 20–27 | connection nonce (random, identifies this incarnation) |
+/// | 20–27 | client nonce (random, from the client's secret RNG) |
 /// | 28–31 | kind = reject: reject reason. Request / accept: the sender's fair-share grant for its peer in Mbit/s (0 = none) |
+/// | 32–39 | server nonce (accept, confirm; 0 otherwise) |
+/// | 40–41 | flags: bit 0 = AEAD requested (request) / in use (accept) |
+/// | 42–43 | reserved, 0 |
+/// | 44–59 | retry cookie (retry; request repeated after a retry; 0 otherwise) |
 ///
 /// The parser checks only `kind`; version, path count and MTU are left to the connection
 /// logic so it can answer with a reject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConnectEth {
-    /// Request, accept or reject (8 bits).
+    /// Request, accept, reject, retry or confirm (8 bits).
     pub kind: ConnectKind,
     /// Protocol version (8 bits), [`ConnectEth::VERSION`].
     pub version: u8,
     /// Number of paths (16 bits): proposed in a request, agreed in an accept.
     pub paths: u16,
-    /// Flags (8 bits, byte 4): [`ConnectEth::FLAG_AEAD`]; other bits reserved, sent 0.
-    pub flags: u8,
     /// Sender's connection QPN (24 bits; masked on emit and parse).
     pub src_qpn: u32,
     /// Receiver's connection QPN (24 bits; masked on emit and parse); 0 in a request.
     pub dst_qpn: u32,
     /// Path MTU in payload bytes (16 bits): 256, 512, 1024, 2048 or 4096.
     pub pmtu: u16,
-    /// UDP port (16 bits) on which the sender of this packet listens.
-    pub reply_port: u16,
+    /// UDP port (16 bits) on which the sender of this packet listens; the server sends to
+    /// the Request's source IP at this port, validated by the retry cookie round trip.
+    pub listen_port: u16,
     /// Initial PSN of every path (24 bits; masked on emit and parse).
     pub init_psn: u32,
-    /// Random connection nonce (64 bits) identifying this incarnation.
+    /// Client nonce (64 bits), from the client's secret RNG; half of the identity.
     pub nonce: u64,
     /// Reject reason (32 bits) when `kind` is [`ConnectKind::Reject`]; in a request or an
     /// accept, the same bytes carry the sender's grant ([`ConnectEth::grant_mbps`]).
     pub reason: u32,
+    /// Server nonce (64 bits), from the server's secret RNG: the other half of the
+    /// identity; in accept and confirm, 0 otherwise.
+    pub server_nonce: u64,
+    /// Flags (16 bits): [`ConnectEth::FLAG_AEAD`].
+    pub flags: u16,
+    /// Retry cookie (16 bytes): set by the server in a retry, echoed by the client in the
+    /// repeated request; zero otherwise.
+    pub cookie: [u8; 16],
 }
 
 impl ConnectEth {
-    /// Size in bytes (32).
-    pub const LEN: usize = 32;
-    /// The protocol version this crate speaks (1).
-    pub const VERSION: u8 = 1;
-    /// Flags bit 0: AEAD packet protection requested (Request) / in use (Accept).
-    pub const FLAG_AEAD: u8 = 0x01;
+    /// Size in bytes (60).
+    pub const LEN: usize = 60;
+    /// The protocol version this crate speaks (2: identity, tokens and retry cookies).
+    pub const VERSION: u8 = 2;
+    /// Flag bit 0: AEAD packet protection requested (request) / in use (accept).
+    pub const FLAG_AEAD: u16 = 0x0001;
+    /// Reject reason 1: not accepting connections.
+    pub const REASON_NOT_ACCEPTING: u32 = 1;
+    /// Reject reason 2: connection limit (or half-open limit) reached.
+    pub const REASON_LIMIT: u32 = 2;
+    /// Reject reason 3: invalid request (version, path count, path MTU).
+    pub const REASON_INVALID: u32 = 3;
+    /// Reject reason 4: packet protection (AEAD) mismatch between the two ends.
+    pub const REASON_AEAD_MISMATCH: u32 = 4;
+
+    /// A message of `kind` with every other field 0 and the current version.
+    pub fn new(kind: ConnectKind) -> Self {
+        ConnectEth {
+            kind,
+            version: Self::VERSION,
+            paths: 0,
+            src_qpn: 0,
+            dst_qpn: 0,
+            pmtu: 0,
+            listen_port: 0,
+            init_psn: 0,
+            nonce: 0,
+            reason: 0,
+            server_nonce: 0,
+            flags: 0,
+            cookie: [0; 16],
+        }
+    }
 
     /// The rate (Mbit/s, 0 = no limit) the sender of this request or accept grants its
     /// peer, as its ACKs will (receiver-driven fair share): bytes 28–31, which a reject
-    /// uses for the reason. 0 for a reject. A peer that leaves the bytes 0 grants nothing,
-    /// so version 1 peers that do not send a grant interoperate.
+    /// uses for the reason. 0 for a reject.
     pub fn grant_mbps(&self) -> u32 {
         if self.kind == ConnectKind::Reject {
             0
@@ -416,41 +460,58 @@ impl ConnectEth {
         }
     }
 
-    /// Parse the first 32 bytes of `b`. Errors: [`Error::Truncated`] if shorter,
-    /// [`Error::BadField`]`("ConnectEth.kind")` for a kind other than 1, 2, 3.
+    /// Parse the first 60 bytes of `b`. Errors: [`Error::Truncated`] if shorter,
+    /// [`Error::BadField`]`("ConnectEth.kind")` for a kind other than 1..=5.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
         let mut r = Reader::with_len(b, Self::LEN)?;
         let kind = ConnectKind::try_from(r.u8()?)?;
+        let version = r.u8()?;
+        let paths = r.u16()?;
+        let src_qpn = r.u32()? & PSN_MASK;
+        let dst_qpn = r.u32()? & PSN_MASK;
+        let pmtu = r.u16()?;
+        let listen_port = r.u16()?;
+        let init_psn = r.u32()? & PSN_MASK;
+        let nonce = r.u64()?;
+        let reason = r.u32()?;
+        let server_nonce = r.u64()?;
+        let flags = r.u16()?;
+        r.skip(2)?;
         Ok(ConnectEth {
             kind,
-            version: r.u8()?,
-            paths: r.u16()?,
-            flags: r.u8()?,
-            src_qpn: r.u24()?,
-            dst_qpn: r.u32()? & PSN_MASK,
-            pmtu: r.u16()?,
-            reply_port: r.u16()?,
-            init_psn: r.u32()? & PSN_MASK,
-            nonce: r.u64()?,
-            reason: r.u32()?,
+            version,
+            paths,
+            src_qpn,
+            dst_qpn,
+            pmtu,
+            listen_port,
+            init_psn,
+            nonce,
+            reason,
+            server_nonce,
+            flags,
+            cookie: r.array()?,
         })
     }
 
-    /// Write 32 bytes to the start of `out` (QPNs and PSN masked to 24 bits);
+    /// Write 60 bytes to the start of `out` (QPNs and PSN masked to 24 bits);
     /// [`Error::BufferTooSmall`] if shorter.
     pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
         let mut w = Writer::with_len(out, Self::LEN)?;
         w.u8(self.kind as u8)?;
         w.u8(self.version)?;
         w.u16(self.paths)?;
-        w.u8(self.flags)?;
-        w.u24(self.src_qpn & PSN_MASK)?;
+        w.u32(self.src_qpn & PSN_MASK)?;
         w.u32(self.dst_qpn & PSN_MASK)?;
         w.u16(self.pmtu)?;
-        w.u16(self.reply_port)?;
+        w.u16(self.listen_port)?;
         w.u32(self.init_psn & PSN_MASK)?;
         w.u64(self.nonce)?;
-        w.u32(self.reason)
+        w.u32(self.reason)?;
+        w.u64(self.server_nonce)?;
+        w.u16(self.flags)?;
+        w.zeros(2)?;
+        w.bytes(&self.cookie)
     }
 }
 

@@ -3254,7 +3254,8 @@ pub fn dump(w: &Workload) {
 }
 
 /// Re-emit a captured packet with its BTH and headers edited, ICRC re-stamped for the
-/// addresses of the harness (as if `from` sent it to `to`).
+/// addresses of the harness (as if `from` sent it to `to`). The captured trailer (the
+/// connection's token) is kept: this is an on-path forger, who has seen the token.
 pub fn forge(
     c: &Captured,
     to: SocketAddr,
@@ -3263,8 +3264,9 @@ pub fn forge(
     let p = Packet::parse(&c.data).expect("captured packet parses");
     let (mut bth, mut hdrs) = (p.bth, p.headers);
     edit(&mut bth, &mut hdrs);
-    let mut out = vec![0u8; metaroce::wire::packet_len(&hdrs, p.payload.len())];
-    metaroce::wire::emit_packet(&bth, &hdrs, p.payload, &mut out).unwrap();
+    let t = p.trailer;
+    let mut out = vec![0u8; metaroce::wire::packet_len_with(&hdrs, p.payload.len(), &t)];
+    metaroce::wire::emit_packet_with(&bth, &hdrs, p.payload, &t, &mut out).unwrap();
     let ip = metaroce::wire::icrc::IpHeader::synthesized(c.from.ip(), to.ip()).unwrap();
     metaroce::wire::icrc::stamp(&ip, c.from.port(), to.port(), &mut out).unwrap();
     out
