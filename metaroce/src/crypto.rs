@@ -1,4 +1,4 @@
-//! Optional packet protection: AES-GCM encryption and integrity of MetaRoCE packets, in the
+//! Optional packet protection: AES-GCM (through `ring`) encryption and integrity of MetaRoCE packets, in the
 //! spirit of PSP (Google's PSP Security Protocol) and QUIC packet protection (RFC 9001).
 //!
 //! When both ends of a connection are configured with the same
@@ -70,9 +70,8 @@
 
 use core::fmt;
 
-use aes_gcm::aead::{AeadInPlace, KeyInit};
-use aes_gcm::{Aes128Gcm, Aes256Gcm, Nonce, Tag};
 use hkdf::Hkdf;
+use ring::aead::{Aad, LessSafeKey, Nonce, Tag, UnboundKey, AES_128_GCM, AES_256_GCM};
 use sha2::Sha256;
 use zeroize::Zeroize;
 
@@ -330,15 +329,11 @@ pub struct ProtectionStats {
     pub key_updates_received: u64,
 }
 
-enum Cipher {
-    A128(Box<Aes128Gcm>),
-    A256(Box<Aes256Gcm>),
-}
-
-/// One generation of one direction: secret, AES-GCM key schedule, IV.
+/// One generation of one direction: secret, AES-GCM key schedule (`ring`; `None` only if
+/// the key could not be set up, which fails every seal and open), IV.
 struct KeyMaterial {
     secret: [u8; SECRET_LEN],
-    cipher: Cipher,
+    cipher: Option<LessSafeKey>,
     iv: [u8; AEAD_IV_LEN],
 }
 
@@ -394,18 +389,11 @@ impl KeyMaterial {
     fn new(alg: AeadAlgorithm, secret: [u8; SECRET_LEN]) -> Self {
         let (mut key, iv, mut next) = expand_secret(alg, &secret);
         next.zeroize();
-        let cipher = match alg {
-            AeadAlgorithm::Aes128Gcm => {
-                Cipher::A128(Box::new(Aes128Gcm::new(
-                    aes_gcm::Key::<Aes128Gcm>::from_slice(&key[..16]),
-                )))
-            }
-            AeadAlgorithm::Aes256Gcm => {
-                Cipher::A256(Box::new(Aes256Gcm::new(
-                    aes_gcm::Key::<Aes256Gcm>::from_slice(&key),
-                )))
-            }
+        let (a, k) = match alg {
+            AeadAlgorithm::Aes128Gcm => (&AES_128_GCM, &key[..16]),
+            AeadAlgorithm::Aes256Gcm => (&AES_256_GCM, &key[..]),
         };
+        let cipher = UnboundKey::new(a, k).ok().map(LessSafeKey::new);
         key.zeroize();
         Self { secret, cipher, iv }
     }
@@ -425,25 +413,37 @@ impl KeyMaterial {
     }
 
     fn seal(&self, pn: u64, aad: &[u8], body: &mut [u8]) -> Option<[u8; AEAD_TAG_LEN]> {
-        let nonce = self.nonce(pn);
-        let nonce = Nonce::from_slice(&nonce);
-        let tag = match &self.cipher {
-            Cipher::A128(c) => c.encrypt_in_place_detached(nonce, aad, body),
-            Cipher::A256(c) => c.encrypt_in_place_detached(nonce, aad, body),
-        }
-        .ok()?;
-        Some(tag.into())
+        let nonce = Nonce::assume_unique_for_key(self.nonce(pn));
+        let tag = self
+            .cipher
+            .as_ref()?
+            .seal_in_place_separate_tag(nonce, Aad::from(aad), body)
+            .ok()?;
+        <[u8; AEAD_TAG_LEN]>::try_from(tag.as_ref()).ok()
     }
 
-    fn open(&self, pn: u64, aad: &[u8], body: &mut [u8], tag: &[u8; AEAD_TAG_LEN]) -> bool {
-        let nonce = self.nonce(pn);
-        let nonce = Nonce::from_slice(&nonce);
-        let tag = Tag::from_slice(tag);
-        match &self.cipher {
-            Cipher::A128(c) => c.decrypt_in_place_detached(nonce, aad, body, tag),
-            Cipher::A256(c) => c.decrypt_in_place_detached(nonce, aad, body, tag),
+    /// Verify and decrypt `body` in place. `ring` decrypts while it authenticates and
+    /// clears the buffer on failure, so the ciphertext is kept in `backup` and put back:
+    /// on failure `body` is unchanged.
+    fn open(
+        &self,
+        pn: u64,
+        aad: &[u8],
+        body: &mut [u8],
+        tag: &[u8; AEAD_TAG_LEN],
+        backup: &mut Vec<u8>,
+    ) -> bool {
+        let Some(k) = &self.cipher else { return false };
+        backup.clear();
+        backup.extend_from_slice(body);
+        let nonce = Nonce::assume_unique_for_key(self.nonce(pn));
+        let ok = k
+            .open_in_place_separate_tag(nonce, Aad::from(aad), Tag::from(*tag), body, 0..)
+            .is_ok();
+        if !ok {
+            body.copy_from_slice(backup);
         }
-        .is_ok()
+        ok
     }
 }
 
@@ -574,6 +574,8 @@ pub struct PacketProtection {
     recv: RecvKeys,
     update_requested: bool,
     stats: ProtectionStats,
+    /// The ciphertext of the packet being opened, put back if its tag fails.
+    backup: Vec<u8>,
 }
 
 impl fmt::Debug for PacketProtection {
@@ -645,6 +647,7 @@ impl PacketProtection {
             },
             update_requested: false,
             stats: ProtectionStats::default(),
+            backup: Vec::new(),
         }
     }
 
@@ -774,6 +777,7 @@ impl PacketProtection {
         let aad = &a[..alen];
 
         let r = &mut self.recv;
+        let backup = &mut self.backup;
         let mut updated = false;
         if phase == r.phase {
             // Packet numbers grow across generations: below the previous generation's first
@@ -781,7 +785,7 @@ impl PacketProtection {
             if pn < r.prev_first_pn {
                 return Err(OpenError::KeyDiscarded);
             }
-            if r.key.open(pn, aad, body, &tag) {
+            if r.key.open(pn, aad, body, &tag, backup) {
                 r.first_pn = r.first_pn.min(pn);
             } else {
                 // Both ends initiated an update at once and the peer went on to the next
@@ -794,7 +798,7 @@ impl PacketProtection {
                 let alg = self.alg;
                 let next = r.next.get_or_insert_with(|| r.key.next(alg));
                 let skip = r.skip.get_or_insert_with(|| next.next(alg));
-                if !skip.open(pn, aad, body, &tag) {
+                if !skip.open(pn, aad, body, &tag, backup) {
                     return Err(OpenError::Auth);
                 }
                 let top_before = r.replay.top().unwrap_or(0);
@@ -814,13 +818,13 @@ impl PacketProtection {
             let Some(prev) = r.prev.as_ref().filter(|_| pn >= r.prev2_first_pn) else {
                 return Err(OpenError::KeyDiscarded);
             };
-            if !prev.open(pn, aad, body, &tag) {
+            if !prev.open(pn, aad, body, &tag, backup) {
                 return Err(OpenError::Auth);
             }
         } else {
             let alg = self.alg;
             let next = r.next.get_or_insert_with(|| r.key.next(alg));
-            if !next.open(pn, aad, body, &tag) {
+            if !next.open(pn, aad, body, &tag, backup) {
                 return Err(OpenError::Auth);
             }
             // Promote: the verified next key becomes current, current becomes previous.
@@ -890,9 +894,17 @@ mod tests {
     }
 
     /// The GCM specification (McGrew & Viega), test case 4: AES-128, 60-byte plaintext,
-    /// 20-byte AAD; and test case 14: AES-256, one zero block.
+    /// 20-byte AAD; and test case 14: AES-256, one zero block; against `ring` as we use it.
     #[test]
     fn aes_gcm_spec_vectors() {
+        let seal = |alg, key: &[u8], iv: &[u8], aad: &[u8], buf: &mut [u8]| {
+            let k = LessSafeKey::new(UnboundKey::new(alg, key).unwrap());
+            let n = Nonce::assume_unique_for_key(iv.try_into().unwrap());
+            k.seal_in_place_separate_tag(n, Aad::from(aad), buf)
+                .unwrap()
+                .as_ref()
+                .to_vec()
+        };
         let key = hex("feffe9928665731c6d6a8f9467308308");
         let iv = hex("cafebabefacedbaddecaf888");
         let aad = hex("feedfacedeadbeeffeedfacedeadbeefabaddad2");
@@ -900,10 +912,7 @@ mod tests {
             "d9313225f88406e5a55909c5aff5269a86a7a9531534f7da2e4c303d8a318a72
              1c3c0c95956809532fcf0e2449a6b525b16aedf5aa0de657ba637b39",
         );
-        let c = Aes128Gcm::new_from_slice(&key).unwrap();
-        let tag = c
-            .encrypt_in_place_detached(Nonce::from_slice(&iv), &aad, &mut buf)
-            .unwrap();
+        let tag = seal(&AES_128_GCM, &key, &iv, &aad, &mut buf);
         assert_eq!(
             buf,
             hex(
@@ -911,24 +920,15 @@ mod tests {
                  21d514b25466931c7d8f6a5aac84aa051ba30b396a0aac973d58e091"
             )
         );
-        assert_eq!(
-            tag.as_slice(),
-            hex("5bc94fbc3221a5db94fae95ae7121a47").as_slice()
-        );
+        assert_eq!(tag, hex("5bc94fbc3221a5db94fae95ae7121a47"));
 
-        let c = Aes256Gcm::new_from_slice(&[0u8; 32]).unwrap();
         let mut buf = [0u8; 16];
-        let tag = c
-            .encrypt_in_place_detached(Nonce::from_slice(&[0u8; 12]), &[], &mut buf)
-            .unwrap();
+        let tag = seal(&AES_256_GCM, &[0u8; 32], &[0u8; 12], &[], &mut buf);
         assert_eq!(
             buf.as_slice(),
             hex("cea7403d4d606b6e074ec5d3baf39d18").as_slice()
         );
-        assert_eq!(
-            tag.as_slice(),
-            hex("d0d1c8a799996bf0265b98b5d48ab919").as_slice()
-        );
+        assert_eq!(tag, hex("d0d1c8a799996bf0265b98b5d48ab919"));
     }
 
     fn key16() -> PacketProtectionKey {
