@@ -270,8 +270,10 @@ fn synthesized_packets() -> Vec<Vec<u8>> {
                 continue;
             };
             // Canonical form, with a valid ICRC.
-            let mut q = vec![0u8; wire::packet_len(&pkt.headers, pkt.payload.len())];
-            let n = wire::emit_packet(&pkt.bth, &pkt.headers, pkt.payload, &mut q).expect("emit");
+            let t = pkt.trailer;
+            let mut q = vec![0u8; wire::packet_len_with(&pkt.headers, pkt.payload.len(), &t)];
+            let n = wire::emit_packet_with(&pkt.bth, &pkt.headers, pkt.payload, &t, &mut q)
+                .expect("emit");
             q.truncate(n);
             icrc::stamp(&ip, 0xC000, wire::ROCEV2_UDP_PORT, &mut q).expect("stamp");
             out.push(q);

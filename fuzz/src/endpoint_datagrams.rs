@@ -21,7 +21,7 @@ use arbitrary::Arbitrary;
 use bytes::Bytes;
 use metaroce::wire::{
     self, AckEth, AtomicAckEth, AtomicEth, Bth, CloseEth, ConnectEth, ConnectKind, Headers, NakEth,
-    Opcode, Packet, PathEth, Reth, SendEth, WriteEth, PSN_MASK,
+    Opcode, Packet, PathEth, Reth, SendEth, Trailer, WriteEth, PSN_MASK,
 };
 use metaroce::{
     Access, AtomicOp, AtomicRequest, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig,
@@ -812,10 +812,12 @@ impl World {
                 nonce,
                 reason,
             } => {
-                let kind = match kind % 3 {
+                let kind = match kind % 5 {
                     0 => ConnectKind::Request,
                     1 => ConnectKind::Accept,
-                    _ => ConnectKind::Reject,
+                    2 => ConnectKind::Reject,
+                    3 => ConnectKind::Retry,
+                    _ => ConnectKind::Confirm,
                 };
                 let pmtu = if pmtu_sel >= 0xF0 {
                     u16::from(pmtu_sel) * 17
@@ -824,11 +826,7 @@ impl World {
                 };
                 let h = Headers::Connect(ConnectEth {
                     kind,
-                    version: if bad_version {
-                        ConnectEth::VERSION.wrapping_add(1)
-                    } else {
-                        ConnectEth::VERSION
-                    },
+                    version: if bad_version { 1 } else { ConnectEth::VERSION },
                     paths,
                     src_qpn: self.qp(src_qpn),
                     dst_qpn: self.qp(dst_qpn),
@@ -836,10 +834,10 @@ impl World {
                     listen_port: raw_port.unwrap_or(LISTEN_PORT),
                     init_psn,
                     nonce: self.nonce(nonce),
-                    server_nonce: 0,
+                    reason,
+                    server_nonce: self.nonce(nonce).rotate_left(17),
                     flags: 0,
                     cookie: [0; 16],
-                    reason,
                 });
                 (Bth::new(Opcode::MR_CONNECT, self.qp(qp), 0), h, Vec::new())
             }
@@ -1109,8 +1107,20 @@ impl World {
                 return v;
             }
         };
-        let mut out = vec![0u8; wire::packet_len(&hdrs, payload.len())];
-        match wire::emit_packet(&bth, &hdrs, &payload, &mut out) {
+        // An on-path forger: packets for a live connection carry its real token (so the
+        // fuzzer reaches the connection logic); others carry none. The odd `fill` values
+        // flip the token, which must always be refused.
+        let trailer = if bth.opcode == Opcode::MR_CONNECT {
+            Trailer::None
+        } else {
+            match self.eps[TARGET].connection_tokens(ConnectionHandle(bth.dest_qp)) {
+                Some((_, rx)) if fill % 7 != 3 => Trailer::Token(rx),
+                Some((_, rx)) => Trailer::Token(!rx),
+                None => Trailer::Token(u64::from(fill)),
+            }
+        };
+        let mut out = vec![0u8; wire::packet_len_with(&hdrs, payload.len(), &trailer)];
+        match wire::emit_packet_with(&bth, &hdrs, &payload, &trailer, &mut out) {
             Ok(n) => {
                 out.truncate(n);
                 out

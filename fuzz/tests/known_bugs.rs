@@ -162,8 +162,9 @@ fn send_segment_with_a_different_length_is_refused_not_a_panic() {
     send.msg_len = 2048;
     let hdrs = Headers::Send { path, send };
     let payload = vec![0xCD; 1024];
-    let mut forged = vec![0u8; wire::packet_len(&hdrs, payload.len())];
-    wire::emit_packet(&pkt.bth, &hdrs, &payload, &mut forged).unwrap();
+    let t = pkt.trailer;
+    let mut forged = vec![0u8; wire::packet_len_with(&hdrs, payload.len(), &t)];
+    wire::emit_packet_with(&pkt.bth, &hdrs, &payload, &t, &mut forged).unwrap();
     assert!(util::restamp(
         &mut forged,
         ip_of(0),

@@ -22,7 +22,10 @@ pub struct Config {
     /// Transport parameters (paths, path MTU, limits, congestion control) of every
     /// connection. `transport.paths` is also the number of path sockets bound.
     pub transport: TransportConfig,
-    /// Seed of the core's RNG (QPNs, PSNs, nonces); `None` derives one from the clock.
+    /// Seed of the core's reproducible RNG (QPNs, initial PSNs); `None` (the default) takes
+    /// one from the operating system (`getrandom`). Set it only for reproducible runs. The
+    /// core's secret seed (connection nonces and tokens, retry cookies, rkeys, region
+    /// addresses) is always taken from the operating system (issue #9).
     pub seed: Option<u64>,
     /// Accept connection requests from peers. Default `true`.
     pub accept_incoming: bool,
@@ -218,12 +221,16 @@ impl Endpoint {
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
         ecfg.accept_incoming = config.accept_incoming;
         ecfg.max_connections = config.max_connections;
-        ecfg.seed = config.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
+        let os_err = |e: getrandom::Error| {
+            std::io::Error::other(format!("no randomness from the operating system: {e}"))
+        };
+        ecfg.seed = match config.seed {
+            Some(s) => s,
+            None => getrandom::u64().map_err(os_err)?,
+        };
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut secret).map_err(os_err)?;
+        ecfg.secret_seed = Some(secret);
         let mut core = metaroce::Endpoint::new(ecfg)
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
         if let Some(ip) = &ip_backend {

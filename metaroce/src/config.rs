@@ -71,6 +71,11 @@ pub enum RetryPolicy {
 
 impl EndpointConfig {
     /// A configuration with the given addresses and default transport parameters.
+    ///
+    /// The default `seed` is a documented constant and `secret_seed` is `None` (derived
+    /// from `seed`): deterministic, right for the simulator and tests, and **wrong for any
+    /// real deployment** — set both from the operating system's randomness there (as
+    /// `metaroce-tokio` does), or every endpoint has the same QPNs, nonces and memory keys.
     pub fn new(local_addr: SocketAddr, source_ports: Vec<u16>) -> Self {
         Self {
             local_addr,

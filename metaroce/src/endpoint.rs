@@ -969,9 +969,15 @@ impl Endpoint {
                 // restarted peer, or we gave up. Tell the peer to drop it (an MR_CLOSE
                 // authenticated with the token of the Accept's identity, smaller than the
                 // Accept), or it would keep a ghost connection until its half-open expiry.
+                // (A late duplicate Retry or Reject for an established connection is not a
+                // ghost: `on_connect` ignores it.)
                 let ghost = match self.conns.get(&dest_qp) {
                     None => true,
-                    Some(c) => c.state == State::Established && c.peer_qpn != msg.src_qpn,
+                    Some(c) => {
+                        msg.kind == ConnectKind::Accept
+                            && c.state == State::Established
+                            && c.peer_qpn != msg.src_qpn
+                    }
                 };
                 if ghost && msg.kind == ConnectKind::Accept {
                     let peer = SocketAddr::new(from.ip(), msg.listen_port);

@@ -324,9 +324,12 @@ pub struct Args {
     #[arg(long)]
     pub emulate: bool,
 
-    /// Seed of the impairments and of the data written.
-    #[arg(long, value_name = "S", default_value_t = 1)]
-    pub seed: u64,
+    /// Seed of the impairments and of the data written (default 1) and, only when given,
+    /// of the transport cores' QPNs and PSNs too (a reproducible run). Without it the cores
+    /// are seeded from the operating system; connection nonces, tokens and memory keys
+    /// always are.
+    #[arg(long, value_name = "S")]
+    pub seed: Option<u64>,
 
     /// write_bw: write this file's bytes (once, in chunks of --size) and check the
     /// destination against it.
@@ -492,8 +495,10 @@ pub struct Settings {
     pub encrypt: Option<Vec<u8>>,
     /// Impairments.
     pub impair: ImpairSettings,
-    /// Seed.
+    /// Seed of impairments and data.
     pub seed: u64,
+    /// Seed of the transport cores (`--seed` when given; `None` = from the OS).
+    pub core_seed: Option<u64>,
     /// `--file` source.
     pub file: Option<FileSource>,
     /// pcap output.
@@ -851,7 +856,8 @@ impl Args {
                 None
             },
             impair,
-            seed: self.seed,
+            seed: self.seed.unwrap_or(1),
+            core_seed: self.seed,
             file,
             pcap: self.pcap,
             pcap_max_packets: self.pcap_max_packets,

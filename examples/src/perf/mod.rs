@@ -205,7 +205,7 @@ async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
         addr,
         s,
         derive_seed(seed, SEED_SERVER_IMPAIR),
-        derive_seed(seed, SEED_SERVER_CORE),
+        core_seed(s, SEED_SERVER_CORE),
         sink,
     )
     .map_err(bind_err("server", addr))?;
@@ -213,7 +213,7 @@ async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
         addr,
         s,
         derive_seed(seed, SEED_CLIENT_IMPAIR),
-        derive_seed(seed, SEED_CLIENT_CORE),
+        core_seed(s, SEED_CLIENT_CORE),
         sink,
     )
     .map_err(bind_err("client", addr))?;
@@ -259,7 +259,7 @@ async fn meta_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>
         local,
         s,
         derive_seed(seed, SEED_CLIENT_IMPAIR),
-        derive_seed(seed, SEED_CLIENT_CORE),
+        core_seed(s, SEED_CLIENT_CORE),
         sink,
     )
     .map_err(bind_err("client", local))?;
@@ -285,7 +285,7 @@ async fn meta_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outc
         addr,
         s,
         derive_seed(seed, SEED_SERVER_IMPAIR),
-        derive_seed(seed, SEED_SERVER_CORE),
+        core_seed(s, SEED_SERVER_CORE),
         sink,
     )
     .map_err(bind_err("server", addr))?;
@@ -313,13 +313,20 @@ async fn meta_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outc
     })
 }
 
+/// The seed of a transport core's reproducible RNG (QPNs, PSNs): derived from `--seed`
+/// when it was given, else `None` = from the operating system (issue #9: runs must not all
+/// share QPNs). Impairments and data keep their own seeds.
+fn core_seed(s: &Settings, stream: u64) -> Option<u64> {
+    s.core_seed.map(|x| derive_seed(x, stream))
+}
+
 /// An RC QP on UDP sockets bound at `bind`, advertising `local_ip`, for a peer at `peer_ip`.
 fn rc_net(
     s: &Settings,
     sockets: RcSockets,
     local_ip: IpAddr,
     peer_ip: IpAddr,
-    core_seed: u64,
+    core_seed: Option<u64>,
 ) -> Res<Arc<RcNet>> {
     let node = sockets
         .endpoint(local_ip, s, core_seed)
@@ -345,8 +352,8 @@ async fn rc_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
         .map_err(bind_err("server", addr))?;
     let cs = RcSockets::bind(addr, s, derive_seed(seed, SEED_CLIENT_IMPAIR), sink)
         .map_err(bind_err("client", addr))?;
-    let server = rc_net(s, ss, lo, lo, derive_seed(seed, SEED_SERVER_CORE))?;
-    let client = rc_net(s, cs, lo, lo, derive_seed(seed, SEED_CLIENT_CORE))?;
+    let server = rc_net(s, ss, lo, lo, core_seed(s, SEED_SERVER_CORE))?;
+    let client = rc_net(s, cs, lo, lo, core_seed(s, SEED_CLIENT_CORE))?;
     // The control exchange runs over an in-process pipe, framed as over TCP.
     let (a, b) = tokio::io::duplex(1 << 16);
     let server_net = Net::Rc(server.clone());
@@ -407,7 +414,7 @@ async fn rc_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>) 
         sockets,
         local_ip,
         peer_ip,
-        derive_seed(seed, SEED_CLIENT_CORE),
+        core_seed(s, SEED_CLIENT_CORE),
     )?;
     let mut chan = Chan::bytes(tcp);
     let c = client::run(&Net::Rc(net.clone()), &mut chan, s).await?;
@@ -443,7 +450,7 @@ async fn rc_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcom
         sockets,
         local_ip,
         canonical(peer.ip()),
-        derive_seed(seed, SEED_SERVER_CORE),
+        core_seed(s, SEED_SERVER_CORE),
     )?;
     let r = server::serve(Net::Rc(net.clone()), Chan::bytes(tcp), true, s.rx_depth).await?;
     report::rule();

@@ -64,14 +64,15 @@ impl Node {
         addr: SocketAddr,
         s: &Settings,
         impair_seed: u64,
-        core_seed: u64,
+        core_seed: Option<u64>,
         pcap: Option<&Arc<PcapSink>>,
     ) -> std::io::Result<Node> {
         let mut config = Config::default();
         config.transport.paths = s.paths;
         config.transport.pmtu = s.mtu;
         config.transport.max_rd_atomic = u32::from(s.outs);
-        config.seed = Some(core_seed);
+        // `None`: metaroce-tokio seeds the core from the OS.
+        config.seed = core_seed;
         if !s.rebalance {
             config.transport.rebalance_ratio_permille = 0;
         }
@@ -131,11 +132,14 @@ impl RcSockets {
         self,
         local_ip: IpAddr,
         s: &Settings,
-        core_seed: u64,
+        core_seed: Option<u64>,
     ) -> std::io::Result<RcNode> {
         let backend = Arc::new(UdpIpBackend::new(self.backend, local_ip)?);
         let mut cfg = RcConfig::new(local_ip);
-        cfg.seed = core_seed;
+        cfg.seed = match core_seed {
+            Some(x) => x,
+            None => getrandom::u64().map_err(std::io::Error::other)?,
+        };
         cfg.max_send_wr = s.tx_depth.max(4096);
         cfg.max_recv_wr = (s.rx_depth + 256).max(4096);
         let ep = RcEndpoint::with_backend(backend.clone(), cfg)

@@ -56,6 +56,9 @@ struct Handshake {
     cookie: [u8; 16],
     /// Retries accepted so far (bounded by `handshake_attempts`).
     retries: u32,
+    /// Requests sent since the last Retry (or since the start): the handshake RTT is
+    /// sampled only when exactly one was (Karn).
+    sends_since_retry: u32,
 }
 
 /// Server side of a connection accepted but not yet confirmed by its client (half-open):
@@ -237,6 +240,7 @@ impl Connection {
             paths_offered,
             cookie: [0; 16],
             retries: 0,
+            sends_since_retry: 0,
         });
         c.outgoing = true;
         c
@@ -505,6 +509,7 @@ impl Connection {
             // worth of budget so a loop of Retries cannot keep us forever.
             if hs.retries < self.cfg.handshake_attempts {
                 hs.retries += 1;
+                hs.sends_since_retry = 0;
                 hs.cookie = msg.cookie;
                 hs.pending = true;
                 hs.next_at = now + self.cfg.handshake_interval;
@@ -530,11 +535,11 @@ impl Connection {
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
-                // The handshake's round trip (only when one request was sent, so the answer
-                // is unambiguous — Karn) seeds every path's minimum RTT, which sizes the
-                // receiver's grant, before data samples taken behind a queue can inflate it.
-                // SRTT and the loss timers wait for data samples.
-                let hs_rtt = (hs.attempts == 1).then(|| {
+                // The handshake's round trip (only when one request was sent since the
+                // last Retry, so the answer is unambiguous — Karn) seeds every path's minimum
+                // RTT, which sizes the receiver's grant, before data samples taken behind a
+                // queue can inflate it. SRTT and the loss timers wait for data samples.
+                let hs_rtt = (hs.sends_since_retry == 1).then(|| {
                     now.saturating_duration_since(hs.next_at - self.cfg.handshake_interval)
                 });
                 self.establish(now, msg.src_qpn, paths, pmtu, msg.init_psn);
@@ -1347,8 +1352,11 @@ impl Connection {
             hs.pending = false;
             // Each attempt leaves from the next source port, so one broken route cannot keep
             // the connection from forming.
-            let port = self.source_ports[hs.attempts as usize % self.source_ports.len()];
+            // (The Request repeated at once after a Retry is no new attempt: same port.)
+            let turn = hs.attempts.saturating_sub(hs.retries) as usize;
+            let port = self.source_ports[turn % self.source_ports.len()];
             hs.attempts += 1;
+            hs.sends_since_retry += 1;
             hs.next_at = now + self.cfg.handshake_interval;
             let (bth, hdrs) = self.connect_packet(ConnectKind::Request, 0);
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;

@@ -1,0 +1,184 @@
+//! Handshake flood over real UDP on 127.0.0.1 (issue #9): 100,000 forged connection
+//! Requests from 1,000 source ports. The server keeps no per-peer state (resident memory
+//! grows by at most 1 MiB), answers with Retries no larger than the Requests (amplification
+//! at most 1x in bytes), and a legitimate client connects and moves data during the flood.
+//! Also: two endpoints with default configuration never share QPN space or secrets (OS
+//! seeding).
+
+use bytes::Bytes;
+use metaroce::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode};
+use metaroce_tokio::{Config, Endpoint};
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn rss_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn request(from: SocketAddr, to: SocketAddr, k: u32) -> Vec<u8> {
+    let mut m = ConnectEth::new(ConnectKind::Request);
+    m.paths = 8;
+    m.src_qpn = (k % 0xFF_FFF0) + 2;
+    m.pmtu = 4096;
+    m.listen_port = from.port();
+    m.nonce = u64::from(k).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let h = Headers::Connect(m);
+    let mut p = vec![0u8; wire::packet_len(&h, 0)];
+    wire::emit_packet(&Bth::new(Opcode::MR_CONNECT, 0, 0), &h, &[], &mut p).unwrap();
+    let ip = icrc::IpHeader::synthesized(from.ip(), to.ip()).unwrap();
+    icrc::stamp(&ip, from.port(), to.port(), &mut p).unwrap();
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let saddr = server.local_addr();
+    let s2 = server.clone();
+    let acceptor = tokio::spawn(async move {
+        let mut n = 0u32;
+        while let Some(c) = s2.accept().await {
+            n += 1;
+            let st = c.accept_stream().await;
+            if let Some(mut st) = st {
+                use futures::StreamExt;
+                while let Some(m) = st.next().await {
+                    if m.len() == 1 {
+                        break;
+                    }
+                }
+            }
+            if n == 2 {
+                break;
+            }
+        }
+        n
+    });
+    // Warm up (allocator, tokio, first connection) before measuring.
+    let warm = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let wc = warm.connect(saddr).await.unwrap();
+    {
+        use futures::SinkExt;
+        let mut st = wc.open_stream().unwrap();
+        st.send(Bytes::from_static(b"warm up")).await.unwrap();
+        st.send(Bytes::from_static(b"x")).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let rss0 = rss_kib();
+
+    // The attacker: 1,000 sockets, 100 Requests each, in a thread.
+    let sent = Arc::new(AtomicU64::new(0));
+    let back = Arc::new(AtomicU64::new(0));
+    let half = Arc::new(AtomicBool::new(false));
+    let (sent2, back2, half2) = (sent.clone(), back.clone(), half.clone());
+    let flood = std::thread::spawn(move || {
+        let socks: Vec<UdpSocket> = (0..1000)
+            .map(|_| {
+                let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+                s.set_nonblocking(true).unwrap();
+                s
+            })
+            .collect();
+        let t0 = Instant::now();
+        let mut buf = [0u8; 2048];
+        for k in 0..100_000u32 {
+            let s = &socks[(k % 1000) as usize];
+            let p = request(s.local_addr().unwrap(), saddr, k);
+            if s.send_to(&p, saddr).is_ok() {
+                sent2.fetch_add(p.len() as u64, Ordering::Relaxed);
+            }
+            if k % 64 == 0 {
+                // Pace a little so the server's socket buffer does not just drop it all.
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            if k == 50_000 {
+                half2.store(true, Ordering::Relaxed);
+            }
+            if k % 1000 == 999 {
+                for s in &socks {
+                    while let Ok(n) = s.recv(&mut buf) {
+                        back2.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        for s in &socks {
+            while let Ok(n) = s.recv(&mut buf) {
+                back2.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        }
+        t0.elapsed()
+    });
+    // A legitimate client connects in the middle of the flood and sends data.
+    while !half.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let c = client
+        .connect(saddr)
+        .await
+        .expect("legitimate client connects");
+    let connect_time = t.elapsed();
+    let during = !flood.is_finished();
+    {
+        use futures::SinkExt;
+        let mut st = c.open_stream().unwrap();
+        st.send(Bytes::from(vec![7u8; 100_000])).await.unwrap();
+        st.send(Bytes::from_static(b"y")).await.unwrap();
+    }
+    let elapsed = flood.join().unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let rss1 = rss_kib();
+    let st = server.stats();
+    let (sent, back) = (sent.load(Ordering::Relaxed), back.load(Ordering::Relaxed));
+    println!(
+        "flood: 100000 Requests ({sent} B) in {elapsed:?}; server got {} handshake B, sent {} B of Retries ({} retries, {} dropped answers); attacker got back {back} B; amplification {:.3}",
+        st.handshake_bytes_in,
+        st.handshake_bytes_out,
+        st.retries_sent,
+        st.control_dropped,
+        back as f64 / sent.max(1) as f64
+    );
+    println!(
+        "RSS {rss0} KiB -> {rss1} KiB (+{} KiB); legitimate client connected in {connect_time:?} (during the flood: {during})",
+        rss1 as i64 - rss0 as i64
+    );
+    assert_eq!(acceptor.await.unwrap(), 2, "only the two real clients");
+    assert!(back <= sent, "amplification above 1x");
+    assert!(st.handshake_bytes_out <= st.handshake_bytes_in);
+    assert!(st.retries_sent > 0);
+    assert!(rss1 <= rss0 + 1024, "RSS grew by more than 1 MiB");
+}
+
+/// Two endpoints with the default configuration (seeds from the OS) draw different QPNs
+/// and keys: nothing is shared between runs or processes.
+#[tokio::test]
+async fn default_endpoints_are_seeded_from_the_os() {
+    let mut rkeys = Vec::new();
+    let mut addrs = Vec::new();
+    for _ in 0..2 {
+        let e = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+            .await
+            .unwrap();
+        let mr = e.alloc(4096, metaroce::Access::REMOTE_WRITE);
+        let r = mr.remote();
+        rkeys.push(r.rkey);
+        addrs.push(r.addr);
+    }
+    assert_ne!(rkeys[0], rkeys[1]);
+    assert_ne!(addrs[0], addrs[1]);
+}

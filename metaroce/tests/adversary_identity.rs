@@ -1,0 +1,767 @@
+//! Adversary tests for connection identity (issue #9, items 1, 2, 4 and their part of 6):
+//! blind injection over the whole DestQP space, memory keys from another endpoint or an
+//! earlier registration, same-seed restarts of the client, the server and both, and a
+//! handshake flood. Sans-IO, virtual time, zero-delay network.
+
+use bytes::Bytes;
+use metaroce::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, PathEth, Reth};
+use metaroce::wire::{Trailer, WriteEth};
+use metaroce::{
+    Access, ConnectionError, ConnectionHandle, Endpoint, EndpointConfig, Event, RetryPolicy,
+    WcOpcode, WcStatus, WorkCompletion, WriteRequest,
+};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+const PORTS: [u16; 4] = [49152, 49153, 49154, 49155];
+
+fn addr(i: u8) -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 0, 0, i + 1)), 4791)
+}
+
+/// Endpoint `i`'s configuration: reproducible `seed`, secret seed `secret` (what an OS
+/// would supply; a restarted process gets a new one).
+fn cfg(i: u8, seed: u64, secret: u8) -> EndpointConfig {
+    let mut c = EndpointConfig::new(addr(i), PORTS.to_vec());
+    c.seed = seed;
+    c.secret_seed = Some([secret; 32]);
+    c.transport.paths = 4;
+    c.transport.pmtu = 1024;
+    c
+}
+
+/// Hook deciding whether a datagram from endpoint `from` is held back (captured, not
+/// delivered).
+type Hold = Box<dyn FnMut(usize, &[u8]) -> bool>;
+
+struct Net {
+    eps: Vec<Endpoint>,
+    addrs: Vec<SocketAddr>,
+    now: Instant,
+    events: Vec<Vec<Event>>,
+    hold: Option<Hold>,
+    held: Vec<(usize, SocketAddr, Vec<u8>)>,
+    /// Datagrams delivered to each endpoint.
+    delivered: Vec<u64>,
+}
+
+impl Net {
+    fn new(cfgs: Vec<EndpointConfig>) -> Net {
+        let addrs = cfgs.iter().map(|c| c.local_addr).collect();
+        let n = cfgs.len();
+        Net {
+            eps: cfgs
+                .into_iter()
+                .map(|c| Endpoint::new(c).unwrap())
+                .collect(),
+            addrs,
+            now: Instant::now(),
+            events: vec![Vec::new(); n],
+            hold: None,
+            held: Vec::new(),
+            delivered: vec![0; n],
+        }
+    }
+
+    fn restart(&mut self, i: usize, c: EndpointConfig) {
+        self.eps[i] = Endpoint::new(c).unwrap();
+        self.events[i].clear();
+    }
+
+    fn deliver(&mut self, to: usize, from: SocketAddr, data: &[u8]) {
+        self.delivered[to] += 1;
+        let ip = self.addrs[to].ip();
+        self.eps[to].handle_datagram(self.now, from, Some(ip), None, data);
+    }
+
+    fn pump(&mut self) {
+        let mut buf = Vec::new();
+        loop {
+            let mut out = Vec::new();
+            for i in 0..self.eps.len() {
+                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
+                    let seg = t.segment_size.unwrap_or(t.size).max(1);
+                    for chunk in buf[..t.size].chunks(seg) {
+                        out.push((i, t.destination, t.src_port, chunk.to_vec()));
+                    }
+                }
+            }
+            if out.is_empty() {
+                break;
+            }
+            for (i, dest, sport, data) in out {
+                let from = SocketAddr::new(self.addrs[i].ip(), sport);
+                if let Some(h) = self.hold.as_mut() {
+                    if h(i, &data) {
+                        self.held.push((i, from, data));
+                        continue;
+                    }
+                }
+                if let Some(to) = self.addrs.iter().position(|a| *a == dest) {
+                    self.deliver(to, from, &data);
+                }
+            }
+        }
+        for i in 0..self.eps.len() {
+            while let Some(e) = self.eps[i].poll_event() {
+                self.events[i].push(e);
+            }
+        }
+    }
+
+    /// Run for `d` of virtual time or until `done`.
+    fn run_until(&mut self, d: Duration, mut done: impl FnMut(&Net) -> bool) -> bool {
+        let end = self.now + d;
+        loop {
+            self.pump();
+            if done(self) {
+                return true;
+            }
+            let next = self.eps.iter().filter_map(|e| e.poll_timeout()).min();
+            match next {
+                Some(t) if t <= end => {
+                    if t > self.now {
+                        self.now = t;
+                    }
+                    for e in &mut self.eps {
+                        if e.poll_timeout().is_some_and(|t| t <= self.now) {
+                            e.handle_timeout(self.now);
+                        }
+                    }
+                }
+                _ => {
+                    self.now = end;
+                    self.pump();
+                    return done(self);
+                }
+            }
+        }
+    }
+
+    fn connect(&mut self, c: usize, s: usize) -> (ConnectionHandle, ConnectionHandle) {
+        let h = self.eps[c].connect(self.now, self.addrs[s], None).unwrap();
+        let n_in = self.incoming(s).len();
+        assert!(
+            self.run_until(Duration::from_secs(5), |n| {
+                n.connected(c).contains(&h) && n.incoming(s).len() > n_in
+            }),
+            "handshake did not complete: {:?} / {:?}",
+            self.events[c],
+            self.events[s]
+        );
+        (h, *self.incoming(s).last().unwrap())
+    }
+
+    fn connected(&self, i: usize) -> Vec<ConnectionHandle> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Connected(h) => Some(*h),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn incoming(&self, i: usize) -> Vec<ConnectionHandle> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Incoming(h) => Some(*h),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn completions(&self, i: usize, conn: ConnectionHandle) -> Vec<WorkCompletion> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Completion { conn: c, wc } if *c == conn => Some(*wc),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn messages(&self, i: usize, conn: ConnectionHandle) -> Vec<Bytes> {
+        self.events[i]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Message { conn: c, data, .. } if *c == conn => Some(data.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn lost(&self, i: usize, conn: ConnectionHandle) -> Option<ConnectionError> {
+        self.events[i].iter().find_map(|e| match e {
+            Event::ConnectionLost { conn: c, reason } if *c == conn => Some(*reason),
+            _ => None,
+        })
+    }
+}
+
+/// A forged MR_WRITE_ONLY-style packet (one packet, whole operation) to `dest_qp` with the
+/// given trailer, PSN, op id and target.
+#[allow(clippy::too_many_arguments)]
+fn forged_write(
+    dest_qp: u32,
+    psn: u32,
+    op_id: u32,
+    rkey: u32,
+    va: u64,
+    payload: &[u8],
+    trailer: Trailer,
+) -> Vec<u8> {
+    let mut bth = Bth::new(Opcode::MR_WRITE, dest_qp, psn);
+    bth.ack_req = true;
+    let hdrs = Headers::Write {
+        path: PathEth {
+            path_id: 0,
+            flags: 0,
+            timestamp: 0,
+            floor_psn: psn,
+            plane: 0,
+        },
+        reth: Reth {
+            va,
+            rkey,
+            dma_len: payload.len() as u32,
+        },
+        write: WriteEth { op_id, offset: 0 },
+        imm: None,
+    };
+    let mut out = vec![0u8; wire::packet_len_with(&hdrs, payload.len(), &trailer)];
+    wire::emit_packet_with(&bth, &hdrs, payload, &trailer, &mut out).unwrap();
+    out
+}
+
+fn stamp(from: SocketAddr, to: SocketAddr, data: &mut [u8]) {
+    let ip = icrc::IpHeader::synthesized(from.ip(), to.ip()).unwrap();
+    icrc::stamp(&ip, from.port(), to.port(), data).unwrap();
+}
+
+/// xorshift64*: cheap per-try randomness for the sweep.
+fn xs(s: &mut u64) -> u64 {
+    *s ^= *s >> 12;
+    *s ^= *s << 25;
+    *s ^= *s >> 27;
+    s.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// The blind sweep: every `step`-th DestQP of the 2^24 space (plus every live QPN), one
+/// forged WRITE each from the client's own IP, with the server's real rkey and address
+/// (the worst case: the attacker knows them), a PSN in window (floor = PSN), random op
+/// ids and a random 64-bit token. The ICRC check is turned off on the server so each try
+/// costs only a patch of DestQP/PSN/op id/token (the ICRC is no secret anyway). Returns the
+/// number of tries.
+fn blind_sweep(step: u32) -> u64 {
+    let mut c = cfg(1, 2, 2);
+    c.transport.verify_icrc = false;
+    let mut net = Net::new(vec![cfg(0, 1, 1), c]);
+    let mut live = Vec::new();
+    for _ in 0..4 {
+        let (_, s) = net.connect(0, 1);
+        live.push(s.0);
+    }
+    let mr = net.eps[1].register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let payload = [0xEEu8; 64];
+    let mut pkt = forged_write(1, 0, 0, mr.rkey, mr.addr, &payload, Trailer::Token(0));
+    let n = pkt.len();
+    let tok = n - 4 - 8;
+    let from = SocketAddr::new(net.addrs[0].ip(), PORTS[0]);
+    let ip = net.addrs[1].ip();
+    let before = net.eps[1].stats();
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+    let mut tries = 0u64;
+    let mut hits = 0u64;
+    let mut qps: Vec<u32> = (0..1u32 << 24).step_by(step as usize).collect();
+    qps.extend(&live);
+    for qp in qps {
+        let r = xs(&mut rng);
+        pkt[5..8].copy_from_slice(&qp.to_be_bytes()[1..]);
+        // PSN = floor PSN, so the floor never keeps it out of the window.
+        let psn = (r as u32) & wire::PSN_MASK;
+        pkt[9..12].copy_from_slice(&psn.to_be_bytes()[1..]);
+        pkt[12 + 8..12 + 12].copy_from_slice(&psn.to_be_bytes());
+        // op id (WriteEth after PathEth + RETH).
+        pkt[12 + 12 + 16..12 + 12 + 20].copy_from_slice(&((r >> 32) as u32).to_be_bytes());
+        pkt[tok..tok + 8].copy_from_slice(&xs(&mut rng).to_be_bytes());
+        net.eps[1].handle_datagram(net.now, from, Some(ip), None, &pkt);
+        tries += 1;
+        hits += u64::from(live.contains(&qp));
+    }
+    net.pump();
+    let st = net.eps[1].stats();
+    assert_eq!(
+        st.bad_auth - before.bad_auth,
+        hits,
+        "every try at a live QPN fails the token check"
+    );
+    assert!(hits >= live.len() as u64);
+    assert_eq!(
+        st.unknown_connection - before.unknown_connection,
+        tries - hits
+    );
+    assert!(net.eps[1]
+        .mr_read(mr.lkey, 0, 4096)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    for q in &live {
+        let cs = net.eps[1].connection_stats(ConnectionHandle(*q)).unwrap();
+        assert_eq!(
+            cs.data_packets_received, 0,
+            "a forged packet reached a connection"
+        );
+        assert_eq!(cs.recv.write_bytes, 0);
+    }
+    println!("blind sweep: {tries} forged WRITEs, 0 accepted");
+    tries
+}
+
+/// The whole 2^24 DestQP space, in the normal test run (about 5 s at the test profile's
+/// opt-level 1 on the development machine, so no sampling is needed).
+#[test]
+fn blind_sweep_full_space_accepts_nothing() {
+    assert!(blind_sweep(1) >= 1 << 24);
+}
+
+/// A blind packet with the right DestQP, IP, keys and PSN but no trailer or a wrong token
+/// is counted and dropped; only the connection's own token gets through.
+#[test]
+fn token_is_required_on_every_packet() {
+    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let (c, s) = net.connect(0, 1);
+    let mr = net.eps[1].register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let from = SocketAddr::new(net.addrs[0].ip(), PORTS[1]);
+    let (tx, _) = net.eps[0].connection_tokens(c).unwrap();
+    let (_, rx) = net.eps[1].connection_tokens(s).unwrap();
+    assert_eq!(tx, rx, "the client sends what the server expects");
+    for (t, bad, missing) in [
+        (Trailer::None, 0, 1),
+        (Trailer::Token(tx ^ 1), 1, 0),
+        (
+            Trailer::Aead {
+                key_phase: false,
+                pn: 0,
+                tag: [0; 16],
+            },
+            1,
+            0,
+        ),
+    ] {
+        let before = net.eps[1].stats();
+        let mut p = forged_write(s.0, 7, 0, mr.rkey, mr.addr, &[1; 32], t);
+        stamp(from, net.addrs[1], &mut p);
+        net.deliver(1, from, &p);
+        let st = net.eps[1].stats();
+        assert_eq!(st.bad_auth - before.bad_auth, bad, "{t:?}");
+        assert_eq!(st.missing_auth - before.missing_auth, missing, "{t:?}");
+    }
+    assert!(net.eps[1]
+        .mr_read(mr.lkey, 0, 4096)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    // A forged MR_CLOSE without the token does not close the connection.
+    let bth = Bth::new(Opcode::MR_CLOSE, s.0, 0);
+    let hdrs = Headers::Close(wire::CloseEth {
+        reason: 0,
+        nonce: 0,
+    });
+    for t in [Trailer::None, Trailer::Token(0x1234)] {
+        let mut p = vec![0u8; wire::packet_len_with(&hdrs, 0, &t)];
+        wire::emit_packet_with(&bth, &hdrs, &[], &t, &mut p).unwrap();
+        stamp(from, net.addrs[1], &mut p);
+        net.deliver(1, from, &p);
+    }
+    net.pump();
+    assert!(net.eps[1].is_established(s));
+    assert_eq!(net.lost(1, s), None);
+    // The real client still works.
+    net.eps[0]
+        .post_send(c, 0, 1, Bytes::from_static(b"still here"))
+        .unwrap();
+    assert!(net.run_until(Duration::from_secs(1), |n| n.messages(1, s).len() == 1));
+}
+
+/// A key from another endpoint (same seeds elsewhere, another secret seed) names nothing
+/// at this one: the WRITE fails with RemoteAccessError and no byte lands.
+#[test]
+fn keys_from_another_endpoint_are_refused() {
+    // Endpoints 1 (S) and 2 (T) share the reproducible seed: only secret randomness keeps
+    // their keys apart.
+    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2), cfg(2, 2, 3)]);
+    let (c, s) = net.connect(0, 1);
+    let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    let mine = net.eps[1].register_mr(vec![0; 1 << 16], rw);
+    let theirs = net.eps[2].register_mr(vec![0; 1 << 16], rw);
+    assert_ne!(mine.rkey, theirs.rkey);
+    assert_ne!(mine.addr, theirs.addr);
+    let src = net.eps[0].register_mr(vec![0xAB; 4096], Access::LOCAL_WRITE);
+    net.eps[0]
+        .post_write(
+            c,
+            WriteRequest {
+                wr_id: 7,
+                lkey: src.lkey,
+                local_offset: 0,
+                len: 4096,
+                remote_addr: theirs.addr,
+                rkey: theirs.rkey,
+                imm: None,
+            },
+        )
+        .unwrap();
+    assert!(net.run_until(Duration::from_secs(2), |n| !n.completions(0, c).is_empty()));
+    assert_eq!(net.completions(0, c)[0].status, WcStatus::RemoteAccessError);
+    assert!(net.eps[1]
+        .mr_read(mine.lkey, 0, 1 << 16)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    let _ = s;
+}
+
+/// After 300 re-registrations of one slot, the first registration's key and address name
+/// nothing: a WRITE with them fails and the new region is untouched. Every rkey drawn is
+/// distinct, and lkeys still work.
+#[test]
+fn stale_keys_after_300_reregistrations_are_refused() {
+    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let (c, _) = net.connect(0, 1);
+    let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
+    let first = net.eps[1].register_mr(vec![0; 4096], rw);
+    let mut rkeys = std::collections::HashSet::new();
+    rkeys.insert(first.rkey);
+    let mut cur = first;
+    for _ in 0..300 {
+        net.eps[1].deregister_mr(cur.lkey).unwrap();
+        cur = net.eps[1].register_mr(vec![0; 4096], rw);
+        assert!(rkeys.insert(cur.rkey), "an rkey was reissued");
+    }
+    assert_eq!(cur.lkey >> 8, first.lkey >> 8, "the same slot was reused");
+    assert!(net.eps[1].mr_write(cur.lkey, 0, 8).is_ok(), "lkeys work");
+    let src = net.eps[0].register_mr(vec![0xCD; 4096], Access::LOCAL_WRITE);
+    net.eps[0]
+        .post_write(
+            c,
+            WriteRequest {
+                wr_id: 1,
+                lkey: src.lkey,
+                local_offset: 0,
+                len: 4096,
+                remote_addr: first.addr,
+                rkey: first.rkey,
+                imm: None,
+            },
+        )
+        .unwrap();
+    assert!(net.run_until(Duration::from_secs(2), |n| !n.completions(0, c).is_empty()));
+    assert_eq!(net.completions(0, c)[0].status, WcStatus::RemoteAccessError);
+    assert!(net.eps[1]
+        .mr_read(cur.lkey, 0, 4096)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+}
+
+fn post_sends(net: &mut Net, i: usize, c: ConnectionHandle, tag: u8) {
+    for k in 0..10u8 {
+        net.eps[i]
+            .post_send(c, 0, k as u64, Bytes::from(vec![tag ^ k; 3000]))
+            .unwrap();
+    }
+}
+
+fn assert_sends_delivered(
+    net: &Net,
+    i: usize,
+    c: ConnectionHandle,
+    j: usize,
+    s: ConnectionHandle,
+    tag: u8,
+) {
+    let wcs = net.completions(i, c);
+    assert_eq!(wcs.len(), 10, "{wcs:?}");
+    assert!(wcs
+        .iter()
+        .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Send));
+    let msgs = net.messages(j, s);
+    assert_eq!(msgs.len(), 10, "every Success is a delivered message");
+    for (k, m) in msgs.iter().enumerate() {
+        assert_eq!(&m[..], &vec![tag ^ k as u8; 3000][..]);
+    }
+}
+
+/// Capture (hold back) the first MR_WRITE data packet endpoint `from` sends.
+fn hold_first_write(from: usize) -> Hold {
+    let mut done = false;
+    Box::new(move |i, d| {
+        if i == from && !done && d.first() == Some(&Opcode::MR_WRITE.0) {
+            done = true;
+            return true;
+        }
+        false
+    })
+}
+
+/// Old incarnation: client 0 → server 1 with 10 SENDs and a WRITE one of whose packets is
+/// held back. Returns (old client conn, old server conn, server region lkey, held packet).
+fn old_incarnation(
+    net: &mut Net,
+) -> (
+    ConnectionHandle,
+    ConnectionHandle,
+    u32,
+    (usize, SocketAddr, Vec<u8>),
+) {
+    let (c, s) = net.connect(0, 1);
+    post_sends(net, 0, c, 0x10);
+    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert_sends_delivered(net, 0, c, 1, s, 0x10);
+    let mr = net.eps[1].register_mr(vec![0; 8192], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let src = net.eps[0].register_mr(vec![0x77; 4096], Access::LOCAL_WRITE);
+    net.hold = Some(hold_first_write(0));
+    net.eps[0]
+        .post_write(
+            c,
+            WriteRequest {
+                wr_id: 99,
+                lkey: src.lkey,
+                local_offset: 0,
+                len: 4096,
+                remote_addr: mr.addr,
+                rkey: mr.rkey,
+                imm: None,
+            },
+        )
+        .unwrap();
+    net.run_until(Duration::from_millis(1), |n| !n.held.is_empty());
+    net.hold = None;
+    let held = net.held.pop().expect("a WRITE packet was held back");
+    (c, s, mr.lkey, held)
+}
+
+/// The held-back WRITE of the old incarnation, replayed into the new one, lands nowhere.
+fn replay_lands_nowhere(net: &mut Net, held: &(usize, SocketAddr, Vec<u8>), lkey: Option<u32>) {
+    let before = net.eps[1].stats();
+    net.deliver(1, held.1, &held.2);
+    let st = net.eps[1].stats();
+    assert_eq!(
+        (st.bad_auth - before.bad_auth) + (st.unknown_connection - before.unknown_connection),
+        1,
+        "the old incarnation's packet is dropped at the identity check"
+    );
+    if let Some(l) = lkey {
+        // The other packets of that WRITE landed in the old incarnation; the held one's
+        // bytes must still be zero.
+        let p = wire::Packet::parse(&held.2).unwrap();
+        let Headers::Write { write, .. } = p.headers else {
+            panic!("held packet is a WRITE")
+        };
+        let got = net.eps[1]
+            .mr_read(l, u64::from(write.offset), p.payload.len() as u64)
+            .unwrap();
+        assert!(!p.payload.is_empty() && got.iter().all(|&b| b == 0));
+    }
+}
+
+/// Client restart with the same reproducible seed (same QPNs and PSNs), a new secret seed
+/// (as an OS supplies): the server ends the old connection with PeerRestarted, the new
+/// incarnation is a new connection, its 10 SENDs are all delivered, and the old
+/// incarnation's held-back WRITE lands nowhere.
+#[test]
+fn client_restart_same_seed_gets_a_new_connection() {
+    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let (c_old, s_old, lkey, held) = old_incarnation(&mut net);
+    // The client restarts mid-WRITE.
+    net.restart(0, cfg(0, 1, 11));
+    net.events[1].clear();
+    let (c, s) = net.connect(0, 1);
+    assert_eq!(c, c_old, "same seed: same client QPN");
+    assert_ne!(s, s_old, "a new server connection, never the old one");
+    assert_eq!(net.lost(1, s_old), Some(ConnectionError::PeerRestarted));
+    assert!(net.completions(1, s_old).is_empty());
+    assert_eq!(net.eps[1].stats().peer_restarts, 1);
+    post_sends(&mut net, 0, c, 0x20);
+    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert_sends_delivered(&net, 0, c, 1, s, 0x20);
+    replay_lands_nowhere(&mut net, &held, Some(lkey));
+    assert_eq!(net.eps[1].connections().count(), 1);
+}
+
+/// Server restart with the same seeds (same QPNs): the surviving client's old connection
+/// ends in bounded time (RetryExceeded) with its pending operations failed; a new
+/// connection works and the old packets never touch it.
+#[test]
+fn server_restart_same_seed_survivor_reports_the_end() {
+    let mut c1 = cfg(1, 2, 2);
+    c1.transport.max_rto = Duration::from_millis(50);
+    let mut c0 = cfg(0, 1, 1);
+    c0.transport.max_rto = Duration::from_millis(50);
+    let mut net = Net::new(vec![c0, c1.clone()]);
+    let (c_old, s_old, _, held) = old_incarnation(&mut net);
+    let mut c1b = c1;
+    c1b.secret_seed = Some([12; 32]);
+    net.restart(1, c1b);
+    // The client's WRITE (one packet held back) can never complete now.
+    let t0 = net.now;
+    assert!(net.run_until(Duration::from_secs(30), |n| n.lost(0, c_old).is_some()));
+    println!("old connection ended after {:?} (virtual)", net.now - t0);
+    assert_eq!(net.lost(0, c_old), Some(ConnectionError::RetryExceeded));
+    let wcs = net.completions(0, c_old);
+    assert!(wcs
+        .iter()
+        .any(|w| w.wr_id == 99 && w.status != WcStatus::Success));
+    net.events[0].clear();
+    let (c, s) = net.connect(0, 1);
+    assert_eq!(s, s_old, "same seed: the restarted server reuses the QPN");
+    post_sends(&mut net, 0, c, 0x30);
+    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert_sends_delivered(&net, 0, c, 1, s, 0x30);
+    replay_lands_nowhere(&mut net, &held, None);
+}
+
+/// Both restart with the same seeds: the new pair gets the same QPNs as the old one, yet
+/// the old incarnation's held-back WRITE is refused by the token and lands nowhere.
+#[test]
+fn both_restart_same_seed_old_packets_never_land() {
+    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let (c_old, s_old, _, held) = old_incarnation(&mut net);
+    net.restart(0, cfg(0, 1, 21));
+    net.restart(1, cfg(1, 2, 22));
+    let (c, s) = net.connect(0, 1);
+    assert_eq!((c, s), (c_old, s_old), "same seeds: same QPNs");
+    let mr = net.eps[1].register_mr(vec![0; 8192], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let before = net.eps[1].stats().bad_auth;
+    net.deliver(1, held.1, &held.2);
+    assert_eq!(net.eps[1].stats().bad_auth, before + 1);
+    assert!(net.eps[1]
+        .mr_read(mr.lkey, 0, 8192)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    post_sends(&mut net, 0, c, 0x40);
+    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert_sends_delivered(&net, 0, c, 1, s, 0x40);
+}
+
+/// 100,000 forged Requests from 1,000 source ports of one spoofed address: the server
+/// creates no connection and no per-peer state (it answers each with a Retry no larger
+/// than the Request, or drops the answer when its control queue is full), a legitimate
+/// client connects in the middle of the flood, and amplification is at most 1x in bytes.
+#[test]
+fn handshake_flood_creates_no_state() {
+    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let spoofed = IpAddr::V4(Ipv4Addr::new(10, 9, 9, 9));
+    let server = net.addrs[1];
+    let mut legit = None;
+    let mut buf = Vec::new();
+    let mut sent_back = 0u64;
+    let mut bytes_in = 0u64;
+    for k in 0..100_000u32 {
+        let port = 20_000 + (k % 1000) as u16;
+        let mut m = ConnectEth::new(ConnectKind::Request);
+        m.paths = 4;
+        m.src_qpn = k & wire::PSN_MASK;
+        m.pmtu = 1024;
+        m.listen_port = port;
+        m.nonce = u64::from(k) * 0x9E37_79B9;
+        let bth = Bth::new(Opcode::MR_CONNECT, 0, 0);
+        let h = Headers::Connect(m);
+        let mut p = vec![0u8; wire::packet_len(&h, 0)];
+        wire::emit_packet(&bth, &h, &[], &mut p).unwrap();
+        let from = SocketAddr::new(spoofed, port);
+        stamp(from, server, &mut p);
+        bytes_in += p.len() as u64;
+        net.eps[1].handle_datagram(net.now, from, Some(server.ip()), None, &p);
+        if k % 100 == 0 {
+            // The server's answers go out (to the spoofed address: nobody there).
+            while let Some(t) = net.eps[1].poll_transmit(net.now, &mut buf) {
+                assert_eq!(t.destination.ip(), spoofed);
+                sent_back += t.size as u64;
+            }
+        }
+        if k == 50_000 {
+            legit = Some(net.connect(0, 1));
+        }
+        if k % 10_000 == 0 {
+            net.now += Duration::from_millis(1);
+        }
+    }
+    while let Some(t) = net.eps[1].poll_transmit(net.now, &mut buf) {
+        sent_back += t.size as u64;
+    }
+    let st = net.eps[1].stats();
+    println!(
+        "flood: {bytes_in} bytes in, {sent_back} bytes back to the spoofed address, {} retries, {} dropped answers, amplification {:.3}",
+        st.retries_sent,
+        st.control_dropped,
+        sent_back as f64 / bytes_in as f64
+    );
+    assert!(sent_back <= bytes_in, "amplification above 1x");
+    assert!(st.handshake_bytes_out <= st.handshake_bytes_in);
+    assert_eq!(
+        net.eps[1].connections().count(),
+        1,
+        "only the legitimate client"
+    );
+    assert!(st.retries_sent + st.control_dropped >= 100_000);
+    let (c, s) = legit.unwrap();
+    assert!(net.eps[0].is_established(c) && net.eps[1].is_established(s));
+    net.eps[0]
+        .post_send(c, 0, 1, Bytes::from_static(b"after the flood"))
+        .unwrap();
+    assert!(net.run_until(Duration::from_secs(1), |n| n.messages(1, s).len() == 1));
+}
+
+/// Without the cookie (RetryPolicy::Never) the same flood is bounded by max_half_open and
+/// the half-open connections expire by themselves.
+#[test]
+fn half_open_connections_are_bounded_and_expire() {
+    let mut c1 = cfg(1, 2, 2);
+    c1.retry = RetryPolicy::Never;
+    c1.max_half_open = 100;
+    let mut net = Net::new(vec![cfg(0, 1, 1), c1]);
+    let server = net.addrs[1];
+    for k in 0..1000u32 {
+        let mut m = ConnectEth::new(ConnectKind::Request);
+        m.paths = 1;
+        m.src_qpn = k + 2;
+        m.pmtu = 1024;
+        m.listen_port = 30_000;
+        m.nonce = u64::from(k) + 1;
+        let h = Headers::Connect(m);
+        let mut p = vec![0u8; wire::packet_len(&h, 0)];
+        wire::emit_packet(&Bth::new(Opcode::MR_CONNECT, 0, 0), &h, &[], &mut p).unwrap();
+        let from = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 8, 8, 8)), 30_000);
+        stamp(from, server, &mut p);
+        net.deliver(1, from, &p);
+    }
+    assert_eq!(net.eps[1].connections().count(), 100);
+    assert_eq!(net.eps[1].stats().rejected, 900);
+    net.run_until(Duration::from_secs(5), |n| {
+        n.eps[1].connections().count() == 0
+    });
+    assert_eq!(
+        net.eps[1].connections().count(),
+        0,
+        "half-open connections expire"
+    );
+    let expired = net.events[1]
+        .iter()
+        .filter(|e| {
+            matches!(
+                e,
+                Event::ConnectionLost {
+                    reason: ConnectionError::HandshakeTimeout,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(expired, 100);
+    // A real client still gets in.
+    net.connect(0, 1);
+}
