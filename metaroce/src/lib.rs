@@ -9,10 +9,12 @@
 //! manufacturer-specific range; `docs/PROTOCOL.md` gives the wire format byte by byte.
 //!
 //! This crate does no I/O: no sockets, no clock, no threads, no global randomness. Time
-//! comes in as [`Instant`](std::time::Instant) arguments and randomness from the seed in
-//! [`EndpointConfig`], so the same inputs always give the same outputs — which is what
-//! makes simulation, property tests and fuzzing possible. `metaroce-tokio` drives it over
-//! real sockets.
+//! comes in as [`Instant`](std::time::Instant) arguments and randomness from the seeds in
+//! [`EndpointConfig`] (`seed` for QPNs and PSNs, `secret_seed` for nonces, tokens, cookies
+//! and memory keys), so the same inputs always give the same outputs — which is what
+//! makes simulation, property tests and fuzzing possible. Real deployments must take both
+//! seeds from the operating system; `metaroce-tokio`, which drives the core over real
+//! sockets, does.
 //!
 //! ## The driving contract
 //!

@@ -627,11 +627,14 @@ proptest! {
         let aligned = bytes.len() & !3;
         if let Ok(p) = Packet::parse(&bytes[..aligned]) {
             prop_assert_eq!(p.bth.opcode, Opcode(op));
-            // A parsed packet re-emits to the same length.
+            // A parsed packet (trailer included) re-emits to the same length.
             let mut out = vec![0u8; aligned];
-            let n = wire::emit_packet_with(&p.bth, &p.headers, p.payload, &p.trailer, &mut out).unwrap();
+            let n = wire::emit_packet_with(&p.bth, &p.headers, p.payload, &p.trailer, &mut out)
+                .unwrap();
             prop_assert_eq!(n, aligned);
-            prop_assert_eq!(Packet::parse(&out).unwrap().headers, p.headers);
+            let q = Packet::parse(&out).unwrap();
+            prop_assert_eq!(q.headers, p.headers);
+            prop_assert_eq!(q.trailer, p.trailer);
         }
     }
 
