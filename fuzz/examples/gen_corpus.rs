@@ -15,7 +15,7 @@ use bytes::Bytes;
 use metaroce::wire::{self, icrc, Opcode, Packet};
 use metaroce::{Access, AtomicOp, AtomicRequest, Endpoint, Event, ReadRequest, WriteRequest};
 use metaroce_fuzz::util::{self, addr_of, ip_of};
-use metaroce_fuzz::{decode, endpoint_datagrams, pair_impaired};
+use metaroce_fuzz::{aead_open, decode, endpoint_datagrams, pair_impaired};
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -335,6 +335,37 @@ fn main() {
     });
     let n = write_all(&corpus.join("pair_impaired"), &pair);
     eprintln!("pair_impaired: {n} new of {}", pair.len());
+
+    let aead = structured_seeds::<aead_open::Input>(8, |i| {
+        use aead_open::{Direct as D, WireStep as W};
+        let d: std::collections::BTreeSet<_> = i
+            .direct
+            .iter()
+            .take(64)
+            .map(|a| match a {
+                D::Seal(_) => 0,
+                D::Genuine(_) => 1,
+                D::Mutate(..) | D::Truncate(..) | D::Word(..) => 2,
+                D::KeyUpdate | D::Reply => 3,
+                D::Raw(_) => 4,
+            })
+            .collect();
+        let w: std::collections::BTreeSet<_> = i
+            .wire
+            .iter()
+            .take(64)
+            .map(|a| match a {
+                W::Send(_) => 0,
+                W::Mutate(..) | W::Replay(_) => 1,
+                W::Run(_) => 2,
+                W::KeyUpdate(_) => 3,
+                W::Raw(_) => 4,
+            })
+            .collect();
+        (d.len() + w.len()) * 100 + i.wire.len().min(64)
+    });
+    let n = write_all(&corpus.join("aead_open"), &aead);
+    eprintln!("aead_open: {n} new of {}", aead.len());
 
     // Self-check of the hash against a known vector.
     assert_eq!(sha1_hex(b"abc"), "a9993e364706816aba3e25717850c26c9cd0d89d");

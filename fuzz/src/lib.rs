@@ -7,9 +7,12 @@
 //! * [`wire_parse`]: the packet parsers and emitters, and the ICRC.
 //! * [`endpoint_datagrams`]: one endpoint fed arbitrary and mutated datagrams, before and
 //!   after a real handshake with an honest in-memory peer.
+//! * [`aead_open`]: AEAD packet protection: `open` on raw and mutated sealed packets, and
+//!   an AEAD connection fed raw, mutated and replayed datagrams.
 //! * [`pair_impaired`]: two endpoints exchanging SENDs and WRITEs over an impaired
 //!   in-memory network in virtual time, checked end to end.
 
+pub mod aead_open;
 pub mod endpoint_datagrams;
 pub mod pair_impaired;
 pub mod util;
@@ -33,6 +36,11 @@ pub fn run_target(name: &str, data: &[u8]) -> bool {
                 endpoint_datagrams::run(&input);
             }
         }
+        "aead_open" => {
+            if let Some(input) = decode::<aead_open::Input>(data) {
+                aead_open::run(&input);
+            }
+        }
         "pair_impaired" => {
             if let Some(input) = decode::<pair_impaired::Input>(data) {
                 pair_impaired::run(&input);
@@ -44,4 +52,9 @@ pub fn run_target(name: &str, data: &[u8]) -> bool {
 }
 
 /// The names of every target, as in `Cargo.toml`.
-pub const TARGETS: [&str; 3] = ["wire_parse", "endpoint_datagrams", "pair_impaired"];
+pub const TARGETS: [&str; 4] = [
+    "wire_parse",
+    "endpoint_datagrams",
+    "pair_impaired",
+    "aead_open",
+];

@@ -339,6 +339,12 @@ pub struct TransportConfig {
     pub plane_retry_interval: Duration,
     /// Congestion control parameters.
     pub congestion: CongestionConfig,
+    /// Optional AES-GCM packet protection ([`crate::crypto`], in the spirit of PSP): with a
+    /// key, every connection asks for (client) or requires (server) protection in its
+    /// handshake (`ConnectEth` flags bit 0), and a peer that does not agree is rejected
+    /// (reason [`REJECT_PROTECTION_MISMATCH`](crate::conn::REJECT_PROTECTION_MISMATCH)):
+    /// there is no silent downgrade. Both ends must hold the same key. Default `None`.
+    pub packet_protection: Option<crate::crypto::ProtectionConfig>,
 }
 
 impl Default for TransportConfig {
@@ -384,6 +390,7 @@ impl Default for TransportConfig {
             planes: 1,
             plane_retry_interval: Duration::from_millis(10),
             congestion: CongestionConfig::default(),
+            packet_protection: None,
         }
     }
 }
@@ -453,6 +460,9 @@ impl TransportConfig {
                 "rebalance_ratio_permille must be in 0..=1000, got {}",
                 self.rebalance_ratio_permille
             ));
+        }
+        if let Some(p) = &self.packet_protection {
+            p.validate()?;
         }
         self.congestion.validate()
     }

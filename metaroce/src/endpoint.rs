@@ -5,6 +5,7 @@ use crate::config::RetryPolicy;
 use crate::config::{EndpointConfig, TransportConfig};
 use crate::conn::AuthError;
 use crate::conn::{Connection, ConnectionStats, Outcome, State};
+use crate::crypto::OpenError;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::{Access, MrError, MrKeys, MrTable, RegionMemory};
 use crate::secret::{self, SecretRng};
@@ -78,6 +79,9 @@ pub enum PostError {
         /// The limit ([`MAX_CLOSE_REASON`]).
         max: usize,
     },
+    /// The connection does not use AEAD packet protection
+    /// ([`TransportConfig::packet_protection`]).
+    NotProtected,
 }
 
 /// Longest close reason, in bytes, that [`Endpoint::close_with`] and [`Endpoint::abort`]
@@ -106,6 +110,7 @@ impl fmt::Display for PostError {
             PostError::ReasonTooLong { len, max } => {
                 write!(f, "close reason of {len} bytes exceeds {max} bytes")
             }
+            PostError::NotProtected => f.write_str("connection does not use packet protection"),
         }
     }
 }
@@ -202,6 +207,15 @@ pub struct EndpointStats {
     pub unsupported: u64,
     /// Connection requests rejected.
     pub rejected: u64,
+    /// Packets dropped on an AEAD-protected connection because they were not protected
+    /// (no AEAD trailer) or their tag did not verify: forged, tampered or mis-keyed.
+    pub aead_auth_failures: u64,
+    /// Packets dropped on an AEAD-protected connection as replays: a packet number seen
+    /// before, below the replay window, or of a discarded key phase.
+    pub aead_replays: u64,
+    /// Key updates of the receive direction completed on AEAD-protected connections (the
+    /// peer's new key phase verified).
+    pub key_updates: u64,
     /// Packets for an established connection whose trailer token was wrong (or of a kind
     /// the connection does not use), dropped before any state was touched.
     pub bad_auth: u64,
@@ -262,6 +276,11 @@ pub struct Endpoint {
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<(SocketAddr, Bth, Headers, Trailer, Option<IpAddr>)>,
+    /// Control packets already built and sealed (the `MR_CLOSE` of an AEAD connection,
+    /// whose keys are gone once it is removed).
+    sealed_control: VecDeque<(SocketAddr, Vec<u8>)>,
+    /// Scratch buffer: a received AEAD packet is decrypted in a copy.
+    scratch: Vec<u8>,
     rr_cursor: u32,
     fair_share_at: Option<Instant>,
     /// The latest `now` the fair share was computed for.
@@ -305,6 +324,9 @@ struct Closer {
     /// one the peer's packets carry (its answer must, issue #9).
     tx_token: u64,
     rx_token: u64,
+    /// AEAD connections: every copy of the close, sealed (each under its own packet
+    /// number) while the connection's keys still existed. Empty for token connections.
+    sealed: Vec<Vec<u8>>,
     code: u32,
     reason: Bytes,
     sent: u32,
@@ -368,6 +390,8 @@ impl Endpoint {
             mrs,
             events: VecDeque::new(),
             control: VecDeque::new(),
+            sealed_control: VecDeque::new(),
+            scratch: Vec::new(),
             rr_cursor: 0,
             fair_share_at: None,
             fair_share_latest: None,
@@ -832,6 +856,23 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Ask an AEAD-protected connection to update its keys (docs/PROTOCOL.md, "Key
+    /// update"): the next packet it sends uses the next key phase, unless the previous
+    /// update is not yet confirmed by the peer, in which case the update waits for that.
+    /// Returns `Ok(true)` if it happens at the next packet, `Ok(false)` if deferred.
+    ///
+    /// Errors: [`PostError::UnknownConnection`] if there is no such connection,
+    /// [`PostError::NotProtected`] if it does not use packet protection.
+    pub fn update_keys(&mut self, conn: ConnectionHandle) -> Result<bool, PostError> {
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        let r = c.update_keys().ok_or(PostError::NotProtected)?;
+        self.touched(conn.0);
+        Ok(r)
+    }
+
     /// Cancel the operation or posted receive with `wr_id` on `conn` (an application gave
     /// up on it: its future was dropped, its deadline passed).
     ///
@@ -971,12 +1012,35 @@ impl Endpoint {
             let t = &self.cfg.transport;
             let interval = c.largest_rto().max(t.min_rto);
             let (tx_token, rx_token) = c.tokens();
+            let sealed = if c.is_protected() {
+                let port = self.cfg.source_ports[0];
+                let attempts = t.close_attempts;
+                let reply_port = self.cfg.local_addr.port();
+                let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
+                let hdrs = Headers::Close(wire::CloseEth {
+                    reason: code,
+                    flags: 0,
+                    reply_port,
+                    nonce: c.nonce,
+                });
+                let c = self.conns.get_mut(&q).expect("looked up above");
+                (0..attempts)
+                    .filter_map(|_| {
+                        let mut b = Vec::new();
+                        c.emit(&mut b, port, &bth, &hdrs, &reason).map(|_| b)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let Some(c) = self.conns.get(&q) else { return };
             let closer = Closer {
                 peer: c.peer,
                 peer_qpn: c.peer_qpn,
                 local_ip: c.local_ip,
                 tx_token,
                 rx_token,
+                sealed,
                 code,
                 reason,
                 sent: 0,
@@ -1025,6 +1089,7 @@ impl Endpoint {
     /// carry the connection's token (issue #9): a close, or the answer to ours, that does
     /// not is counted and dropped, so an off-path sender can neither end a connection nor
     /// stop a close from being retransmitted.
+    #[allow(clippy::too_many_arguments)]
     fn handle_close(
         &mut self,
         from: SocketAddr,
@@ -1032,6 +1097,7 @@ impl Endpoint {
         dest_qp: u32,
         msg: &wire::CloseEth,
         trailer: &Trailer,
+        opened: bool,
         payload: &[u8],
     ) {
         let token_ok = |expected: u64| match trailer {
@@ -1052,7 +1118,13 @@ impl Endpoint {
         let mut answer = None;
         match self.conns.get(&dest_qp) {
             Some(c) if c.nonce == msg.nonce && c.peer.ip() == from.ip() => {
-                match c.authenticate(trailer) {
+                // `opened`: an AEAD connection's close, already verified by `open`. Any
+                // other close of an AEAD connection is refused by `authenticate`.
+                match if opened {
+                    Ok(())
+                } else {
+                    c.authenticate(trailer)
+                } {
                     Ok(()) => {}
                     Err(AuthError::Missing) => {
                         self.stats.missing_auth += 1;
@@ -1067,7 +1139,27 @@ impl Endpoint {
                         return;
                     }
                 }
-                answer = Some((c.peer, c.peer_qpn, c.local_ip, c.tx_token()));
+                if c.is_protected() {
+                    let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
+                    let hdrs = Headers::Close(wire::CloseEth {
+                        reason: msg.reason,
+                        flags: wire::CloseEth::FLAG_ACK,
+                        reply_port: self.cfg.local_addr.port(),
+                        nonce: msg.nonce,
+                    });
+                    let port = self.cfg.source_ports[0];
+                    let mut b = Vec::new();
+                    let peer = c.peer;
+                    if let Some(c) = self.conns.get_mut(&dest_qp) {
+                        if c.emit(&mut b, port, &bth, &hdrs, &[]).is_some()
+                            && self.sealed_control.len() < self.cfg.max_control_queue
+                        {
+                            self.sealed_control.push_back((peer, b));
+                        }
+                    }
+                } else {
+                    answer = Some((c.peer, c.peer_qpn, c.local_ip, c.tx_token()));
+                }
                 let n = payload.len().min(MAX_CLOSE_REASON);
                 let reason = ConnectionError::ClosedByPeer {
                     code: msg.reason,
@@ -1186,8 +1278,23 @@ impl Endpoint {
             return;
         }
         if let Headers::Close(msg) = &pkt.headers {
-            self.handle_close(from, local_ip, pkt.bth.dest_qp, msg, &pkt.trailer, pkt.payload);
-            return;
+            // A close for an AEAD connection is opened like any of its packets first (below).
+            let protected = self
+                .conns
+                .get(&pkt.bth.dest_qp)
+                .is_some_and(|c| c.is_protected() && c.peer.ip() == from.ip());
+            if !protected {
+                self.handle_close(
+                    from,
+                    local_ip,
+                    pkt.bth.dest_qp,
+                    msg,
+                    &pkt.trailer,
+                    false,
+                    pkt.payload,
+                );
+                return;
+            }
         }
         let qpn = pkt.bth.dest_qp;
         let Some(c) = self.conns.get_mut(&qpn) else {
@@ -1198,22 +1305,73 @@ impl Endpoint {
             self.stats.unknown_connection += 1;
             return;
         }
-        // Identity (issue #9): the trailer token is checked in constant time before the
-        // connection sees the packet; a miss is counted and dropped.
+        // Identity (issue #9): the trailer token (or, with AEAD, the trailer kind) is
+        // checked in constant time before the connection sees the packet; a miss is counted
+        // and dropped.
         match c.authenticate(&pkt.trailer) {
             Ok(()) => {}
             Err(AuthError::Missing) => {
                 self.stats.missing_auth += 1;
+                if c.is_protected() {
+                    self.stats.aead_auth_failures += 1;
+                }
                 return;
             }
             Err(AuthError::Bad) => {
                 self.stats.bad_auth += 1;
+                if c.is_protected() {
+                    self.stats.aead_auth_failures += 1;
+                }
                 return;
             }
             Err(AuthError::NotEstablished) => {
                 self.stats.unknown_connection += 1;
                 return;
             }
+        }
+        if c.is_protected() {
+            // AEAD: verify (and decrypt, in a copy) before any connection state is touched.
+            let mut plain = std::mem::take(&mut self.scratch);
+            plain.clear();
+            plain.extend_from_slice(data);
+            match c.open(&mut plain) {
+                Ok(o) => {
+                    if o.key_updated {
+                        self.stats.key_updates += 1;
+                    }
+                }
+                Err(e) => {
+                    match e {
+                        OpenError::Replay | OpenError::TooOld | OpenError::KeyDiscarded => {
+                            self.stats.aead_replays += 1
+                        }
+                        OpenError::Auth | OpenError::Malformed => {
+                            self.stats.aead_auth_failures += 1
+                        }
+                    }
+                    self.scratch = plain;
+                    return;
+                }
+            }
+            if !c.confirmed {
+                c.on_authenticated();
+                self.half_open.remove(&qpn);
+            }
+            // The layout is unchanged by decryption, so this parses as before.
+            if let Ok(pkt) = wire::Packet::parse(&plain) {
+                if let Headers::Close(msg) = &pkt.headers {
+                    let (msg, payload) = (*msg, pkt.payload.to_vec());
+                    self.scratch = plain;
+                    self.handle_close(from, local_ip, qpn, &msg, &Trailer::None, true, &payload);
+                    return;
+                }
+                let out =
+                    c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
+                self.touched(qpn);
+                self.apply(ConnectionHandle(qpn), out);
+            }
+            self.scratch = plain;
+            return;
         }
         if !c.confirmed {
             c.on_authenticated();
@@ -1338,6 +1496,9 @@ impl Endpoint {
             Some(ConnectEth::REASON_LIMIT)
         } else if !valid || msg.version != crate::conn::PROTOCOL_VERSION {
             Some(ConnectEth::REASON_INVALID)
+        } else if crate::conn::aead_flag(msg) != self.cfg.transport.packet_protection.is_some() {
+            // No silent downgrade in either direction.
+            Some(ConnectEth::REASON_AEAD_MISMATCH)
         } else {
             None
         };
@@ -1634,6 +1795,16 @@ impl Endpoint {
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         self.epoch(now);
+        if let Some((dest, bytes)) = self.sealed_control.pop_front() {
+            buf.extend_from_slice(&bytes);
+            return Some(Transmit {
+                destination: dest,
+                src_port: self.cfg.source_ports[0],
+                ecn: None,
+                size: bytes.len(),
+                segment_size: None,
+            });
+        }
         while let Some((dest, bth, hdrs, trailer, local_ip)) = self.control.pop_front() {
             let port = self.cfg.source_ports[0];
             let len = wire::packet_len_with(&hdrs, 0, &trailer);
@@ -1670,29 +1841,39 @@ impl Endpoint {
             if cl.next_at.is_some() {
                 continue;
             }
-            let bth = Bth::new(Opcode::MR_CLOSE, cl.peer_qpn, 0);
-            let hdrs = Headers::Close(wire::CloseEth {
-                reason: cl.code,
-                flags: 0,
-                reply_port,
-                nonce,
-            });
-            let trailer = Trailer::Token(cl.tx_token);
-            let len = wire::packet_len_with(&hdrs, cl.reason.len(), &trailer);
-            buf.resize(len, 0);
-            if wire::emit_packet_with(&bth, &hdrs, &cl.reason, &trailer, buf).is_err() {
-                buf.clear();
-                self.closers.remove(&nonce);
-                continue;
-            }
             let dest = cl.peer;
-            let local = cl.local_ip.or(my_ip).unwrap_or(match dest.ip() {
-                IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
-            });
-            if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
-                let _ = icrc::stamp(&ip, port, dest.port(), buf);
-            }
+            let len = if cl.sealed.is_empty() {
+                let bth = Bth::new(Opcode::MR_CLOSE, cl.peer_qpn, 0);
+                let hdrs = Headers::Close(wire::CloseEth {
+                    reason: cl.code,
+                    flags: 0,
+                    reply_port,
+                    nonce,
+                });
+                let trailer = Trailer::Token(cl.tx_token);
+                let len = wire::packet_len_with(&hdrs, cl.reason.len(), &trailer);
+                buf.resize(len, 0);
+                if wire::emit_packet_with(&bth, &hdrs, &cl.reason, &trailer, buf).is_err() {
+                    buf.clear();
+                    self.closers.remove(&nonce);
+                    continue;
+                }
+                let local = cl.local_ip.or(my_ip).unwrap_or(match dest.ip() {
+                    IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                    IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+                });
+                if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
+                    let _ = icrc::stamp(&ip, port, dest.port(), buf);
+                }
+                len
+            } else {
+                // AEAD: the copy sealed for this attempt (a fresh packet number each, so
+                // the peer's replay window takes every one).
+                let i = (cl.sent as usize).min(cl.sealed.len() - 1);
+                buf.clear();
+                buf.extend_from_slice(&cl.sealed[i]);
+                buf.len()
+            };
             let wait = cl.interval.saturating_mul(1u32 << cl.sent.min(16));
             cl.sent += 1;
             let at = now + wait;

@@ -57,6 +57,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod crypto;
 pub mod endpoint;
 pub mod event;
 pub mod mr;

@@ -457,7 +457,10 @@ fn stale_keys_after_300_reregistrations_are_refused() {
         assert!(rkeys.insert(cur.rkey), "an rkey was reissued");
     }
     assert_eq!(cur.lkey >> 8, first.lkey >> 8, "the same slot was reused");
-    assert!(net.eps[1].mr_write(cur.lkey, 0, &[0u8; 8]).is_ok(), "lkeys work");
+    assert!(
+        net.eps[1].mr_write(cur.lkey, 0, &[0u8; 8]).is_ok(),
+        "lkeys work"
+    );
     let src = net.eps[0].register_mr(vec![0xCD; 4096], Access::LOCAL_WRITE);
     net.eps[0]
         .post_write(

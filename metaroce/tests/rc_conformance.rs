@@ -1064,7 +1064,11 @@ fn conformance_table_names_existing_tests() {
         let src = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("CONFORMANCE.md names {cell}: {path}: {e}"));
         // `file.rs::module::name` names a test in a module of that file (unit tests).
-        let name = name.rsplit("::").next().unwrap_or(name).trim_end_matches("()");
+        let name = name
+            .rsplit("::")
+            .next()
+            .unwrap_or(name)
+            .trim_end_matches("()");
         assert!(
             src.contains(&format!("fn {name}(")),
             "CONFORMANCE.md names {cell}, which {path} does not define"

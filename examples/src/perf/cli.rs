@@ -289,6 +289,13 @@ pub struct Args {
     #[arg(long = "no-rebalance")]
     pub no_rebalance: bool,
 
+    /// AES-GCM packet protection of every MetaRoCE packet (metaroce mode; both sides must
+    /// agree). The key is the hex value of METAROCE_PERF_KEY (32 or 64 hex digits:
+    /// AES-128-GCM or AES-256-GCM) or, without it, a fixed test key (AES-128-GCM); never use
+    /// that one outside benchmarks.
+    #[arg(long)]
+    pub encrypt: bool,
+
     /// Random loss in percent applied to every datagram sent (by both endpoints in loopback,
     /// by this process otherwise).
     #[arg(long, value_name = "PERCENT", default_value_t = 0.0)]
@@ -484,6 +491,8 @@ pub struct Settings {
     pub mtu: u32,
     /// ECMP collision handling on (not `--no-rebalance`).
     pub rebalance: bool,
+    /// `--encrypt`: the packet protection key (16 or 32 bytes).
+    pub encrypt: Option<Vec<u8>>,
     /// Impairments.
     pub impair: ImpairSettings,
     /// Seed of impairments and data.
@@ -841,6 +850,11 @@ impl Args {
             paths,
             mtu: self.mtu,
             rebalance: !self.no_rebalance,
+            encrypt: if self.encrypt {
+                Some(perf_key()?)
+            } else {
+                None
+            },
             impair,
             seed: self.seed.unwrap_or(1),
             core_seed: self.seed,
@@ -852,4 +866,19 @@ impl Args {
             compare,
         })
     }
+}
+
+/// The `--encrypt` key: METAROCE_PERF_KEY as hex (32 or 64 digits), or the fixed test key.
+fn perf_key() -> Result<Vec<u8>, String> {
+    let Ok(hex) = std::env::var("METAROCE_PERF_KEY") else {
+        return Ok(b"metaroce-perf-k!".to_vec());
+    };
+    let hex = hex.trim();
+    if !(hex.len() == 32 || hex.len() == 64) || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("METAROCE_PERF_KEY must be 32 or 64 hex digits".into());
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).map_err(|e| e.to_string()))
+        .collect()
 }

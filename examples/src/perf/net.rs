@@ -76,6 +76,11 @@ impl Node {
         if !s.rebalance {
             config.transport.rebalance_ratio_permille = 0;
         }
+        if let Some(k) = &s.encrypt {
+            let key = metaroce::crypto::PacketProtectionKey::new(k)
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+            config.transport.packet_protection = Some(metaroce::crypto::ProtectionConfig::new(key));
+        }
         // Spare source ports for re-rolls (timeouts, ECMP collisions) to move paths to:
         // three per path, so that the pool almost surely reaches every link (8 paths on
         // 3 of 4 links and 8 spares that all miss the 4th: (3/4)^8 = 10 %; 24: 0.1 %).

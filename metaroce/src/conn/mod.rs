@@ -9,6 +9,7 @@ pub mod rtt;
 pub(crate) mod send;
 
 use crate::config::TransportConfig;
+use crate::crypto::{OpenError, Opened, PacketProtection, ProtectionStats, Side};
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
 use crate::mr::MrTable;
 use crate::wire::{
@@ -28,6 +29,16 @@ pub use path::{PathInfo, PathState, PathStats};
 
 /// Protocol version carried in CONNECT.
 pub(crate) const PROTOCOL_VERSION: u8 = ConnectEth::VERSION;
+
+/// Reject reason when one side requires AEAD packet protection and the other does not
+/// offer it ([`TransportConfig::packet_protection`]): 4, [`ConnectEth::REASON_AEAD_MISMATCH`].
+pub const REJECT_PROTECTION_MISMATCH: u32 = ConnectEth::REASON_AEAD_MISMATCH;
+
+/// Whether a handshake message asks for (Request) or confirms (Accept) AEAD packet
+/// protection: `ConnectEth` flags bit 0.
+pub(crate) fn aead_flag(msg: &ConnectEth) -> bool {
+    msg.flags & ConnectEth::FLAG_AEAD != 0
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum State {
@@ -129,6 +140,8 @@ pub struct ConnectionStats {
     /// connection's fastest path (ECMP collision handling; per path in
     /// [`PathStats::rebalance_rerolls`](path::PathStats::rebalance_rerolls)).
     pub rebalance_rerolls: u64,
+    /// AEAD packet protection counters, `None` when the connection is not protected.
+    pub protection: Option<ProtectionStats>,
 }
 
 /// A graceful close in progress (`Endpoint::close_with`): no new posts; operations already
@@ -213,6 +226,8 @@ pub(crate) struct Connection {
     /// ECMP collision detection (`cfg.rebalance_ratio_permille > 0`).
     rebalance: path::Rebalance,
     epoch: Instant,
+    /// AEAD packet protection, once the handshake agreed on it.
+    protection: Option<Box<PacketProtection>>,
 }
 
 /// Nanoseconds since the endpoint's epoch, modulo 2^32 (PathEth timestamp).
@@ -298,6 +313,15 @@ impl Connection {
             .max(1);
         let pmtu = c.cfg.pmtu.min(req.pmtu as u32);
         c.establish(now, req.src_qpn, paths, pmtu, req.init_psn);
+        // The endpoint accepts a request only if both sides agree on protection.
+        if let Some(pc) = &c.cfg.packet_protection {
+            c.protection = Some(Box::new(PacketProtection::new(
+                pc,
+                Side::Server,
+                req.nonce,
+                server_nonce,
+            )));
+        }
         // The client's grant for what we send it, until its first ACK says otherwise.
         c.peer_rate_mbps = req.grant_mbps();
         c.accept_pending = true;
@@ -320,7 +344,14 @@ impl Connection {
             return Err(AuthError::NotEstablished);
         }
         match trailer {
-            Trailer::Token(t) if crate::secret::ct_eq_u64(*t, self.rx_token) => Ok(()),
+            // With AEAD the trailer kind is all that is checked here; the tag is verified
+            // by `open` before the connection sees the packet.
+            Trailer::Aead { .. } if self.protection.is_some() => Ok(()),
+            Trailer::Token(t)
+                if self.protection.is_none() && crate::secret::ct_eq_u64(*t, self.rx_token) =>
+            {
+                Ok(())
+            }
             Trailer::None => Err(AuthError::Missing),
             _ => Err(AuthError::Bad),
         }
@@ -421,6 +452,7 @@ impl Connection {
             rebalance: path::Rebalance::default(),
             source_ports,
             epoch,
+            protection: None,
         }
     }
 
@@ -497,6 +529,7 @@ impl Connection {
                 .sum::<u32>()
                 .min(self.conn_window()),
             rebalance_rerolls: self.tx.iter().map(|p| p.stats.rebalance_rerolls).sum(),
+            protection: self.protection.as_ref().map(|p| *p.stats()),
         }
     }
 
@@ -544,6 +577,12 @@ impl Connection {
                         lost: Some(ConnectionError::Rejected(u32::MAX)),
                     };
                 }
+                // No silent downgrade: an Accept must confirm exactly what we asked for.
+                if aead_flag(msg) != self.cfg.packet_protection.is_some() {
+                    return Outcome {
+                        lost: Some(ConnectionError::Rejected(REJECT_PROTECTION_MISMATCH)),
+                    };
+                }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
                 let pmtu = self.cfg.pmtu.min(msg.pmtu as u32);
                 // The handshake's round trip (only when one request was sent since the
@@ -559,6 +598,14 @@ impl Connection {
                 self.tx_token = c2s;
                 self.rx_token = s2c;
                 self.confirm_pending = true;
+                if let Some(pc) = &self.cfg.packet_protection {
+                    self.protection = Some(Box::new(PacketProtection::new(
+                        pc,
+                        Side::Client,
+                        self.nonce,
+                        msg.server_nonce,
+                    )));
+                }
                 // The server's grant rides in the Accept, so the blind first window is
                 // already capped to grant × handshake RTT (`cc::connection_window`), before
                 // any ACK.
@@ -1352,9 +1399,27 @@ impl Connection {
         icrc::IpHeader::synthesized(local, self.peer.ip()).ok()
     }
 
-    /// Append one packet to `buf` and stamp its ICRC; returns its length.
-    fn emit(
-        &self,
+    /// The trailer a packet of this connection carries: none on `MR_CONNECT`; the AEAD
+    /// trailer (its bytes filled in by [`PacketProtection::seal`]) when the connection is
+    /// protected; else the direction's token.
+    pub fn trailer_for(&self, op: Opcode) -> Trailer {
+        if op == Opcode::MR_CONNECT {
+            Trailer::None
+        } else if self.protection.is_some() {
+            Trailer::Aead {
+                key_phase: false,
+                pn: 0,
+                tag: [0; 16],
+            }
+        } else {
+            Trailer::Token(self.tx_token)
+        }
+    }
+
+    /// Append one packet to `buf`, seal it when the connection is AEAD-protected (every
+    /// opcode but `MR_CONNECT`) and stamp its ICRC; returns its length.
+    pub fn emit(
+        &mut self,
         buf: &mut Vec<u8>,
         src_port: u16,
         bth: &Bth,
@@ -1370,10 +1435,36 @@ impl Connection {
             buf.truncate(start);
             return None;
         }
+        if let (Some(p), wire::Trailer::Aead { .. }) = (self.protection.as_mut(), trailer) {
+            if p.seal(out).is_err() {
+                buf.truncate(start);
+                return None;
+            }
+        }
         if let Some(ip) = self.ip_header() {
             let _ = icrc::stamp(&ip, src_port, self.peer.port(), out);
         }
         Some(len)
+    }
+
+    /// Whether received packets must be AEAD-protected.
+    pub fn is_protected(&self) -> bool {
+        self.protection.is_some()
+    }
+
+    /// Verify and decrypt a received packet in place (see [`PacketProtection::open`]);
+    /// `Err(OpenError::Malformed)` on an unprotected connection.
+    pub fn open(&mut self, pkt: &mut [u8]) -> Result<Opened, OpenError> {
+        match self.protection.as_mut() {
+            Some(p) => p.open(pkt),
+            None => Err(OpenError::Malformed),
+        }
+    }
+
+    /// Ask for a key update (see [`PacketProtection::request_key_update`]); `None` when the
+    /// connection is not protected.
+    pub fn update_keys(&mut self) -> Option<bool> {
+        self.protection.as_mut().map(|p| p.request_key_update())
     }
 
     fn transmit(
@@ -1394,14 +1485,6 @@ impl Connection {
 
     /// The trailer of a packet of `opcode` sent on this connection: none on `MR_CONNECT`,
     /// the token of our sending direction on everything else.
-    pub fn trailer_for(&self, opcode: Opcode) -> Trailer {
-        if opcode == Opcode::MR_CONNECT {
-            Trailer::None
-        } else {
-            Trailer::Token(self.tx_token)
-        }
-    }
-
     pub fn connect_packet(&self, kind: ConnectKind, reason: u32) -> (Bth, Headers) {
         let paths = match (&self.handshake, kind) {
             (Some(hs), _) => hs.paths_offered,
@@ -1417,6 +1500,11 @@ impl Connection {
             kind,
             version: PROTOCOL_VERSION,
             paths,
+            flags: if self.cfg.packet_protection.is_some() {
+                ConnectEth::FLAG_AEAD
+            } else {
+                0
+            },
             src_qpn: self.handle.0,
             dst_qpn: self.peer_qpn,
             pmtu: self.pmtu as u16,
@@ -1428,7 +1516,6 @@ impl Connection {
             } else {
                 self.server_nonce
             },
-            flags: 0,
             cookie: match (&self.handshake, kind) {
                 (Some(hs), ConnectKind::Request) => hs.cookie,
                 _ => [0; 16],

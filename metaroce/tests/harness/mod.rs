@@ -692,9 +692,7 @@ impl Net {
                 (&e, self.snap_on_imm)
             {
                 if side == i {
-                    let mem = self.eps[i]
-                        .mr_read(lkey, off, len)
-                        .unwrap_or_default();
+                    let mem = self.eps[i].mr_read(lkey, off, len).unwrap_or_default();
                     self.imm_snaps.push((*imm, mem));
                 }
             }
