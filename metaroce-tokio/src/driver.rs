@@ -66,6 +66,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                 }
                 dispatch(&mut st, &shared);
                 if st.closed && out.is_empty() && ip_out.is_empty() {
+                    drop(st);
+                    shared
+                        .stopped
+                        .store(true, std::sync::atomic::Ordering::Release);
+                    shared.idle.notify_waiters();
+                    tracing::debug!("driver stopped");
                     return;
                 }
                 deadline = st.core.poll_timeout();
@@ -170,27 +176,42 @@ fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
 /// Route the core's events to the handles waiting for them.
 fn dispatch(st: &mut State, shared: &Shared) {
     let mut freed = false;
+    let mut ended = false;
     while let Some(ev) = st.core.poll_event() {
         match ev {
             Event::Connected(h) => {
+                tracing::debug!(conn = %h, "connected");
                 if let Some(tx) = st.connecting.remove(&h) {
                     let _ = tx.send(Ok(()));
                 }
             }
             Event::Incoming(h) => {
-                st.conns.insert(h, ConnEntry::new());
-                if let Some(tx) = &st.incoming {
-                    let _ = tx.send(h);
+                // The core holds the request (manual accept) until `Incoming::accept`.
+                let queued = !st.closed
+                    && st
+                        .incoming
+                        .as_ref()
+                        .is_some_and(|tx| tx.try_send(h).is_ok());
+                if queued {
+                    st.conns.insert(h, ConnEntry::new());
+                } else {
+                    tracing::debug!(conn = %h, "connection request refused: accept queue full");
+                    st.core.refuse_incoming(h, crate::endpoint::REFUSED_BUSY);
                 }
             }
             Event::ConnectionLost { conn, reason } => {
+                tracing::debug!(%conn, %reason, "connection ended");
                 if let Some(tx) = st.connecting.remove(&conn) {
                     let _ = tx.send(Err(reason));
                 }
-                if let Some(e) = st.conns.get_mut(&conn) {
+                if let Some(mut e) = st.conns.remove(&conn) {
                     e.on_lost(reason);
                 }
+                // Completions of every operation were reported before this event; a waiter
+                // left over would never resolve.
+                st.waiters.retain(|(c, _), _| *c != conn);
                 freed = true;
+                ended = true;
             }
             Event::RecvCompletion { conn, wc, .. } => {
                 if let Some(Waiter::Op(tx)) = st.waiters.remove(&(conn, wc.wr_id)) {
@@ -220,22 +241,20 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     continue;
                 };
                 let entry = c.streams.entry(stream).or_insert_with(|| {
-                    if let Some(tx) = &c.accept_tx {
-                        let _ = tx.send(stream);
-                    }
-                    StreamEntry::incoming()
+                    c.accept_queue.push_back(stream);
+                    c.signals.queued.notify_waiters();
+                    StreamEntry::new(true).0
                 });
-                if let Some(tx) = &entry.tx {
-                    let _ = tx.send(data);
-                }
+                entry.deliver(data);
             }
             Event::WriteWithImm {
                 conn,
                 imm,
                 byte_len,
             } => {
-                if let Some(tx) = st.conns.get(&conn).and_then(|c| c.imm_tx.as_ref()) {
-                    let _ = tx.send((imm, byte_len));
+                if let Some(c) = st.conns.get_mut(&conn) {
+                    c.imm_queue.push_back((imm, byte_len));
+                    c.signals.queued.notify_waiters();
                 }
             }
             Event::Rc(ev) => st.rc.on_event(ev),
@@ -244,5 +263,8 @@ fn dispatch(st: &mut State, shared: &Shared) {
     }
     if freed {
         shared.sq_space.notify_waiters();
+    }
+    if ended && st.conns.is_empty() {
+        shared.idle.notify_waiters();
     }
 }

@@ -45,10 +45,15 @@ pub mod rocev2;
 mod stream;
 
 pub use connection::Connection;
-pub use endpoint::{Config, Endpoint};
-pub use error::{ConnectError, Error};
+pub use endpoint::{
+    Config, Connecting, DriverMaps, Endpoint, Incoming, DEFAULT_IDLE_TIMEOUT, REFUSED_BUSY,
+};
+pub use error::{ConfigError, ConnectError, Error};
 pub use mr::{MemoryRegion, RemoteRegion};
-pub use stream::MessageStream;
+pub use stream::{MessageStream, RESET_ON_DROP};
 
 pub use metaroce;
-pub use metaroce::{Access, WcStatus, WorkCompletion};
+pub use metaroce::{
+    Access, ConnectionError, ConnectionHandle, ConnectionStats, MrError, PostError, WcStatus,
+    WorkCompletion,
+};
