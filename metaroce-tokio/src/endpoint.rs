@@ -67,10 +67,8 @@ pub const REFUSED_BUSY: u32 = 2;
 
 impl Default for Config {
     fn default() -> Self {
-        let mut transport = TransportConfig::default();
-        transport.idle_timeout = Some(DEFAULT_IDLE_TIMEOUT);
         Self {
-            transport,
+            transport: TransportConfig::default(),
             seed: None,
             accept_incoming: true,
             max_pending_incoming: 1024,
