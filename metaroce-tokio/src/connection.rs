@@ -549,11 +549,20 @@ impl Connection {
     /// Send one message on stream `stream` and wait for its completion (all packets
     /// acknowledged). [`MessageStream`]'s `Sink` is the pipelined way to send.
     ///
+    /// `data` is not copied: the connection keeps this reference-counted [`bytes::Bytes`]
+    /// (immutable, so later changes to the caller's buffers cannot reach it) until the
+    /// message is acknowledged.
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the core refuses it (too large, not connected),
+    /// [`Error::Completion`] for a failed completion (RNR retry exceeded, flushed),
+    /// [`Error::ConnectionLost`] once the connection ended.
+    ///
+    /// # Cancel safety
     /// Posted at the future's first poll (with the send queue full, at the first poll that
-    /// finds room); dropping the future after that does **not** cancel the SEND — it is
-    /// still delivered, only its work completion is discarded. `data` is not copied: the
-    /// connection keeps this reference-counted [`bytes::Bytes`] (immutable, so later
-    /// changes to the caller's buffers cannot reach it) until the message is acknowledged.
+    /// finds room); dropping the future before that posts nothing, dropping it after that
+    /// does **not** cancel the SEND — it is still delivered, only its work completion is
+    /// discarded.
     pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
         let h = self.inner.handle;
         self.run_op(move |core, wr_id| core.post_send(h, stream, wr_id, data.clone()))
