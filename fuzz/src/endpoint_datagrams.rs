@@ -968,6 +968,8 @@ impl World {
             Forged::Close { qp, nonce, reason } => {
                 let h = Headers::Close(CloseEth {
                     reason,
+                    flags: (reason >> 31) as u8,
+                    reply_port: 4791,
                     nonce: self.nonce(nonce),
                 });
                 (Bth::new(Opcode::MR_CLOSE, self.qp(qp), 0), h, Vec::new())

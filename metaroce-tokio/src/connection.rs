@@ -28,7 +28,7 @@ pub(crate) struct ConnSignals {
 
 impl ConnSignals {
     pub fn reason(&self) -> Option<ConnectionError> {
-        *self.status.borrow()
+        self.status.borrow().clone()
     }
 }
 
@@ -63,10 +63,10 @@ impl ConnEntry {
     /// The connection ended: record why, end every stream and wake every waiter. The
     /// caller removes the entry.
     pub fn on_lost(&mut self, reason: ConnectionError) {
-        self.signals.status.send_replace(Some(reason));
+        self.signals.status.send_replace(Some(reason.clone()));
         self.signals.queued.notify_waiters();
         for s in self.streams.values_mut() {
-            s.close(Error::ConnectionLost(reason));
+            s.close(Error::ConnectionLost(reason.clone()));
         }
     }
 }
@@ -205,7 +205,7 @@ impl Connection {
     pub async fn closed(&self) -> ConnectionError {
         let mut rx = self.inner.signals.status.subscribe();
         let r = match rx.wait_for(Option::is_some).await {
-            Ok(r) => r.unwrap_or(ConnectionError::LocallyClosed),
+            Ok(r) => r.clone().unwrap_or(ConnectionError::LocallyClosed),
             Err(_) => ConnectionError::LocallyClosed,
         };
         r
@@ -331,6 +331,9 @@ impl Connection {
                     }
                     Err(PostError::SendQueueFull) => {}
                     Err(PostError::UnknownConnection) => return Err(self.lost()),
+                    Err(PostError::Closing) => {
+                        return Err(Error::ConnectionLost(ConnectionError::LocallyClosed))
+                    }
                     Err(e) => return Err(Error::Post(e)),
                 }
             }
@@ -569,9 +572,13 @@ impl Connection {
             .await
     }
 
-    /// Close the connection with an application `code` and `reason` (at most 64 bytes
-    /// are sent): the peer's handles end with `ClosedByPeer` carrying them, this side's
-    /// with `LocallyClosed`. Operations still pending complete with `WrFlushError`.
+    /// Close the connection gracefully with an application `code` and `reason` (at most
+    /// [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON) bytes are sent; longer reasons are
+    /// cut): new operations fail at once with `ConnectionLost(LocallyClosed)`, operations
+    /// already posted drain for at most `transport.close_timeout` (default 2 s) and then
+    /// fail with `WrFlushError`; the peer's handles end with
+    /// `ClosedByPeer { code, reason }`, this side's with `LocallyClosed`
+    /// ([`closed`](Self::closed) resolves once the drain is over).
     pub fn close(&self, code: u32, reason: &[u8]) {
         let shared = self.shared();
         shared.lock().close_conn(self.inner.handle, code, reason);

@@ -65,7 +65,13 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                     }
                 }
                 dispatch(&mut st, &shared);
-                if st.closed && out.is_empty() && ip_out.is_empty() {
+                // Wake `wait_idle` when the last connection and pending CLOSE are gone.
+                let t = st.core.table_sizes();
+                let now_idle = st.conns.is_empty() && t.connections == 0 && t.closers == 0;
+                if now_idle {
+                    shared.idle.notify_waiters();
+                }
+                if st.drained() && out.is_empty() && ip_out.is_empty() {
                     drop(st);
                     shared
                         .stopped
@@ -176,7 +182,6 @@ fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
 /// Route the core's events to the handles waiting for them.
 fn dispatch(st: &mut State, shared: &Shared) {
     let mut freed = false;
-    let mut ended = false;
     while let Some(ev) = st.core.poll_event() {
         match ev {
             Event::Connected(h) => {
@@ -202,7 +207,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
             Event::ConnectionLost { conn, reason } => {
                 tracing::debug!(%conn, %reason, "connection ended");
                 if let Some(tx) = st.connecting.remove(&conn) {
-                    let _ = tx.send(Err(reason));
+                    let _ = tx.send(Err(reason.clone()));
                 }
                 if let Some(mut e) = st.conns.remove(&conn) {
                     e.on_lost(reason);
@@ -211,7 +216,6 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 // left over would never resolve.
                 st.waiters.retain(|(c, _), _| *c != conn);
                 freed = true;
-                ended = true;
             }
             Event::RecvCompletion { conn, wc, .. } => {
                 if let Some(Waiter::Op(tx)) = st.waiters.remove(&(conn, wc.wr_id)) {
@@ -263,8 +267,5 @@ fn dispatch(st: &mut State, shared: &Shared) {
     }
     if freed {
         shared.sq_space.notify_waiters();
-    }
-    if ended && st.conns.is_empty() {
-        shared.idle.notify_waiters();
     }
 }

@@ -133,8 +133,18 @@ impl State {
     /// Close a connection with an application code and reason (graceful where the core
     /// supports it).
     pub fn close_conn(&mut self, h: ConnectionHandle, code: u32, reason: &[u8]) {
-        let _ = (code, reason);
-        self.core.close(std::time::Instant::now(), h);
+        let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
+        let now = std::time::Instant::now();
+        if self.core.close_with(now, h, code, reason).is_err() {
+            // Not a connection the core can drain (unknown): nothing to close.
+            let _ = self.core.abort(now, h, code, reason);
+        }
+    }
+
+    /// Whether the driver may stop: closed, and every connection and pending CLOSE gone.
+    pub fn drained(&self) -> bool {
+        let t = self.core.table_sizes();
+        self.closed && t.connections == 0 && t.closers == 0
     }
 
     /// Sizes of the driver's per-connection maps (for leak tests).
@@ -144,6 +154,7 @@ impl State {
             connecting: self.connecting.len(),
             waiters: self.waiters.len(),
             core_connections: self.core.connections().count(),
+            core: self.core.table_sizes(),
         }
     }
 }
@@ -161,6 +172,8 @@ pub struct DriverMaps {
     pub waiters: usize,
     /// Connections the core holds (including ones draining after a close).
     pub core_connections: usize,
+    /// The core's per-connection tables (timers, indexes, CLOSEs awaiting an answer).
+    pub core: metaroce::TableSizes,
 }
 
 /// State shared by the driver task and every handle.
@@ -485,10 +498,13 @@ impl Endpoint {
         self.shared().backend.source_ports()
     }
 
-    /// Close every connection with `code` and `reason` (the peers' handles end with
-    /// `ClosedByPeer` carrying them; local ones with `LocallyClosed`), refuse new ones, and
-    /// stop the driver once the CLOSEs are sent. Use [`wait_idle`](Self::wait_idle) to
-    /// wait for that.
+    /// Close every connection gracefully with `code` and `reason` (at most
+    /// [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON) bytes are sent): operations already
+    /// posted drain for at most `transport.close_timeout`, then the rest fail with
+    /// `WrFlushError`; the peers' handles end with `ClosedByPeer` carrying the code and
+    /// reason, the local ones with `LocallyClosed`. New operations and connections are
+    /// refused at once; the driver stops once every CLOSE was answered (or sent
+    /// `close_attempts` times). [`wait_idle`](Self::wait_idle) waits for that.
     pub fn close(&self, code: u32, reason: &[u8]) {
         let shared = self.shared();
         {
@@ -517,7 +533,8 @@ impl Endpoint {
             }
             {
                 let st = shared.lock();
-                if st.conns.is_empty() && st.core.connections().next().is_none() {
+                let t = st.core.table_sizes();
+                if st.conns.is_empty() && t.connections == 0 && t.closers == 0 {
                     return;
                 }
             }

@@ -286,6 +286,9 @@ impl Sink<Bytes> for MessageStream {
             if let Err(e) = st.core.post_send(self.handle(), self.id, wr_id, item) {
                 return Err(match e {
                     PostError::UnknownConnection => self.lost(&st),
+                    PostError::Closing => {
+                        Error::ConnectionLost(metaroce::ConnectionError::LocallyClosed)
+                    }
                     e => Error::Post(e),
                 });
             }

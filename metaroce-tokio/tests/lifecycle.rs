@@ -38,13 +38,20 @@ fn is_closed_by_peer(e: &ConnectionError) -> bool {
     matches!(e, ConnectionError::ClosedByPeer { .. })
 }
 
+fn closed_by_peer(e: &ConnectionError) -> Option<(u32, &[u8])> {
+    match e {
+        ConnectionError::ClosedByPeer { code, reason } => Some((*code, &reason[..])),
+        _ => None,
+    }
+}
+
 #[tokio::test]
 async fn close_with_code_reaches_the_peers_closed() {
     let (server, client) = endpoints().await;
     let (c, s) = connect(&server, &client).await;
     c.close(42, b"bye");
     let why = tokio::time::timeout(T, s.closed()).await.unwrap();
-    assert!(is_closed_by_peer(&why), "{why:?}");
+    assert_eq!(closed_by_peer(&why), Some((42, &b"bye"[..])), "{why:?}");
     assert_eq!(c.closed().await, ConnectionError::LocallyClosed);
     assert_eq!(s.close_reason(), Some(why));
     // Both drivers freed the connection.
@@ -67,7 +74,7 @@ async fn dropping_the_last_handle_closes_the_connection() {
     assert_eq!(s.close_reason(), None);
     drop(stream);
     let why = tokio::time::timeout(T, s.closed()).await.unwrap();
-    assert!(is_closed_by_peer(&why), "{why:?}");
+    assert_eq!(closed_by_peer(&why), Some((0, &b""[..])), "{why:?}");
     tokio::time::timeout(T, client.wait_idle()).await.unwrap();
     assert_eq!(client.driver_maps(), Default::default());
 }
@@ -98,7 +105,7 @@ async fn endpoint_close_reaches_every_peer_and_wait_idle_returns() {
     tokio::time::timeout(T, client.wait_idle()).await.unwrap();
     for s in &peers {
         let why = tokio::time::timeout(T, s.closed()).await.unwrap();
-        assert!(is_closed_by_peer(&why), "{why:?}");
+        assert_eq!(closed_by_peer(&why), Some((9, &b"shutdown"[..])), "{why:?}");
     }
     for c in &mine {
         assert_eq!(c.close_reason(), Some(ConnectionError::LocallyClosed));
@@ -141,72 +148,4 @@ async fn dropping_connecting_abandons_the_attempt() {
     tokio::time::timeout(T, client.wait_idle()).await.unwrap();
     assert_eq!(client.driver_maps().core_connections, 0);
     assert_eq!(client.driver_maps().connections, 0);
-}
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-/// `n` connect/close cycles on one pair of endpoints; the driver maps must be empty after
-/// each, resident memory is printed and its growth bounded.
-async fn cycles(n: usize) {
-    let (server, client) = endpoints().await;
-    // Warm up allocator pools and socket buffers before the first figure.
-    for _ in 0..200 {
-        let (c, s) = connect(&server, &client).await;
-        c.close(1, b"");
-        s.closed().await;
-    }
-    client.wait_idle().await;
-    server.wait_idle().await;
-    let before = rss_kib();
-    let t0 = std::time::Instant::now();
-    for i in 0..n {
-        let (c, s) = connect(&server, &client).await;
-        if i % 2 == 0 {
-            c.close(1, b"cycle");
-        } else {
-            drop(c);
-        }
-        tokio::time::timeout(T, s.closed()).await.unwrap();
-        drop(s);
-        if i % 1000 == 999 {
-            client.wait_idle().await;
-            server.wait_idle().await;
-            assert_eq!(client.driver_maps(), Default::default(), "cycle {i}");
-            assert_eq!(server.driver_maps(), Default::default(), "cycle {i}");
-        }
-    }
-    client.wait_idle().await;
-    server.wait_idle().await;
-    let after = rss_kib();
-    println!(
-        "{n} connect/close cycles in {:?}: VmRSS {before} KiB before, {after} KiB after \
-         ({:+} KiB); client maps {:?}, server maps {:?}",
-        t0.elapsed(),
-        after as i64 - before as i64,
-        client.driver_maps(),
-        server.driver_maps()
-    );
-    assert_eq!(client.driver_maps(), Default::default());
-    assert_eq!(server.driver_maps(), Default::default());
-    // Flat: less than 8 bytes per cycle, plus 4 MiB of allocator slack.
-    assert!(
-        after <= before + 4096 + (n as u64 * 8) / 1024,
-        "VmRSS grew from {before} to {after} KiB over {n} cycles"
-    );
-}
-
-/// 100,000 cycles take about 9 s on loopback (test profile), so they run every time.
-#[tokio::test]
-async fn hundred_thousand_connect_close_cycles_free_everything() {
-    cycles(100_000).await;
 }

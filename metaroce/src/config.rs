@@ -142,9 +142,47 @@ pub struct TransportConfig {
     /// Verify the ICRC of received packets when the addresses it covers are known.
     /// Default `true`.
     pub verify_icrc: bool,
-    /// Silence from the peer after which an established connection with nothing
-    /// outstanding is closed; `None` keeps it forever. Default `None`.
+    /// Silence from the peer after which an established connection is closed with
+    /// [`ConnectionError::IdleTimeout`](crate::ConnectionError::IdleTimeout) and its
+    /// pending operations are flushed (`WrFlushError`), whether or not operations are
+    /// outstanding: every packet from the peer (ACKs, NAKs, data, answers to keepalives)
+    /// counts as heard. `None` keeps a silent connection forever.
+    ///
+    /// Default 10 s. In a data centre a live peer answers within microseconds to
+    /// milliseconds; 10 s rides out a switch reboot, a link flap with routing
+    /// reconvergence (typically < 1 s) or a long GC/scheduling pause of the peer process,
+    /// and still reports a dead peer (process killed, host down, cable pulled) to the
+    /// application within seconds instead of never. With `keepalive_interval` (default
+    /// 3 s) three keepalives go out before the timeout, so two lost in a row do not close
+    /// a live connection. Connections with operations outstanding usually fail earlier,
+    /// with `RetryExceeded` after `retry_count` retransmission timeouts.
     pub idle_timeout: Option<Duration>,
+    /// Silence from the peer after which a keepalive is sent, and then again every this
+    /// long while the silence lasts: an `MR_ACK` with AckEth flags bit 1 set
+    /// (docs/PROTOCOL.md, "Keepalive") that the peer answers with an ACK at once. It keeps
+    /// an idle connection from reaching `idle_timeout` while the peer is alive and tells a
+    /// dead peer from an idle one. Keepalives rotate over the connection's paths, so they
+    /// exercise every path. `None` sends none (then an idle connection with a live but
+    /// silent peer is closed after `idle_timeout`). Default 3 s (a third of the default
+    /// idle timeout, see there). A value not shorter than `idle_timeout` is taken as
+    /// `idle_timeout / 3` (so lowering only the idle timeout keeps keepalives working).
+    /// Must not be zero.
+    pub keepalive_interval: Option<Duration>,
+    /// How long a graceful close ([`Endpoint::close_with`](crate::Endpoint::close_with))
+    /// lets operations already posted drain before the rest are flushed
+    /// (`WrFlushError`) and the close is sent. Default 2 s: at any data-centre rate a
+    /// connection's full window (4 MiB by default) drains in milliseconds, and 2 s still
+    /// covers many retransmission timeouts of loss; a close should not hold an
+    /// application up for longer than a human notices, and it stays well below
+    /// `idle_timeout`. Operations larger than rate × 2 s (e.g. a 2 GiB WRITE below
+    /// 8 Gbit/s) need a larger value or a wait for their completions before closing.
+    pub close_timeout: Duration,
+    /// How many times an `MR_CLOSE` is sent before the closing side gives up waiting for
+    /// the peer's answer (an `MR_CLOSE` with the ACK flag). The first copy goes out at
+    /// once, the next after the connection's largest path RTO (at least `min_rto`),
+    /// doubling each time: with the defaults and a dead peer the record of the close is
+    /// freed after about 31 RTOs. Default 5.
+    pub close_attempts: u32,
     /// Most RDMA READs and atomics a connection has outstanding as requester, and most
     /// READ/atomic responses it queues as responder (IBA `max_rd_atomic` /
     /// `max_dest_rd_atomic`); requests beyond it wait (requester) or, at the responder, are
@@ -243,7 +281,10 @@ impl Default for TransportConfig {
             reorder_threshold: 0,
             max_gso_segments: 1,
             verify_icrc: true,
-            idle_timeout: None,
+            idle_timeout: Some(Duration::from_secs(10)),
+            keepalive_interval: Some(Duration::from_secs(3)),
+            close_timeout: Duration::from_secs(2),
+            close_attempts: 5,
             advertised_rate_mbps: 0,
             recv_capacity_mbps: 0,
             fair_share_window: Duration::from_millis(1),
@@ -260,6 +301,16 @@ impl Default for TransportConfig {
 }
 
 impl TransportConfig {
+    /// The keepalive interval in force: `keepalive_interval`, or `idle_timeout / 3` if that
+    /// is not shorter than the idle timeout.
+    pub fn effective_keepalive(&self) -> Option<Duration> {
+        let k = self.keepalive_interval?;
+        match self.idle_timeout {
+            Some(i) if k >= i => Some((i / 3).max(Duration::from_micros(1))),
+            _ => Some(k),
+        }
+    }
+
     /// Check the values; the error names the field and what is wrong.
     pub fn validate(&self) -> Result<(), String> {
         if self.paths == 0 || self.paths > 256 {
@@ -294,6 +345,12 @@ impl TransportConfig {
         }
         if !(1..=8).contains(&self.planes) {
             return Err(format!("planes must be in 1..=8, got {}", self.planes));
+        }
+        if self.close_attempts == 0 {
+            return Err("close_attempts must be at least 1".into());
+        }
+        if self.keepalive_interval.is_some_and(|k| k.is_zero()) {
+            return Err("keepalive_interval must not be zero".into());
         }
         if self.handshake_attempts == 0 {
             return Err("handshake_attempts must be at least 1".into());

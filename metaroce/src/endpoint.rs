@@ -38,7 +38,21 @@ pub enum PostError {
     InvalidConfig(String),
     /// Too many connections.
     TooManyConnections,
+    /// The connection is closing ([`Endpoint::close_with`]): operations already posted
+    /// drain, new ones are refused.
+    Closing,
+    /// A close reason longer than [`MAX_CLOSE_REASON`] bytes.
+    ReasonTooLong {
+        /// Given length in bytes.
+        len: usize,
+        /// The limit ([`MAX_CLOSE_REASON`]).
+        max: usize,
+    },
 }
+
+/// Longest close reason, in bytes, that [`Endpoint::close_with`] and [`Endpoint::abort`]
+/// accept (the MR_CLOSE payload; one packet at the smallest path MTU).
+pub const MAX_CLOSE_REASON: usize = 256;
 
 impl fmt::Display for PostError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -52,6 +66,10 @@ impl fmt::Display for PostError {
             PostError::SendQueueFull => f.write_str("send queue full (max_outstanding_ops)"),
             PostError::InvalidConfig(s) => write!(f, "invalid configuration: {s}"),
             PostError::TooManyConnections => f.write_str("too many connections (max_connections)"),
+            PostError::Closing => f.write_str("connection is closing"),
+            PostError::ReasonTooLong { len, max } => {
+                write!(f, "close reason of {len} bytes exceeds {max} bytes")
+            }
         }
     }
 }
@@ -203,6 +221,52 @@ pub struct Endpoint {
     /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
     pub(crate) rc: crate::rocev2::RcHost,
     rc_turn: bool,
+    /// Closes sent and not yet answered, by connection nonce (the connection itself is
+    /// gone; the answer is matched by nonce and peer address).
+    closers: HashMap<u64, Closer>,
+    /// (next retransmission, nonce) of every entry in `closers` with a copy sent.
+    close_timers: BTreeSet<(Instant, u64)>,
+    /// Nonces in `closers` whose MR_CLOSE is due now.
+    close_ready: VecDeque<u64>,
+}
+
+/// An MR_CLOSE being retransmitted until the peer answers (or `close_attempts` copies
+/// went out): all that is left of a closed connection.
+#[derive(Debug)]
+struct Closer {
+    peer: SocketAddr,
+    peer_qpn: u32,
+    local_ip: Option<IpAddr>,
+    code: u32,
+    reason: Bytes,
+    sent: u32,
+    /// Wait after the first copy (doubles after each).
+    interval: std::time::Duration,
+    next_at: Option<Instant>,
+}
+
+/// Sizes of an endpoint's per-connection tables (see [`Endpoint::table_sizes`]): every one
+/// returns to its idle value when the connections end.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TableSizes {
+    /// Connections.
+    pub connections: usize,
+    /// Connection-request nonces of accepted connections.
+    pub nonces: usize,
+    /// Timer and fair-share index entries.
+    pub index: usize,
+    /// Armed connection timers.
+    pub timers: usize,
+    /// Connections marked ready to transmit.
+    pub ready: usize,
+    /// Fair-share entries.
+    pub recent_rx: usize,
+    /// Closes waiting for the peer's answer.
+    pub closers: usize,
+    /// Control packets queued.
+    pub control: usize,
+    /// Events not yet polled.
+    pub events: usize,
 }
 
 impl Endpoint {
@@ -234,6 +298,9 @@ impl Endpoint {
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
+            closers: HashMap::new(),
+            close_timers: BTreeSet::new(),
+            close_ready: VecDeque::new(),
         })
     }
 
@@ -391,6 +458,9 @@ impl Endpoint {
         if c.state != State::Established {
             return Err(PostError::NotConnected);
         }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
         if len > max {
             return Err(PostError::MessageTooLarge { len, max });
         }
@@ -497,6 +567,9 @@ impl Endpoint {
         if c.state != State::Established {
             return Err(PostError::NotConnected);
         }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
         c.post_recv(
             stream,
             crate::conn::recv::PostedRecv {
@@ -510,20 +583,222 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Close a connection now: pending operations complete with `WrFlushError`, the peer
-    /// is told (best effort), and [`Event::ConnectionLost`] with `LocallyClosed` follows.
-    pub fn close(&mut self, _now: Instant, conn: ConnectionHandle) {
-        if let Some(c) = self.conns.get(&conn.0) {
-            if c.state == State::Established {
-                let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth {
-                    reason: 0,
-                    nonce: c.nonce,
-                });
-                self.control.push_back((c.peer, bth, hdrs, c.local_ip));
+    /// Close a connection now, with code 0 and no reason: the same as
+    /// [`abort`](Self::abort)`(now, conn, 0, &[])`. Unknown handles are ignored.
+    pub fn close(&mut self, now: Instant, conn: ConnectionHandle) {
+        let _ = self.abort(now, conn, 0, &[]);
+    }
+
+    /// Close a connection gracefully with an application `code` and `reason` (at most
+    /// [`MAX_CLOSE_REASON`] bytes), as quinn's `Connection::close` and a TCP FIN do:
+    ///
+    /// 1. From now on new posts on the connection are refused with
+    ///    [`PostError::Closing`]; operations already posted (and the responses this side
+    ///    owes the peer) go on until they complete, for at most
+    ///    `TransportConfig::close_timeout`. Incoming data is still handled meanwhile.
+    /// 2. Then what is still pending completes with `WrFlushError`, posted receives are
+    ///    flushed, [`Event::ConnectionLost`] with [`ConnectionError::LocallyClosed`] is
+    ///    reported and every per-connection structure is freed.
+    /// 3. The peer is sent an `MR_CLOSE` carrying `code` (CloseEth reason) and `reason`
+    ///    (payload), retransmitted until the peer answers or `close_attempts` copies went
+    ///    out; it reports [`ConnectionError::ClosedByPeer`] with the same code and bytes.
+    ///
+    /// A connection still connecting is closed at once (the peer holds nothing yet worth
+    /// telling). Calling it again while the close drains changes nothing.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`] for a handle with no connection;
+    /// [`PostError::ReasonTooLong`] if `reason` exceeds [`MAX_CLOSE_REASON`] (nothing is
+    /// done then).
+    pub fn close_with(
+        &mut self,
+        now: Instant,
+        conn: ConnectionHandle,
+        code: u32,
+        reason: &[u8],
+    ) -> Result<(), PostError> {
+        if reason.len() > MAX_CLOSE_REASON {
+            return Err(PostError::ReasonTooLong {
+                len: reason.len(),
+                max: MAX_CLOSE_REASON,
+            });
+        }
+        let timeout = self.cfg.transport.close_timeout;
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return self.abort(now, conn, code, reason);
+        }
+        if c.closing.is_none() {
+            c.closing = Some(crate::conn::Closing {
+                code,
+                reason: Bytes::copy_from_slice(reason),
+                deadline: now + timeout,
+            });
+            tracing::debug!(%conn, code, "closing: draining");
+        }
+        self.touched(conn.0);
+        self.progress_close(now, conn.0);
+        Ok(())
+    }
+
+    /// Close a connection at once with an application `code` and `reason`: pending
+    /// operations complete with `WrFlushError` and posted receives are flushed now,
+    /// [`Event::ConnectionLost`] with [`ConnectionError::LocallyClosed`] follows, and the
+    /// peer is sent an `MR_CLOSE` as by [`close_with`](Self::close_with) (retransmitted
+    /// until answered). Also ends a graceful close early.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::ReasonTooLong`] as for
+    /// [`close_with`](Self::close_with).
+    pub fn abort(
+        &mut self,
+        now: Instant,
+        conn: ConnectionHandle,
+        code: u32,
+        reason: &[u8],
+    ) -> Result<(), PostError> {
+        if reason.len() > MAX_CLOSE_REASON {
+            return Err(PostError::ReasonTooLong {
+                len: reason.len(),
+                max: MAX_CLOSE_REASON,
+            });
+        }
+        if !self.conns.contains_key(&conn.0) {
+            return Err(PostError::UnknownConnection);
+        }
+        self.finish_close(now, conn.0, code, Bytes::copy_from_slice(reason));
+        Ok(())
+    }
+
+    /// A gracefully closing connection `q` finished draining, or its `close_timeout`
+    /// passed: end it.
+    fn progress_close(&mut self, now: Instant, q: u32) {
+        let Some(c) = self.conns.get(&q) else { return };
+        let Some(cl) = &c.closing else { return };
+        if now >= cl.deadline || !c.sq.has_pending() {
+            let (code, reason) = (cl.code, cl.reason.clone());
+            self.finish_close(now, q, code, reason);
+        }
+    }
+
+    /// Remove connection `q` as closed locally and start sending its MR_CLOSE.
+    fn finish_close(&mut self, now: Instant, q: u32, code: u32, reason: Bytes) {
+        let Some(c) = self.conns.get(&q) else { return };
+        if c.state == State::Established {
+            let t = &self.cfg.transport;
+            let interval = c.largest_rto().max(t.min_rto);
+            let closer = Closer {
+                peer: c.peer,
+                peer_qpn: c.peer_qpn,
+                local_ip: c.local_ip,
+                code,
+                reason,
+                sent: 0,
+                interval,
+                next_at: None,
+            };
+            let nonce = c.nonce;
+            self.forget_closer(nonce);
+            self.closers.insert(nonce, closer);
+            self.close_ready.push_back(nonce);
+        }
+        let _ = now;
+        self.remove(
+            ConnectionHandle(q),
+            ConnectionError::LocallyClosed,
+            WcStatus::WrFlushError,
+        );
+    }
+
+    /// Drop the record of a close (answered, or out of attempts).
+    fn forget_closer(&mut self, nonce: u64) {
+        if let Some(cl) = self.closers.remove(&nonce) {
+            if let Some(t) = cl.next_at {
+                self.close_timers.remove(&(t, nonce));
             }
         }
-        self.remove(conn, ConnectionError::LocallyClosed, WcStatus::WrFlushError);
+    }
+
+    /// Sizes of the per-connection tables: for checking that connections that ended left
+    /// nothing behind (e.g. over many connect/close cycles).
+    pub fn table_sizes(&self) -> TableSizes {
+        TableSizes {
+            connections: self.conns.len(),
+            nonces: self.by_nonce.len(),
+            index: self.index.len(),
+            timers: self.timers.len(),
+            ready: self.ready.len(),
+            recent_rx: self.recent_rx.len(),
+            closers: self.closers.len(),
+            control: self.control.len(),
+            events: self.events.len(),
+        }
+    }
+
+    /// An MR_CLOSE arrived for local QPN `dest_qp`.
+    fn handle_close(
+        &mut self,
+        from: SocketAddr,
+        local_ip: Option<IpAddr>,
+        dest_qp: u32,
+        msg: &wire::CloseEth,
+        payload: &[u8],
+    ) {
+        if msg.is_ack() {
+            // The answer to our close: stop retransmitting it.
+            match self.closers.get(&msg.nonce) {
+                Some(cl) if cl.peer.ip() == from.ip() => {
+                    self.forget_closer(msg.nonce);
+                }
+                _ => self.stats.unknown_connection += 1,
+            }
+            return;
+        }
+        let reply_to =
+            |port: u16| SocketAddr::new(from.ip(), if port == 0 { from.port() } else { port });
+        let mut answer = None;
+        match self.conns.get(&dest_qp) {
+            Some(c) if c.nonce == msg.nonce && c.peer.ip() == from.ip() => {
+                answer = Some((c.peer, c.peer_qpn, c.local_ip));
+                let n = payload.len().min(MAX_CLOSE_REASON);
+                let reason = ConnectionError::ClosedByPeer {
+                    code: msg.reason,
+                    reason: Bytes::copy_from_slice(&payload[..n]),
+                };
+                self.remove(ConnectionHandle(dest_qp), reason, WcStatus::WrFlushError);
+            }
+            Some(_) => self.stats.unknown_connection += 1,
+            None => {
+                // Already gone (our answer was lost, or both sides closed at once): answer
+                // again so the peer stops retransmitting. The answer is smaller than the
+                // close and carries nothing but what the close held.
+                match self.closers.get(&msg.nonce) {
+                    Some(cl) if cl.peer.ip() == from.ip() => {
+                        // Both sides closed at once: the peer knows; stop ours.
+                        let (peer, pq, lip) = (cl.peer, cl.peer_qpn, cl.local_ip);
+                        self.forget_closer(msg.nonce);
+                        answer = Some((peer, pq, lip));
+                    }
+                    Some(_) => {}
+                    None => answer = Some((reply_to(msg.reply_port), dest_qp, local_ip)),
+                }
+            }
+        }
+        if let Some((peer, peer_qpn, lip)) = answer {
+            if self.control.len() < 1024 {
+                let bth = Bth::new(Opcode::MR_CLOSE, peer_qpn, 0);
+                let hdrs = Headers::Close(wire::CloseEth {
+                    reason: msg.reason,
+                    flags: wire::CloseEth::FLAG_ACK,
+                    reply_port: self.cfg.local_addr.port(),
+                    nonce: msg.nonce,
+                });
+                self.control.push_back((peer, bth, hdrs, lip.or(local_ip)));
+            }
+        }
     }
 
     /// Accept a connection held by [`EndpointConfig::manual_accept`]: the CONNECT Accept
@@ -639,6 +914,10 @@ impl Endpoint {
             self.handle_connect(now, from, local_ip, pkt.bth.dest_qp, msg);
             return;
         }
+        if let Headers::Close(msg) = &pkt.headers {
+            self.handle_close(from, local_ip, pkt.bth.dest_qp, msg, pkt.payload);
+            return;
+        }
         let qpn = pkt.bth.dest_qp;
         let Some(c) = self.conns.get_mut(&qpn) else {
             self.stats.unknown_connection += 1;
@@ -651,6 +930,7 @@ impl Endpoint {
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
         self.touched(qpn);
         self.apply(ConnectionHandle(qpn), out);
+        self.progress_close(now, qpn);
     }
 
     fn handle_connect(
@@ -744,6 +1024,8 @@ impl Endpoint {
                     let bth = Bth::new(Opcode::MR_CLOSE, msg.src_qpn, 0);
                     let hdrs = Headers::Close(wire::CloseEth {
                         reason: 1,
+                        flags: 0,
+                        reply_port: self.cfg.local_addr.port(),
                         nonce: msg.nonce,
                     });
                     if self.control.len() < 1024 {
@@ -864,6 +1146,25 @@ impl Endpoint {
                 let out = c.handle_timeout(now, &mut self.events);
                 self.touched(q);
                 self.apply(ConnectionHandle(q), out);
+                self.progress_close(now, q);
+            }
+        }
+        // Closes waiting for an answer: send the next copy, or give up.
+        while let Some(&(t, nonce)) = self.close_timers.first() {
+            if t > now {
+                break;
+            }
+            self.close_timers.pop_first();
+            let attempts = self.cfg.transport.close_attempts;
+            let Some(cl) = self.closers.get_mut(&nonce) else {
+                continue;
+            };
+            cl.next_at = None;
+            if cl.sent >= attempts {
+                tracing::debug!(peer = %cl.peer, "close not answered; giving up");
+                self.closers.remove(&nonce);
+            } else {
+                self.close_ready.push_back(nonce);
             }
         }
     }
@@ -873,6 +1174,11 @@ impl Endpoint {
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.check_index();
         let conns = self.timers.first().map(|&(t, _)| t);
+        let closes = self.close_timers.first().map(|&(t, _)| t);
+        let conns = match (conns, closes) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         match (conns, self.rc.poll_timeout()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -951,6 +1257,51 @@ impl Endpoint {
             if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
                 let _ = icrc::stamp(&ip, port, dest.port(), buf);
             }
+            return Some(Transmit {
+                destination: dest,
+                src_port: port,
+                ecn: None,
+                size: len,
+                segment_size: None,
+            });
+        }
+        while let Some(nonce) = self.close_ready.pop_front() {
+            let reply_port = self.cfg.local_addr.port();
+            let my_ip = self.local_ip();
+            let port = self.cfg.source_ports[0];
+            let Some(cl) = self.closers.get_mut(&nonce) else {
+                continue;
+            };
+            if cl.next_at.is_some() {
+                continue;
+            }
+            let bth = Bth::new(Opcode::MR_CLOSE, cl.peer_qpn, 0);
+            let hdrs = Headers::Close(wire::CloseEth {
+                reason: cl.code,
+                flags: 0,
+                reply_port,
+                nonce,
+            });
+            let len = wire::packet_len(&hdrs, cl.reason.len());
+            buf.resize(len, 0);
+            if wire::emit_packet(&bth, &hdrs, &cl.reason, buf).is_err() {
+                buf.clear();
+                self.closers.remove(&nonce);
+                continue;
+            }
+            let dest = cl.peer;
+            let local = cl.local_ip.or(my_ip).unwrap_or(match dest.ip() {
+                IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+            });
+            if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
+                let _ = icrc::stamp(&ip, port, dest.port(), buf);
+            }
+            let wait = cl.interval.saturating_mul(1u32 << cl.sent.min(16));
+            cl.sent += 1;
+            let at = now + wait;
+            cl.next_at = Some(at);
+            self.close_timers.insert((at, nonce));
             return Some(Transmit {
                 destination: dest,
                 src_port: port,

@@ -140,7 +140,10 @@ pub struct WorkCompletion {
 }
 
 /// Why a connection ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// Not `Copy` since [`ConnectionError::ClosedByPeer`] carries the peer's reason bytes;
+/// cloning is cheap (the bytes are reference-counted).
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConnectionError {
     /// The peer did not answer the connection request in time.
@@ -149,11 +152,24 @@ pub enum ConnectionError {
     Rejected(u32),
     /// Every path exceeded the retry budget without progress.
     RetryExceeded,
-    /// The peer closed the connection.
-    ClosedByPeer,
+    /// The peer closed the connection with
+    /// [`Endpoint::close_with`](crate::Endpoint::close_with) or
+    /// [`Endpoint::abort`](crate::Endpoint::abort) (or, with code 0 and no reason,
+    /// [`Endpoint::close`](crate::Endpoint::close)): `code` is the CloseEth reason field,
+    /// `reason` the MR_CLOSE payload (at most
+    /// [`MAX_CLOSE_REASON`](crate::MAX_CLOSE_REASON) bytes; longer payloads are cut).
+    /// Code 1 is sent by the core itself to drop a ghost connection (a stale connection
+    /// request reached a restarted peer).
+    ClosedByPeer {
+        /// Application error code (CloseEth bytes 0–3).
+        code: u32,
+        /// Application reason bytes (MR_CLOSE payload), possibly empty.
+        reason: Bytes,
+    },
     /// The application closed the connection.
     LocallyClosed,
-    /// Nothing was heard from the peer for the idle timeout.
+    /// Nothing was heard from the peer for `TransportConfig::idle_timeout` (keepalives
+    /// included): the peer is dead or unreachable. Pending operations were flushed.
     IdleTimeout,
 }
 
@@ -165,7 +181,13 @@ impl fmt::Display for ConnectionError {
                 write!(f, "connection rejected by peer (reason {code})")
             }
             ConnectionError::RetryExceeded => f.write_str("retry count exceeded on every path"),
-            ConnectionError::ClosedByPeer => f.write_str("closed by peer"),
+            ConnectionError::ClosedByPeer { code, reason } => {
+                write!(f, "closed by peer (code {code}")?;
+                if !reason.is_empty() {
+                    write!(f, ": {}", String::from_utf8_lossy(reason))?;
+                }
+                f.write_str(")")
+            }
             ConnectionError::LocallyClosed => f.write_str("closed locally"),
             ConnectionError::IdleTimeout => f.write_str("idle timeout"),
         }

@@ -68,7 +68,8 @@ pub use config::{CongestionAlgorithm, CongestionConfig, EndpointConfig, Transpor
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{
-    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, WriteRequest,
+    AtomicRequest, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest, TableSizes,
+    WriteRequest, MAX_CLOSE_REASON,
 };
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 pub use mr::{Access, MrError, MrKeys};

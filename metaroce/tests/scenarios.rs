@@ -970,7 +970,11 @@ fn scenarios() -> Vec<Scenario> {
                     || "closer".into(),
                 )?;
                 ensure(
-                    w.net.lost(1, w.conns[1]) == Some(ConnectionError::ClosedByPeer),
+                    w.net.lost(1, w.conns[1])
+                        == Some(ConnectionError::ClosedByPeer {
+                            code: 0,
+                            reason: Bytes::new(),
+                        }),
                     || "peer".into(),
                 )?;
                 let st = w.statuses(0);
@@ -1336,7 +1340,11 @@ fn scenarios() -> Vec<Scenario> {
                     })?;
                 }
                 ensure(
-                    net.lost(1, pairs[3].1) == Some(ConnectionError::ClosedByPeer),
+                    net.lost(1, pairs[3].1)
+                        == Some(ConnectionError::ClosedByPeer {
+                            code: 0,
+                            reason: Bytes::new(),
+                        }),
                     || "closed connection not reported".into(),
                 )?;
                 let mem = net.eps[1].mr_read(remote.lkey, 0, 48 * 1024).unwrap();

@@ -266,6 +266,8 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
             bth(Opcode::MR_CLOSE, 0x202, 0, false),
             Headers::Close(CloseEth {
                 reason: CloseEth::REASON_NORMAL,
+                flags: 0,
+                reply_port: 4791,
                 nonce: 0x0123_4567_89AB_CDEF,
             }),
             vec![],

@@ -246,7 +246,14 @@ fn connect() -> impl Strategy<Value = ConnectEth> {
         )
 }
 fn close() -> impl Strategy<Value = CloseEth> {
-    (any::<u32>(), any::<u64>()).prop_map(|(reason, nonce)| CloseEth { reason, nonce })
+    (any::<u32>(), any::<bool>(), any::<u16>(), any::<u64>()).prop_map(
+        |(reason, ack, reply_port, nonce)| CloseEth {
+            reason,
+            flags: if ack { CloseEth::FLAG_ACK } else { 0 },
+            reply_port,
+            nonce,
+        },
+    )
 }
 
 /// Random values for every header; `build` picks the ones an opcode needs.

@@ -90,9 +90,20 @@ pub struct ConnectionStats {
     pub rebalance_rerolls: u64,
 }
 
+/// A graceful close in progress (`Endpoint::close_with`): no new posts; operations already
+/// posted drain until `deadline`.
+#[derive(Debug, Clone)]
+pub(crate) struct Closing {
+    pub code: u32,
+    pub reason: bytes::Bytes,
+    pub deadline: Instant,
+}
+
 #[derive(Debug)]
 pub(crate) struct Connection {
     pub handle: ConnectionHandle,
+    /// Set by a graceful close.
+    pub closing: Option<Closing>,
     pub state: State,
     pub peer: SocketAddr,
     pub peer_qpn: u32,
@@ -244,6 +255,7 @@ impl Connection {
     ) -> Self {
         Self {
             handle,
+            closing: None,
             state: State::Connecting,
             peer,
             peer_qpn: 0,
@@ -472,11 +484,7 @@ impl Connection {
                     }
                 }
             }
-            Headers::Close(c) if c.nonce == self.nonce => {
-                return Outcome {
-                    lost: Some(ConnectionError::ClosedByPeer),
-                };
-            }
+            // MR_CLOSE is handled by the endpoint (it may outlive the connection).
             _ => {}
         }
         Outcome::default()
@@ -855,6 +863,16 @@ impl Connection {
         }
     }
 
+    /// The largest retransmission timeout of the connection's paths (`min_rto` if none).
+    pub fn largest_rto(&self) -> Duration {
+        let (min, max) = (self.cfg.min_rto, self.cfg.max_rto);
+        self.tx
+            .iter()
+            .map(|p| p.rtt.rto(min, max))
+            .max()
+            .unwrap_or(min)
+    }
+
     /// How long an acknowledged READ/atomic request waits for its response before it is sent
     /// again: twice the largest path RTO.
     fn response_timeout(&self) -> Duration {
@@ -919,6 +937,9 @@ impl Connection {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
         consider(self.sq.wait_deadline());
+        if let Some(cl) = &self.closing {
+            consider(Some(cl.deadline));
+        }
         // Completions of operations flushed when posted (on a dead stream) are reported by
         // the next timer call: now.
         if self.sq.completion_ready() || self.rq.has_flushed() {

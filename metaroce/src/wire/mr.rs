@@ -448,17 +448,26 @@ impl ConnectEth {
 }
 
 /// Connection tear-down header: 16 bytes after the BTH on `MR_CLOSE`. MetaRoCE extension,
-/// see docs/PROTOCOL.md.
+/// see docs/PROTOCOL.md. A close (flags bit 0 clear) may carry up to 256 bytes of
+/// application reason as payload; its answer (flags bit 0 set) carries none.
 ///
 /// | Bytes | Field |
 /// |---|---|
-/// | 0–3 | reason code (0 = normal close by the application) |
-/// | 4–7 | reserved, 0 |
+/// | 0–3 | reason code (0 = normal close by the application; the application's code) |
+/// | 4 | flags (8 bits): bit 0 = [`CloseEth::FLAG_ACK`]; bits 7:1 reserved, 0 |
+/// | 5 | reserved, 0 |
+/// | 6–7 | reply port: the UDP port the sender listens on, where the answer goes |
 /// | 8–15 | connection nonce (the [`ConnectEth::nonce`] of the incarnation being closed) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct CloseEth {
-    /// Reason code (32 bits); [`CloseEth::REASON_NORMAL`] = 0, others defined by the core.
+    /// Reason code (32 bits); [`CloseEth::REASON_NORMAL`] = 0, others defined by the
+    /// application (1 is used by the core to drop a ghost connection).
     pub reason: u32,
+    /// Flag bits (8 bits): [`CloseEth::FLAG_ACK`]. Reserved bits are ignored on parse.
+    pub flags: u8,
+    /// The sender's listening UDP port (16 bits): the answer to a close goes there. 0 in
+    /// packets of senders that predate it; the receiver then answers the source port.
+    pub reply_port: u16,
     /// Nonce (64 bits) of the connection incarnation being closed.
     pub nonce: u64,
 }
@@ -468,14 +477,26 @@ impl CloseEth {
     pub const LEN: usize = 16;
     /// Reason 0: orderly close requested by the application.
     pub const REASON_NORMAL: u32 = 0;
+    /// Flag bit 0: this packet answers a close (the close was received); it carries no
+    /// payload and is never answered itself.
+    pub const FLAG_ACK: u8 = 0x01;
+
+    /// True when [`CloseEth::FLAG_ACK`] is set.
+    pub fn is_ack(&self) -> bool {
+        self.flags & Self::FLAG_ACK != 0
+    }
 
     /// Parse the first 16 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
         let mut r = Reader::with_len(b, Self::LEN)?;
         let reason = r.u32()?;
-        r.skip(4)?;
+        let flags = r.u8()? & Self::FLAG_ACK;
+        r.skip(1)?;
+        let reply_port = r.u16()?;
         Ok(CloseEth {
             reason,
+            flags,
+            reply_port,
             nonce: r.u64()?,
         })
     }
@@ -484,7 +505,9 @@ impl CloseEth {
     pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
         let mut w = Writer::with_len(out, Self::LEN)?;
         w.u32(self.reason)?;
-        w.zeros(4)?;
+        w.u8(self.flags & Self::FLAG_ACK)?;
+        w.zeros(1)?;
+        w.u16(self.reply_port)?;
         w.u64(self.nonce)
     }
 }

@@ -846,7 +846,7 @@ impl Net {
     /// Why `conn` on endpoint `i` ended, if it did.
     pub fn lost(&self, i: usize, conn: ConnectionHandle) -> Option<ConnectionError> {
         self.events[i].iter().find_map(|e| match e {
-            Event::ConnectionLost { conn: c, reason } if *c == conn => Some(*reason),
+            Event::ConnectionLost { conn: c, reason } if *c == conn => Some(reason.clone()),
             _ => None,
         })
     }
@@ -1902,7 +1902,9 @@ impl Workload {
                     }
                     check_error_pattern(side, &statuses, &expected, WcStatus::RetryExceeded)?;
                 }
-                Some(r @ (ConnectionError::LocallyClosed | ConnectionError::ClosedByPeer)) => {
+                Some(
+                    r @ (ConnectionError::LocallyClosed | ConnectionError::ClosedByPeer { .. }),
+                ) => {
                     let by = if r == ConnectionError::LocallyClosed {
                         side
                     } else {
