@@ -90,9 +90,15 @@ pub struct TransportConfig {
     pub handshake_attempts: u32,
     /// Retransmission timeouts in a row without any acknowledged progress after which a
     /// path is retired; when every path is retired the connection fails and its operations
-    /// complete with `RetryExceeded` (IBA `retry_cnt`, but per path). With exponential
-    /// back-off from `min_rto` capped at `max_rto`, the default 12 gives a dead network
-    /// about 3 s before the connection fails. Default 12.
+    /// complete with `RetryExceeded` (IBA `retry_cnt`, but per path). Each path backs off
+    /// exponentially from its own RTO (SRTT + 4 RTTVAR, at least `min_rto`) up to
+    /// `max_rto`; the sum over 12 timeouts from a 1 ms RTO is about 3 s, but paths that
+    /// re-roll (`path_reroll_timeouts`) and probe, tail-loss probes, and RTOs above
+    /// `min_rto` stretch it: measured, a connection with operations outstanding fails
+    /// about 4.5 s after the network dies in the in-memory harness (tests/liveness.rs) and
+    /// 5.8–7.3 s over loopback UDP (issue #10). `idle_timeout` (default 10 s) bounds it in
+    /// every case: a connection that hears nothing for that long fails with
+    /// `IdleTimeout`, outstanding operations or not. Default 12.
     pub retry_count: u32,
     /// Timeouts in a row without progress after which a path moves to a new UDP source
     /// port (new ECMP entropy) that no other path of the connection uses, and probes it

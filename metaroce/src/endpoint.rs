@@ -41,6 +41,17 @@ pub enum PostError {
     /// The connection is closing ([`Endpoint::close_with`]): operations already posted
     /// drain, new ones are refused.
     Closing,
+    /// The stream was finished by this side ([`Endpoint::finish_stream`]): no more SENDs.
+    StreamFinished {
+        /// Stream id.
+        stream: u32,
+    },
+    /// The stream was reset by this side ([`Endpoint::reset_stream`]) or stopped by the
+    /// peer ([`Event::StreamStopped`]): no more SENDs.
+    StreamReset {
+        /// Stream id.
+        stream: u32,
+    },
     /// A close reason longer than [`MAX_CLOSE_REASON`] bytes.
     ReasonTooLong {
         /// Given length in bytes.
@@ -67,6 +78,12 @@ impl fmt::Display for PostError {
             PostError::InvalidConfig(s) => write!(f, "invalid configuration: {s}"),
             PostError::TooManyConnections => f.write_str("too many connections (max_connections)"),
             PostError::Closing => f.write_str("connection is closing"),
+            PostError::StreamFinished { stream } => {
+                write!(f, "stream {stream} was finished: no more sends")
+            }
+            PostError::StreamReset { stream } => {
+                write!(f, "stream {stream} was reset or stopped: no more sends")
+            }
             PostError::ReasonTooLong { len, max } => {
                 write!(f, "close reason of {len} bytes exceeds {max} bytes")
             }
@@ -487,9 +504,132 @@ impl Endpoint {
         data: Bytes,
     ) -> Result<(), PostError> {
         let c = self.conn_for_post(conn, data.len() as u64)?;
+        match c.sq.stream_end(stream) {
+            Some(crate::conn::send::StreamEnd::Finished) => {
+                return Err(PostError::StreamFinished { stream })
+            }
+            Some(crate::conn::send::StreamEnd::Reset) => {
+                return Err(PostError::StreamReset { stream })
+            }
+            None => {}
+        }
         c.post_send(wr_id, stream, data);
         self.touched(conn.0);
         Ok(())
+    }
+
+    /// Finish `stream` (like a QUIC stream FIN or TCP half-close): after every SEND posted
+    /// on it so far, the peer reports [`Event::StreamFinished`] — once, after the stream's
+    /// last [`Event::Message`] / [`Event::RecvCompletion`]. The FIN is a payload-less
+    /// `MR_SEND` (docs/PROTOCOL.md, "Ending a stream"), delivered reliably; it reports no
+    /// completion. Later [`post_send`](Self::post_send)s on the stream fail with
+    /// [`PostError::StreamFinished`]. Finishing a stream never used sends a FIN with a
+    /// message count of 0.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
+    /// [`PostError::Closing`]; [`PostError::StreamFinished`] /
+    /// [`PostError::StreamReset`] if the stream was already finished or reset.
+    pub fn finish_stream(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+    ) -> Result<(), PostError> {
+        let c = self.conn_for_stream(conn)?;
+        match c.sq.stream_end(stream) {
+            Some(crate::conn::send::StreamEnd::Finished) => {
+                return Err(PostError::StreamFinished { stream })
+            }
+            Some(crate::conn::send::StreamEnd::Reset) => {
+                return Err(PostError::StreamReset { stream })
+            }
+            None => {}
+        }
+        c.sq.finish_stream(stream);
+        self.touched(conn.0);
+        Ok(())
+    }
+
+    /// Reset `stream` with an application `code` (like QUIC RESET_STREAM): every SEND on
+    /// it not yet completed completes with [`WcStatus::WrFlushError`] (reported by the next
+    /// [`poll_event`](Self::poll_event)), and the peer, once it has delivered the messages
+    /// before the first of them, reports [`Event::StreamReset`] with `code` (its receives
+    /// still posted on the stream are flushed). Later posts on the stream fail with
+    /// [`PostError::StreamReset`]. Resetting a stream again does nothing; resetting a
+    /// finished stream whose FIN is still in flight resets it.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
+    /// [`PostError::Closing`].
+    pub fn reset_stream(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+        code: u32,
+    ) -> Result<(), PostError> {
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return Err(PostError::NotConnected);
+        }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
+        c.sq.reset_stream(stream, code);
+        c.report(&mut self.events);
+        self.touched(conn.0);
+        Ok(())
+    }
+
+    /// Ask the peer to stop sending on `stream` with an application `code` (like QUIC
+    /// STOP_SENDING), as its receiver: the peer reports [`Event::StreamStopped`] with
+    /// `code`, flushes its pending SENDs on the stream and resets it with the same code, so
+    /// this side then reports [`Event::StreamReset`] after the messages delivered before
+    /// the reset point. Messages that arrive meanwhile are still delivered. Only the first
+    /// call per stream sends anything; a peer that never sent on the stream ignores it.
+    ///
+    /// # Errors
+    /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
+    /// [`PostError::Closing`].
+    pub fn stop_stream(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+        code: u32,
+    ) -> Result<(), PostError> {
+        let c = self.conn_for_stream(conn)?;
+        c.sq.stop_stream(stream, code);
+        self.touched(conn.0);
+        Ok(())
+    }
+
+    /// Bytes of SENDs posted on `stream` that have not completed yet (sent and not yet
+    /// acknowledged, or not yet sent): what a driver's `poll_ready` compares with its
+    /// send-buffer limit. It drops as [`Event::Completion`]s of the stream's SENDs are
+    /// reported. 0 for unknown connections and streams.
+    pub fn stream_send_pending(&self, conn: ConnectionHandle, stream: u32) -> u64 {
+        self.conns
+            .get(&conn.0)
+            .map_or(0, |c| c.sq.stream_pending(stream))
+    }
+
+    fn conn_for_stream(&mut self, conn: ConnectionHandle) -> Result<&mut Connection, PostError> {
+        let c = self
+            .conns
+            .get_mut(&conn.0)
+            .ok_or(PostError::UnknownConnection)?;
+        if c.state != State::Established {
+            return Err(PostError::NotConnected);
+        }
+        if c.closing.is_some() {
+            return Err(PostError::Closing);
+        }
+        Ok(c)
     }
 
     /// Post an RDMA WRITE (or WRITE with immediate). Each packet lands directly at its

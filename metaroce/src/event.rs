@@ -255,6 +255,43 @@ pub enum Event {
         /// Bytes written.
         byte_len: u32,
     },
+    /// The peer finished `stream` ([`Endpoint::finish_stream`](crate::Endpoint::finish_stream)):
+    /// reported once, after the stream's last [`Event::Message`] / [`Event::RecvCompletion`].
+    /// No further message arrives on the stream.
+    StreamFinished {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+    },
+    /// The peer reset `stream` with `code`
+    /// ([`Endpoint::reset_stream`](crate::Endpoint::reset_stream), or in answer to this
+    /// side's [`Endpoint::stop_stream`](crate::Endpoint::stop_stream)), or gave up on it after
+    /// a SEND failed with `RnrRetryExceeded` (code [`STREAM_CODE_RNR`](crate::STREAM_CODE_RNR)).
+    /// Reported once, after the messages delivered before the reset point; receives still
+    /// posted on the stream were completed with `WrFlushError` just before. No further
+    /// message arrives on the stream.
+    StreamReset {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The peer's code.
+        code: u32,
+    },
+    /// The peer, receiving on `stream`, asked this side to stop sending on it
+    /// ([`Endpoint::stop_stream`](crate::Endpoint::stop_stream)) with `code`: the stream was
+    /// reset with that code (its SENDs not yet completed were completed with
+    /// `WrFlushError` before this event; later posts on it are refused with
+    /// [`PostError::StreamReset`](crate::PostError::StreamReset)). Reported once.
+    StreamStopped {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The peer's code.
+        code: u32,
+    },
     /// A work completion or error of an RC queue pair (RoCEv2 mode, [`Endpoint::rc`](crate::Endpoint::rc)).
     Rc(crate::rocev2::RcEvent),
 }

@@ -65,6 +65,7 @@ pub mod transmit;
 pub mod wire;
 
 pub use config::{CongestionAlgorithm, CongestionConfig, EndpointConfig, TransportConfig};
+pub use conn::send::STREAM_CODE_RNR;
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{

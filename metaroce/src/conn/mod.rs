@@ -104,6 +104,12 @@ pub(crate) struct Connection {
     pub handle: ConnectionHandle,
     /// Set by a graceful close.
     pub closing: Option<Closing>,
+    /// When the last keepalive was queued (`keepalive_interval`).
+    last_keepalive: Option<Instant>,
+    /// A keepalive is due to be sent.
+    keepalive_pending: bool,
+    /// The path the next keepalive goes out on.
+    next_keepalive_path: usize,
     pub state: State,
     pub peer: SocketAddr,
     pub peer_qpn: u32,
@@ -256,6 +262,9 @@ impl Connection {
         Self {
             handle,
             closing: None,
+            last_keepalive: None,
+            keepalive_pending: false,
+            next_keepalive_path: 0,
             state: State::Connecting,
             peer,
             peer_qpn: 0,
@@ -436,6 +445,14 @@ impl Connection {
             self.local_ip = local_ip;
         }
         match &pkt.headers {
+            Headers::Ack(a) if a.flags & AckEth::FLAG_KEEPALIVE != 0 => {
+                // A keepalive: answer with an ACK of that path echoing its timestamp (an
+                // honest RTT sample for the peer). Nothing else moves.
+                if let Some(rx) = self.rx.get_mut(a.path_id as usize) {
+                    rx.echo_ts = a.echo_ts;
+                    rx.ack_pending = true;
+                }
+            }
             Headers::Ack(a) => self.on_ack(now, pkt.bth.psn, a, events),
             Headers::Send { path, send } => {
                 self.on_data(ecn, pkt, path, Data::Send(send), mrs, events)
@@ -557,10 +574,30 @@ impl Connection {
             }
             RxClass::New => {}
         }
+        let ctrl = path.flags & (send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN);
         let outcome = match data {
-            Data::Send(s) if path.flags & send::PATH_FLAG_STREAM_ABORT != 0 => self
-                .rq
-                .on_stream_abort(handle, s.stream_id, s.msg_seq, &lim, events),
+            Data::Send(s) if ctrl == send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN => {
+                // STOP: the peer, receiving on this stream, asks us to stop sending on it.
+                // Only for a stream we send on, and once: we reset it with the peer's code.
+                let known = self.sq.knows_stream(s.stream_id);
+                if known && self.sq.reset_stream(s.stream_id, s.offset) {
+                    events.push_back(Event::StreamStopped {
+                        conn: handle,
+                        stream: s.stream_id,
+                        code: s.offset,
+                    });
+                    self.drain_completions(events);
+                }
+                RxOutcome::Accepted
+            }
+            Data::Send(s) if ctrl == send::PATH_FLAG_STREAM_ABORT => {
+                self.rq
+                    .on_stream_abort(handle, s.stream_id, s.msg_seq, s.offset, &lim, events)
+            }
+            Data::Send(s) if ctrl == send::PATH_FLAG_STREAM_FIN => {
+                self.rq
+                    .on_stream_fin(handle, s.stream_id, s.msg_seq, &lim, events)
+            }
             Data::Send(s) => self.rq.on_send(handle, s, pkt.payload, &lim, mrs, events),
             Data::Write(_, w, _) if path.flags & send::PATH_FLAG_OP_ABORT != 0 => {
                 self.rq.on_op_abort(w.op_id, &lim)
@@ -901,6 +938,11 @@ impl Connection {
         self.rq.flush_receives(self.handle, events);
     }
 
+    /// Flush what `finish`/`reset` completed at once.
+    pub fn report(&mut self, events: &mut VecDeque<Event>) {
+        self.drain_completions(events);
+    }
+
     pub fn post_send(&mut self, wr_id: u64, stream: u32, data: bytes::Bytes) {
         self.sq.post_send(wr_id, stream, data);
     }
@@ -945,11 +987,12 @@ impl Connection {
         if self.sq.completion_ready() || self.rq.has_flushed() {
             consider(Some(self.last_heard));
         }
-        // The idle timeout only applies with nothing pending (see handle_timeout); offering
-        // its deadline otherwise would make the caller spin.
-        if let (Some(idle), State::Established) = (self.cfg.idle_timeout, self.state) {
-            if !self.sq.has_pending() {
+        if self.state == State::Established {
+            if let Some(idle) = self.cfg.idle_timeout {
                 consider(Some(self.last_heard + idle));
+            }
+            if let Some(k) = self.cfg.effective_keepalive() {
+                consider(Some(self.keepalive_base() + k));
             }
         }
         t
@@ -1003,13 +1046,29 @@ impl Connection {
             };
         }
         if let Some(idle) = self.cfg.idle_timeout {
-            if now >= self.last_heard + idle && !self.sq.has_pending() {
+            if now >= self.last_heard + idle {
+                tracing::debug!(conn = %self.handle, "idle timeout: nothing heard from the peer");
                 return Outcome {
                     lost: Some(ConnectionError::IdleTimeout),
                 };
             }
         }
+        if let Some(k) = self.cfg.effective_keepalive() {
+            if now >= self.keepalive_base() + k && !self.tx.is_empty() {
+                self.keepalive_pending = true;
+                self.last_keepalive = Some(now);
+            }
+        }
         Outcome::default()
+    }
+
+    /// What the keepalive interval counts from: the last packet heard, or the last
+    /// keepalive sent since.
+    fn keepalive_base(&self) -> Instant {
+        match self.last_keepalive {
+            Some(k) if k > self.last_heard => k,
+            _ => self.last_heard,
+        }
     }
 
     // ---- transmit ----
@@ -1146,7 +1205,30 @@ impl Connection {
             return Some(self.transmit(port, None, n, None));
         }
         let ts = ts32(self.epoch, now);
-        // 2. NAKs.
+        // 2. Keepalive: an MR_ACK with the keepalive flag, on the next usable path in turn.
+        if self.keepalive_pending {
+            self.keepalive_pending = false;
+            let n = self.tx.len();
+            let pick = (0..n)
+                .map(|k| (self.next_keepalive_path + k) % n)
+                .find(|&i| self.tx[i].state != PathState::Failed);
+            if let Some(i) = pick {
+                self.next_keepalive_path = (i + 1) % n;
+                let port = self.tx[i].src_port;
+                let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, 0);
+                let hdrs = Headers::Ack(AckEth {
+                    path_id: i as u8,
+                    flags: AckEth::FLAG_KEEPALIVE,
+                    echo_ts: ts,
+                    ce_count: 0,
+                    rate_hint: 0,
+                    sack: [0; 32],
+                });
+                let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+                return Some(self.transmit(port, None, n, None));
+            }
+        }
+        // 3. NAKs.
         if let Some(nak) = self.naks.pop_front() {
             let (gen, plane) = self
                 .rx
@@ -1359,21 +1441,20 @@ impl Connection {
                         Src::Bytes(bytes::Bytes::new()),
                     )
                 }
-                OpKind::StreamAbort { stream, msg_seq } => (
-                    Opcode::MR_SEND,
-                    Headers::Send {
-                        path: PathEth {
-                            flags: path.flags | send::PATH_FLAG_STREAM_ABORT,
-                            ..path
-                        },
-                        send: SendEth {
-                            stream_id: *stream,
-                            msg_seq: *msg_seq,
-                            offset: 0,
-                            msg_len: 0,
-                        },
-                    },
-                    Src::Bytes(bytes::Bytes::new()),
+                OpKind::StreamAbort {
+                    stream,
+                    msg_seq,
+                    code,
+                } => stream_ctrl(path, send::PATH_FLAG_STREAM_ABORT, *stream, *msg_seq, *code),
+                OpKind::StreamFin { stream, msg_seq } => {
+                    stream_ctrl(path, send::PATH_FLAG_STREAM_FIN, *stream, *msg_seq, 0)
+                }
+                OpKind::StreamStop { stream, code } => stream_ctrl(
+                    path,
+                    send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN,
+                    *stream,
+                    0,
+                    *code,
                 ),
                 OpKind::OpAbort { wire_id } => (
                     Opcode::MR_WRITE,
@@ -1495,6 +1576,33 @@ impl Connection {
 enum Src {
     Bytes(bytes::Bytes),
     Mr(u32, u64),
+}
+
+/// A payload-less stream control packet (abort/reset, FIN, STOP): an `MR_SEND` with
+/// `flag` in PathEth, SendEth = (stream, msg_seq, offset = code, length 0).
+fn stream_ctrl(
+    path: PathEth,
+    flag: u8,
+    stream: u32,
+    msg_seq: u32,
+    code: u32,
+) -> (Opcode, Headers, Src) {
+    (
+        Opcode::MR_SEND,
+        Headers::Send {
+            path: PathEth {
+                flags: path.flags | flag,
+                ..path
+            },
+            send: SendEth {
+                stream_id: stream,
+                msg_seq,
+                offset: code,
+                msg_len: 0,
+            },
+        },
+        Src::Bytes(bytes::Bytes::new()),
+    )
 }
 
 fn response_outcome(out: send::RespOutcome) -> RxOutcome {

@@ -90,6 +90,12 @@ struct StreamRx {
     /// `MAX_LEN_ERRORS`): every later packet of one is refused again, so a re-sent packet
     /// (its NAK lost or overtaken) is not acknowledged as a duplicate.
     len_errors: VecDeque<u32>,
+    /// The sender finished the stream after this many messages (its FIN).
+    fin_at: Option<u32>,
+    /// The stream's end (`Event::StreamFinished` or `Event::StreamReset`) was reported.
+    end_reported: bool,
+    /// The code of the stream abort that killed the stream.
+    reset_code: u32,
 }
 
 /// Length-errored messages remembered per stream.
@@ -301,6 +307,7 @@ impl RecvState {
         conn: ConnectionHandle,
         stream: u32,
         first: u32,
+        code: u32,
         lim: &RecvLimits,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
@@ -313,12 +320,17 @@ impl RecvState {
         } else {
             first
         };
+        if st.end_reported {
+            // Already ended (finished or reset) and reported: late or duplicate.
+            return RxOutcome::Accepted;
+        }
         match st.dead_from {
             Some(d) if !seq_before(from, d) => return RxOutcome::Accepted,
             None => self.stats.dead_streams += 1,
             Some(_) => {}
         }
         st.dead_from = Some(from);
+        st.reset_code = code;
         let dead: Vec<u32> = st
             .msgs
             .keys()
@@ -333,6 +345,31 @@ impl RecvState {
         let before = st.refused.len();
         st.refused.retain(|&m| seq_before(m, from));
         self.buf.refused -= before - st.refused.len();
+        Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
+        RxOutcome::Accepted
+    }
+
+    /// The sender finished `stream` after `count` messages (an `MR_SEND` with the FIN
+    /// flag). Once delivery reaches message `count`, `Event::StreamFinished` is reported
+    /// (once). The first FIN counts: a duplicate, a different later one, or one naming a
+    /// count below the messages already delivered (impossible from an honest sender) is
+    /// ignored; so is a FIN of a stream that was reset. Always acknowledged.
+    pub fn on_stream_fin(
+        &mut self,
+        conn: ConnectionHandle,
+        stream: u32,
+        count: u32,
+        lim: &RecvLimits,
+        events: &mut VecDeque<Event>,
+    ) -> RxOutcome {
+        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            return RxOutcome::Accepted;
+        }
+        let st = self.streams.entry(stream).or_default();
+        if st.fin_at.is_some() || st.dead_from.is_some() || seq_before(count, st.next_deliver) {
+            return RxOutcome::Accepted;
+        }
+        st.fin_at = Some(count);
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
     }
@@ -571,6 +608,21 @@ impl RecvState {
                         stream,
                         wc: flush_wc(r.wr_id),
                     });
+                }
+                if !st.end_reported {
+                    st.end_reported = true;
+                    events.push_back(Event::StreamReset {
+                        conn,
+                        stream,
+                        code: st.reset_code,
+                    });
+                }
+                break;
+            }
+            if st.fin_at == Some(st.next_deliver) {
+                if !st.end_reported {
+                    st.end_reported = true;
+                    events.push_back(Event::StreamFinished { conn, stream });
                 }
                 break;
             }

@@ -17,10 +17,27 @@ use std::time::{Duration, Instant};
 /// length 0). See docs/PROTOCOL.md, "Errors on a stream".
 pub(crate) const PATH_FLAG_STREAM_ABORT: u8 = crate::wire::PathEth::FLAG_STREAM_ABORT;
 
+/// PathEth flags bit 2 on an `MR_SEND`: stream FIN (alone), or with bit 1 STOP. See
+/// docs/PROTOCOL.md, "Ending a stream".
+pub(crate) const PATH_FLAG_STREAM_FIN: u8 = crate::wire::PathEth::FLAG_STREAM_FIN;
+
 /// PathEth flags bit 1 on an `MR_WRITE`: op abort. The packet carries no payload; its
 /// WriteEth names the op id of a WRITE the requester gave up on (see docs/PROTOCOL.md,
 /// "Errors of one operation").
 pub(crate) const PATH_FLAG_OP_ABORT: u8 = crate::wire::PathEth::FLAG_OP_ABORT;
+
+/// The code a stream abort carries when the sender gave up on the stream because a SEND
+/// failed with `RnrRetryExceeded` (not an application reset).
+pub const STREAM_CODE_RNR: u32 = u32::MAX;
+
+/// How the sending side ended a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamEnd {
+    /// `finish_stream`: a FIN follows the last message.
+    Finished,
+    /// `reset_stream` (or a STOP from the peer).
+    Reset,
+}
 
 /// An atomic operation (IBA 9.4.5): compare-and-swap or fetch-and-add on 8 bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +92,18 @@ pub(crate) enum OpKind {
     AtomicResponse { req_id: u32, orig: u64 },
     /// Requester: tell the peer that `stream` is dead from message `msg_seq` on (a SEND
     /// failed with `RnrRetryExceeded`): an `MR_SEND` with the stream-abort flag, no payload.
-    StreamAbort { stream: u32, msg_seq: u32 },
+    /// `code`: the application's reset code, or [`STREAM_CODE_RNR`] for an RNR failure.
+    StreamAbort {
+        stream: u32,
+        msg_seq: u32,
+        code: u32,
+    },
+    /// Requester: the stream ends after message `msg_seq - 1` (`msg_seq` messages in
+    /// all): an `MR_SEND` with the stream-FIN flag, no payload.
+    StreamFin { stream: u32, msg_seq: u32 },
+    /// Receiver of a stream: ask the peer to stop sending on `stream` (`code` from the
+    /// application): an `MR_SEND` with the stream-abort and stream-FIN flags, no payload.
+    StreamStop { stream: u32, code: u32 },
     /// Requester: tell the peer that the WRITE with op id `wire_id` will send no more
     /// packets (it failed locally, e.g. its source region was deregistered), so the peer
     /// counts the op id as finished: an `MR_WRITE` with the op-abort flag, no payload.
@@ -85,7 +113,14 @@ pub(crate) enum OpKind {
 impl OpKind {
     /// Queued by the connection itself: sent and acknowledged like data, no completion.
     fn is_internal(&self) -> bool {
-        self.is_response() || matches!(self, OpKind::StreamAbort { .. } | OpKind::OpAbort { .. })
+        self.is_response()
+            || matches!(
+                self,
+                OpKind::StreamAbort { .. }
+                    | OpKind::OpAbort { .. }
+                    | OpKind::StreamFin { .. }
+                    | OpKind::StreamStop { .. }
+            )
     }
 
     /// A response to the peer's READ or atomic (counts against responder resources).
@@ -138,6 +173,8 @@ impl Op {
             | OpKind::ReadResponse { .. }
             | OpKind::AtomicResponse { .. }
             | OpKind::StreamAbort { .. }
+            | OpKind::StreamFin { .. }
+            | OpKind::StreamStop { .. }
             | OpKind::OpAbort { .. } => WcOpcode::Send,
             OpKind::Write { imm: None, .. } => WcOpcode::RdmaWrite,
             OpKind::Write { imm: Some(_), .. } => WcOpcode::RdmaWriteWithImm,
@@ -229,6 +266,12 @@ pub(crate) struct SendQueue {
     /// base response timeout, when the wait was armed).
     resp_wait: VecDeque<(Instant, SegRef, Duration, Instant)>,
     stream_seq: HashMap<u32, u32>,
+    /// Streams this side finished or reset as their sender.
+    ended_streams: HashMap<u32, StreamEnd>,
+    /// Streams this side asked the peer to stop sending on.
+    stopped_streams: std::collections::HashSet<u32>,
+    /// Bytes of SENDs posted per stream and not yet completed (entries removed at 0).
+    stream_bytes: HashMap<u32, u64>,
     /// Streams in the error state: a SEND on it failed with `RnrRetryExceeded`; the value
     /// is the first message sequence number the stream lost. SENDs posted later on such a
     /// stream complete with `WrFlushError` without being sent.
@@ -286,6 +329,9 @@ impl SendQueue {
     }
 
     fn push(&mut self, wr_id: u64, kind: OpKind, len: u32) {
+        if let OpKind::Send { stream, .. } = kind {
+            *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
+        }
         let data_segs = len.div_ceil(self.pmtu).max(1);
         let (nsegs, resp) = match kind {
             OpKind::Read { .. } => (
@@ -499,6 +545,8 @@ impl SendQueue {
             | OpKind::Atomic { .. }
             | OpKind::AtomicResponse { .. }
             | OpKind::StreamAbort { .. }
+            | OpKind::StreamFin { .. }
+            | OpKind::StreamStop { .. }
             | OpKind::OpAbort { .. } => (0, 0),
             _ => seg_span(o.len, self.pmtu, s.seg),
         })
@@ -517,8 +565,20 @@ impl SendQueue {
             op.kind.is_internal(),
             op.kind.is_response(),
         );
+        let send_stream = match op.kind {
+            OpKind::Send { stream, .. } => Some((stream, op.len as u64)),
+            _ => None,
+        };
         if let OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } = op.kind {
             self.rd_ops.remove(&wire_id);
+        }
+        if let Some((stream, len)) = send_stream {
+            if let Some(b) = self.stream_bytes.get_mut(&stream) {
+                *b = b.saturating_sub(len);
+                if *b == 0 {
+                    self.stream_bytes.remove(&stream);
+                }
+            }
         }
         if rd && started {
             self.rd_outstanding -= 1;
@@ -831,8 +891,98 @@ impl SendQueue {
         let first = self.dead_streams.entry(stream).or_insert(msg_seq);
         if msg_seq.wrapping_sub(*first) as i32 <= 0 {
             *first = msg_seq;
-            self.push(0, OpKind::StreamAbort { stream, msg_seq }, 0);
+            self.push(
+                0,
+                OpKind::StreamAbort {
+                    stream,
+                    msg_seq,
+                    code: STREAM_CODE_RNR,
+                },
+                0,
+            );
         }
+    }
+
+    /// How this side ended `stream` as its sender, if it did.
+    pub fn stream_end(&self, stream: u32) -> Option<StreamEnd> {
+        self.ended_streams.get(&stream).copied()
+    }
+
+    /// Whether this side has sent (or posted) SENDs on `stream`.
+    pub fn knows_stream(&self, stream: u32) -> bool {
+        self.stream_seq.contains_key(&stream)
+    }
+
+    /// Bytes of SENDs posted on `stream` and not yet completed.
+    pub fn stream_pending(&self, stream: u32) -> u64 {
+        self.stream_bytes.get(&stream).copied().unwrap_or(0)
+    }
+
+    /// End `stream` after every SEND posted on it so far (a FIN the peer reports after
+    /// the stream's last message). `false` if the stream was already finished or reset.
+    pub fn finish_stream(&mut self, stream: u32) -> bool {
+        if self.ended_streams.contains_key(&stream) {
+            return false;
+        }
+        let msg_seq = self.stream_seq.get(&stream).copied().unwrap_or(0);
+        self.ended_streams.insert(stream, StreamEnd::Finished);
+        self.push(0, OpKind::StreamFin { stream, msg_seq }, 0);
+        true
+    }
+
+    /// Reset `stream` with `code`: every SEND on it not yet completed completes with
+    /// `WrFlushError` (also one acknowledged behind an unacknowledged one: the receiver
+    /// drops the stream from the first unacknowledged message on), and a stream abort
+    /// carrying `code` tells the receiver. Idempotent: a stream already reset is left
+    /// alone (`false`).
+    pub fn reset_stream(&mut self, stream: u32, code: u32) -> bool {
+        if self.ended_streams.get(&stream) == Some(&StreamEnd::Reset) {
+            return false;
+        }
+        self.ended_streams.insert(stream, StreamEnd::Reset);
+        let mut first = None;
+        for i in 0..self.ops.len() {
+            let OpKind::Send {
+                stream: s, msg_seq, ..
+            } = self.ops[i].kind
+            else {
+                continue;
+            };
+            if s != stream {
+                continue;
+            }
+            if first.is_none() && self.ops[i].status.is_none() {
+                first = Some(msg_seq);
+            }
+            if first.is_some() {
+                if self.ops[i].status.is_none() {
+                    self.finish(self.base_id + i as u64, WcStatus::WrFlushError);
+                } else {
+                    self.ops[i].status = Some(WcStatus::WrFlushError);
+                }
+            }
+        }
+        let msg_seq = first.unwrap_or_else(|| self.stream_seq.get(&stream).copied().unwrap_or(0));
+        self.dead_streams.entry(stream).or_insert(msg_seq);
+        self.push(
+            0,
+            OpKind::StreamAbort {
+                stream,
+                msg_seq,
+                code,
+            },
+            0,
+        );
+        true
+    }
+
+    /// Ask the peer to stop sending on `stream` with `code` (once per stream).
+    pub fn stop_stream(&mut self, stream: u32, code: u32) -> bool {
+        if !self.stopped_streams.insert(stream) {
+            return false;
+        }
+        self.push(0, OpKind::StreamStop { stream, code }, 0);
+        true
     }
 
     /// Fail one operation (NAK from the responder, or a local error).

@@ -15,7 +15,7 @@ use super::{Aeth, Error, PSN_MASK};
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | path id (8 bits) |
-/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] on `MR_SEND`, [`PathEth::FLAG_OP_ABORT`] on `MR_WRITE`, else 0; bits 3:2 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
+/// | 1 | flags (8 bits): bit 0 = [`PathEth::FLAG_RETRANSMIT`]; bit 1 = [`PathEth::FLAG_STREAM_ABORT`] on `MR_SEND`, [`PathEth::FLAG_OP_ABORT`] on `MR_WRITE`, else 0; bit 2 = [`PathEth::FLAG_STREAM_FIN`] on `MR_SEND` (with bit 1: STOP), else 0; bit 3 = 0; bits 7:4 = the path's re-roll generation ([`PathEth::generation`]) |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | transmit timestamp, ns of the sender's clock modulo 2^32 |
 /// | 8 | plane (bits 2:0, see [`PathEth::plane`]); bits 7:3 reserved, 0 |
@@ -55,6 +55,11 @@ impl PathEth {
     /// RETH all 0). See docs/PROTOCOL.md, "Errors of one operation". The same bit as
     /// [`PathEth::FLAG_STREAM_ABORT`]: its meaning depends on the opcode.
     pub const FLAG_OP_ABORT: u8 = 0x02;
+    /// Flag bit 2, on `MR_SEND` only: stream FIN — the stream ends after `msg_seq`
+    /// messages (SendEth: stream, message count, offset 0, length 0, no payload). With
+    /// bit 1 also set: STOP — the receiver of the stream asks its sender to stop, SendEth
+    /// offset = the application's code. See docs/PROTOCOL.md, "Ending a stream".
+    pub const FLAG_STREAM_FIN: u8 = 0x04;
     /// Flags bits 7:4 carry the path's re-roll generation (0..=15, modulo 16): it counts
     /// the times the sender moved this path to a new UDP source port, and the receiver
     /// sends its ACKs and NAKs for the path from a port that moves with it.
@@ -192,7 +197,7 @@ impl WriteEth {
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | path id (8 bits) |
-/// | 1 | flags (8 bits): bit 0 = [`AckEth::FLAG_ECE`] |
+/// | 1 | flags (8 bits): bit 0 = [`AckEth::FLAG_ECE`]; bit 1 = [`AckEth::FLAG_KEEPALIVE`] |
 /// | 2–3 | reserved, 0 |
 /// | 4–7 | echoed timestamp (the [`PathEth::timestamp`] of the newest packet that triggered this ACK) |
 /// | 8–11 | CE count: cumulative number of CE-marked packets received on this path |
@@ -202,7 +207,8 @@ impl WriteEth {
 pub struct AckEth {
     /// Path index (8 bits) whose PSN space this ACK refers to.
     pub path_id: u8,
-    /// Flag bits (8 bits); only [`AckEth::FLAG_ECE`] is defined. Carried verbatim.
+    /// Flag bits (8 bits): [`AckEth::FLAG_ECE`], [`AckEth::FLAG_KEEPALIVE`]. Carried
+    /// verbatim.
     pub flags: u8,
     /// Echoed transmit timestamp (32 bits, ns modulo 2^32, sender's clock).
     pub echo_ts: u32,
@@ -220,6 +226,12 @@ impl AckEth {
     pub const LEN: usize = 48;
     /// Flag bit 0 (ECE): a CE mark was seen on this path since the previous ACK.
     pub const FLAG_ECE: u8 = 0x01;
+    /// Flag bit 1: keepalive. The packet is not an acknowledgement: it asks the peer to
+    /// send at once an ACK of path `path_id` (the receiver's PSN space of the sender's path
+    /// `path_id`) that echoes this packet's `echo_ts` (the sender's transmit timestamp
+    /// here). BTH.PSN, CE count, rate hint and SACK are 0 and ignored. See
+    /// docs/PROTOCOL.md, "Keepalive".
+    pub const FLAG_KEEPALIVE: u8 = 0x02;
     /// Number of PSNs the SACK bitmap covers beyond the cumulative PSN (256).
     pub const SACK_BITS: usize = 256;
 

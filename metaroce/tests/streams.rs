@@ -1,0 +1,174 @@
+//! Streams with an end: FIN, reset with a code, stop-sending (issue #10, item 3).
+
+mod common;
+
+use bytes::Bytes;
+use common::{Impair, Pair};
+use metaroce::{Event, PostError, WcStatus};
+use std::time::Duration;
+
+/// Run the pair for `d` more virtual time (`run_until` counts from the start, and an idle
+/// pair jumps to its next timer, a keepalive seconds away).
+fn run_for(p: &mut Pair, d: Duration) {
+    let end = p.now - p.start + d;
+    p.run_until(end, |_| false);
+}
+
+/// Events of `side` on `stream`, as short strings, in order.
+fn trace(p: &Pair, side: usize, stream: u32) -> Vec<String> {
+    p.events[side]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message {
+                stream: s, data, ..
+            } if *s == stream => Some(format!("msg {}", data.len())),
+            Event::StreamFinished { stream: s, .. } if *s == stream => Some("fin".into()),
+            Event::StreamReset {
+                stream: s, code, ..
+            } if *s == stream => Some(format!("reset {code}")),
+            Event::StreamStopped {
+                stream: s, code, ..
+            } if *s == stream => Some(format!("stopped {code}")),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn finish_is_reported_after_the_last_message_under_reordering_and_duplication() {
+    let mut p = Pair::new(
+        21,
+        Impair {
+            reorder: 0.3,
+            dup: 0.2,
+            loss: 0.05,
+            ..Impair::default()
+        },
+    );
+    let (a, _b) = p.connect();
+    for i in 0..10u64 {
+        p.eps[0]
+            .post_send(a, 5, i, Bytes::from(vec![i as u8; 3000 + i as usize]))
+            .unwrap();
+    }
+    p.eps[0].finish_stream(p.now, a, 5).unwrap();
+    assert_eq!(
+        p.eps[0].post_send(a, 5, 99, Bytes::from_static(b"late")),
+        Err(PostError::StreamFinished { stream: 5 })
+    );
+    assert_eq!(
+        p.eps[0].finish_stream(p.now, a, 5),
+        Err(PostError::StreamFinished { stream: 5 })
+    );
+    run_for(&mut p, Duration::from_secs(5));
+    let mut want: Vec<String> = (0..10).map(|i| format!("msg {}", 3000 + i)).collect();
+    want.push("fin".into());
+    assert_eq!(trace(&p, 1, 5), want);
+    // Other streams are unaffected.
+    p.eps[0]
+        .post_send(a, 6, 1, Bytes::from_static(b"x"))
+        .unwrap();
+    run_for(&mut p, Duration::from_secs(6));
+    assert_eq!(trace(&p, 1, 6), vec!["msg 1"]);
+}
+
+#[test]
+fn finish_of_an_unused_stream() {
+    let mut p = Pair::new(22, Impair::default());
+    let (a, _b) = p.connect();
+    p.eps[0].finish_stream(p.now, a, 9).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(trace(&p, 1, 9), vec!["fin"]);
+}
+
+#[test]
+fn reset_flushes_unsent_sends_and_the_peer_sees_the_code() {
+    let mut p = Pair::new(23, Impair::default());
+    let (a, _b) = p.connect();
+    p.eps[0]
+        .post_send(a, 2, 1, Bytes::from(vec![1; 1000]))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    // Messages posted after the first was delivered, then the reset before they go out.
+    for i in 2..6u64 {
+        p.eps[0]
+            .post_send(a, 2, i, Bytes::from(vec![1; 100_000]))
+            .unwrap();
+    }
+    p.eps[0].reset_stream(p.now, a, 2, 77).unwrap();
+    assert_eq!(
+        p.eps[0].post_send(a, 2, 9, Bytes::from_static(b"x")),
+        Err(PostError::StreamReset { stream: 2 })
+    );
+    run_for(&mut p, Duration::from_secs(2));
+    let st: Vec<(u64, WcStatus)> = p.events[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { wc, .. } => Some((wc.wr_id, wc.status)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(st[0], (1, WcStatus::Success));
+    assert!(
+        st[1..].iter().all(|&(_, s)| s == WcStatus::WrFlushError),
+        "{st:?}"
+    );
+    assert_eq!(st.len(), 5);
+    assert_eq!(trace(&p, 1, 2), vec!["msg 1000", "reset 77"]);
+    // A second reset is idempotent: nothing more at the peer.
+    p.eps[0].reset_stream(p.now, a, 2, 78).unwrap();
+    run_for(&mut p, Duration::from_secs(3));
+    assert_eq!(trace(&p, 1, 2), vec!["msg 1000", "reset 77"]);
+}
+
+#[test]
+fn stop_makes_the_sender_flush_and_reset() {
+    let mut p = Pair::new(24, Impair::default());
+    let (a, b) = p.connect();
+    p.eps[0]
+        .post_send(a, 4, 1, Bytes::from(vec![1; 10]))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    // The receiver asks the sender to stop; meanwhile the sender posts more.
+    p.eps[1].stop_stream(p.now, b, 4, 13).unwrap();
+    p.eps[1].stop_stream(p.now, b, 4, 14).unwrap(); // only the first counts
+    p.impair.blackhole = true; // hold the sender's data back until the STOP lands
+    p.eps[0]
+        .post_send(a, 4, 2, Bytes::from(vec![2; 50_000]))
+        .unwrap();
+    p.flush();
+    p.impair.blackhole = false;
+    run_for(&mut p, Duration::from_secs(3));
+    assert_eq!(trace(&p, 0, 4), vec!["stopped 13"]);
+    let last = trace(&p, 1, 4);
+    assert_eq!(last.first().map(String::as_str), Some("msg 10"));
+    assert_eq!(last.last().map(String::as_str), Some("reset 13"));
+    assert_eq!(
+        p.eps[0].post_send(a, 4, 3, Bytes::from_static(b"x")),
+        Err(PostError::StreamReset { stream: 4 })
+    );
+    // A stop for a stream the peer never sent on is ignored there.
+    p.eps[1].stop_stream(p.now, b, 40, 1).unwrap();
+    run_for(&mut p, Duration::from_secs(4));
+    assert!(trace(&p, 0, 40).is_empty());
+}
+
+#[test]
+fn stream_send_pending_counts_unacknowledged_bytes() {
+    let mut p = Pair::new(25, Impair::default());
+    let (a, _b) = p.connect();
+    p.eps[0]
+        .post_send(a, 3, 1, Bytes::from(vec![0; 12_345]))
+        .unwrap();
+    p.eps[0]
+        .post_send(a, 3, 2, Bytes::from(vec![0; 55]))
+        .unwrap();
+    p.eps[0]
+        .post_send(a, 8, 3, Bytes::from(vec![0; 7]))
+        .unwrap();
+    assert_eq!(p.eps[0].stream_send_pending(a, 3), 12_400);
+    assert_eq!(p.eps[0].stream_send_pending(a, 8), 7);
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(p.eps[0].stream_send_pending(a, 3), 0);
+    assert_eq!(p.eps[0].stream_send_pending(a, 8), 0);
+}
