@@ -5,7 +5,7 @@ use crate::backend::RecvMeta;
 use crate::connection::ConnEntry;
 use crate::endpoint::{Shared, State, Waiter};
 use crate::error::Error;
-use crate::stream::StreamEntry;
+use crate::stream::{lock_rx, RxEnd, StreamEntry};
 use metaroce::{Event, Transmit, WcStatus};
 use std::future::poll_fn;
 use std::io::IoSliceMut;
@@ -229,27 +229,44 @@ fn dispatch(st: &mut State, shared: &Shared) {
                         let _ = tx.send(wc);
                     }
                     Some(Waiter::Stream(id)) => {
+                        let pending = st.core.stream_send_pending(conn, id);
                         if let Some(s) =
                             st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id))
                         {
                             let err =
                                 (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
-                            s.on_completion(err);
+                            s.on_completion(err, pending);
                         }
                     }
                     None => {}
                 }
             }
             Event::Message { conn, stream, data } => {
-                let Some(c) = st.conns.get_mut(&conn) else {
-                    continue;
-                };
-                let entry = c.streams.entry(stream).or_insert_with(|| {
-                    c.accept_queue.push_back(stream);
-                    c.signals.queued.notify_waiters();
-                    StreamEntry::new(true).0
-                });
-                entry.deliver(data);
+                if let Some(e) = stream_entry(st, conn, stream) {
+                    e.deliver(data);
+                }
+            }
+            Event::StreamFinished { conn, stream } => {
+                tracing::trace!(%conn, stream, "stream finished by the peer");
+                if let Some(e) = stream_entry(st, conn, stream) {
+                    lock_rx(&e.rx).end(RxEnd::Finished);
+                }
+            }
+            Event::StreamReset { conn, stream, code } => {
+                tracing::debug!(%conn, stream, code, "stream reset by the peer");
+                if let Some(e) = stream_entry(st, conn, stream) {
+                    lock_rx(&e.rx).end(RxEnd::Error(Error::StreamReset { stream, code }));
+                }
+            }
+            Event::StreamStopped { conn, stream, code } => {
+                tracing::debug!(%conn, stream, code, "stream stopped by the peer");
+                if let Some(e) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&stream))
+                {
+                    e.error = Some(Error::StreamStopped { stream, code });
+                    if let Some(w) = e.waker.take() {
+                        w.wake();
+                    }
+                }
             }
             Event::WriteWithImm {
                 conn,
@@ -268,4 +285,15 @@ fn dispatch(st: &mut State, shared: &Shared) {
     if freed {
         shared.sq_space.notify_waiters();
     }
+}
+
+/// The routing entry of `stream`, created (and announced to `accept_stream`) if the peer
+/// opened it; `None` if the connection is gone.
+fn stream_entry(st: &mut State, conn: metaroce::ConnectionHandle, stream: u32) -> Option<&mut StreamEntry> {
+    let c = st.conns.get_mut(&conn)?;
+    Some(c.streams.entry(stream).or_insert_with(|| {
+        c.accept_queue.push_back(stream);
+        c.signals.queued.notify_waiters();
+        StreamEntry::new(true).0
+    }))
 }

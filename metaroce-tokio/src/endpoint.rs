@@ -21,8 +21,10 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Configuration of an async [`Endpoint`].
 ///
-/// Liveness defaults: the core's `transport.idle_timeout` is set by [`Config::default`] to
-/// [`DEFAULT_IDLE_TIMEOUT`] (10 s). In a data centre an RTT is tens of microseconds and a
+/// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
+/// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
+/// closed, and a dead peer is reported within 10 s on every handle (pending operations
+/// fail, streams yield `ConnectionLost(IdleTimeout)`, `closed()` resolves). In a data centre an RTT is tens of microseconds and a
 /// retransmission timeout milliseconds, so ten seconds of silence on a connection that the
 /// peer keeps alive is not congestion but a dead peer, a dead host or a partitioned network;
 /// and ten seconds is long enough that a peer paused by a debugger or a long GC does not
@@ -50,6 +52,9 @@ pub struct Config {
     /// Most messages a [`MessageStream`](crate::MessageStream) sink has in flight (posted,
     /// not yet acknowledged) before `poll_ready` waits. Default 256.
     pub max_stream_in_flight: usize,
+    /// Bytes one [`MessageStream`](crate::MessageStream) sink has posted and not yet
+    /// acknowledged before `poll_ready` waits. Default 16 MiB.
+    pub stream_send_buffer: usize,
     /// Received bytes one stream buffers for its reader (messages delivered by the core
     /// and not yet taken by `poll_next`). Default 16 MiB.
     pub stream_receive_buffer: usize,
@@ -67,8 +72,10 @@ pub const REFUSED_BUSY: u32 = 2;
 
 impl Default for Config {
     fn default() -> Self {
+        let mut transport = TransportConfig::default();
+        transport.idle_timeout = Some(DEFAULT_IDLE_TIMEOUT);
         Self {
-            transport: TransportConfig::default(),
+            transport,
             seed: None,
             accept_incoming: true,
             max_pending_incoming: 1024,
@@ -76,6 +83,7 @@ impl Default for Config {
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
+            stream_send_buffer: 16 << 20,
             stream_receive_buffer: 16 << 20,
             connection_receive_buffer: 64 << 20,
         }
@@ -93,6 +101,7 @@ impl Config {
             ("max_pending_incoming", self.max_pending_incoming),
             ("max_connections", self.max_connections),
             ("max_stream_in_flight", self.max_stream_in_flight),
+            ("stream_send_buffer", self.stream_send_buffer),
             ("stream_receive_buffer", self.stream_receive_buffer),
             ("connection_receive_buffer", self.connection_receive_buffer),
         ] {

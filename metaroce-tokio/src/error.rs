@@ -87,9 +87,19 @@ pub enum Error {
     /// or reset: nothing more can be sent on it.
     #[error("stream {0} is closed for sending")]
     StreamClosed(u32),
-    /// The peer reset the stream (or asked this side to stop sending) with this code.
+    /// The peer reset the stream with this code (on its own, on drop, or in answer to
+    /// this side's `stop`).
     #[error("stream {stream} reset by the peer with code {code}")]
     StreamReset {
+        /// The stream id.
+        stream: u32,
+        /// The application error code the peer gave.
+        code: u32,
+    },
+    /// The peer's reader asked this side to stop sending on the stream with this code
+    /// (the stream was reset with it).
+    #[error("stream {stream} stopped by the peer with code {code}")]
+    StreamStopped {
         /// The stream id.
         stream: u32,
         /// The application error code the peer gave.

@@ -11,6 +11,7 @@ use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
+use std::time::Instant;
 
 /// How the receive side of a stream ended.
 #[derive(Debug, Clone)]
@@ -72,6 +73,9 @@ pub(crate) struct StreamEntry {
     pub pending_rx: Option<SharedRx>,
     /// Messages posted on this stream and not yet completed.
     pub in_flight: usize,
+    /// Bytes of those messages (the core's `stream_send_pending`, refreshed on post and
+    /// completion).
+    pub send_pending: u64,
     /// The first failed completion, reported by the next sink call.
     pub error: Option<Error>,
     /// The task waiting in `poll_ready` / `poll_flush`.
@@ -89,6 +93,7 @@ impl StreamEntry {
                 has_reader: true,
                 pending_rx: incoming.then(|| rx.clone()),
                 in_flight: 0,
+                send_pending: 0,
                 error: None,
                 waker: None,
             },
@@ -113,8 +118,9 @@ impl StreamEntry {
         }
     }
 
-    pub fn on_completion(&mut self, result: Option<Error>) {
+    pub fn on_completion(&mut self, result: Option<Error>, send_pending: u64) {
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.send_pending = send_pending;
         if let (Some(e), None) = (result, &self.error) {
             self.error = Some(e);
         }
@@ -136,14 +142,20 @@ impl StreamEntry {
 /// per connection until read.
 ///
 /// As a [`Sink<Bytes>`], each item is one message; `poll_ready` waits while
-/// `max_stream_in_flight` messages are unacknowledged, `poll_flush` waits until every
+/// `max_stream_in_flight` messages or
+/// [`Config::stream_send_buffer`](crate::Config::stream_send_buffer) bytes are
+/// unacknowledged (a reader that does not read stops acknowledging: see
+/// `stream_receive_buffer`), `poll_flush` waits until every
 /// message sent so far is acknowledged by the peer, `poll_close` flushes and then
 /// finishes the stream, and a failed message surfaces as the error of the next sink call.
 /// Sending after `poll_close` is [`Error::StreamClosed`]. Use
 /// [`futures::StreamExt::split`] for independent halves.
 ///
-/// The stream keeps its connection open; dropping it ends this side's interest: later
-/// messages for it are discarded.
+/// The stream keeps its connection open. Dropping it without `poll_close` resets its send
+/// side with [`RESET_ON_DROP`] (the peer's reader sees [`Error::StreamReset`]) and, if the
+/// peer has not ended its side, asks the peer to stop sending (its sink sees
+/// [`Error::StreamStopped`]); later messages for it are discarded. [`reset`](Self::reset)
+/// and [`stop`](Self::stop) do the same with a code of your choice.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -192,6 +204,27 @@ impl MessageStream {
     /// The stream id.
     pub fn id(&self) -> u32 {
         self.id
+    }
+
+    /// Reset the send side with an application `code`: SENDs not yet acknowledged are
+    /// flushed (their errors surface no more), the peer's reader yields
+    /// [`Error::StreamReset`] with `code` after the messages before them, and later sends
+    /// fail with [`Error::StreamClosed`].
+    pub fn reset(&mut self, code: u32) {
+        self.send_closed = true;
+        let shared = &self.conn.ep.shared;
+        reset(&mut shared.lock(), self.handle(), self.id, code);
+        shared.wake_driver.notify_one();
+    }
+
+    /// Ask the peer to stop sending on this stream with an application `code` (QUIC
+    /// STOP_SENDING): its sink fails with [`Error::StreamStopped`], it resets the stream
+    /// with the same code, and this side's reader then yields [`Error::StreamReset`] after
+    /// the messages that arrived before.
+    pub fn stop(&mut self, code: u32) {
+        let shared = &self.conn.ep.shared;
+        stop(&mut shared.lock(), self.handle(), self.id, code);
+        shared.wake_driver.notify_one();
     }
 
     /// Bytes received and waiting to be read.
@@ -272,7 +305,10 @@ impl Sink<Bytes> for MessageStream {
         if self.send_closed {
             return Poll::Ready(Err(Error::StreamClosed(self.id)));
         }
-        self.poll_entry(cx, |e, max| e.in_flight < max)
+        let max_bytes = self.conn.ep.shared.cfg.stream_send_buffer as u64;
+        self.poll_entry(cx, |e, max| {
+            e.in_flight < max && e.send_pending < max_bytes
+        })
     }
 
     fn start_send(self: Pin<&mut Self>, item: Bytes) -> Result<(), Error> {
@@ -284,22 +320,18 @@ impl Sink<Bytes> for MessageStream {
             let mut st = shared.lock();
             let wr_id = st.wr_id();
             if let Err(e) = st.core.post_send(self.handle(), self.id, wr_id, item) {
-                return Err(match e {
-                    PostError::UnknownConnection => self.lost(&st),
-                    PostError::Closing => {
-                        Error::ConnectionLost(metaroce::ConnectionError::LocallyClosed)
-                    }
-                    e => Error::Post(e),
-                });
+                return Err(post_error(e, self.id, || self.lost(&st)));
             }
             st.waiters
                 .insert((self.handle(), wr_id), Waiter::Stream(self.id));
+            let pending = st.core.stream_send_pending(self.handle(), self.id);
             if let Some(entry) = st
                 .conns
                 .get_mut(&self.handle())
                 .and_then(|c| c.streams.get_mut(&self.id))
             {
                 entry.in_flight += 1;
+                entry.send_pending = pending;
             }
         }
         shared.wake_driver.notify_one();
@@ -320,9 +352,12 @@ impl Sink<Bytes> for MessageStream {
         std::task::ready!(self.as_mut().poll_flush(cx))?;
         self.send_closed = true;
         let shared = &self.conn.ep.shared;
-        crate::stream::finish(&mut shared.lock(), self.handle(), self.id);
+        let mut st = shared.lock();
+        let r = finish(&mut st, self.handle(), self.id)
+            .map_err(|e| post_error(e, self.id, || self.lost(&st)));
+        drop(st);
         shared.wake_driver.notify_one();
-        Poll::Ready(Ok(()))
+        Poll::Ready(r)
     }
 }
 
@@ -332,6 +367,9 @@ impl Drop for MessageStream {
         let mut st = shared.lock();
         if !self.send_closed {
             reset(&mut st, self.handle(), self.id, RESET_ON_DROP);
+        }
+        if lock_rx(&self.rx).end.is_none() {
+            stop(&mut st, self.handle(), self.id, RESET_ON_DROP);
         }
         if let Some(e) = st
             .conns
@@ -353,11 +391,30 @@ impl Drop for MessageStream {
 pub const RESET_ON_DROP: u32 = 0;
 
 /// Finish the send side of a stream (the peer's reader ends after the last message).
-pub(crate) fn finish(st: &mut State, conn: ConnectionHandle, stream: u32) {
-    let _ = (st, conn, stream);
+pub(crate) fn finish(st: &mut State, conn: ConnectionHandle, stream: u32) -> Result<(), PostError> {
+    st.core.finish_stream(Instant::now(), conn, stream)
 }
 
-/// Reset the send side of a stream with `code`.
+/// Reset the send side of a stream with `code` (unsent and unacknowledged SENDs are
+/// flushed; the peer's reader gets [`Error::StreamReset`] after the messages before).
 pub(crate) fn reset(st: &mut State, conn: ConnectionHandle, stream: u32, code: u32) {
-    let _ = (st, conn, stream, code);
+    // A connection that is gone or closing has nothing left to reset.
+    let _ = st.core.reset_stream(Instant::now(), conn, stream, code);
+}
+
+/// Ask the peer to stop sending on a stream with `code`.
+pub(crate) fn stop(st: &mut State, conn: ConnectionHandle, stream: u32, code: u32) {
+    let _ = st.core.stop_stream(Instant::now(), conn, stream, code);
+}
+
+/// The one mapping of a refused post on a stream.
+pub(crate) fn post_error(e: PostError, stream: u32, lost: impl FnOnce() -> Error) -> Error {
+    match e {
+        PostError::UnknownConnection => lost(),
+        PostError::Closing => Error::ConnectionLost(metaroce::ConnectionError::LocallyClosed),
+        PostError::StreamFinished { .. } | PostError::StreamReset { .. } => {
+            Error::StreamClosed(stream)
+        }
+        e => Error::Post(e),
+    }
 }
