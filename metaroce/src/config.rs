@@ -74,6 +74,31 @@ pub struct TransportConfig {
     /// either. A connection thus holds at most this plus `max(this, max_message_size + 128)`
     /// bytes of buffers. Default 256 MiB.
     pub max_recv_buffer_bytes: u64,
+    /// Receive flow control driven by the application (for drivers that feed bounded
+    /// per-stream queues, e.g. `metaroce-tokio`). When `true`, the bytes of a message handed
+    /// out in [`Event::Message`](crate::Event::Message) stay charged against
+    /// `max_stream_recv_bytes` and `max_recv_buffer_bytes` — also on streams the
+    /// application never reads — until the application reports them consumed with
+    /// [`Endpoint::stream_consumed`](crate::Endpoint::stream_consumed). A new message that
+    /// does not fit is refused with a flow-control RNR NAK (syndrome `0x40 | min_rnr_timer`,
+    /// docs/PROTOCOL.md, "Receive flow control") instead of being dropped: the sender waits
+    /// the RNR timer (0.64 ms by default) and retries, without limit and without counting it
+    /// against `rnr_retry`, and sends no new message on that stream meanwhile; nothing is
+    /// dropped and the sender's SENDs do not fail. When `false` (the default), bytes are
+    /// released when the message is handed out (the application owns them from then on)
+    /// and only reassembly buffers count.
+    pub explicit_consume: bool,
+    /// With `explicit_consume`: most bytes one stream holds in library-owned buffers
+    /// (messages delivered and not yet consumed, plus messages being reassembled or waiting
+    /// for in-order delivery, each counted with 128 bytes of bookkeeping). A message that
+    /// would exceed it waits (flow-control RNR), except when the stream holds nothing — so a
+    /// message larger than the limit can still come in — and except that the next message
+    /// due on the stream is checked against the delivered, unconsumed bytes only (so later
+    /// messages being reassembled cannot block it). A stream thus holds at most
+    /// 2 × this + one message. Default 16 MiB: about the bandwidth-delay product of
+    /// 100 Gbit/s over a 1 ms path, enough to keep one stream at line rate, small enough
+    /// that 16 unread streams fill only the default 256 MiB connection budget.
+    pub max_stream_recv_bytes: u64,
     /// How far ahead of the next in-order message a stream accepts messages, in messages.
     /// Default 1024.
     pub max_stream_window: u32,
@@ -269,6 +294,8 @@ impl Default for TransportConfig {
             pmtu: 4096,
             max_message_size: 1 << 31,
             max_recv_buffer_bytes: 256 << 20,
+            explicit_consume: false,
+            max_stream_recv_bytes: 16 << 20,
             max_stream_window: 1024,
             max_streams: 65_536,
             max_outstanding_ops: 65_536,
@@ -351,6 +378,11 @@ impl TransportConfig {
         }
         if !(1..=8).contains(&self.planes) {
             return Err(format!("planes must be in 1..=8, got {}", self.planes));
+        }
+        if self.max_stream_recv_bytes == 0 || self.max_recv_buffer_bytes == 0 {
+            return Err(
+                "max_stream_recv_bytes and max_recv_buffer_bytes must be at least 1".into(),
+            );
         }
         if self.close_attempts == 0 {
             return Err("close_attempts must be at least 1".into());

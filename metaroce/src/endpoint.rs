@@ -618,6 +618,20 @@ impl Endpoint {
             .map_or(0, |c| c.sq.stream_pending(stream))
     }
 
+    /// The application consumed `bytes` more bytes of the messages delivered on `stream`
+    /// of `conn` (with `TransportConfig::explicit_consume`), in delivery order: they stop
+    /// counting against `max_stream_recv_bytes` and `max_recv_buffer_bytes`. Call it as a
+    /// driver's per-stream queue drains — e.g. once per message taken, with the message's
+    /// length (0 for an empty message); partial amounts are fine. A sender held back by
+    /// flow control resumes within one RNR timer (`min_rnr_timer`, 0.64 ms by default)
+    /// plus a round trip. Bytes beyond what was delivered, unknown connections and streams
+    /// are ignored. Without `explicit_consume` it does nothing.
+    pub fn stream_consumed(&mut self, conn: ConnectionHandle, stream: u32, bytes: u64) {
+        if let Some(c) = self.conns.get_mut(&conn.0) {
+            c.stream_consumed(stream, bytes);
+        }
+    }
+
     fn conn_for_stream(&mut self, conn: ConnectionHandle) -> Result<&mut Connection, PostError> {
         let c = self
             .conns

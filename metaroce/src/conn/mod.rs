@@ -346,6 +346,8 @@ impl Connection {
             max_streams: self.cfg.max_streams,
             require_posted_receives: self.cfg.require_posted_receives,
             max_tracked_ops: self.cfg.max_tracked_ops,
+            explicit_consume: self.cfg.explicit_consume,
+            max_stream_recv_bytes: self.cfg.max_stream_recv_bytes,
         }
     }
 
@@ -486,13 +488,20 @@ impl Connection {
             Headers::Nak { path, nak } => {
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
                     if let Some(seg) = p.on_nak(pkt.bth.psn, now) {
-                        if nak.syndrome & 0x60 == 0x20 {
-                            // RNR NAK: no receive posted; wait the coded time and retry.
+                        let flow = nak.syndrome & 0xE0 == recv::NAK_FLOW_RNR;
+                        if nak.syndrome & 0x60 == 0x20 || flow {
+                            // RNR NAK: no receive posted; wait the coded time and retry. A
+                            // flow-control RNR NAK (the receiver's buffers for the stream
+                            // are full) is retried without limit, and the stream sends no
+                            // new message until the wait ends.
                             let delay = send::rnr_timer(nak.syndrome & 0x1F);
                             let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
                             let (id, psn) = (path.path_id, pkt.bth.psn);
-                            self.sq
-                                .on_rnr(seg, id, psn, now, delay, self.cfg.rnr_retry, copy);
+                            let retry = if flow { 7 } else { self.cfg.rnr_retry };
+                            self.sq.on_rnr(seg, id, psn, now, delay, retry, copy);
+                            if flow {
+                                self.sq.flow_block(seg);
+                            }
                         } else {
                             self.sq
                                 .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
@@ -654,9 +663,10 @@ impl Connection {
                 rx.ack_pending = true;
             }
             RxOutcome::Drop => {}
-            RxOutcome::Nak(_) | RxOutcome::Rnr => {
+            RxOutcome::Nak(_) | RxOutcome::Rnr | RxOutcome::FlowRnr => {
                 let syndrome = match outcome {
                     RxOutcome::Nak(s) => s,
+                    RxOutcome::FlowRnr => recv::NAK_FLOW_RNR | (self.cfg.min_rnr_timer & 0x1F),
                     _ => 0x20 | (self.cfg.min_rnr_timer & 0x1F),
                 };
                 self.rq.stats.naks += 1;
@@ -957,6 +967,11 @@ impl Connection {
 
     pub fn post_atomic(&mut self, req: &crate::endpoint::AtomicRequest) {
         self.sq.post_atomic(req);
+    }
+
+    /// The application consumed `bytes` of the messages delivered on `stream`.
+    pub fn stream_consumed(&mut self, stream: u32, bytes: u64) {
+        self.rq.consume(stream, bytes);
     }
 
     pub fn post_recv(&mut self, stream: u32, r: recv::PostedRecv) {

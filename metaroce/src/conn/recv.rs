@@ -12,6 +12,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 pub(crate) const NAK_INVALID_REQUEST: u8 = 0x61;
 pub(crate) const NAK_REMOTE_ACCESS: u8 = 0x62;
 pub(crate) const NAK_REMOTE_OPERATIONAL: u8 = 0x63;
+/// MetaRoCE flow-control RNR NAK: `0x40 | RNR timer code` (the AETH class `010xxxxx`,
+/// reserved in IBA): the receiver's buffers for the SEND's stream or connection hold too
+/// many unconsumed bytes; retry after the timer, not counted against `rnr_retry`.
+pub(crate) const NAK_FLOW_RNR: u8 = 0x40;
 
 /// What the semantic layer made of a new packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +28,9 @@ pub(crate) enum RxOutcome {
     Nak(u8),
     /// No receive posted for this SEND: RNR NAK, the sender retries after the RNR timer.
     Rnr,
+    /// Receive flow control (`explicit_consume`): the stream or connection holds too many
+    /// unconsumed bytes; flow-control RNR NAK, the sender waits and retries without limit.
+    FlowRnr,
 }
 
 /// Work the responder must queue after accepting a READ or atomic request.
@@ -96,6 +103,14 @@ struct StreamRx {
     end_reported: bool,
     /// The code of the stream abort that killed the stream.
     reset_code: u32,
+    /// Charges of this stream's messages in library-owned buffers being reassembled or
+    /// waiting for in-order delivery.
+    buffered: u64,
+    /// With `explicit_consume`: bytes still to be consumed of each delivered message, in
+    /// delivery order (each also charges `MSG_OVERHEAD` until fully consumed).
+    unconsumed_q: VecDeque<u32>,
+    /// Charges of `unconsumed_q`.
+    unconsumed: u64,
 }
 
 /// Length-errored messages remembered per stream.
@@ -120,6 +135,8 @@ pub(crate) struct RecvLimits {
     pub max_streams: u32,
     pub require_posted_receives: bool,
     pub max_tracked_ops: u32,
+    pub explicit_consume: bool,
+    pub max_stream_recv_bytes: u64,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -140,6 +157,10 @@ struct Budget {
     /// while this is below `max_tracked_ops` (beyond it a refused message is NAKed but not
     /// recorded); an honest peer's messages in flight, hence its refused ones, are fewer.
     refused: usize,
+    /// Of `bytes`: delivered and not yet consumed (`explicit_consume`).
+    unconsumed: u64,
+    /// `explicit_consume` is on (copied from the limits).
+    explicit: bool,
 }
 
 impl Budget {
@@ -147,6 +168,28 @@ impl Budget {
         self.bytes -= msg.charge;
         if msg.over {
             self.over -= msg.charge;
+        }
+    }
+
+    /// `msg` of stream `st` leaves the reassembly buffers (dropped or refused).
+    fn release_msg(&mut self, st: &mut StreamRx, msg: &RxMsg) {
+        self.release(msg);
+        st.buffered -= msg.charge;
+    }
+
+    /// `msg` of stream `st` was delivered: with `explicit_consume` its bytes stay charged
+    /// (as unconsumed) until `RecvState::consume`; otherwise they are released.
+    fn delivered(&mut self, st: &mut StreamRx, msg: &RxMsg) {
+        st.buffered -= msg.charge;
+        if self.explicit && matches!(msg.dest, Dest::Owned(_)) {
+            if msg.over {
+                self.over -= msg.charge;
+            }
+            st.unconsumed_q.push_back(msg.len);
+            st.unconsumed += msg.charge;
+            self.unconsumed += msg.charge;
+        } else {
+            self.release(msg);
         }
     }
 }
@@ -236,6 +279,13 @@ pub struct RecvStats {
     pub refused_messages: u64,
     /// Gauge: streams the peer has opened (at most `max_streams`).
     pub streams: u64,
+    /// Flow-control RNR NAKs sent (`explicit_consume`: a message did not fit the stream's
+    /// or the connection's unconsumed-byte limits; the sender waits).
+    pub flow_rnr_naks: u64,
+    /// Gauge: bytes delivered in `Event::Message` and not yet consumed
+    /// (`explicit_consume`), each message counted with 128 bytes of bookkeeping; included in
+    /// `buffered_bytes`.
+    pub unconsumed_bytes: u64,
 }
 
 fn seq_before(a: u32, b: u32) -> bool {
@@ -311,6 +361,7 @@ impl RecvState {
         lim: &RecvLimits,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
             return RxOutcome::Accepted;
         }
@@ -339,7 +390,7 @@ impl RecvState {
             .collect();
         for m in dead {
             if let Some(msg) = st.msgs.remove(&m) {
-                self.buf.release(&msg);
+                self.buf.release_msg(st, &msg);
             }
         }
         let before = st.refused.len();
@@ -362,6 +413,7 @@ impl RecvState {
         lim: &RecvLimits,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
             return RxOutcome::Accepted;
         }
@@ -372,6 +424,35 @@ impl RecvState {
         st.fin_at = Some(count);
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
+    }
+
+    /// The application consumed `bytes` more bytes of the messages delivered on `stream`
+    /// (`explicit_consume`), in delivery order: they, and the bookkeeping charge of every
+    /// message consumed to its end (a zero-length message is consumed by any call that
+    /// reaches it), stop counting against the limits. Bytes beyond what was delivered are
+    /// ignored.
+    pub fn consume(&mut self, stream: u32, bytes: u64) {
+        let Some(st) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        let mut n = bytes;
+        while let Some(front) = st.unconsumed_q.front_mut() {
+            let take = n.min(*front as u64);
+            *front -= take as u32;
+            n -= take;
+            let mut freed = take;
+            let done = *front == 0;
+            if done {
+                st.unconsumed_q.pop_front();
+                freed += MSG_OVERHEAD;
+            }
+            st.unconsumed -= freed;
+            self.buf.unconsumed -= freed;
+            self.buf.bytes -= freed;
+            if !done {
+                break;
+            }
+        }
     }
 
     /// Fail every posted receive not yet completed (the connection ended).
@@ -402,6 +483,7 @@ impl RecvState {
         mrs: &mut MrTable,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
         let total = hdr.msg_len as u64;
         let valid = total <= lim.max_message_size
             && check_segment(hdr.offset, payload.len(), total, lim.pmtu);
@@ -424,7 +506,7 @@ impl RecvState {
             if ahead < lim.max_stream_window && room && st.refused.insert(hdr.msg_seq) {
                 self.buf.refused += 1;
                 if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
-                    self.buf.release(&msg);
+                    self.buf.release_msg(st, &msg);
                 }
                 Self::deliver(
                     conn,
@@ -530,17 +612,46 @@ impl RecvState {
                 // receiver hold one such message per stream.
                 let head = ahead == 0;
                 charge = total + MSG_OVERHEAD;
+                let explicit = lim.explicit_consume;
+                if explicit {
+                    // Receive flow control: the stream's limit. The next message due is
+                    // checked against delivered, unconsumed bytes only, so messages
+                    // further ahead cannot keep it out (they could never be delivered).
+                    let held = if head {
+                        st.unconsumed
+                    } else {
+                        st.unconsumed + st.buffered
+                    };
+                    if held > 0 && held + charge > lim.max_stream_recv_bytes {
+                        self.stats.flow_rnr_naks += 1;
+                        return RxOutcome::FlowRnr;
+                    }
+                }
                 if self.buf.bytes + charge > lim.max_recv_buffer_bytes {
+                    // With flow control the reserve for next-due messages is closed while
+                    // unconsumed bytes fill the budget: otherwise every stream's head could
+                    // come in through it, one after the other, without bound.
+                    let unconsumed_ok = !explicit
+                        || self.buf.unconsumed == 0
+                        || self.buf.unconsumed + charge <= lim.max_recv_buffer_bytes;
                     over = head
+                        && unconsumed_ok
                         && (self.buf.over == 0
                             || self.buf.over + charge <= lim.max_recv_buffer_bytes);
                     if !over {
+                        if explicit {
+                            // Wait, do not drop: a drop costs the sender timeouts and,
+                            // for long enough, the connection.
+                            self.stats.flow_rnr_naks += 1;
+                            return RxOutcome::FlowRnr;
+                        }
                         self.stats.no_buffer_drops += 1;
                         return RxOutcome::Drop;
                     }
                     self.buf.over += charge;
                 }
                 self.buf.bytes += charge;
+                st.buffered += charge;
                 Dest::Owned(vec![0; hdr.msg_len as usize])
             };
             st.msgs.insert(
@@ -643,7 +754,7 @@ impl RecvState {
             };
             stats.messages += 1;
             stats.message_bytes += m.len as u64;
-            buf.release(&m);
+            buf.delivered(st, &m);
             match m.dest {
                 Dest::Owned(data) => {
                     events.push_back(Event::Message {
@@ -934,6 +1045,7 @@ impl RecvState {
             buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
             refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
+            unconsumed_bytes: self.buf.unconsumed,
             ..self.stats
         }
     }

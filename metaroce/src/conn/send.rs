@@ -272,6 +272,15 @@ pub(crate) struct SendQueue {
     stopped_streams: std::collections::HashSet<u32>,
     /// Bytes of SENDs posted per stream and not yet completed (entries removed at 0).
     stream_bytes: HashMap<u32, u64>,
+    /// Streams in a flow-control wait: their receiver refused a message with a
+    /// flow-control RNR NAK, and no acknowledgement of the probe has come back since. No
+    /// segment of theirs is sent for the first time meanwhile.
+    flow_wait: std::collections::HashSet<u32>,
+    /// Per stream in `flow_wait`: the one refused segment re-sent when its RNR wait ended
+    /// (the probe); the other refused segments park in `flow_parked` until the probe is
+    /// acknowledged, so a waiting stream costs one packet per RNR timer, not a window.
+    flow_probe: HashMap<u32, SegRef>,
+    flow_parked: HashMap<u32, Vec<SegRef>>,
     /// Streams in the error state: a SEND on it failed with `RnrRetryExceeded`; the value
     /// is the first message sequence number the stream lost. SENDs posted later on such a
     /// stream complete with `WrFlushError` without being sent.
@@ -483,12 +492,17 @@ impl SendQueue {
             }
             self.retx.pop_front();
         }
+        let mut flow_stop = false;
         while let Some(op) = self.ops.get(self.cursor) {
             if op.status.is_none() && op.next_seg < op.nsegs {
                 if op.next_seg == 0
                     && op.kind.is_rd_atomic()
                     && self.rd_outstanding >= self.max_rd_atomic
                 {
+                    break;
+                }
+                if self.is_flow_blocked(op) {
+                    flow_stop = true;
                     break;
                 }
                 return Some(SegRef {
@@ -500,18 +514,83 @@ impl SendQueue {
         }
         // Blocked (or done): responses to the peer's READs and atomics are not held back by
         // our own waiting ones — the peer's outstanding requests may be what we wait for —
-        // nor are stream aborts.
-        if self.internal_ops > 0 {
-            for (i, op) in self.ops.iter().enumerate().skip(self.cursor + 1) {
-                if op.kind.is_internal() && op.status.is_none() && op.next_seg < op.nsegs {
-                    return Some(SegRef {
-                        op: self.base_id + i as u64,
-                        seg: op.next_seg,
-                    });
+        // nor are stream aborts. A stream waiting on receive flow control holds back only
+        // itself: later operations go on, up to the next READ/atomic held by
+        // `max_rd_atomic` (which holds back what follows it, as before).
+        if self.internal_ops > 0 || flow_stop {
+            let skip = if flow_stop {
+                self.cursor
+            } else {
+                self.cursor + 1
+            };
+            let mut only_internal = !flow_stop;
+            for (i, op) in self.ops.iter().enumerate().skip(skip) {
+                if op.status.is_some() || op.next_seg >= op.nsegs {
+                    continue;
                 }
+                let seg = Some(SegRef {
+                    op: self.base_id + i as u64,
+                    seg: op.next_seg,
+                });
+                if op.kind.is_internal() {
+                    return seg;
+                }
+                if only_internal || self.is_flow_blocked(op) {
+                    continue;
+                }
+                if op.next_seg == 0
+                    && op.kind.is_rd_atomic()
+                    && self.rd_outstanding >= self.max_rd_atomic
+                {
+                    only_internal = true;
+                    if self.internal_ops == 0 {
+                        break;
+                    }
+                    continue;
+                }
+                return seg;
             }
         }
         None
+    }
+
+    fn is_flow_blocked(&self, op: &Op) -> bool {
+        !self.flow_wait.is_empty()
+            && matches!(op.kind, OpKind::Send { stream, .. } if self.flow_wait.contains(&stream))
+    }
+
+    fn send_stream(&self, s: SegRef) -> Option<u32> {
+        match self.op(s.op)?.kind {
+            OpKind::Send { stream, .. } => Some(stream),
+            _ => None,
+        }
+    }
+
+    /// The receiver refused segment `s` (a SEND) with a flow-control RNR NAK (`on_rnr` has
+    /// put it on its RNR wait): its stream enters (or stays in) the flow-control wait, and
+    /// a new probe is chosen when the next refused segment's wait ends.
+    pub fn flow_block(&mut self, s: SegRef) {
+        if let Some(stream) = self.send_stream(s) {
+            self.flow_wait.insert(stream);
+            if self.flow_probe.get(&stream) == Some(&s) {
+                self.flow_probe.remove(&stream);
+            }
+        }
+    }
+
+    /// End the flow-control wait of `stream`: every parked segment is re-sent.
+    fn flow_release(&mut self, stream: u32) {
+        self.flow_wait.remove(&stream);
+        self.flow_probe.remove(&stream);
+        for p in self.flow_parked.remove(&stream).unwrap_or_default() {
+            if let Some(r) = self
+                .op_mut(p.op)
+                .and_then(|o| o.rnr.get_mut(p.seg as usize))
+            {
+                r.phase = RnrPhase::Resent;
+            }
+            self.on_lost(p);
+        }
     }
 
     /// Take the segment `peek` returned; returns whether it is a retransmission.
@@ -600,6 +679,13 @@ impl SendQueue {
         }
         op.acked[(s.seg / 64) as usize] |= 1 << (s.seg % 64);
         op.acked_segs += 1;
+        if let OpKind::Send { stream, .. } = op.kind {
+            if self.flow_probe.get(&stream) == Some(&s) {
+                // The receiver took the probe: it has room again.
+                self.flow_release(stream);
+            }
+        }
+        let Some(op) = self.op_mut(s.op) else { return };
         if op.acked_segs == op.nsegs {
             if op.kind.is_rd_atomic() {
                 // READs and atomics complete with their response, not with the request's
@@ -762,6 +848,30 @@ impl SendQueue {
         let mut keep = VecDeque::new();
         while let Some((t, s)) = self.rnr_wait.pop_front() {
             if t <= now {
+                if let Some(stream) = self.send_stream(s).filter(|st| self.flow_wait.contains(st)) {
+                    // Park it; unless another segment of the stream already probes, the
+                    // earliest parked segment (of the earliest refused message, the one the
+                    // receiver admits first) becomes the probe.
+                    let parked = self.flow_parked.entry(stream).or_default();
+                    parked.push(s);
+                    if self.flow_probe.contains_key(&stream) {
+                        continue;
+                    }
+                    let Some(k) = (0..parked.len()).min_by_key(|&k| (parked[k].op, parked[k].seg))
+                    else {
+                        continue;
+                    };
+                    let probe = parked.swap_remove(k);
+                    self.flow_probe.insert(stream, probe);
+                    if let Some(r) = self
+                        .op_mut(probe.op)
+                        .and_then(|o| o.rnr.get_mut(probe.seg as usize))
+                    {
+                        r.phase = RnrPhase::Resent;
+                    }
+                    self.on_lost(probe);
+                    continue;
+                }
                 if let Some(r) = self
                     .op_mut(s.op)
                     .and_then(|o| o.rnr.get_mut(s.seg as usize))
@@ -940,6 +1050,7 @@ impl SendQueue {
             return false;
         }
         self.ended_streams.insert(stream, StreamEnd::Reset);
+        self.flow_release(stream);
         let mut first = None;
         for i in 0..self.ops.len() {
             let OpKind::Send {
@@ -1030,6 +1141,9 @@ impl SendQueue {
         self.retx.clear();
         self.rnr_wait.clear();
         self.resp_wait.clear();
+        self.flow_wait.clear();
+        self.flow_probe.clear();
+        self.flow_parked.clear();
     }
 
     /// Pop completions that are due, in posting order (internal operations report none).

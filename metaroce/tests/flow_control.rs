@@ -1,0 +1,179 @@
+//! Receive flow control with backpressure through the protocol (issue #10, item 4):
+//! `explicit_consume`, `max_stream_recv_bytes`, flow-control RNR NAKs. Virtual time.
+
+mod common;
+
+use bytes::Bytes;
+use common::{config, Impair, Pair};
+use metaroce::{Event, WcStatus};
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+const STREAM_LIMIT: u64 = 4 * MIB;
+const CONN_LIMIT: u64 = 16 * MIB;
+
+fn pair(seed: u64, impair: Impair) -> Pair {
+    let mut a = config(0, seed);
+    let mut b = config(1, seed);
+    for c in [&mut a, &mut b] {
+        c.transport.pmtu = 4096;
+        c.transport.explicit_consume = true;
+        c.transport.max_stream_recv_bytes = STREAM_LIMIT;
+        c.transport.max_recv_buffer_bytes = CONN_LIMIT;
+    }
+    Pair::with_configs(seed, impair, a, b)
+}
+
+/// Message `i` of a run: 1 MiB whose first byte is `i % 251`.
+fn messages(n: usize) -> Vec<Bytes> {
+    let base = Bytes::from(
+        (0..MIB as usize + n)
+            .map(|j| (j % 251) as u8)
+            .collect::<Vec<_>>(),
+    );
+    (0..n).map(|i| base.slice(i..i + MIB as usize)).collect()
+}
+
+#[test]
+fn one_gib_to_an_unread_stream_stays_bounded_then_arrives_in_order() {
+    let mut p = pair(31, Impair::default());
+    let (a, b) = p.connect();
+    let n = 1024; // 1 GiB
+    for (i, m) in messages(n).into_iter().enumerate() {
+        p.eps[0].post_send(a, 1, i as u64, m).unwrap();
+    }
+    assert_eq!(p.eps[0].stream_send_pending(a, 1), n as u64 * MIB);
+    // Nobody reads for 200 ms of virtual time.
+    let t0 = p.now;
+    let d0 = p.delivered;
+    let mut peak = 0;
+    while p.now - t0 < Duration::from_millis(200) {
+        assert!(p.step());
+        let s = p.eps[1].connection_stats(b).unwrap().recv;
+        peak = peak.max(s.buffered_bytes);
+    }
+    let s = p.eps[1].connection_stats(b).unwrap().recv;
+    let delivered_msgs = p.events[1]
+        .iter()
+        .filter(|e| matches!(e, Event::Message { .. }))
+        .count();
+    let pending = p.eps[0].stream_send_pending(a, 1);
+    println!(
+        "unread stream, 200 ms: peak buffered {peak} B (limit {STREAM_LIMIT} B), {delivered_msgs} messages handed out, \
+         {} flow-control RNR NAKs, {} datagrams on the wire, sender pending {pending} B",
+        s.flow_rnr_naks,
+        p.delivered - d0
+    );
+    // Bounded: a stream holds at most 2 x max_stream_recv_bytes + one message (+128 B
+    // bookkeeping per message), documented on `max_stream_recv_bytes`.
+    let bound = 2 * STREAM_LIMIT + MIB + 128 * 16;
+    assert!(peak <= bound, "peak {peak} > {bound}");
+    assert!(s.flow_rnr_naks > 0);
+    assert_eq!(s.no_buffer_drops, 0, "flow control must not drop");
+    // The sender waits: nothing failed, most is still pending.
+    assert!(p.events[0].iter().all(|e| match e {
+        Event::Completion { wc, .. } => wc.status == WcStatus::Success,
+        Event::ConnectionLost { .. } => false,
+        _ => true,
+    }));
+    assert!(pending >= (n as u64) * MIB - bound);
+    // The reader starts: consume each message as it is handed out.
+    let mut got = 0usize;
+    let mut bytes = 0u64;
+    let t1 = p.now;
+    loop {
+        for e in std::mem::take(&mut p.events[1]) {
+            if let Event::Message { stream, data, .. } = e {
+                assert_eq!(stream, 1);
+                assert_eq!(data.len() as u64, MIB);
+                assert_eq!(data[0], (got % 251) as u8, "message {got} out of order");
+                got += 1;
+                bytes += data.len() as u64;
+                p.eps[1].stream_consumed(b, 1, data.len() as u64);
+            }
+        }
+        if got == n || !p.step() || p.now - t1 > Duration::from_secs(120) {
+            break;
+        }
+    }
+    println!(
+        "after the reader started: {got} messages, {bytes} B in {:?}",
+        p.now - t1
+    );
+    assert_eq!(got, n);
+    assert_eq!(bytes, n as u64 * MIB);
+    p.run_until(p.now - p.start + Duration::from_millis(50), |p| {
+        p.eps[0].stream_send_pending(a, 1) == 0
+    });
+    assert_eq!(p.eps[0].stream_send_pending(a, 1), 0);
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(st.unconsumed_bytes, 0);
+    assert_eq!(st.buffered_bytes, 0);
+}
+
+#[test]
+fn an_unread_stream_does_not_block_the_others() {
+    let mut p = pair(32, Impair::default());
+    let (a, b) = p.connect();
+    for (i, m) in messages(64).into_iter().enumerate() {
+        p.eps[0].post_send(a, 1, i as u64, m).unwrap();
+    }
+    for (i, m) in messages(32).into_iter().enumerate() {
+        p.eps[0].post_send(a, 2, 1000 + i as u64, m).unwrap();
+    }
+    let t0 = p.now;
+    let mut got2 = 0;
+    while p.now - t0 < Duration::from_secs(5) && got2 < 32 {
+        if !p.step() {
+            break;
+        }
+        for e in std::mem::take(&mut p.events[1]) {
+            if let Event::Message {
+                stream: 2, data, ..
+            } = e
+            {
+                got2 += 1;
+                p.eps[1].stream_consumed(b, 2, data.len() as u64);
+            }
+        }
+    }
+    println!(
+        "stream 2: {got2} messages in {:?} beside an unread stream",
+        p.now - t0
+    );
+    assert_eq!(got2, 32);
+    let s = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(
+        s.buffered_bytes <= 2 * STREAM_LIMIT + MIB + 128 * 64,
+        "{}",
+        s.buffered_bytes
+    );
+}
+
+#[test]
+fn unconsumed_bytes_are_released_by_consumption() {
+    let mut p = pair(33, Impair::default());
+    let (a, b) = p.connect();
+    p.eps[0]
+        .post_send(a, 3, 1, Bytes::from(vec![5; 1000]))
+        .unwrap();
+    p.eps[0].post_send(a, 3, 2, Bytes::new()).unwrap();
+    p.run_until(p.now - p.start + Duration::from_millis(10), |_| false);
+    let s = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(s.unconsumed_bytes, 1000 + 128 + 128);
+    p.eps[1].stream_consumed(b, 3, 400);
+    assert_eq!(
+        p.eps[1].connection_stats(b).unwrap().recv.unconsumed_bytes,
+        600 + 256
+    );
+    // The rest, and the empty message after it.
+    p.eps[1].stream_consumed(b, 3, 600);
+    assert_eq!(
+        p.eps[1].connection_stats(b).unwrap().recv.unconsumed_bytes,
+        0
+    );
+    // More than was delivered: ignored.
+    p.eps[1].stream_consumed(b, 3, 1 << 40);
+    p.eps[1].stream_consumed(b, 99, 1);
+    assert_eq!(p.eps[1].connection_stats(b).unwrap().recv.buffered_bytes, 0);
+}
