@@ -242,8 +242,9 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 }
             }
             Event::Message { conn, stream, data } => {
-                if let Some(e) = stream_entry(st, conn, stream) {
-                    e.deliver(data);
+                let discard = stream_entry(st, conn, stream).and_then(|e| e.deliver(data));
+                if let Some(n) = discard {
+                    st.core.stream_consumed(conn, stream, n);
                 }
             }
             Event::StreamFinished { conn, stream } => {

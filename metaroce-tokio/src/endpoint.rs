@@ -21,6 +21,14 @@ use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Configuration of an async [`Endpoint`].
 ///
+/// Receive buffering is bounded by the core's limits, which this crate turns into
+/// backpressure (`transport.explicit_consume` is always on): a stream holds at most
+/// `transport.max_stream_recv_bytes` (default 16 MiB) of received messages its reader has
+/// not taken — including a stream nobody accepted — and a connection at most
+/// `transport.max_recv_buffer_bytes` (default 256 MiB); beyond that the peer's SENDs are
+/// held back by flow-control RNR NAKs (its `poll_ready` waits) until the reader catches
+/// up. Nothing is dropped.
+///
 /// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
 /// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
 /// closed, and a dead peer is reported within 10 s on every handle (pending operations
@@ -55,12 +63,6 @@ pub struct Config {
     /// Bytes one [`MessageStream`](crate::MessageStream) sink has posted and not yet
     /// acknowledged before `poll_ready` waits. Default 16 MiB.
     pub stream_send_buffer: usize,
-    /// Received bytes one stream buffers for its reader (messages delivered by the core
-    /// and not yet taken by `poll_next`). Default 16 MiB.
-    pub stream_receive_buffer: usize,
-    /// Received bytes all streams of one connection buffer for their readers together.
-    /// Default 64 MiB.
-    pub connection_receive_buffer: usize,
 }
 
 /// Default idle timeout of [`Config::default`]: 10 s (see [`Config`]).
@@ -84,8 +86,6 @@ impl Default for Config {
             spare_ports: 8,
             max_stream_in_flight: 256,
             stream_send_buffer: 16 << 20,
-            stream_receive_buffer: 16 << 20,
-            connection_receive_buffer: 64 << 20,
         }
     }
 }
@@ -102,8 +102,6 @@ impl Config {
             ("max_connections", self.max_connections),
             ("max_stream_in_flight", self.max_stream_in_flight),
             ("stream_send_buffer", self.stream_send_buffer),
-            ("stream_receive_buffer", self.stream_receive_buffer),
-            ("connection_receive_buffer", self.connection_receive_buffer),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero(name));
@@ -371,6 +369,9 @@ impl Endpoint {
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
         ecfg.transport = config.transport.clone();
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
+        // Delivered bytes stay charged until the reader takes them (MessageStream::poll_next
+        // reports them consumed): the receive buffers are bounded by the core's limits.
+        ecfg.transport.explicit_consume = true;
         ecfg.accept_incoming = config.accept_incoming;
         ecfg.manual_accept = true;
         ecfg.max_connections = config.max_connections;

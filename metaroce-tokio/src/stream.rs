@@ -101,10 +101,14 @@ impl StreamEntry {
         )
     }
 
-    /// A message arrived for this stream.
-    pub fn deliver(&mut self, data: Bytes) {
+    /// A message arrived for this stream. Returns the bytes to report consumed at once
+    /// (the reader is gone: the message is discarded).
+    pub fn deliver(&mut self, data: Bytes) -> Option<u64> {
         if self.has_reader {
             lock_rx(&self.rx).push(data);
+            None
+        } else {
+            Some(data.len() as u64)
         }
     }
 
@@ -136,16 +140,16 @@ impl StreamEntry {
 /// in order as `Ok(bytes)`; when the peer finishes the stream it ends (`None`) after the
 /// last message; if the stream is reset or the connection ends first, it yields one
 /// `Err` saying why (for a dead peer, `ConnectionLost(IdleTimeout)` or
-/// `ConnectionLost(RetryExceeded)`), then `None`. Received messages wait in a buffer of
-/// at most [`Config::stream_receive_buffer`](crate::Config::stream_receive_buffer) bytes
-/// per stream and [`Config::connection_receive_buffer`](crate::Config::connection_receive_buffer)
-/// per connection until read.
+/// `ConnectionLost(RetryExceeded)`), then `None`. Received messages wait until read in a
+/// buffer bounded per stream by `transport.max_stream_recv_bytes` and per connection by
+/// `transport.max_recv_buffer_bytes` (see [`Config`](crate::Config)); a reader that does
+/// not read holds its peer's sender back through the protocol.
 ///
 /// As a [`Sink<Bytes>`], each item is one message; `poll_ready` waits while
 /// `max_stream_in_flight` messages or
 /// [`Config::stream_send_buffer`](crate::Config::stream_send_buffer) bytes are
-/// unacknowledged (a reader that does not read stops acknowledging: see
-/// `stream_receive_buffer`), `poll_flush` waits until every
+/// unacknowledged (a peer that does not read stops acknowledging once its receive buffer
+/// is full), `poll_flush` waits until every
 /// message sent so far is acknowledged by the peer, `poll_close` flushes and then
 /// finishes the stream, and a failed message surfaces as the error of the next sink call.
 /// Sending after `poll_close` is [`Error::StreamClosed`]. Use
@@ -284,6 +288,15 @@ impl Stream for MessageStream {
         let mut q = lock_rx(&self.rx);
         if let Some(m) = q.queue.pop_front() {
             q.bytes -= m.len();
+            drop(q);
+            // The bytes leave the core's receive budget: a sender held back by flow
+            // control may go on.
+            let shared = &self.conn.ep.shared;
+            shared
+                .lock()
+                .core
+                .stream_consumed(self.handle(), self.id, m.len() as u64);
+            shared.wake_driver.notify_one();
             return Poll::Ready(Some(Ok(m)));
         }
         match q.end.replace(RxEnd::Done) {
@@ -379,7 +392,9 @@ impl Drop for MessageStream {
             e.has_reader = false;
             let mut q = lock_rx(&e.rx);
             q.queue.clear();
-            q.bytes = 0;
+            let unread = std::mem::take(&mut q.bytes) as u64;
+            drop(q);
+            st.core.stream_consumed(self.conn.handle, self.id, unread);
         }
         drop(st);
         shared.wake_driver.notify_one();

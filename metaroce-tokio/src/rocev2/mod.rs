@@ -43,7 +43,7 @@ mod udp;
 
 pub use exchange::{exchange, QpExchange};
 
-pub use backend::{IpBackend, MemoryLink, RawIpBackend, NEED_CAP_NET_RAW};
+pub use backend::{IpBackend, MemoryLink, RawIpBackend, MEMORY_LINK_QUEUE, NEED_CAP_NET_RAW};
 pub use metaroce::rocev2::{
     Completion, ConnectAttrs, MrKeys, QpInfo, QpInit, QpState, QpStats, RcConfig, RcError, RcEvent,
     RcOpcode, RcStats, RcWire, RecvWr, SendOp, SendWr,
@@ -356,6 +356,10 @@ const UDP_ON_RAW: &str = "this QP belongs to an rocev2::RcEndpoint, whose backen
 
 impl QueuePair {
     fn create(host: Host, init: QpInit) -> Result<QueuePair, RcError> {
+        // Receive completions (no data: the bytes are in the application's posted
+        // buffers), one per receive the application posted (at most `max_recv_wr` posted
+        // at once): it grows only if the application keeps posting receives without
+        // reading their completions — the CQ of verbs, which would overflow instead.
         let (tx, rx) = mpsc::unbounded_channel();
         let info = host.with(|mut qps, side| {
             let info = qps.create_qp(init)?;
