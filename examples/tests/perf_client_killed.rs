@@ -108,11 +108,26 @@ fn rocev2_server_ends_when_its_client_is_killed() {
     let oob = free_tcp_port();
     server_ends_when_client_is_killed(
         &[
-            "--server", "--mode", "rocev2", "--bind", "127.0.0.1", "-p", &port, "--oob-port",
+            "--server",
+            "--mode",
+            "rocev2",
+            "--bind",
+            "127.0.0.1",
+            "-p",
+            &port,
+            "--oob-port",
             &oob,
         ],
         &[
-            "write_bw", "--mode", "rocev2", "127.0.0.1", "--oob-port", &oob, "-D", "60", "-s",
+            "write_bw",
+            "--mode",
+            "rocev2",
+            "127.0.0.1",
+            "--oob-port",
+            &oob,
+            "-D",
+            "60",
+            "-s",
             "65536",
         ],
         "rocev2",

@@ -270,12 +270,9 @@ impl Connection {
             let notified = sig.queued.notified();
             {
                 let mut st = self.shared().lock();
-                let Some(entry) = st.conns.get_mut(&self.inner.handle) else {
-                    return None;
-                };
+                let entry = st.conns.get_mut(&self.inner.handle)?;
                 while let Some(id) = entry.accept_queue.pop_front() {
-                    if let Some(rx) = entry.streams.get_mut(&id).and_then(|s| s.pending_rx.take())
-                    {
+                    if let Some(rx) = entry.streams.get_mut(&id).and_then(|s| s.pending_rx.take()) {
                         return Some(MessageStream::new(self.inner.clone(), id, rx));
                     }
                 }

@@ -261,7 +261,10 @@ fn dispatch(st: &mut State, shared: &Shared) {
             }
             Event::StreamStopped { conn, stream, code } => {
                 tracing::debug!(%conn, stream, code, "stream stopped by the peer");
-                if let Some(e) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&stream))
+                if let Some(e) = st
+                    .conns
+                    .get_mut(&conn)
+                    .and_then(|c| c.streams.get_mut(&stream))
                 {
                     e.error = Some(Error::StreamStopped { stream, code });
                     if let Some(w) = e.waker.take() {
@@ -290,7 +293,11 @@ fn dispatch(st: &mut State, shared: &Shared) {
 
 /// The routing entry of `stream`, created (and announced to `accept_stream`) if the peer
 /// opened it; `None` if the connection is gone.
-fn stream_entry(st: &mut State, conn: metaroce::ConnectionHandle, stream: u32) -> Option<&mut StreamEntry> {
+fn stream_entry(
+    st: &mut State,
+    conn: metaroce::ConnectionHandle,
+    stream: u32,
+) -> Option<&mut StreamEntry> {
     let c = st.conns.get_mut(&conn)?;
     Some(c.streams.entry(stream).or_insert_with(|| {
         c.accept_queue.push_back(stream);

@@ -12,11 +12,11 @@ use metaroce::{
 };
 use std::collections::HashMap;
 use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Configuration of an async [`Endpoint`].
@@ -74,10 +74,11 @@ pub const REFUSED_BUSY: u32 = 2;
 
 impl Default for Config {
     fn default() -> Self {
-        let mut transport = TransportConfig::default();
-        transport.idle_timeout = Some(DEFAULT_IDLE_TIMEOUT);
         Self {
-            transport,
+            transport: TransportConfig {
+                idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+                ..TransportConfig::default()
+            },
             seed: None,
             accept_incoming: true,
             max_pending_incoming: 1024,

@@ -319,9 +319,7 @@ impl Sink<Bytes> for MessageStream {
             return Poll::Ready(Err(Error::StreamClosed(self.id)));
         }
         let max_bytes = self.conn.ep.shared.cfg.stream_send_buffer as u64;
-        self.poll_entry(cx, |e, max| {
-            e.in_flight < max && e.send_pending < max_bytes
-        })
+        self.poll_entry(cx, |e, max| e.in_flight < max && e.send_pending < max_bytes)
     }
 
     fn start_send(self: Pin<&mut Self>, item: Bytes) -> Result<(), Error> {

@@ -48,7 +48,10 @@ async fn streams_exchange_messages_in_order() {
     }
     let rb = got.get_mut(&b.id()).unwrap();
     for i in 0..100u32 {
-        assert_eq!(rb.next().await.unwrap().unwrap(), Bytes::from(format!("b{i}")));
+        assert_eq!(
+            rb.next().await.unwrap().unwrap(),
+            Bytes::from(format!("b{i}"))
+        );
     }
     // Replies on a split stream.
     let (mut tx, _rx) = got.remove(&b.id()).unwrap().split();
@@ -178,7 +181,10 @@ async fn closing_flushes_and_ends_streams() {
     let end = tokio::time::timeout(Duration::from_secs(5), peer_stream.next())
         .await
         .unwrap();
-    assert!(matches!(end, Some(Err(Error::ConnectionLost(_)))), "{end:?}");
+    assert!(
+        matches!(end, Some(Err(Error::ConnectionLost(_)))),
+        "{end:?}"
+    );
     assert!(peer_stream.next().await.is_none());
 }
 

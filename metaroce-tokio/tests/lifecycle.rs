@@ -2,9 +2,7 @@
 //! closing by dropping handles, endpoint drop, wait_idle, and that every driver-side
 //! structure of a connection is freed when it ends.
 
-use metaroce_tokio::{
-    Config, ConnectError, Connection, ConnectionError, Endpoint, REFUSED_BUSY,
-};
+use metaroce_tokio::{Config, ConnectError, Connection, ConnectionError, Endpoint, REFUSED_BUSY};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -122,12 +120,18 @@ async fn a_refused_request_fails_the_connecting_side_with_the_code() {
     let connecting = client.connect(server.local_addr()).unwrap();
     let incoming = server.accept().await.unwrap();
     incoming.refuse(77);
-    let err = tokio::time::timeout(T, connecting).await.unwrap().unwrap_err();
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(err, ConnectError::Connection(ConnectionError::Rejected(77)));
     // Dropping the request refuses it too.
     let connecting = client.connect(server.local_addr()).unwrap();
     drop(server.accept().await.unwrap());
-    let err = tokio::time::timeout(T, connecting).await.unwrap().unwrap_err();
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(
         err,
         ConnectError::Connection(ConnectionError::Rejected(REFUSED_BUSY))

@@ -79,7 +79,11 @@ async fn a_killed_peer_is_reported_on_every_handle_of_an_idle_connection() {
 
     // Idle, peer alive: keepalives keep the connection up past the idle timeout.
     tokio::time::sleep(IDLE * 2).await;
-    assert_eq!(conn.close_reason(), None, "a live idle peer must not time out");
+    assert_eq!(
+        conn.close_reason(),
+        None,
+        "a live idle peer must not time out"
+    );
 
     // Kill the peer process; every handle must report it.
     child.0.kill().unwrap();
@@ -96,7 +100,10 @@ async fn a_killed_peer_is_reported_on_every_handle_of_an_idle_connection() {
         other => panic!("expected ConnectionLost, got {other:?}"),
     };
     assert!(
-        matches!(why, ConnectionError::IdleTimeout | ConnectionError::RetryExceeded),
+        matches!(
+            why,
+            ConnectionError::IdleTimeout | ConnectionError::RetryExceeded
+        ),
         "{why:?}"
     );
     assert!(stream.next().await.is_none());
@@ -142,15 +149,18 @@ async fn an_operation_pending_when_the_peer_dies_fails() {
     child.0.wait().unwrap();
     let killed = Instant::now();
     // Posted after the death: never acknowledged.
-    let r = tokio::time::timeout(
-        IDLE * 3,
-        conn.send(9, Bytes::from(vec![1u8; 100_000])),
-    )
-    .await
-    .expect("a SEND to a dead peer must fail");
-    println!("SEND to the killed peer failed {:?} later: {r:?}", killed.elapsed());
+    let r = tokio::time::timeout(IDLE * 3, conn.send(9, Bytes::from(vec![1u8; 100_000])))
+        .await
+        .expect("a SEND to a dead peer must fail");
+    println!(
+        "SEND to the killed peer failed {:?} later: {r:?}",
+        killed.elapsed()
+    );
     assert!(
-        matches!(&r, Err(Error::Completion(_)) | Err(Error::ConnectionLost(_))),
+        matches!(
+            &r,
+            Err(Error::Completion(_)) | Err(Error::ConnectionLost(_))
+        ),
         "{r:?}"
     );
 }

@@ -22,7 +22,9 @@ async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
 }
 
 async fn next(s: &mut MessageStream) -> Option<Result<Bytes, Error>> {
-    tokio::time::timeout(T, s.next()).await.expect("stream stalled")
+    tokio::time::timeout(T, s.next())
+        .await
+        .expect("stream stalled")
 }
 
 #[tokio::test]
@@ -30,7 +32,9 @@ async fn a_finished_stream_yields_none_after_the_last_message() {
     let (_se, _ce, c, s) = pair(Config::default()).await;
     let mut tx = c.open_stream().unwrap();
     for i in 0..10u8 {
-        tx.feed(Bytes::from(vec![i; 1000 + i as usize])).await.unwrap();
+        tx.feed(Bytes::from(vec![i; 1000 + i as usize]))
+            .await
+            .unwrap();
     }
     tx.close().await.unwrap();
     let mut rx = s.accept_stream().await.unwrap();
@@ -38,7 +42,10 @@ async fn a_finished_stream_yields_none_after_the_last_message() {
         let m = next(&mut rx).await.unwrap().unwrap();
         assert_eq!(m, Bytes::from(vec![i; 1000 + i as usize]));
     }
-    assert!(next(&mut rx).await.is_none(), "end of stream after the last message");
+    assert!(
+        next(&mut rx).await.is_none(),
+        "end of stream after the last message"
+    );
     assert!(next(&mut rx).await.is_none(), "and it stays ended");
     // Sending after close is an error, on the Sink and in start_send.
     assert_eq!(
@@ -48,7 +55,10 @@ async fn a_finished_stream_yields_none_after_the_last_message() {
     // A stream finished before any message still reaches the peer, and ends at once.
     let mut empty = c.open_stream().unwrap();
     empty.close().await.unwrap();
-    let mut rx2 = tokio::time::timeout(T, s.accept_stream()).await.unwrap().unwrap();
+    let mut rx2 = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(rx2.id(), empty.id());
     assert!(next(&mut rx2).await.is_none());
 }
@@ -63,7 +73,13 @@ async fn dropping_a_stream_without_close_resets_it() {
     assert_eq!(&next(&mut rx).await.unwrap().unwrap()[..], b"first");
     let end = next(&mut rx).await;
     assert!(
-        matches!(end, Some(Err(Error::StreamReset { code: RESET_ON_DROP, .. }))),
+        matches!(
+            end,
+            Some(Err(Error::StreamReset {
+                code: RESET_ON_DROP,
+                ..
+            }))
+        ),
         "{end:?}"
     );
     assert!(next(&mut rx).await.is_none());
@@ -118,7 +134,10 @@ async fn a_reader_can_stop_the_sender() {
     .await
     .unwrap();
     assert!(
-        matches!(r, Error::StreamStopped { code: 99, .. } | Error::StreamClosed(_)),
+        matches!(
+            r,
+            Error::StreamStopped { code: 99, .. } | Error::StreamClosed(_)
+        ),
         "{r:?}"
     );
     // ...and the reader sees the reset that answers its stop, with the same code.
@@ -128,5 +147,8 @@ async fn a_reader_can_stop_the_sender() {
             other => break other,
         }
     };
-    assert!(matches!(end, Some(Err(Error::StreamReset { code: 99, .. }))), "{end:?}");
+    assert!(
+        matches!(end, Some(Err(Error::StreamReset { code: 99, .. }))),
+        "{end:?}"
+    );
 }

@@ -992,7 +992,11 @@ impl Endpoint {
         };
         self.control.push_back((c.peer, bth, hdrs, c.local_ip));
         self.stats.rejected += 1;
-        self.remove(conn, ConnectionError::Rejected(code), WcStatus::WrFlushError);
+        self.remove(
+            conn,
+            ConnectionError::Rejected(code),
+            WcStatus::WrFlushError,
+        );
         true
     }
 
