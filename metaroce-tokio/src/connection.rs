@@ -307,42 +307,50 @@ impl Connection {
         &self,
         post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
     ) -> Result<WorkCompletion, Error> {
-        let shared = self.shared();
-        let rx = loop {
-            let notified = shared.sq_space.notified();
-            {
-                let mut st = shared.lock();
-                if st.closed {
-                    return Err(Error::EndpointClosed);
-                }
-                if !st.conns.contains_key(&self.inner.handle) {
-                    return Err(self.lost());
-                }
-                let wr_id = st.wr_id();
-                match post(&mut st.core, wr_id) {
-                    Ok(()) => {
-                        let (tx, rx) = oneshot::channel();
-                        st.waiters
-                            .insert((self.inner.handle, wr_id), Waiter::Op(tx));
-                        break rx;
+        // Operations run in the connection's span (qpn, peer).
+        let span = self.inner.span.clone();
+        tracing::Instrument::instrument(
+            async {
+                let shared = self.shared();
+                let rx = loop {
+                    let notified = shared.sq_space.notified();
+                    {
+                        let mut st = shared.lock();
+                        if st.closed {
+                            return Err(Error::EndpointClosed);
+                        }
+                        if !st.conns.contains_key(&self.inner.handle) {
+                            return Err(self.lost());
+                        }
+                        let wr_id = st.wr_id();
+                        match post(&mut st.core, wr_id) {
+                            Ok(()) => {
+                                let (tx, rx) = oneshot::channel();
+                                st.waiters
+                                    .insert((self.inner.handle, wr_id), Waiter::Op(tx));
+                                break rx;
+                            }
+                            Err(PostError::SendQueueFull) => {}
+                            Err(PostError::UnknownConnection) => return Err(self.lost()),
+                            Err(PostError::Closing) => {
+                                return Err(Error::ConnectionLost(ConnectionError::LocallyClosed))
+                            }
+                            Err(e) => return Err(Error::Post(e)),
+                        }
                     }
-                    Err(PostError::SendQueueFull) => {}
-                    Err(PostError::UnknownConnection) => return Err(self.lost()),
-                    Err(PostError::Closing) => {
-                        return Err(Error::ConnectionLost(ConnectionError::LocallyClosed))
-                    }
-                    Err(e) => return Err(Error::Post(e)),
+                    notified.await;
+                };
+                shared.wake_driver.notify_one();
+                let wc = rx.await.map_err(|_| self.lost())?;
+                if wc.status == WcStatus::Success {
+                    Ok(wc)
+                } else {
+                    Err(Error::Completion(wc))
                 }
-            }
-            notified.await;
-        };
-        shared.wake_driver.notify_one();
-        let wc = rx.await.map_err(|_| self.lost())?;
-        if wc.status == WcStatus::Success {
-            Ok(wc)
-        } else {
-            Err(Error::Completion(wc))
-        }
+            },
+            span,
+        )
+        .await
     }
 
     fn write_request(
