@@ -142,6 +142,11 @@ impl State {
     /// supports it).
     pub fn close_conn(&mut self, h: ConnectionHandle, code: u32, reason: &[u8]) {
         let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
+        // A request not accepted yet is refused (with the code): the requester holds no
+        // connection to close.
+        if self.core.refuse_incoming(h, code) {
+            return;
+        }
         let now = std::time::Instant::now();
         if self.core.close_with(now, h, code, reason).is_err() {
             // Not a connection the core can drain (unknown): nothing to close.

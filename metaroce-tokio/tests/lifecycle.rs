@@ -153,3 +153,21 @@ async fn dropping_connecting_abandons_the_attempt() {
     assert_eq!(client.driver_maps().core_connections, 0);
     assert_eq!(client.driver_maps().connections, 0);
 }
+
+#[tokio::test]
+async fn closing_an_endpoint_refuses_requests_it_holds() {
+    let (server, client) = endpoints().await;
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let undecided = server.accept().await.unwrap();
+    server.close(5, b"going away");
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err, ConnectError::Connection(ConnectionError::Rejected(5)));
+    assert!(matches!(
+        undecided.accept(),
+        Err(ConnectError::EndpointClosed)
+    ));
+    tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+}
