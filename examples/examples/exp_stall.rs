@@ -243,9 +243,9 @@ async fn server(a: &Args, addr: SocketAddr) -> Res<()> {
     let cfg = config(a);
     let ep = Endpoint::bind(addr, cfg.clone()).await?;
     eprintln!("exp_stall: listening on {}", ep.local_addr());
-    let conn = ep.accept().await.ok_or("endpoint closed")?;
+    let conn = ep.accept().await.ok_or("endpoint closed")?.accept()?;
     let mut ctrl = conn.accept_stream().await.ok_or("connection closed")?;
-    let hello = ctrl.next().await.ok_or("control stream ended")?;
+    let hello = ctrl.next().await.ok_or("control stream ended")??;
     let len: usize = std::str::from_utf8(&hello)?.trim().parse()?;
     let region = ep.alloc(
         len,
@@ -260,7 +260,7 @@ async fn server(a: &Args, addr: SocketAddr) -> Res<()> {
     let doc = json!({
         "role": "server",
         "config": knobs(&cfg),
-        "client_done": done.is_some(),
+        "client_done": matches!(done, Some(Ok(_))),
         "sched": probe.finish(0.0),
         "stats": st.as_ref().map(stats_json),
     });
@@ -300,11 +300,11 @@ async fn sampler(
 async fn client(a: &Args, addr: SocketAddr) -> Res<i32> {
     let cfg = config(a);
     let ep = Endpoint::bind(a.bind, cfg.clone()).await?;
-    let conn = ep.connect(addr).await?;
+    let conn = ep.connect(addr)?.await?;
     let (mut tx, mut rx) = conn.open_stream()?.split();
     let region_len = a.size * a.slots;
     tx.send(Bytes::from(region_len.to_string())).await?;
-    let desc = rx.next().await.ok_or("control stream ended")?;
+    let desc = rx.next().await.ok_or("control stream ended")??;
     let remote = RemoteRegion::from_bytes(&desc).ok_or("bad region descriptor")?;
     let source = ep.register((0..region_len).map(pattern).collect(), Access::LOCAL_WRITE);
 

@@ -21,9 +21,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     // The memory owner: exposes a region, waits to be told it was written, checks it.
     let owner = tokio::spawn(async move {
-        let conn = server.accept().await.ok_or("endpoint closed")?;
+        let conn = server.accept().await.ok_or("endpoint closed")?.accept()?;
         let mut stream = conn.accept_stream().await.ok_or("connection closed")?;
-        let hello = stream.next().await.ok_or("stream ended")?;
+        let hello = stream.next().await.ok_or("stream ended")??;
         println!("owner: got {:?}", String::from_utf8_lossy(&hello));
 
         let region = server.alloc(LEN, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
@@ -31,7 +31,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             .send(Bytes::copy_from_slice(&region.remote().to_bytes()))
             .await?;
 
-        let note = stream.next().await.ok_or("stream ended")?;
+        let note = stream.next().await.ok_or("stream ended")??;
         assert_eq!(&note[..], b"written");
         // The writer's completion means every byte landed before it sent "written".
         let bad = region.with_bytes(|b| {
@@ -49,10 +49,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     // The writer: asks for a region, WRITEs into it, says so.
     let client = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
-    let conn = client.connect(addr).await?;
+    let conn = client.connect(addr)?.await?;
     let (mut tx, mut rx) = conn.open_stream()?.split();
     tx.send(Bytes::from_static(b"hello, may I write?")).await?;
-    let desc = rx.next().await.ok_or("stream ended")?;
+    let desc = rx.next().await.ok_or("stream ended")??;
     let remote = RemoteRegion::from_bytes(&desc).ok_or("bad region descriptor")?;
     println!(
         "writer: peer region at {:#x}, {} bytes, rkey {:#x}",
@@ -66,7 +66,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         wc.byte_len, wc.status
     );
     tx.send(Bytes::from_static(b"written")).await?;
-    let verdict = rx.next().await.ok_or("stream ended")?;
+    let verdict = rx.next().await.ok_or("stream ended")??;
     println!("writer: owner says {:?}", String::from_utf8_lossy(&verdict));
 
     if !owner.await?? {

@@ -9,57 +9,66 @@ use metaroce::{
     AtomicOp, AtomicRequest, ConnectionError, ConnectionHandle, ConnectionStats, PostError,
     ReadRequest, RecvRequest, WcStatus, WorkCompletion, WriteRequest,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{oneshot, watch, Notify};
 
-/// Per-connection routing state kept by the driver.
-///
-/// Channels carry ids, not handles, so that nothing the driver holds keeps the endpoint
-/// alive: user handles are built on the user's side.
-pub(crate) struct ConnEntry {
-    pub streams: HashMap<u32, StreamEntry>,
-    pub accept_tx: Option<mpsc::UnboundedSender<u32>>,
-    pub imm_tx: Option<mpsc::UnboundedSender<(u32, u32)>>,
-    pub lost: Option<ConnectionError>,
-    pub next_stream: u32,
-    /// Receivers of an accepted connection, until `Endpoint::accept` takes them.
-    pub user: Option<UserReceivers>,
-    /// Messages that landed in the buffer of a `recv_into` whose future was dropped
-    /// (`Connection::take_cancelled_recv`); at most one per posted receive.
-    pub cancelled_recvs: std::collections::VecDeque<CancelledRecv>,
+/// What the driver and the user handles of one connection share: why it ended, and the
+/// signals for peer-opened streams and WRITE-with-immediate notifications. Holds nothing
+/// that keeps the endpoint alive.
+#[derive(Debug)]
+pub(crate) struct ConnSignals {
+    /// `None` while the connection lives; the reason once it ended.
+    pub status: watch::Sender<Option<ConnectionError>>,
+    /// Notified when a peer-opened stream or an immediate is queued, or the connection ends.
+    pub queued: Notify,
 }
 
-/// The receivers a user handle owns: peer-opened stream ids and WRITE-with-immediate
-/// notifications `(imm, byte_len)`.
-pub(crate) type UserReceivers = (
-    mpsc::UnboundedReceiver<u32>,
-    mpsc::UnboundedReceiver<(u32, u32)>,
-);
+impl ConnSignals {
+    pub fn reason(&self) -> Option<ConnectionError> {
+        self.status.borrow().clone()
+    }
+}
+
+/// Per-connection routing state kept by the driver; removed (with everything in it) when
+/// the connection ends.
+pub(crate) struct ConnEntry {
+    pub streams: HashMap<u32, StreamEntry>,
+    /// Peer-opened streams not yet taken by `accept_stream` (ids; at most the core's
+    /// `max_streams`, each id once).
+    pub accept_queue: VecDeque<u32>,
+    /// WRITE-with-immediate notifications `(imm, byte_len)` not yet taken by `recv_imm`
+    /// (8 bytes each; no data).
+    pub imm_queue: VecDeque<(u32, u32)>,
+    pub signals: Arc<ConnSignals>,
+    pub next_stream: u32,
+    /// Messages that landed in the buffer of a `recv_into` whose future was dropped
+    /// (`Connection::take_cancelled_recv`); at most one per posted receive.
+    pub cancelled_recvs: VecDeque<CancelledRecv>,
+}
 
 impl ConnEntry {
-    /// A routing entry; its receivers wait in `user` for [`Connection::from_entry`].
     pub fn new() -> ConnEntry {
-        let (accept_tx, accept_rx) = mpsc::unbounded_channel();
-        let (imm_tx, imm_rx) = mpsc::unbounded_channel();
         ConnEntry {
             streams: HashMap::new(),
-            accept_tx: Some(accept_tx),
-            imm_tx: Some(imm_tx),
-            lost: None,
+            accept_queue: VecDeque::new(),
+            imm_queue: VecDeque::new(),
+            signals: Arc::new(ConnSignals {
+                status: watch::Sender::new(None),
+                queued: Notify::new(),
+            }),
             next_stream: 0,
-            user: Some((accept_rx, imm_rx)),
-            cancelled_recvs: std::collections::VecDeque::new(),
+            cancelled_recvs: VecDeque::new(),
         }
     }
 
-    /// The connection ended: end every stream and waiter.
+    /// The connection ended: record why, end every stream and wake every waiter. The
+    /// caller removes the entry.
     pub fn on_lost(&mut self, reason: ConnectionError) {
-        self.lost = Some(reason.clone());
-        self.accept_tx = None;
-        self.imm_tx = None;
+        self.signals.status.send_replace(Some(reason.clone()));
+        self.signals.queued.notify_waiters();
         for s in self.streams.values_mut() {
             s.close(Error::ConnectionLost(reason.clone()));
         }
@@ -203,15 +212,51 @@ impl Drop for PendingOp<'_> {
     }
 }
 
-struct ConnInner {
-    ep: Arc<EndpointRef>,
-    handle: ConnectionHandle,
-    accept_rx: Mutex<mpsc::UnboundedReceiver<u32>>,
-    imm_rx: Mutex<mpsc::UnboundedReceiver<(u32, u32)>>,
+pub(crate) struct ConnInner {
+    pub ep: Arc<EndpointRef>,
+    pub handle: ConnectionHandle,
+    pub signals: Arc<ConnSignals>,
+    pub peer: Option<SocketAddr>,
+    pub span: tracing::Span,
+}
+
+impl Drop for ConnInner {
+    /// The last handle (connection or stream) is gone: close the connection (code 0).
+    fn drop(&mut self) {
+        if self.signals.reason().is_none() {
+            let shared = &self.ep.shared;
+            let mut st = shared.lock();
+            if st.conns.contains_key(&self.handle) {
+                st.close_conn(self.handle, 0, b"");
+                drop(st);
+                shared.wake_driver.notify_one();
+            }
+        }
+    }
 }
 
 /// A connection to one peer. Cheap to clone. It carries any number of independent ordered
 /// [`MessageStream`]s and one-sided RDMA operations, sprayed over the connection's paths.
+///
+/// The connection lives while any clone of it or any of its [`MessageStream`]s exists;
+/// dropping the last one closes it (code 0). [`close`](Self::close) closes it with a code
+/// and reason the peer's [`closed`](Self::closed) reports.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use metaroce_tokio::{Config, Endpoint};
+/// let server = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// let client = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// let connecting = client.connect(server.local_addr())?;
+/// let peer = server.accept().await.unwrap().accept()?;
+/// let conn = connecting.await?;
+/// println!("connected to {:?}, local {}", conn.remote_addr(), conn.handle());
+/// drop(conn); // the last handle: the connection closes
+/// let why = peer.closed().await;
+/// println!("peer saw: {why}");
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Connection {
     inner: Arc<ConnInner>,
@@ -221,30 +266,42 @@ impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Connection")
             .field("handle", &self.inner.handle)
+            .field("peer", &self.inner.peer)
             .finish()
     }
 }
 
 impl Connection {
-    /// The user handle of a connection whose entry still holds its receivers.
-    pub(crate) fn from_entry(
+    pub(crate) fn new(
         ep: Arc<EndpointRef>,
         handle: ConnectionHandle,
-        entry: &mut ConnEntry,
-    ) -> Option<Connection> {
-        let (accept_rx, imm_rx) = entry.user.take()?;
-        Some(Connection {
+        signals: Arc<ConnSignals>,
+        peer: Option<SocketAddr>,
+    ) -> Connection {
+        let span = tracing::debug_span!(
+            parent: &ep.shared.span,
+            "connection",
+            qpn = handle.0,
+            peer = ?peer
+        );
+        Connection {
             inner: Arc::new(ConnInner {
                 ep,
                 handle,
-                accept_rx: Mutex::new(accept_rx),
-                imm_rx: Mutex::new(imm_rx),
+                signals,
+                peer,
+                span,
             }),
-        })
+        }
     }
 
     fn shared(&self) -> &Arc<Shared> {
         &self.inner.ep.shared
+    }
+
+    /// The tracing span of this connection (fields `qpn`, `peer`; child of the endpoint's).
+    pub fn span(&self) -> &tracing::Span {
+        &self.inner.span
     }
 
     /// The core's handle (the local QPN).
@@ -261,10 +318,13 @@ impl Connection {
 
     /// The peer's address.
     pub fn remote_addr(&self) -> Option<SocketAddr> {
-        self.shared().lock().core.peer_addr(self.inner.handle)
+        self.inner
+            .peer
+            .or_else(|| self.shared().lock().core.peer_addr(self.inner.handle))
     }
 
-    /// Counters and per-path state (RTT, window, retransmissions, ECN marks).
+    /// Counters and per-path state (RTT, window, retransmissions, ECN marks); `None` once
+    /// the connection ended.
     pub fn stats(&self) -> Option<ConnectionStats> {
         self.shared()
             .lock()
@@ -274,25 +334,42 @@ impl Connection {
 
     /// Why the connection ended, if it has.
     pub fn close_reason(&self) -> Option<ConnectionError> {
-        let st = self.shared().lock();
-        match st.conns.get(&self.inner.handle) {
-            Some(e) => e.lost.clone(),
-            None => Some(ConnectionError::LocallyClosed),
+        self.inner.signals.reason()
+    }
+
+    /// Wait until the connection ends, and say why: closed here
+    /// (`LocallyClosed`), closed by the peer (with its code and reason), idle timeout,
+    /// retry exceeded.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only observes.
+    pub async fn closed(&self) -> ConnectionError {
+        let mut rx = self.inner.signals.status.subscribe();
+        let r = match rx.wait_for(Option::is_some).await {
+            Ok(r) => r.clone().unwrap_or(ConnectionError::LocallyClosed),
+            Err(_) => ConnectionError::LocallyClosed,
+        };
+        r
+    }
+
+    fn lost(&self) -> Error {
+        match self.inner.signals.reason() {
+            Some(r) => Error::ConnectionLost(r),
+            None => Error::EndpointClosed,
         }
     }
 
     /// Open a new stream with an id of this side's parity (the connecting side uses even
     /// ids, the accepting side odd ones, so the two never collide).
+    ///
+    /// # Errors
+    /// [`Error::ConnectionLost`] once the connection ended.
     pub fn open_stream(&self) -> Result<MessageStream, Error> {
         let mut st = self.shared().lock();
         let parity = u32::from(!st.core.is_client(self.inner.handle));
-        let entry = st
-            .conns
-            .get_mut(&self.inner.handle)
-            .ok_or(Error::EndpointClosed)?;
-        if let Some(r) = entry.lost.clone() {
-            return Err(Error::ConnectionLost(r));
-        }
+        let Some(entry) = st.conns.get_mut(&self.inner.handle) else {
+            return Err(self.lost());
+        };
         loop {
             let id = entry.next_stream * 2 + parity;
             entry.next_stream += 1;
@@ -304,68 +381,80 @@ impl Connection {
     }
 
     /// Open the stream with a given id (for ids both sides agree on, such as a
-    /// communicator id). Errors with [`Error::StreamInUse`] if it is open already
-    /// (including when the peer opened it first: take it from
-    /// [`accept_stream`](Self::accept_stream)).
+    /// communicator id).
+    ///
+    /// # Errors
+    /// [`Error::StreamInUse`] if it is open already (including when the peer opened it
+    /// first: take it from [`accept_stream`](Self::accept_stream));
+    /// [`Error::ConnectionLost`] once the connection ended.
     pub fn stream(&self, id: u32) -> Result<MessageStream, Error> {
         let mut st = self.shared().lock();
-        let entry = st
-            .conns
-            .get_mut(&self.inner.handle)
-            .ok_or(Error::EndpointClosed)?;
-        if let Some(r) = entry.lost.clone() {
-            return Err(Error::ConnectionLost(r));
-        }
+        let Some(entry) = st.conns.get_mut(&self.inner.handle) else {
+            return Err(self.lost());
+        };
         if entry.streams.contains_key(&id) {
             return Err(Error::StreamInUse(id));
         }
-        let (e, rx) = StreamEntry::new();
+        let (e, rx) = StreamEntry::new(false);
         entry.streams.insert(id, e);
-        Ok(MessageStream::new(
-            self.inner.ep.clone(),
-            self.inner.handle,
-            id,
-            rx,
-        ))
+        Ok(MessageStream::new(self.inner.clone(), id, rx))
     }
 
     /// The next stream the peer opened (its first message is waiting in it); `None` once
     /// the connection has ended.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a stream is taken from the queue only when this resolves.
     pub async fn accept_stream(&self) -> Option<MessageStream> {
+        let sig = self.inner.signals.clone();
         loop {
-            let id = self.inner.accept_rx.lock().await.recv().await?;
-            let mut st = self.shared().lock();
-            let Some(rx) = st
-                .conns
-                .get_mut(&self.inner.handle)
-                .and_then(|e| e.streams.get_mut(&id))
-                .and_then(|s| s.pending_rx.take())
-            else {
-                continue;
-            };
-            return Some(MessageStream::new(
-                self.inner.ep.clone(),
-                self.inner.handle,
-                id,
-                rx,
-            ));
+            let notified = sig.queued.notified();
+            {
+                let mut st = self.shared().lock();
+                let entry = st.conns.get_mut(&self.inner.handle)?;
+                while let Some(id) = entry.accept_queue.pop_front() {
+                    if let Some(rx) = entry.streams.get_mut(&id).and_then(|s| s.pending_rx.take()) {
+                        return Some(MessageStream::new(self.inner.clone(), id, rx));
+                    }
+                }
+            }
+            notified.await;
         }
     }
 
     /// The next RDMA WRITE with immediate that landed in this endpoint's memory from this
     /// peer: `(imm, byte_len)`. Every byte of it is visible in the target region when this
     /// resolves. `None` once the connection has ended.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a notification is taken from the queue only when this resolves.
     pub async fn recv_imm(&self) -> Option<(u32, u32)> {
-        self.inner.imm_rx.lock().await.recv().await
+        let sig = self.inner.signals.clone();
+        loop {
+            let notified = sig.queued.notified();
+            {
+                let mut st = self.shared().lock();
+                let entry = st.conns.get_mut(&self.inner.handle)?;
+                if let Some(v) = entry.imm_queue.pop_front() {
+                    return Some(v);
+                }
+            }
+            notified.await;
+        }
     }
 
-    /// Post an operation and wait for its completion. Dropping the future after the post
-    /// cancels the operation (see [`PendingOp`]).
+    /// Post an operation and wait for its completion, in the connection's span (qpn,
+    /// peer). Dropping the future after the post cancels the operation (see [`PendingOp`]).
     async fn run_op(
         &self,
         post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
     ) -> Result<WorkCompletion, Error> {
-        self.post_op(post, None, None).await?.wait().await
+        let span = self.inner.span.clone();
+        tracing::Instrument::instrument(
+            async { self.post_op(post, None, None).await?.wait().await },
+            span,
+        )
+        .await
     }
 
     /// Post an operation; the returned [`PendingOp`] waits for (or, dropped, cancels) it.
@@ -383,12 +472,8 @@ impl Connection {
                 if st.closed {
                     return Err(Error::EndpointClosed);
                 }
-                if let Some(r) = st
-                    .conns
-                    .get(&self.inner.handle)
-                    .and_then(|e| e.lost.clone())
-                {
-                    return Err(Error::ConnectionLost(r));
+                if !st.conns.contains_key(&self.inner.handle) {
+                    return Err(self.lost());
                 }
                 let wr_id = st.wr_id();
                 match post(&mut st.core, wr_id) {
@@ -399,13 +484,9 @@ impl Connection {
                         break (wr_id, rx);
                     }
                     Err(PostError::SendQueueFull) => {}
-                    Err(PostError::UnknownConnection) => {
-                        return Err(Error::ConnectionLost(
-                            st.conns
-                                .get(&self.inner.handle)
-                                .and_then(|e| e.lost.clone())
-                                .unwrap_or(ConnectionError::LocallyClosed),
-                        ))
+                    Err(PostError::UnknownConnection) => return Err(self.lost()),
+                    Err(PostError::Closing) => {
+                        return Err(Error::ConnectionLost(ConnectionError::LocallyClosed))
                     }
                     Err(e) => return Err(Error::Post(e)),
                 }
@@ -719,25 +800,36 @@ impl Connection {
     /// Send one message on stream `stream` and wait for its completion (all packets
     /// acknowledged). [`MessageStream`]'s `Sink` is the pipelined way to send.
     ///
+    /// `data` is not copied: the connection keeps this reference-counted [`bytes::Bytes`]
+    /// (immutable, so later changes to the caller's buffers cannot reach it) until the
+    /// message is acknowledged.
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the core refuses it (too large, not connected),
+    /// [`Error::Completion`] for a failed completion (RNR retry exceeded, flushed),
+    /// [`Error::ConnectionLost`] once the connection ended.
+    ///
+    /// # Cancel safety
     /// Posted at the future's first poll (with the send queue full, at the first poll that
-    /// finds room); dropping the future after that does **not** cancel the SEND — it is
-    /// still delivered, only its work completion is discarded. `data` is not copied: the
-    /// connection keeps this reference-counted [`bytes::Bytes`] (immutable, so later
-    /// changes to the caller's buffers cannot reach it) until the message is acknowledged.
+    /// finds room); dropping the future before that posts nothing, dropping it after that
+    /// does **not** cancel the SEND — it is still delivered, only its work completion is
+    /// discarded.
     pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
         let h = self.inner.handle;
         self.run_op(move |core, wr_id| core.post_send(h, stream, wr_id, data.clone()))
             .await
     }
 
-    /// Close the connection now: pending operations fail with `WrFlushError`, the peer is
-    /// told.
-    pub fn close(&self) {
+    /// Close the connection gracefully with an application `code` and `reason` (at most
+    /// [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON) bytes are sent; longer reasons are
+    /// cut): new operations fail at once with `ConnectionLost(LocallyClosed)`, operations
+    /// already posted drain for at most `transport.close_timeout` (default 2 s) and then
+    /// fail with `WrFlushError`; the peer's handles end with
+    /// `ClosedByPeer { code, reason }`, this side's with `LocallyClosed`
+    /// ([`closed`](Self::closed) resolves once the drain is over).
+    pub fn close(&self, code: u32, reason: &[u8]) {
         let shared = self.shared();
-        shared
-            .lock()
-            .core
-            .close(std::time::Instant::now(), self.inner.handle);
+        shared.lock().close_conn(self.inner.handle, code, reason);
         shared.wake_driver.notify_one();
     }
 }

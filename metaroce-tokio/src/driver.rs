@@ -5,7 +5,7 @@ use crate::backend::RecvMeta;
 use crate::connection::ConnEntry;
 use crate::endpoint::{Shared, State, Waiter};
 use crate::error::Error;
-use crate::stream::StreamEntry;
+use crate::stream::{lock_rx, RxEnd, StreamEntry};
 use metaroce::{Event, Transmit, WcStatus};
 use std::future::poll_fn;
 use std::io::IoSliceMut;
@@ -77,7 +77,19 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                     }
                 }
                 dispatch(&mut st, &shared);
-                if st.closed && out.is_empty() && ip_out.is_empty() {
+                // Wake `wait_idle` when the last connection and pending CLOSE are gone.
+                let t = st.core.table_sizes();
+                let now_idle = st.conns.is_empty() && t.connections == 0 && t.closers == 0;
+                if now_idle {
+                    shared.idle.notify_waiters();
+                }
+                if st.drained() && out.is_empty() && ip_out.is_empty() {
+                    drop(st);
+                    shared
+                        .stopped
+                        .store(true, std::sync::atomic::Ordering::Release);
+                    shared.idle.notify_waiters();
+                    tracing::debug!("driver stopped");
                     return;
                 }
                 deadline = st.core.poll_timeout();
@@ -185,23 +197,36 @@ fn dispatch(st: &mut State, shared: &Shared) {
     while let Some(ev) = st.core.poll_event() {
         match ev {
             Event::Connected(h) => {
+                tracing::debug!(conn = %h, "connected");
                 if let Some(tx) = st.connecting.remove(&h) {
                     let _ = tx.send(Ok(()));
                 }
             }
             Event::Incoming(h) => {
-                st.conns.insert(h, ConnEntry::new());
-                if let Some(tx) = &st.incoming {
-                    let _ = tx.send(h);
+                // The core holds the request (manual accept) until `Incoming::accept`.
+                let queued = !st.closed
+                    && st
+                        .incoming
+                        .as_ref()
+                        .is_some_and(|tx| tx.try_send(h).is_ok());
+                if queued {
+                    st.conns.insert(h, ConnEntry::new());
+                } else {
+                    tracing::debug!(conn = %h, "connection request refused: accept queue full");
+                    st.core.refuse_incoming(h, crate::endpoint::REFUSED_BUSY);
                 }
             }
             Event::ConnectionLost { conn, reason } => {
+                tracing::debug!(%conn, %reason, "connection ended");
                 if let Some(tx) = st.connecting.remove(&conn) {
                     let _ = tx.send(Err(reason.clone()));
                 }
-                if let Some(e) = st.conns.get_mut(&conn) {
+                if let Some(mut e) = st.conns.remove(&conn) {
                     e.on_lost(reason);
                 }
+                // Completions of every operation were reported before this event; a waiter
+                // left over would never resolve.
+                st.waiters.retain(|(c, _), _| *c != conn);
                 freed = true;
             }
             Event::RecvCompletion { conn, wc, .. } => match st.waiters.remove(&(conn, wc.wr_id)) {
@@ -223,29 +248,47 @@ fn dispatch(st: &mut State, shared: &Shared) {
                         crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
                     }
                     Some(Waiter::Stream(id)) => {
+                        let pending = st.core.stream_send_pending(conn, id);
                         if let Some(s) =
                             st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id))
                         {
                             let err =
                                 (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
-                            s.on_completion(err);
+                            s.on_completion(err, pending);
                         }
                     }
                     None => {}
                 }
             }
             Event::Message { conn, stream, data } => {
-                let Some(c) = st.conns.get_mut(&conn) else {
-                    continue;
-                };
-                let entry = c.streams.entry(stream).or_insert_with(|| {
-                    if let Some(tx) = &c.accept_tx {
-                        let _ = tx.send(stream);
+                let discard = stream_entry(st, conn, stream).and_then(|e| e.deliver(data));
+                if let Some(n) = discard {
+                    st.core.stream_consumed(conn, stream, n);
+                }
+            }
+            Event::StreamFinished { conn, stream } => {
+                tracing::trace!(%conn, stream, "stream finished by the peer");
+                if let Some(e) = stream_entry(st, conn, stream) {
+                    lock_rx(&e.rx).end(RxEnd::Finished);
+                }
+            }
+            Event::StreamReset { conn, stream, code } => {
+                tracing::debug!(%conn, stream, code, "stream reset by the peer");
+                if let Some(e) = stream_entry(st, conn, stream) {
+                    lock_rx(&e.rx).end(RxEnd::Error(Error::StreamReset { stream, code }));
+                }
+            }
+            Event::StreamStopped { conn, stream, code } => {
+                tracing::debug!(%conn, stream, code, "stream stopped by the peer");
+                if let Some(e) = st
+                    .conns
+                    .get_mut(&conn)
+                    .and_then(|c| c.streams.get_mut(&stream))
+                {
+                    e.error = Some(Error::StreamStopped { stream, code });
+                    if let Some(w) = e.waker.take() {
+                        w.wake();
                     }
-                    StreamEntry::incoming()
-                });
-                if let Some(tx) = &entry.tx {
-                    let _ = tx.send(data);
                 }
             }
             Event::WriteWithImm {
@@ -253,8 +296,9 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 imm,
                 byte_len,
             } => {
-                if let Some(tx) = st.conns.get(&conn).and_then(|c| c.imm_tx.as_ref()) {
-                    let _ = tx.send((imm, byte_len));
+                if let Some(c) = st.conns.get_mut(&conn) {
+                    c.imm_queue.push_back((imm, byte_len));
+                    c.signals.queued.notify_waiters();
                 }
             }
             Event::Rc(ev) => st.rc.on_event(ev),
@@ -264,4 +308,19 @@ fn dispatch(st: &mut State, shared: &Shared) {
     if freed {
         shared.sq_space.notify_waiters();
     }
+}
+
+/// The routing entry of `stream`, created (and announced to `accept_stream`) if the peer
+/// opened it; `None` if the connection is gone.
+fn stream_entry(
+    st: &mut State,
+    conn: metaroce::ConnectionHandle,
+    stream: u32,
+) -> Option<&mut StreamEntry> {
+    let c = st.conns.get_mut(&conn)?;
+    Some(c.streams.entry(stream).or_insert_with(|| {
+        c.accept_queue.push_back(stream);
+        c.signals.queued.notify_waiters();
+        StreamEntry::new(true).0
+    }))
 }

@@ -4,31 +4,55 @@
 use crate::backend::{DatagramBackend, UdpBackend, UdpConfig};
 use crate::connection::{ConnEntry, Connection};
 use crate::driver;
-use crate::error::ConnectError;
+use crate::error::{ConfigError, ConnectError};
 use crate::mr::MemoryRegion;
 use metaroce::{
     Access, ConnectionError, ConnectionHandle, EndpointConfig, EndpointStats, TransportConfig,
     WorkCompletion,
 };
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Configuration of an async [`Endpoint`].
+///
+/// Receive buffering is bounded by the core's limits, which this crate turns into
+/// backpressure (`transport.explicit_consume` is always on): a stream holds at most
+/// `transport.max_stream_recv_bytes` (default 16 MiB) of received messages its reader has
+/// not taken — including a stream nobody accepted — and a connection at most
+/// `transport.max_recv_buffer_bytes` (default 256 MiB); beyond that the peer's SENDs are
+/// held back by flow-control RNR NAKs (its `poll_ready` waits) until the reader catches
+/// up. Nothing is dropped.
+///
+/// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
+/// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
+/// closed, and a dead peer is reported within 10 s on every handle (pending operations
+/// fail, streams yield `ConnectionLost(IdleTimeout)`, `closed()` resolves). In a data centre an RTT is tens of microseconds and a
+/// retransmission timeout milliseconds, so ten seconds of silence on a connection that the
+/// peer keeps alive is not congestion but a dead peer, a dead host or a partitioned network;
+/// and ten seconds is long enough that a peer paused by a debugger or a long GC does not
+/// lose its connections. Set it to `None` to keep idle connections forever.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Transport parameters (paths, path MTU, limits, congestion control) of every
-    /// connection. `transport.paths` is also the number of path sockets bound.
+    /// Transport parameters (paths, path MTU, limits, congestion control, idle timeout) of
+    /// every connection. `transport.paths` is also the number of path sockets bound.
     pub transport: TransportConfig,
     /// Seed of the core's reproducible RNG (QPNs, initial PSNs); `None` (the default) takes
     /// one from the operating system (`getrandom`). Set it only for reproducible runs. The
     /// core's secret seed (connection nonces and tokens, retry cookies, rkeys, region
     /// addresses) is always taken from the operating system (issue #9).
     pub seed: Option<u64>,
-    /// Accept connection requests from peers. Default `true`.
+    /// Accept connection requests from peers (they are offered by [`Endpoint::accept`]).
+    /// With `false` they are rejected by the core with code 1. Default `true`.
     pub accept_incoming: bool,
+    /// Most connection requests waiting for [`Endpoint::accept`] at once; further ones are
+    /// refused with [`REFUSED_BUSY`]. Default 1024.
+    pub max_pending_incoming: usize,
     /// Most connections at once. Default 65 536.
     pub max_connections: usize,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
@@ -39,19 +63,55 @@ pub struct Config {
     /// Most messages a [`MessageStream`](crate::MessageStream) sink has in flight (posted,
     /// not yet acknowledged) before `poll_ready` waits. Default 256.
     pub max_stream_in_flight: usize,
+    /// Bytes one [`MessageStream`](crate::MessageStream) sink has posted and not yet
+    /// acknowledged before `poll_ready` waits. Default 16 MiB.
+    pub stream_send_buffer: usize,
 }
+
+/// Default idle timeout of [`Config::default`]: 10 s (see [`Config`]).
+pub const DEFAULT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The code an [`Incoming`] dropped without a decision, or one beyond
+/// [`Config::max_pending_incoming`], is refused with.
+pub const REFUSED_BUSY: u32 = 2;
 
 impl Default for Config {
     fn default() -> Self {
         Self {
-            transport: TransportConfig::default(),
+            transport: TransportConfig {
+                idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+                ..TransportConfig::default()
+            },
             seed: None,
             accept_incoming: true,
+            max_pending_incoming: 1024,
             max_connections: 65_536,
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
+            stream_send_buffer: 16 << 20,
         }
+    }
+}
+
+impl Config {
+    /// Check the configuration as [`Endpoint::bind`] will.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the first invalid field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.transport.validate().map_err(ConfigError::Transport)?;
+        for (name, v) in [
+            ("max_pending_incoming", self.max_pending_incoming),
+            ("max_connections", self.max_connections),
+            ("max_stream_in_flight", self.max_stream_in_flight),
+            ("stream_send_buffer", self.stream_send_buffer),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero(name));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -70,11 +130,14 @@ pub(crate) enum Waiter {
 
 pub(crate) struct State {
     pub core: metaroce::Endpoint,
+    /// Routing entry of every live connection; removed when the connection ends.
     pub conns: HashMap<ConnectionHandle, ConnEntry>,
     pub connecting: HashMap<ConnectionHandle, oneshot::Sender<Result<(), ConnectionError>>>,
     pub waiters: HashMap<(ConnectionHandle, u64), Waiter>,
     pub next_wr_id: u64,
-    pub incoming: Option<mpsc::UnboundedSender<ConnectionHandle>>,
+    /// Connection requests for `Endpoint::accept` (handles only: bounded by
+    /// `max_pending_incoming`).
+    pub incoming: Option<mpsc::Sender<ConnectionHandle>>,
     pub closed: bool,
     /// Completion routing of the RC queue pairs (`Endpoint::create_rc_qp`).
     pub rc: crate::rocev2::RcSide,
@@ -85,6 +148,56 @@ impl State {
         self.next_wr_id += 1;
         self.next_wr_id
     }
+
+    /// Close a connection with an application code and reason (graceful where the core
+    /// supports it).
+    pub fn close_conn(&mut self, h: ConnectionHandle, code: u32, reason: &[u8]) {
+        let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
+        // A request not accepted yet is refused (with the code): the requester holds no
+        // connection to close.
+        if self.core.refuse_incoming(h, code) {
+            return;
+        }
+        let now = std::time::Instant::now();
+        if self.core.close_with(now, h, code, reason).is_err() {
+            // Not a connection the core can drain (unknown): nothing to close.
+            let _ = self.core.abort(now, h, code, reason);
+        }
+    }
+
+    /// Whether the driver may stop: closed, and every connection and pending CLOSE gone.
+    pub fn drained(&self) -> bool {
+        let t = self.core.table_sizes();
+        self.closed && t.connections == 0 && t.closers == 0
+    }
+
+    /// Sizes of the driver's per-connection maps (for leak tests).
+    pub fn map_sizes(&self) -> DriverMaps {
+        DriverMaps {
+            connections: self.conns.len(),
+            connecting: self.connecting.len(),
+            waiters: self.waiters.len(),
+            core_connections: self.core.connections().count(),
+            core: self.core.table_sizes(),
+        }
+    }
+}
+
+/// Sizes of the driver's per-connection structures, from [`Endpoint::driver_maps`]: all
+/// are zero on an endpoint with no connection and no operation in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DriverMaps {
+    /// Routing entries of live connections.
+    pub connections: usize,
+    /// Connection attempts waiting for the handshake.
+    pub connecting: usize,
+    /// Posted operations waiting for their completion.
+    pub waiters: usize,
+    /// Connections the core holds (including ones draining after a close).
+    pub core_connections: usize,
+    /// The core's per-connection tables (timers, indexes, CLOSEs awaiting an answer).
+    pub core: metaroce::TableSizes,
 }
 
 /// State shared by the driver task and every handle.
@@ -94,13 +207,18 @@ pub(crate) struct Shared {
     pub wake_driver: Notify,
     /// Signalled when send-queue space frees up (completions).
     pub sq_space: Notify,
+    /// Signalled when the last connection ends or the driver stops.
+    pub idle: Notify,
     pub backend: Arc<dyn DatagramBackend>,
     /// Whole-IP-packet backend of native RoCEv2 QPs, if any (`Endpoint::with_rocev2`).
     pub ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
     pub id: u64,
     pub cfg: Config,
-    /// Accepted connections waiting for `Endpoint::accept`.
-    pub incoming_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<ConnectionHandle>>,
+    /// Connection requests waiting for `Endpoint::accept`.
+    pub incoming_rx: tokio::sync::Mutex<mpsc::Receiver<ConnectionHandle>>,
+    /// The driver task returned.
+    pub stopped: std::sync::atomic::AtomicBool,
+    pub span: tracing::Span,
 }
 
 impl Shared {
@@ -121,7 +239,8 @@ impl std::fmt::Debug for Shared {
 }
 
 /// Keeps the driver running while any user handle (endpoint, connection, region, stream)
-/// exists; the last one dropped stops it.
+/// exists; the last one dropped closes every connection (the peers are sent CLOSE before
+/// the driver stops) and stops it.
 #[derive(Debug)]
 pub(crate) struct EndpointRef {
     pub shared: Arc<Shared>,
@@ -129,7 +248,13 @@ pub(crate) struct EndpointRef {
 
 impl Drop for EndpointRef {
     fn drop(&mut self) {
-        self.shared.lock().closed = true;
+        let mut st = self.shared.lock();
+        let handles: Vec<_> = st.core.connections().collect();
+        for h in handles {
+            st.close_conn(h, 0, b"");
+        }
+        st.closed = true;
+        drop(st);
         self.shared.wake_driver.notify_one();
     }
 }
@@ -137,9 +262,31 @@ impl Drop for EndpointRef {
 static NEXT_ENDPOINT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A MetaRoCE endpoint bound to a local address: connects to peers, accepts their
-/// connections, owns registered memory regions. Cheap to clone; the driver task stops when
-/// the last endpoint, connection, region and stream handle is dropped, or on
-/// [`close`](Self::close).
+/// connections, owns registered memory regions. Cheap to clone.
+///
+/// Lifecycle (as in quinn): [`connect`](Self::connect) returns a [`Connecting`] future;
+/// [`accept`](Self::accept) yields [`Incoming`] requests to accept or refuse;
+/// [`close`](Self::close) closes every connection with a code the peers see;
+/// [`wait_idle`](Self::wait_idle) waits until they are gone. When the last endpoint,
+/// connection, region and stream handle is dropped, every connection is closed (code 0)
+/// — the peers are sent CLOSE — and the driver task stops.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use metaroce_tokio::{Config, Endpoint};
+/// let server = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// let client = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// let connecting = client.connect(server.local_addr())?;
+/// let incoming = server.accept().await.expect("a request");
+/// let peer = incoming.accept()?;
+/// let conn = connecting.await?;
+/// conn.close(7, b"done");
+/// let why = peer.closed().await;
+/// println!("{why}");
+/// client.wait_idle().await;
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Endpoint {
     pub(crate) inner: Arc<EndpointRef>,
@@ -148,12 +295,17 @@ pub struct Endpoint {
 impl Endpoint {
     /// Bind a UDP endpoint at `addr` (port 0 for an ephemeral port) with one main socket
     /// and `config.transport.paths + config.spare_ports` path sockets, and start its driver
-    /// task. Must be called
-    /// within a tokio runtime.
+    /// task. Must be called within a tokio runtime.
     ///
-    /// Errors: the sockets could not be bound, or the configuration is invalid
-    /// (`InvalidInput`, naming the field).
+    /// # Errors
+    /// The sockets could not be bound, or the configuration is invalid (`InvalidInput`
+    /// whose inner error is the [`ConfigError`]).
+    ///
+    /// # Cancel safety
+    /// Binding completes before the first await point; dropping the future before it
+    /// resolves leaves nothing behind.
     pub async fn bind(addr: SocketAddr, config: Config) -> std::io::Result<Endpoint> {
+        config.validate()?;
         let ports = config.transport.paths as usize + config.spare_ports;
         let backend = UdpBackend::bind_with(addr, ports, &config.udp)?;
         Self::with_backend(backend, config)
@@ -161,6 +313,10 @@ impl Endpoint {
 
     /// Start an endpoint over any datagram backend (for example a UDP backend wrapped in
     /// [`Impaired`](crate::backend::Impaired)). Must be called within a tokio runtime.
+    ///
+    /// # Errors
+    /// The configuration is invalid (`InvalidInput` whose inner error is the
+    /// [`ConfigError`]).
     pub fn with_backend(
         backend: impl DatagramBackend,
         config: Config,
@@ -199,7 +355,7 @@ impl Endpoint {
     ///     let raw = Arc::new(RawIpBackend::bind("10.0.0.1".parse()?)?); // CAP_NET_RAW
     ///     let ep = Endpoint::with_rocev2(udp, raw, config)?;
     ///     let region = ep.alloc(1 << 20, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
-    ///     let _meta = ep.connect("10.0.0.2:4791".parse()?).await?; // MetaRoCE to one peer
+    ///     let _meta = ep.connect("10.0.0.2:4791".parse()?)?.await?; // MetaRoCE to one peer
     ///     let qp = ep.create_rc_qp(QpInit { access: Access::REMOTE_WRITE, ..QpInit::default() })?;
     ///     let mut tcp = tokio::net::TcpStream::connect("10.0.0.3:18515").await?;
     ///     let peer = exchange(&mut tcp, &qp.exchange_info(Some(region.remote()))).await?;
@@ -210,7 +366,9 @@ impl Endpoint {
     /// }
     /// ```
     ///
-    /// Errors: the configuration is invalid (`InvalidInput`, naming the field).
+    /// # Errors
+    /// The configuration is invalid (`InvalidInput` whose inner error is the
+    /// [`ConfigError`]).
     pub fn with_rocev2(
         backend: impl DatagramBackend,
         ip_backend: Arc<dyn crate::rocev2::IpBackend>,
@@ -224,10 +382,15 @@ impl Endpoint {
         ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
         config: Config,
     ) -> std::io::Result<Endpoint> {
+        config.validate()?;
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
         ecfg.transport = config.transport.clone();
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
+        // Delivered bytes stay charged until the reader takes them (MessageStream::poll_next
+        // reports them consumed): the receive buffers are bounded by the core's limits.
+        ecfg.transport.explicit_consume = true;
         ecfg.accept_incoming = config.accept_incoming;
+        ecfg.manual_accept = true;
         ecfg.max_connections = config.max_connections;
         let os_err = |e: getrandom::Error| {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
@@ -239,16 +402,16 @@ impl Endpoint {
         let mut secret = [0u8; 32];
         getrandom::fill(&mut secret).map_err(os_err)?;
         ecfg.secret_seed = Some(secret);
-        let mut core = metaroce::Endpoint::new(ecfg)
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let mut core = metaroce::Endpoint::new(ecfg).map_err(ConfigError::from_post)?;
         if let Some(ip) = &ip_backend {
             let mut rc = core.rc_config().clone();
             rc.local_ip = ip.local_ip();
-            core.set_rc_config(rc).map_err(|e| {
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
-            })?;
+            core.set_rc_config(rc)
+                .map_err(|e| ConfigError::Rc(e.to_string()))?;
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(config.max_pending_incoming);
+        let id = NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed);
+        let span = tracing::debug_span!("endpoint", id, addr = %backend.local_addr());
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 core,
@@ -262,16 +425,19 @@ impl Endpoint {
             }),
             wake_driver: Notify::new(),
             sq_space: Notify::new(),
+            idle: Notify::new(),
             backend,
             ip_backend,
-            id: NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed),
+            id,
             cfg: config,
             incoming_rx: tokio::sync::Mutex::new(rx),
+            stopped: std::sync::atomic::AtomicBool::new(false),
+            span: span.clone(),
         });
         let inner = Arc::new(EndpointRef {
             shared: shared.clone(),
         });
-        tokio::spawn(driver::run(shared));
+        tokio::spawn(tracing::Instrument::instrument(driver::run(shared), span));
         Ok(Endpoint { inner })
     }
 
@@ -284,8 +450,14 @@ impl Endpoint {
         self.shared().backend.local_addr()
     }
 
-    /// Connect to the endpoint listening at `addr`; resolves once the handshake completes.
-    pub async fn connect(&self, addr: SocketAddr) -> Result<Connection, ConnectError> {
+    /// Start connecting to the endpoint listening at `addr`. The returned [`Connecting`]
+    /// resolves once the handshake completes.
+    ///
+    /// # Errors
+    /// At once, before any await: [`ConnectError::EndpointClosed`] if the endpoint is
+    /// closed, [`ConnectError::Post`] if the core refuses (`max_connections` reached).
+    /// Awaiting the [`Connecting`] reports how the handshake ended.
+    pub fn connect(&self, addr: SocketAddr) -> Result<Connecting, ConnectError> {
         let shared = self.shared();
         let local_ip = local_ip_for(self.local_addr(), addr);
         let (tx, rx) = oneshot::channel();
@@ -299,31 +471,38 @@ impl Endpoint {
                 .connect(std::time::Instant::now(), addr, local_ip)
                 .map_err(ConnectError::Post)?;
             st.connecting.insert(h, tx);
-            let mut entry = ConnEntry::new();
-            let conn = Connection::from_entry(self.inner.clone(), h, &mut entry);
+            let entry = ConnEntry::new();
+            let conn = Connection::new(self.inner.clone(), h, entry.signals.clone(), Some(addr));
             st.conns.insert(h, entry);
-            conn.ok_or(ConnectError::EndpointClosed)?
+            conn
         };
         shared.wake_driver.notify_one();
-        match rx.await {
-            Ok(Ok(())) => Ok(conn),
-            Ok(Err(e)) => Err(ConnectError::Connection(e)),
-            Err(_) => Err(ConnectError::EndpointClosed),
-        }
+        Ok(Connecting {
+            conn: Some(conn),
+            rx,
+        })
     }
 
-    /// The next connection a peer opened to this endpoint; `None` once the endpoint is
-    /// closed.
-    pub async fn accept(&self) -> Option<Connection> {
+    /// The next connection request a peer sent to this endpoint, to
+    /// [`accept`](Incoming::accept) or [`refuse`](Incoming::refuse); `None` once the
+    /// endpoint is closed. Nothing is sent to the requester until then.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a request is taken from the queue only when this resolves.
+    pub async fn accept(&self) -> Option<Incoming> {
         loop {
             let h = self.shared().incoming_rx.lock().await.recv().await?;
-            let mut st = self.shared().lock();
-            if let Some(c) = st
-                .conns
-                .get_mut(&h)
-                .and_then(|e| Connection::from_entry(self.inner.clone(), h, e))
-            {
-                return Some(c);
+            let st = self.shared().lock();
+            if st.closed {
+                return None;
+            }
+            if st.conns.contains_key(&h) {
+                drop(st);
+                return Some(Incoming {
+                    ep: self.inner.clone(),
+                    handle: h,
+                    decided: false,
+                });
             }
         }
     }
@@ -350,20 +529,49 @@ impl Endpoint {
         self.shared().backend.source_ports()
     }
 
-    /// Close every connection (pending operations complete with `WrFlushError`) and stop
-    /// the driver.
-    pub fn close(&self) {
+    /// Close every connection gracefully with `code` and `reason` (at most
+    /// [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON) bytes are sent): operations already
+    /// posted drain for at most `transport.close_timeout`, then the rest fail with
+    /// `WrFlushError`; the peers' handles end with `ClosedByPeer` carrying the code and
+    /// reason, the local ones with `LocallyClosed`. New operations and connections are
+    /// refused at once; the driver stops once every CLOSE was answered (or sent
+    /// `close_attempts` times). [`wait_idle`](Self::wait_idle) waits for that.
+    pub fn close(&self, code: u32, reason: &[u8]) {
         let shared = self.shared();
         {
             let mut st = shared.lock();
             let handles: Vec<_> = st.core.connections().collect();
-            let now = std::time::Instant::now();
             for h in handles {
-                st.core.close(now, h);
+                st.close_conn(h, code, reason);
             }
             st.closed = true;
         }
         shared.wake_driver.notify_one();
+    }
+
+    /// Wait until this endpoint has no connection left (every connection closed, by
+    /// either side or by a timeout, and its driver state freed) — or until the driver has
+    /// stopped after [`close`](Self::close). Resolves at once on an idle endpoint.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only observes.
+    pub async fn wait_idle(&self) {
+        let shared = self.shared();
+        loop {
+            let notified = shared.idle.notified();
+            if shared.stopped.load(Ordering::Acquire) {
+                return;
+            }
+            {
+                let st = shared.lock();
+                let t = st.core.table_sizes();
+                if st.conns.is_empty() && t.connections == 0 && t.closers == 0 {
+                    return;
+                }
+            }
+            shared.wake_driver.notify_one();
+            notified.await;
+        }
     }
 
     /// Whether this endpoint is closed ([`close`](Self::close) was called on it or a
@@ -371,6 +579,110 @@ impl Endpoint {
     /// [`Error::EndpointClosed`](crate::Error::EndpointClosed).
     pub fn is_closed(&self) -> bool {
         self.shared().lock().closed
+    }
+
+    /// Sizes of the driver's per-connection structures (diagnostics and leak tests).
+    pub fn driver_maps(&self) -> DriverMaps {
+        self.shared().lock().map_sizes()
+    }
+}
+
+/// A connection attempt from [`Endpoint::connect`]; resolves to the [`Connection`] once
+/// the handshake completes.
+///
+/// # Cancel safety
+/// Dropping it before it resolves abandons the attempt: the half-open connection is closed
+/// and its driver state freed.
+#[derive(Debug)]
+#[must_use = "a connection attempt does nothing unless awaited"]
+pub struct Connecting {
+    conn: Option<Connection>,
+    rx: oneshot::Receiver<Result<(), ConnectionError>>,
+}
+
+impl Connecting {
+    /// The local handle (QPN) of the connection being set up.
+    pub fn handle(&self) -> Option<ConnectionHandle> {
+        self.conn.as_ref().map(Connection::handle)
+    }
+}
+
+impl Future for Connecting {
+    type Output = Result<Connection, ConnectError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let r = std::task::ready!(Pin::new(&mut self.rx).poll(cx));
+        let conn = self.conn.take();
+        Poll::Ready(match (r, conn) {
+            (Ok(Ok(())), Some(c)) => Ok(c),
+            (Ok(Err(e)), _) => Err(ConnectError::Connection(e)),
+            _ => Err(ConnectError::EndpointClosed),
+        })
+    }
+}
+
+/// A connection request from a peer, from [`Endpoint::accept`]: the core holds it —
+/// nothing is sent to the requester — until it is [accepted](Self::accept) or
+/// [refused](Self::refuse). Dropping it refuses it with [`REFUSED_BUSY`].
+#[derive(Debug)]
+pub struct Incoming {
+    ep: Arc<EndpointRef>,
+    handle: ConnectionHandle,
+    decided: bool,
+}
+
+impl Incoming {
+    /// The requester's address.
+    pub fn remote_addr(&self) -> Option<SocketAddr> {
+        self.ep.shared.lock().core.peer_addr(self.handle)
+    }
+
+    /// Accept: the CONNECT Accept goes out and the connection is usable at once.
+    ///
+    /// # Errors
+    /// [`ConnectError::Connection`] if the request ended meanwhile (the endpoint closed
+    /// it), [`ConnectError::EndpointClosed`] if the endpoint is closed.
+    pub fn accept(mut self) -> Result<Connection, ConnectError> {
+        self.decided = true;
+        let shared = self.ep.shared.clone();
+        let mut st = shared.lock();
+        if st.closed {
+            return Err(ConnectError::EndpointClosed);
+        }
+        let Some(signals) = st.conns.get(&self.handle).map(|e| e.signals.clone()) else {
+            return Err(ConnectError::Connection(ConnectionError::LocallyClosed));
+        };
+        if !st.core.accept_incoming(self.handle) {
+            return Err(ConnectError::Connection(
+                signals.reason().unwrap_or(ConnectionError::LocallyClosed),
+            ));
+        }
+        let peer = st.core.peer_addr(self.handle);
+        drop(st);
+        shared.wake_driver.notify_one();
+        Ok(Connection::new(self.ep.clone(), self.handle, signals, peer))
+    }
+
+    /// Refuse: the requester's [`Connecting`] fails with
+    /// `ConnectionError::Rejected(code)`. (The CONNECT Reject carries a 32-bit code and no
+    /// reason text.)
+    pub fn refuse(mut self, code: u32) {
+        self.decided = true;
+        self.do_refuse(code);
+    }
+
+    fn do_refuse(&self, code: u32) {
+        let shared = &self.ep.shared;
+        shared.lock().core.refuse_incoming(self.handle, code);
+        shared.wake_driver.notify_one();
+    }
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        if !self.decided {
+            self.do_refuse(REFUSED_BUSY);
+        }
     }
 }
 

@@ -1,49 +1,112 @@
 //! Errors of the async API.
+//!
+//! One mapping of the core's errors is used everywhere: a refused post is
+//! [`Error::Post`], a failed work completion [`Error::Completion`], the end of the
+//! connection [`Error::ConnectionLost`] with the core's [`ConnectionError`] (for a close by
+//! the peer, with its code and reason), the end of the endpoint [`Error::EndpointClosed`].
 
 use metaroce::{ConnectionError, MrError, PostError, WcStatus, WorkCompletion};
-use std::fmt;
 
-/// Why `connect` failed.
-#[derive(Debug)]
+/// An invalid [`Config`](crate::Config): which part, and what the core's check said.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum ConnectError {
-    /// The core refused to start (configuration, connection limit).
-    Post(PostError),
-    /// The connection attempt ended (timeout, rejected).
-    Connection(ConnectionError),
-    /// The endpoint was closed or its driver stopped.
-    EndpointClosed,
+pub enum ConfigError {
+    /// `transport` failed [`TransportConfig::validate`](metaroce::TransportConfig::validate)
+    /// (the text names the field and the allowed range).
+    #[error("invalid transport configuration: {0}")]
+    Transport(String),
+    /// The backend offers no source port (a connection needs at least one path).
+    #[error("the backend has no source port")]
+    NoSourcePorts,
+    /// The RoCEv2 RC configuration was refused (the text names the field).
+    #[error("invalid RoCEv2 configuration: {0}")]
+    Rc(String),
+    /// A limit of the async layer is zero (the field name).
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
 }
 
-impl fmt::Display for ConnectError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ConnectError::Post(e) => write!(f, "cannot connect: {e}"),
-            ConnectError::Connection(e) => write!(f, "connection failed: {e}"),
-            ConnectError::EndpointClosed => f.write_str("endpoint closed"),
+impl ConfigError {
+    /// The core's refusal, typed.
+    pub(crate) fn from_post(e: PostError) -> ConfigError {
+        match e {
+            PostError::InvalidConfig(s) if s.contains("source_ports") => ConfigError::NoSourcePorts,
+            PostError::InvalidConfig(s) => ConfigError::Transport(s),
+            e => ConfigError::Transport(e.to_string()),
         }
     }
 }
 
-impl std::error::Error for ConnectError {}
+impl From<ConfigError> for std::io::Error {
+    /// `InvalidInput`, with the [`ConfigError`] as its inner error (`get_ref`/`downcast`).
+    fn from(e: ConfigError) -> Self {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
+    }
+}
+
+/// Why `connect` (or accepting an incoming connection) failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The core refused to start (connection limit); reported by
+    /// [`Endpoint::connect`](crate::Endpoint::connect) itself, before any await.
+    #[error("cannot connect")]
+    Post(#[source] PostError),
+    /// The connection attempt ended (timeout, refused by the peer with a code, closed).
+    #[error("connection failed")]
+    Connection(#[source] ConnectionError),
+    /// The endpoint was closed or its driver stopped.
+    #[error("endpoint closed")]
+    EndpointClosed,
+}
 
 /// Errors of operations on a connection, a stream or a memory region.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The core refused to post the operation (what was wrong is inside).
-    Post(PostError),
+    /// The core refused to post the operation (what was wrong is the source).
+    #[error("operation refused")]
+    Post(#[source] PostError),
     /// The operation completed with an error status (the whole work completion is inside).
+    #[error("work request {} failed: {} ({})", .0.wr_id, .0.status, .0.status.ibv_code())]
     Completion(WorkCompletion),
-    /// The connection ended.
-    ConnectionLost(ConnectionError),
+    /// The connection ended; the source says why (closed locally or by the peer with a
+    /// code, idle timeout, retry exceeded).
+    #[error("connection lost")]
+    ConnectionLost(#[source] ConnectionError),
     /// A local memory region reference was invalid.
-    Memory(MrError),
+    #[error("invalid memory region reference")]
+    Memory(#[source] MrError),
     /// The region belongs to another endpoint.
+    #[error("memory region belongs to another endpoint")]
     ForeignRegion,
     /// A stream with this id is already open on this connection.
+    #[error("stream {0} is already open")]
     StreamInUse(u32),
+    /// The stream's send side was finished ([`Sink::poll_close`](futures::Sink::poll_close))
+    /// or reset: nothing more can be sent on it.
+    #[error("stream {0} is closed for sending")]
+    StreamClosed(u32),
+    /// The peer reset the stream with this code (on its own, on drop, or in answer to
+    /// this side's `stop`).
+    #[error("stream {stream} reset by the peer with code {code}")]
+    StreamReset {
+        /// The stream id.
+        stream: u32,
+        /// The application error code the peer gave.
+        code: u32,
+    },
+    /// The peer's reader asked this side to stop sending on the stream with this code
+    /// (the stream was reset with it).
+    #[error("stream {stream} stopped by the peer with code {code}")]
+    StreamStopped {
+        /// The stream id.
+        stream: u32,
+        /// The application error code the peer gave.
+        code: u32,
+    },
     /// The endpoint was closed or its driver stopped.
+    #[error("endpoint closed")]
     EndpointClosed,
 }
 
@@ -56,28 +119,6 @@ impl Error {
         }
     }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Post(e) => write!(f, "{e}"),
-            Error::Completion(wc) => write!(
-                f,
-                "work request {} failed: {} ({})",
-                wc.wr_id,
-                wc.status,
-                wc.status.ibv_code()
-            ),
-            Error::ConnectionLost(e) => write!(f, "connection lost: {e}"),
-            Error::Memory(e) => write!(f, "{e}"),
-            Error::ForeignRegion => f.write_str("memory region belongs to another endpoint"),
-            Error::StreamInUse(id) => write!(f, "stream {id} is already open"),
-            Error::EndpointClosed => f.write_str("endpoint closed"),
-        }
-    }
-}
-
-impl std::error::Error for Error {}
 
 impl From<PostError> for Error {
     fn from(e: PostError) -> Self {

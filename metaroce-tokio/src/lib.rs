@@ -5,33 +5,59 @@
 //! layer) and a driver task that feeds datagrams and timers into the sans-IO
 //! [`metaroce::Endpoint`] and flushes what it transmits.
 //!
-//! ```no_run
-//! use bytes::Bytes;
-//! use futures::{SinkExt, StreamExt};
-//! use metaroce::Access;
-//! use metaroce_tokio::{Config, Endpoint};
+//! ```
+//! use metaroce_tokio::futures::{SinkExt, StreamExt};
+//! use metaroce_tokio::{Access, Bytes, Config, Endpoint};
 //!
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let server = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
 //! let client = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
-//! let addr = server.local_addr();
-//! let accept = tokio::spawn(async move { server.accept().await });
-//! let conn = client.connect(addr).await?;
-//! let peer = accept.await?.expect("accepted");
+//! let connecting = client.connect(server.local_addr())?; // refuses at once what cannot start
+//! let peer = server.accept().await.expect("a request").accept()?;
+//! let conn = connecting.await?; // the handshake completed
 //!
 //! // Two-sided: a message stream is a Stream of received messages and a Sink of messages.
 //! let mut stream = conn.open_stream()?;
 //! stream.send(Bytes::from_static(b"hello")).await?;
 //! let mut incoming = peer.accept_stream().await.expect("stream");
-//! assert_eq!(&incoming.next().await.unwrap()[..], b"hello");
+//! assert_eq!(&incoming.next().await.expect("a message")?[..], b"hello");
 //!
 //! // One-sided: the peer exposes a region, we WRITE into it.
 //! let target = peer.endpoint().alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
 //! let source = conn.endpoint().register(vec![7u8; 4096], Access::LOCAL_WRITE);
 //! conn.write(&source, 0..4096, target.remote(), 0).await?;
 //! assert!(target.read(0, 4096)?.iter().all(|&b| b == 7));
+//!
+//! // Close with a code; the peer's `closed()` says so.
+//! conn.close(3, b"bye");
+//! println!("{}", peer.closed().await);
 //! # Ok(()) }
 //! ```
+//!
+//! # Lifecycle
+//!
+//! As in quinn: [`Endpoint::connect`] returns a [`Connecting`] future;
+//! [`Endpoint::accept`] yields [`Incoming`] requests, which the application accepts or
+//! refuses with a code; [`Connection::close`] sends a code and reason that the peer's
+//! [`Connection::closed`] reports; dropping the last handle of a connection (its
+//! `Connection` clones and `MessageStream`s) closes it, and dropping the last handle of an
+//! endpoint closes all its connections at the peers before the driver stops.
+//! [`Endpoint::wait_idle`] waits until no connection is left. Every driver-side structure
+//! of a connection is freed when it ends ([`Endpoint::driver_maps`]).
+//!
+//! # Errors
+//!
+//! [`Error`], [`ConnectError`] and [`ConfigError`] implement `std::error::Error` with
+//! `source()`: the core's [`PostError`], [`ConnectionError`] and [`MrError`] are the
+//! sources; their `Display` does not repeat the source.
+//!
+//! # Tracing
+//!
+//! The driver task runs in an `endpoint` span (`id`, `addr`); each [`Connection`] has a
+//! `connection` span (`qpn`, `peer`; [`Connection::span`]) that its operations run in.
+//! Connection ends are DEBUG events; the core logs loss, timeouts, path state and
+//! congestion at DEBUG/TRACE.
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
@@ -46,10 +72,22 @@ pub mod rocev2;
 mod stream;
 
 pub use connection::{CancelledRecv, Connection};
-pub use endpoint::{Config, Endpoint};
-pub use error::{ConnectError, Error};
+pub use endpoint::{
+    Config, Connecting, DriverMaps, Endpoint, Incoming, DEFAULT_IDLE_TIMEOUT, REFUSED_BUSY,
+};
+pub use error::{ConfigError, ConnectError, Error};
 pub use mr::{ExternalMemory, MemoryRegion, OwnedBuffer, RemoteRegion, COPY_CHUNK};
-pub use stream::MessageStream;
+pub use stream::{MessageStream, RESET_ON_DROP};
 
+pub use bytes::{self, Bytes};
+pub use futures;
 pub use metaroce;
-pub use metaroce::{Access, WcStatus, WorkCompletion};
+pub use metaroce::{
+    Access, ConnectionError, ConnectionHandle, ConnectionStats, MrError, PostError, WcStatus,
+    WorkCompletion,
+};
+
+/// The README's examples, run as doc tests so they cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+mod readme {}

@@ -1,24 +1,81 @@
 //! Message streams: `futures::Stream` of received messages and `futures::Sink<Bytes>` of
 //! messages to send, on one stream id of a connection.
 
-use crate::endpoint::{EndpointRef, Waiter};
+use crate::connection::ConnInner;
+use crate::endpoint::{State, Waiter};
 use crate::error::Error;
 use bytes::Bytes;
 use futures::{Sink, Stream};
 use metaroce::{ConnectionHandle, PostError};
+use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
-use tokio::sync::mpsc;
+use std::time::Instant;
+
+/// How the receive side of a stream ended.
+#[derive(Debug, Clone)]
+pub(crate) enum RxEnd {
+    /// The peer finished the stream: `None` after the last message.
+    Finished,
+    /// An error to report once (reset by the peer, connection lost), then `None`.
+    Error(Error),
+    /// Reported already.
+    Done,
+}
+
+/// Received messages of one stream waiting for its reader. Shared by the driver (which
+/// pushes under the endpoint lock, then this one) and the [`MessageStream`] (which pops
+/// under this lock alone).
+#[derive(Debug, Default)]
+pub(crate) struct RxQueue {
+    pub queue: VecDeque<Bytes>,
+    /// Bytes in `queue`.
+    pub bytes: usize,
+    pub end: Option<RxEnd>,
+    pub waker: Option<Waker>,
+}
+
+pub(crate) type SharedRx = Arc<Mutex<RxQueue>>;
+
+pub(crate) fn lock_rx(rx: &SharedRx) -> MutexGuard<'_, RxQueue> {
+    rx.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl RxQueue {
+    pub fn push(&mut self, data: Bytes) {
+        self.bytes += data.len();
+        self.queue.push_back(data);
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+
+    /// End the receive side (the first end wins).
+    pub fn end(&mut self, end: RxEnd) {
+        if self.end.is_none() {
+            self.end = Some(end);
+        }
+        if let Some(w) = self.waker.take() {
+            w.wake();
+        }
+    }
+}
 
 /// Driver-side state of one stream.
 pub(crate) struct StreamEntry {
-    /// Where received messages go; `None` once the connection ended.
-    pub tx: Option<mpsc::UnboundedSender<Bytes>>,
+    /// Where received messages go.
+    pub rx: SharedRx,
+    /// Whether a reader exists or will (`false` after the `MessageStream` was dropped:
+    /// later messages are discarded).
+    pub has_reader: bool,
     /// The receiver of a peer-opened stream until `accept_stream` takes it.
-    pub pending_rx: Option<mpsc::UnboundedReceiver<Bytes>>,
+    pub pending_rx: Option<SharedRx>,
     /// Messages posted on this stream and not yet completed.
     pub in_flight: usize,
+    /// Bytes of those messages (the core's `stream_send_pending`, refreshed on post and
+    /// completion).
+    pub send_pending: u64,
     /// The first failed completion, reported by the next sink call.
     pub error: Option<Error>,
     /// The task waiting in `poll_ready` / `poll_flush`.
@@ -26,13 +83,17 @@ pub(crate) struct StreamEntry {
 }
 
 impl StreamEntry {
-    pub fn new() -> (StreamEntry, mpsc::UnboundedReceiver<Bytes>) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    /// An entry and its receive queue; `incoming` keeps the queue in `pending_rx` for
+    /// `accept_stream`.
+    pub fn new(incoming: bool) -> (StreamEntry, SharedRx) {
+        let rx: SharedRx = Arc::default();
         (
             StreamEntry {
-                tx: Some(tx),
-                pending_rx: None,
+                rx: rx.clone(),
+                has_reader: true,
+                pending_rx: incoming.then(|| rx.clone()),
                 in_flight: 0,
+                send_pending: 0,
                 error: None,
                 waker: None,
             },
@@ -40,15 +101,19 @@ impl StreamEntry {
         )
     }
 
-    /// An entry for a stream the peer opened: the receiver waits for `accept_stream`.
-    pub fn incoming() -> StreamEntry {
-        let (mut e, rx) = Self::new();
-        e.pending_rx = Some(rx);
-        e
+    /// A message arrived for this stream. Returns the bytes to report consumed at once
+    /// (the reader is gone: the message is discarded).
+    pub fn deliver(&mut self, data: Bytes) -> Option<u64> {
+        if self.has_reader {
+            lock_rx(&self.rx).push(data);
+            None
+        } else {
+            Some(data.len() as u64)
+        }
     }
 
     pub fn close(&mut self, err: Error) {
-        self.tx = None;
+        lock_rx(&self.rx).end(RxEnd::Error(err.clone()));
         if self.error.is_none() {
             self.error = Some(err);
         }
@@ -57,8 +122,9 @@ impl StreamEntry {
         }
     }
 
-    pub fn on_completion(&mut self, result: Option<Error>) {
+    pub fn on_completion(&mut self, result: Option<Error>, send_pending: u64) {
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.send_pending = send_pending;
         if let (Some(e), None) = (result, &self.error) {
             self.error = Some(e);
         }
@@ -71,35 +137,72 @@ impl StreamEntry {
 /// One ordered message stream of a connection.
 ///
 /// As a [`Stream`], it yields every message the peer sent on this stream exactly once and
-/// in order, and ends when the connection ends. As a [`Sink<Bytes>`], each item is one
-/// message; `poll_ready` waits while `max_stream_in_flight` messages are unacknowledged,
-/// `poll_flush` waits until every message sent so far is acknowledged by the peer, and a
-/// failed message surfaces as the error of the next sink call. Use
+/// in order as `Ok(bytes)`; when the peer finishes the stream it ends (`None`) after the
+/// last message; if the stream is reset or the connection ends first, it yields one
+/// `Err` saying why (for a dead peer, `ConnectionLost(IdleTimeout)` or
+/// `ConnectionLost(RetryExceeded)`), then `None`. Received messages wait until read in a
+/// buffer bounded per stream by `transport.max_stream_recv_bytes` and per connection by
+/// `transport.max_recv_buffer_bytes` (see [`Config`](crate::Config)); a reader that does
+/// not read holds its peer's sender back through the protocol.
+///
+/// As a [`Sink<Bytes>`], each item is one message; `poll_ready` waits while
+/// `max_stream_in_flight` messages or
+/// [`Config::stream_send_buffer`](crate::Config::stream_send_buffer) bytes are
+/// unacknowledged (a peer that does not read stops acknowledging once its receive buffer
+/// is full), `poll_flush` waits until every
+/// message sent so far is acknowledged by the peer, `poll_close` flushes and then
+/// finishes the stream, and a failed message surfaces as the error of the next sink call.
+/// Sending after `poll_close` is [`Error::StreamClosed`]. Use
 /// [`futures::StreamExt::split`] for independent halves.
+///
+/// The stream keeps its connection open. Dropping it without `poll_close` resets its send
+/// side with [`RESET_ON_DROP`] (the peer's reader sees [`Error::StreamReset`]) and, if the
+/// peer has not ended its side, asks the peer to stop sending (its sink sees
+/// [`Error::StreamStopped`]); later messages for it are discarded. [`reset`](Self::reset)
+/// and [`stop`](Self::stop) do the same with a code of your choice.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use bytes::Bytes;
+/// use futures::{SinkExt, StreamExt};
+/// use metaroce_tokio::{Config, Endpoint};
+/// let server = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// let client = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// let connecting = client.connect(server.local_addr())?;
+/// let peer = server.accept().await.unwrap().accept()?;
+/// let conn = connecting.await?;
+/// let mut tx = conn.open_stream()?;
+/// tx.send(Bytes::from_static(b"one")).await?; // resolves once acknowledged
+/// let mut rx = peer.accept_stream().await.unwrap();
+/// assert_eq!(&rx.next().await.unwrap()?[..], b"one");
+/// # Ok(()) }
+/// ```
 pub struct MessageStream {
-    ep: Arc<EndpointRef>,
-    conn: ConnectionHandle,
+    conn: Arc<ConnInner>,
     id: u32,
-    rx: mpsc::UnboundedReceiver<Bytes>,
+    rx: SharedRx,
+    /// `poll_close` finished the send side.
+    send_closed: bool,
 }
 
 impl std::fmt::Debug for MessageStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MessageStream")
-            .field("conn", &self.conn)
+            .field("conn", &self.conn.handle)
             .field("id", &self.id)
             .finish()
     }
 }
 
 impl MessageStream {
-    pub(crate) fn new(
-        ep: Arc<EndpointRef>,
-        conn: ConnectionHandle,
-        id: u32,
-        rx: mpsc::UnboundedReceiver<Bytes>,
-    ) -> Self {
-        Self { ep, conn, id, rx }
+    pub(crate) fn new(conn: Arc<ConnInner>, id: u32, rx: SharedRx) -> Self {
+        Self {
+            conn,
+            id,
+            rx,
+            send_closed: false,
+        }
     }
 
     /// The stream id.
@@ -107,24 +210,65 @@ impl MessageStream {
         self.id
     }
 
+    /// Reset the send side with an application `code`: SENDs not yet acknowledged are
+    /// flushed (their errors surface no more), the peer's reader yields
+    /// [`Error::StreamReset`] with `code` after the messages before them, and later sends
+    /// fail with [`Error::StreamClosed`].
+    pub fn reset(&mut self, code: u32) {
+        self.send_closed = true;
+        let shared = &self.conn.ep.shared;
+        reset(&mut shared.lock(), self.handle(), self.id, code);
+        shared.wake_driver.notify_one();
+    }
+
+    /// Ask the peer to stop sending on this stream with an application `code` (QUIC
+    /// STOP_SENDING): its sink fails with [`Error::StreamStopped`], it resets the stream
+    /// with the same code, and this side's reader then yields [`Error::StreamReset`] after
+    /// the messages that arrived before.
+    pub fn stop(&mut self, code: u32) {
+        let shared = &self.conn.ep.shared;
+        stop(&mut shared.lock(), self.handle(), self.id, code);
+        shared.wake_driver.notify_one();
+    }
+
+    /// Bytes received and waiting to be read.
+    pub fn buffered_bytes(&self) -> usize {
+        lock_rx(&self.rx).bytes
+    }
+
+    fn handle(&self) -> ConnectionHandle {
+        self.conn.handle
+    }
+
+    fn lost(&self, st: &State) -> Error {
+        if st.closed {
+            return Error::EndpointClosed;
+        }
+        match self.conn.signals.reason() {
+            Some(r) => Error::ConnectionLost(r),
+            None => Error::EndpointClosed,
+        }
+    }
+
     /// Poll until the stream entry satisfies `ready`, registering the waker otherwise.
     fn poll_entry(
         &self,
         cx: &mut Context<'_>,
-        ready: impl Fn(&crate::stream::StreamEntry, usize) -> bool,
+        ready: impl Fn(&StreamEntry, usize) -> bool,
     ) -> Poll<Result<(), Error>> {
-        let shared = &self.ep.shared;
+        let shared = &self.conn.ep.shared;
         let max = shared.cfg.max_stream_in_flight.max(1);
         let mut st = shared.lock();
         if st.closed {
             return Poll::Ready(Err(Error::EndpointClosed));
         }
+        let lost = self.lost(&st);
         let Some(entry) = st
             .conns
-            .get_mut(&self.conn)
+            .get_mut(&self.handle())
             .and_then(|c| c.streams.get_mut(&self.id))
         else {
-            return Poll::Ready(Err(Error::EndpointClosed));
+            return Poll::Ready(Err(lost));
         };
         if let Some(e) = entry.error.take() {
             return Poll::Ready(Err(e));
@@ -138,10 +282,32 @@ impl MessageStream {
 }
 
 impl Stream for MessageStream {
-    type Item = Bytes;
+    type Item = Result<Bytes, Error>;
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
-        self.rx.poll_recv(cx)
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let mut q = lock_rx(&self.rx);
+        if let Some(m) = q.queue.pop_front() {
+            q.bytes -= m.len();
+            drop(q);
+            // The bytes leave the core's receive budget: a sender held back by flow
+            // control may go on.
+            let shared = &self.conn.ep.shared;
+            shared
+                .lock()
+                .core
+                .stream_consumed(self.handle(), self.id, m.len() as u64);
+            shared.wake_driver.notify_one();
+            return Poll::Ready(Some(Ok(m)));
+        }
+        match q.end.replace(RxEnd::Done) {
+            Some(RxEnd::Error(e)) => Poll::Ready(Some(Err(e))),
+            Some(RxEnd::Finished) | Some(RxEnd::Done) => Poll::Ready(None),
+            None => {
+                q.end = None;
+                q.waker = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
     }
 }
 
@@ -149,28 +315,34 @@ impl Sink<Bytes> for MessageStream {
     type Error = Error;
 
     fn poll_ready(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
-        self.poll_entry(cx, |e, max| e.in_flight < max)
+        if self.send_closed {
+            return Poll::Ready(Err(Error::StreamClosed(self.id)));
+        }
+        let max_bytes = self.conn.ep.shared.cfg.stream_send_buffer as u64;
+        self.poll_entry(cx, |e, max| e.in_flight < max && e.send_pending < max_bytes)
     }
 
     fn start_send(self: Pin<&mut Self>, item: Bytes) -> Result<(), Error> {
-        let shared = &self.ep.shared;
+        if self.send_closed {
+            return Err(Error::StreamClosed(self.id));
+        }
+        let shared = &self.conn.ep.shared;
         {
             let mut st = shared.lock();
             let wr_id = st.wr_id();
-            st.core
-                .post_send(self.conn, self.id, wr_id, item)
-                .map_err(|e| match e {
-                    PostError::UnknownConnection => Error::EndpointClosed,
-                    e => Error::Post(e),
-                })?;
+            if let Err(e) = st.core.post_send(self.handle(), self.id, wr_id, item) {
+                return Err(post_error(e, self.id, || self.lost(&st)));
+            }
             st.waiters
-                .insert((self.conn, wr_id), Waiter::Stream(self.id));
+                .insert((self.handle(), wr_id), Waiter::Stream(self.id));
+            let pending = st.core.stream_send_pending(self.handle(), self.id);
             if let Some(entry) = st
                 .conns
-                .get_mut(&self.conn)
+                .get_mut(&self.handle())
                 .and_then(|c| c.streams.get_mut(&self.id))
             {
                 entry.in_flight += 1;
+                entry.send_pending = pending;
             }
         }
         shared.wake_driver.notify_one();
@@ -178,10 +350,84 @@ impl Sink<Bytes> for MessageStream {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        if self.send_closed {
+            return Poll::Ready(Ok(()));
+        }
         self.poll_entry(cx, |e, _| e.in_flight == 0)
     }
 
-    fn poll_close(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
-        self.poll_flush(cx)
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        if self.send_closed {
+            return Poll::Ready(Ok(()));
+        }
+        std::task::ready!(self.as_mut().poll_flush(cx))?;
+        self.send_closed = true;
+        let shared = &self.conn.ep.shared;
+        let mut st = shared.lock();
+        let r = finish(&mut st, self.handle(), self.id)
+            .map_err(|e| post_error(e, self.id, || self.lost(&st)));
+        drop(st);
+        shared.wake_driver.notify_one();
+        Poll::Ready(r)
+    }
+}
+
+impl Drop for MessageStream {
+    fn drop(&mut self) {
+        let shared = &self.conn.ep.shared;
+        let mut st = shared.lock();
+        if !self.send_closed {
+            reset(&mut st, self.handle(), self.id, RESET_ON_DROP);
+        }
+        if lock_rx(&self.rx).end.is_none() {
+            stop(&mut st, self.handle(), self.id, RESET_ON_DROP);
+        }
+        if let Some(e) = st
+            .conns
+            .get_mut(&self.conn.handle)
+            .and_then(|c| c.streams.get_mut(&self.id))
+        {
+            e.has_reader = false;
+            let mut q = lock_rx(&e.rx);
+            q.queue.clear();
+            let unread = std::mem::take(&mut q.bytes) as u64;
+            drop(q);
+            st.core.stream_consumed(self.conn.handle, self.id, unread);
+        }
+        drop(st);
+        shared.wake_driver.notify_one();
+    }
+}
+
+/// The code a stream dropped without `poll_close` is reset with (the peer sees it as
+/// [`Error::StreamReset`]).
+pub const RESET_ON_DROP: u32 = 0;
+
+/// Finish the send side of a stream (the peer's reader ends after the last message).
+pub(crate) fn finish(st: &mut State, conn: ConnectionHandle, stream: u32) -> Result<(), PostError> {
+    st.core.finish_stream(Instant::now(), conn, stream)
+}
+
+/// Reset the send side of a stream with `code` (unsent and unacknowledged SENDs are
+/// flushed; the peer's reader gets [`Error::StreamReset`] after the messages before).
+pub(crate) fn reset(st: &mut State, conn: ConnectionHandle, stream: u32, code: u32) {
+    // A connection that is gone or closing has nothing left to reset.
+    let _ = st.core.reset_stream(Instant::now(), conn, stream, code);
+}
+
+/// Ask the peer to stop sending on a stream with `code`.
+pub(crate) fn stop(st: &mut State, conn: ConnectionHandle, stream: u32, code: u32) {
+    let _ = st.core.stop_stream(Instant::now(), conn, stream, code);
+}
+
+/// The one mapping of a refused post on a stream.
+pub(crate) fn post_error(e: PostError, stream: u32, lost: impl FnOnce() -> Error) -> Error {
+    match e {
+        PostError::UnknownConnection => lost(),
+        PostError::Closing => Error::ConnectionLost(metaroce::ConnectionError::LocallyClosed),
+        PostError::StreamFinished { .. } | PostError::StreamReset { .. } => {
+            Error::StreamClosed(stream)
+        }
+        e => Error::Post(e),
     }
 }

@@ -15,8 +15,8 @@ async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
         .await
         .unwrap();
     let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await });
-    let c = client.connect(server.local_addr()).await.unwrap();
+    let accept = tokio::spawn(async move { s2.accept().await.and_then(|i| i.accept().ok()) });
+    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
     let s = accept.await.unwrap().unwrap();
     (server, client, c, s)
 }
@@ -42,18 +42,21 @@ async fn streams_exchange_messages_in_order() {
     }
     let ra = got.get_mut(&a.id()).unwrap();
     for i in 0..100u32 {
-        let m = ra.next().await.unwrap();
+        let m = ra.next().await.unwrap().unwrap();
         assert_eq!(m.len(), (i as usize * 997) % 20000);
         assert!(m.iter().all(|&x| x == i as u8));
     }
     let rb = got.get_mut(&b.id()).unwrap();
     for i in 0..100u32 {
-        assert_eq!(rb.next().await.unwrap(), Bytes::from(format!("b{i}")));
+        assert_eq!(
+            rb.next().await.unwrap().unwrap(),
+            Bytes::from(format!("b{i}"))
+        );
     }
     // Replies on a split stream.
     let (mut tx, _rx) = got.remove(&b.id()).unwrap().split();
     tx.send(Bytes::from_static(b"reply")).await.unwrap();
-    assert_eq!(&b.next().await.unwrap()[..], b"reply");
+    assert_eq!(&b.next().await.unwrap().unwrap()[..], b"reply");
 }
 
 #[tokio::test]
@@ -121,8 +124,8 @@ async fn works_through_an_impaired_backend() {
     .unwrap();
     let client = Endpoint::with_backend(backend, Config::default()).unwrap();
     let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await });
-    let c = client.connect(server.local_addr()).await.unwrap();
+    let accept = tokio::spawn(async move { s2.accept().await.and_then(|i| i.accept().ok()) });
+    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
     let s = accept.await.unwrap().unwrap();
     let n = 4 << 20;
     let src: Vec<u8> = (0..n).map(|i| (i % 253) as u8).collect();
@@ -151,9 +154,15 @@ async fn connect_to_nobody_times_out() {
     let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let err = client
         .connect(dead.local_addr().unwrap())
+        .unwrap()
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("timed out"), "{err}");
+    // The cause is the error's source (thiserror style: Display does not repeat it).
+    let cause = std::error::Error::source(&err).map(|e| e.to_string());
+    assert!(
+        cause.as_deref().is_some_and(|c| c.contains("timed out")),
+        "{err}: {cause:?}"
+    );
 }
 
 #[tokio::test]
@@ -162,19 +171,21 @@ async fn closing_flushes_and_ends_streams() {
     let mut st = c.open_stream().unwrap();
     st.send(Bytes::from_static(b"x")).await.unwrap();
     let mut peer_stream = s.accept_stream().await.unwrap();
-    assert_eq!(&peer_stream.next().await.unwrap()[..], b"x");
-    c.close();
+    assert_eq!(&peer_stream.next().await.unwrap().unwrap()[..], b"x");
+    c.close(0, b"");
     assert!(matches!(
         st.send(Bytes::from_static(b"y")).await,
         Err(Error::ConnectionLost(_)) | Err(Error::EndpointClosed) | Err(Error::Post(_))
     ));
-    // The peer hears the close and its stream ends.
-    assert_eq!(
-        tokio::time::timeout(Duration::from_secs(5), peer_stream.next())
-            .await
-            .unwrap(),
-        None
+    // The peer hears the close and its stream ends with the reason, then `None`.
+    let end = tokio::time::timeout(Duration::from_secs(5), peer_stream.next())
+        .await
+        .unwrap();
+    assert!(
+        matches!(end, Some(Err(Error::ConnectionLost(_)))),
+        "{end:?}"
     );
+    assert!(peer_stream.next().await.is_none());
 }
 
 #[tokio::test]

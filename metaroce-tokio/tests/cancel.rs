@@ -13,8 +13,8 @@ async fn pair_with(client: Endpoint) -> (Endpoint, Endpoint, Connection, Connect
         .await
         .unwrap();
     let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await });
-    let c = client.connect(server.local_addr()).await.unwrap();
+    let accept = tokio::spawn(async move { s2.accept().await.map(|i| i.accept().unwrap()) });
+    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
     let s = accept.await.unwrap().unwrap();
     (server, client, c, s)
 }

@@ -42,8 +42,8 @@ async fn mixed(loss: f64) {
 
     // MetaRoCE: A -> B.
     let b2 = b.clone();
-    let accept = tokio::spawn(async move { b2.accept().await });
-    let ab = a.connect(b.local_addr()).await.unwrap();
+    let accept = tokio::spawn(async move { b2.accept().await.and_then(|i| i.accept().ok()) });
+    let ab = a.connect(b.local_addr()).unwrap().await.unwrap();
     let ba = accept.await.unwrap().unwrap();
 
     // RC QP: A <-> C, parameters exchanged over TCP like ibv_rc_pingpong.
@@ -231,8 +231,8 @@ async fn native() {
     let c_dst = c.register(vec![0; 2 * HALF], remote);
 
     let b2 = b.clone();
-    let accept = tokio::spawn(async move { b2.accept().await });
-    let _ab = a.connect(b.local_addr()).await.unwrap();
+    let accept = tokio::spawn(async move { b2.accept().await.and_then(|i| i.accept().ok()) });
+    let _ab = a.connect(b.local_addr()).unwrap().await.unwrap();
     let ba = accept.await.unwrap().unwrap();
 
     let init = QpInit {

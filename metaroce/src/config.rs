@@ -32,6 +32,14 @@ pub struct EndpointConfig {
     pub accept_incoming: bool,
     /// Most connections at once; requests beyond it are rejected. Default 65 536.
     pub max_connections: usize,
+    /// Let the application decide on each connection request: with `true`, an accepted
+    /// request creates the connection but holds it — [`Event::Incoming`](crate::Event::Incoming)
+    /// is reported and nothing is sent to the peer (not even the CONNECT Accept) until
+    /// [`Endpoint::accept_incoming`](crate::Endpoint::accept_incoming), or the request is
+    /// answered with a CONNECT Reject carrying the application's code by
+    /// [`Endpoint::refuse_incoming`](crate::Endpoint::refuse_incoming). Default `false`
+    /// (accepted at once).
+    pub manual_accept: bool,
     /// First PSN of every path of every connection this endpoint makes or accepts; `None`
     /// (the default) draws a random one per connection from the seeded RNG. Set it to test
     /// PSN wrap-around at 2^24 (e.g. `Some(0xFF_FFF0)`).
@@ -83,6 +91,7 @@ impl EndpointConfig {
             seed: 0x6d65_7461_726f_6365,
             accept_incoming: true,
             max_connections: 65_536,
+            manual_accept: false,
             initial_psn: None,
             secret_seed: None,
             retry: RetryPolicy::Always,

@@ -1196,6 +1196,52 @@ impl Endpoint {
         }
     }
 
+    /// Accept a connection held by [`EndpointConfig::manual_accept`]: the CONNECT Accept
+    /// goes out with the next `poll_transmit`. `false` if there is no such held connection
+    /// (it was refused, closed, or accepted already).
+    pub fn accept_incoming(&mut self, conn: ConnectionHandle) -> bool {
+        let Some(c) = self.conns.get_mut(&conn.0) else {
+            return false;
+        };
+        if !c.held {
+            return false;
+        }
+        c.held = false;
+        c.accept_pending = true;
+        self.touched(conn.0);
+        true
+    }
+
+    /// Refuse a connection held by [`EndpointConfig::manual_accept`]: the peer's request is
+    /// answered with a CONNECT Reject carrying `code` (the requester's connection ends with
+    /// [`ConnectionError::Rejected`]`(code)`), the connection is removed and
+    /// [`Event::ConnectionLost`] with `Rejected(code)` follows. `false` if there is no such
+    /// held connection.
+    pub fn refuse_incoming(&mut self, conn: ConnectionHandle, code: u32) -> bool {
+        let Some(c) = self.conns.get(&conn.0) else {
+            return false;
+        };
+        if !c.held {
+            return false;
+        }
+        // The same Reject a refusal by configuration sends (docs/PROTOCOL.md, CONNECT),
+        // with the application's code as the reason.
+        let (bth, hdrs) = c.connect_packet(ConnectKind::Reject, code);
+        let hdrs = match hdrs {
+            Headers::Connect(m) => Headers::Connect(ConnectEth { src_qpn: 0, ..m }),
+            h => h,
+        };
+        let (peer, lip) = (c.peer, c.local_ip);
+        self.push_control(peer, bth, hdrs, Trailer::None, lip);
+        self.stats.rejected += 1;
+        self.remove(
+            conn,
+            ConnectionError::Rejected(code),
+            WcStatus::WrFlushError,
+        );
+        true
+    }
+
     fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
         if let Some(mut c) = self.conns.remove(&conn.0) {
             self.forget(conn.0);
@@ -1525,6 +1571,10 @@ impl Endpoint {
             msg,
             server_nonce,
         );
+        let mut conn = conn;
+        // `manual_accept`: the application decides (`accept_incoming`/`refuse_incoming`);
+        // until then the connection sends nothing, not even its Accept.
+        conn.held = self.cfg.manual_accept;
         self.conns.insert(qpn, conn);
         self.touched(qpn);
         self.by_nonce.insert(msg.nonce, qpn);

@@ -210,7 +210,11 @@ impl std::error::Error for ConnectionError {}
 pub enum Event {
     /// A connection this endpoint requested is established.
     Connected(ConnectionHandle),
-    /// A peer's connection request was accepted; the connection is established.
+    /// A peer's connection request was accepted; the connection is established. With
+    /// [`EndpointConfig::manual_accept`](crate::EndpointConfig::manual_accept) the
+    /// connection is held instead — nothing is sent to the peer — until
+    /// [`Endpoint::accept_incoming`](crate::Endpoint::accept_incoming) or
+    /// [`Endpoint::refuse_incoming`](crate::Endpoint::refuse_incoming).
     Incoming(ConnectionHandle),
     /// The connection ended; its outstanding operations were completed with
     /// `WrFlushError` (or `RetryExceeded`) before this event.

@@ -84,6 +84,7 @@ pub struct MrKeys {
 
 /// Why a memory reference was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MrError {
     /// No region has this key (never registered, deregistered, or stale).
     InvalidKey,

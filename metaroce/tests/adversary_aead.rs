@@ -418,9 +418,8 @@ fn replayed_packets_are_rejected() {
     n.capture = false;
     // Wipe the target so a replayed WRITE would show.
     n.eps[1]
-        .mr_write(remote.lkey, 0, 32 * 1024)
-        .unwrap()
-        .fill(0);
+        .mr_write(remote.lkey, 0, &[0u8; 32 * 1024])
+        .unwrap();
     let before: Vec<_> = (0..2).map(|i| n.eps[i].stats()).collect();
     let ev = [n.events[0].len(), n.events[1].len()];
     let replays: Vec<_> = n
@@ -548,7 +547,7 @@ fn key_rotation_case(seed: u64) {
 
 fn lost_reason(events: &[Event]) -> Option<ConnectionError> {
     events.iter().find_map(|e| match e {
-        Event::ConnectionLost { reason, .. } => Some(*reason),
+        Event::ConnectionLost { reason, .. } => Some(reason.clone()),
         _ => None,
     })
 }

@@ -824,7 +824,8 @@ async fn ping(data: &mut MessageStream, msg: Bytes) -> Res<(Duration, Bytes)> {
     let echo = data
         .next()
         .await
-        .ok_or("the connection ended during the ping-pong")?;
+        .ok_or("the connection ended during the ping-pong")?
+        .map_err(|e| format!("the ping-pong stream failed: {}", super::error_chain(&e)))?;
     Ok((t0.elapsed(), echo))
 }
 

@@ -61,7 +61,8 @@ impl Chan {
     /// branch of a `select!` that waits for the peer's failure report.
     pub async fn recv_raw(&mut self) -> Option<Vec<u8>> {
         match self {
-            Chan::Stream(s) => s.next().await.map(|b| b.to_vec()),
+            // The stream's end — finished, reset or the connection lost — ends the channel.
+            Chan::Stream(s) => s.next().await.and_then(Result::ok).map(|b| b.to_vec()),
             Chan::Bytes(b, buf) => loop {
                 if let Some(head) = buf.get(..4) {
                     let len = u32::from_be_bytes(head.try_into().ok()?) as usize;

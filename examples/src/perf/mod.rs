@@ -49,8 +49,10 @@ pub fn main() -> i32 {
             .error(ErrorKind::ValueValidation, msg)
             .exit(),
     };
+    // Colour codes only on a terminal: a log file or a pipe gets plain text.
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
@@ -223,7 +225,9 @@ async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
         let conn = server_ep
             .accept()
             .await
-            .ok_or("the server endpoint closed")?;
+            .ok_or("the server endpoint closed")?
+            .accept()
+            .map_err(|e| format!("accepting the client's connection: {e}"))?;
         let ctrl = conn
             .accept_stream()
             .await
@@ -233,10 +237,11 @@ async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
     let conn = client
         .ep
         .connect(server.ep.local_addr())
+        .map_err(|e| format!("connecting to the in-process server: {e}"))?
         .await
-        .map_err(|e| format!("connecting to the in-process server: {e}"))?;
+        .map_err(|e| format!("connecting to the in-process server: {}", error_chain(&e)))?;
     let r = meta_run_client(&conn, s).await;
-    conn.close();
+    conn.close(0, b"done");
     let (c, r) = with_local_server(r, server_task).await?;
     Ok(Outcome {
         client: Some(c),
@@ -263,7 +268,12 @@ async fn meta_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>
         sink,
     )
     .map_err(bind_err("client", local))?;
-    let conn = client.ep.connect(addr).await.map_err(|e| {
+    let connecting = client.ep.connect(addr).map_err(|e| e.to_string());
+    let conn = match connecting {
+        Ok(c) => c.await.map_err(|e| error_chain(&e)),
+        Err(e) => Err(e),
+    };
+    let conn = conn.map_err(|e| {
         if given == addr.to_string() {
             format!("connecting to {addr}: {e}")
         } else {
@@ -271,7 +281,7 @@ async fn meta_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>
         }
     })?;
     let c = meta_run_client(&conn, s).await?;
-    conn.close();
+    conn.close(0, b"done");
     Ok(Outcome {
         client: Some(c),
         server: None,
@@ -299,7 +309,9 @@ async fn meta_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outc
         .ep
         .accept()
         .await
-        .ok_or("the server endpoint closed")?;
+        .ok_or("the server endpoint closed")?
+        .accept()
+        .map_err(|e| format!("accepting the client's connection: {e}"))?;
     let ctrl = conn
         .accept_stream()
         .await
@@ -459,4 +471,16 @@ async fn rc_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcom
         server: Some(r),
         impair: rc_impair(&net),
     })
+}
+
+/// An error and its sources, `: `-separated.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }

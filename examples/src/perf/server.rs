@@ -133,7 +133,7 @@ type FailTx = UnboundedSender<String>;
 
 /// Echoes every message of `stream` back on it.
 async fn echo(mut stream: MessageStream, count: Arc<AtomicU64>, fail: FailTx) {
-    while let Some(m) = stream.next().await {
+    while let Some(Ok(m)) = stream.next().await {
         if let Err(e) = stream.feed(m).await {
             let _ = fail.send(format!("send_lat echo stopped: {e}"));
             break;
@@ -144,7 +144,7 @@ async fn echo(mut stream: MessageStream, count: Arc<AtomicU64>, fail: FailTx) {
 
 /// Checksums every message of `stream`, in order.
 async fn sink(mut stream: MessageStream, sink: Arc<Sink>) {
-    while let Some(m) = stream.next().await {
+    while let Some(Ok(m)) = stream.next().await {
         {
             let mut st = sink.lock();
             st.crc.update(&m);

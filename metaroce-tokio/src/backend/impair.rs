@@ -183,24 +183,16 @@ impl Impairment {
 }
 
 /// Why an [`Impaired`] backend could not be built or reconfigured.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ImpairError {
     /// [`Impairment::validate`] rejected the parameters; the message says which.
+    #[error("invalid impairment: {0}")]
     Invalid(String),
     /// [`Impaired::new`] was called outside a tokio runtime (it spawns its sender task).
+    #[error("Impaired::new must be called within a tokio runtime")]
     NoRuntime,
 }
-
-impl fmt::Display for ImpairError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Invalid(msg) => write!(f, "invalid impairment: {msg}"),
-            Self::NoRuntime => f.write_str("Impaired::new must be called within a tokio runtime"),
-        }
-    }
-}
-
-impl std::error::Error for ImpairError {}
 
 /// Counters of an [`Impaired`] backend, in datagrams (except `held_bytes`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -162,12 +162,17 @@ impl IpBackend for RawIpBackend {
 /// Decides whether an outgoing packet of a [`MemoryLink`] is lost.
 type LossFn = Box<dyn Fn(&[u8]) -> bool + Send + Sync>;
 
+/// Packets a [`MemoryLink`] direction queues; more are dropped (a full switch queue).
+pub const MEMORY_LINK_QUEUE: usize = 4096;
+
 /// One end of an in-memory link between two endpoints (tests, examples). Packets are
-/// delivered in order, without loss, unless `drop` says otherwise.
+/// delivered in order, without loss, unless `drop` says otherwise or more than
+/// [`MEMORY_LINK_QUEUE`] wait unreceived (then, as at a full switch queue, the new one is
+/// dropped and the transport recovers it).
 pub struct MemoryLink {
     local: IpAddr,
-    tx: mpsc::UnboundedSender<Vec<u8>>,
-    rx: Mutex<mpsc::UnboundedReceiver<Vec<u8>>>,
+    tx: mpsc::Sender<Vec<u8>>,
+    rx: Mutex<mpsc::Receiver<Vec<u8>>>,
     drop: Option<LossFn>,
 }
 
@@ -182,8 +187,8 @@ impl fmt::Debug for MemoryLink {
 impl MemoryLink {
     /// Two connected ends with the given local IPs.
     pub fn pair(a: IpAddr, b: IpAddr) -> (MemoryLink, MemoryLink) {
-        let (ta, ra) = mpsc::unbounded_channel();
-        let (tb, rb) = mpsc::unbounded_channel();
+        let (ta, ra) = mpsc::channel(MEMORY_LINK_QUEUE);
+        let (tb, rb) = mpsc::channel(MEMORY_LINK_QUEUE);
         (
             MemoryLink {
                 local: a,
@@ -236,8 +241,8 @@ impl IpBackend for MemoryLink {
         if self.drop.as_ref().is_some_and(|f| f(packet)) {
             return Poll::Ready(Ok(()));
         }
-        // A closed peer is a lost packet.
-        let _ = self.tx.send(packet.to_vec());
+        // A closed peer or a full queue is a lost packet.
+        let _ = self.tx.try_send(packet.to_vec());
         Poll::Ready(Ok(()))
     }
 }

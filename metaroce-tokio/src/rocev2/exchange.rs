@@ -107,7 +107,14 @@ impl QpExchange {
 
 /// Send `local`'s record on `stream` and read the peer's (both sides call this, in any
 /// order; e.g. over a `TcpStream` one side accepted and the other connected). Reads exactly
-/// [`QpExchange::LEN`] bytes. Errors: I/O errors, or `InvalidData` for a malformed record.
+/// [`QpExchange::LEN`] bytes.
+///
+/// # Errors
+/// I/O errors, or `InvalidData` for a malformed record.
+///
+/// # Cancel safety
+/// Not cancel safe: dropping it part-way leaves a partial record on `stream`; drop the
+/// stream too.
 pub async fn exchange<S>(stream: &mut S, local: &QpExchange) -> io::Result<QpExchange>
 where
     S: AsyncRead + AsyncWrite + Unpin,

@@ -43,7 +43,7 @@ mod udp;
 
 pub use exchange::{exchange, QpExchange};
 
-pub use backend::{IpBackend, MemoryLink, RawIpBackend, NEED_CAP_NET_RAW};
+pub use backend::{IpBackend, MemoryLink, RawIpBackend, MEMORY_LINK_QUEUE, NEED_CAP_NET_RAW};
 pub use metaroce::rocev2::{
     Completion, ConnectAttrs, MrKeys, QpInfo, QpInit, QpState, QpStats, RcConfig, RcError, RcEvent,
     RcOpcode, RcStats, RcWire, RecvWr, SendOp, SendWr,
@@ -61,35 +61,25 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, Notify};
 
 /// Errors of the async RoCEv2 API.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The call was refused by the core; nothing was posted.
-    Post(RcError),
+    #[error("work request refused")]
+    Post(#[source] RcError),
     /// The work request completed with an error status.
+    #[error(
+        "work request {} ({:?}) failed: {} ({})",
+        .0.wr_id,
+        .0.opcode,
+        .0.status,
+        .0.status.ibv_code()
+    )]
     Completion(Completion),
     /// The endpoint's driver stopped (or the QP was destroyed).
+    #[error("endpoint closed")]
     Closed,
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Post(e) => write!(f, "work request refused: {e}"),
-            Error::Completion(c) => write!(
-                f,
-                "work request {} ({:?}) failed: {} ({})",
-                c.wr_id,
-                c.opcode,
-                c.status,
-                c.status.ibv_code()
-            ),
-            Error::Closed => f.write_str("endpoint closed"),
-        }
-    }
-}
-
-impl std::error::Error for Error {}
 
 impl From<RcError> for Error {
     fn from(e: RcError) -> Self {
@@ -359,6 +349,10 @@ const UDP_ON_RAW: &str = "this QP belongs to an rocev2::RcEndpoint, whose backen
 
 impl QueuePair {
     fn create(host: Host, init: QpInit) -> Result<QueuePair, RcError> {
+        // Receive completions (no data: the bytes are in the application's posted
+        // buffers), one per receive the application posted (at most `max_recv_wr` posted
+        // at once): it grows only if the application keeps posting receives without
+        // reading their completions — the CQ of verbs, which would overflow instead.
         let (tx, rx) = mpsc::unbounded_channel();
         let info = host.with(|mut qps, side| {
             let info = qps.create_qp(init)?;
@@ -504,6 +498,12 @@ impl QueuePair {
     }
 
     /// The next receive completion (any status).
+    ///
+    /// # Errors
+    /// [`Error::Closed`] once the endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a completion is taken from the queue only when this resolves.
     pub async fn recv(&self) -> Result<Completion, Error> {
         self.recv_rx.lock().await.recv().await.ok_or(Error::Closed)
     }
@@ -528,6 +528,17 @@ impl QueuePair {
     }
 
     /// Post and wait; a non-success completion is an [`Error::Completion`].
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the work request is refused at post time (QP state, lkey, length),
+    /// [`Error::Completion`] for a non-success completion, [`Error::Closed`] if the
+    /// endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe in the sense of undoing: the work request is posted at the first
+    /// poll, and dropping the future afterwards does not withdraw it — it runs to its
+    /// completion (RC verbs have no cancel), which is then discarded. Keep the local range
+    /// untouched until the QP's later completions show it is done.
     pub async fn execute(&self, wr: SendWr) -> Result<Completion, Error> {
         let c = self.post(wr)?.await?;
         if c.status == WcStatus::Success {
@@ -538,6 +549,17 @@ impl QueuePair {
     }
 
     /// SEND `len` bytes from `lkey` at `offset` (with immediate data).
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the work request is refused at post time (QP state, lkey, length),
+    /// [`Error::Completion`] for a non-success completion, [`Error::Closed`] if the
+    /// endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe in the sense of undoing: the work request is posted at the first
+    /// poll, and dropping the future afterwards does not withdraw it — it runs to its
+    /// completion (RC verbs have no cancel), which is then discarded. Keep the local range
+    /// untouched until the QP's later completions show it is done.
     pub async fn send(
         &self,
         lkey: u32,
@@ -550,6 +572,17 @@ impl QueuePair {
     }
 
     /// RDMA WRITE `len` bytes from `lkey` at `offset` to `remote_addr`/`rkey`.
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the work request is refused at post time (QP state, lkey, length),
+    /// [`Error::Completion`] for a non-success completion, [`Error::Closed`] if the
+    /// endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe in the sense of undoing: the work request is posted at the first
+    /// poll, and dropping the future afterwards does not withdraw it — it runs to its
+    /// completion (RC verbs have no cancel), which is then discarded. Keep the local range
+    /// untouched until the QP's later completions show it is done.
     pub async fn write(
         &self,
         lkey: u32,
@@ -573,6 +606,17 @@ impl QueuePair {
     }
 
     /// RDMA READ `len` bytes from `remote_addr`/`rkey` into `lkey` at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the work request is refused at post time (QP state, lkey, length),
+    /// [`Error::Completion`] for a non-success completion, [`Error::Closed`] if the
+    /// endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe in the sense of undoing: the work request is posted at the first
+    /// poll, and dropping the future afterwards does not withdraw it — it runs to its
+    /// completion (RC verbs have no cancel), which is then discarded. Keep the local range
+    /// untouched until the QP's later completions show it is done.
     pub async fn read(
         &self,
         lkey: u32,
@@ -587,6 +631,17 @@ impl QueuePair {
 
     /// ATOMIC compare-and-swap; returns the original remote value (also written
     /// little-endian to `lkey` at `offset`).
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the work request is refused at post time (QP state, lkey, length),
+    /// [`Error::Completion`] for a non-success completion, [`Error::Closed`] if the
+    /// endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe in the sense of undoing: the work request is posted at the first
+    /// poll, and dropping the future afterwards does not withdraw it — it runs to its
+    /// completion (RC verbs have no cancel), which is then discarded. Keep the local range
+    /// untouched until the QP's later completions show it is done.
     pub async fn compare_swap(
         &self,
         lkey: u32,
@@ -607,6 +662,17 @@ impl QueuePair {
     }
 
     /// ATOMIC fetch-and-add; returns the original remote value.
+    ///
+    /// # Errors
+    /// [`Error::Post`] if the work request is refused at post time (QP state, lkey, length),
+    /// [`Error::Completion`] for a non-success completion, [`Error::Closed`] if the
+    /// endpoint stopped.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe in the sense of undoing: the work request is posted at the first
+    /// poll, and dropping the future afterwards does not withdraw it — it runs to its
+    /// completion (RC verbs have no cancel), which is then discarded. Keep the local range
+    /// untouched until the QP's later completions show it is done.
     pub async fn fetch_add(
         &self,
         lkey: u32,

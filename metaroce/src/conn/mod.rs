@@ -192,6 +192,9 @@ pub(crate) struct Connection {
     next_ack_path: usize,
     naks: VecDeque<PendingNak>,
     pub accept_pending: bool,
+    /// An incoming connection the application has not accepted yet
+    /// (`EndpointConfig::manual_accept`): nothing is transmitted while set.
+    pub held: bool,
     accepts_sent: u64,
     /// This side sent the connection request.
     pub outgoing: bool,
@@ -429,6 +432,7 @@ impl Connection {
             next_ack_path: 0,
             naks: VecDeque::new(),
             accept_pending: false,
+            held: false,
             accepts_sent: 0,
             outgoing: false,
             handshake: None,
@@ -1556,6 +1560,9 @@ impl Connection {
         mrs: &MrTable,
     ) -> Option<Transmit> {
         buf.clear();
+        if self.held {
+            return None;
+        }
         // 1. Handshake.
         if let Some(hs) = &mut self.handshake {
             if !hs.pending {

@@ -1,0 +1,173 @@
+//! Connection lifecycle over UDP on 127.0.0.1: connect/accept/refuse, close with a code,
+//! closing by dropping handles, endpoint drop, wait_idle, and that every driver-side
+//! structure of a connection is freed when it ends.
+
+use metaroce_tokio::{Config, ConnectError, Connection, ConnectionError, Endpoint, REFUSED_BUSY};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+async fn endpoints() -> (Endpoint, Endpoint) {
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    (server, client)
+}
+
+async fn connect(server: &Endpoint, client: &Endpoint) -> (Connection, Connection) {
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let incoming = tokio::time::timeout(T, server.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        incoming.remote_addr().map(|a| a.ip()),
+        Some(client.local_addr().ip())
+    );
+    let s = incoming.accept().unwrap();
+    let c = tokio::time::timeout(T, connecting).await.unwrap().unwrap();
+    (c, s)
+}
+
+fn is_closed_by_peer(e: &ConnectionError) -> bool {
+    matches!(e, ConnectionError::ClosedByPeer { .. })
+}
+
+fn closed_by_peer(e: &ConnectionError) -> Option<(u32, &[u8])> {
+    match e {
+        ConnectionError::ClosedByPeer { code, reason } => Some((*code, &reason[..])),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn close_with_code_reaches_the_peers_closed() {
+    let (server, client) = endpoints().await;
+    let (c, s) = connect(&server, &client).await;
+    c.close(42, b"bye");
+    let why = tokio::time::timeout(T, s.closed()).await.unwrap();
+    assert_eq!(closed_by_peer(&why), Some((42, &b"bye"[..])), "{why:?}");
+    assert_eq!(c.closed().await, ConnectionError::LocallyClosed);
+    assert_eq!(s.close_reason(), Some(why));
+    // Both drivers freed the connection.
+    tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+    tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+    assert_eq!(server.driver_maps(), Default::default());
+    assert_eq!(client.driver_maps(), Default::default());
+}
+
+#[tokio::test]
+async fn dropping_the_last_handle_closes_the_connection() {
+    let (server, client) = endpoints().await;
+    let (c, s) = connect(&server, &client).await;
+    let c2 = c.clone();
+    let stream = c.open_stream().unwrap();
+    drop(c);
+    drop(c2);
+    // A stream keeps its connection open.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(s.close_reason(), None);
+    drop(stream);
+    let why = tokio::time::timeout(T, s.closed()).await.unwrap();
+    assert_eq!(closed_by_peer(&why), Some((0, &b""[..])), "{why:?}");
+    tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+    assert_eq!(client.driver_maps(), Default::default());
+}
+
+#[tokio::test]
+async fn an_endpoint_dropped_without_close_closes_at_the_peer() {
+    let (server, client) = endpoints().await;
+    let (c, s) = connect(&server, &client).await;
+    drop(c);
+    drop(client);
+    let why = tokio::time::timeout(T, s.closed()).await.unwrap();
+    assert!(is_closed_by_peer(&why), "{why:?}");
+    tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+    assert_eq!(server.driver_maps(), Default::default());
+}
+
+#[tokio::test]
+async fn endpoint_close_reaches_every_peer_and_wait_idle_returns() {
+    let (server, client) = endpoints().await;
+    let mut peers = Vec::new();
+    let mut mine = Vec::new();
+    for _ in 0..4 {
+        let (c, s) = connect(&server, &client).await;
+        mine.push(c);
+        peers.push(s);
+    }
+    client.close(9, b"shutdown");
+    tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+    for s in &peers {
+        let why = tokio::time::timeout(T, s.closed()).await.unwrap();
+        assert_eq!(closed_by_peer(&why), Some((9, &b"shutdown"[..])), "{why:?}");
+    }
+    for c in &mine {
+        assert_eq!(c.close_reason(), Some(ConnectionError::LocallyClosed));
+    }
+    assert!(matches!(
+        client.connect(server.local_addr()),
+        Err(ConnectError::EndpointClosed)
+    ));
+}
+
+#[tokio::test]
+async fn a_refused_request_fails_the_connecting_side_with_the_code() {
+    let (server, client) = endpoints().await;
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let incoming = server.accept().await.unwrap();
+    incoming.refuse(77);
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err, ConnectError::Connection(ConnectionError::Rejected(77)));
+    // Dropping the request refuses it too.
+    let connecting = client.connect(server.local_addr()).unwrap();
+    drop(server.accept().await.unwrap());
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ConnectError::Connection(ConnectionError::Rejected(REFUSED_BUSY))
+    );
+    tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+    tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+    assert_eq!(server.driver_maps(), Default::default());
+    assert_eq!(client.driver_maps(), Default::default());
+}
+
+#[tokio::test]
+async fn dropping_connecting_abandons_the_attempt() {
+    let (_server, client) = endpoints().await;
+    let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let connecting = client.connect(dead.local_addr().unwrap()).unwrap();
+    assert_eq!(client.driver_maps().connecting, 1);
+    drop(connecting);
+    tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+    assert_eq!(client.driver_maps().core_connections, 0);
+    assert_eq!(client.driver_maps().connections, 0);
+}
+
+#[tokio::test]
+async fn closing_an_endpoint_refuses_requests_it_holds() {
+    let (server, client) = endpoints().await;
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let undecided = server.accept().await.unwrap();
+    server.close(5, b"going away");
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err, ConnectError::Connection(ConnectionError::Rejected(5)));
+    assert!(matches!(
+        undecided.accept(),
+        Err(ConnectError::EndpointClosed)
+    ));
+    tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+}

@@ -1,0 +1,154 @@
+//! Streams with an end over UDP on 127.0.0.1: finish, reset (on drop and with a code),
+//! stop, send after close.
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use metaroce_tokio::{Config, Connection, Endpoint, Error, MessageStream, RESET_ON_DROP};
+use std::time::Duration;
+
+const T: Duration = Duration::from_secs(10);
+
+async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
+        .await
+        .unwrap();
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let s = server.accept().await.unwrap().accept().unwrap();
+    let c = tokio::time::timeout(T, connecting).await.unwrap().unwrap();
+    (server, client, c, s)
+}
+
+async fn next(s: &mut MessageStream) -> Option<Result<Bytes, Error>> {
+    tokio::time::timeout(T, s.next())
+        .await
+        .expect("stream stalled")
+}
+
+#[tokio::test]
+async fn a_finished_stream_yields_none_after_the_last_message() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    let mut tx = c.open_stream().unwrap();
+    for i in 0..10u8 {
+        tx.feed(Bytes::from(vec![i; 1000 + i as usize]))
+            .await
+            .unwrap();
+    }
+    tx.close().await.unwrap();
+    let mut rx = s.accept_stream().await.unwrap();
+    for i in 0..10u8 {
+        let m = next(&mut rx).await.unwrap().unwrap();
+        assert_eq!(m, Bytes::from(vec![i; 1000 + i as usize]));
+    }
+    assert!(
+        next(&mut rx).await.is_none(),
+        "end of stream after the last message"
+    );
+    assert!(next(&mut rx).await.is_none(), "and it stays ended");
+    // Sending after close is an error, on the Sink and in start_send.
+    assert_eq!(
+        tx.send(Bytes::from_static(b"late")).await,
+        Err(Error::StreamClosed(tx.id()))
+    );
+    // A stream finished before any message still reaches the peer, and ends at once.
+    let mut empty = c.open_stream().unwrap();
+    empty.close().await.unwrap();
+    let mut rx2 = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rx2.id(), empty.id());
+    assert!(next(&mut rx2).await.is_none());
+}
+
+#[tokio::test]
+async fn dropping_a_stream_without_close_resets_it() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    let mut tx = c.open_stream().unwrap();
+    tx.send(Bytes::from_static(b"first")).await.unwrap();
+    drop(tx);
+    let mut rx = s.accept_stream().await.unwrap();
+    assert_eq!(&next(&mut rx).await.unwrap().unwrap()[..], b"first");
+    let end = next(&mut rx).await;
+    assert!(
+        matches!(
+            end,
+            Some(Err(Error::StreamReset {
+                code: RESET_ON_DROP,
+                ..
+            }))
+        ),
+        "{end:?}"
+    );
+    assert!(next(&mut rx).await.is_none());
+}
+
+#[tokio::test]
+async fn reset_with_a_code_is_seen_by_the_peer() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    let mut tx = c.open_stream().unwrap();
+    tx.send(Bytes::from_static(b"a")).await.unwrap();
+    tx.reset(4242);
+    assert_eq!(
+        tx.send(Bytes::from_static(b"b")).await,
+        Err(Error::StreamClosed(tx.id()))
+    );
+    let mut rx = s.accept_stream().await.unwrap();
+    assert_eq!(&next(&mut rx).await.unwrap().unwrap()[..], b"a");
+    let end = next(&mut rx).await;
+    assert!(
+        matches!(end, Some(Err(Error::StreamReset { code: 4242, stream })) if stream == tx.id()),
+        "{end:?}"
+    );
+    // The accepting side can reset too.
+    let (mut back_tx, _keep) = (s.open_stream().unwrap(), ());
+    back_tx.send(Bytes::from_static(b"x")).await.unwrap();
+    back_tx.reset(7);
+    let mut back_rx = c.accept_stream().await.unwrap();
+    assert_eq!(&next(&mut back_rx).await.unwrap().unwrap()[..], b"x");
+    assert!(matches!(
+        next(&mut back_rx).await,
+        Some(Err(Error::StreamReset { code: 7, .. }))
+    ));
+}
+
+#[tokio::test]
+async fn a_reader_can_stop_the_sender() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    let mut tx = c.open_stream().unwrap();
+    tx.send(Bytes::from_static(b"hello")).await.unwrap();
+    let mut rx = s.accept_stream().await.unwrap();
+    assert_eq!(&next(&mut rx).await.unwrap().unwrap()[..], b"hello");
+    rx.stop(99);
+    // The sender's sink fails with the code...
+    let r = tokio::time::timeout(T, async {
+        loop {
+            if let Err(e) = tx.send(Bytes::from_static(b"more")).await {
+                break e;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(
+            r,
+            Error::StreamStopped { code: 99, .. } | Error::StreamClosed(_)
+        ),
+        "{r:?}"
+    );
+    // ...and the reader sees the reset that answers its stop, with the same code.
+    let end = loop {
+        match next(&mut rx).await {
+            Some(Ok(_)) => continue,
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(end, Some(Err(Error::StreamReset { code: 99, .. }))),
+        "{end:?}"
+    );
+}
