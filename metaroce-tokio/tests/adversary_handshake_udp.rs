@@ -45,6 +45,9 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
     let s2 = server.clone();
     let acceptor = tokio::spawn(async move {
         let mut n = 0u32;
+        // Streams are kept open until the end: dropping one resets it and stops the peer's
+        // sender (metaroce-tokio's drop semantics), which would fail its last send.
+        let mut kept = Vec::new();
         while let Some(inc) = s2.accept().await {
             let Ok(c) = inc.accept() else { continue };
             n += 1;
@@ -56,6 +59,7 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
                         break;
                     }
                 }
+                kept.push(st);
             }
             if n == 2 {
                 break;
