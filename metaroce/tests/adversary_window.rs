@@ -364,7 +364,7 @@ fn forged_floor_out_of_window_moves_nothing() {
     assert_eq!(wcs.len(), 2, "{wcs:?}");
     assert_eq!(wcs[1].status, WcStatus::Success);
     assert!(
-        net.eps[1].mr_read(dst.lkey, 0, 256 * 1024).unwrap() == &pattern(256 * 1024)[..],
+        net.eps[1].mr_read(dst.lkey, 0, 256 * 1024).unwrap() == pattern(256 * 1024)[..],
         "bytes acknowledged but not placed"
     );
     let cs = net.eps[0].connection_stats(c).unwrap();
@@ -475,7 +475,7 @@ fn forged_ack_for_unsent_psns_is_dropped() {
     net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
     assert_eq!(net.completions(0)[1].status, WcStatus::Success);
     assert!(
-        net.eps[1].mr_read(dst.lkey, 0, 80 * 1024).unwrap() == &pattern(80 * 1024)[..],
+        net.eps[1].mr_read(dst.lkey, 0, 80 * 1024).unwrap() == pattern(80 * 1024)[..],
         "bytes differ"
     );
 }
@@ -554,7 +554,7 @@ fn replayed_data_packet_timestamp_is_not_echoed() {
         assert!(s < Duration::from_millis(5), "SRTT {s:?}");
     }
     assert!(
-        net.eps[1].mr_read(dst.lkey, 0, 64 * 1024).unwrap() == &pattern(64 * 1024)[..],
+        net.eps[1].mr_read(dst.lkey, 0, 64 * 1024).unwrap() == pattern(64 * 1024)[..],
         "bytes differ"
     );
     let _ = s;
@@ -607,7 +607,7 @@ fn op_id_collision_never_reports_success_without_delivery() {
     net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
     let wcs = net.completions(0);
     assert_eq!(wcs.len(), 2, "{wcs:?}");
-    let landed = net.eps[1].mr_read(dst.lkey, 4096, 4096).unwrap() == &pattern(8192)[4096..];
+    let landed = net.eps[1].mr_read(dst.lkey, 4096, 4096).unwrap() == pattern(8192)[4096..];
     let forged_bytes = net.eps[1]
         .mr_read(dst.lkey, 60 * 1024, 1024)
         .unwrap()
@@ -665,7 +665,7 @@ fn op_id_far_ahead_of_the_floor_is_not_executed() {
     let mut expect = vec![0u8; 64 * 1024];
     expect[..1024].copy_from_slice(&pattern(1024));
     assert!(
-        net.eps[1].mr_read(dst.lkey, 0, 64 * 1024).unwrap() == &expect[..],
+        net.eps[1].mr_read(dst.lkey, 0, 64 * 1024).unwrap() == expect[..],
         "forged bytes landed"
     );
     let ss = net.eps[1].connection_stats(s).unwrap();
@@ -729,7 +729,7 @@ fn forged_read_response_for_unsent_read_is_dropped() {
         .iter()
         .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::RdmaRead));
     assert!(
-        net.eps[0].mr_read(local.lkey, 0, 3072).unwrap() == &dst_data[..3072],
+        net.eps[0].mr_read(local.lkey, 0, 3072).unwrap() == dst_data[..3072],
         "forged READ response bytes landed"
     );
 }
@@ -783,7 +783,7 @@ fn in_window_injection_never_preempts_real_packets() {
     net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
     let wcs = net.completions(0);
     assert_eq!(wcs.len(), 2, "{wcs:?}");
-    let landed = net.eps[1].mr_read(dst.lkey, 0, 256 * 1024).unwrap() == &pattern(256 * 1024)[..];
+    let landed = net.eps[1].mr_read(dst.lkey, 0, 256 * 1024).unwrap() == pattern(256 * 1024)[..];
     println!("WRITE {:?}, bytes landed: {landed}", wcs[1].status);
     assert!(
         wcs[1].status != WcStatus::Success || landed,
@@ -867,7 +867,7 @@ fn path_recovers_after_losing_more_than_a_window() {
     assert_eq!(wcs.len(), posted);
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success), "{wcs:?}");
     assert!(
-        net.eps[1].mr_read(dst.lkey, 0, 64 << 10).unwrap() == &pattern(64 << 10)[..],
+        net.eps[1].mr_read(dst.lkey, 0, 64 << 10).unwrap() == pattern(64 << 10)[..],
         "bytes differ"
     );
     assert_eq!(p0.state, metaroce::PathState::Active, "{p0:?}");

@@ -68,7 +68,7 @@ fn run(seed: u64, imp: Impairments) -> Run {
         })
         .expect("WRITE did not complete");
     assert_eq!(done.1, WcStatus::Success);
-    assert!(sim.endpoint(b).mr_read(dst.lkey, 0, LEN as u64).unwrap() == &data[..]);
+    assert!(sim.endpoint(b).mr_read(dst.lkey, 0, LEN as u64).unwrap() == data[..]);
     let elapsed = done.0 - t0;
     let st = sim.endpoint(a).connection_stats(c).unwrap();
     let sum = |f: &dyn Fn(&metaroce::PathStats) -> u64| -> u64 {
