@@ -31,8 +31,9 @@ use crate::endpoint::EndpointRef;
 use crate::error::Error;
 use crate::Endpoint;
 use metaroce::{Access, MrError, MrKeys, RegionMemory};
+use parking_lot::{Mutex, MutexGuard};
 use std::any::Any;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 /// What a peer needs to address a region: its address, length and rkey.
 ///
@@ -138,9 +139,11 @@ impl<B: OwnedBuffer> Backing for B {
 
 type Cell = Arc<Mutex<Box<dyn Backing>>>;
 
+/// The region's lock. `parking_lot`'s: no poisoning (a panic in a user closure under the
+/// lock leaves plain bytes), and `unlock_fair` hands the lock to a waiting thread, which a
+/// long chunked copy needs so that the driver's packets for this region are not starved.
 fn lock(cell: &Mutex<Box<dyn Backing>>) -> MutexGuard<'_, Box<dyn Backing>> {
-    // A panic in a user closure under the lock leaves plain bytes: keep going.
-    cell.lock().unwrap_or_else(|e| e.into_inner())
+    cell.lock()
 }
 
 /// The core's handle on a region's bytes: one region lock per call.
@@ -321,6 +324,9 @@ impl MemoryRegion {
                 Some(s) => chunk.copy_from_slice(s),
                 None => return Err(Error::Memory(MrError::OutOfBounds)),
             }
+            // Hand the lock to the driver if it waits (a plain unlock would let this loop
+            // take it again first, and the region's packets would wait for the whole copy).
+            MutexGuard::unlock_fair(g);
         }
         Ok(())
     }
@@ -339,6 +345,7 @@ impl MemoryRegion {
                 Some(d) => d.copy_from_slice(chunk),
                 None => return Err(Error::Memory(MrError::OutOfBounds)),
             }
+            MutexGuard::unlock_fair(g);
         }
         Ok(())
     }
@@ -391,7 +398,7 @@ impl MemoryRegion {
         drop(core_side);
         let mem = std::mem::replace(&mut self.mem, Arc::new(Mutex::new(Box::new(Vec::new()))));
         match Arc::try_unwrap(mem) {
-            Ok(m) => m.into_inner().unwrap_or_else(|e| e.into_inner()).into_any(),
+            Ok(m) => m.into_inner().into_any(),
             // Only the core holds another reference, and it just gave it back.
             Err(shared) => {
                 let g = lock(&shared);

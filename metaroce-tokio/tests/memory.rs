@@ -149,9 +149,6 @@ async fn external_memory_receives_remote_writes() {
 /// 1 MiB WRITEs completed in all; with per-region locks, 298 pairs, up to 32 in one copy,
 /// 268 WRITEs (debug build, 2 shared cores).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "regression found when the branches were merged (2026-12-01): on the merged tree \
-            the sampler sees no progress inside the copies (it passed on the svc-mem \
-            branch alone); run with --ignored while it is investigated"]
 async fn local_copies_do_not_stall_packet_processing() {
     let (_se, ce, c, s) = pair().await;
     let n = 64usize << 20;
