@@ -938,12 +938,7 @@ impl Endpoint {
         code: u32,
         reason: &[u8],
     ) -> Result<(), PostError> {
-        if reason.len() > MAX_CLOSE_REASON {
-            return Err(PostError::ReasonTooLong {
-                len: reason.len(),
-                max: MAX_CLOSE_REASON,
-            });
-        }
+        check_close_reason(reason)?;
         let timeout = self.cfg.transport.close_timeout;
         let c = self
             .conns
@@ -981,12 +976,7 @@ impl Endpoint {
         code: u32,
         reason: &[u8],
     ) -> Result<(), PostError> {
-        if reason.len() > MAX_CLOSE_REASON {
-            return Err(PostError::ReasonTooLong {
-                len: reason.len(),
-                max: MAX_CLOSE_REASON,
-            });
-        }
+        check_close_reason(reason)?;
         if !self.conns.contains_key(&conn.0) {
             return Err(PostError::UnknownConnection);
         }
@@ -1120,22 +1110,9 @@ impl Endpoint {
             Some(c) if c.nonce == msg.nonce && c.peer.ip() == from.ip() => {
                 // `opened`: an AEAD connection's close, already verified by `open`. Any
                 // other close of an AEAD connection is refused by `authenticate`.
-                match if opened {
-                    Ok(())
-                } else {
-                    c.authenticate(trailer)
-                } {
-                    Ok(()) => {}
-                    Err(AuthError::Missing) => {
-                        self.stats.missing_auth += 1;
-                        return;
-                    }
-                    Err(AuthError::Bad) => {
-                        self.stats.bad_auth += 1;
-                        return;
-                    }
-                    Err(AuthError::NotEstablished) => {
-                        self.stats.unknown_connection += 1;
+                if !opened {
+                    if let Err(e) = c.authenticate(trailer) {
+                        count_auth_error(&mut self.stats, e, c.is_protected());
                         return;
                     }
                 }
@@ -1354,26 +1331,9 @@ impl Endpoint {
         // Identity (issue #9): the trailer token (or, with AEAD, the trailer kind) is
         // checked in constant time before the connection sees the packet; a miss is counted
         // and dropped.
-        match c.authenticate(&pkt.trailer) {
-            Ok(()) => {}
-            Err(AuthError::Missing) => {
-                self.stats.missing_auth += 1;
-                if c.is_protected() {
-                    self.stats.aead_auth_failures += 1;
-                }
-                return;
-            }
-            Err(AuthError::Bad) => {
-                self.stats.bad_auth += 1;
-                if c.is_protected() {
-                    self.stats.aead_auth_failures += 1;
-                }
-                return;
-            }
-            Err(AuthError::NotEstablished) => {
-                self.stats.unknown_connection += 1;
-                return;
-            }
+        if let Err(e) = c.authenticate(&pkt.trailer) {
+            count_auth_error(&mut self.stats, e, c.is_protected());
+            return;
         }
         if c.is_protected() {
             // AEAD: verify (and decrypt, in a copy) before any connection state is touched.
@@ -1986,5 +1946,33 @@ impl Endpoint {
         self.events
             .pop_front()
             .or_else(|| self.rc.poll_event().map(Event::Rc))
+    }
+}
+
+/// `reason` fits an `MR_CLOSE` ([`MAX_CLOSE_REASON`] bytes).
+fn check_close_reason(reason: &[u8]) -> Result<(), PostError> {
+    if reason.len() > MAX_CLOSE_REASON {
+        return Err(PostError::ReasonTooLong {
+            len: reason.len(),
+            max: MAX_CLOSE_REASON,
+        });
+    }
+    Ok(())
+}
+
+/// Count a packet refused by `Connection::authenticate` (issue #9): a missing trailer or a
+/// wrong token (also as an AEAD failure on a protected connection), or a connection that is
+/// not established yet.
+fn count_auth_error(stats: &mut EndpointStats, e: AuthError, protected: bool) {
+    match e {
+        AuthError::Missing => stats.missing_auth += 1,
+        AuthError::Bad => stats.bad_auth += 1,
+        AuthError::NotEstablished => {
+            stats.unknown_connection += 1;
+            return;
+        }
+    }
+    if protected {
+        stats.aead_auth_failures += 1;
     }
 }
