@@ -58,7 +58,7 @@ ip netns exec "$NS" true 2>/dev/null && ip -n "$NS" link show tap-vm0 >/dev/null
 
 # --- binaries ------------------------------------------------------------------------
 log "building metaroce-rc-pingpong and rdma_rw"
-(cd "$ROOT" && cargo build --release -q -p metaroce-examples --bin metaroce-rc-pingpong)
+(cd "$ROOT" && cargo build --release -q -p metaroce-perf --bin metaroce-rc-pingpong)
 TARGET_DIR=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps 2>/dev/null \
     | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])' 2>/dev/null \
     || echo "$ROOT/target")

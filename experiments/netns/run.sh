@@ -38,7 +38,7 @@ for t in nft ethtool iperf3 ping tc ip python3 cargo; do
 done
 
 echo "== build" >&2
-if ! (cd "$ROOT" && cargo build --release -q -p metaroce-examples --bin metaroce-perf --example exp_stall); then
+if ! (cd "$ROOT" && cargo build --release -q -p metaroce-perf --bin metaroce-perf && cargo build --release -q -p metaroce-examples --example exp_stall); then
   if [ -x "$ROOT/target/release/metaroce-perf" ] && [ -x "$ROOT/target/release/examples/exp_stall" ]; then
     echo "run.sh: WARNING: build failed; using the binaries already in target/release" >&2
   else
