@@ -14,7 +14,8 @@ use crate::{EcnCodepoint, Transmit};
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use crate::fasthash::HashMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
@@ -247,6 +248,9 @@ struct ConnIndex {
     /// The connection's `last_data_rx` when last looked at (its key in `recent_rx`, unless
     /// it has since left the fair-share window).
     data_rx: Option<Instant>,
+    /// The connection was touched since `deadline` was read: it is listed in
+    /// `Endpoint::stale` and its `timers` entry may be out of date.
+    stale: bool,
 }
 
 /// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
@@ -290,8 +294,14 @@ pub struct Endpoint {
     grant_mbps: u32,
     /// Per-connection keys in `timers` and `recent_rx`.
     index: HashMap<u32, ConnIndex>,
-    /// (deadline, QPN) of every connection with a timer armed.
+    /// (deadline, QPN) of every connection with a timer armed, as last read; the entries
+    /// of connections in `stale` may be out of date.
     timers: BTreeSet<(Instant, u32)>,
+    /// Connections touched since their deadline was last read (issue #13: the deadline,
+    /// O(paths) to compute, is read once per burst of input and output instead of after
+    /// every packet). Read back into `timers` by `flush_stale`: when `poll_transmit` has
+    /// nothing more to send and before timers fire; `poll_timeout` computes theirs afresh.
+    stale: Vec<u32>,
     /// QPNs of the connections that may have something to send: every connection whose
     /// `poll_transmit` could return a datagram is in here (it leaves only when its
     /// `poll_transmit` returns `None`, and any call that changes it puts it back).
@@ -381,12 +391,12 @@ impl Endpoint {
             rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
             secret,
             cookie_key,
-            by_peer_qpn: HashMap::new(),
+            by_peer_qpn: HashMap::default(),
             half_open: BTreeSet::new(),
             cfg,
             epoch: None,
             conns: BTreeMap::new(),
-            by_nonce: HashMap::new(),
+            by_nonce: HashMap::default(),
             mrs,
             events: VecDeque::new(),
             control: VecDeque::new(),
@@ -396,12 +406,13 @@ impl Endpoint {
             fair_share_at: None,
             fair_share_latest: None,
             grant_mbps: 0,
-            index: HashMap::new(),
+            index: HashMap::default(),
             timers: BTreeSet::new(),
+            stale: Vec::new(),
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
-            closers: HashMap::new(),
+            closers: HashMap::default(),
             close_timers: BTreeSet::new(),
             close_ready: VecDeque::new(),
         })
@@ -1066,7 +1077,17 @@ impl Endpoint {
             connections: self.conns.len(),
             nonces: self.by_nonce.len(),
             index: self.index.len(),
-            timers: self.timers.len(),
+            timers: self
+                .timers
+                .iter()
+                .filter(|(_, q)| !self.is_stale(*q))
+                .count()
+                + self
+                    .stale
+                    .iter()
+                    .filter(|q| self.is_stale(**q))
+                    .filter(|q| self.conns.get(q).is_some_and(|c| c.next_timeout().is_some()))
+                    .count(),
             ready: self.ready.len(),
             recent_rx: self.recent_rx.len(),
             closers: self.closers.len(),
@@ -1624,6 +1645,7 @@ impl Endpoint {
             return false;
         };
         let ix = self.index.entry(q).or_default();
+        ix.stale = false;
         let deadline = c.next_timeout();
         if deadline != ix.deadline {
             if let Some(old) = ix.deadline {
@@ -1652,9 +1674,60 @@ impl Endpoint {
     /// Connection `q` was handed input, a post or a timer: refresh its indexes and ask it
     /// in the next `poll_transmit`.
     fn touched(&mut self, q: u32) {
-        if self.refresh(q) {
+        if self.mark(q) {
             self.ready.insert(q);
         }
+    }
+
+    /// Like [`refresh`](Self::refresh), but the deadline is only marked stale (read later
+    /// by `flush_stale`); the last data arrival, which the fair share reads, is refreshed
+    /// now. `false` if there is no such connection. O(1), plus O(log n) when the
+    /// connection's last data arrival changed.
+    fn mark(&mut self, q: u32) -> bool {
+        let Some(c) = self.conns.get(&q) else {
+            return false;
+        };
+        let ix = self.index.entry(q).or_default();
+        if !ix.stale {
+            ix.stale = true;
+            self.stale.push(q);
+        }
+        if c.last_data_rx != ix.data_rx {
+            if let Some(old) = ix.data_rx {
+                self.recent_rx.remove(&(old, q));
+            }
+            if let Some(new) = c.last_data_rx {
+                self.recent_rx.insert((new, q));
+            }
+            ix.data_rx = c.last_data_rx;
+            self.fair_share_at = None;
+        }
+        true
+    }
+
+    /// Read the deadlines of the connections touched since the last call into `timers`.
+    fn flush_stale(&mut self) {
+        let mut stale = std::mem::take(&mut self.stale);
+        for q in stale.drain(..) {
+            if self.index.get(&q).is_some_and(|ix| ix.stale) {
+                self.refresh(q);
+            }
+        }
+        self.stale = stale;
+    }
+
+    /// The earliest deadline of the connections whose `timers` entry may be out of date.
+    fn stale_deadline(&self) -> Option<Instant> {
+        self.stale
+            .iter()
+            .filter(|q| self.index.get(q).is_some_and(|ix| ix.stale))
+            .filter_map(|q| self.conns.get(q)?.next_timeout())
+            .min()
+    }
+
+    /// Whether connection `q`'s `timers` entry may be out of date.
+    fn is_stale(&self, q: u32) -> bool {
+        self.index.get(&q).is_some_and(|ix| ix.stale)
     }
 
     /// Drop a removed connection from every index.
@@ -1674,14 +1747,17 @@ impl Endpoint {
     fn check_index(&self) {
         if cfg!(debug_assertions) && self.conns.len() <= 64 {
             for (q, c) in &self.conns {
+                if self.is_stale(*q) {
+                    continue;
+                }
                 let cached = self.index.get(q).and_then(|ix| ix.deadline);
                 debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
             }
             debug_assert_eq!(
-                self.timers.len(),
+                self.timers.iter().filter(|(_, q)| !self.is_stale(*q)).count(),
                 self.conns
-                    .values()
-                    .filter(|c| c.next_timeout().is_some())
+                    .iter()
+                    .filter(|(q, c)| !self.is_stale(**q) && c.next_timeout().is_some())
                     .count()
             );
         }
@@ -1691,6 +1767,7 @@ impl Endpoint {
     /// Only connections whose deadline is at or before `now` are touched, in QPN order.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.rc.handle_timeout(now);
+        self.flush_stale();
         self.check_index();
         let mut due = Vec::new();
         while let Some(&(t, q)) = self.timers.first() {
@@ -1733,10 +1810,16 @@ impl Endpoint {
     }
 
     /// The earliest time [`handle_timeout`](Self::handle_timeout) must be called, if any.
-    /// O(log n) in the number of connections.
+    /// O(log n) in the number of connections, plus O(paths) for each connection touched
+    /// since `poll_transmit` last returned `None` (the driving contract calls it after
+    /// `poll_transmit`, so usually none).
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.check_index();
         let conns = self.timers.first().map(|&(t, _)| t);
+        let conns = match (conns, self.stale_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let closes = self.close_timers.first().map(|&(t, _)| t);
         let conns = match (conns, closes) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -1925,7 +2008,7 @@ impl Endpoint {
             };
             c.granted_rate_mbps = self.grant_mbps;
             let t = c.poll_transmit(now, buf, &self.mrs);
-            self.refresh(q);
+            self.mark(q);
             match t {
                 Some(t) => {
                     self.rr_cursor = q.wrapping_add(1);
@@ -1937,6 +2020,8 @@ impl Endpoint {
                 }
             }
         }
+        // Nothing more to send: the burst is over, read the touched connections' deadlines.
+        self.flush_stale();
         self.rc
             .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
     }

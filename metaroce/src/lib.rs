@@ -60,6 +60,7 @@ pub mod conn;
 pub mod crypto;
 pub mod endpoint;
 pub mod event;
+pub(crate) mod fasthash;
 pub mod mr;
 pub mod rocev2;
 pub(crate) mod secret;

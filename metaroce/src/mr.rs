@@ -12,7 +12,7 @@
 //! more), and no counter wraps to revive a stale key.
 
 use crate::secret::SecretRng;
-use std::collections::HashMap;
+use crate::fasthash::HashMap;
 use std::fmt;
 
 /// Access rights of a memory region (`ibv_access_flags` values).
@@ -228,7 +228,7 @@ impl MrTable {
             slots: Vec::new(),
             variants: Vec::new(),
             free: Vec::new(),
-            by_rkey: HashMap::new(),
+            by_rkey: HashMap::default(),
             rng,
         }
     }

@@ -181,6 +181,9 @@ pub(crate) struct Connection {
     /// Client side: a Confirm is due.
     confirm_pending: bool,
     pub local_ip: Option<IpAddr>,
+    /// The ICRC's IP header for packets to the peer, with the `(local_ip, peer IP)` it was
+    /// synthesized from (issue #13: built once, not per packet).
+    tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
     local_port: u16,
     pub pmtu: u32,
     init_psn: u32,
@@ -418,6 +421,7 @@ impl Connection {
             rx_token: 0,
             tx_token: 0,
             confirmed: true,
+            tx_ip: None,
             half_open: None,
             confirm_pending: false,
             local_ip,
@@ -1445,7 +1449,16 @@ impl Connection {
                 return None;
             }
         }
-        if let Some(ip) = self.ip_header() {
+        let peer_ip = self.peer.ip();
+        let ip = match self.tx_ip {
+            Some((l, p, ip)) if l == self.local_ip && p == peer_ip => ip,
+            _ => {
+                let ip = self.ip_header();
+                self.tx_ip = Some((self.local_ip, peer_ip, ip));
+                ip
+            }
+        };
+        if let Some(ip) = ip {
             let _ = icrc::stamp(&ip, src_port, self.peer.port(), out);
         }
         Some(len)

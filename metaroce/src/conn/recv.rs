@@ -6,7 +6,8 @@ use crate::event::{ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 use crate::mr::{Access, MrTable};
 use crate::wire::{AtomicEth, Reth, SendEth, WriteEth};
 use bytes::Bytes;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use crate::fasthash::HashMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// NAK syndromes (AETH NAK codes, RoCEv2 reference §3.1).
 pub(crate) const NAK_INVALID_REQUEST: u8 = 0x61;

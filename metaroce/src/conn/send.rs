@@ -9,7 +9,8 @@ use super::path::SegRef;
 use crate::event::{WcOpcode, WcStatus, WorkCompletion};
 use crate::mr::MrTable;
 use bytes::Bytes;
-use std::collections::{HashMap, VecDeque};
+use crate::fasthash::{HashMap, HashSet};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 /// PathEth flags bit 1 on an `MR_SEND`: stream abort. The packet carries no payload;
@@ -273,13 +274,13 @@ pub(crate) struct SendQueue {
     /// Streams this side finished or reset as their sender.
     ended_streams: HashMap<u32, StreamEnd>,
     /// Streams this side asked the peer to stop sending on.
-    stopped_streams: std::collections::HashSet<u32>,
+    stopped_streams: HashSet<u32>,
     /// Bytes of SENDs posted per stream and not yet completed (entries removed at 0).
     stream_bytes: HashMap<u32, u64>,
     /// Streams in a flow-control wait: their receiver refused a message with a
     /// flow-control RNR NAK, and no acknowledgement of the probe has come back since. No
     /// segment of theirs is sent for the first time meanwhile.
-    flow_wait: std::collections::HashSet<u32>,
+    flow_wait: HashSet<u32>,
     /// Per stream in `flow_wait`: the one refused segment re-sent when its RNR wait ended
     /// (the probe); the other refused segments park in `flow_parked` until the probe is
     /// acknowledged, so a waiting stream costs one packet per RNR timer, not a window.
