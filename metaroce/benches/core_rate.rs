@@ -281,7 +281,11 @@ fn main() {
         } else {
             let vs = match base {
                 Some(&(_, b, commit)) if b > 0.0 => {
-                    format!(" = {:.2}x the baseline {:.3} M/s of {commit}", rate / b, b / 1e6)
+                    format!(
+                        " = {:.2}x the baseline {:.3} M/s of {commit}",
+                        rate / b,
+                        b / 1e6
+                    )
                 }
                 _ => String::new(),
             };

@@ -7,6 +7,7 @@ use crate::conn::AuthError;
 use crate::conn::{Connection, ConnectionStats, Outcome, State};
 use crate::crypto::OpenError;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
+use crate::fasthash::HashMap;
 use crate::mr::{Access, MrError, MrKeys, MrTable, RegionMemory};
 use crate::secret::{self, SecretRng};
 use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, Trailer};
@@ -14,7 +15,6 @@ use crate::{EcnCodepoint, Transmit};
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
-use crate::fasthash::HashMap;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
@@ -1086,7 +1086,11 @@ impl Endpoint {
                     .stale
                     .iter()
                     .filter(|q| self.is_stale(**q))
-                    .filter(|q| self.conns.get(q).is_some_and(|c| c.next_timeout().is_some()))
+                    .filter(|q| {
+                        self.conns
+                            .get(q)
+                            .is_some_and(|c| c.next_timeout().is_some())
+                    })
                     .count(),
             ready: self.ready.len(),
             recent_rx: self.recent_rx.len(),
@@ -1754,7 +1758,10 @@ impl Endpoint {
                 debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
             }
             debug_assert_eq!(
-                self.timers.iter().filter(|(_, q)| !self.is_stale(*q)).count(),
+                self.timers
+                    .iter()
+                    .filter(|(_, q)| !self.is_stale(*q))
+                    .count(),
                 self.conns
                     .iter()
                     .filter(|(q, c)| !self.is_stale(**q) && c.next_timeout().is_some())

@@ -11,8 +11,8 @@
 //! earlier registration matches with probability 2^-32 per try (the address check adds
 //! more), and no counter wraps to revive a stale key.
 
-use crate::secret::SecretRng;
 use crate::fasthash::HashMap;
+use crate::secret::SecretRng;
 use std::fmt;
 
 /// Access rights of a memory region (`ibv_access_flags` values).

@@ -6,6 +6,7 @@ pub(crate) mod path;
 pub(crate) mod recv;
 pub use send::{rnr_timer, AtomicOp};
 pub mod rtt;
+pub(crate) mod segbits;
 pub(crate) mod send;
 
 use crate::config::TransportConfig;
@@ -184,6 +185,8 @@ pub(crate) struct Connection {
     /// The ICRC's IP header for packets to the peer, with the `(local_ip, peer IP)` it was
     /// synthesized from (issue #13: built once, not per packet).
     tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
+    /// `send_data`'s copy buffer for WRITE segments, kept across calls.
+    tx_scratch: Vec<u8>,
     local_port: u16,
     pub pmtu: u32,
     init_psn: u32,
@@ -422,6 +425,7 @@ impl Connection {
             tx_token: 0,
             confirmed: true,
             tx_ip: None,
+            tx_scratch: Vec::new(),
             half_open: None,
             confirm_pending: false,
             local_ip,
@@ -729,7 +733,7 @@ impl Connection {
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
         let extra_before = p.pto_extra;
-        let out = p.on_ack(
+        let mut out = p.on_ack(
             now,
             cum,
             &a.sack,
@@ -765,11 +769,16 @@ impl Connection {
             self.detect_collisions(now);
         }
         let resp_timeout = self.response_timeout();
-        for s in out.acked {
+        for &s in &out.acked {
             self.sq.on_acked(s, now, resp_timeout);
         }
         for s in out.lost {
             self.sq.on_lost(s);
+        }
+        // The list goes back to the path for its next ACK (no allocation per ACK).
+        out.acked.clear();
+        if let Some(p) = self.tx.get_mut(a.path_id as usize) {
+            p.spare_acked = out.acked;
         }
         self.drain_completions(events);
     }
@@ -1734,7 +1743,7 @@ impl Connection {
         let port = self.tx[i].src_port;
         // Bytes of WRITE segments, copied out of the source region (one region lock per
         // packet); reused across the batch.
-        let mut scratch: Vec<u8> = Vec::new();
+        let mut scratch: Vec<u8> = std::mem::take(&mut self.tx_scratch);
         while count < max {
             let (seg, retx) = match probe {
                 Some(s) => (s, true),
@@ -1977,6 +1986,7 @@ impl Connection {
                 break;
             }
         }
+        self.tx_scratch = scratch;
         if count == 0 {
             return None;
         }

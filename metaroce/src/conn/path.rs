@@ -171,6 +171,8 @@ pub(crate) struct PathTx {
     /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
     /// needed. Shared by the paths of a connection (`learn_stall`).
     pub pto_extra: Duration,
+    /// The `acked` list of the last ACK, handed back by the connection for the next one.
+    pub spare_acked: Vec<SegRef>,
     /// RACK state (RFC 8985 §6): send time, PSN and RTT of the most recently sent packet
     /// that was delivered.
     rack_sent: Option<Instant>,
@@ -245,6 +247,7 @@ impl PathTx {
             probe_psn: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
+            spare_acked: Vec::new(),
             rack_sent: None,
             rack_psn: init_psn,
             rack_rtt: Duration::ZERO,
@@ -385,7 +388,11 @@ impl PathTx {
         ce_count: u32,
         reorder_threshold: u32,
     ) -> AckOutcome {
-        let mut out = AckOutcome::default();
+        let mut out = AckOutcome {
+            acked: std::mem::take(&mut self.spare_acked),
+            ..AckOutcome::default()
+        };
+        out.acked.clear();
         if !self.cum_in_range(cum) {
             out.invalid = true;
             return out;
@@ -393,14 +400,32 @@ impl PathTx {
         // SACK bits for PSNs this path has sent (bit i is PSN cum + 1 + i): the first
         // `sent_bits` of them.
         let sent_bits = (psn_diff(self.next_psn, cum) - 1).clamp(0, SACK_BITS as i32) as u32;
-        let bit = |i: u32| i < sent_bits && sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0;
-        out.ignored_unsent =
-            (sent_bits..SACK_BITS).any(|i| sack[(i / 8) as usize] & (0x80 >> (i % 8)) != 0);
+        // The bitmap as four words, bit i = bit i % 64 of word i / 64; split into the bits
+        // of sent PSNs and the rest (whole-word operations, not 256 bit tests per ACK).
+        let mut words = [0u64; 4];
+        let mut unsent = [0u64; 4];
+        for (w, (word, extra)) in words.iter_mut().zip(unsent.iter_mut()).enumerate() {
+            let mut b = [0u8; 8];
+            for (d, s) in b.iter_mut().zip(&sack[8 * w..8 * w + 8]) {
+                *d = s.reverse_bits();
+            }
+            let all = u64::from_le_bytes(b);
+            let first = 64 * w as u32;
+            let keep = match sent_bits.saturating_sub(first) {
+                0 => 0,
+                n if n >= 64 => u64::MAX,
+                n => (1u64 << n) - 1,
+            };
+            *word = all & keep;
+            *extra = all & !keep;
+        }
+        out.ignored_unsent = unsent.iter().any(|&w| w != 0);
+        let bit = |i: u32| i < SACK_BITS && words[(i / 64) as usize] >> (i % 64) & 1 == 1;
         // Highest PSN this ACK acknowledges.
-        let highest = (0..sent_bits)
-            .rev()
-            .find(|&i| bit(i))
-            .map_or(cum, |i| psn_add(cum, i + 1));
+        let highest = (0..4usize).rev().find(|&w| words[w] != 0).map_or(cum, |w| {
+            let i = 64 * w as u32 + 63 - words[w].leading_zeros();
+            psn_add(cum, i + 1)
+        });
         let covers = |psn: u32| {
             let d = psn_diff(psn, cum);
             d <= 0 || bit((d - 1) as u32)
@@ -1014,10 +1039,12 @@ impl PathRx {
 
     /// The SACK bitmap in wire order (bit i = bit 7 - i%8 of byte i/8).
     pub fn sack_bytes(&self) -> [u8; 32] {
+        // Bit i is bit i % 64 of word i / 64 (LSB first): byte k of the little-endian word
+        // holds indices 8k..8k+7 LSB first, the wire wants them MSB first.
         let mut out = [0u8; 32];
-        for i in 0..SACK_BITS {
-            if self.bit(i) {
-                out[(i / 8) as usize] |= 0x80 >> (i % 8);
+        for (chunk, w) in out.chunks_exact_mut(8).zip(self.bits) {
+            for (o, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
+                *o = b.reverse_bits();
             }
         }
         out
@@ -1465,12 +1492,11 @@ impl Rebalance {
         if now.saturating_duration_since(start) < srtt * cfg.interval_rtts.max(1) {
             return None;
         }
-        let acked: Vec<u64> = tx
-            .iter()
-            .zip(&self.base)
-            .map(|(p, &b)| p.stats.packets_acked.saturating_sub(b))
-            .collect();
-        let max_acked = acked.iter().copied().max().unwrap_or(0);
+        // Packets acknowledged per path since the interval began (no list built: this
+        // runs on every ACK).
+        let base = &self.base;
+        let acked = |i: usize| tx[i].stats.packets_acked.saturating_sub(base[i]);
+        let max_acked = (0..tx.len()).map(acked).max().unwrap_or(0);
         if max_acked < cfg.min_packets.max(1) as u64 {
             return None; // keep measuring
         }
@@ -1480,23 +1506,23 @@ impl Rebalance {
                 .iter()
                 .all(|p| matches!(p.state, PathState::Active | PathState::Failed));
         self.skip = self.skip.saturating_sub(1);
-        self.restart(now, tx);
         if !counted {
+            self.restart(now, tx);
             return None;
         }
-        let mut pick: Option<usize> = None;
+        let mut pick: Option<(usize, u64)> = None;
+        self.slow_rounds.resize(tx.len(), 0);
         for (i, p) in tx.iter().enumerate() {
-            let slow = p.state == PathState::Active
-                && acked[i] * 1000 < max_acked * cfg.ratio_permille as u64;
+            let a = acked(i);
+            let slow =
+                p.state == PathState::Active && a * 1000 < max_acked * cfg.ratio_permille as u64;
             self.slow_rounds[i] = if slow { self.slow_rounds[i] + 1 } else { 0 };
-            if slow
-                && self.slow_rounds[i] >= cfg.rounds.max(1)
-                && pick.is_none_or(|j| acked[i] < acked[j])
-            {
-                pick = Some(i);
+            if slow && self.slow_rounds[i] >= cfg.rounds.max(1) && pick.is_none_or(|(_, b)| a < b) {
+                pick = Some((i, a));
             }
         }
-        let i = pick?;
+        self.restart(now, tx);
+        let (i, acked_i) = pick?;
         self.slow_rounds.iter_mut().for_each(|r| *r = 0);
         self.rerolls += 1;
         // Back off: the n-th move is followed by 2^(n/2) uncounted intervals (1, 2, 2, 4,
@@ -1507,7 +1533,7 @@ impl Rebalance {
         self.skip = 1u32 << (self.rerolls / 2).min(6);
         Some(RebalanceMove {
             path: i,
-            acked: acked[i],
+            acked: acked_i,
             max_acked,
         })
     }

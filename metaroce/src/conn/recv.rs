@@ -3,10 +3,10 @@
 //! reporting of messages and WRITE-with-immediate completions.
 
 use crate::event::{ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
+use crate::fasthash::HashMap;
 use crate::mr::{Access, MrTable};
 use crate::wire::{AtomicEth, Reth, SendEth, WriteEth};
 use bytes::Bytes;
-use crate::fasthash::HashMap;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// NAK syndromes (AETH NAK codes, RoCEv2 reference §3.1).
@@ -71,7 +71,7 @@ struct RxMsg {
     /// (its charge counts in `Budget::over`).
     over: bool,
     len: u32,
-    got: Vec<u64>,
+    got: super::segbits::SegBits,
     got_segs: u32,
     nsegs: u32,
 }
@@ -177,7 +177,7 @@ impl OpParams {
 struct WriteTrack {
     /// The WRITE's parameters as its first packet gave them.
     params: OpParams,
-    got: Vec<u64>,
+    got: super::segbits::SegBits,
     got_segs: u32,
     nsegs: u32,
 }
@@ -773,7 +773,7 @@ impl RecvState {
                     charge,
                     over,
                     len: hdr.msg_len,
-                    got: vec![0; nsegs.div_ceil(64) as usize],
+                    got: super::segbits::SegBits::zeroed(nsegs.div_ceil(64) as usize),
                     got_segs: 0,
                     nsegs,
                 },
@@ -1130,7 +1130,7 @@ impl RecvState {
         }
         let t = self.writes.entry(id).or_insert_with(|| WriteTrack {
             params,
-            got: vec![0; nsegs.div_ceil(64) as usize],
+            got: super::segbits::SegBits::zeroed(nsegs.div_ceil(64) as usize),
             got_segs: 0,
             nsegs,
         });

@@ -7,9 +7,9 @@
 
 use super::path::SegRef;
 use crate::event::{WcOpcode, WcStatus, WorkCompletion};
+use crate::fasthash::{HashMap, HashSet};
 use crate::mr::MrTable;
 use bytes::Bytes;
-use crate::fasthash::{HashMap, HashSet};
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -140,7 +140,7 @@ impl OpKind {
 /// Segments of response data received for a READ.
 #[derive(Debug)]
 struct RespTrack {
-    got: Vec<u64>,
+    got: super::segbits::SegBits,
     got_segs: u32,
     nsegs: u32,
     /// When the last new response segment arrived (restarts the response wait).
@@ -156,7 +156,7 @@ pub(crate) struct Op {
     /// Segments the requester sends (1 for READ and atomic requests).
     pub nsegs: u32,
     next_seg: u32,
-    acked: Vec<u64>,
+    acked: super::segbits::SegBits,
     acked_segs: u32,
     resp: Option<RespTrack>,
     /// RNR state per segment (empty until the first RNR NAK): each packet is re-sent at
@@ -351,7 +351,7 @@ impl SendQueue {
             OpKind::Read { .. } => (
                 1,
                 Some(RespTrack {
-                    got: vec![0; data_segs.div_ceil(64) as usize],
+                    got: super::segbits::SegBits::zeroed(data_segs.div_ceil(64) as usize),
                     got_segs: 0,
                     nsegs: data_segs,
                     last_progress: None,
@@ -378,7 +378,7 @@ impl SendQueue {
             len,
             nsegs,
             next_seg: 0,
-            acked: vec![0; nsegs.div_ceil(64) as usize],
+            acked: super::segbits::SegBits::zeroed(nsegs.div_ceil(64) as usize),
             acked_segs: 0,
             resp,
             rnr: Vec::new(),

@@ -332,7 +332,20 @@ pub fn compute(ip: &IpHeader, sport: u16, dport: u16, udp_payload_wo_icrc: &[u8]
             let [t0, t1] = udp_len.wrapping_add(IPV4_HEADER_LEN as u16).to_be_bytes();
             let [i0, i1] = id.to_be_bytes();
             let [f0, f1] = flags_frag.to_be_bytes();
-            let fixed = [0x45, 0xFF, t0, t1, i0, i1, f0, f1, 0xFF, IPPROTO_UDP, 0xFF, 0xFF];
+            let fixed = [
+                0x45,
+                0xFF,
+                t0,
+                t1,
+                i0,
+                i1,
+                f0,
+                f1,
+                0xFF,
+                IPPROTO_UDP,
+                0xFF,
+                0xFF,
+            ];
             buf[n..n + 12].copy_from_slice(&fixed);
             buf[n + 12..n + 16].copy_from_slice(&src.octets());
             buf[n + 16..n + 20].copy_from_slice(&dst.octets());
