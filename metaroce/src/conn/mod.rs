@@ -1355,13 +1355,20 @@ impl Connection {
         }
         let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
         let mut lost = Vec::new();
+        let heard = self.last_heard;
+        let mut probing = self.tx.iter().any(|q| q.probe_unanswered_since(heard));
         for i in 0..self.tx.len() {
             let p = &mut self.tx[i];
             if let Some(d) = p.loss_deadline(min_rto, max_rto).filter(|&d| d <= now) {
                 if p.defer_if_late(now, d) {
                     continue;
                 }
+                // The peer went silent on every path: one probe at a time (PathTx::defer_probe).
+                if probing && p.defer_probe(now, heard) {
+                    continue;
+                }
                 let segs = p.on_loss_timer(now, retry);
+                probing |= p.probe_unanswered_since(heard);
                 lost.extend(segs);
                 if p.state == PathState::Failed {
                     tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");

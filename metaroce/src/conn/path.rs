@@ -88,6 +88,9 @@ pub struct PathStats {
     /// Loss timers handled more than 1 ms after their deadline (the host did not run the
     /// endpoint in time) and re-armed once for a grace period instead of firing.
     pub late_timers: u64,
+    /// Tail-loss probes put off once because the whole connection had gone silent while
+    /// another of its paths already had a probe out (see `PathTx::defer_probe`).
+    pub deferred_probes: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
@@ -484,6 +487,9 @@ impl PathTx {
                 }
             }
         }
+        // The probe timeout in force when a pending probe fired, before this ACK's RTT
+        // sample (which includes the stall the probe fell into) moves it.
+        let base_before = self.tlp_base();
         // RTT sample: only when this ACK newly acknowledges packets and its echoed
         // timestamp lies within their send times (Karn; a stale or forged echo takes none).
         if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
@@ -500,8 +506,10 @@ impl PathTx {
             self.stats.spurious_probes += 1;
             // The ACK came this long after the last progress: the probe timeout should
             // have covered it. Learn it, bounded by the RTO.
+            // (Against the timeout that fired: measured after this ACK's sample raised
+            // SRTT, the need came out as zero and nothing was learnt, issue #13.)
             let gap = now.saturating_duration_since(self.probe_since);
-            let need = gap.saturating_sub(self.tlp_base());
+            let need = gap.saturating_sub(base_before);
             self.pto_extra = (self.pto_extra.max(need + need / 4)).min(PTO_EXTRA_MAX);
         } else if probe_psn.is_some() && !out.acked.is_empty() {
             // The probe was needed (only it, or packets after it, came back): a real tail
@@ -677,6 +685,37 @@ impl PathTx {
         self.late_grace = Some(now + grace);
         self.stats.late_timers += 1;
         true
+    }
+
+    /// The tail-loss probe of this path is due while the whole connection has heard
+    /// nothing from the peer for this path's probe timeout and another path's probe is
+    /// already out, unanswered: one probe tells whether the peer host is alive (a host
+    /// stall silences every path at once; issue #13: on a loaded host each stall made every
+    /// path probe), so this one is put off once, by one probe timeout from `now`. Not when
+    /// the due timer is the RACK reorder timer or the RTO, nor twice in a row (the grace
+    /// ends with progress or the next timer); returns whether it was put off.
+    ///
+    /// A loss on this path alone is not delayed: then the peer is heard on the other
+    /// paths. When every path lost its packets at once, this path probes one probe timeout
+    /// later than before.
+    /// `heard`: when the connection last received anything from the peer.
+    pub fn defer_probe(&mut self, now: Instant, heard: Instant) -> bool {
+        if now.saturating_duration_since(heard) < self.tlp_delay()
+            || self.probe_sent
+            || self.late_grace.is_some()
+            || self.rack_deadline.is_some_and(|d| d <= now)
+        {
+            return false;
+        }
+        self.late_grace = Some(now + self.tlp_delay());
+        self.stats.deferred_probes += 1;
+        true
+    }
+
+    /// Whether this path has a tail-loss probe out that nothing has answered since
+    /// `since`.
+    pub fn probe_unanswered_since(&self, since: Instant) -> bool {
+        self.probe_sent && self.state != PathState::Failed && self.last_progress >= since
     }
 
     /// Fire the loss timer: first a tail-loss probe (the newest outstanding segment is sent
