@@ -71,6 +71,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// A datagram in flight: bytes (a pooled buffer), length, sender, ECN codepoint.
+type Dgram = (Vec<u8>, usize, SocketAddr, Option<metaroce::EcnCodepoint>);
+
 fn config(i: usize) -> EndpointConfig {
     let addr: SocketAddr = format!("10.0.0.{}:4791", i + 1).parse().unwrap();
     let mut c = EndpointConfig::new(addr, (0..8).map(|k| 0xC000 + k + 16 * i as u16).collect());
@@ -92,8 +95,7 @@ fn run(size: u32, warm: u64, measure: u64) -> (u64, u64) {
     let mut eps = [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()];
     let mut now = Instant::now();
     // The harness's own buffers are allocated up front and reused.
-    let mut queues: [Vec<(Vec<u8>, usize, SocketAddr, Option<metaroce::EcnCodepoint>)>; 2] =
-        [Vec::with_capacity(4096), Vec::with_capacity(4096)];
+    let mut queues: [Vec<Dgram>; 2] = [Vec::with_capacity(4096), Vec::with_capacity(4096)];
     let mut pool: Vec<Vec<u8>> = (0..8192).map(|_| Vec::with_capacity(8192)).collect();
     let mut buf = Vec::with_capacity(1 << 16);
     let c = eps[0].connect(now, addrs[1], None).unwrap();

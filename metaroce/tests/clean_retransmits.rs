@@ -56,9 +56,52 @@ fn scheduled(t: Instant, start: Instant, stall: Option<(Duration, Duration, Dura
     }
 }
 
+/// The in-memory network and the endpoints' receive queues.
+struct Net {
+    start: Instant,
+    service: Duration,
+    prop: Duration,
+    stall: Option<(Duration, Duration)>,
+    queue: BinaryHeap<Arrival>,
+    /// When each endpoint is done with the datagrams queued to it so far.
+    busy_until: [Instant; 2],
+    seq: u64,
+}
+
+impl Net {
+    /// Endpoint `i`'s descheduled times: (period, length, phase); the two ends at opposite
+    /// phases.
+    fn phase(&self, i: usize) -> Option<(Duration, Duration, Duration)> {
+        self.stall.map(|(p, l)| (p, l, p / 2 * i as u32 + p / 3))
+    }
+
+    /// Everything endpoint `from` wants to send now, into the peer's receive queue (FIFO:
+    /// each datagram is handled `service` after the one before it, and not while the peer
+    /// is descheduled).
+    fn send_all(&mut self, ep: &mut Endpoint, from: usize, now: Instant, buf: &mut Vec<u8>) {
+        let to = 1 - from;
+        while let Some(t) = ep.poll_transmit(now, buf) {
+            let seg = t.segment_size.unwrap_or(t.size);
+            for chunk in buf[..t.size].chunks(seg) {
+                let ready = (now + self.prop).max(self.busy_until[to]);
+                let at = scheduled(ready, self.start, self.phase(to)) + self.service;
+                self.busy_until[to] = at;
+                self.seq += 1;
+                self.queue.push(Arrival {
+                    at: Reverse(at),
+                    seq: Reverse(self.seq),
+                    to,
+                    port: t.src_port,
+                    ecn: t.ecn.map(|e| e.bits()),
+                    data: chunk.to_vec(),
+                });
+            }
+        }
+    }
+}
+
 /// `service`: time an endpoint takes per datagram it handles; `prop`: one-way delay;
-/// `stall`: (period, length) of the times each endpoint is not scheduled (the two ends at
-/// opposite phases), if any.
+/// `stall`: (period, length) of the times each endpoint is not scheduled, if any.
 fn run(
     total_bytes: u64,
     service: Duration,
@@ -70,10 +113,15 @@ fn run(
     let mut eps = [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()];
     let start = Instant::now();
     let mut now = start;
-    let mut queue: BinaryHeap<Arrival> = BinaryHeap::new();
-    // When each endpoint is done with the datagrams queued to it so far.
-    let mut busy_until = [now; 2];
-    let mut seq = 0u64;
+    let mut net = Net {
+        start,
+        service,
+        prop,
+        stall,
+        queue: BinaryHeap::new(),
+        busy_until: [now; 2],
+        seq: 0,
+    };
     let mut buf = Vec::with_capacity(1 << 17);
     let msg = 1u32 << 20;
     let depth = 128u64;
@@ -87,27 +135,8 @@ fn run(
     let (mut posted, mut completed) = (0u64, 0u64);
     let mut established = false;
     loop {
-        for i in 0..2 {
-            while let Some(t) = eps[i].poll_transmit(now, &mut buf) {
-                let to = 1 - i;
-                let seg = t.segment_size.unwrap_or(t.size);
-                for chunk in buf[..t.size].chunks(seg) {
-                    // FIFO at the receiver: handled after everything queued before it.
-                    let st = stall.map(|(p, l)| (p, l, p / 2 * to as u32 + p / 3));
-                    let at = scheduled((now + prop).max(busy_until[to]), start, st) + service;
-                    let _ = &st;
-                    busy_until[to] = at;
-                    seq += 1;
-                    queue.push(Arrival {
-                        at: Reverse(at),
-                        seq: Reverse(seq),
-                        to,
-                        port: t.src_port,
-                        ecn: t.ecn.map(|e| e.bits()),
-                        data: chunk.to_vec(),
-                    });
-                }
-            }
+        for (i, ep) in eps.iter_mut().enumerate() {
+            net.send_all(ep, i, now, &mut buf);
         }
         while let Some(e) = eps[0].poll_event() {
             match e {
@@ -124,7 +153,7 @@ fn run(
         if completed == n_msgs {
             break;
         }
-        if established {
+        if established && posted < n_msgs && posted < completed + depth {
             while posted < n_msgs && posted < completed + depth {
                 let req = WriteRequest {
                     wr_id: posted,
@@ -138,57 +167,30 @@ fn run(
                 eps[0].post_write(c, req).unwrap();
                 posted += 1;
             }
-            if posted > completed {
-                // Posting may have made data ready to send.
-                let mut any = false;
-                while let Some(t) = eps[0].poll_transmit(now, &mut buf) {
-                    any = true;
-                    let seg = t.segment_size.unwrap_or(t.size);
-                    for chunk in buf[..t.size].chunks(seg) {
-                        let st = stall.map(|(p, l)| (p, l, p / 2 + p / 3));
-                        let at = scheduled((now + prop).max(busy_until[1]), start, st) + service;
-                        busy_until[1] = at;
-                        seq += 1;
-                        queue.push(Arrival {
-                            at: Reverse(at),
-                            seq: Reverse(seq),
-                            to: 1,
-                            port: t.src_port,
-                            ecn: t.ecn.map(|e| e.bits()),
-                            data: chunk.to_vec(),
-                        });
-                    }
-                }
-                let _ = any;
-            }
+            net.send_all(&mut eps[0], 0, now, &mut buf);
         }
-        let next_pkt = queue.peek().map(|p| p.at.0);
         // A descheduled endpoint runs its timers too only once it is scheduled again.
-        let phase = |i: usize| stall.map(|(p, l)| (p, l, p / 2 * i as u32 + p / 3));
-        let timer_at = |i: usize, e: &Endpoint| {
-            e.poll_timeout()
-                .map(|t| scheduled(t.max(now), start, phase(i)))
-        };
         let next_timer = eps
             .iter()
             .enumerate()
-            .filter_map(|(i, e)| timer_at(i, e))
+            .filter_map(|(i, e)| Some(scheduled(e.poll_timeout()?.max(now), start, net.phase(i))))
             .min();
+        let next_pkt = net.queue.peek().map(|p| p.at.0);
         let next = match (next_pkt, next_timer) {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b).expect("nothing left to do"),
         };
         assert!(next - start < Duration::from_secs(120), "stuck");
         now = now.max(next);
-        while queue.peek().is_some_and(|p| p.at.0 <= now) {
-            let p = queue.pop().unwrap();
+        while net.queue.peek().is_some_and(|p| p.at.0 <= now) {
+            let p = net.queue.pop().unwrap();
             let from = SocketAddr::new(addrs[1 - p.to].ip(), p.port);
             let ecn = p.ecn.and_then(metaroce::EcnCodepoint::from_bits);
             eps[p.to].handle_datagram(now, from, Some(addrs[p.to].ip()), ecn, &p.data);
         }
         for (i, ep) in eps.iter_mut().enumerate() {
             let due = ep.poll_timeout().is_some_and(|t| t <= now);
-            if due && scheduled(now, start, phase(i)) == now {
+            if due && scheduled(now, start, net.phase(i)) == now {
                 ep.handle_timeout(now);
             }
         }

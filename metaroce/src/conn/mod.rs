@@ -1705,13 +1705,14 @@ impl Connection {
         for i in 0..self.tx.len() {
             if let Some(seg) = self.tx[i].probe.take() {
                 if self.sq.is_live(seg) && self.tx[i].can_probe() {
-                    return self.send_data(now, ts, buf, mrs, i, Some(seg));
+                    return self.send_data(now, ts, buf, mrs, i, Some(seg), None);
                 }
             }
         }
         // 5. Data, sprayed: the next path in turn that has window.
         let in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
-        if in_flight >= self.conn_window() {
+        let window = self.conn_window();
+        if in_flight >= window {
             return None;
         }
         if self.sq.peek().is_none() {
@@ -1724,11 +1725,13 @@ impl Connection {
             .map(|k| (self.next_path + k) % n)
             .find(|&i| self.tx[i].can_send())?;
         self.next_path = (i + 1) % n;
-        self.send_data(now, ts, buf, mrs, i, None)
+        self.send_data(now, ts, buf, mrs, i, None, Some(window))
     }
 
     /// Build a batch of data packets on path `i`: one probe segment, or up to the GSO limit
-    /// of equal-size packets.
+    /// of equal-size packets. `window`: the connection window, if the caller just computed
+    /// it.
+    #[allow(clippy::too_many_arguments)]
     fn send_data(
         &mut self,
         now: Instant,
@@ -1737,13 +1740,14 @@ impl Connection {
         mrs: &MrTable,
         i: usize,
         probe: Option<SegRef>,
+        window: Option<u32>,
     ) -> Option<Transmit> {
         let max = if probe.is_some() {
             1
         } else {
             self.cfg.max_gso_segments.max(1)
         };
-        let conn_window = self.conn_window();
+        let conn_window = window.unwrap_or_else(|| self.conn_window());
         let mut in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
         let mut seg_size = None;
         let mut count = 0;
