@@ -23,8 +23,11 @@ use metaroce::{Access, Endpoint, EndpointConfig, Event, WcStatus, WriteRequest};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-/// (payload size, datagrams/s, commit) measured before the per-packet path work.
-const BASELINE: &[(u32, f64, &str)] = &[(64, 0.0, "d176bb7"), (4096, 0.0, "d176bb7")];
+/// (payload size, datagrams/s, commit): this bench on the core of `d176bb7`, before the
+/// per-packet path work of issue #13, measured 2026-12-01 23:35 UTC interleaved with the
+/// new code (2 runs each of 3 s, load average 6 on 2 vCPUs; docs/RESULTS.md, "Core
+/// per-packet path"): 64 B 0.937 and 0.930 M/s, 4 KiB 0.686 and 0.734 M/s.
+const BASELINE: &[(u32, f64, &str)] = &[(64, 0.933e6, "d176bb7"), (4096, 0.710e6, "d176bb7")];
 
 /// CPU time this (single-threaded) process has run, from `/proc/self/schedstat` (the machine
 /// may be shared, so wall time alone can mislead); `None` if unavailable.
