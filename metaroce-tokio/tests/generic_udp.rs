@@ -1,0 +1,128 @@
+//! The generic workload (`metaroce/tests/generic/workload.rs`, the same source file the
+//! verbs backend runs in the rdma_rxe guest) over this crate's UDP backend: on clean
+//! loopback, and through the impairment layer (1 % loss; reordering; both, with
+//! duplication), so the trait-level contract holds when the network is hostile.
+
+#[path = "../../metaroce/tests/generic/workload.rs"]
+mod workload;
+
+use metaroce_tokio::backend::{ImpairStats, Impaired, Impairment, UdpBackend};
+use metaroce_tokio::{Config, Endpoint};
+use std::sync::Arc;
+use std::time::Duration;
+use workload::{Params, Report};
+
+async fn udp() -> Endpoint {
+    Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap()
+}
+
+/// An endpoint whose datagrams (both directions: each side impairs what it sends) go
+/// through `imp`; path MTU 1024 so that the workload is a few thousand packets.
+fn impaired(imp: Impairment) -> (Endpoint, Arc<Impaired<UdpBackend>>) {
+    let mut config = Config::default();
+    config.transport.pmtu = 1024;
+    let ports = config.transport.paths as usize + config.spare_ports;
+    let udp = UdpBackend::bind("127.0.0.1:0".parse().unwrap(), ports).unwrap();
+    let backend = Arc::new(Impaired::new(udp, imp).unwrap());
+    (
+        Endpoint::with_backend(backend.clone(), config).unwrap(),
+        backend,
+    )
+}
+
+/// A heavier workload for the impaired runs: 2 x 64 messages, a 1 MiB region.
+fn heavy() -> Params {
+    Params {
+        messages_per_stream: 64,
+        region_len: 1 << 20,
+        ..Params::default()
+    }
+}
+
+/// Run the heavy workload between two impaired endpoints and check that the impairment
+/// really hit it (datagrams dropped / reordered / duplicated), printing the figures.
+async fn impaired_run(name: &str, imp: impl Fn(u64) -> Impairment) -> [ImpairStats; 2] {
+    let (server, sb) = impaired(imp(1));
+    let (client, cb) = impaired(imp(2));
+    let r = workload::run(&heavy(), &server, &client).await.unwrap();
+    assert_eq!(r.access_errors, 2);
+    print(name, &r, &server, &client);
+    let st = [sb.stats(), cb.stats()];
+    println!("{name}: impairment server {:?}", st[0]);
+    println!("{name}: impairment client {:?}", st[1]);
+    st
+}
+
+fn print(name: &str, r: &Report, server: &Endpoint, client: &Endpoint) {
+    let (s, c) = (server.stats(), client.stats());
+    println!("{name}: {r:?}");
+    println!("{name}: server {s:?}");
+    println!("{name}: client {c:?}");
+}
+
+#[tokio::test]
+async fn workload_over_udp_loopback() {
+    let (server, client) = (udp().await, udp().await);
+    let r = workload::run(&Params::default(), &server, &client)
+        .await
+        .unwrap();
+    assert_eq!(r.access_errors, 2);
+    assert_eq!(r.atomics, 4);
+    print("clean", &r, &server, &client);
+}
+
+/// Same workload on a multi-threaded runtime: the trait futures are `Send`, and the two
+/// sides may be polled from different worker threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workload_spawned_on_a_multi_thread_runtime() {
+    let (server, client) = (udp().await, udp().await);
+    let r = tokio::spawn(async move { workload::run(&Params::default(), &server, &client).await })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.access_errors, 2);
+}
+
+#[tokio::test]
+async fn workload_with_one_percent_loss() {
+    let st = impaired_run("loss 1%", |seed| Impairment {
+        loss: 0.01,
+        seed,
+        ..Impairment::default()
+    })
+    .await;
+    assert!(
+        st[0].dropped + st[1].dropped > 0,
+        "the loss hit the workload"
+    );
+}
+
+#[tokio::test]
+async fn workload_with_reordering() {
+    let st = impaired_run("reorder 20%", |seed| Impairment {
+        reorder: 0.2,
+        reorder_delay: Duration::from_millis(2),
+        seed,
+        ..Impairment::default()
+    })
+    .await;
+    assert!(st[0].reordered + st[1].reordered > 0);
+}
+
+#[tokio::test]
+async fn workload_with_loss_reordering_and_duplicates() {
+    let st = impaired_run("loss 1% + reorder 10% + dup 1%", |seed| Impairment {
+        loss: 0.01,
+        duplicate: 0.01,
+        reorder: 0.1,
+        reorder_delay: Duration::from_millis(1),
+        jitter: Duration::from_micros(200),
+        seed,
+        ..Impairment::default()
+    })
+    .await;
+    let sum = |f: fn(&ImpairStats) -> u64| f(&st[0]) + f(&st[1]);
+    assert!(sum(|s| s.dropped) > 0 && sum(|s| s.duplicated) > 0 && sum(|s| s.reordered) > 0);
+}
