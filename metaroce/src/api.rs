@@ -297,9 +297,12 @@ pub trait RdmaConnection: Clone + Send + Sync + 'static {
     ///
     /// # Errors
     /// A refusal by the peer (bad rkey, out of bounds, no `REMOTE_WRITE` right) has
-    /// [`wc_status`](OpError::wc_status) `Some(RemoteAccessError)`; a local range outside
-    /// `src` or a region of another endpoint is an error without status (or
-    /// `LocalProtectionError`); the end of the connection flushes it.
+    /// [`wc_status`](OpError::wc_status) `Some(RemoteAccessError)`, and nothing was
+    /// written; a local range outside `src` or a region of another endpoint is an error
+    /// without status (or `LocalProtectionError`); the end of the connection flushes it.
+    /// A backend may also refuse, before posting, a remote range outside `dst.len` (an
+    /// error without status); the peer's check is the one that counts, since a descriptor
+    /// from the network may claim more than the region has.
     fn write(
         &self,
         src: &Self::Region,

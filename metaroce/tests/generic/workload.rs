@@ -28,9 +28,10 @@
 //! 6. fetch_add and compare_swap (a swap that succeeds, one that fails) on an 8-byte word,
 //!    checked by return values, a READ and the server's local view;
 //! 7. close with a code and reason: the server's `closed()` reports them;
-//! 8. on fresh connections: a WRITE with a forged rkey and a WRITE past the end of the
-//!    region both fail with `RemoteAccessError` (separate connections, because on verbs
-//!    a remote access error moves the RC QP to the error state).
+//! 8. on fresh connections: a WRITE with a forged rkey and a WRITE through a descriptor
+//!    that claims more than the region has both fail with `RemoteAccessError`, and
+//!    nothing lands (separate connections, because on verbs a remote access error moves
+//!    the RC QP to the error state).
 #![allow(dead_code)]
 
 use futures::future::join;
@@ -330,13 +331,20 @@ pub async fn run<E: RdmaEndpoint>(p: &Params, server: &E, client: &E) -> Result<
         rkey: remote.rkey ^ 0x5a5a_0f0f,
         ..remote
     };
-    let out_of_bounds = remote.slice(len as u64 - 8, 8).ok_or("slice")?;
-    for (what, dst, len) in [
-        ("forged rkey", forged, 64u64),
-        ("past the end", out_of_bounds, 64),
+    // A descriptor that lies about its length: its last 56 bytes are past the region's
+    // end. (A backend may check ranges against the descriptor before posting; this one
+    // passes that check, and only the responder can refuse it.)
+    let past_the_end = RemoteRegion {
+        addr: remote.addr_at(len as u64 - 8).ok_or("address")?,
+        len: 64,
+        rkey: remote.rkey,
+    };
+    for (what, dst) in [
+        ("forged rkey", forged),
+        ("range past the end", past_the_end),
     ] {
         let (c2, s2) = pair(p, server, client).await?;
-        let r = step(p, what, c2.write(&src, 0..len, dst, 0)).await;
+        let r = step(p, what, c2.write(&src, 0..64, dst, 0)).await;
         let e = r
             .err()
             .unwrap_or_else(|| panic!("a WRITE with a {what} succeeded"));
