@@ -378,8 +378,10 @@ pub trait RdmaConnection: Clone + Send + Sync + 'static {
     /// Close the connection with an application `code` and `reason` (at most
     /// [`MAX_CLOSE_REASON`](crate::MAX_CLOSE_REASON) bytes are sent); the peer's
     /// [`closed`](Self::closed) reports them as
-    /// [`ConnectionError::ClosedByPeer`]. Pending operations are flushed
-    /// (`WrFlushError`).
+    /// [`ConnectionError::ClosedByPeer`]. Operations posted after the call fail. Every
+    /// operation already posted resolves: it completes, or fails with `WrFlushError`
+    /// (metaroce-tokio lets them drain for at most `TransportConfig::close_timeout` and
+    /// flushes the rest; verbs moves the QP to the error state, which flushes them).
     fn close(&self, code: u32, reason: &[u8]);
 
     /// Wait until the connection ends, and say why (`LocallyClosed`, `ClosedByPeer` with
