@@ -145,6 +145,15 @@ async fn access_errors_map_to_remote_access_error() {
 }
 
 #[tokio::test]
+async fn local_errors_are_values() {
+    let (server, client) = (udp().await, udp().await);
+    let n = errors::local_errors(&Params::default(), &server, &client)
+        .await
+        .unwrap();
+    assert_eq!(n, 9);
+}
+
+#[tokio::test]
 async fn access_errors_under_loss_and_reordering() {
     let imp = |seed| Impairment {
         loss: 0.05,

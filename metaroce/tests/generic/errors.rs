@@ -14,7 +14,10 @@
 //!   the error moves the RC QP to the error state);
 //! * [`flush_on_close`]: operations in flight when the connection is closed locally all
 //!   resolve, each either successfully or flushed (`WrFlushError`, or an error naming the
-//!   connection's end); operations posted after the close fail.
+//!   connection's end); operations posted after the close fail;
+//! * [`local_errors`]: bad application input (ranges outside a region, offsets near
+//!   `u64::MAX`, a reversed range, a region of another endpoint) is an error value with
+//!   no status or a local one, never a panic, and changes nothing.
 #![allow(dead_code)]
 
 use super::workload::{pair, Params};
@@ -194,4 +197,78 @@ pub async fn flush_on_close<E: RdmaEndpoint>(
     assert!(late.is_err(), "a WRITE posted after close succeeded");
     drop(peer);
     Ok(f)
+}
+
+/// Expect a local error: no status, or a local one.
+fn local<T: std::fmt::Debug, E: OpError>(what: &str, r: Result<T, E>) {
+    match r {
+        Ok(v) => panic!("{what}: succeeded ({v:?}), expected a local error"),
+        Err(e) => assert!(
+            matches!(
+                e.wc_status(),
+                None | Some(WcStatus::LocalProtectionError | WcStatus::LocalLengthError)
+            ),
+            "{what}: {e} has status {:?}",
+            e.wc_status()
+        ),
+    }
+}
+
+/// Bad application input is an error value, never a panic: region copies outside the
+/// region (including offsets near `u64::MAX`), operations on a reversed or too long local
+/// range, and a region of another endpoint. Each operation on a fresh connection (on verbs
+/// a local protection error moves the QP to the error state). Returns the cases run.
+pub async fn local_errors<E: RdmaEndpoint>(
+    p: &Params,
+    server: &E,
+    client: &E,
+) -> Result<usize, BoxError> {
+    let target = server.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    let src = client.register(vec![1; 4096], Access::LOCAL_WRITE)?;
+    let len = src.len() as u64;
+    local("read past the end", src.read(len - 1, 2));
+    local("read at u64::MAX", src.read(u64::MAX, 2));
+    local("read of u64::MAX bytes", src.read(1, u64::MAX));
+    local("write past the end", src.write(len, b"x"));
+    local("write at u64::MAX", src.write(u64::MAX, b"xy"));
+    local(
+        "read_into past the end",
+        src.read_into(len - 3, &mut [0; 4]),
+    );
+    let mut cases = 6;
+    assert!(
+        src.read(0, len)? == vec![1; 4096],
+        "refused copies changed nothing"
+    );
+    #[allow(clippy::reversed_empty_ranges)]
+    let reversed = 10..5;
+    let remote = target.remote();
+    for case in 0..3 {
+        let (conn, _peer) = pair(p, server, client).await?;
+        match case {
+            0 => {
+                let r = conn.write(&src, reversed.clone(), remote, 0);
+                local("WRITE of a reversed range", step(p, "reversed", r).await);
+            }
+            1 => {
+                let r = conn.write(&src, 0..len + 1, remote, 0);
+                local("WRITE past the end of src", step(p, "too long", r).await);
+            }
+            _ => {
+                // `target` belongs to the server's endpoint, not the client's.
+                let r = conn.write(&target, 0..64, remote, 0);
+                local(
+                    "WRITE from another endpoint's region",
+                    step(p, "foreign", r).await,
+                );
+            }
+        }
+        cases += 1;
+        conn.close(0, b"");
+    }
+    assert!(
+        target.read(0, 4096)? == vec![0; 4096],
+        "refused WRITEs wrote nothing"
+    );
+    Ok(cases)
 }
