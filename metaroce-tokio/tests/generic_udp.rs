@@ -81,6 +81,24 @@ async fn workload_over_udp_loopback() {
     print("clean", &r, &server, &client);
 }
 
+/// Receive windows of two messages per stream: the streams' senders wait for the server's
+/// reader (flow-control RNR), and since the workload feeds and reads each stream in its own
+/// future, one stream waiting never blocks the other.
+#[tokio::test]
+async fn workload_with_small_stream_windows() {
+    let mk = || async {
+        let mut config = Config::default();
+        config.transport.max_stream_recv_bytes = 32 * 1024;
+        Endpoint::bind("127.0.0.1:0".parse().unwrap(), config)
+            .await
+            .unwrap()
+    };
+    let (server, client) = (mk().await, mk().await);
+    let r = workload::run(&heavy(), &server, &client).await.unwrap();
+    assert_eq!(r.access_errors, 2);
+    print("small windows", &r, &server, &client);
+}
+
 /// Same workload on a multi-threaded runtime: the trait futures are `Send`, and the two
 /// sides may be polled from different worker threads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -110,6 +110,46 @@ fn pattern(len: usize, salt: u8) -> Vec<u8> {
         .collect()
 }
 
+/// Send messages `0..n` of stream `tag` on `s`, then finish it (`Sink::close`).
+async fn send_all<C: RdmaConnection>(
+    s: &mut C::Stream,
+    tag: u8,
+    n: usize,
+    max_msg: usize,
+) -> Result<(), C::Error> {
+    for seq in 0..n as u32 {
+        s.feed(message(tag, seq, max_msg).into()).await?;
+    }
+    s.close().await
+}
+
+/// Read one of the client's streams to its end, checking order and contents, then answer
+/// with one message and finish: `(tag, reply bytes)`.
+async fn serve<C: RdmaConnection>(
+    mut s: C::Stream,
+    n: usize,
+    max_msg: usize,
+) -> Result<(u8, usize), BoxError> {
+    let mut tag = None;
+    let mut seq = 0u32;
+    while let Some(m) = s.next().await {
+        let m = m?;
+        let t = *tag.get_or_insert(m[0]);
+        assert_eq!(
+            &m[..],
+            &message(t, seq, max_msg)[..],
+            "stream {t} message {seq}"
+        );
+        seq += 1;
+    }
+    assert_eq!(seq as usize, n, "every message, then the end of the stream");
+    let tag = tag.ok_or("empty stream")?;
+    let reply = format!("stream {tag}: {n} messages");
+    s.send(reply.clone().into_bytes().into()).await?;
+    s.close().await?;
+    Ok((tag, reply.len()))
+}
+
 /// Connect `client` to `server` and accept: `(client side, server side)`.
 pub async fn pair<E: RdmaEndpoint>(
     p: &Params,
@@ -136,15 +176,17 @@ pub async fn run<E: RdmaEndpoint>(p: &Params, server: &E, client: &E) -> Result<
 
     // ---- 2. two ordered streams ----
     let n = p.messages_per_stream;
+    // Each stream is fed and read by its own future, so no stream's flow control (or a
+    // backend's bounded receive queue) can hold back the other's.
     let client_side = async {
         let mut a = conn.open_stream()?;
         let mut b = conn.open_stream()?;
-        for seq in 0..n as u32 {
-            a.feed(message(0, seq, p.max_msg).into()).await?;
-            b.feed(message(1, seq, p.max_msg).into()).await?;
-        }
-        a.close().await?;
-        b.close().await?;
+        let (ra, rb) = join(
+            send_all::<E::Connection>(&mut a, 0, n, p.max_msg),
+            send_all::<E::Connection>(&mut b, 1, n, p.max_msg),
+        )
+        .await;
+        (ra?, rb?);
         let mut replies = Vec::new();
         for (tag, s) in [(0u8, &mut a), (1u8, &mut b)] {
             let r = s
@@ -158,32 +200,21 @@ pub async fn run<E: RdmaEndpoint>(p: &Params, server: &E, client: &E) -> Result<
         Ok::<_, BoxError>(replies)
     };
     let server_side = async {
-        let mut sent = 0;
-        for _ in 0..2 {
-            let mut s = peer
+        let first = peer
+            .accept_stream()
+            .await
+            .ok_or("connection ended before the first stream came")?;
+        let (x, y) = join(serve::<E::Connection>(first, n, p.max_msg), async {
+            let second = peer
                 .accept_stream()
                 .await
-                .ok_or("connection ended before the stream came")?;
-            let mut tag = None;
-            let mut seq = 0u32;
-            while let Some(m) = s.next().await {
-                let m = m?;
-                let t = *tag.get_or_insert(m[0]);
-                assert_eq!(
-                    &m[..],
-                    &message(t, seq, p.max_msg)[..],
-                    "stream {t} message {seq}"
-                );
-                seq += 1;
-            }
-            assert_eq!(seq as usize, n, "every message, then the end of the stream");
-            let tag = tag.ok_or("empty stream")?;
-            let reply = format!("stream {tag}: {n} messages");
-            sent += reply.len();
-            s.send(reply.into_bytes().into()).await?;
-            s.close().await?;
-        }
-        Ok::<_, BoxError>(sent)
+                .ok_or("connection ended before the second stream came")?;
+            serve::<E::Connection>(second, n, p.max_msg).await
+        })
+        .await;
+        let ((tx, sx), (ty, sy)) = (x?, y?);
+        assert_ne!(tx, ty, "two different streams");
+        Ok::<_, BoxError>(sx + sy)
     };
     let (c, s) = step(p, "streams", join(client_side, server_side)).await;
     let (replies, _) = (c?, s?);
