@@ -186,7 +186,8 @@ pub async fn run<E: RdmaEndpoint>(p: &Params, server: &E, client: &E) -> Result<
             send_all::<E::Connection>(&mut b, 1, n, p.max_msg),
         )
         .await;
-        (ra?, rb?);
+        ra?;
+        rb?;
         let mut replies = Vec::new();
         for (tag, s) in [(0u8, &mut a), (1u8, &mut b)] {
             let r = s
