@@ -2,7 +2,7 @@
 
 use crate::endpoint::{EndpointRef, Shared, Waiter};
 use crate::error::Error;
-use crate::mr::{MemoryRegion, RemoteRegion};
+use crate::mr::{addr_at, MemoryRegion, RemoteRegion};
 use crate::stream::{MessageStream, StreamEntry};
 use crate::Endpoint;
 use metaroce::{
@@ -529,7 +529,7 @@ impl Connection {
             lkey: src.keys().lkey,
             local_offset: range.start,
             len,
-            remote_addr: dst.addr_at(dst_offset)?,
+            remote_addr: addr_at(&dst, dst_offset)?,
             rkey: dst.rkey,
             imm,
         })
@@ -637,7 +637,7 @@ impl Connection {
         remote_offset: u64,
         op: AtomicOp,
     ) -> Result<u64, Error> {
-        let remote_addr = remote.addr_at(remote_offset)?;
+        let remote_addr = addr_at(&remote, remote_offset)?;
         let ep = self.endpoint();
         let result = ep.alloc(8, metaroce::Access::LOCAL_WRITE);
         let req = AtomicRequest {

@@ -46,6 +46,14 @@
 //! [`Endpoint::wait_idle`] waits until no connection is left. Every driver-side structure
 //! of a connection is freed when it ends ([`Endpoint::driver_maps`]).
 //!
+//! # One API, two backends
+//!
+//! [`Endpoint`], [`Connection`], [`MemoryRegion`], [`MessageStream`] and [`Error`]
+//! implement the [`metaroce::api`] traits (`RdmaEndpoint`, `RdmaConnection`,
+//! `LocalRegion`, `OpError`), which `metaroce-verbs` implements for RDMA NICs: a function
+//! generic over `E: RdmaEndpoint` runs over either. The traits are re-exported here as
+//! [`api`](metaroce::api).
+//!
 //! # Errors
 //!
 //! [`Error`], [`ConnectError`] and [`ConfigError`] implement `std::error::Error` with
@@ -61,6 +69,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod api;
 pub mod backend;
 mod connection;
 mod driver;
@@ -82,6 +91,7 @@ pub use stream::{MessageStream, RESET_ON_DROP};
 pub use bytes::{self, Bytes};
 pub use futures;
 pub use metaroce;
+pub use metaroce::api::{LocalRegion, OpError, RdmaConnection, RdmaEndpoint};
 pub use metaroce::{
     Access, ConnectionError, ConnectionHandle, ConnectionStats, MrError, PostError, WcStatus,
     WorkCompletion,

@@ -35,71 +35,16 @@ use parking_lot::{Mutex, MutexGuard};
 use std::any::Any;
 use std::sync::Arc;
 
-/// What a peer needs to address a region: its address, length and rkey.
-///
-/// Serialise it with [`to_bytes`](Self::to_bytes) to send it in a message; the peer
-/// rebuilds it with [`from_bytes`](Self::from_bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RemoteRegion {
-    /// Virtual address of the region's first byte, as the owner's endpoint assigned it.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Remote key.
-    pub rkey: u32,
-}
+/// What a peer needs to address a region: the core's [`metaroce::RemoteRegion`] (address,
+/// length, rkey; 20-byte [`to_bytes`](RemoteRegion::to_bytes)), shared with every backend
+/// of [`metaroce::api`].
+pub use metaroce::RemoteRegion;
 
-impl RemoteRegion {
-    /// Encoded length of [`to_bytes`](Self::to_bytes): 20 bytes.
-    pub const ENCODED_LEN: usize = 20;
-
-    /// Big-endian encoding: addr (8 bytes), len (8), rkey (4).
-    pub fn to_bytes(&self) -> [u8; 20] {
-        let mut b = [0u8; 20];
-        b[..8].copy_from_slice(&self.addr.to_be_bytes());
-        b[8..16].copy_from_slice(&self.len.to_be_bytes());
-        b[16..].copy_from_slice(&self.rkey.to_be_bytes());
-        b
-    }
-
-    /// Decode [`to_bytes`](Self::to_bytes); `None` if `b` is not 20 bytes. A descriptor
-    /// from the network is not trusted: [`slice`](Self::slice) and the operations that
-    /// take it check their arithmetic, and the owner's endpoint checks every access.
-    pub fn from_bytes(b: &[u8]) -> Option<RemoteRegion> {
-        if b.len() != Self::ENCODED_LEN {
-            return None;
-        }
-        Some(RemoteRegion {
-            addr: u64::from_be_bytes(b[..8].try_into().ok()?),
-            len: u64::from_be_bytes(b[8..16].try_into().ok()?),
-            rkey: u32::from_be_bytes(b[16..].try_into().ok()?),
-        })
-    }
-
-    /// The sub-region `[offset, offset + len)`, or `None` if it does not fit in this one
-    /// or its address would pass `u64::MAX` (checked arithmetic in every build).
-    pub fn slice(&self, offset: u64, len: u64) -> Option<RemoteRegion> {
-        let end = offset.checked_add(len)?;
-        if end > self.len {
-            return None;
-        }
-        let addr = self.addr.checked_add(offset)?;
-        addr.checked_add(len)?;
-        Some(RemoteRegion {
-            addr,
-            len,
-            rkey: self.rkey,
-        })
-    }
-
-    /// The address `offset` bytes into the region, if it does not pass `u64::MAX`. (Not
-    /// checked against `len`: the owner's endpoint checks bounds, and refuses with a remote
-    /// access error.)
-    pub(crate) fn addr_at(&self, offset: u64) -> Result<u64, Error> {
-        self.addr
-            .checked_add(offset)
-            .ok_or(Error::Memory(MrError::OutOfBounds))
-    }
+/// The address `offset` bytes into `r`, if it does not pass `u64::MAX`. (Not checked
+/// against `len`: the owner's endpoint checks bounds, and refuses with a remote access
+/// error.)
+pub(crate) fn addr_at(r: &RemoteRegion, offset: u64) -> Result<u64, Error> {
+    r.addr_at(offset).ok_or(Error::Memory(MrError::OutOfBounds))
 }
 
 /// Largest piece a local copy moves under the region's lock (64 KiB, a few microseconds
