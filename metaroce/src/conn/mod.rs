@@ -688,6 +688,7 @@ impl Connection {
                 self.on_data(ecn, pkt, path, Data::AtomicResponse(op, ack), mrs, events)
             }
             Headers::Nak { path, nak } => {
+                let _span = self.path_span(path.path_id as usize).entered();
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
                     if let Some(seg) = p.on_nak(pkt.bth.psn, now) {
                         let flow = nak.syndrome & 0xE0 == recv::NAK_FLOW_RNR;
@@ -718,7 +719,25 @@ impl Connection {
         Outcome::default()
     }
 
+    /// The tracing span of path `i`: `path{conn, path, port, plane}` at DEBUG, entered
+    /// around everything the connection does for one path (ACK, NAK, loss timer), so that
+    /// every loss, timeout, retransmission and re-roll event names the path and its UDP
+    /// source port (the ECMP entropy). Disabled spans cost one cached interest check.
+    fn path_span(&self, i: usize) -> tracing::Span {
+        match self.tx.get(i) {
+            Some(p) => tracing::debug_span!(
+                "path",
+                conn = %self.handle,
+                path = p.id,
+                port = p.src_port,
+                plane = path::plane_of(p.src_port, self.cfg.planes),
+            ),
+            None => tracing::Span::none(),
+        }
+    }
+
     fn on_ack(&mut self, now: Instant, cum: u32, a: &AckEth, events: &mut VecDeque<Event>) {
+        let _span = self.path_span(a.path_id as usize).entered();
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return;
         };
@@ -1343,8 +1362,12 @@ impl Connection {
         let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
         let mut lost = Vec::new();
         for i in 0..self.tx.len() {
+            let due = self.tx[i]
+                .loss_deadline(min_rto, max_rto)
+                .filter(|&d| d <= now);
+            let _span = due.map(|_| self.path_span(i).entered());
             let p = &mut self.tx[i];
-            if let Some(d) = p.loss_deadline(min_rto, max_rto).filter(|&d| d <= now) {
+            if let Some(d) = due {
                 if p.defer_if_late(now, d) {
                     continue;
                 }
@@ -1949,6 +1972,18 @@ impl Connection {
                 break;
             };
             self.tx[i].on_sent(seg, now, retransmit);
+            if retransmit {
+                let p = &self.tx[i];
+                tracing::trace!(
+                    conn = %self.handle,
+                    path = p.id,
+                    port = p.src_port,
+                    psn,
+                    op = seg.op,
+                    seg = seg.seg,
+                    "retransmission"
+                );
+            }
             self.sq.on_transmit(seg, i as u8, psn);
             count += 1;
             in_flight += 1;
