@@ -17,6 +17,7 @@ use crate::wire::{
     Opcode, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
+use bytes::Bytes;
 use path::{PathRx, PathTx, RxCheck, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
@@ -542,6 +543,7 @@ impl Connection {
         &mut self,
         now: Instant,
         msg: &ConnectEth,
+        payload: &[u8],
         events: &mut VecDeque<Event>,
     ) -> Outcome {
         if !crate::secret::ct_eq_u64(msg.nonce, self.nonce) {
@@ -578,13 +580,19 @@ impl Connection {
                     || msg.paths == 0
                 {
                     return Outcome {
-                        lost: Some(ConnectionError::Rejected(u32::MAX)),
+                        lost: Some(ConnectionError::Rejected {
+                            code: u32::MAX,
+                            reason: Bytes::from_static(b"invalid Accept (path MTU or path count)"),
+                        }),
                     };
                 }
                 // No silent downgrade: an Accept must confirm exactly what we asked for.
                 if aead_flag(msg) != self.cfg.packet_protection.is_some() {
                     return Outcome {
-                        lost: Some(ConnectionError::Rejected(REJECT_PROTECTION_MISMATCH)),
+                        lost: Some(ConnectionError::Rejected {
+                            code: REJECT_PROTECTION_MISMATCH,
+                            reason: Bytes::from_static(b"Accept does not match the requested packet protection"),
+                        }),
                     };
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
@@ -623,9 +631,17 @@ impl Connection {
                 events.push_back(Event::Connected(self.handle));
                 Outcome::default()
             }
-            ConnectKind::Reject => Outcome {
-                lost: Some(ConnectionError::Rejected(msg.reason)),
-            },
+            ConnectKind::Reject => {
+                // The reason text is the MR_CONNECT payload (docs/PROTOCOL.md, ConnectEth);
+                // a longer one is cut like a close reason.
+                let n = payload.len().min(crate::MAX_CLOSE_REASON);
+                Outcome {
+                    lost: Some(ConnectionError::Rejected {
+                        code: msg.reason,
+                        reason: Bytes::copy_from_slice(&payload[..n]),
+                    }),
+                }
+            }
             ConnectKind::Request | ConnectKind::Retry | ConnectKind::Confirm => Outcome::default(),
         }
     }
