@@ -300,6 +300,20 @@ pub struct TransportConfig {
     /// bytes. Default 4096; 0 holds none (every WRITE with immediate then completes only
     /// once it is the oldest unfinished operation).
     pub max_held_immediates: u32,
+    /// With `explicit_consume`: most WRITE-with-immediate notifications
+    /// ([`Event::WriteWithImm`](crate::Event::WriteWithImm)) the application has been
+    /// given and not yet consumed ([`Endpoint::immediates_consumed`](crate::Endpoint::immediates_consumed)),
+    /// held and released ones included. When that many are outstanding, the packet that
+    /// would complete another WRITE with immediate gets a flow-control RNR NAK before it
+    /// is placed (IBA: a WRITE with immediate consumes a receive, and finds none), so the
+    /// requester waits an RNR timer and re-sends it, without limit and without failing;
+    /// its earlier packets land, and its immediate is reported once there is room. The
+    /// oldest unfinished operation is checked against the consumed count only (so
+    /// immediates held behind it cannot block it), which lets at most
+    /// `max_unconsumed_immediates + min(max_unconsumed_immediates, max_held_immediates)`
+    /// notifications be outstanding. Default 4096 (8 bytes each in `metaroce-tokio`'s
+    /// queue: 32 KiB); at least 1. Without `explicit_consume` it is not enforced.
+    pub max_unconsumed_immediates: u32,
     /// How many times a SEND refused with RNR NAK (no receive posted) is retried before it
     /// completes with `RnrRetryExceeded`; 7 means forever (IBA `rnr_retry`). Default 7.
     pub rnr_retry: u8,
@@ -393,6 +407,7 @@ impl Default for TransportConfig {
             max_rd_atomic: 16,
             max_tracked_ops: 65_536,
             max_held_immediates: 4096,
+            max_unconsumed_immediates: 4096,
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,
@@ -440,6 +455,9 @@ impl TransportConfig {
         }
         if self.max_rd_atomic == 0 {
             return Err("max_rd_atomic must be at least 1".into());
+        }
+        if self.max_unconsumed_immediates == 0 {
+            return Err("max_unconsumed_immediates must be at least 1".into());
         }
         if self.max_tracked_ops == 0 {
             return Err("max_tracked_ops must be at least 1".into());

@@ -751,6 +751,17 @@ impl Endpoint {
         }
     }
 
+    /// The application took `n` more WRITE-with-immediate notifications
+    /// ([`Event::WriteWithImm`]) of `conn` (with `TransportConfig::explicit_consume`): they
+    /// stop counting against `TransportConfig::max_unconsumed_immediates`. A requester
+    /// held back resumes within one RNR timer plus a round trip. More than were reported,
+    /// and unknown connections, are ignored; without `explicit_consume` it does nothing.
+    pub fn immediates_consumed(&mut self, conn: ConnectionHandle, n: u32) {
+        if let Some(c) = self.conns.get_mut(&conn.0) {
+            c.immediates_consumed(n);
+        }
+    }
+
     fn conn_for_stream(&mut self, conn: ConnectionHandle) -> Result<&mut Connection, PostError> {
         let c = self
             .conns

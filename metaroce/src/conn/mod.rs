@@ -504,6 +504,7 @@ impl Connection {
             require_posted_receives: self.cfg.require_posted_receives,
             max_tracked_ops: self.cfg.max_tracked_ops,
             max_held_immediates: self.cfg.max_held_immediates,
+            max_unconsumed_immediates: self.cfg.max_unconsumed_immediates,
             explicit_consume: self.cfg.explicit_consume,
             max_stream_recv_bytes: self.cfg.max_stream_recv_bytes,
         }
@@ -1275,6 +1276,10 @@ impl Connection {
     /// The application consumed `bytes` of the messages delivered on `stream`.
     pub fn stream_consumed(&mut self, stream: u32, bytes: u64) {
         self.rq.consume(stream, bytes);
+    }
+
+    pub fn immediates_consumed(&mut self, n: u32) {
+        self.rq.immediates_consumed(n);
     }
 
     pub fn post_recv(&mut self, stream: u32, r: recv::PostedRecv) {
