@@ -54,8 +54,8 @@ pub enum PostError {
     LocalMemory(MrError),
     /// `max_outstanding_ops` operations are already pending on this connection.
     SendQueueFull,
-    /// The endpoint configuration is invalid (the text says which field).
-    InvalidConfig(String),
+    /// The endpoint configuration is invalid: which field, and the rule it breaks.
+    InvalidConfig(crate::ConfigError),
     /// Too many connections.
     TooManyConnections,
     /// The connection is closing ([`Endpoint::close_with`]): operations already posted
@@ -364,9 +364,10 @@ impl Endpoint {
     pub fn new(cfg: EndpointConfig) -> Result<Self, PostError> {
         cfg.transport.validate().map_err(PostError::InvalidConfig)?;
         if cfg.source_ports.is_empty() {
-            return Err(PostError::InvalidConfig(
-                "source_ports must not be empty".into(),
-            ));
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "source_ports",
+                "must not be empty",
+            )));
         }
         let mut secret = SecretRng::new(
             cfg.secret_seed

@@ -69,7 +69,8 @@ pub mod transmit;
 pub mod wire;
 
 pub use config::{
-    CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy, TransportConfig,
+    ConfigError, CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy,
+    TransportConfig,
 };
 pub use conn::send::STREAM_CODE_RNR;
 pub use conn::AtomicOp;
