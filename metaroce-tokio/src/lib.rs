@@ -39,7 +39,7 @@
 //!
 //! As in quinn: [`Endpoint::connect`] returns a [`Connecting`] future;
 //! [`Endpoint::accept`] yields [`Incoming`] requests, which the application accepts or
-//! refuses with a code; [`Connection::close`] sends a code and reason that the peer's
+//! refuses with a code and a reason the requester's [`ConnectError`] reports; [`Connection::close`] sends a code and reason that the peer's
 //! [`Connection::closed`] reports; dropping the last handle of a connection (its
 //! `Connection` clones and `MessageStream`s) closes it, and dropping the last handle of an
 //! endpoint closes all its connections at the peers before the driver stops.
