@@ -677,7 +677,10 @@ impl Incoming {
         let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
         let shared = &self.ep.shared;
         // Err: the request ended meanwhile (nothing to refuse).
-        let _ = shared.lock().core.refuse_incoming(self.handle, code, reason);
+        let _ = shared
+            .lock()
+            .core
+            .refuse_incoming(self.handle, code, reason);
         shared.wake_driver.notify_one();
     }
 }

@@ -163,10 +163,7 @@ async fn a_refused_request_fails_the_connecting_side_with_the_code_and_reason() 
         .await
         .unwrap()
         .unwrap_err();
-    assert_eq!(
-        err,
-        ConnectError::Connection(rejected(REFUSED_BUSY, b""))
-    );
+    assert_eq!(err, ConnectError::Connection(rejected(REFUSED_BUSY, b"")));
     tokio::time::timeout(T, server.wait_idle()).await.unwrap();
     tokio::time::timeout(T, client.wait_idle()).await.unwrap();
     assert_eq!(server.driver_maps(), Default::default());
@@ -195,10 +192,7 @@ async fn closing_an_endpoint_refuses_requests_it_holds() {
         .await
         .unwrap()
         .unwrap_err();
-    assert_eq!(
-        err,
-        ConnectError::Connection(rejected(5, b"going away"))
-    );
+    assert_eq!(err, ConnectError::Connection(rejected(5, b"going away")));
     assert!(matches!(
         undecided.accept(),
         Err(ConnectError::EndpointClosed)

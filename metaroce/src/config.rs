@@ -536,7 +536,10 @@ impl TransportConfig {
         if self.min_rnr_timer > 31 {
             return bad(
                 "min_rnr_timer",
-                format!("must be an IBA RNR timer code in 0..=31, got {}", self.min_rnr_timer),
+                format!(
+                    "must be an IBA RNR timer code in 0..=31, got {}",
+                    self.min_rnr_timer
+                ),
             );
         }
         if !(1..=8).contains(&self.planes) {
@@ -552,7 +555,10 @@ impl TransportConfig {
             return bad("close_attempts", "must be at least 1");
         }
         if self.keepalive_interval.is_some_and(|k| k.is_zero()) {
-            return bad("keepalive_interval", "must not be zero (use None for no keepalive)");
+            return bad(
+                "keepalive_interval",
+                "must not be zero (use None for no keepalive)",
+            );
         }
         if self.handshake_attempts == 0 {
             return bad("handshake_attempts", "must be at least 1");
@@ -765,7 +771,11 @@ mod tests {
                 "pmtu",
                 "must be 256, 512, 1024, 2048 or 4096, got 1000",
             ),
-            (|t| t.rnr_retry = 9, "rnr_retry", "must be in 0..=7 (7 = forever), got 9"),
+            (
+                |t| t.rnr_retry = 9,
+                "rnr_retry",
+                "must be in 0..=7 (7 = forever), got 9",
+            ),
             (
                 |t| t.min_rnr_timer = 40,
                 "min_rnr_timer",

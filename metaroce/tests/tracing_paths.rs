@@ -102,8 +102,10 @@ fn loss_timeout_and_reroll_events_name_the_path_and_its_source_port() {
     // Retransmissions say on which path and port they went out, and with which PSN.
     let rx = lines("retransmission ");
     assert!(
-        rx.iter()
-            .any(|l| l.contains(&conn) && l.contains("path=") && l.contains("port=") && l.contains("psn=")),
+        rx.iter().any(|l| l.contains(&conn)
+            && l.contains("path=")
+            && l.contains("port=")
+            && l.contains("psn=")),
         "{rx:#?}"
     );
     // Tail-loss probes too are attributed to the blackholed path.

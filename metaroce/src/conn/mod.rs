@@ -592,7 +592,9 @@ impl Connection {
                     return Outcome {
                         lost: Some(ConnectionError::Rejected {
                             code: REJECT_PROTECTION_MISMATCH,
-                            reason: Bytes::from_static(b"Accept does not match the requested packet protection"),
+                            reason: Bytes::from_static(
+                                b"Accept does not match the requested packet protection",
+                            ),
                         }),
                     };
                 }

@@ -576,7 +576,8 @@ impl SendQueue {
     }
 
     fn is_flow_blocked(&self, op: &Op) -> bool {
-        !self.flow_wait.is_empty() && flow_key(&op.kind).is_some_and(|k| self.flow_wait.contains(&k))
+        !self.flow_wait.is_empty()
+            && flow_key(&op.kind).is_some_and(|k| self.flow_wait.contains(&k))
     }
 
     fn send_stream(&self, s: SegRef) -> Option<u64> {
