@@ -27,7 +27,10 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// not taken — including a stream nobody accepted — and a connection at most
 /// `transport.max_recv_buffer_bytes` (default 256 MiB); beyond that the peer's SENDs are
 /// held back by flow-control RNR NAKs (its `poll_ready` waits) until the reader catches
-/// up. Nothing is dropped.
+/// up. Likewise the WRITE-with-immediate notifications not yet taken by
+/// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
+/// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
+/// `write_with_imm` waits. Nothing is dropped.
 ///
 /// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
 /// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
