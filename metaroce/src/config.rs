@@ -191,7 +191,11 @@ pub struct TransportConfig {
     /// against `rnr_retry`, and sends no new message on that stream meanwhile; nothing is
     /// dropped and the sender's SENDs do not fail. When `false` (the default), bytes are
     /// released when the message is handed out (the application owns them from then on)
-    /// and only reassembly buffers count.
+    /// and only reassembly buffers count. With it on, WRITE-with-immediate notifications
+    /// count too: the driver must also call
+    /// [`Endpoint::immediates_consumed`](crate::Endpoint::immediates_consumed) as the
+    /// application takes them, or the peer's WRITEs with immediate wait once
+    /// `max_unconsumed_immediates` are outstanding.
     pub explicit_consume: bool,
     /// With `explicit_consume`: most bytes one stream holds in library-owned buffers
     /// (messages delivered and not yet consumed, plus messages being reassembled or waiting
