@@ -40,7 +40,9 @@ pub(crate) struct ConnEntry {
     /// `max_streams`, each id once).
     pub accept_queue: VecDeque<u32>,
     /// WRITE-with-immediate notifications `(imm, byte_len)` not yet taken by `recv_imm`
-    /// (8 bytes each; no data).
+    /// (8 bytes each; no data). Bounded by the core: at most
+    /// `2 × transport.max_unconsumed_immediates` (see its docs); beyond the cap the peer's
+    /// WRITEs with immediate wait with flow-control RNR NAKs.
     pub imm_queue: VecDeque<(u32, u32)>,
     pub signals: Arc<ConnSignals>,
     pub next_stream: u32,
@@ -426,6 +428,14 @@ impl Connection {
     /// peer: `(imm, byte_len)`. Every byte of it is visible in the target region when this
     /// resolves. `None` once the connection has ended.
     ///
+    /// # Backpressure
+    /// Notifications not taken yet are bounded by
+    /// [`TransportConfig::max_unconsumed_immediates`](metaroce::TransportConfig::max_unconsumed_immediates)
+    /// (default 4096): beyond it the peer's next WRITE with immediate is held back with
+    /// flow-control RNR NAKs (its `write_with_imm` waits; nothing is dropped or fails) until
+    /// this is called again. An application that uses WRITE with immediate must keep
+    /// calling it.
+    ///
     /// # Cancel safety
     /// Cancel safe: a notification is taken from the queue only when this resolves.
     pub async fn recv_imm(&self) -> Option<(u32, u32)> {
@@ -436,6 +446,9 @@ impl Connection {
                 let mut st = self.shared().lock();
                 let entry = st.conns.get_mut(&self.inner.handle)?;
                 if let Some(v) = entry.imm_queue.pop_front() {
+                    // Room for one more: the core stops holding the peer's next WRITE
+                    // with immediate back (flow-control RNR) once it is under the cap.
+                    st.core.immediates_consumed(self.inner.handle, 1);
                     return Some(v);
                 }
             }

@@ -213,7 +213,11 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     st.conns.insert(h, ConnEntry::new());
                 } else {
                     tracing::debug!(conn = %h, "connection request refused: accept queue full");
-                    st.core.refuse_incoming(h, crate::endpoint::REFUSED_BUSY);
+                    let _ = st.core.refuse_incoming(
+                        h,
+                        crate::endpoint::REFUSED_BUSY,
+                        b"accept queue full",
+                    );
                 }
             }
             Event::ConnectionLost { conn, reason } => {

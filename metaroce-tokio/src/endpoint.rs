@@ -27,7 +27,10 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// not taken — including a stream nobody accepted — and a connection at most
 /// `transport.max_recv_buffer_bytes` (default 256 MiB); beyond that the peer's SENDs are
 /// held back by flow-control RNR NAKs (its `poll_ready` waits) until the reader catches
-/// up. Nothing is dropped.
+/// up. Likewise the WRITE-with-immediate notifications not yet taken by
+/// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
+/// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
+/// `write_with_imm` waits. Nothing is dropped.
 ///
 /// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
 /// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
@@ -155,7 +158,7 @@ impl State {
         let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
         // A request not accepted yet is refused (with the code): the requester holds no
         // connection to close.
-        if self.core.refuse_incoming(h, code) {
+        if self.core.refuse_incoming(h, code, reason).is_ok() {
             return;
         }
         let now = std::time::Instant::now();
@@ -663,17 +666,24 @@ impl Incoming {
         Ok(Connection::new(self.ep.clone(), self.handle, signals, peer))
     }
 
-    /// Refuse: the requester's [`Connecting`] fails with
-    /// `ConnectionError::Rejected(code)`. (The CONNECT Reject carries a 32-bit code and no
-    /// reason text.)
-    pub fn refuse(mut self, code: u32) {
+    /// Refuse with an application `code` and `reason`: the requester's [`Connecting`] fails
+    /// with [`ConnectError::Connection`]`(`[`ConnectionError::Rejected`]` { code, reason })`
+    /// (the CONNECT Reject carries the code and, as its payload, the reason). As for
+    /// [`Connection::close`], at most [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON)
+    /// bytes of `reason` are sent; a longer reason is cut.
+    pub fn refuse(mut self, code: u32, reason: &[u8]) {
         self.decided = true;
-        self.do_refuse(code);
+        self.do_refuse(code, reason);
     }
 
-    fn do_refuse(&self, code: u32) {
+    fn do_refuse(&self, code: u32, reason: &[u8]) {
+        let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
         let shared = &self.ep.shared;
-        shared.lock().core.refuse_incoming(self.handle, code);
+        // Err: the request ended meanwhile (nothing to refuse).
+        let _ = shared
+            .lock()
+            .core
+            .refuse_incoming(self.handle, code, reason);
         shared.wake_driver.notify_one();
     }
 }
@@ -681,7 +691,7 @@ impl Incoming {
 impl Drop for Incoming {
     fn drop(&mut self) {
         if !self.decided {
-            self.do_refuse(REFUSED_BUSY);
+            self.do_refuse(REFUSED_BUSY, b"");
         }
     }
 }

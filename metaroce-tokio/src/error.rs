@@ -11,10 +11,12 @@ use metaroce::{ConnectionError, MrError, PostError, WcStatus, WorkCompletion};
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// `transport` failed [`TransportConfig::validate`](metaroce::TransportConfig::validate)
-    /// (the text names the field and the allowed range).
+    /// `transport` failed [`TransportConfig::validate`](metaroce::TransportConfig::validate):
+    /// the core's [`ConfigError`](metaroce::ConfigError) names the field
+    /// ([`field`](metaroce::ConfigError::field)) and the rule with the value found. (It is
+    /// part of this error's `Display`, so it is not also its `source()`.)
     #[error("invalid transport configuration: {0}")]
-    Transport(String),
+    Transport(metaroce::ConfigError),
     /// The backend offers no source port (a connection needs at least one path).
     #[error("the backend has no source port")]
     NoSourcePorts,
@@ -30,9 +32,11 @@ impl ConfigError {
     /// The core's refusal, typed.
     pub(crate) fn from_post(e: PostError) -> ConfigError {
         match e {
-            PostError::InvalidConfig(s) if s.contains("source_ports") => ConfigError::NoSourcePorts,
-            PostError::InvalidConfig(s) => ConfigError::Transport(s),
-            e => ConfigError::Transport(e.to_string()),
+            PostError::InvalidConfig(e) if e.field() == "source_ports" => {
+                ConfigError::NoSourcePorts
+            }
+            PostError::InvalidConfig(e) => ConfigError::Transport(e),
+            e => ConfigError::Transport(metaroce::ConfigError::new("endpoint", e.to_string())),
         }
     }
 }

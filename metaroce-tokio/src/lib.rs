@@ -39,7 +39,7 @@
 //!
 //! As in quinn: [`Endpoint::connect`] returns a [`Connecting`] future;
 //! [`Endpoint::accept`] yields [`Incoming`] requests, which the application accepts or
-//! refuses with a code; [`Connection::close`] sends a code and reason that the peer's
+//! refuses with a code and a reason the requester's [`ConnectError`] reports; [`Connection::close`] sends a code and reason that the peer's
 //! [`Connection::closed`] reports; dropping the last handle of a connection (its
 //! `Connection` clones and `MessageStream`s) closes it, and dropping the last handle of an
 //! endpoint closes all its connections at the peers before the driver stops.
@@ -64,8 +64,32 @@
 //!
 //! The driver task runs in an `endpoint` span (`id`, `addr`); each [`Connection`] has a
 //! `connection` span (`qpn`, `peer`; [`Connection::span`]) that its operations run in.
-//! Connection ends are DEBUG events; the core logs loss, timeouts, path state and
-//! congestion at DEBUG/TRACE.
+//! Connection ends are DEBUG events. Everything the core does for one path (ACKs, NAKs,
+//! loss timers) runs in a `path` span with `conn` (the QPN), `path` (the path id of
+//! PathEth), `port` (its UDP source port, the ECMP entropy) and `plane`, so the events
+//! below say which path and port lost, retransmitted or was re-rolled:
+//!
+//! | Level | Target | Event |
+//! |---|---|---|
+//! | DEBUG | `metaroce::conn::path` | `packets declared lost` (SACK/RACK; `lost`, `cum`), `retransmission timeout` (`lost`, `srtt`), `tail-loss probe`, `path active again` |
+//! | TRACE | `metaroce::conn` | `retransmission` (`conn`, `path`, `port`, `psn`, `op`, `seg`), one per re-sent packet |
+//! | TRACE | `metaroce::conn::path` | `CE marks echoed` (`marked`): ECN window decrease |
+//! | INFO | `metaroce::conn` | `path re-rolled` (`old_port`, `new_port`): after repeated timeouts or an ECMP collision |
+//! | WARN | `metaroce::conn` | `path retired`, `plane down` |
+//!
+//! Nothing is printed unless the application installs a subscriber; with
+//! `tracing-subscriber` (feature `env-filter`):
+//!
+//! ```no_run
+//! // RUST_LOG-style filter: per-path loss and re-roll events, connection ends.
+//! tracing_subscriber::fmt()
+//!     .with_env_filter("metaroce=debug,metaroce_tokio=debug")
+//!     .init();
+//! ```
+//!
+//! A line then reads, for example,
+//! `DEBUG endpoint{id=0 addr=127.0.0.1:4791}:path{conn=qp 0x00c3a1 path=3 port=49155 plane=0}: metaroce::conn::path: retransmission timeout lost=12 ...`.
+//! Use `metaroce=trace` for every retransmitted PSN (verbose: one line per packet).
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

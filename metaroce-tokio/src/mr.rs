@@ -1,31 +1,6 @@
 //! Memory regions and their remote descriptors.
 //!
-//! # Where the bytes live, and who may touch them when
-//!
-//! A [`MemoryRegion`] owns its buffer (a `Vec<u8>`, `BytesMut`, `Box<[u8]>` or any
-//! [`OwnedBuffer`], registered without a copy; or externally owned memory, see
-//! [`ExternalMemory`]). The buffer sits behind a lock of its own, not the endpoint's: the
-//! protocol core checks every access (rkey, bounds, access rights) under the endpoint lock
-//! and then takes the region's lock for the one packet it places or reads. Local copies
-//! ([`read`](MemoryRegion::read), [`read_into`](MemoryRegion::read_into),
-//! [`write`](MemoryRegion::write)) take only the region's lock, in chunks of
-//! [`COPY_CHUNK`] bytes, so packet processing — of this region and of every other — waits
-//! at most one chunk, never a whole large copy.
-//!
-//! # When remote bytes are visible
-//!
-//! Each packet of a peer's RDMA WRITE is placed when the driver processes it, in any order
-//! (packets are sprayed over many paths); a local read at that moment sees whatever packets
-//! have landed. Every byte of a WRITE is visible to a local read that starts after either
-//! - the peer's WRITE with immediate is reported by [`recv_imm`](crate::Connection::recv_imm)
-//!   (all of its bytes landed before the immediate is reported), or
-//! - the writer, after its `write` resolved (every packet acknowledged, hence placed), says
-//!   so in a later message or operation.
-//!
-//! A local read concurrent with a remote WRITE may see part of it; bytes of one packet are
-//! placed under one region lock, so a read never sees a torn packet within one
-//! [`COPY_CHUNK`]. READ responses, atomic results and posted receives land the same way
-//! and are complete when their operation resolves.
+//! (The rules of access and visibility are in the docs of [`MemoryRegion`].)
 
 use crate::endpoint::EndpointRef;
 use crate::error::Error;
@@ -135,9 +110,38 @@ impl RegionMemory for Shared {
 /// Peers WRITE into it while local code runs, so local code never gets a plain reference
 /// that a remote write could race with: it copies in and out ([`read`](Self::read),
 /// [`read_into`](Self::read_into), [`write`](Self::write)) or runs a closure under the
-/// region's lock ([`with_bytes`](Self::with_bytes)). See the [module docs](self) for when
-/// remote bytes are visible. Deregistered on drop (later accesses by peers get a remote
-/// access error); [`into_inner`](Self::into_inner) deregisters and returns the buffer.
+/// region's lock ([`with_bytes`](Self::with_bytes)); below, when remote bytes are
+/// visible. Deregistered on drop (later accesses by peers get a remote access error);
+/// [`into_inner`](Self::into_inner) deregisters and returns the buffer.
+///
+/// # Where the bytes live, and who may touch them when
+///
+/// A [`MemoryRegion`] owns its buffer (a `Vec<u8>`, `BytesMut`, `Box<[u8]>` or any
+/// [`OwnedBuffer`], registered without a copy; or externally owned memory, see
+/// [`ExternalMemory`]). The buffer sits behind a lock of its own, not the endpoint's: the
+/// protocol core checks every access (rkey, bounds, access rights) under the endpoint lock
+/// and then takes the region's lock for the one packet it places or reads. Local copies
+/// ([`read`](MemoryRegion::read), [`read_into`](MemoryRegion::read_into),
+/// [`write`](MemoryRegion::write)) take only the region's lock, in chunks of
+/// [`COPY_CHUNK`] bytes, so packet processing — of this region and of every other — waits
+/// at most one chunk, never a whole large copy.
+///
+/// # When remote bytes are visible
+///
+/// Each packet of a peer's RDMA WRITE is placed when the driver processes it, in any order
+/// (packets are sprayed over many paths); a local read at that moment sees whatever packets
+/// have landed. Every byte of a WRITE is visible to a local read that starts after either
+/// - the peer's WRITE with immediate is reported by [`recv_imm`](crate::Connection::recv_imm)
+///   (all of its bytes landed before the immediate is reported), or
+/// - the writer, after its `write` resolved (every packet acknowledged, hence placed), says
+///   so in a later message or operation.
+///
+/// A local read concurrent with a remote WRITE may see part of it; bytes of one packet are
+/// placed under one region lock, so a read never sees a torn packet within one
+/// [`COPY_CHUNK`]. READ responses, atomic results and posted receives land the same way
+/// and are complete when their operation resolves.
+///
+/// # Example
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]

@@ -267,3 +267,28 @@ async fn receives_into_application_buffers() {
             .all(|&b| b == i as u8 + 1));
     }
 }
+
+#[tokio::test]
+async fn an_invalid_config_names_the_field_typed_and_in_the_io_error() {
+    let mut cfg = Config::default();
+    cfg.transport.congestion.max_window = 300;
+    let e = cfg.validate().unwrap_err();
+    let metaroce_tokio::ConfigError::Transport(core) = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(core.field(), "congestion.max_window");
+    assert_eq!(core.rule(), "must be at most 255 packets, got 300");
+    // Endpoint::bind reports it as InvalidInput with the same text.
+    let io = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap_err();
+    assert_eq!(io.kind(), std::io::ErrorKind::InvalidInput);
+    assert_eq!(
+        io.to_string(),
+        "invalid transport configuration: congestion.max_window must be at most 255 packets, got 300"
+    );
+    assert!(io
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<metaroce_tokio::ConfigError>())
+        .is_some());
+}

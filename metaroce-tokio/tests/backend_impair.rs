@@ -340,7 +340,12 @@ async fn invalid_inputs_are_rejected() {
         loss: 1.5,
         ..Default::default()
     };
-    assert!(bad.validate().unwrap_err().contains("loss"));
+    let e = bad.validate().unwrap_err();
+    assert_eq!(e.field(), "loss");
+    assert_eq!(
+        e.to_string(),
+        "loss must be a probability in [0, 1], got 1.5"
+    );
     let inner = UdpBackend::bind(loopback(), 1).unwrap();
     assert!(matches!(
         Impaired::new(inner, bad),

@@ -114,17 +114,48 @@ async fn endpoint_close_reaches_every_peer_and_wait_idle_returns() {
     ));
 }
 
+fn rejected(code: u32, reason: &[u8]) -> ConnectionError {
+    ConnectionError::Rejected {
+        code,
+        reason: metaroce_tokio::Bytes::copy_from_slice(reason),
+    }
+}
+
 #[tokio::test]
-async fn a_refused_request_fails_the_connecting_side_with_the_code() {
+async fn a_refused_request_fails_the_connecting_side_with_the_code_and_reason() {
     let (server, client) = endpoints().await;
     let connecting = client.connect(server.local_addr()).unwrap();
     let incoming = server.accept().await.unwrap();
-    incoming.refuse(77);
+    incoming.refuse(77, b"tenant over quota");
     let err = tokio::time::timeout(T, connecting)
         .await
         .unwrap()
         .unwrap_err();
-    assert_eq!(err, ConnectError::Connection(ConnectionError::Rejected(77)));
+    assert_eq!(
+        err,
+        ConnectError::Connection(rejected(77, b"tenant over quota"))
+    );
+    // What a user prints: the error chain names code and reason.
+    let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+    assert!(
+        chain.contains("code 77") && chain.contains("tenant over quota"),
+        "{chain}"
+    );
+    // A reason longer than MAX_CLOSE_REASON is cut to it, as a close reason is.
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let long = vec![b'x'; metaroce_tokio::metaroce::MAX_CLOSE_REASON + 100];
+    server.accept().await.unwrap().refuse(78, &long);
+    let err = tokio::time::timeout(T, connecting)
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ConnectError::Connection(rejected(
+            78,
+            &long[..metaroce_tokio::metaroce::MAX_CLOSE_REASON]
+        ))
+    );
     // Dropping the request refuses it too.
     let connecting = client.connect(server.local_addr()).unwrap();
     drop(server.accept().await.unwrap());
@@ -132,10 +163,7 @@ async fn a_refused_request_fails_the_connecting_side_with_the_code() {
         .await
         .unwrap()
         .unwrap_err();
-    assert_eq!(
-        err,
-        ConnectError::Connection(ConnectionError::Rejected(REFUSED_BUSY))
-    );
+    assert_eq!(err, ConnectError::Connection(rejected(REFUSED_BUSY, b"")));
     tokio::time::timeout(T, server.wait_idle()).await.unwrap();
     tokio::time::timeout(T, client.wait_idle()).await.unwrap();
     assert_eq!(server.driver_maps(), Default::default());
@@ -164,7 +192,7 @@ async fn closing_an_endpoint_refuses_requests_it_holds() {
         .await
         .unwrap()
         .unwrap_err();
-    assert_eq!(err, ConnectError::Connection(ConnectionError::Rejected(5)));
+    assert_eq!(err, ConnectError::Connection(rejected(5, b"going away")));
     assert!(matches!(
         undecided.accept(),
         Err(ConnectError::EndpointClosed)

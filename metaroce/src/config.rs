@@ -1,8 +1,63 @@
 //! Configuration of endpoints and connections. Every limit the core enforces on untrusted
 //! input is a field here, with its unit and default.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
+
+/// An invalid configuration value, from a `validate` function
+/// ([`TransportConfig::validate`], [`CongestionConfig::validate`],
+/// [`ProtectionConfig::validate`](crate::crypto::ProtectionConfig::validate),
+/// [`Endpoint::new`](crate::Endpoint::new)): which field, and the rule it breaks with the
+/// value found. `Display` is `"{field} {rule}"`, e.g.
+/// `paths must be in 1..=256, got 0`.
+///
+/// ```
+/// let mut t = metaroce::TransportConfig::default();
+/// t.pmtu = 1000;
+/// let e = t.validate().unwrap_err();
+/// assert_eq!(e.field(), "pmtu");
+/// assert_eq!(e.to_string(), "pmtu must be 256, 512, 1024, 2048 or 4096, got 1000");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    field: &'static str,
+    rule: String,
+}
+
+impl ConfigError {
+    /// An error for `field` (its path from the checked struct, as written in Rust:
+    /// `pmtu`, `congestion.max_window`, `packet_protection.replay_window`) breaking `rule`
+    /// (`"must be at least 1"`, `"must be in 1..=256, got 0"`).
+    pub fn new(field: &'static str, rule: impl Into<String>) -> ConfigError {
+        ConfigError {
+            field,
+            rule: rule.into(),
+        }
+    }
+
+    /// The field, e.g. `"congestion.max_window"`.
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// The rule it breaks, with the value found, e.g. `"must be at most 255 packets, got 300"`.
+    pub fn rule(&self) -> &str {
+        &self.rule
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.field, self.rule)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn bad(field: &'static str, rule: impl Into<String>) -> Result<(), ConfigError> {
+    Err(ConfigError::new(field, rule))
+}
 
 /// Configuration of an [`Endpoint`](crate::Endpoint): its addresses and the defaults for
 /// the connections it makes or accepts.
@@ -136,7 +191,11 @@ pub struct TransportConfig {
     /// against `rnr_retry`, and sends no new message on that stream meanwhile; nothing is
     /// dropped and the sender's SENDs do not fail. When `false` (the default), bytes are
     /// released when the message is handed out (the application owns them from then on)
-    /// and only reassembly buffers count.
+    /// and only reassembly buffers count. With it on, WRITE-with-immediate notifications
+    /// count too: the driver must also call
+    /// [`Endpoint::immediates_consumed`](crate::Endpoint::immediates_consumed) as the
+    /// application takes them, or the peer's WRITEs with immediate wait once
+    /// `max_unconsumed_immediates` are outstanding.
     pub explicit_consume: bool,
     /// With `explicit_consume`: most bytes one stream holds in library-owned buffers
     /// (messages delivered and not yet consumed, plus messages being reassembled or waiting
@@ -300,6 +359,20 @@ pub struct TransportConfig {
     /// bytes. Default 4096; 0 holds none (every WRITE with immediate then completes only
     /// once it is the oldest unfinished operation).
     pub max_held_immediates: u32,
+    /// With `explicit_consume`: most WRITE-with-immediate notifications
+    /// ([`Event::WriteWithImm`](crate::Event::WriteWithImm)) the application has been
+    /// given and not yet consumed ([`Endpoint::immediates_consumed`](crate::Endpoint::immediates_consumed)),
+    /// held and released ones included. When that many are outstanding, the packet that
+    /// would complete another WRITE with immediate gets a flow-control RNR NAK before it
+    /// is placed (IBA: a WRITE with immediate consumes a receive, and finds none), so the
+    /// requester waits an RNR timer and re-sends it, without limit and without failing;
+    /// its earlier packets land, and its immediate is reported once there is room. The
+    /// oldest unfinished operation is checked against the consumed count only (so
+    /// immediates held behind it cannot block it), which lets at most
+    /// `max_unconsumed_immediates + min(max_unconsumed_immediates, max_held_immediates)`
+    /// notifications be outstanding. Default 4096 (8 bytes each in `metaroce-tokio`'s
+    /// queue: 32 KiB); at least 1. Without `explicit_consume` it is not enforced.
+    pub max_unconsumed_immediates: u32,
     /// How many times a SEND refused with RNR NAK (no receive posted) is retried before it
     /// completes with `RnrRetryExceeded`; 7 means forever (IBA `rnr_retry`). Default 7.
     pub rnr_retry: u8,
@@ -393,6 +466,7 @@ impl Default for TransportConfig {
             max_rd_atomic: 16,
             max_tracked_ops: 65_536,
             max_held_immediates: 4096,
+            max_unconsumed_immediates: 4096,
             rnr_retry: 7,
             min_rnr_timer: 12,
             require_posted_receives: false,
@@ -415,60 +489,89 @@ impl TransportConfig {
         }
     }
 
-    /// Check the values; the error names the field and what is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Check the values.
+    ///
+    /// # Errors
+    /// The first [`ConfigError`] found: the field (nested ones as `congestion.max_window`,
+    /// `packet_protection.replay_window`) and the rule it breaks.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.paths == 0 || self.paths > 256 {
-            return Err(format!("paths must be in 1..=256, got {}", self.paths));
+            return bad("paths", format!("must be in 1..=256, got {}", self.paths));
         }
         if !(256..=4096).contains(&self.pmtu) || !self.pmtu.is_power_of_two() {
-            return Err(format!(
-                "pmtu must be 256, 512, 1024, 2048 or 4096, got {}",
-                self.pmtu
-            ));
-        }
-        if self.max_message_size == 0 || self.max_message_size > 1 << 31 {
-            return Err(format!(
-                "max_message_size must be in 1..=2^31 bytes, got {}",
-                self.max_message_size
-            ));
-        }
-        if self.max_gso_segments == 0 {
-            return Err("max_gso_segments must be at least 1".into());
-        }
-        if self.min_rto > self.max_rto {
-            return Err("min_rto must not exceed max_rto".into());
-        }
-        if self.max_rd_atomic == 0 {
-            return Err("max_rd_atomic must be at least 1".into());
-        }
-        if self.max_tracked_ops == 0 {
-            return Err("max_tracked_ops must be at least 1".into());
-        }
-        if self.rnr_retry > 7 || self.min_rnr_timer > 31 {
-            return Err("rnr_retry must be 0..=7 and min_rnr_timer 0..=31".into());
-        }
-        if !(1..=8).contains(&self.planes) {
-            return Err(format!("planes must be in 1..=8, got {}", self.planes));
-        }
-        if self.max_stream_recv_bytes == 0 || self.max_recv_buffer_bytes == 0 {
-            return Err(
-                "max_stream_recv_bytes and max_recv_buffer_bytes must be at least 1".into(),
+            return bad(
+                "pmtu",
+                format!("must be 256, 512, 1024, 2048 or 4096, got {}", self.pmtu),
             );
         }
+        if self.max_message_size == 0 || self.max_message_size > 1 << 31 {
+            return bad(
+                "max_message_size",
+                format!("must be in 1..=2^31 bytes, got {}", self.max_message_size),
+            );
+        }
+        if self.max_gso_segments == 0 {
+            return bad("max_gso_segments", "must be at least 1");
+        }
+        if self.min_rto > self.max_rto {
+            return bad(
+                "min_rto",
+                format!(
+                    "must not exceed max_rto, got {:?} > {:?}",
+                    self.min_rto, self.max_rto
+                ),
+            );
+        }
+        if self.max_rd_atomic == 0 {
+            return bad("max_rd_atomic", "must be at least 1");
+        }
+        if self.max_tracked_ops == 0 {
+            return bad("max_tracked_ops", "must be at least 1");
+        }
+        if self.max_unconsumed_immediates == 0 {
+            return bad("max_unconsumed_immediates", "must be at least 1");
+        }
+        if self.rnr_retry > 7 {
+            return bad(
+                "rnr_retry",
+                format!("must be in 0..=7 (7 = forever), got {}", self.rnr_retry),
+            );
+        }
+        if self.min_rnr_timer > 31 {
+            return bad(
+                "min_rnr_timer",
+                format!(
+                    "must be an IBA RNR timer code in 0..=31, got {}",
+                    self.min_rnr_timer
+                ),
+            );
+        }
+        if !(1..=8).contains(&self.planes) {
+            return bad("planes", format!("must be in 1..=8, got {}", self.planes));
+        }
+        if self.max_stream_recv_bytes == 0 {
+            return bad("max_stream_recv_bytes", "must be at least 1");
+        }
+        if self.max_recv_buffer_bytes == 0 {
+            return bad("max_recv_buffer_bytes", "must be at least 1");
+        }
         if self.close_attempts == 0 {
-            return Err("close_attempts must be at least 1".into());
+            return bad("close_attempts", "must be at least 1");
         }
         if self.keepalive_interval.is_some_and(|k| k.is_zero()) {
-            return Err("keepalive_interval must not be zero".into());
+            return bad(
+                "keepalive_interval",
+                "must not be zero (use None for no keepalive)",
+            );
         }
         if self.handshake_attempts == 0 {
-            return Err("handshake_attempts must be at least 1".into());
+            return bad("handshake_attempts", "must be at least 1");
         }
         if self.rebalance_ratio_permille > 1000 {
-            return Err(format!(
-                "rebalance_ratio_permille must be in 0..=1000, got {}",
-                self.rebalance_ratio_permille
-            ));
+            return bad(
+                "rebalance_ratio_permille",
+                format!("must be in 0..=1000, got {}", self.rebalance_ratio_permille),
+            );
         }
         if let Some(p) = &self.packet_protection {
             p.validate()?;
@@ -603,35 +706,112 @@ impl Default for CongestionConfig {
 }
 
 impl CongestionConfig {
-    /// Check the values; the error names the field and what is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Check the values.
+    ///
+    /// # Errors
+    /// The first [`ConfigError`] found; fields are named as seen from
+    /// [`TransportConfig`] (`congestion.max_window`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.min_window == 0 || self.min_window > self.max_window {
-            return Err("min_window must be in 1..=max_window".into());
+            return bad(
+                "congestion.min_window",
+                format!(
+                    "must be in 1..=max_window ({}), got {}",
+                    self.max_window, self.min_window
+                ),
+            );
         }
         if self.max_window > 255 {
-            return Err(format!(
-                "max_window must be at most 255 packets, got {}",
-                self.max_window
-            ));
+            return bad(
+                "congestion.max_window",
+                format!("must be at most 255 packets, got {}", self.max_window),
+            );
         }
         if self.initial_connection_window == 0 {
-            return Err("initial_connection_window must be at least 1".into());
+            return bad("congestion.initial_connection_window", "must be at least 1");
         }
         if !(self.min_window..=self.max_window).contains(&self.initial_window) {
-            return Err("initial_window must be in min_window..=max_window".into());
+            return bad(
+                "congestion.initial_window",
+                format!(
+                    "must be in min_window..=max_window ({}..={}), got {}",
+                    self.min_window, self.max_window, self.initial_window
+                ),
+            );
         }
         for (name, v) in [
-            ("ecn_beta", self.ecn_beta),
-            ("loss_beta", self.loss_beta),
-            ("delay_beta", self.delay_beta),
+            ("congestion.ecn_beta", self.ecn_beta),
+            ("congestion.loss_beta", self.loss_beta),
+            ("congestion.delay_beta", self.delay_beta),
         ] {
             if !(0.0..=1.0).contains(&v) {
-                return Err(format!("{name} must be in 0..=1, got {v}"));
+                return bad(name, format!("must be in 0..=1, got {v}"));
             }
         }
         if self.additive_increase.is_nan() || self.additive_increase <= 0.0 {
-            return Err("additive_increase must be positive".into());
+            return bad(
+                "congestion.additive_increase",
+                format!("must be positive, got {}", self.additive_increase),
+            );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each check names its field and states the rule with the value found.
+    #[test]
+    fn validate_names_the_field_and_the_rule() {
+        let base = TransportConfig::default();
+        assert_eq!(base.validate(), Ok(()));
+        type Case = (fn(&mut TransportConfig), &'static str, &'static str);
+        let cases: [Case; 8] = [
+            (|t| t.paths = 0, "paths", "must be in 1..=256, got 0"),
+            (
+                |t| t.pmtu = 1000,
+                "pmtu",
+                "must be 256, 512, 1024, 2048 or 4096, got 1000",
+            ),
+            (
+                |t| t.rnr_retry = 9,
+                "rnr_retry",
+                "must be in 0..=7 (7 = forever), got 9",
+            ),
+            (
+                |t| t.min_rnr_timer = 40,
+                "min_rnr_timer",
+                "must be an IBA RNR timer code in 0..=31, got 40",
+            ),
+            (
+                |t| t.max_recv_buffer_bytes = 0,
+                "max_recv_buffer_bytes",
+                "must be at least 1",
+            ),
+            (
+                |t| t.max_unconsumed_immediates = 0,
+                "max_unconsumed_immediates",
+                "must be at least 1",
+            ),
+            (
+                |t| t.congestion.max_window = 300,
+                "congestion.max_window",
+                "must be at most 255 packets, got 300",
+            ),
+            (
+                |t| t.congestion.loss_beta = 1.5,
+                "congestion.loss_beta",
+                "must be in 0..=1, got 1.5",
+            ),
+        ];
+        for (set, field, rule) in cases {
+            let mut t = base.clone();
+            set(&mut t);
+            let e = t.validate().unwrap_err();
+            assert_eq!((e.field(), e.rule()), (field, rule));
+            assert_eq!(e.to_string(), format!("{field} {rule}"));
+        }
     }
 }

@@ -216,19 +216,29 @@ impl ProtectionConfig {
         }
     }
 
-    /// Check the limits; the error names the field that is wrong.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Check the limits.
+    ///
+    /// # Errors
+    /// A [`ConfigError`](crate::ConfigError) naming `packet_protection.replay_window` or
+    /// `packet_protection.key_update_packets`.
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
         if self.replay_window < 64
             || self.replay_window > MAX_REPLAY_WINDOW
             || self.replay_window % 64 != 0
         {
-            return Err(format!(
-                "packet_protection.replay_window must be a multiple of 64 in 64..={MAX_REPLAY_WINDOW}, got {}",
-                self.replay_window
+            return Err(crate::ConfigError::new(
+                "packet_protection.replay_window",
+                format!(
+                    "must be a multiple of 64 in 64..={MAX_REPLAY_WINDOW}, got {}",
+                    self.replay_window
+                ),
             ));
         }
         if self.key_update_packets == 0 {
-            return Err("packet_protection.key_update_packets must be at least 1".into());
+            return Err(crate::ConfigError::new(
+                "packet_protection.key_update_packets",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }

@@ -55,8 +55,8 @@ pub enum PostError {
     LocalMemory(MrError),
     /// `max_outstanding_ops` operations are already pending on this connection.
     SendQueueFull,
-    /// The endpoint configuration is invalid (the text says which field).
-    InvalidConfig(String),
+    /// The endpoint configuration is invalid: which field, and the rule it breaks.
+    InvalidConfig(crate::ConfigError),
     /// Too many connections.
     TooManyConnections,
     /// The connection is closing ([`Endpoint::close_with`]): operations already posted
@@ -279,7 +279,7 @@ pub struct Endpoint {
     by_nonce: HashMap<u64, u32>,
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
-    control: VecDeque<(SocketAddr, Bth, Headers, Trailer, Option<IpAddr>)>,
+    control: VecDeque<ControlPacket>,
     /// Control packets already built and sealed (the `MR_CLOSE` of an AEAD connection,
     /// whose keys are gone once it is removed).
     sealed_control: VecDeque<(SocketAddr, Vec<u8>)>,
@@ -374,9 +374,10 @@ impl Endpoint {
     pub fn new(cfg: EndpointConfig) -> Result<Self, PostError> {
         cfg.transport.validate().map_err(PostError::InvalidConfig)?;
         if cfg.source_ports.is_empty() {
-            return Err(PostError::InvalidConfig(
-                "source_ports must not be empty".into(),
-            ));
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "source_ports",
+                "must not be empty",
+            )));
         }
         let mut secret = SecretRng::new(
             cfg.secret_seed
@@ -759,6 +760,17 @@ impl Endpoint {
     pub fn stream_consumed(&mut self, conn: ConnectionHandle, stream: u32, bytes: u64) {
         if let Some(c) = self.conns.get_mut(&conn.0) {
             c.stream_consumed(stream, bytes);
+        }
+    }
+
+    /// The application took `n` more WRITE-with-immediate notifications
+    /// ([`Event::WriteWithImm`]) of `conn` (with `TransportConfig::explicit_consume`): they
+    /// stop counting against `TransportConfig::max_unconsumed_immediates`. A requester
+    /// held back resumes within one RNR timer plus a round trip. More than were reported,
+    /// and unknown connections, are ignored; without `explicit_consume` it does nothing.
+    pub fn immediates_consumed(&mut self, conn: ConnectionHandle, n: u32) {
+        if let Some(c) = self.conns.get_mut(&conn.0) {
+            c.immediates_consumed(n);
         }
     }
 
@@ -1215,33 +1227,55 @@ impl Endpoint {
     }
 
     /// Refuse a connection held by [`EndpointConfig::manual_accept`]: the peer's request is
-    /// answered with a CONNECT Reject carrying `code` (the requester's connection ends with
-    /// [`ConnectionError::Rejected`]`(code)`), the connection is removed and
-    /// [`Event::ConnectionLost`] with `Rejected(code)` follows. `false` if there is no such
-    /// held connection.
-    pub fn refuse_incoming(&mut self, conn: ConnectionHandle, code: u32) -> bool {
+    /// answered with a CONNECT Reject carrying `code` and `reason` (the `MR_CONNECT`
+    /// payload, docs/PROTOCOL.md "ConnectEth"); the requester's connection ends with
+    /// [`ConnectionError::Rejected`]` { code, reason }`, the connection is removed here and
+    /// [`Event::ConnectionLost`] with the same error follows.
+    ///
+    /// # Errors
+    /// [`PostError::ReasonTooLong`] if `reason` exceeds [`MAX_CLOSE_REASON`] bytes (the
+    /// close-reason rule; nothing is sent and the connection stays held);
+    /// [`PostError::UnknownConnection`] if there is no such held connection (accepted,
+    /// refused or ended already).
+    pub fn refuse_incoming(
+        &mut self,
+        conn: ConnectionHandle,
+        code: u32,
+        reason: &[u8],
+    ) -> Result<(), PostError> {
         let Some(c) = self.conns.get(&conn.0) else {
-            return false;
+            return Err(PostError::UnknownConnection);
         };
         if !c.held {
-            return false;
+            return Err(PostError::UnknownConnection);
         }
+        check_close_reason(reason)?;
         // The same Reject a refusal by configuration sends (docs/PROTOCOL.md, CONNECT),
-        // with the application's code as the reason.
+        // with the application's code and reason.
         let (bth, hdrs) = c.connect_packet(ConnectKind::Reject, code);
         let hdrs = match hdrs {
             Headers::Connect(m) => Headers::Connect(ConnectEth { src_qpn: 0, ..m }),
             h => h,
         };
         let (peer, lip) = (c.peer, c.local_ip);
-        self.push_control(peer, bth, hdrs, Trailer::None, lip);
+        self.push_control_with(
+            peer,
+            bth,
+            hdrs,
+            Bytes::copy_from_slice(reason),
+            Trailer::None,
+            lip,
+        );
         self.stats.rejected += 1;
         self.remove(
             conn,
-            ConnectionError::Rejected(code),
+            ConnectionError::Rejected {
+                code,
+                reason: Bytes::copy_from_slice(reason),
+            },
             WcStatus::WrFlushError,
         );
-        true
+        Ok(())
     }
 
     fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
@@ -1322,7 +1356,7 @@ impl Endpoint {
         }
         if let Headers::Connect(msg) = &pkt.headers {
             self.stats.handshake_bytes_in += data.len() as u64;
-            self.handle_connect(now, from, local_ip, pkt.bth.dest_qp, msg);
+            self.handle_connect(now, from, local_ip, pkt.bth.dest_qp, msg, pkt.payload);
             return;
         }
         if let Headers::Close(msg) = &pkt.headers {
@@ -1424,8 +1458,29 @@ impl Endpoint {
         t: Trailer,
         ip: Option<IpAddr>,
     ) {
+        self.push_control_with(dest, bth, hdrs, Bytes::new(), t, ip);
+    }
+
+    /// [`push_control`](Self::push_control) with a payload (a Reject's reason, at most
+    /// [`MAX_CLOSE_REASON`] bytes).
+    fn push_control_with(
+        &mut self,
+        dest: SocketAddr,
+        bth: Bth,
+        hdrs: Headers,
+        payload: Bytes,
+        t: Trailer,
+        ip: Option<IpAddr>,
+    ) {
         if self.control.len() < self.cfg.max_control_queue {
-            self.control.push_back((dest, bth, hdrs, t, ip));
+            self.control.push_back(ControlPacket {
+                dest,
+                bth,
+                hdrs,
+                payload,
+                trailer: t,
+                local_ip: ip,
+            });
         } else {
             self.stats.control_dropped += 1;
         }
@@ -1577,6 +1632,7 @@ impl Endpoint {
         local_ip: Option<IpAddr>,
         dest_qp: u32,
         msg: &ConnectEth,
+        payload: &[u8],
     ) {
         match msg.kind {
             ConnectKind::Request => self.handle_request(now, from, local_ip, msg),
@@ -1632,7 +1688,7 @@ impl Endpoint {
                     self.stats.unknown_connection += 1;
                     return;
                 }
-                let out = c.on_connect(now, msg, &mut self.events);
+                let out = c.on_connect(now, msg, payload, &mut self.events);
                 self.touched(dest_qp);
                 self.apply(ConnectionHandle(dest_qp), out);
             }
@@ -1905,11 +1961,19 @@ impl Endpoint {
                 segment_size: None,
             });
         }
-        while let Some((dest, bth, hdrs, trailer, local_ip)) = self.control.pop_front() {
+        while let Some(ControlPacket {
+            dest,
+            bth,
+            hdrs,
+            payload,
+            trailer,
+            local_ip,
+        }) = self.control.pop_front()
+        {
             let port = self.cfg.source_ports[0];
-            let len = wire::packet_len_with(&hdrs, 0, &trailer);
+            let len = wire::packet_len_with(&hdrs, payload.len(), &trailer);
             buf.resize(len, 0);
-            if wire::emit_packet_with(&bth, &hdrs, &[], &trailer, buf).is_err() {
+            if wire::emit_packet_with(&bth, &hdrs, &payload, &trailer, buf).is_err() {
                 buf.clear();
                 continue;
             }
@@ -2041,7 +2105,19 @@ impl Endpoint {
     }
 }
 
-/// `reason` fits an `MR_CLOSE` ([`MAX_CLOSE_REASON`] bytes).
+/// An endpoint-generated packet waiting for `poll_transmit` (Retry, Reject, CLOSE answer).
+#[derive(Debug)]
+struct ControlPacket {
+    dest: SocketAddr,
+    bth: Bth,
+    hdrs: Headers,
+    /// A Reject's reason bytes; empty otherwise.
+    payload: Bytes,
+    trailer: Trailer,
+    local_ip: Option<IpAddr>,
+}
+
+/// `reason` fits an `MR_CLOSE` or a CONNECT Reject ([`MAX_CLOSE_REASON`] bytes).
 fn check_close_reason(reason: &[u8]) -> Result<(), PostError> {
     if reason.len() > MAX_CLOSE_REASON {
         return Err(PostError::ReasonTooLong {

@@ -148,8 +148,19 @@ pub struct WorkCompletion {
 pub enum ConnectionError {
     /// The peer did not answer the connection request in time.
     HandshakeTimeout,
-    /// The peer refused the connection; the code comes from its CONNECT Reject.
-    Rejected(u32),
+    /// The peer refused the connection with a CONNECT Reject: `code` is its ConnectEth
+    /// reject reason field, `reason` its payload (the text the peer's application gave to
+    /// [`Endpoint::refuse_incoming`](crate::Endpoint::refuse_incoming), at most
+    /// [`MAX_CLOSE_REASON`](crate::MAX_CLOSE_REASON) bytes; empty for the core's own
+    /// refusals, whose codes are the `ConnectEth::REASON_*` constants). The core also
+    /// reports an Accept it cannot use this way, with a local text: code `u32::MAX`
+    /// (invalid path MTU or path count) or [`REJECT_PROTECTION_MISMATCH`](crate::conn::REJECT_PROTECTION_MISMATCH).
+    Rejected {
+        /// Application or core reject code (ConnectEth bytes 28–31).
+        code: u32,
+        /// Reason bytes (the Reject's payload), possibly empty.
+        reason: Bytes,
+    },
     /// Every path exceeded the retry budget without progress.
     RetryExceeded,
     /// The peer closed the connection with
@@ -182,8 +193,12 @@ impl fmt::Display for ConnectionError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ConnectionError::HandshakeTimeout => f.write_str("connection request timed out"),
-            ConnectionError::Rejected(code) => {
-                write!(f, "connection rejected by peer (reason {code})")
+            ConnectionError::Rejected { code, reason } => {
+                write!(f, "connection refused by peer (code {code}")?;
+                if !reason.is_empty() {
+                    write!(f, ": {}", String::from_utf8_lossy(reason))?;
+                }
+                f.write_str(")")
             }
             ConnectionError::RetryExceeded => f.write_str("retry count exceeded on every path"),
             ConnectionError::ClosedByPeer { code, reason } => {

@@ -79,7 +79,8 @@ pub mod wire;
 
 pub use api::RemoteRegion;
 pub use config::{
-    CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy, TransportConfig,
+    ConfigError, CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy,
+    TransportConfig,
 };
 pub use conn::send::STREAM_CODE_RNR;
 pub use conn::AtomicOp;

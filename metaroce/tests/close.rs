@@ -216,3 +216,48 @@ fn many_connect_close_cycles_leave_tables_flat() {
     assert_eq!(after, idle);
     assert_eq!(idle, [TableSizes::default(); 2]);
 }
+
+/// `refuse_incoming(conn, code, reason)`: the CONNECT Reject carries the reason text as its
+/// payload; a reason over MAX_CLOSE_REASON is refused (nothing sent, the request stays held);
+/// the requester's connection ends with both, and a second refusal finds nothing.
+#[test]
+fn refusing_a_held_request_sends_code_and_reason() {
+    let mut b = common::config(1, 40);
+    b.manual_accept = true;
+    let mut p = Pair::with_configs(40, Impair::default(), common::config(0, 40), b);
+    let c = p.eps[0].connect(p.now, p.addrs[1], None).unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.events[1]
+        .iter()
+        .any(|e| matches!(e, Event::Incoming(_)))));
+    let held = p.events[1]
+        .iter()
+        .find_map(|e| match e {
+            Event::Incoming(h) => Some(*h),
+            _ => None,
+        })
+        .unwrap();
+    let long = vec![b'x'; MAX_CLOSE_REASON + 1];
+    assert_eq!(
+        p.eps[1].refuse_incoming(held, 7, &long),
+        Err(PostError::ReasonTooLong {
+            len: MAX_CLOSE_REASON + 1,
+            max: MAX_CLOSE_REASON
+        })
+    );
+    let reason = vec![b'r'; MAX_CLOSE_REASON];
+    assert_eq!(p.eps[1].refuse_incoming(held, 7, &reason), Ok(()));
+    assert_eq!(
+        p.eps[1].refuse_incoming(held, 7, b""),
+        Err(PostError::UnknownConnection)
+    );
+    assert!(p.run_until(Duration::from_secs(5), |p| lost(p, 0).is_some()));
+    let _ = c;
+    assert_eq!(
+        lost(&p, 0),
+        Some(ConnectionError::Rejected {
+            code: 7,
+            reason: Bytes::from(reason),
+        })
+    );
+    assert_eq!(p.eps[1].connections().count(), 0);
+}

@@ -147,8 +147,9 @@ Tests (perftest names without the ib_ prefix):
   read_bw     pipelined RDMA READs (-t outstanding, at most -o in flight) of seeded server
               memory; checksums of the server's source and of what landed
   read_lat    one RDMA READ at a time; latency = the READ's round trip; every READ checked
-  atomic_lat  one FETCH_AND_ADD at a time on an 8-byte counter; latency = round trip;
-              every fetched value and the final counter (= initial + sum of adds) checked
+  atomic_lat  one FETCH_AND_ADD (or, -A CMP_AND_SWAP, compare-and-swap) at a time on an
+              8-byte counter; latency = round trip; every fetched value and the final
+              counter (= initial + sum of adds) checked
   send_bw     pipelined SENDs on a stream (metaroce) / into posted receives (rocev2, -r
               posted); checksum of every byte received, in order
   send_lat    SEND ping-pong (echo); one-way latency = RTT/2; every echo compared
@@ -336,6 +337,12 @@ pub struct Args {
     #[arg(long, value_name = "PATH", conflicts_with_all = ["all", "duration", "iters"])]
     pub file: Option<PathBuf>,
 
+    /// atomic_lat: the atomic operation, as perftest's `-A`: FETCH_AND_ADD (default) or
+    /// CMP_AND_SWAP (compare with the expected value, swap in that value plus the addend,
+    /// so the counter follows the same sequence and is checked the same way).
+    #[arg(short = 'A', long = "atomic_type", value_enum, value_name = "TYPE")]
+    pub atomic_type: Option<AtomicType>,
+
     /// Record every datagram this process sends into a classic pcap (Ethernet/IPv4/UDP
     /// 4791 headers synthesized, ICRC re-stamped for them).
     #[arg(long, value_name = "FILE")]
@@ -501,6 +508,8 @@ pub struct Settings {
     pub core_seed: Option<u64>,
     /// `--file` source.
     pub file: Option<FileSource>,
+    /// atomic_lat's operation (`-A`).
+    pub atomic_type: AtomicType,
     /// pcap output.
     pub pcap: Option<PathBuf>,
     /// pcap packet cap.
@@ -861,6 +870,7 @@ impl Args {
             file,
             pcap: self.pcap,
             pcap_max_packets: self.pcap_max_packets,
+            atomic_type: self.atomic_type.unwrap_or_default(),
             verbose: self.verbose,
             selftest_mismatch: self.selftest_mismatch,
             compare,
@@ -881,4 +891,16 @@ fn perf_key() -> Result<Vec<u8>, String> {
         .step_by(2)
         .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).map_err(|e| e.to_string()))
         .collect()
+}
+
+/// atomic_lat's operation (perftest `-A, --atomic_type`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum AtomicType {
+    /// FETCH_AND_ADD (`MR_FETCH_ADD`, RC `FetchAdd`).
+    #[default]
+    #[value(name = "FETCH_AND_ADD")]
+    FetchAndAdd,
+    /// CMP_AND_SWAP (`MR_COMPARE_SWAP`, RC `CmpSwap`).
+    #[value(name = "CMP_AND_SWAP")]
+    CmpAndSwap,
 }

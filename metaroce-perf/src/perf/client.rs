@@ -1,6 +1,6 @@
 //! The client side of a run: drives the measurement and prints the table.
 
-use super::cli::{Settings, Test};
+use super::cli::{AtomicType, Settings, Test};
 use super::ctrl::Chan;
 use super::data::{
     atomic_add, atomic_initial, client_pattern_seed, derive_seed, pattern, random_bytes,
@@ -743,7 +743,18 @@ async fn atomic_lat(
         while let Some((i, measured)) = smp.next() {
             let add = atomic_add(seed, i);
             let t0 = Instant::now();
-            let old = or_peer_failure(ctrl, net.fetch_add(&result, counter, add)).await?;
+            let op = async {
+                match s.atomic_type {
+                    AtomicType::FetchAndAdd => net.fetch_add(&result, counter, add).await,
+                    // Compare with the value the counter must hold, swap in the sum: the
+                    // same sequence as FETCH_AND_ADD, so the same end-to-end check.
+                    AtomicType::CmpAndSwap => {
+                        net.compare_swap(&result, counter, expected, expected.wrapping_add(add))
+                            .await
+                    }
+                }
+            };
+            let old = or_peer_failure(ctrl, op).await?;
             let rtt = t0.elapsed();
             if old != expected {
                 bad += 1;

@@ -513,6 +513,33 @@ impl Net {
         }
     }
 
+    /// Atomic CMP_AND_SWAP on the 8 bytes at `remote` (aligned): stores `swap` if they equal
+    /// `compare`; RC mode lands the result in `result[0..8]`. Returns the value before.
+    pub async fn compare_swap(
+        &self,
+        result: &Mr,
+        remote: RemoteRegion,
+        compare: u64,
+        swap: u64,
+    ) -> Res<u64> {
+        match self {
+            Net::Meta(c) => c
+                .compare_swap(remote, 0, compare, swap)
+                .await
+                .map_err(|e| format!("CMP_AND_SWAP failed: {e}")),
+            Net::Rc(rc) => {
+                let op = SendOp::CompareSwap {
+                    remote_addr: remote.addr,
+                    rkey: remote.rkey,
+                    compare,
+                    swap,
+                };
+                rc.execute(wr(op, result.lkey(), 0, 8)?).await?;
+                result.read_u64(0)
+            }
+        }
+    }
+
     /// Makes WRITE-with-immediate notifications possible (RC: posts receives for them).
     pub fn prepare_imm(&self) -> Res<()> {
         match self {

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use metaroce::EcnCodepoint;
+use metaroce::{ConfigError, EcnCodepoint};
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
 use tokio::sync::Notify;
@@ -117,20 +117,24 @@ impl Default for Impairment {
     }
 }
 
-fn check_probability(name: &str, p: f64) -> Result<(), String> {
+fn check_probability(name: &'static str, p: f64) -> Result<(), ConfigError> {
     if (0.0..=1.0).contains(&p) {
         Ok(())
     } else {
-        Err(format!("{name} must be a probability in [0, 1], got {p}"))
+        Err(ConfigError::new(
+            name,
+            format!("must be a probability in [0, 1], got {p}"),
+        ))
     }
 }
 
-fn check_duration(name: &str, d: Duration) -> Result<(), String> {
+fn check_duration(name: &'static str, d: Duration) -> Result<(), ConfigError> {
     if d <= MAX_DURATION {
         Ok(())
     } else {
-        Err(format!(
-            "{name} must be at most {MAX_DURATION:?}, got {d:?}"
+        Err(ConfigError::new(
+            name,
+            format!("must be at most {MAX_DURATION:?}, got {d:?}"),
         ))
     }
 }
@@ -138,7 +142,11 @@ fn check_duration(name: &str, d: Duration) -> Result<(), String> {
 impl Impairment {
     /// Checks the parameters: probabilities in `[0, 1]` (NaN rejected), durations at most one
     /// hour, `reorder_delay > 0` when `reorder > 0`, a non-zero rate limit and queue limit.
-    pub fn validate(&self) -> Result<(), String> {
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field (`loss`, `burst.loss_in_bad`, `reorder_delay`, ...)
+    /// and the rule it breaks.
+    pub fn validate(&self) -> Result<(), ConfigError> {
         check_probability("loss", self.loss)?;
         check_probability("duplicate", self.duplicate)?;
         check_probability("reorder", self.reorder)?;
@@ -153,13 +161,19 @@ impl Impairment {
         check_duration("jitter", self.jitter)?;
         check_duration("reorder_delay", self.reorder_delay)?;
         if self.reorder > 0.0 && self.reorder_delay.is_zero() {
-            return Err("reorder > 0 needs a non-zero reorder_delay".into());
+            return Err(ConfigError::new(
+                "reorder_delay",
+                "must be non-zero when reorder > 0",
+            ));
         }
         if self.rate_limit_bps == Some(0) {
-            return Err("rate_limit_bps must be non-zero (use None for no limit)".into());
+            return Err(ConfigError::new(
+                "rate_limit_bps",
+                "must be non-zero (use None for no limit)",
+            ));
         }
         if self.queue_limit_bytes == 0 {
-            return Err("queue_limit_bytes must be non-zero".into());
+            return Err(ConfigError::new("queue_limit_bytes", "must be non-zero"));
         }
         Ok(())
     }
@@ -186,9 +200,10 @@ impl Impairment {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ImpairError {
-    /// [`Impairment::validate`] rejected the parameters; the message says which.
+    /// [`Impairment::validate`] rejected the parameters: which field, and the rule (part of
+    /// this error's `Display`, so not also its `source()`).
     #[error("invalid impairment: {0}")]
-    Invalid(String),
+    Invalid(ConfigError),
     /// [`Impaired::new`] was called outside a tokio runtime (it spawns its sender task).
     #[error("Impaired::new must be called within a tokio runtime")]
     NoRuntime,

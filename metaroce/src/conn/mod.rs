@@ -18,6 +18,7 @@ use crate::wire::{
     Opcode, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use crate::{EcnCodepoint, Transmit};
+use bytes::Bytes;
 use path::{PathRx, PathTx, RxCheck, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
@@ -511,6 +512,7 @@ impl Connection {
             require_posted_receives: self.cfg.require_posted_receives,
             max_tracked_ops: self.cfg.max_tracked_ops,
             max_held_immediates: self.cfg.max_held_immediates,
+            max_unconsumed_immediates: self.cfg.max_unconsumed_immediates,
             explicit_consume: self.cfg.explicit_consume,
             max_stream_recv_bytes: self.cfg.max_stream_recv_bytes,
         }
@@ -550,6 +552,7 @@ impl Connection {
         &mut self,
         now: Instant,
         msg: &ConnectEth,
+        payload: &[u8],
         events: &mut VecDeque<Event>,
     ) -> Outcome {
         if !crate::secret::ct_eq_u64(msg.nonce, self.nonce) {
@@ -586,13 +589,21 @@ impl Connection {
                     || msg.paths == 0
                 {
                     return Outcome {
-                        lost: Some(ConnectionError::Rejected(u32::MAX)),
+                        lost: Some(ConnectionError::Rejected {
+                            code: u32::MAX,
+                            reason: Bytes::from_static(b"invalid Accept (path MTU or path count)"),
+                        }),
                     };
                 }
                 // No silent downgrade: an Accept must confirm exactly what we asked for.
                 if aead_flag(msg) != self.cfg.packet_protection.is_some() {
                     return Outcome {
-                        lost: Some(ConnectionError::Rejected(REJECT_PROTECTION_MISMATCH)),
+                        lost: Some(ConnectionError::Rejected {
+                            code: REJECT_PROTECTION_MISMATCH,
+                            reason: Bytes::from_static(
+                                b"Accept does not match the requested packet protection",
+                            ),
+                        }),
                     };
                 }
                 let paths = (msg.paths.min(hs.paths_offered) as usize).max(1);
@@ -631,9 +642,17 @@ impl Connection {
                 events.push_back(Event::Connected(self.handle));
                 Outcome::default()
             }
-            ConnectKind::Reject => Outcome {
-                lost: Some(ConnectionError::Rejected(msg.reason)),
-            },
+            ConnectKind::Reject => {
+                // The reason text is the MR_CONNECT payload (docs/PROTOCOL.md, ConnectEth);
+                // a longer one is cut like a close reason.
+                let n = payload.len().min(crate::MAX_CLOSE_REASON);
+                Outcome {
+                    lost: Some(ConnectionError::Rejected {
+                        code: msg.reason,
+                        reason: Bytes::copy_from_slice(&payload[..n]),
+                    }),
+                }
+            }
             ConnectKind::Request | ConnectKind::Retry | ConnectKind::Confirm => Outcome::default(),
         }
     }
@@ -696,6 +715,7 @@ impl Connection {
                 self.on_data(ecn, pkt, path, Data::AtomicResponse(op, ack), mrs, events)
             }
             Headers::Nak { path, nak } => {
+                let _span = self.path_span(path.path_id as usize).entered();
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
                     if let Some(seg) = p.on_nak(pkt.bth.psn, now) {
                         let flow = nak.syndrome & 0xE0 == recv::NAK_FLOW_RNR;
@@ -726,7 +746,25 @@ impl Connection {
         Outcome::default()
     }
 
+    /// The tracing span of path `i`: `path{conn, path, port, plane}` at DEBUG, entered
+    /// around everything the connection does for one path (ACK, NAK, loss timer), so that
+    /// every loss, timeout, retransmission and re-roll event names the path and its UDP
+    /// source port (the ECMP entropy). Disabled spans cost one cached interest check.
+    fn path_span(&self, i: usize) -> tracing::Span {
+        match self.tx.get(i) {
+            Some(p) => tracing::debug_span!(
+                "path",
+                conn = %self.handle,
+                path = p.id,
+                port = p.src_port,
+                plane = path::plane_of(p.src_port, self.cfg.planes),
+            ),
+            None => tracing::Span::none(),
+        }
+    }
+
     fn on_ack(&mut self, now: Instant, cum: u32, a: &AckEth, events: &mut VecDeque<Event>) {
+        let _span = self.path_span(a.path_id as usize).entered();
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return;
         };
@@ -1255,6 +1293,10 @@ impl Connection {
         self.rq.consume(stream, bytes);
     }
 
+    pub fn immediates_consumed(&mut self, n: u32) {
+        self.rq.immediates_consumed(n);
+    }
+
     pub fn post_recv(&mut self, stream: u32, r: recv::PostedRecv) {
         self.rq.post_recv(stream, r);
     }
@@ -1358,8 +1400,12 @@ impl Connection {
         let heard = self.last_heard;
         let mut probing = self.tx.iter().any(|q| q.probe_unanswered_since(heard));
         for i in 0..self.tx.len() {
+            let due = self.tx[i]
+                .loss_deadline(min_rto, max_rto)
+                .filter(|&d| d <= now);
+            let _span = due.map(|_| self.path_span(i).entered());
             let p = &mut self.tx[i];
-            if let Some(d) = p.loss_deadline(min_rto, max_rto).filter(|&d| d <= now) {
+            if let Some(d) = due {
                 if p.defer_if_late(now, d) {
                     continue;
                 }
@@ -1982,6 +2028,18 @@ impl Connection {
                 break;
             };
             self.tx[i].on_sent(seg, now, retransmit);
+            if retransmit {
+                let p = &self.tx[i];
+                tracing::trace!(
+                    conn = %self.handle,
+                    path = p.id,
+                    port = p.src_port,
+                    psn,
+                    op = seg.op,
+                    seg = seg.seg,
+                    "retransmission"
+                );
+            }
             self.sq.on_transmit(seg, i as u8, psn);
             count += 1;
             in_flight += 1;

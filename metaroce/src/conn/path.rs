@@ -521,12 +521,21 @@ impl PathTx {
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
         self.stats.sack_losses += nl as u64;
+        if nl > 0 {
+            tracing::debug!(
+                lost = nl,
+                cum,
+                rack_psn = self.rack_psn,
+                "packets declared lost (SACK gap beyond the reorder window)"
+            );
+        }
         let marked = ce_count.wrapping_sub(self.last_ce_count);
         // A count that went backwards is a stale ACK: ignore it.
         if marked < (1 << 31) {
             self.last_ce_count = ce_count;
             if marked > 0 {
                 self.stats.ecn_marks += marked as u64;
+                tracing::trace!(marked, "CE marks echoed: window decrease");
                 self.cc.on_ecn(now, marked, na, &self.rtt);
             }
         }

@@ -193,6 +193,7 @@ pub(crate) struct RecvLimits {
     pub require_posted_receives: bool,
     pub max_tracked_ops: u32,
     pub max_held_immediates: u32,
+    pub max_unconsumed_immediates: u32,
     pub explicit_consume: bool,
     pub max_stream_recv_bytes: u64,
 }
@@ -297,6 +298,10 @@ pub(crate) struct RecvState {
     /// Immediates released by the floor of finished op ids, in op id order, not yet
     /// reported as events (`take_released`).
     released_imms: VecDeque<(u32, u32)>,
+    /// With `explicit_consume`: immediates reported ([`Event::WriteWithImm`]) and not yet
+    /// consumed by the application (`immediates_consumed`). At most
+    /// `max_unconsumed_immediates + min(max_unconsumed_immediates, max_held_immediates)`.
+    unconsumed_imms: u32,
     /// Receives posted on a dead stream, flushed and not yet reported (`take_flushed`).
     flushed: VecDeque<(u32, WorkCompletion)>,
     pub stats: RecvStats,
@@ -366,6 +371,11 @@ pub struct RecvStats {
     /// Flow-control RNR NAKs sent (`explicit_consume`: a message did not fit the stream's
     /// or the connection's unconsumed-byte limits; the sender waits).
     pub flow_rnr_naks: u64,
+    /// Of `flow_rnr_naks`: WRITEs with immediate held back because
+    /// `max_unconsumed_immediates` notifications were outstanding.
+    pub imm_flow_rnr_naks: u64,
+    /// Gauge (`explicit_consume`): immediates reported and not yet consumed.
+    pub unconsumed_immediates: u64,
     /// Gauge: bytes delivered in `Event::Message` and not yet consumed
     /// (`explicit_consume`), each message counted with 128 bytes of bookkeeping; included in
     /// `buffered_bytes`.
@@ -1099,6 +1109,7 @@ impl RecvState {
         lim: &RecvLimits,
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
+        self.buf.explicit = lim.explicit_consume;
         let id = hdr.op_id;
         let params = OpParams::write(reth, imm);
         if let Some(out) = self.seen_answer(id, &params, lim) {
@@ -1153,6 +1164,23 @@ impl RecvState {
             self.stats.held_immediate_drops += 1;
             return RxOutcome::Drop;
         }
+        // Receive flow control of immediates (`max_unconsumed_immediates`): the packet that
+        // would complete a WRITE with immediate while the application has that many
+        // notifications outstanding waits (flow-control RNR NAK), before it is placed. The
+        // oldest unfinished operation counts only the reported ones, so immediates held
+        // behind it cannot block it (it would release them).
+        if new_seg && imm.is_some() && t.got_segs + 1 == t.nsegs && lim.explicit_consume {
+            let held = if id == self.write_floor {
+                0
+            } else {
+                self.held_imms.len() as u32
+            };
+            if self.unconsumed_imms.saturating_add(held) >= lim.max_unconsumed_immediates {
+                self.stats.flow_rnr_naks += 1;
+                self.stats.imm_flow_rnr_naks += 1;
+                return RxOutcome::FlowRnr;
+            }
+        }
         if !test_set(&mut t.got, seg) {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
@@ -1181,6 +1209,11 @@ impl RecvState {
     /// Report the immediates the floor of finished op ids released, in op id order, as
     /// [`Event::WriteWithImm`].
     pub fn take_released(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        if self.buf.explicit {
+            self.unconsumed_imms = self
+                .unconsumed_imms
+                .saturating_add(self.released_imms.len() as u32);
+        }
         for (imm, byte_len) in self.released_imms.drain(..) {
             events.push_back(Event::WriteWithImm {
                 conn,
@@ -1215,6 +1248,12 @@ impl RecvState {
         RxOutcome::Accepted
     }
 
+    /// The application consumed `n` reported immediates (`explicit_consume`); more than
+    /// were reported is ignored.
+    pub fn immediates_consumed(&mut self, n: u32) {
+        self.unconsumed_imms = self.unconsumed_imms.saturating_sub(n);
+    }
+
     /// Record operation `id` as finished (executed or refused).
     fn finish_write(&mut self, id: u32) {
         if let Some(t) = self.writes.remove(&id) {
@@ -1245,6 +1284,7 @@ impl RecvState {
             refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
             held_immediates: self.held_imms.len() as u64,
+            unconsumed_immediates: self.unconsumed_imms as u64,
             unconsumed_bytes: self.buf.unconsumed,
             ..self.stats
         }

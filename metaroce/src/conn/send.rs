@@ -57,6 +57,20 @@ pub enum AtomicOp {
     },
 }
 
+/// The flow-control key of the WRITEs with immediate (above every stream id).
+const IMM_FLOW: u64 = 1 << 32;
+
+/// Which receive flow control holds an operation back after a flow-control RNR NAK: the
+/// stream of a SEND (`max_stream_recv_bytes`, `max_recv_buffer_bytes`), or [`IMM_FLOW`] for
+/// a WRITE with immediate (`max_unconsumed_immediates`); `None` for the others.
+fn flow_key(kind: &OpKind) -> Option<u64> {
+    match kind {
+        OpKind::Send { stream, .. } => Some(*stream as u64),
+        OpKind::Write { imm: Some(_), .. } => Some(IMM_FLOW),
+        _ => None,
+    }
+}
+
 #[derive(Debug)]
 pub(crate) enum OpKind {
     Send {
@@ -280,12 +294,14 @@ pub(crate) struct SendQueue {
     /// Streams in a flow-control wait: their receiver refused a message with a
     /// flow-control RNR NAK, and no acknowledgement of the probe has come back since. No
     /// segment of theirs is sent for the first time meanwhile.
-    flow_wait: HashSet<u32>,
+    /// Keyed by [`flow_key`]: a stream id, or [`IMM_FLOW`] for the WRITEs with immediate
+    /// (held back by the receiver's `max_unconsumed_immediates`).
+    flow_wait: HashSet<u64>,
     /// Per stream in `flow_wait`: the one refused segment re-sent when its RNR wait ended
     /// (the probe); the other refused segments park in `flow_parked` until the probe is
     /// acknowledged, so a waiting stream costs one packet per RNR timer, not a window.
-    flow_probe: HashMap<u32, SegRef>,
-    flow_parked: HashMap<u32, Vec<SegRef>>,
+    flow_probe: HashMap<u64, SegRef>,
+    flow_parked: HashMap<u64, Vec<SegRef>>,
     /// Streams in the error state: a SEND on it failed with `RnrRetryExceeded`; the value
     /// is the first message sequence number the stream lost. SENDs posted later on such a
     /// stream complete with `WrFlushError` without being sent.
@@ -562,19 +578,18 @@ impl SendQueue {
 
     fn is_flow_blocked(&self, op: &Op) -> bool {
         !self.flow_wait.is_empty()
-            && matches!(op.kind, OpKind::Send { stream, .. } if self.flow_wait.contains(&stream))
+            && flow_key(&op.kind).is_some_and(|k| self.flow_wait.contains(&k))
     }
 
-    fn send_stream(&self, s: SegRef) -> Option<u32> {
-        match self.op(s.op)?.kind {
-            OpKind::Send { stream, .. } => Some(stream),
-            _ => None,
-        }
+    fn send_stream(&self, s: SegRef) -> Option<u64> {
+        flow_key(&self.op(s.op)?.kind)
     }
 
-    /// The receiver refused segment `s` (a SEND) with a flow-control RNR NAK (`on_rnr` has
-    /// put it on its RNR wait): its stream enters (or stays in) the flow-control wait, and
-    /// a new probe is chosen when the next refused segment's wait ends.
+    /// The receiver refused segment `s` (a SEND, or the last packet of a WRITE with
+    /// immediate) with a flow-control RNR NAK (`on_rnr` has put it on its RNR wait): its
+    /// stream (or the connection's WRITEs with immediate) enters (or stays in) the
+    /// flow-control wait, and a new probe is chosen when the next refused segment's wait
+    /// ends.
     pub fn flow_block(&mut self, s: SegRef) {
         if let Some(stream) = self.send_stream(s) {
             self.flow_wait.insert(stream);
@@ -585,7 +600,7 @@ impl SendQueue {
     }
 
     /// End the flow-control wait of `stream`: every parked segment is re-sent.
-    fn flow_release(&mut self, stream: u32) {
+    fn flow_release(&mut self, stream: u64) {
         self.flow_wait.remove(&stream);
         self.flow_probe.remove(&stream);
         for p in self.flow_parked.remove(&stream).unwrap_or_default() {
@@ -685,7 +700,7 @@ impl SendQueue {
         }
         op.acked[(s.seg / 64) as usize] |= 1 << (s.seg % 64);
         op.acked_segs += 1;
-        if let OpKind::Send { stream, .. } = op.kind {
+        if let Some(stream) = flow_key(&op.kind) {
             if self.flow_probe.get(&stream) == Some(&s) {
                 // The receiver took the probe: it has room again.
                 self.flow_release(stream);
@@ -1061,7 +1076,7 @@ impl SendQueue {
             return false;
         }
         self.ended_streams.insert(stream, StreamEnd::Reset);
-        self.flow_release(stream);
+        self.flow_release(stream as u64);
         let mut first = None;
         for i in 0..self.ops.len() {
             let OpKind::Send {
