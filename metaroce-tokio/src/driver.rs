@@ -110,6 +110,8 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                 }
                 pool.push(buf);
             }
+            // Backends that batch submissions (io_uring) hand the batch to the kernel here.
+            shared.backend.flush();
             if !full {
                 // Wait for input, a timer or new work.
                 let sleep = async {

@@ -282,6 +282,10 @@ impl DatagramBackend for PcapBackend {
         }
         res
     }
+
+    fn flush(&self) {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -986,6 +986,8 @@ async fn run_sender<B: DatagramBackend>(inner: Arc<B>, shared: Arc<Shared>) {
                 };
                 let res =
                     std::future::poll_fn(|cx| inner.poll_send(cx, &transmit, &held.bytes)).await;
+                // A delayed datagram is sent on its own: hand it to the kernel now.
+                inner.flush();
                 let mut st = shared.lock();
                 st.release(&held.destination);
                 match res {
@@ -1070,6 +1072,10 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
         }
         self.finish(job);
         Poll::Ready(Ok(()))
+    }
+
+    fn flush(&self) {
+        self.inner.flush()
     }
 }
 
