@@ -32,7 +32,8 @@ async fn recv_all(b: &impl DatagramBackend, want: usize) -> Vec<Vec<u8>> {
         let r = tokio::time::timeout_at(
             deadline,
             poll_fn(|cx| {
-                let mut s: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                let mut s: Vec<IoSliceMut<'_>> =
+                    bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
                 b.poll_recv(cx, &mut s, &mut meta)
             }),
         )
@@ -69,7 +70,12 @@ async fn zero_copy_gso_sends_arrive_intact() {
     let b = UdpBackend::bind(loopback(), 1).unwrap();
     let contents: Vec<u8> = (0..40 * 1500).map(|i| (i * 7 + i / 1500) as u8).collect();
     for round in 0..20 {
-        let t = transmit(b.local_addr(), a.source_ports()[0], contents.len(), Some(1500));
+        let t = transmit(
+            b.local_addr(),
+            a.source_ports()[0],
+            contents.len(),
+            Some(1500),
+        );
         poll_fn(|cx| a.poll_send(cx, &t, &contents)).await.unwrap();
         a.flush();
         let got = recv_all(&b, 40).await;
@@ -115,8 +121,15 @@ async fn a_transmit_larger_than_all_slots_is_invalid_input() {
     );
     // 100 × 1200 B needs two GSO sends, so two slots.
     let contents = vec![0u8; 120_000];
-    let t = transmit("127.0.0.1:9".parse().unwrap(), a.source_ports()[0], contents.len(), Some(1200));
-    let err = poll_fn(|cx| a.poll_send(cx, &t, &contents)).await.unwrap_err();
+    let t = transmit(
+        "127.0.0.1:9".parse().unwrap(),
+        a.source_ports()[0],
+        contents.len(),
+        Some(1200),
+    );
+    let err = poll_fn(|cx| a.poll_send(cx, &t, &contents))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
 }
 
@@ -166,7 +179,12 @@ async fn dropping_with_sends_in_flight_is_clean() {
     for _ in 0..20 {
         let a = uring(2, UringConfig::default());
         let contents = vec![9u8; 60_000];
-        let t = transmit("127.0.0.1:9".parse().unwrap(), a.source_ports()[1], contents.len(), Some(1000));
+        let t = transmit(
+            "127.0.0.1:9".parse().unwrap(),
+            a.source_ports()[1],
+            contents.len(),
+            Some(1000),
+        );
         for _ in 0..10 {
             poll_fn(|cx| a.poll_send(cx, &t, &contents)).await.unwrap();
         }
