@@ -152,9 +152,14 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                                         st.core.handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
                                     }
                                 }
-                                // Drain whatever else is already queued without waiting.
+                                // Drain whatever else is already queued without waiting,
+                                // when the batch was full: a partial batch means the socket
+                                // was empty, and another receive would only return EAGAIN
+                                // (one wasted system call per datagram in a ping-pong).
                                 drop(st);
-                                drain_ready(&shared, &mut bufs, &mut metas);
+                                if n == RECV_BUFS {
+                                    drain_ready(&shared, &mut bufs, &mut metas);
+                                }
                             }
                             Err(e) => tracing::debug!(error = %e, "receive failed"),
                         }

@@ -472,14 +472,31 @@ fn cmsgs(mut b: &[u8]) -> impl Iterator<Item = (i32, i32, &[u8])> {
     })
 }
 
-/// Appends one control message to `out`.
-fn push_cmsg(out: &mut Vec<u8>, level: i32, ty: i32, data: &[u8]) {
-    let len = CMSG_HDR + data.len();
-    out.extend_from_slice(&len.to_ne_bytes());
-    out.extend_from_slice(&level.to_ne_bytes());
-    out.extend_from_slice(&ty.to_ne_bytes());
-    out.extend_from_slice(data);
-    out.resize(out.len() + cmsg_align(len) - len, 0);
+/// Control messages of one send, built on the stack (no allocation per send).
+struct Control {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Control {
+    /// Appends one control message (header, data, padding to the cmsg alignment).
+    fn push(&mut self, level: i32, ty: i32, data: &[u8]) {
+        let len = CMSG_HDR + data.len();
+        let space = cmsg_align(len);
+        let Some(out) = self.buf.get_mut(self.len..self.len + space) else {
+            return;
+        };
+        out.fill(0);
+        out[..CMSG_ALIGN].copy_from_slice(&len.to_ne_bytes());
+        out[CMSG_ALIGN..CMSG_ALIGN + 4].copy_from_slice(&level.to_ne_bytes());
+        out[CMSG_ALIGN + 4..CMSG_HDR].copy_from_slice(&ty.to_ne_bytes());
+        out[CMSG_HDR..len].copy_from_slice(data);
+        self.len += space;
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
 }
 
 /// Control messages of one send: ECN (`IP_TOS` / `IPV6_TCLASS`) and GSO (`UDP_SEGMENT`).
@@ -487,25 +504,72 @@ fn send_control(
     dest: SocketAddr,
     ecn: Option<metaroce::EcnCodepoint>,
     segment: Option<u16>,
-) -> Vec<u8> {
-    let mut c = Vec::with_capacity(64);
+) -> Control {
+    let mut c = Control {
+        buf: [0; 64],
+        len: 0,
+    };
     if let Some(e) = ecn {
         let v = i32::from(e.bits());
         if dest.is_ipv4() {
-            push_cmsg(&mut c, libc::IPPROTO_IP, libc::IP_TOS, &v.to_ne_bytes());
+            c.push(libc::IPPROTO_IP, libc::IP_TOS, &v.to_ne_bytes());
         } else {
-            push_cmsg(
-                &mut c,
-                libc::IPPROTO_IPV6,
-                libc::IPV6_TCLASS,
-                &v.to_ne_bytes(),
-            );
+            c.push(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, &v.to_ne_bytes());
         }
     }
     if let Some(s) = segment {
-        push_cmsg(&mut c, libc::SOL_UDP, libc::UDP_SEGMENT, &s.to_ne_bytes());
+        c.push(libc::SOL_UDP, libc::UDP_SEGMENT, &s.to_ne_bytes());
     }
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip_through_the_parser() {
+        let c = send_control(
+            "127.0.0.1:1".parse().unwrap(),
+            Some(metaroce::EcnCodepoint::Ce),
+            Some(1200),
+        );
+        let parsed: Vec<(i32, i32, Vec<u8>)> = cmsgs(c.bytes())
+            .map(|(l, t, d)| (l, t, d.to_vec()))
+            .collect();
+        assert_eq!(parsed.len(), 2);
+        assert_eq!((parsed[0].0, parsed[0].1), (libc::IPPROTO_IP, libc::IP_TOS));
+        assert_eq!(parsed[0].2, 3i32.to_ne_bytes());
+        assert_eq!(
+            (parsed[1].0, parsed[1].1),
+            (libc::SOL_UDP, libc::UDP_SEGMENT)
+        );
+        assert_eq!(parsed[1].2, 1200u16.to_ne_bytes());
+    }
+
+    #[test]
+    fn malformed_control_messages_stop_the_parser() {
+        // A length shorter than the header, and one past the end: nothing, no panic.
+        for len in [0usize, 3, 15, 1000] {
+            let mut b = vec![0u8; 32];
+            b[..8].copy_from_slice(&len.to_ne_bytes());
+            assert_eq!(cmsgs(&b).count(), 0, "cmsg_len {len}");
+        }
+        assert_eq!(cmsgs(&[]).count(), 0);
+    }
+
+    #[test]
+    fn short_or_foreign_addresses_are_rejected() {
+        assert_eq!(parse_sockaddr(&[]), None);
+        assert_eq!(parse_sockaddr(&[2, 0, 1]), None);
+        let mut v4 = [0u8; 16];
+        v4[..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
+        v4[2..4].copy_from_slice(&4791u16.to_be_bytes());
+        v4[4..8].copy_from_slice(&[10, 0, 0, 1]);
+        assert_eq!(parse_sockaddr(&v4), Some("10.0.0.1:4791".parse().unwrap()));
+        v4[..2].copy_from_slice(&1u16.to_ne_bytes());
+        assert_eq!(parse_sockaddr(&v4), None);
+    }
 }
 
 impl DatagramBackend for UringBackend {
@@ -607,7 +671,7 @@ impl DatagramBackend for UringBackend {
                     if let Err(e) = inner.ring.push_send(
                         fd,
                         transmit.destination,
-                        &control,
+                        control.bytes(),
                         &contents[offset..offset + len],
                         zc,
                     ) {
