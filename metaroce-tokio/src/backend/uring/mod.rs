@@ -123,6 +123,8 @@ struct Inner {
     /// The multishot receive stopped with ENOBUFS (every buffer taken): re-arm once a
     /// buffer is recycled.
     starved: bool,
+    /// The last receive error (errno) not yet reported by `poll_recv`.
+    error: Option<i32>,
 }
 
 /// A set of UDP sockets (main socket plus per-path send sockets, as
@@ -237,6 +239,7 @@ impl UringBackend {
                 ring,
                 ready: Default::default(),
                 starved: false,
+                error: None,
             }),
             main,
             paths,
@@ -303,6 +306,7 @@ impl UringBackend {
             ring,
             ready,
             starved,
+            error,
         } = inner;
         ring.reap(&mut |d| match d {
             Done::Recv { bid, len } => ready.push_back((bid, len)),
@@ -312,6 +316,7 @@ impl UringBackend {
                 } else if errno != libc::ECANCELED {
                     tracing::debug!(errno, "io_uring multishot recvmsg failed");
                     self.recv_errors.fetch_add(1, Ordering::Relaxed);
+                    *error = Some(errno);
                 }
             }
             Done::SendError(errno) => {
@@ -436,10 +441,9 @@ fn parse_sockaddr(b: &[u8]) -> Option<SocketAddr> {
         }
         libc::AF_INET6 => {
             let a: [u8; 16] = b.get(8..24)?.try_into().ok()?;
-            let ip = Ipv6Addr::from(a);
-            // A v4-mapped source on a dual-stack socket is the IPv4 peer.
-            let ip = ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4);
-            Some(SocketAddr::new(ip, port))
+            // As quinn-udp reports it (a v4-mapped source stays an IPv6 address), so both
+            // backends name a peer the same way.
+            Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(a)), port))
         }
         _ => None,
     }
@@ -614,6 +618,11 @@ impl DatagramBackend for UringBackend {
                 let n = self.deliver(&mut inner, bufs, meta);
                 if n > 0 {
                     return Poll::Ready(Ok(n));
+                }
+                // A failed receive is reported (as the UDP backend reports a failed
+                // recvmsg) instead of re-arming in a loop here; the next call re-arms.
+                if let Some(errno) = inner.error.take() {
+                    return Poll::Ready(Err(io::Error::from_raw_os_error(errno)));
                 }
             }
             // Nothing yet: wait for the completion queue's fd. After clearing the
