@@ -192,3 +192,42 @@ async fn dropping_with_sends_in_flight_is_clean() {
         drop(a);
     }
 }
+
+#[tokio::test]
+async fn in_place_receive_lends_the_provided_buffers_without_a_copy() {
+    let b = uring(1, UringConfig::default());
+    let a = UdpBackend::bind(loopback(), 1).unwrap();
+    let contents: Vec<u8> = (0..30 * 1000).map(|i| (i % 251) as u8).collect();
+    let t = transmit(
+        b.local_addr(),
+        a.source_ports()[0],
+        contents.len(),
+        Some(1000),
+    );
+    poll_fn(|cx| a.poll_send(cx, &t, &contents)).await.unwrap();
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while got.len() < contents.len() && tokio::time::Instant::now() < deadline {
+        let r = tokio::time::timeout_at(
+            deadline,
+            poll_fn(|cx| {
+                b.poll_recv_in_place(cx, 4, &mut |m, bytes| {
+                    assert_eq!(m.len, bytes.len());
+                    assert_eq!(m.from.port(), a.source_ports()[0]);
+                    for d in m.datagrams(bytes) {
+                        got.extend_from_slice(d);
+                    }
+                })
+                .expect("UringBackend lends its buffers")
+            }),
+        )
+        .await;
+        let Ok(r) = r else { break };
+        assert!(r.unwrap() > 0);
+    }
+    assert_eq!(got, contents);
+    // The UDP backend does not lend: the caller falls back to poll_recv.
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(a.poll_recv_in_place(&mut cx, 4, &mut |_, _| {}).is_none());
+}

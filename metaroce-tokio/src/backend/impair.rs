@@ -1074,6 +1074,15 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
         Poll::Ready(Ok(()))
     }
 
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        self.inner.poll_recv_in_place(cx, max, f)
+    }
+
     fn flush(&self) {
         self.inner.flush()
     }

@@ -199,6 +199,24 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
         contents: &[u8],
     ) -> Poll<io::Result<()>>;
 
+    /// Receives like [`poll_recv`](Self::poll_recv), but lends the backend's own buffers
+    /// instead of copying into the caller's: `f(meta, bytes)` is called for each of up to
+    /// `max` received buffers (`bytes` = `meta.len` bytes, split with
+    /// [`RecvMeta::datagrams`]), while the backend holds its own lock, so `f` must not call
+    /// into the same backend. Returns how many buffers were handed to `f`.
+    ///
+    /// `None` when the backend cannot lend (the default): the caller uses `poll_recv`.
+    /// `UringBackend` lends its provided buffers (saving one copy per datagram).
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        let _ = (cx, max, f);
+        None
+    }
+
     /// Hands the sends queued by [`poll_send`](Self::poll_send) to the kernel now. Backends
     /// that batch submissions (`UringBackend`) queue sends until this call, until their
     /// queue fills, or until the next [`poll_recv`](Self::poll_recv); the driver calls it
@@ -242,6 +260,15 @@ impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
         (**self).poll_send(cx, transmit, contents)
     }
 
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        (**self).poll_recv_in_place(cx, max, f)
+    }
+
     fn flush(&self) {
         (**self).flush()
     }
@@ -280,6 +307,15 @@ impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
         contents: &[u8],
     ) -> Poll<io::Result<()>> {
         (**self).poll_send(cx, transmit, contents)
+    }
+
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        (**self).poll_recv_in_place(cx, max, f)
     }
 
     fn flush(&self) {

@@ -205,7 +205,7 @@ impl UringBackend {
                 "UringConfig::send_slots must be at least 1",
             ));
         }
-        let mut ring = Ring::new(
+        let ring = Ring::new(
             config.sq_entries.max(8),
             config.recv_buffers,
             1 << 16,
@@ -226,9 +226,11 @@ impl UringBackend {
             .map(|_| Sock::bind(path_addr, Some(4096), config.udp.send_buffer_bytes))
             .collect::<io::Result<Vec<_>>>()?;
         let ports = paths.iter().map(|p| p.port).collect();
-        ring.arm_recv(main.socket.as_raw_fd())?;
-        ring.submit()
-            .map_err(|e| ring::setup_error("io_uring_enter", e))?;
+        // The multishot receive is armed by the first `poll_recv`, not here: io_uring runs
+        // a request's completion work on the thread that submitted it, and `bind` often
+        // runs on a thread that then sleeps (a `block_on` caller), which would have to be
+        // woken for every received datagram. The driver task's worker thread is awake.
+        // (Multishot recvmsg came with IORING_OP_SEND_ZC in 6.0, checked by `Ring::new`.)
         let recv_fd = ring.reactor_fd()?;
         let send_fd = ring.reactor_fd()?;
         tracing::debug!(%local_addr, ?ports, zc = ring.zc_supported(), "UringBackend bound");
@@ -250,16 +252,6 @@ impl UringBackend {
             send_errors: AtomicU64::new(0),
             recv_errors: AtomicU64::new(0),
         };
-        // A kernel without multishot recvmsg (< 6.0) fails the receive at once (EINVAL).
-        let mut inner = backend.lock();
-        backend.reap(&mut inner);
-        if !inner.ring.recv_armed() {
-            return Err(ring::setup_error(
-                "multishot recvmsg refused",
-                io::Error::from(io::ErrorKind::Unsupported),
-            ));
-        }
-        drop(inner);
         Ok(backend)
     }
 
@@ -334,32 +326,29 @@ impl UringBackend {
         }
     }
 
-    /// Copies received completions into the caller's buffers; returns how many.
-    fn deliver(
-        &self,
-        inner: &mut Inner,
-        bufs: &mut [IoSliceMut<'_>],
-        meta: &mut [RecvMeta],
-    ) -> usize {
-        let n = bufs.len().min(meta.len());
+    /// Hands up to `max` received completions to `f` (metadata, payload in the provided
+    /// buffer), recycling each buffer after `f` returns; returns how many.
+    fn deliver(&self, inner: &mut Inner, max: usize, f: &mut dyn FnMut(&RecvMeta, &[u8])) -> usize {
         let mut filled = 0;
-        while filled < n {
+        while filled < max {
             let Some((bid, len)) = inner.ready.pop_front() else {
                 break;
             };
-            let parsed = {
+            let ok = {
                 let raw = inner.ring.recv_buf(bid, len);
-                parse_recv(raw, inner.ring.recv_hdr(), &mut bufs[filled])
+                match parse_recv(raw, inner.ring.recv_hdr()) {
+                    Some((m, payload)) => {
+                        f(&m, payload);
+                        true
+                    }
+                    None => false,
+                }
             };
             inner.ring.recycle(bid);
-            match parsed {
-                Some(m) => {
-                    meta[filled] = m;
-                    filled += 1;
-                }
-                None => {
-                    self.recv_errors.fetch_add(1, Ordering::Relaxed);
-                }
+            if ok {
+                filled += 1;
+            } else {
+                self.recv_errors.fetch_add(1, Ordering::Relaxed);
             }
         }
         if filled > 0 && !inner.ring.recv_armed() {
@@ -368,19 +357,56 @@ impl UringBackend {
         }
         filled
     }
+
+    /// The receive loop shared by `poll_recv` (copying) and `poll_recv_in_place`.
+    fn poll_recv_with(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Poll<io::Result<usize>> {
+        if max == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            {
+                let mut inner = self.lock();
+                // Sends queued by callers that never flush go out before we wait.
+                let _ = inner.ring.submit();
+                self.reap(&mut inner);
+                let n = self.deliver(&mut inner, max, f);
+                if n > 0 {
+                    return Poll::Ready(Ok(n));
+                }
+                // A failed receive is reported (as the UDP backend reports a failed
+                // recvmsg) instead of re-arming in a loop here; the next call re-arms.
+                if let Some(errno) = inner.error.take() {
+                    return Poll::Ready(Err(io::Error::from_raw_os_error(errno)));
+                }
+            }
+            // Nothing yet: wait for the completion queue's fd. After clearing the
+            // readiness the loop reaps once more, so a completion posted in between is
+            // never missed; the next poll registers the waker.
+            let mut guard = ready!(self.recv_fd.poll_read_ready(cx))?;
+            guard.clear_ready();
+        }
+    }
 }
 
-/// Parses one provided buffer (`io_uring_recvmsg_out`, name, control, payload) and copies its
-/// payload into `out`. `None` for a malformed or truncated record (counted by the caller).
-fn parse_recv(raw: &[u8], hdr: &libc::msghdr, out: &mut IoSliceMut<'_>) -> Option<RecvMeta> {
+/// Parses one provided buffer (`io_uring_recvmsg_out`, name, control, payload): the
+/// metadata and the payload. `None` for a malformed or truncated record (counted by the
+/// caller).
+fn parse_recv<'a>(raw: &'a [u8], hdr: &libc::msghdr) -> Option<(RecvMeta, &'a [u8])> {
     let msg = io_uring::types::RecvMsgOut::parse(raw, hdr).ok()?;
     if msg.is_name_data_truncated() {
         return None;
     }
     let from = parse_sockaddr(msg.name_data())?;
-    let payload = msg.payload_data();
-    let len = payload.len().min(out.len());
-    out[..len].copy_from_slice(&payload[..len]);
+    // The payload follows the header and the name and control areas of the sizes the
+    // receive was armed with (`payload_data` borrows `msg`; this slice borrows `raw`).
+    let off = (16 + hdr.msg_namelen as usize + hdr.msg_controllen as usize).min(raw.len());
+    let len = msg.payload_data().len().min(raw.len() - off);
+    let payload = &raw[off..off + len];
     let mut m = RecvMeta {
         from,
         local_ip: None,
@@ -427,7 +453,7 @@ fn parse_recv(raw: &[u8], hdr: &libc::msghdr, out: &mut IoSliceMut<'_>) -> Optio
     if m.stride == 0 {
         m.stride = len;
     }
-    Some(m)
+    Some((m, payload))
 }
 
 /// A `sockaddr_in` / `sockaddr_in6` as the kernel wrote it.
@@ -606,31 +632,29 @@ impl DatagramBackend for UringBackend {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        if bufs.is_empty() || meta.is_empty() {
-            return Poll::Ready(Ok(0));
-        }
-        loop {
-            {
-                let mut inner = self.lock();
-                // Sends queued by callers that never flush go out before we wait.
-                let _ = inner.ring.submit();
-                self.reap(&mut inner);
-                let n = self.deliver(&mut inner, bufs, meta);
-                if n > 0 {
-                    return Poll::Ready(Ok(n));
-                }
-                // A failed receive is reported (as the UDP backend reports a failed
-                // recvmsg) instead of re-arming in a loop here; the next call re-arms.
-                if let Some(errno) = inner.error.take() {
-                    return Poll::Ready(Err(io::Error::from_raw_os_error(errno)));
-                }
-            }
-            // Nothing yet: wait for the completion queue's fd. After clearing the
-            // readiness the loop reaps once more, so a completion posted in between is
-            // never missed; the next poll registers the waker.
-            let mut guard = ready!(self.recv_fd.poll_read_ready(cx))?;
-            guard.clear_ready();
-        }
+        let max = bufs.len().min(meta.len());
+        let mut i = 0;
+        self.poll_recv_with(cx, max, &mut |m, payload| {
+            let out = &mut bufs[i];
+            let len = payload.len().min(out.len());
+            out[..len].copy_from_slice(&payload[..len]);
+            meta[i] = RecvMeta {
+                len,
+                stride: m.stride.min(len.max(1)),
+                ..*m
+            };
+            i += 1;
+        })
+    }
+
+    /// Lends the provided buffers: no copy into the caller's buffers.
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        Some(self.poll_recv_with(cx, max, f))
     }
 
     fn poll_send(
