@@ -348,7 +348,7 @@ fn iperf3_bulk(ctx: &Ctx) -> Result<Sample, String> {
         .spawn()
         .map_err(|e| format!("iperf3 -s: {e}"))?;
     std::thread::sleep(Duration::from_millis(300));
-    let secs = (12 / ctx.scale).max(1).min(3);
+    let secs = if ctx.scale > 1 { 1 } else { 3 };
     let out = run_child(
         Path::new("iperf3"),
         &strings(&format!("-c 127.0.0.1 -p {port} -t {secs} -J")),

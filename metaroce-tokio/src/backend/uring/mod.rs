@@ -403,8 +403,8 @@ fn parse_recv<'a>(raw: &'a [u8], hdr: &libc::msghdr) -> Option<(RecvMeta, &'a [u
     }
     let from = parse_sockaddr(msg.name_data())?;
     // The payload follows the header and the name and control areas of the sizes the
-    // receive was armed with (`payload_data` borrows `msg`; this slice borrows `raw`).
-    let off = (16 + hdr.msg_namelen as usize + hdr.msg_controllen as usize).min(raw.len());
+    // receive was armed with (`hdr` holds NAME_LEN and CONTROL_LEN) (`payload_data` borrows `msg`; this slice borrows `raw`).
+    let off = (16 + ring::NAME_LEN as usize + ring::CONTROL_LEN as usize).min(raw.len());
     let len = msg.payload_data().len().min(raw.len() - off);
     let payload = &raw[off..off + len];
     let mut m = RecvMeta {
@@ -553,55 +553,6 @@ fn send_control(
     c
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn control_messages_round_trip_through_the_parser() {
-        let c = send_control(
-            "127.0.0.1:1".parse().unwrap(),
-            Some(metaroce::EcnCodepoint::Ce),
-            Some(1200),
-        );
-        let parsed: Vec<(i32, i32, Vec<u8>)> = cmsgs(c.bytes())
-            .map(|(l, t, d)| (l, t, d.to_vec()))
-            .collect();
-        assert_eq!(parsed.len(), 2);
-        assert_eq!((parsed[0].0, parsed[0].1), (libc::IPPROTO_IP, libc::IP_TOS));
-        assert_eq!(parsed[0].2, 3i32.to_ne_bytes());
-        assert_eq!(
-            (parsed[1].0, parsed[1].1),
-            (libc::SOL_UDP, libc::UDP_SEGMENT)
-        );
-        assert_eq!(parsed[1].2, 1200u16.to_ne_bytes());
-    }
-
-    #[test]
-    fn malformed_control_messages_stop_the_parser() {
-        // A length shorter than the header, and one past the end: nothing, no panic.
-        for len in [0usize, 3, 15, 1000] {
-            let mut b = vec![0u8; 32];
-            b[..8].copy_from_slice(&len.to_ne_bytes());
-            assert_eq!(cmsgs(&b).count(), 0, "cmsg_len {len}");
-        }
-        assert_eq!(cmsgs(&[]).count(), 0);
-    }
-
-    #[test]
-    fn short_or_foreign_addresses_are_rejected() {
-        assert_eq!(parse_sockaddr(&[]), None);
-        assert_eq!(parse_sockaddr(&[2, 0, 1]), None);
-        let mut v4 = [0u8; 16];
-        v4[..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
-        v4[2..4].copy_from_slice(&4791u16.to_be_bytes());
-        v4[4..8].copy_from_slice(&[10, 0, 0, 1]);
-        assert_eq!(parse_sockaddr(&v4), Some("10.0.0.1:4791".parse().unwrap()));
-        v4[..2].copy_from_slice(&1u16.to_ne_bytes());
-        assert_eq!(parse_sockaddr(&v4), None);
-    }
-}
-
 impl DatagramBackend for UringBackend {
     fn local_addr(&self) -> SocketAddr {
         self.local_addr
@@ -729,5 +680,54 @@ impl DatagramBackend for UringBackend {
         if let Err(e) = inner.ring.submit() {
             tracing::debug!(error = %e, "io_uring submit failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip_through_the_parser() {
+        let c = send_control(
+            "127.0.0.1:1".parse().unwrap(),
+            Some(metaroce::EcnCodepoint::Ce),
+            Some(1200),
+        );
+        let parsed: Vec<(i32, i32, Vec<u8>)> = cmsgs(c.bytes())
+            .map(|(l, t, d)| (l, t, d.to_vec()))
+            .collect();
+        assert_eq!(parsed.len(), 2);
+        assert_eq!((parsed[0].0, parsed[0].1), (libc::IPPROTO_IP, libc::IP_TOS));
+        assert_eq!(parsed[0].2, 3i32.to_ne_bytes());
+        assert_eq!(
+            (parsed[1].0, parsed[1].1),
+            (libc::SOL_UDP, libc::UDP_SEGMENT)
+        );
+        assert_eq!(parsed[1].2, 1200u16.to_ne_bytes());
+    }
+
+    #[test]
+    fn malformed_control_messages_stop_the_parser() {
+        // A length shorter than the header, and one past the end: nothing, no panic.
+        for len in [0usize, 3, 15, 1000] {
+            let mut b = vec![0u8; 32];
+            b[..8].copy_from_slice(&len.to_ne_bytes());
+            assert_eq!(cmsgs(&b).count(), 0, "cmsg_len {len}");
+        }
+        assert_eq!(cmsgs(&[]).count(), 0);
+    }
+
+    #[test]
+    fn short_or_foreign_addresses_are_rejected() {
+        assert_eq!(parse_sockaddr(&[]), None);
+        assert_eq!(parse_sockaddr(&[2, 0, 1]), None);
+        let mut v4 = [0u8; 16];
+        v4[..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
+        v4[2..4].copy_from_slice(&4791u16.to_be_bytes());
+        v4[4..8].copy_from_slice(&[10, 0, 0, 1]);
+        assert_eq!(parse_sockaddr(&v4), Some("10.0.0.1:4791".parse().unwrap()));
+        v4[..2].copy_from_slice(&1u16.to_ne_bytes());
+        assert_eq!(parse_sockaddr(&v4), None);
     }
 }

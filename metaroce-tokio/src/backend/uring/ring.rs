@@ -174,6 +174,9 @@ pub(super) struct Ring {
     bufs: BufRing,
     recv_hdr: Box<libc::msghdr>,
     recv_armed: bool,
+    // Boxed on purpose: the kernel holds pointers into each slot, whose address must not
+    // depend on the Vec's buffer.
+    #[allow(clippy::vec_box)]
     slots: Vec<Box<SendSlot>>,
     free: Vec<usize>,
     /// SQEs pushed but not yet submitted.
