@@ -509,6 +509,10 @@ impl Drop for Ring {
                 "io_uring operations still in flight at drop: leaking their memory"
             );
             std::mem::forget(std::mem::take(&mut self.slots));
+            // SAFETY: all-zero is a valid `msghdr` (integers and raw pointers).
+            let hdr =
+                std::mem::replace(&mut self.recv_hdr, Box::new(unsafe { std::mem::zeroed() }));
+            std::mem::forget(hdr);
             return;
         }
         if self.ring.submitter().unregister_buf_ring(BGID).is_ok() {
