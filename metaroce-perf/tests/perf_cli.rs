@@ -306,3 +306,63 @@ fn preamble_counts_spare_ports_and_warm_up() {
         "{s}"
     );
 }
+
+/// `--backend uring` runs write_bw (with loss, so retransmissions go through io_uring too)
+/// and send_lat end to end, and the JSON names the backend.
+#[test]
+fn uring_backend_write_bw_and_send_lat_verify() {
+    let o = perf(&[
+        "--backend",
+        "uring",
+        "--loss",
+        "2",
+        "-n",
+        "300",
+        "-s",
+        "65536",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let s = stdout(&o);
+    let check = s
+        .lines()
+        .find(|l| l.starts_with(" Checksum source 0x"))
+        .expect("checksum line");
+    assert!(check.ends_with("OK"), "{check}");
+    assert!(
+        !stderr(&o).contains("using udp"),
+        "io_uring fell back: {}",
+        stderr(&o)
+    );
+    let json = temp_path("uring-lat.json");
+    let o = perf(&[
+        "send_lat",
+        "--backend",
+        "uring",
+        "-s",
+        "64",
+        "-n",
+        "500",
+        "--out_json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    assert_eq!(doc["backend"], "uring");
+    assert_eq!(doc["latency"][0]["echo_mismatches"], 0);
+    assert_eq!(doc["latency"][0]["samples"], 500);
+}
+
+/// With io_uring turned off by the environment, `--backend uring` warns and runs over UDP.
+#[test]
+fn uring_backend_falls_back_to_udp_when_turned_off() {
+    let o = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
+        .args(["--backend", "uring", "-n", "50", "-s", "4096"])
+        .env("METAROCE_IO_URING", "0")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("using udp"), "{}", stderr(&o));
+    assert!(stdout(&o).contains("  OK"), "{}", stdout(&o));
+}

@@ -110,6 +110,8 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                 }
                 pool.push(buf);
             }
+            // Backends that batch submissions (io_uring) hand the batch to the kernel here.
+            shared.backend.flush();
             if !full {
                 // Wait for input, a timer or new work.
                 let sleep = async {
@@ -120,7 +122,28 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                 };
                 let mut iovs: Vec<IoSliceMut<'_>> =
                     bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
-                let recv = poll_fn(|cx| shared.backend.poll_recv(cx, &mut iovs, &mut metas));
+                // `Some(true)`: the backend lent its buffers and the datagrams were handled
+                // in place; `Some(false)`: they are in `bufs` / `metas`.
+                let recv = poll_fn(|cx| {
+                    let mut handle = |meta: &RecvMeta, buf: &[u8]| {
+                        let mut st = shared.lock();
+                        let now = Instant::now();
+                        for d in meta.datagrams(buf) {
+                            st.core
+                                .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                        }
+                    };
+                    if let Some(p) = shared
+                        .backend
+                        .poll_recv_in_place(cx, RECV_BUFS, &mut handle)
+                    {
+                        return p.map(|r| r.map(|n| (n, true)));
+                    }
+                    shared
+                        .backend
+                        .poll_recv(cx, &mut iovs, &mut metas)
+                        .map(|r| r.map(|n| (n, false)))
+                });
                 let ip_recv = poll_fn(|cx| match &shared.ip_backend {
                     Some(b) => b.poll_recv(cx, &mut ip_rbuf),
                     None => std::task::Poll::Pending,
@@ -141,18 +164,24 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                     },
                     r = recv => {
                         match r {
-                            Ok(n) => {
+                            Ok((n, lent)) => {
                                 drop(iovs);
                                 let mut st = shared.lock();
                                 let now = Instant::now();
-                                for (meta, buf) in metas[..n].iter().zip(&bufs) {
+                                let copied = if lent { 0 } else { n };
+                                for (meta, buf) in metas[..copied].iter().zip(&bufs) {
                                     for d in meta.datagrams(buf) {
                                         st.core.handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
                                     }
                                 }
-                                // Drain whatever else is already queued without waiting.
+                                // Drain whatever else is already queued without waiting,
+                                // when the batch was full: a partial batch means the socket
+                                // was empty, and another receive would only return EAGAIN
+                                // (one wasted system call per datagram in a ping-pong).
                                 drop(st);
-                                drain_ready(&shared, &mut bufs, &mut metas);
+                                if n == RECV_BUFS {
+                                    drain_ready(&shared, &mut bufs, &mut metas);
+                                }
                             }
                             Err(e) => tracing::debug!(error = %e, "receive failed"),
                         }
@@ -173,6 +202,23 @@ fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
     let waker = futures::task::noop_waker();
     let mut cx = std::task::Context::from_waker(&waker);
     for _ in 0..4 {
+        let mut handle = |meta: &RecvMeta, buf: &[u8]| {
+            let mut st = shared.lock();
+            let now = Instant::now();
+            for d in meta.datagrams(buf) {
+                st.core
+                    .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+            }
+        };
+        if let Some(p) = shared
+            .backend
+            .poll_recv_in_place(&mut cx, bufs.len(), &mut handle)
+        {
+            match p {
+                std::task::Poll::Ready(Ok(n)) if n > 0 => continue,
+                _ => break,
+            }
+        }
         let mut iovs: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
         match shared.backend.poll_recv(&mut cx, &mut iovs, metas) {
             std::task::Poll::Ready(Ok(n)) if n > 0 => {

@@ -1,4 +1,6 @@
-//! `UdpBackend` over loopback: GSO/GRO, ECN, local IP, path source ports, input checks.
+//! The datagram backends over loopback: GSO/GRO, ECN, local IP, path source ports, input
+//! checks. One suite, run against `UdpBackend` (module `udp`) and `UringBackend` (module
+//! `uring`, which needs io_uring: Linux 6.0 or later, not forbidden by seccomp).
 
 use std::future::poll_fn;
 use std::io::{self, IoSliceMut};
@@ -6,7 +8,9 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use metaroce::{EcnCodepoint, Transmit};
-use metaroce_tokio::backend::{DatagramBackend, RecvMeta, UdpBackend, UdpConfig};
+use metaroce_tokio::backend::{
+    DatagramBackend, RecvMeta, UdpBackend, UdpConfig, UringBackend, UringConfig,
+};
 
 const LOCALHOST: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
@@ -14,8 +18,11 @@ fn loopback() -> SocketAddr {
     SocketAddr::new(LOCALHOST, 0)
 }
 
+/// Sends one transmit and flushes it to the kernel, as the driver does after a batch.
 async fn send(b: &impl DatagramBackend, t: &Transmit, contents: &[u8]) -> io::Result<()> {
-    poll_fn(|cx| b.poll_send(cx, t, contents)).await
+    let r = poll_fn(|cx| b.poll_send(cx, t, contents)).await;
+    b.flush();
+    r
 }
 
 /// One received datagram with the metadata of the buffer it came in.
@@ -65,188 +72,225 @@ fn segments(count: usize, size: usize) -> Vec<u8> {
         .collect()
 }
 
-#[tokio::test]
-async fn gso_transmit_arrives_as_datagrams_from_the_path_port() {
-    let a = UdpBackend::bind(loopback(), 3).unwrap();
-    let b = UdpBackend::bind(loopback(), 1).unwrap();
-    eprintln!(
-        "max_gso_segments = {}, max_gro_segments = {}, rcvbuf = {:?}, sndbuf = {:?}",
-        a.max_gso_segments(),
-        a.max_gro_segments(),
-        b.recv_buffer_bytes(),
-        a.send_buffer_bytes()
-    );
-    let ports = a.source_ports();
-    assert_eq!(ports.len(), 3);
-    assert!(!ports.contains(&a.local_addr().port()));
-    let port = ports[1];
+fn udp_bind(addr: SocketAddr, paths: usize) -> io::Result<UdpBackend> {
+    UdpBackend::bind(addr, paths)
+}
 
-    let contents = segments(10, 1200);
-    let t = Transmit {
-        destination: b.local_addr(),
-        src_port: port,
-        ecn: None,
-        size: contents.len(),
-        segment_size: Some(1200),
+fn udp_bind_with(addr: SocketAddr, paths: usize, cfg: &UdpConfig) -> io::Result<UdpBackend> {
+    UdpBackend::bind_with(addr, paths, cfg)
+}
+
+/// The io_uring backend; a machine without io_uring fails the suite (with the reason)
+/// rather than skipping it.
+fn uring_bind(addr: SocketAddr, paths: usize) -> io::Result<UringBackend> {
+    uring_bind_with(addr, paths, &UdpConfig::default())
+}
+
+fn uring_bind_with(addr: SocketAddr, paths: usize, cfg: &UdpConfig) -> io::Result<UringBackend> {
+    let config = UringConfig {
+        udp: cfg.clone(),
+        ..UringConfig::default()
     };
-    send(&a, &t, &contents).await.unwrap();
-
-    let got = recv_datagrams(&b, 10).await;
-    assert_eq!(got.len(), 10);
-    let coalesced = got.iter().map(|g| g.in_buffer).max().unwrap();
-    eprintln!("largest GRO buffer held {coalesced} datagrams");
-    for (i, g) in got.iter().enumerate() {
-        assert_eq!(g.meta.from, SocketAddr::new(LOCALHOST, port));
-        assert_eq!(g.meta.local_ip, Some(LOCALHOST));
-        assert_eq!(g.meta.ecn, None);
-        assert_eq!(g.bytes, contents[i * 1200..(i + 1) * 1200], "datagram {i}");
+    let b = UringBackend::bind_with(addr, paths, &config);
+    if let Err(e) = &b {
+        assert_ne!(e.kind(), io::ErrorKind::Unsupported, "{e}");
     }
+    b
 }
 
-#[tokio::test]
-async fn oversized_gso_transmit_is_split_into_kernel_sized_sends() {
-    // 100 × 1200 bytes exceeds both 64 segments and 65 507 bytes per sendmsg.
-    let a = UdpBackend::bind(loopback(), 2).unwrap();
-    let b = UdpBackend::bind(loopback(), 1).unwrap();
-    let contents = segments(100, 1200);
-    // The last segment is shorter, as the core may produce.
-    let contents = &contents[..contents.len() - 200];
-    let t = Transmit {
-        destination: b.local_addr(),
-        src_port: a.source_ports()[0],
-        ecn: Some(EcnCodepoint::Ect0),
-        size: contents.len(),
-        segment_size: Some(1200),
+macro_rules! suite {
+    ($name:ident, $bind:ident, $bind_with:ident) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test]
+            async fn gso_transmit_arrives_as_datagrams_from_the_path_port() {
+                let a = $bind(loopback(), 3).unwrap();
+                let b = $bind(loopback(), 1).unwrap();
+                eprintln!(
+                    "max_gso_segments = {}, max_gro_segments = {}, rcvbuf = {:?}, sndbuf = {:?}",
+                    a.max_gso_segments(),
+                    a.max_gro_segments(),
+                    b.recv_buffer_bytes(),
+                    a.send_buffer_bytes()
+                );
+                let ports = a.source_ports();
+                assert_eq!(ports.len(), 3);
+                assert!(!ports.contains(&a.local_addr().port()));
+                let port = ports[1];
+
+                let contents = segments(10, 1200);
+                let t = Transmit {
+                    destination: b.local_addr(),
+                    src_port: port,
+                    ecn: None,
+                    size: contents.len(),
+                    segment_size: Some(1200),
+                };
+                send(&a, &t, &contents).await.unwrap();
+
+                let got = recv_datagrams(&b, 10).await;
+                assert_eq!(got.len(), 10);
+                let coalesced = got.iter().map(|g| g.in_buffer).max().unwrap();
+                eprintln!("largest GRO buffer held {coalesced} datagrams");
+                for (i, g) in got.iter().enumerate() {
+                    assert_eq!(g.meta.from, SocketAddr::new(LOCALHOST, port));
+                    assert_eq!(g.meta.local_ip, Some(LOCALHOST));
+                    assert_eq!(g.meta.ecn, None);
+                    assert_eq!(g.bytes, contents[i * 1200..(i + 1) * 1200], "datagram {i}");
+                }
+            }
+
+            #[tokio::test]
+            async fn oversized_gso_transmit_is_split_into_kernel_sized_sends() {
+                // 100 × 1200 bytes exceeds both 64 segments and 65 507 bytes per sendmsg.
+                let a = $bind(loopback(), 2).unwrap();
+                let b = $bind(loopback(), 1).unwrap();
+                let contents = segments(100, 1200);
+                // The last segment is shorter, as the core may produce.
+                let contents = &contents[..contents.len() - 200];
+                let t = Transmit {
+                    destination: b.local_addr(),
+                    src_port: a.source_ports()[0],
+                    ecn: Some(EcnCodepoint::Ect0),
+                    size: contents.len(),
+                    segment_size: Some(1200),
+                };
+                send(&a, &t, contents).await.unwrap();
+                let got = recv_datagrams(&b, 100).await;
+                assert_eq!(got.len(), 100);
+                let joined: Vec<u8> = got.iter().flat_map(|g| g.bytes.clone()).collect();
+                assert_eq!(joined, contents);
+                assert_eq!(got[99].bytes.len(), 1000);
+                assert!(got.iter().all(|g| g.meta.ecn == Some(EcnCodepoint::Ect0)));
+            }
+
+            #[tokio::test]
+            async fn ecn_codepoints_survive_the_round_trip() {
+                let a = $bind(loopback(), 1).unwrap();
+                let b = $bind(loopback(), 1).unwrap();
+                for ecn in [
+                    Some(EcnCodepoint::Ect0),
+                    Some(EcnCodepoint::Ect1),
+                    Some(EcnCodepoint::Ce),
+                    None,
+                ] {
+                    let t = Transmit {
+                        destination: b.local_addr(),
+                        src_port: a.source_ports()[0],
+                        ecn,
+                        size: 100,
+                        segment_size: None,
+                    };
+                    send(&a, &t, &[7u8; 100]).await.unwrap();
+                    let got = recv_datagrams(&b, 1).await;
+                    assert_eq!(got.len(), 1);
+                    assert_eq!(got[0].meta.ecn, ecn);
+                    assert_eq!(got[0].bytes, [7u8; 100]);
+                }
+            }
+
+            #[tokio::test]
+            async fn every_path_port_sends() {
+                let a = $bind(loopback(), 4).unwrap();
+                let b = $bind(loopback(), 1).unwrap();
+                for (i, &port) in a.source_ports().iter().enumerate() {
+                    let t = Transmit {
+                        destination: b.local_addr(),
+                        src_port: port,
+                        ecn: None,
+                        size: 1,
+                        segment_size: None,
+                    };
+                    send(&a, &t, &[i as u8]).await.unwrap();
+                    let got = recv_datagrams(&b, 1).await;
+                    assert_eq!(got[0].meta.from.port(), port);
+                    assert_eq!(got[0].bytes, [i as u8]);
+                }
+            }
+
+            #[tokio::test]
+            async fn bad_transmits_are_invalid_input() {
+                let a = $bind(loopback(), 2).unwrap();
+                let b = $bind(loopback(), 1).unwrap();
+                let good = Transmit {
+                    destination: b.local_addr(),
+                    src_port: a.source_ports()[0],
+                    ecn: None,
+                    size: 10,
+                    segment_size: None,
+                };
+                // The main socket's port is not a path port.
+                let cases = [
+                    Transmit {
+                        src_port: a.local_addr().port(),
+                        ..good
+                    },
+                    Transmit { size: 11, ..good },
+                    Transmit {
+                        segment_size: Some(0),
+                        ..good
+                    },
+                ];
+                for t in cases {
+                    let err = send(&a, &t, &[0u8; 10]).await.unwrap_err();
+                    assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{t:?}: {err}");
+                }
+                let err = send(&a, &cases[0], &[0u8; 10]).await.unwrap_err();
+                assert!(err.to_string().contains("src_port"), "{err}");
+                // The backend is still usable.
+                send(&a, &good, &[1u8; 10]).await.unwrap();
+                assert_eq!(recv_datagrams(&b, 1).await[0].bytes, [1u8; 10]);
+            }
+
+            #[tokio::test]
+            async fn empty_receive_slices_return_zero() {
+                let b = $bind(loopback(), 1).unwrap();
+                let n = poll_fn(|cx| b.poll_recv(cx, &mut [], &mut []))
+                    .await
+                    .unwrap();
+                assert_eq!(n, 0);
+            }
+
+            #[tokio::test]
+            async fn datagrams_sent_to_a_path_port_are_ignored() {
+                let a = $bind(loopback(), 1).unwrap();
+                let b = $bind(loopback(), 2).unwrap();
+                let to_path = SocketAddr::new(LOCALHOST, b.source_ports()[0]);
+                for (dest, byte) in [(to_path, 1u8), (b.local_addr(), 2u8)] {
+                    let t = Transmit {
+                        destination: dest,
+                        src_port: a.source_ports()[0],
+                        ecn: None,
+                        size: 1,
+                        segment_size: None,
+                    };
+                    send(&a, &t, &[byte]).await.unwrap();
+                }
+                let got = recv_datagrams(&b, 1).await;
+                assert_eq!(got.len(), 1);
+                assert_eq!(got[0].bytes, [2]);
+            }
+
+            #[tokio::test]
+            async fn config_sets_buffer_sizes() {
+                let cfg = UdpConfig {
+                    recv_buffer_bytes: 64 * 1024,
+                    send_buffer_bytes: 64 * 1024,
+                };
+                let b = $bind_with(loopback(), 1, &cfg).unwrap();
+                // Linux reports twice the requested value (bookkeeping overhead), capped by the sysctls.
+                let rcv = b.recv_buffer_bytes().unwrap();
+                let snd = b.send_buffer_bytes().unwrap();
+                assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&rcv), "{rcv}");
+                assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&snd), "{snd}");
+            }
+        }
     };
-    send(&a, &t, contents).await.unwrap();
-    let got = recv_datagrams(&b, 100).await;
-    assert_eq!(got.len(), 100);
-    let joined: Vec<u8> = got.iter().flat_map(|g| g.bytes.clone()).collect();
-    assert_eq!(joined, contents);
-    assert_eq!(got[99].bytes.len(), 1000);
-    assert!(got.iter().all(|g| g.meta.ecn == Some(EcnCodepoint::Ect0)));
 }
 
-#[tokio::test]
-async fn ecn_codepoints_survive_the_round_trip() {
-    let a = UdpBackend::bind(loopback(), 1).unwrap();
-    let b = UdpBackend::bind(loopback(), 1).unwrap();
-    for ecn in [
-        Some(EcnCodepoint::Ect0),
-        Some(EcnCodepoint::Ect1),
-        Some(EcnCodepoint::Ce),
-        None,
-    ] {
-        let t = Transmit {
-            destination: b.local_addr(),
-            src_port: a.source_ports()[0],
-            ecn,
-            size: 100,
-            segment_size: None,
-        };
-        send(&a, &t, &[7u8; 100]).await.unwrap();
-        let got = recv_datagrams(&b, 1).await;
-        assert_eq!(got.len(), 1);
-        assert_eq!(got[0].meta.ecn, ecn);
-        assert_eq!(got[0].bytes, [7u8; 100]);
-    }
-}
-
-#[tokio::test]
-async fn every_path_port_sends() {
-    let a = UdpBackend::bind(loopback(), 4).unwrap();
-    let b = UdpBackend::bind(loopback(), 1).unwrap();
-    for (i, &port) in a.source_ports().iter().enumerate() {
-        let t = Transmit {
-            destination: b.local_addr(),
-            src_port: port,
-            ecn: None,
-            size: 1,
-            segment_size: None,
-        };
-        send(&a, &t, &[i as u8]).await.unwrap();
-        let got = recv_datagrams(&b, 1).await;
-        assert_eq!(got[0].meta.from.port(), port);
-        assert_eq!(got[0].bytes, [i as u8]);
-    }
-}
-
-#[tokio::test]
-async fn bad_transmits_are_invalid_input() {
-    let a = UdpBackend::bind(loopback(), 2).unwrap();
-    let b = UdpBackend::bind(loopback(), 1).unwrap();
-    let good = Transmit {
-        destination: b.local_addr(),
-        src_port: a.source_ports()[0],
-        ecn: None,
-        size: 10,
-        segment_size: None,
-    };
-    // The main socket's port is not a path port.
-    let cases = [
-        Transmit {
-            src_port: a.local_addr().port(),
-            ..good
-        },
-        Transmit { size: 11, ..good },
-        Transmit {
-            segment_size: Some(0),
-            ..good
-        },
-    ];
-    for t in cases {
-        let err = send(&a, &t, &[0u8; 10]).await.unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{t:?}: {err}");
-    }
-    let err = send(&a, &cases[0], &[0u8; 10]).await.unwrap_err();
-    assert!(err.to_string().contains("src_port"), "{err}");
-    // The backend is still usable.
-    send(&a, &good, &[1u8; 10]).await.unwrap();
-    assert_eq!(recv_datagrams(&b, 1).await[0].bytes, [1u8; 10]);
-}
-
-#[tokio::test]
-async fn empty_receive_slices_return_zero() {
-    let b = UdpBackend::bind(loopback(), 1).unwrap();
-    let n = poll_fn(|cx| b.poll_recv(cx, &mut [], &mut []))
-        .await
-        .unwrap();
-    assert_eq!(n, 0);
-}
-
-#[tokio::test]
-async fn datagrams_sent_to_a_path_port_are_ignored() {
-    let a = UdpBackend::bind(loopback(), 1).unwrap();
-    let b = UdpBackend::bind(loopback(), 2).unwrap();
-    let to_path = SocketAddr::new(LOCALHOST, b.source_ports()[0]);
-    for (dest, byte) in [(to_path, 1u8), (b.local_addr(), 2u8)] {
-        let t = Transmit {
-            destination: dest,
-            src_port: a.source_ports()[0],
-            ecn: None,
-            size: 1,
-            segment_size: None,
-        };
-        send(&a, &t, &[byte]).await.unwrap();
-    }
-    let got = recv_datagrams(&b, 1).await;
-    assert_eq!(got.len(), 1);
-    assert_eq!(got[0].bytes, [2]);
-}
-
-#[tokio::test]
-async fn config_sets_buffer_sizes() {
-    let cfg = UdpConfig {
-        recv_buffer_bytes: 64 * 1024,
-        send_buffer_bytes: 64 * 1024,
-    };
-    let b = UdpBackend::bind_with(loopback(), 1, &cfg).unwrap();
-    // Linux reports twice the requested value (bookkeeping overhead), capped by the sysctls.
-    let rcv = b.recv_buffer_bytes().unwrap();
-    let snd = b.send_buffer_bytes().unwrap();
-    assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&rcv), "{rcv}");
-    assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&snd), "{snd}");
-}
+suite!(udp, udp_bind, udp_bind_with);
+suite!(uring, uring_bind, uring_bind_with);
 
 #[test]
 fn recv_meta_splits_buffers_without_panicking() {

@@ -132,6 +132,19 @@ impl Mode {
 pub enum BackendKind {
     /// Kernel UDP sockets (GSO/GRO, ECN).
     Udp,
+    /// io_uring: multishot recvmsg, batched GSO sendmsg (Linux 6.0+); falls back to udp
+    /// with a warning where io_uring is unavailable or forbidden.
+    Uring,
+}
+
+impl BackendKind {
+    /// The metaroce-tokio backend kind.
+    pub fn tokio(self) -> metaroce_tokio::backend::BackendKind {
+        match self {
+            BackendKind::Udp => metaroce_tokio::backend::BackendKind::Udp,
+            BackendKind::Uring => metaroce_tokio::backend::BackendKind::Uring,
+        }
+    }
 }
 
 /// Default TCP port of the RoCEv2-mode control exchange (perftest's).
@@ -468,6 +481,8 @@ pub struct CompareSettings {
 pub struct Settings {
     /// Test.
     pub test: Test,
+    /// Datagram backend (`--backend`).
+    pub backend: BackendKind,
     /// Transport flavour.
     pub mode: Mode,
     /// Where this process runs.
@@ -612,7 +627,6 @@ impl Args {
     /// Checks the arguments and resolves the positionals. Errors are messages for the user
     /// (the caller exits with status 2).
     pub fn validate(self) -> Result<Settings, String> {
-        let BackendKind::Udp = self.backend;
         let mode = self.mode.unwrap_or(Mode::Metaroce);
 
         // Positionals: [TEST] [SERVER]; a first positional that is no test is the server.
@@ -874,6 +888,7 @@ impl Args {
             verbose: self.verbose,
             selftest_mismatch: self.selftest_mismatch,
             compare,
+            backend: self.backend,
         })
     }
 }

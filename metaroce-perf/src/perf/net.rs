@@ -4,20 +4,43 @@
 use super::cli::Settings;
 use super::pcap::{PcapBackend, PcapSink};
 use metaroce::rocev2::RcConfig;
-use metaroce_tokio::backend::{DatagramBackend, ImpairStats, Impaired, Impairment, UdpBackend};
+use metaroce_tokio::backend::{
+    bind_backend, DatagramBackend, ImpairStats, Impaired, Impairment, UdpConfig, UringConfig,
+};
 use metaroce_tokio::rocev2::{RcEndpoint, UdpIpBackend};
 use metaroce_tokio::{Config, Endpoint};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 /// A datagram stack and its impairment layer (to read the counters), if any.
-type Stack = (Box<dyn DatagramBackend>, Option<Arc<Impaired<UdpBackend>>>);
+type Stack = (
+    Box<dyn DatagramBackend>,
+    Option<Arc<Impaired<Box<dyn DatagramBackend>>>>,
+);
 
-/// The datagram stack of one endpoint: UDP, wrapped in the impairments of `s` (seeded with
+/// Binds the `--backend` sockets (io_uring falls back to UDP with a warning).
+fn sockets(
+    s: &Settings,
+    addr: SocketAddr,
+    paths: usize,
+    udp: &UdpConfig,
+) -> std::io::Result<Box<dyn DatagramBackend>> {
+    let config = UringConfig {
+        udp: udp.clone(),
+        ..UringConfig::default()
+    };
+    let bound = bind_backend(s.backend.tokio(), addr, paths, &config)?;
+    if let Some(why) = &bound.fallback_reason {
+        eprintln!("metaroce-perf: --backend uring: {why}; using udp");
+    }
+    Ok(bound.backend)
+}
+
+/// The datagram stack of one endpoint: the backend, wrapped in the impairments of `s` (seeded with
 /// `impair_seed`), wrapped in the pcap recorder when `pcap` is given (outermost, so that it
 /// records what the transport sent before the impairment decides its fate).
 fn stack(
-    udp: UdpBackend,
+    udp: Box<dyn DatagramBackend>,
     s: &Settings,
     impair_seed: u64,
     pcap: Option<&Arc<PcapSink>>,
@@ -45,7 +68,7 @@ fn stack(
     Ok((backend, impaired))
 }
 
-fn impair_stats(i: &Option<Arc<Impaired<UdpBackend>>>) -> ImpairStats {
+fn impair_stats(i: &Option<Arc<Impaired<Box<dyn DatagramBackend>>>>) -> ImpairStats {
     i.as_ref().map(|i| i.stats()).unwrap_or_default()
 }
 
@@ -55,7 +78,7 @@ pub struct Node {
     /// The endpoint.
     pub ep: Endpoint,
     /// The impairment layer, when one is configured.
-    pub impaired: Option<Arc<Impaired<UdpBackend>>>,
+    pub impaired: Option<Arc<Impaired<Box<dyn DatagramBackend>>>>,
 }
 
 impl Node {
@@ -85,7 +108,7 @@ impl Node {
         // three per path, so that the pool almost surely reaches every link (8 paths on
         // 3 of 4 links and 8 spares that all miss the 4th: (3/4)^8 = 10 %; 24: 0.1 %).
         let spares = spare_ports(s.paths);
-        let udp = UdpBackend::bind_with(addr, usize::from(s.paths + spares), &config.udp)?;
+        let udp = sockets(s, addr, usize::from(s.paths + spares), &config.udp)?;
         let (backend, impaired) = stack(udp, s, impair_seed, pcap)?;
         let ep = Endpoint::with_backend(backend, config)?;
         Ok(Node { ep, impaired })
@@ -102,7 +125,7 @@ impl Node {
 #[derive(Debug)]
 pub struct RcSockets {
     backend: Box<dyn DatagramBackend>,
-    impaired: Option<Arc<Impaired<UdpBackend>>>,
+    impaired: Option<Arc<Impaired<Box<dyn DatagramBackend>>>>,
 }
 
 /// The UDP datagram stack under an RC endpoint.
@@ -117,7 +140,7 @@ impl RcSockets {
         impair_seed: u64,
         pcap: Option<&Arc<PcapSink>>,
     ) -> std::io::Result<RcSockets> {
-        let udp = UdpBackend::bind_with(addr, 1, &Config::default().udp)?;
+        let udp = sockets(s, addr, 1, &Config::default().udp)?;
         let (backend, impaired) = stack(udp, s, impair_seed, pcap)?;
         Ok(RcSockets { backend, impaired })
     }
@@ -160,7 +183,7 @@ pub struct RcNode {
     /// Its backend.
     pub backend: Arc<RcBackend>,
     /// The impairment layer, when one is configured.
-    pub impaired: Option<Arc<Impaired<UdpBackend>>>,
+    pub impaired: Option<Arc<Impaired<Box<dyn DatagramBackend>>>>,
 }
 
 impl RcNode {

@@ -282,6 +282,19 @@ impl DatagramBackend for PcapBackend {
         }
         res
     }
+
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<std::io::Result<usize>>> {
+        self.inner.poll_recv_in_place(cx, max, f)
+    }
+
+    fn flush(&self) {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -800,7 +800,10 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
         test: test.name(),
         mode: s.role.name(),
         transport: s.mode.name(),
-        backend: "udp",
+        backend: match s.backend {
+            super::cli::BackendKind::Udp => "udp",
+            super::cli::BackendKind::Uring => "uring",
+        },
         paths: s.paths,
         mtu: s.mtu,
         tx_depth: s.tx_depth,

@@ -1001,6 +1001,8 @@ async fn run_sender<B: DatagramBackend>(inner: Arc<B>, shared: Arc<Shared>) {
                 };
                 let res =
                     std::future::poll_fn(|cx| inner.poll_send(cx, &transmit, &held.bytes)).await;
+                // A delayed datagram is sent on its own: hand it to the kernel now.
+                inner.flush();
                 let mut st = shared.lock();
                 st.release(&held.destination);
                 match res {
@@ -1085,6 +1087,19 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
         }
         self.finish(job);
         Poll::Ready(Ok(()))
+    }
+
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        self.inner.poll_recv_in_place(cx, max, f)
+    }
+
+    fn flush(&self) {
+        self.inner.flush()
     }
 }
 

@@ -24,9 +24,76 @@ use std::task::{Context, Poll};
 
 mod impair;
 mod udp;
+#[cfg(target_os = "linux")]
+mod uring;
 
 pub use impair::{GilbertElliott, ImpairError, ImpairStats, Impaired, Impairment};
 pub use udp::{UdpBackend, UdpConfig};
+#[cfg(target_os = "linux")]
+pub use uring::{UringBackend, UringConfig, DISABLE_ENV};
+
+/// Which socket backend [`bind_backend`] should use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendKind {
+    /// [`UdpBackend`]: readiness-based UDP sockets through `quinn-udp` (the default).
+    #[default]
+    Udp,
+    /// `UringBackend` (Linux): io_uring with multishot `recvmsg`, falling back to
+    /// [`UdpBackend`] where io_uring is unavailable, forbidden or turned off.
+    Uring,
+}
+
+/// What [`bind_backend`] bound.
+#[derive(Debug)]
+pub struct BoundBackend {
+    /// The backend.
+    pub backend: Box<dyn DatagramBackend>,
+    /// The kind actually bound ([`BackendKind::Udp`] after a fallback).
+    pub kind: BackendKind,
+    /// Why the requested io_uring backend was not used (the `Unsupported` error's message).
+    pub fallback_reason: Option<String>,
+}
+
+#[cfg(target_os = "linux")]
+/// Binds a backend of kind `kind` at `addr` with `paths` path sockets and the options
+/// `config` (its `udp` socket options serve both kinds).
+///
+/// For [`BackendKind::Uring`], an [`io::ErrorKind::Unsupported`] error of `UringBackend`
+/// (no io_uring in the kernel, EPERM from seccomp or `kernel.io_uring_disabled`, a kernel
+/// older than 6.0, non-Linux, or `METAROCE_IO_URING=0`) is logged as a warning and a
+/// [`UdpBackend`] is bound instead; [`BoundBackend::fallback_reason`] says why. Any other
+/// error (bind failure, bad arguments) is returned.
+pub fn bind_backend(
+    kind: BackendKind,
+    addr: SocketAddr,
+    paths: usize,
+    config: &UringConfig,
+) -> io::Result<BoundBackend> {
+    let mut fallback_reason = None;
+    if kind == BackendKind::Uring {
+        {
+            match UringBackend::bind_with(addr, paths, config) {
+                Ok(b) => {
+                    return Ok(BoundBackend {
+                        backend: Box::new(b),
+                        kind: BackendKind::Uring,
+                        fallback_reason: None,
+                    })
+                }
+                Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+                    tracing::warn!("{e}; falling back to the UDP backend");
+                    fallback_reason = Some(e.to_string());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(BoundBackend {
+        backend: Box::new(UdpBackend::bind_with(addr, paths, &config.udp)?),
+        kind: BackendKind::Udp,
+        fallback_reason,
+    })
+}
 
 /// Metadata of one received buffer.
 ///
@@ -120,7 +187,8 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 
     /// Sends one transmit, whose bytes are `contents` (`contents.len() == transmit.size`).
     ///
-    /// `Ready(Ok(()))` once handed to the kernel (or, for [`Impaired`], once sent inline,
+    /// `Ready(Ok(()))` once handed to the kernel, or queued for the next
+    /// [`flush`](Self::flush) by a batching backend (or, for [`Impaired`], once sent inline,
     /// queued for later or dropped; it is `Pending` only when its inner backend is). An `Err` concerns this transmit only (it was not, or not entirely, sent, as
     /// if lost): the backend stays usable. After `Pending`, the next call must be for the
     /// same transmit.
@@ -130,6 +198,31 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
         transmit: &metaroce::Transmit,
         contents: &[u8],
     ) -> Poll<io::Result<()>>;
+
+    /// Receives like [`poll_recv`](Self::poll_recv), but lends the backend's own buffers
+    /// instead of copying into the caller's: `f(meta, bytes)` is called for each of up to
+    /// `max` received buffers (`bytes` = `meta.len` bytes, split with
+    /// [`RecvMeta::datagrams`]), while the backend holds its own lock, so `f` must not call
+    /// into the same backend. Returns how many buffers were handed to `f`.
+    ///
+    /// `None` when the backend cannot lend (the default): the caller uses `poll_recv`.
+    /// `UringBackend` lends its provided buffers (saving one copy per datagram).
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        let _ = (cx, max, f);
+        None
+    }
+
+    /// Hands the sends queued by [`poll_send`](Self::poll_send) to the kernel now. Backends
+    /// that batch submissions (`UringBackend`) queue sends until this call, until their
+    /// queue fills, or until the next [`poll_recv`](Self::poll_recv); the driver calls it
+    /// after each batch of transmits. The default does nothing (the send already happened).
+    /// Never blocks.
+    fn flush(&self) {}
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
@@ -166,6 +259,19 @@ impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
     ) -> Poll<io::Result<()>> {
         (**self).poll_send(cx, transmit, contents)
     }
+
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        (**self).poll_recv_in_place(cx, max, f)
+    }
+
+    fn flush(&self) {
+        (**self).flush()
+    }
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
@@ -201,6 +307,19 @@ impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
         contents: &[u8],
     ) -> Poll<io::Result<()>> {
         (**self).poll_send(cx, transmit, contents)
+    }
+
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        (**self).poll_recv_in_place(cx, max, f)
+    }
+
+    fn flush(&self) {
+        (**self).flush()
     }
 }
 

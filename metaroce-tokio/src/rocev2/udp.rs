@@ -330,6 +330,9 @@ impl<B: DatagramBackend> IpBackend for UdpIpBackend<B> {
         };
         let r = self.inner.poll_send(cx, &transmit, &payload);
         if let Poll::Ready(Ok(())) = r {
+            // The IP-packet interface has no flush: a batching datagram backend (io_uring)
+            // gets each packet submitted at once.
+            self.inner.flush();
             self.counters.tx_datagrams.fetch_add(1, Ordering::Relaxed);
         }
         r

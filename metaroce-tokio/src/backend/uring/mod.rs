@@ -1,0 +1,733 @@
+//! [`UringBackend`]: the same sockets as [`UdpBackend`](super::UdpBackend), driven through
+//! Linux io_uring.
+//!
+//! * **Receive**: one multishot `recvmsg` (`IORING_RECV_MULTISHOT`, Linux 6.0) on the main
+//!   socket, filling buffers from a provided buffer ring (`IORING_REGISTER_PBUF_RING`, 5.19):
+//!   the kernel posts one completion per datagram (or GRO batch) without a system call per
+//!   receive. The completion queue's fd is registered with tokio's reactor.
+//! * **Send**: each transmit becomes one `sendmsg` per GSO batch (`UDP_SEGMENT` control
+//!   message, up to 64 segments / 65 507 bytes), queued in the submission ring and submitted
+//!   in one `io_uring_enter` per driver flush ([`DatagramBackend::flush`]), or earlier when
+//!   the ring fills. Batches of at least [`UringConfig::zero_copy_min_bytes`] use
+//!   `IORING_OP_SENDMSG_ZC` (6.1) when the kernel has it.
+//! * **Fallback**: [`UringBackend::bind`] fails with [`io::ErrorKind::Unsupported`] and a
+//!   message naming the cause when io_uring is missing or forbidden (ENOSYS, EPERM from
+//!   seccomp or `kernel.io_uring_disabled`, kernels before 6.0), or when
+//!   [`UringConfig::disabled`] / `METAROCE_IO_URING=0` forces it off;
+//!   [`bind_backend`](super::bind_backend) then binds a [`UdpBackend`](super::UdpBackend).
+//!
+//! Copies: the kernel copies each sent datagram once (as with `sendmsg`) after the backend
+//! copied it into a send slot; received bytes are copied once from the provided buffer into
+//! the caller's buffer. Send errors are reported by completions after `poll_send` returned,
+//! so they are counted ([`UringBackend::send_errors`]) like lost packets.
+
+use std::fmt;
+use std::io::{self, IoSliceMut};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::task::{ready, Context, Poll};
+
+use quinn_udp::{UdpSockRef, UdpSocketState};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::io::unix::AsyncFd;
+
+use super::{check_transmit, unknown_src_port, DatagramBackend, RecvMeta, UdpConfig};
+
+mod ring;
+use ring::{Done, Ring};
+
+/// Largest UDP payload of one IPv4 packet; also the bound of one GSO `sendmsg`.
+const MAX_UDP_PAYLOAD: usize = 65_507;
+/// The kernel's most GSO segments per send (`UDP_MAX_SEGMENTS`).
+const MAX_GSO_SEGMENTS: usize = 64;
+/// Environment variable that turns the io_uring backend off (`0`, `off`, `false`, `no`):
+/// [`bind_backend`](super::bind_backend) then uses plain UDP.
+pub const DISABLE_ENV: &str = "METAROCE_IO_URING";
+
+/// Options of a [`UringBackend`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UringConfig {
+    /// Socket options, as for [`UdpBackend`](super::UdpBackend).
+    pub udp: UdpConfig,
+    /// Submission queue entries (rounded up to a power of two by the kernel). Default 256.
+    pub sq_entries: u32,
+    /// Provided receive buffers (a power of two, at most 32 768), each holding one GRO batch
+    /// of up to 64 KiB. Default 64 (about 4.2 MiB).
+    pub recv_buffers: u16,
+    /// Send slots: most `sendmsg` operations in flight at once, each with a 64 KiB copy of
+    /// its bytes. Default 128 (8 MiB). `poll_send` is `Pending` while all are in use.
+    pub send_slots: usize,
+    /// Smallest GSO batch, in bytes, sent with `SENDMSG_ZC` (zero copy) where the kernel
+    /// has it; `None` never uses zero copy. Default `None`: on loopback, and for datagrams
+    /// of a few KiB, the zero-copy notification costs more than the copy it saves
+    /// (docs/RESULTS.md); set it for large segments on a real NIC.
+    pub zero_copy_min_bytes: Option<usize>,
+    /// Refuse to set up io_uring (to test or force the fallback). Default `false`.
+    pub disabled: bool,
+}
+
+impl Default for UringConfig {
+    fn default() -> Self {
+        Self {
+            udp: UdpConfig::default(),
+            sq_entries: 256,
+            recv_buffers: 64,
+            send_slots: 128,
+            zero_copy_min_bytes: None,
+            disabled: false,
+        }
+    }
+}
+
+/// One bound socket and the offloads `quinn-udp` found on it.
+#[derive(Debug)]
+struct Sock {
+    socket: std::net::UdpSocket,
+    state: UdpSocketState,
+    port: u16,
+}
+
+impl Sock {
+    fn bind(addr: SocketAddr, recv_buffer: Option<usize>, send_buffer: usize) -> io::Result<Self> {
+        let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+        if let Some(bytes) = recv_buffer {
+            if let Err(e) = socket.set_recv_buffer_size(bytes) {
+                tracing::warn!("cannot set SO_RCVBUF to {bytes} bytes: {e}");
+            }
+        }
+        if let Err(e) = socket.set_send_buffer_size(send_buffer) {
+            tracing::warn!("cannot set SO_SNDBUF to {send_buffer} bytes: {e}");
+        }
+        socket.set_nonblocking(true)?;
+        socket.bind(&addr.into())?;
+        let socket: std::net::UdpSocket = socket.into();
+        // IP_RECVTOS, UDP_GRO, IP_PKTINFO / IPV6_RECVPKTINFO, no fragmentation.
+        let state = UdpSocketState::new(UdpSockRef::from(&socket))?;
+        let port = socket.local_addr()?.port();
+        Ok(Self {
+            socket,
+            state,
+            port,
+        })
+    }
+}
+
+/// The mutable part: the ring and the receive completions not yet handed out.
+#[derive(Debug)]
+struct Inner {
+    ring: Ring,
+    /// Receive completions (buffer id, bytes) in arrival order.
+    ready: std::collections::VecDeque<(u16, usize)>,
+    /// The multishot receive stopped with ENOBUFS (every buffer taken): re-arm once a
+    /// buffer is recycled.
+    starved: bool,
+    /// The last receive error (errno) not yet reported by `poll_recv`.
+    error: Option<i32>,
+}
+
+/// A set of UDP sockets (main socket plus per-path send sockets, as
+/// [`UdpBackend`](super::UdpBackend)) whose I/O goes through one io_uring instance.
+///
+/// Must be created inside a tokio runtime. See the [module documentation](self) for the
+/// operations used and the kernels they need.
+pub struct UringBackend {
+    // Reactor registrations first: they are dropped (deregistered) before the ring closes.
+    recv_fd: AsyncFd<OwnedFd>,
+    send_fd: AsyncFd<OwnedFd>,
+    inner: Mutex<Inner>,
+    main: Sock,
+    paths: Vec<Sock>,
+    ports: Vec<u16>,
+    local_addr: SocketAddr,
+    zero_copy_min: Option<usize>,
+    send_slots: usize,
+    send_errors: AtomicU64,
+    recv_errors: AtomicU64,
+}
+
+impl fmt::Debug for UringBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UringBackend")
+            .field("local_addr", &self.local_addr)
+            .field("source_ports", &self.ports)
+            .field("max_gso_segments", &self.max_gso_segments())
+            .field("max_gro_segments", &self.max_gro_segments())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `METAROCE_IO_URING` turns io_uring off.
+pub(super) fn disabled_by_env() -> bool {
+    std::env::var(DISABLE_ENV).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false" | "no"
+        )
+    })
+}
+
+impl UringBackend {
+    /// Binds like [`UdpBackend::bind`](super::UdpBackend::bind) (main socket at `addr`,
+    /// `paths` path sockets) with the default [`UringConfig`].
+    ///
+    /// Errors: [`io::ErrorKind::Unsupported`] when io_uring cannot be used (message says
+    /// why; see the module docs), or the errors of `UdpBackend::bind`.
+    pub fn bind(addr: SocketAddr, paths: usize) -> io::Result<Self> {
+        Self::bind_with(addr, paths, &UringConfig::default())
+    }
+
+    /// [`bind`](Self::bind) with explicit options.
+    pub fn bind_with(addr: SocketAddr, paths: usize, config: &UringConfig) -> io::Result<Self> {
+        if config.disabled || disabled_by_env() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!(
+                    "io_uring unavailable: turned off (UringConfig::disabled or {DISABLE_ENV}=0)"
+                ),
+            ));
+        }
+        if paths == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a UringBackend needs at least one path socket",
+            ));
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(io::Error::other(
+                "UringBackend must be bound from within a tokio runtime",
+            ));
+        }
+        if config.send_slots == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "UringConfig::send_slots must be at least 1",
+            ));
+        }
+        let ring = Ring::new(
+            config.sq_entries.max(8),
+            config.recv_buffers,
+            1 << 16,
+            config.send_slots,
+            MAX_UDP_PAYLOAD,
+        )?;
+        let main = Sock::bind(
+            addr,
+            Some(config.udp.recv_buffer_bytes),
+            config.udp.send_buffer_bytes,
+        )?;
+        let local_addr = main.socket.local_addr()?;
+        let mut path_addr = addr;
+        path_addr.set_port(0);
+        // Path sockets only send; datagrams sent to them are never read and are dropped by
+        // the kernel once their (small) receive buffer is full.
+        let paths = (0..paths)
+            .map(|_| Sock::bind(path_addr, Some(4096), config.udp.send_buffer_bytes))
+            .collect::<io::Result<Vec<_>>>()?;
+        let ports = paths.iter().map(|p| p.port).collect();
+        // The multishot receive is armed by the first `poll_recv`, not here: io_uring runs
+        // a request's completion work on the thread that submitted it, and `bind` often
+        // runs on a thread that then sleeps (a `block_on` caller), which would have to be
+        // woken for every received datagram. The driver task's worker thread is awake.
+        // (Multishot recvmsg came with IORING_OP_SEND_ZC in 6.0, checked by `Ring::new`.)
+        let recv_fd = ring.reactor_fd()?;
+        let send_fd = ring.reactor_fd()?;
+        tracing::debug!(%local_addr, ?ports, zc = ring.zc_supported(), "UringBackend bound");
+        let backend = Self {
+            recv_fd,
+            send_fd,
+            inner: Mutex::new(Inner {
+                ring,
+                ready: Default::default(),
+                starved: false,
+                error: None,
+            }),
+            main,
+            paths,
+            ports,
+            local_addr,
+            zero_copy_min: config.zero_copy_min_bytes,
+            send_slots: config.send_slots,
+            send_errors: AtomicU64::new(0),
+            recv_errors: AtomicU64::new(0),
+        };
+        Ok(backend)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The receive buffer the kernel granted the main socket, in bytes (as Linux reports it:
+    /// twice the usable payload space).
+    pub fn recv_buffer_bytes(&self) -> io::Result<usize> {
+        self.main
+            .state
+            .recv_buffer_size(UdpSockRef::from(&self.main.socket))
+    }
+
+    /// The send buffer the kernel granted the path sockets, in bytes (the smallest of them).
+    pub fn send_buffer_bytes(&self) -> io::Result<usize> {
+        let mut min = usize::MAX;
+        for p in &self.paths {
+            min = min.min(p.state.send_buffer_size(UdpSockRef::from(&p.socket))?);
+        }
+        Ok(min)
+    }
+
+    /// Whether the kernel offers `IORING_OP_SENDMSG_ZC` (used for batches of at least
+    /// [`UringConfig::zero_copy_min_bytes`]).
+    pub fn zero_copy_supported(&self) -> bool {
+        self.lock().ring.zc_supported()
+    }
+
+    /// Sends whose completion reported an error (each a lost packet to the transport).
+    pub fn send_errors(&self) -> u64 {
+        self.send_errors.load(Ordering::Relaxed)
+    }
+
+    /// Receive completions that reported an error (the receive was re-armed).
+    pub fn recv_errors(&self) -> u64 {
+        self.recv_errors.load(Ordering::Relaxed)
+    }
+
+    /// Takes the completions and re-arms the multishot receive when it stopped.
+    fn reap(&self, inner: &mut Inner) {
+        let Inner {
+            ring,
+            ready,
+            starved,
+            error,
+        } = inner;
+        ring.reap(&mut |d| match d {
+            Done::Recv { bid, len } => ready.push_back((bid, len)),
+            Done::RecvError(errno) => {
+                if errno == libc::ENOBUFS {
+                    *starved = true;
+                } else if errno != libc::ECANCELED {
+                    tracing::debug!(errno, "io_uring multishot recvmsg failed");
+                    self.recv_errors.fetch_add(1, Ordering::Relaxed);
+                    *error = Some(errno);
+                }
+            }
+            Done::SendError(errno) => {
+                tracing::debug!(errno, "io_uring sendmsg failed");
+                self.send_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        // Re-arm when the kernel ended the multishot receive (an error, or ENOBUFS once
+        // buffers are back), unless receive completions still hold every buffer.
+        if !ring.recv_armed() && (!*starved || ready.is_empty()) {
+            *starved = false;
+            if ring.arm_recv(self.main.socket.as_raw_fd()).is_ok() {
+                let _ = ring.submit();
+            }
+        }
+    }
+
+    /// Hands up to `max` received completions to `f` (metadata, payload in the provided
+    /// buffer), recycling each buffer after `f` returns; returns how many.
+    fn deliver(&self, inner: &mut Inner, max: usize, f: &mut dyn FnMut(&RecvMeta, &[u8])) -> usize {
+        let mut filled = 0;
+        while filled < max {
+            let Some((bid, len)) = inner.ready.pop_front() else {
+                break;
+            };
+            let ok = {
+                let raw = inner.ring.recv_buf(bid, len);
+                match parse_recv(raw, inner.ring.recv_hdr()) {
+                    Some((m, payload)) => {
+                        f(&m, payload);
+                        true
+                    }
+                    None => false,
+                }
+            };
+            inner.ring.recycle(bid);
+            if ok {
+                filled += 1;
+            } else {
+                self.recv_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if filled > 0 && !inner.ring.recv_armed() {
+            // Buffers came back: a receive stopped by ENOBUFS can resume.
+            self.reap(inner);
+        }
+        filled
+    }
+
+    /// The receive loop shared by `poll_recv` (copying) and `poll_recv_in_place`.
+    fn poll_recv_with(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Poll<io::Result<usize>> {
+        if max == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        loop {
+            {
+                let mut inner = self.lock();
+                // Sends queued by callers that never flush go out before we wait.
+                let _ = inner.ring.submit();
+                self.reap(&mut inner);
+                let n = self.deliver(&mut inner, max, f);
+                if n > 0 {
+                    return Poll::Ready(Ok(n));
+                }
+                // A failed receive is reported (as the UDP backend reports a failed
+                // recvmsg) instead of re-arming in a loop here; the next call re-arms.
+                if let Some(errno) = inner.error.take() {
+                    return Poll::Ready(Err(io::Error::from_raw_os_error(errno)));
+                }
+            }
+            // Nothing yet: wait for the completion queue's fd. After clearing the
+            // readiness the loop reaps once more, so a completion posted in between is
+            // never missed; the next poll registers the waker.
+            let mut guard = ready!(self.recv_fd.poll_read_ready(cx))?;
+            guard.clear_ready();
+        }
+    }
+}
+
+/// Parses one provided buffer (`io_uring_recvmsg_out`, name, control, payload): the
+/// metadata and the payload. `None` for a malformed or truncated record (counted by the
+/// caller).
+fn parse_recv<'a>(raw: &'a [u8], hdr: &libc::msghdr) -> Option<(RecvMeta, &'a [u8])> {
+    let msg = io_uring::types::RecvMsgOut::parse(raw, hdr).ok()?;
+    if msg.is_name_data_truncated() {
+        return None;
+    }
+    let from = parse_sockaddr(msg.name_data())?;
+    // The payload follows the header and the name and control areas of the sizes the
+    // receive was armed with (`hdr` holds NAME_LEN and CONTROL_LEN) (`payload_data` borrows `msg`; this slice borrows `raw`).
+    let off = (16 + ring::NAME_LEN as usize + ring::CONTROL_LEN as usize).min(raw.len());
+    let len = msg.payload_data().len().min(raw.len() - off);
+    let payload = &raw[off..off + len];
+    let mut m = RecvMeta {
+        from,
+        local_ip: None,
+        ecn: None,
+        len,
+        stride: len,
+    };
+    for (level, ty, data) in cmsgs(msg.control_data()) {
+        match (level, ty) {
+            (libc::IPPROTO_IP, libc::IP_TOS) | (libc::IPPROTO_IP, libc::IP_RECVTOS) => {
+                if let Some(&b) = data.first() {
+                    m.ecn = metaroce::EcnCodepoint::from_bits(b & 0b11);
+                }
+            }
+            (libc::IPPROTO_IPV6, libc::IPV6_TCLASS) => {
+                if let Some(b) = data.get(..4) {
+                    let v = i32::from_ne_bytes(b.try_into().unwrap_or([0; 4]));
+                    m.ecn = metaroce::EcnCodepoint::from_bits((v & 0b11) as u8);
+                }
+            }
+            (libc::IPPROTO_IP, libc::IP_PKTINFO) => {
+                // struct in_pktinfo { int ipi_ifindex; in_addr ipi_spec_dst; in_addr ipi_addr; }
+                if let Some(a) = data.get(8..12) {
+                    m.local_ip = Some(IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3])));
+                }
+            }
+            (libc::IPPROTO_IPV6, libc::IPV6_PKTINFO) => {
+                if let Some(a) = data.get(..16) {
+                    let a: [u8; 16] = a.try_into().unwrap_or([0; 16]);
+                    m.local_ip = Some(IpAddr::V6(Ipv6Addr::from(a)));
+                }
+            }
+            (libc::SOL_UDP, libc::UDP_GRO) => {
+                if let Some(b) = data.get(..4) {
+                    let s = i32::from_ne_bytes(b.try_into().unwrap_or([0; 4]));
+                    if s > 0 {
+                        m.stride = (s as usize).min(len.max(1));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if m.stride == 0 {
+        m.stride = len;
+    }
+    Some((m, payload))
+}
+
+/// A `sockaddr_in` / `sockaddr_in6` as the kernel wrote it.
+fn parse_sockaddr(b: &[u8]) -> Option<SocketAddr> {
+    let family = u16::from_ne_bytes(b.get(..2)?.try_into().ok()?);
+    let port = u16::from_be_bytes(b.get(2..4)?.try_into().ok()?);
+    match i32::from(family) {
+        libc::AF_INET => {
+            let a: [u8; 4] = b.get(4..8)?.try_into().ok()?;
+            Some(SocketAddr::new(IpAddr::V4(Ipv4Addr::from(a)), port))
+        }
+        libc::AF_INET6 => {
+            let a: [u8; 16] = b.get(8..24)?.try_into().ok()?;
+            // As quinn-udp reports it (a v4-mapped source stays an IPv6 address), so both
+            // backends name a peer the same way.
+            Some(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(a)), port))
+        }
+        _ => None,
+    }
+}
+
+/// `cmsghdr` header length and alignment on Linux (`size_t cmsg_len; int level; int type`).
+const CMSG_HDR: usize = std::mem::size_of::<libc::cmsghdr>();
+const CMSG_ALIGN: usize = std::mem::size_of::<usize>();
+
+fn cmsg_align(n: usize) -> usize {
+    (n + CMSG_ALIGN - 1) & !(CMSG_ALIGN - 1)
+}
+
+/// Iterates over the control messages of a buffer: `(level, type, data)`; stops at the
+/// first malformed header.
+fn cmsgs(mut b: &[u8]) -> impl Iterator<Item = (i32, i32, &[u8])> {
+    std::iter::from_fn(move || {
+        if b.len() < CMSG_HDR {
+            return None;
+        }
+        let len = usize::from_ne_bytes(b[..CMSG_ALIGN].try_into().ok()?);
+        let level = i32::from_ne_bytes(b[CMSG_ALIGN..CMSG_ALIGN + 4].try_into().ok()?);
+        let ty = i32::from_ne_bytes(b[CMSG_ALIGN + 4..CMSG_ALIGN + 8].try_into().ok()?);
+        if len < CMSG_HDR || len > b.len() {
+            return None;
+        }
+        let data = &b[CMSG_HDR..len];
+        b = &b[cmsg_align(len).min(b.len())..];
+        Some((level, ty, data))
+    })
+}
+
+/// Control messages of one send, built on the stack (no allocation per send).
+struct Control {
+    buf: [u8; 64],
+    len: usize,
+}
+
+impl Control {
+    /// Appends one control message (header, data, padding to the cmsg alignment).
+    fn push(&mut self, level: i32, ty: i32, data: &[u8]) {
+        let len = CMSG_HDR + data.len();
+        let space = cmsg_align(len);
+        let Some(out) = self.buf.get_mut(self.len..self.len + space) else {
+            return;
+        };
+        out.fill(0);
+        out[..CMSG_ALIGN].copy_from_slice(&len.to_ne_bytes());
+        out[CMSG_ALIGN..CMSG_ALIGN + 4].copy_from_slice(&level.to_ne_bytes());
+        out[CMSG_ALIGN + 4..CMSG_HDR].copy_from_slice(&ty.to_ne_bytes());
+        out[CMSG_HDR..len].copy_from_slice(data);
+        self.len += space;
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// Control messages of one send: ECN (`IP_TOS` / `IPV6_TCLASS`) and GSO (`UDP_SEGMENT`).
+fn send_control(
+    dest: SocketAddr,
+    ecn: Option<metaroce::EcnCodepoint>,
+    segment: Option<u16>,
+) -> Control {
+    let mut c = Control {
+        buf: [0; 64],
+        len: 0,
+    };
+    if let Some(e) = ecn {
+        let v = i32::from(e.bits());
+        if dest.is_ipv4() {
+            c.push(libc::IPPROTO_IP, libc::IP_TOS, &v.to_ne_bytes());
+        } else {
+            c.push(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, &v.to_ne_bytes());
+        }
+    }
+    if let Some(s) = segment {
+        c.push(libc::SOL_UDP, libc::UDP_SEGMENT, &s.to_ne_bytes());
+    }
+    c
+}
+
+impl DatagramBackend for UringBackend {
+    fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    fn source_ports(&self) -> Vec<u16> {
+        self.ports.clone()
+    }
+
+    /// As [`UdpBackend`](super::UdpBackend): the kernel's GSO limit, the lowest over the
+    /// path sockets.
+    fn max_gso_segments(&self) -> usize {
+        self.paths
+            .iter()
+            .map(|p| p.state.max_gso_segments())
+            .min()
+            .unwrap_or(1)
+            .clamp(1, MAX_GSO_SEGMENTS)
+    }
+
+    fn max_gro_segments(&self) -> usize {
+        self.main.state.gro_segments().max(1)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        let max = bufs.len().min(meta.len());
+        let mut i = 0;
+        self.poll_recv_with(cx, max, &mut |m, payload| {
+            let out = &mut bufs[i];
+            let len = payload.len().min(out.len());
+            out[..len].copy_from_slice(&payload[..len]);
+            meta[i] = RecvMeta {
+                len,
+                stride: m.stride.min(len.max(1)),
+                ..*m
+            };
+            i += 1;
+        })
+    }
+
+    /// Lends the provided buffers: no copy into the caller's buffers.
+    fn poll_recv_in_place(
+        &self,
+        cx: &mut Context<'_>,
+        max: usize,
+        f: &mut dyn FnMut(&RecvMeta, &[u8]),
+    ) -> Option<Poll<io::Result<usize>>> {
+        Some(self.poll_recv_with(cx, max, f))
+    }
+
+    fn poll_send(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        contents: &[u8],
+    ) -> Poll<io::Result<()>> {
+        let segment = match check_transmit(transmit, contents) {
+            Ok(s) => s,
+            Err(e) => return Poll::Ready(Err(e)),
+        };
+        let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
+            return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
+        };
+        let max_segments = path.state.max_gso_segments().clamp(1, MAX_GSO_SEGMENTS);
+        let per_call = if segment >= MAX_UDP_PAYLOAD || max_segments <= 1 {
+            1
+        } else {
+            max_segments.min(MAX_UDP_PAYLOAD / segment).max(1)
+        };
+        let chunk_bytes = per_call * segment;
+        let chunks = contents.len().div_ceil(chunk_bytes).max(1);
+        if chunks > self.send_slots {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "transmit of {} bytes needs {chunks} send slots; the backend has {}",
+                    contents.len(),
+                    self.send_slots
+                ),
+            )));
+        }
+        loop {
+            let mut inner = self.lock();
+            self.reap(&mut inner);
+            if inner.ring.free_slots() >= chunks {
+                let fd = path.socket.as_raw_fd();
+                let mut offset = 0;
+                let mut first = true;
+                while offset < contents.len() || first {
+                    first = false;
+                    let len = chunk_bytes.min(contents.len() - offset);
+                    let seg = (len > segment).then_some(segment as u16);
+                    let control = send_control(transmit.destination, transmit.ecn, seg);
+                    let zc = self.zero_copy_min.is_some_and(|m| len >= m);
+                    if let Err(e) = inner.ring.push_send(
+                        fd,
+                        transmit.destination,
+                        control.bytes(),
+                        &contents[offset..offset + len],
+                        zc,
+                    ) {
+                        return Poll::Ready(Err(e));
+                    }
+                    offset += len;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            // Every slot is in flight: push them out and wait for completions.
+            if let Err(e) = inner.ring.submit() {
+                return Poll::Ready(Err(e));
+            }
+            drop(inner);
+            let mut guard = ready!(self.send_fd.poll_read_ready(cx))?;
+            guard.clear_ready();
+        }
+    }
+
+    fn flush(&self) {
+        let mut inner = self.lock();
+        if let Err(e) = inner.ring.submit() {
+            tracing::debug!(error = %e, "io_uring submit failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_messages_round_trip_through_the_parser() {
+        let c = send_control(
+            "127.0.0.1:1".parse().unwrap(),
+            Some(metaroce::EcnCodepoint::Ce),
+            Some(1200),
+        );
+        let parsed: Vec<(i32, i32, Vec<u8>)> = cmsgs(c.bytes())
+            .map(|(l, t, d)| (l, t, d.to_vec()))
+            .collect();
+        assert_eq!(parsed.len(), 2);
+        assert_eq!((parsed[0].0, parsed[0].1), (libc::IPPROTO_IP, libc::IP_TOS));
+        assert_eq!(parsed[0].2, 3i32.to_ne_bytes());
+        assert_eq!(
+            (parsed[1].0, parsed[1].1),
+            (libc::SOL_UDP, libc::UDP_SEGMENT)
+        );
+        assert_eq!(parsed[1].2, 1200u16.to_ne_bytes());
+    }
+
+    #[test]
+    fn malformed_control_messages_stop_the_parser() {
+        // A length shorter than the header, and one past the end: nothing, no panic.
+        for len in [0usize, 3, 15, 1000] {
+            let mut b = vec![0u8; 32];
+            b[..8].copy_from_slice(&len.to_ne_bytes());
+            assert_eq!(cmsgs(&b).count(), 0, "cmsg_len {len}");
+        }
+        assert_eq!(cmsgs(&[]).count(), 0);
+    }
+
+    #[test]
+    fn short_or_foreign_addresses_are_rejected() {
+        assert_eq!(parse_sockaddr(&[]), None);
+        assert_eq!(parse_sockaddr(&[2, 0, 1]), None);
+        let mut v4 = [0u8; 16];
+        v4[..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
+        v4[2..4].copy_from_slice(&4791u16.to_be_bytes());
+        v4[4..8].copy_from_slice(&[10, 0, 0, 1]);
+        assert_eq!(parse_sockaddr(&v4), Some("10.0.0.1:4791".parse().unwrap()));
+        v4[..2].copy_from_slice(&1u16.to_ne_bytes());
+        assert_eq!(parse_sockaddr(&v4), None);
+    }
+}

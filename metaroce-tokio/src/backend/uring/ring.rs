@@ -1,0 +1,522 @@
+//! The io_uring instance, its provided-buffer ring and the send slots: all memory the kernel
+//! reads or writes asynchronously lives here, and this is the io_uring backend's only module
+//! with `unsafe` code.
+//!
+//! Ownership rules that make the `unsafe` blocks sound:
+//!
+//! * **Receive buffers** belong to one allocation of `count × buf_len` bytes that never moves
+//!   and is freed only after the kernel has returned every buffer (or is leaked, see `Drop`).
+//!   A buffer is the kernel's from the moment its id is published in the buffer ring until a
+//!   completion names it (`IORING_CQE_F_BUFFER`); only then does [`Ring::recv_buf`] read it,
+//!   and [`Ring::recycle`] hands it back.
+//! * **Send slots** are boxed (stable addresses). A slot's bytes, `msghdr`, `iovec`, address
+//!   and control message are written before its SQE is pushed and not touched again until its
+//!   last completion (for `SEND_ZC`, the notification `IORING_CQE_F_NOTIF`) frees it.
+//! * **The multishot receive's `msghdr`** is boxed and lives as long as the ring.
+//! * `Drop` cancels everything in flight and waits (bounded) for the completions before
+//!   freeing; whatever the kernel still holds after that wait is leaked, never freed.
+
+#![allow(unsafe_code)]
+
+use std::alloc::{self, Layout};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU16, Ordering};
+
+use io_uring::{cqueue, opcode, squeue, types, IoUring};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+/// `user_data` of the multishot receive (send slots use their index, far below).
+const RECV_UD: u64 = 1 << 63;
+/// `user_data` of cancellation requests (their completions are ignored).
+const CANCEL_UD: u64 = (1 << 63) | 1;
+/// Buffer group id of the receive buffer ring.
+const BGID: u16 = 0x6d72;
+/// Room reserved in each receive buffer for the source address and control messages.
+pub(super) const NAME_LEN: u32 = 128;
+pub(super) const CONTROL_LEN: u32 = 256;
+/// `sizeof(struct io_uring_recvmsg_out)`.
+const RECVMSG_OUT_LEN: usize = 16;
+
+/// What one completion meant, as far as the backend cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Done {
+    /// The multishot receive filled receive buffer `bid` with `len` bytes
+    /// (`io_uring_recvmsg_out` header, name, control, payload).
+    Recv { bid: u16, len: usize },
+    /// The multishot receive failed with this errno (no buffer consumed).
+    RecvError(i32),
+    /// A send completed with this errno (0 = success); its slot may still await a
+    /// zero-copy notification.
+    SendError(i32),
+}
+
+/// One send's memory: bytes, destination, control messages and the `msghdr` pointing at them.
+struct SendSlot {
+    data: Vec<u8>,
+    name: socket2::SockAddr,
+    control: [u64; 8],
+    iov: libc::iovec,
+    hdr: libc::msghdr,
+    /// Awaiting the `IORING_CQE_F_NOTIF` completion of a `SEND_ZC`.
+    awaiting_notif: bool,
+}
+
+// SAFETY: the raw pointers in `iov` and `hdr` point into the slot's own heap data (the boxed
+// slot, its `data` Vec, its `name`); they are only dereferenced by the kernel, and the slot
+// is only accessed through `&mut Ring`, itself behind the backend's mutex.
+unsafe impl Send for SendSlot {}
+
+/// The receive buffers and the ring that provides them to the kernel.
+struct BufRing {
+    /// `count` entries of `io_uring_buf` (16 bytes each), page aligned; the tail is the
+    /// `resv` field of entry 0.
+    ring: *mut types::BufRingEntry,
+    ring_layout: Layout,
+    /// `count × buf_len` bytes of buffers.
+    bufs: *mut u8,
+    bufs_layout: Layout,
+    count: u16,
+    buf_len: usize,
+    /// Next tail value to publish.
+    tail: u16,
+    registered: bool,
+}
+
+// SAFETY: the two allocations are owned by this value alone; the kernel accesses them only
+// as described in the module documentation.
+unsafe impl Send for BufRing {}
+
+impl BufRing {
+    fn new(count: u16, buf_len: usize) -> io::Result<BufRing> {
+        if !count.is_power_of_two() || count > 32_768 || buf_len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "receive buffer count must be a power of two up to 32768",
+            ));
+        }
+        let ring_layout = Layout::from_size_align(usize::from(count) * 16, 4096)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        let bufs_layout = Layout::from_size_align(usize::from(count) * buf_len, 64)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        // SAFETY: both layouts have a non-zero size (count ≥ 1, buf_len ≥ 1).
+        let ring = unsafe { alloc::alloc_zeroed(ring_layout) }.cast::<types::BufRingEntry>();
+        if ring.is_null() {
+            return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+        }
+        // SAFETY: as above.
+        let bufs = unsafe { alloc::alloc(bufs_layout) };
+        if bufs.is_null() {
+            // SAFETY: `ring` was allocated just above with `ring_layout`.
+            unsafe { alloc::dealloc(ring.cast(), ring_layout) };
+            return Err(io::Error::from(io::ErrorKind::OutOfMemory));
+        }
+        Ok(BufRing {
+            ring,
+            ring_layout,
+            bufs,
+            bufs_layout,
+            count,
+            buf_len,
+            tail: 0,
+            registered: false,
+        })
+    }
+
+    /// Writes buffer `bid` into the next ring entry (not yet published).
+    fn add(&mut self, bid: u16) {
+        let idx = usize::from(self.tail & (self.count - 1));
+        // SAFETY: `idx < count`, so the entry is inside the ring allocation; the kernel only
+        // reads entries between its head and the published tail, and this one is past the
+        // published tail.
+        let entry = unsafe { &mut *self.ring.add(idx) };
+        // SAFETY: `bid < count`, so the buffer is inside the buffer allocation.
+        let addr = unsafe { self.bufs.add(usize::from(bid) * self.buf_len) };
+        entry.set_addr(addr as u64);
+        entry.set_len(self.buf_len as u32);
+        entry.set_bid(bid);
+        self.tail = self.tail.wrapping_add(1);
+    }
+
+    /// Makes the entries added so far visible to the kernel.
+    fn publish(&self) {
+        // SAFETY: `tail` returns a pointer into entry 0 of our live ring allocation, 2-byte
+        // aligned; the kernel reads it concurrently, hence the atomic store (Release, so the
+        // entry writes are visible before the tail).
+        unsafe {
+            let tail = types::BufRingEntry::tail(self.ring).cast_mut();
+            AtomicU16::from_ptr(tail).store(self.tail, Ordering::Release);
+        }
+    }
+}
+
+impl Drop for BufRing {
+    fn drop(&mut self) {
+        if self.registered {
+            // Still registered: the kernel may write into the buffers. Leak them.
+            return;
+        }
+        // SAFETY: allocated in `new` with these layouts; the kernel no longer holds them
+        // (unregistered, every receive completed or cancelled).
+        unsafe {
+            alloc::dealloc(self.ring.cast(), self.ring_layout);
+            alloc::dealloc(self.bufs, self.bufs_layout);
+        }
+    }
+}
+
+/// The ring plus everything it points into.
+pub(super) struct Ring {
+    // Field order is drop order: the ring (its fd) closes before the memory is freed, and
+    // `Drop for Ring` has already cancelled and reaped whatever was in flight.
+    ring: IoUring,
+    bufs: BufRing,
+    recv_hdr: Box<libc::msghdr>,
+    recv_armed: bool,
+    // Boxed on purpose: the kernel holds pointers into each slot, whose address must not
+    // depend on the Vec's buffer.
+    #[allow(clippy::vec_box)]
+    slots: Vec<Box<SendSlot>>,
+    free: Vec<usize>,
+    /// SQEs pushed but not yet submitted.
+    unsubmitted: usize,
+    /// Send slots whose completions are outstanding.
+    sends_in_flight: usize,
+    /// Whether the kernel has `IORING_OP_SENDMSG_ZC`.
+    zc_supported: bool,
+}
+
+// SAFETY: the raw pointers in `recv_hdr`, the slots and the buffer ring point into memory
+// this `Ring` owns; they are dereferenced only by the kernel, and the `Ring` is only used
+// through `&mut` behind the backend's mutex.
+unsafe impl Send for Ring {}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring")
+            .field("fd", &self.ring.as_raw_fd())
+            .field("recv_buffers", &self.bufs.count)
+            .field("send_slots", &self.slots.len())
+            .field("sends_in_flight", &self.sends_in_flight)
+            .field("zc_supported", &self.zc_supported)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a ring could not be set up: the caller falls back to plain UDP on any of these.
+pub(super) fn setup_error(what: &str, e: io::Error) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("io_uring unavailable: {what}: {e}"),
+    )
+}
+
+impl Ring {
+    /// A ring with `sq_entries` submission entries, `recv_buffers` receive buffers of
+    /// `payload_len` bytes of payload each and `send_slots` send slots of `slot_len` bytes.
+    ///
+    /// Errors ([`io::ErrorKind::Unsupported`]): `io_uring_setup` refused (ENOSYS: no
+    /// io_uring; EPERM: seccomp or `kernel.io_uring_disabled`), or a kernel older than 6.0
+    /// (no `IORING_OP_SEND_ZC`, released with multishot `recvmsg`), or the buffer ring
+    /// registration refused (older than 5.19).
+    pub(super) fn new(
+        sq_entries: u32,
+        recv_buffers: u16,
+        payload_len: usize,
+        send_slots: usize,
+        slot_len: usize,
+    ) -> io::Result<Ring> {
+        let cq = sq_entries
+            .saturating_mul(2)
+            .max(u32::from(recv_buffers) * 2);
+        let ring = IoUring::builder()
+            .setup_cqsize(cq)
+            .setup_coop_taskrun()
+            .build(sq_entries)
+            .or_else(|_| IoUring::builder().setup_cqsize(cq).build(sq_entries))
+            .map_err(|e| setup_error("io_uring_setup", e))?;
+        let mut probe = io_uring::Probe::new();
+        ring.submitter()
+            .register_probe(&mut probe)
+            .map_err(|e| setup_error("IORING_REGISTER_PROBE", e))?;
+        if !probe.is_supported(opcode::SendZc::CODE) {
+            return Err(setup_error(
+                "kernel older than 6.0 (no multishot recvmsg)",
+                io::Error::from(io::ErrorKind::Unsupported),
+            ));
+        }
+        let zc_supported = probe.is_supported(opcode::SendMsgZc::CODE);
+        let buf_len = RECVMSG_OUT_LEN + NAME_LEN as usize + CONTROL_LEN as usize + payload_len;
+        let mut bufs = BufRing::new(recv_buffers, buf_len)?;
+        // SAFETY: `bufs.ring` is a page-aligned, zeroed allocation of `count` entries that
+        // stays alive (and unmoved: it is a heap pointer) until unregistered in `Drop`.
+        unsafe {
+            ring.submitter()
+                .register_buf_ring_with_flags(bufs.ring as u64, bufs.count, BGID, 0)
+                .map_err(|e| setup_error("IORING_REGISTER_PBUF_RING", e))?;
+        }
+        bufs.registered = true;
+        for bid in 0..bufs.count {
+            bufs.add(bid);
+        }
+        bufs.publish();
+        // SAFETY: `msghdr` is a C struct of integers and raw pointers: all-zero is valid.
+        let mut recv_hdr: Box<libc::msghdr> = Box::new(unsafe { std::mem::zeroed() });
+        recv_hdr.msg_namelen = NAME_LEN;
+        recv_hdr.msg_controllen = CONTROL_LEN as _;
+        let slots = (0..send_slots)
+            .map(|_| {
+                Box::new(SendSlot {
+                    data: Vec::with_capacity(slot_len),
+                    name: socket2::SockAddr::from(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
+                    control: [0; 8],
+                    iov: libc::iovec {
+                        iov_base: std::ptr::null_mut(),
+                        iov_len: 0,
+                    },
+                    // SAFETY: as for `recv_hdr`.
+                    hdr: unsafe { std::mem::zeroed() },
+                    awaiting_notif: false,
+                })
+            })
+            .collect();
+        Ok(Ring {
+            ring,
+            bufs,
+            recv_hdr,
+            recv_armed: false,
+            slots,
+            free: (0..send_slots).rev().collect(),
+            unsubmitted: 0,
+            sends_in_flight: 0,
+            zc_supported,
+        })
+    }
+
+    /// A duplicate of the ring's fd registered with tokio's reactor: readable when the
+    /// completion queue has entries. Needs a tokio runtime.
+    pub(super) fn reactor_fd(&self) -> io::Result<AsyncFd<OwnedFd>> {
+        // SAFETY: the ring's fd is open for as long as `self.ring` lives, which outlasts
+        // this borrow; the duplicate is an independent owned fd.
+        let dup = unsafe { BorrowedFd::borrow_raw(self.ring.as_raw_fd()) }.try_clone_to_owned()?;
+        // SAFETY: the `OwnedFd` moved into the `AsyncFd` keeps the descriptor open and
+        // unchanged for the `AsyncFd`'s whole life (nothing else can close it).
+        unsafe { AsyncFd::register_with_interest(dup, Interest::READABLE) }.map_err(io::Error::from)
+    }
+
+    pub(super) fn zc_supported(&self) -> bool {
+        self.zc_supported
+    }
+
+    pub(super) fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    pub(super) fn recv_armed(&self) -> bool {
+        self.recv_armed
+    }
+
+    /// The `msghdr` the multishot receive was armed with (for parsing its buffers).
+    pub(super) fn recv_hdr(&self) -> &libc::msghdr {
+        &self.recv_hdr
+    }
+
+    fn push(&mut self, entry: &squeue::Entry) -> io::Result<()> {
+        // SAFETY (for the caller's entry): every entry pushed here points only at memory
+        // this `Ring` owns and keeps alive until the entry's completion (module docs).
+        if unsafe { self.ring.submission().push(entry) }.is_err() {
+            self.submit()?;
+            // SAFETY: as above.
+            unsafe { self.ring.submission().push(entry) }
+                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+        }
+        self.unsubmitted += 1;
+        Ok(())
+    }
+
+    /// Arms the multishot `recvmsg` on `fd` (a UDP socket the caller keeps open as long as
+    /// the ring).
+    pub(super) fn arm_recv(&mut self, fd: RawFd) -> io::Result<()> {
+        let hdr: *const libc::msghdr = &*self.recv_hdr;
+        let entry = opcode::RecvMsgMulti::new(types::Fd(fd), hdr, BGID)
+            .build()
+            .user_data(RECV_UD);
+        self.push(&entry)?;
+        self.recv_armed = true;
+        Ok(())
+    }
+
+    /// Queues one `sendmsg` (or `sendmsg` zero-copy) of `data` to `dest` on `fd`, with the
+    /// control messages `control` (already encoded, at most 64 bytes). Needs a free slot
+    /// ([`free_slots`](Self::free_slots)); `data` is copied into it.
+    pub(super) fn push_send(
+        &mut self,
+        fd: RawFd,
+        dest: std::net::SocketAddr,
+        control: &[u8],
+        data: &[u8],
+        zero_copy: bool,
+    ) -> io::Result<()> {
+        let Some(idx) = self.free.pop() else {
+            return Err(io::Error::from(io::ErrorKind::WouldBlock));
+        };
+        let zero_copy = zero_copy && self.zc_supported;
+        let slot = &mut *self.slots[idx];
+        slot.data.clear();
+        slot.data.extend_from_slice(data);
+        slot.name = socket2::SockAddr::from(dest);
+        let mut ctl = [0u8; 64];
+        let clen = control.len().min(64);
+        ctl[..clen].copy_from_slice(&control[..clen]);
+        for (w, c) in slot.control.iter_mut().zip(ctl.chunks_exact(8)) {
+            *w = u64::from_ne_bytes(c.try_into().unwrap_or([0; 8]));
+        }
+        slot.iov = libc::iovec {
+            iov_base: slot.data.as_mut_ptr().cast(),
+            iov_len: slot.data.len(),
+        };
+        slot.hdr.msg_name = slot.name.as_ptr() as *mut libc::c_void;
+        slot.hdr.msg_namelen = slot.name.len();
+        slot.hdr.msg_iov = &mut slot.iov;
+        slot.hdr.msg_iovlen = 1;
+        slot.hdr.msg_control = if clen == 0 {
+            std::ptr::null_mut()
+        } else {
+            slot.control.as_mut_ptr().cast()
+        };
+        slot.hdr.msg_controllen = clen as _;
+        slot.awaiting_notif = zero_copy;
+        let hdr: *const libc::msghdr = &slot.hdr;
+        let entry = if zero_copy {
+            opcode::SendMsgZc::new(types::Fd(fd), hdr).build()
+        } else {
+            opcode::SendMsg::new(types::Fd(fd), hdr).build()
+        }
+        .user_data(idx as u64);
+        if let Err(e) = self.push(&entry) {
+            self.free.push(idx);
+            return Err(e);
+        }
+        self.sends_in_flight += 1;
+        Ok(())
+    }
+
+    /// Submits the queued SQEs (no waiting).
+    pub(super) fn submit(&mut self) -> io::Result<()> {
+        if self.unsubmitted == 0 {
+            return Ok(());
+        }
+        match self.ring.submit() {
+            Ok(_) => {
+                self.unsubmitted = 0;
+                Ok(())
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes every completion, frees finished send slots, and reports receives and errors
+    /// through `out`.
+    pub(super) fn reap(&mut self, out: &mut impl FnMut(Done)) {
+        let mut cq = self.ring.completion();
+        cq.sync();
+        for cqe in &mut cq {
+            let ud = cqe.user_data();
+            let res = cqe.result();
+            let flags = cqe.flags();
+            if ud == RECV_UD {
+                if !cqueue::more(flags) {
+                    self.recv_armed = false;
+                }
+                match (res, cqueue::buffer_select(flags)) {
+                    (n, Some(bid)) if n >= 0 && bid < self.bufs.count => out(Done::Recv {
+                        bid,
+                        len: (n as usize).min(self.bufs.buf_len),
+                    }),
+                    (n, _) if n < 0 => out(Done::RecvError(-n)),
+                    _ => {}
+                }
+            } else if ud == CANCEL_UD {
+            } else if let Some(slot) = self.slots.get_mut(ud as usize) {
+                let idx = ud as usize;
+                if cqueue::notif(flags) {
+                    slot.awaiting_notif = false;
+                } else {
+                    if res < 0 {
+                        out(Done::SendError(-res));
+                    }
+                    if !cqueue::more(flags) {
+                        // No notification will follow (the kernel copied, or it failed).
+                        slot.awaiting_notif = false;
+                    }
+                }
+                if !slot.awaiting_notif {
+                    self.free.push(idx);
+                    self.sends_in_flight -= 1;
+                }
+            }
+        }
+    }
+
+    /// The bytes of receive buffer `bid` (as reported by [`Done::Recv`]).
+    pub(super) fn recv_buf(&self, bid: u16, len: usize) -> &[u8] {
+        let bid = bid.min(self.bufs.count - 1);
+        let len = len.min(self.bufs.buf_len);
+        // SAFETY: `bid < count` and `len ≤ buf_len`: inside the buffer allocation. The kernel
+        // handed this buffer back in a completion and does not own it until `recycle`,
+        // which takes `&mut self` and so cannot run while this borrow lives.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.bufs.bufs.add(usize::from(bid) * self.bufs.buf_len),
+                len,
+            )
+        }
+    }
+
+    /// Returns receive buffer `bid` to the kernel.
+    pub(super) fn recycle(&mut self, bid: u16) {
+        if bid < self.bufs.count {
+            self.bufs.add(bid);
+            self.bufs.publish();
+        }
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        // Cancel everything, then wait (bounded) until no completion is outstanding.
+        let cancel = opcode::AsyncCancel2::new(types::CancelBuilder::any())
+            .build()
+            .user_data(CANCEL_UD);
+        if self.push(&cancel).is_ok() {
+            let _ = self.submit();
+        }
+        let mut ignore = |_| {};
+        for _ in 0..2000 {
+            self.reap(&mut ignore);
+            if !self.recv_armed && self.sends_in_flight == 0 {
+                break;
+            }
+            // Entering the kernel runs the task work that posts the completions.
+            std::thread::sleep(std::time::Duration::from_micros(500));
+        }
+        if self.recv_armed || self.sends_in_flight > 0 {
+            tracing::warn!(
+                sends = self.sends_in_flight,
+                recv = self.recv_armed,
+                "io_uring operations still in flight at drop: leaking their memory"
+            );
+            std::mem::forget(std::mem::take(&mut self.slots));
+            // SAFETY: all-zero is a valid `msghdr` (integers and raw pointers).
+            let hdr =
+                std::mem::replace(&mut self.recv_hdr, Box::new(unsafe { std::mem::zeroed() }));
+            std::mem::forget(hdr);
+            return;
+        }
+        if self.ring.submitter().unregister_buf_ring(BGID).is_ok() {
+            self.bufs.registered = false;
+        }
+    }
+}
