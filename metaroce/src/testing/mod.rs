@@ -389,6 +389,9 @@ pub struct Impair {
     pub blackhole: bool,
     /// Drop everything sent from this UDP source port (one path blackholed).
     pub blackhole_port: Option<u16>,
+    /// A reordered datagram is delayed by 1..=`reorder_slots` extra one-way delays; 0
+    /// means 5.
+    pub reorder_slots: u32,
 }
 
 /// A datagram as sent, recorded by [`Net::record`] in [`Net::wire`].
@@ -404,6 +407,11 @@ pub struct Sent {
     pub to: usize,
     pub data: Vec<u8>,
 }
+
+/// A hook over every datagram about to be delivered: `(net, to, from, datagram)`. It runs
+/// before the datagram reaches endpoint `to` and may deliver datagrams of its own with
+/// [`Net::deliver`]. See [`Net::deliver_hook`].
+pub type DeliverHook = Box<dyn FnMut(&mut Net, usize, SocketAddr, &[u8])>;
 
 /// A hook over every datagram an endpoint sends: `(sender, datagram)`; returning `true`
 /// drops it. See [`Net::drop_hook`].
@@ -501,6 +509,12 @@ pub struct Net {
     pub wire: Vec<Sent>,
     /// Called on every datagram sent, before any impairment; `true` drops it.
     pub drop_hook: Option<DropHook>,
+    /// Called on every datagram about to be delivered.
+    pub deliver_hook: Option<DeliverHook>,
+    /// Whether to log every delivered datagram in [`Net::delivered_log`].
+    pub log_delivered: bool,
+    /// Every datagram delivered while [`Net::log_delivered`] was set: `(to, from, bytes)`.
+    pub delivered_log: Vec<(usize, SocketAddr, Vec<u8>)>,
 }
 
 impl fmt::Debug for Net {
@@ -555,6 +569,9 @@ impl Net {
             record: 0,
             wire: Vec::new(),
             drop_hook: None,
+            deliver_hook: None,
+            log_delivered: false,
+            delivered_log: Vec::new(),
         }
     }
 
@@ -793,7 +810,12 @@ impl Net {
         for _ in 0..copies {
             let mut at = self.now + self.delay;
             if self.draw(imp.reorder) {
-                at += self.delay * (1 + (self.rng.next_u32() % 5));
+                let slots = if imp.reorder_slots == 0 {
+                    5
+                } else {
+                    imp.reorder_slots
+                };
+                at += self.delay * (1 + (self.rng.next_u32() % slots));
             }
             let mut ecn = t.ecn.map(|e| e.bits());
             if ecn.is_some() && self.draw(imp.ce) {
@@ -828,6 +850,14 @@ impl Net {
     /// Deliver raw bytes to endpoint `to` as if sent from `from`, `after` from now.
     pub fn inject_raw(&mut self, to: usize, from: SocketAddr, data: Vec<u8>, after: Duration) {
         self.push(self.now + after, to, from, None, data);
+    }
+
+    /// Hand `data` to endpoint `to` now, as if it came from `from` (no ECN), and collect
+    /// the events it causes.
+    pub fn deliver(&mut self, to: usize, from: SocketAddr, data: &[u8]) {
+        let local = self.addrs[to].ip();
+        self.eps[to].handle_datagram(self.now, from, Some(local), None, data);
+        self.collect_events(to);
     }
 
     /// Packets in flight.
@@ -920,6 +950,15 @@ impl Net {
         );
         while self.queue.peek().is_some_and(|p| p.at.0 <= self.now) {
             let p = self.queue.pop().unwrap();
+            if let Some(mut hook) = self.deliver_hook.take() {
+                hook(self, p.to, p.from, &p.data);
+                if self.deliver_hook.is_none() {
+                    self.deliver_hook = Some(hook);
+                }
+            }
+            if self.log_delivered {
+                self.delivered_log.push((p.to, p.from, p.data.clone()));
+            }
             self.delivered += 1;
             let local = self.addrs[p.to].ip();
             self.eps[p.to].handle_datagram(
