@@ -511,6 +511,12 @@ pub struct Net {
     pub drop_hook: Option<DropHook>,
     /// Called on every datagram about to be delivered.
     pub deliver_hook: Option<DeliverHook>,
+    /// Link rate of each direction in bit/s (datagram bytes plus 66 bytes of Ethernet, IP
+    /// and UDP framing): a datagram leaves when the sender's link is free and takes its
+    /// serialization time, then the one-way `delay`. `None` (the default): no rate limit,
+    /// every datagram leaves at once.
+    pub rate_bps: Option<u64>,
+    link_free: [Instant; 2],
     /// Whether to log every delivered datagram in [`Net::delivered_log`].
     pub log_delivered: bool,
     /// Every datagram delivered while [`Net::log_delivered`] was set: `(to, from, bytes)`.
@@ -570,6 +576,8 @@ impl Net {
             wire: Vec::new(),
             drop_hook: None,
             deliver_hook: None,
+            rate_bps: None,
+            link_free: [now, now],
             log_delivered: false,
             delivered_log: Vec::new(),
         }
@@ -664,8 +672,9 @@ impl Net {
                 self.dropped += 1;
                 continue;
             }
+            let depart = self.departure(from_idx, chunk.len());
             if self.impaired {
-                self.enqueue_impaired(to, from, t, chunk);
+                self.enqueue_impaired(depart, to, from, t, chunk);
                 continue;
             }
             let mut drop = false;
@@ -784,7 +793,7 @@ impl Net {
                 self.dropped += 1;
                 continue;
             }
-            let base = self.now + self.delay + extra;
+            let base = depart + self.delay + extra;
             let first = match hold {
                 Some(h) => base + h,
                 None => base,
@@ -800,7 +809,26 @@ impl Net {
 
     /// The simple impairments ([`Impair`]), drawn in a fixed order per datagram: loss, then
     /// duplication, then per copy reordering and CE marking.
-    fn enqueue_impaired(&mut self, to: usize, from: SocketAddr, t: &Transmit, chunk: &[u8]) {
+    /// When a datagram of `len` bytes sent now by endpoint `i` has left its link.
+    fn departure(&mut self, i: usize, len: usize) -> Instant {
+        let Some(rate) = self.rate_bps.filter(|&r| r > 0) else {
+            return self.now;
+        };
+        let bits = (len as u64 + 66) * 8;
+        let ser = Duration::from_nanos(bits.saturating_mul(1_000_000_000) / rate);
+        let at = self.link_free[i].max(self.now) + ser;
+        self.link_free[i] = at;
+        at
+    }
+
+    fn enqueue_impaired(
+        &mut self,
+        depart: Instant,
+        to: usize,
+        from: SocketAddr,
+        t: &Transmit,
+        chunk: &[u8],
+    ) {
         let imp = self.impair;
         if imp.blackhole || imp.blackhole_port == Some(t.src_port) || self.draw(imp.loss) {
             self.dropped += 1;
@@ -808,7 +836,7 @@ impl Net {
         }
         let copies = if self.draw(imp.dup) { 2 } else { 1 };
         for _ in 0..copies {
-            let mut at = self.now + self.delay;
+            let mut at = depart + self.delay;
             if self.draw(imp.reorder) {
                 let slots = if imp.reorder_slots == 0 {
                     5
