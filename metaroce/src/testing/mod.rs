@@ -460,9 +460,9 @@ pub const MAX_STEPS: u64 = 5_000_000;
 
 /// Two endpoints, a virtual clock, an impaired in-memory network.
 pub struct Net {
-    pub eps: [Endpoint; 2],
-    pub configs: [EndpointConfig; 2],
-    pub addrs: [SocketAddr; 2],
+    pub eps: Vec<Endpoint>,
+    pub configs: Vec<EndpointConfig>,
+    pub addrs: Vec<SocketAddr>,
     pub now: Instant,
     pub start: Instant,
     /// One-way delay of every packet.
@@ -472,18 +472,20 @@ pub struct Net {
     queue: BinaryHeap<InFlight>,
     seq: u64,
     /// Events of the current incarnation of each endpoint, in order.
-    pub events: [Vec<Event>; 2],
+    pub events: Vec<Vec<Event>>,
     /// Virtual time of each event in `events`.
-    pub event_times: [Vec<Instant>; 2],
+    pub event_times: Vec<Vec<Instant>>,
     /// Events of earlier incarnations (one vector per restart).
-    pub old_events: [Vec<Vec<Event>>; 2],
+    pub old_events: Vec<Vec<Vec<Event>>>,
     pub captured: Vec<Captured>,
     /// Datagrams handed to an endpoint.
     pub delivered: u64,
+    /// Datagrams handed to each endpoint (by index).
+    pub delivered_to: Vec<u64>,
     /// Datagrams dropped by rules (captures included).
     pub dropped: u64,
     /// Datagrams sent, by sender and kind.
-    pub sent: [HashMap<Kind, u64>; 2],
+    pub sent: Vec<HashMap<Kind, u64>>,
     pub steps: u64,
     /// Memory to copy the moment a completion (or receive completion) with this wr_id is
     /// polled from endpoint `i`: key `(i, wr_id)`, value `(lkey, offset, len)`. Events are
@@ -498,7 +500,7 @@ pub struct Net {
     pub imm_snaps: Vec<(u32, Vec<u8>)>,
     /// The counters of every connection of endpoint `i` as of the last datagram or timer:
     /// they stay readable after the connection ended.
-    pub last_stats: [HashMap<ConnectionHandle, crate::ConnectionStats>; 2],
+    pub last_stats: Vec<HashMap<ConnectionHandle, crate::ConnectionStats>>,
     /// The simple impairments; they apply (instead of the rules) when the net was made with
     /// [`Net::impaired`].
     pub impair: Impair,
@@ -509,6 +511,11 @@ pub struct Net {
     pub wire: Vec<Sent>,
     /// Called on every datagram sent, before any impairment; `true` drops it.
     pub drop_hook: Option<DropHook>,
+    /// Keep the datagrams [`Net::drop_hook`] dropped in [`Net::held`] (default off).
+    pub keep_held: bool,
+    /// The datagrams the drop hook dropped while `keep_held` was set, in sending order
+    /// (deliver them later with [`Net::deliver`] or [`Net::inject_raw`]).
+    pub held: Vec<Sent>,
     /// Called on every datagram about to be delivered.
     pub deliver_hook: Option<DeliverHook>,
     /// Link rate of each direction in bit/s (datagram bytes plus 66 bytes of Ethernet, IP
@@ -516,7 +523,7 @@ pub struct Net {
     /// serialization time, then the one-way `delay`. `None` (the default): no rate limit,
     /// every datagram leaves at once.
     pub rate_bps: Option<u64>,
-    link_free: [Instant; 2],
+    link_free: Vec<Instant>,
     /// Whether to log every delivered datagram in [`Net::delivered_log`].
     pub log_delivered: bool,
     /// Every datagram delivered while [`Net::log_delivered`] was set: `(to, from, bytes)`.
@@ -540,15 +547,26 @@ impl Net {
         Self::with_configs(seed, config(0, seed), config(1, seed))
     }
 
+    /// Two endpoints with the given configurations.
     pub fn with_configs(seed: u64, a: EndpointConfig, b: EndpointConfig) -> Net {
+        Self::with_all_configs(seed, vec![a, b])
+    }
+
+    /// One endpoint per configuration (index = position), all on the one network; a
+    /// datagram goes to the endpoint whose `local_addr` is its destination.
+    ///
+    /// # Panics
+    /// If an endpoint cannot be built from its configuration.
+    pub fn with_all_configs(seed: u64, cfgs: Vec<EndpointConfig>) -> Net {
         let now = Instant::now();
-        let addrs = [a.local_addr, b.local_addr];
+        let n = cfgs.len();
+        let addrs = cfgs.iter().map(|c| c.local_addr).collect();
         Net {
-            eps: [
-                Endpoint::new(a.clone()).unwrap(),
-                Endpoint::new(b.clone()).unwrap(),
-            ],
-            configs: [a, b],
+            eps: cfgs
+                .iter()
+                .map(|c| Endpoint::new(c.clone()).unwrap())
+                .collect(),
+            configs: cfgs,
             addrs,
             now,
             start: now,
@@ -557,27 +575,30 @@ impl Net {
             rng: Xoshiro256PlusPlus::seed_from_u64(seed ^ 0x5EED_0F7E_5700),
             queue: BinaryHeap::new(),
             seq: 0,
-            events: [Vec::new(), Vec::new()],
-            event_times: [Vec::new(), Vec::new()],
-            old_events: [Vec::new(), Vec::new()],
+            events: vec![Vec::new(); n],
+            event_times: vec![Vec::new(); n],
+            old_events: vec![Vec::new(); n],
             captured: Vec::new(),
             delivered: 0,
+            delivered_to: vec![0; n],
             dropped: 0,
-            sent: [HashMap::new(), HashMap::new()],
+            sent: vec![HashMap::new(); n],
             steps: 0,
             snap_on: HashMap::new(),
             snaps: HashMap::new(),
             snap_on_imm: None,
             imm_snaps: Vec::new(),
-            last_stats: [HashMap::new(), HashMap::new()],
+            last_stats: vec![HashMap::new(); n],
             impair: Impair::default(),
             impaired: false,
             record: 0,
             wire: Vec::new(),
             drop_hook: None,
             deliver_hook: None,
+            keep_held: false,
+            held: Vec::new(),
             rate_bps: None,
-            link_free: [now, now],
+            link_free: vec![now; n],
             log_delivered: false,
             delivered_log: Vec::new(),
         }
@@ -670,6 +691,15 @@ impl Net {
             }
             if self.drop_hook.as_mut().is_some_and(|h| h(from_idx, chunk)) {
                 self.dropped += 1;
+                if self.keep_held {
+                    self.held.push(Sent {
+                        at: self.now,
+                        from_ep: from_idx,
+                        from,
+                        to,
+                        data: chunk.to_vec(),
+                    });
+                }
                 continue;
             }
             let depart = self.departure(from_idx, chunk.len());
@@ -883,6 +913,7 @@ impl Net {
     /// Hand `data` to endpoint `to` now, as if it came from `from` (no ECN), and collect
     /// the events it causes.
     pub fn deliver(&mut self, to: usize, from: SocketAddr, data: &[u8]) {
+        self.delivered_to[to] += 1;
         let local = self.addrs[to].ip();
         self.eps[to].handle_datagram(self.now, from, Some(local), None, data);
         self.collect_events(to);
@@ -905,12 +936,25 @@ impl Net {
         self.old_events[i].push(old);
     }
 
+    /// Replace endpoint `i` by a fresh one built from `cfg` (same address expected). Packets
+    /// in flight stay in flight and reach the new incarnation.
+    ///
+    /// # Panics
+    /// If the endpoint cannot be built from `cfg`.
+    pub fn restart_with(&mut self, i: usize, cfg: EndpointConfig) {
+        self.eps[i] = Endpoint::new(cfg.clone()).unwrap();
+        self.configs[i] = cfg;
+        let old = std::mem::take(&mut self.events[i]);
+        self.event_times[i].clear();
+        self.old_events[i].push(old);
+    }
+
     /// Send everything both endpoints want to send, collect events.
     pub fn flush(&mut self) {
         let mut buf = Vec::with_capacity(1 << 16);
         loop {
             let mut any = false;
-            for i in 0..2 {
+            for i in 0..self.eps.len() {
                 while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
                     any = true;
                     let data = std::mem::take(&mut buf);
@@ -922,7 +966,7 @@ impl Net {
                 break;
             }
         }
-        for i in 0..2 {
+        for i in 0..self.eps.len() {
             self.collect_events(i);
         }
     }
@@ -958,10 +1002,7 @@ impl Net {
     /// When something happens next (a packet arrives or a timer fires).
     pub fn next_event(&self) -> Option<Instant> {
         let next_pkt = self.queue.peek().map(|p| p.at.0);
-        let next_timer = [self.eps[0].poll_timeout(), self.eps[1].poll_timeout()]
-            .into_iter()
-            .flatten()
-            .min();
+        let next_timer = self.eps.iter().filter_map(Endpoint::poll_timeout).min();
         match (next_pkt, next_timer) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -988,6 +1029,7 @@ impl Net {
                 self.delivered_log.push((p.to, p.from, p.data.clone()));
             }
             self.delivered += 1;
+            self.delivered_to[p.to] += 1;
             let local = self.addrs[p.to].ip();
             self.eps[p.to].handle_datagram(
                 self.now,
@@ -998,7 +1040,7 @@ impl Net {
             );
             self.collect_events(p.to);
         }
-        for i in 0..2 {
+        for i in 0..self.eps.len() {
             if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
                 self.eps[i].handle_timeout(self.now);
                 self.collect_events(i);
@@ -1105,7 +1147,7 @@ impl Net {
         let limit = self.elapsed() + Duration::from_secs(10);
         let r = self.try_connect(limit);
         let (c, s) = r.unwrap_or_else(|| panic!("handshake did not complete: {:?}", self.events));
-        for i in 0..2 {
+        for i in 0..self.eps.len() {
             self.events[i].clear();
             self.event_times[i].clear();
         }
