@@ -78,6 +78,8 @@ pub enum Kind {
     Nak,
     /// 0xC6 MR_CLOSE.
     Close,
+    /// A standard RC opcode (0x00..=0x1F, IBA 9.2: RoCEv2 RC queue pairs on the endpoint).
+    Rc,
     /// Anything else.
     Other,
 }
@@ -90,6 +92,7 @@ impl Kind {
             0xC2..=0xC4 | 0xC7..=0xCB => Kind::Data,
             0xC5 => Kind::Nak,
             0xC6 => Kind::Close,
+            0x00..=0x1F => Kind::Rc,
             _ => Kind::Other,
         }
     }
@@ -413,6 +416,10 @@ pub struct Sent {
 /// [`Net::deliver`]. See [`Net::deliver_hook`].
 pub type DeliverHook = Box<dyn FnMut(&mut Net, usize, SocketAddr, &[u8])>;
 
+/// A hook that chooses the ECN codepoint a datagram is delivered with: `(datagram, codepoint
+/// it was sent with) -> codepoint delivered`. See [`Net::ecn_hook`].
+pub type EcnHook = Box<dyn FnMut(&[u8], Option<EcnCodepoint>) -> Option<EcnCodepoint>>;
+
 /// A hook over every datagram an endpoint sends: `(sender, datagram)`; returning `true`
 /// drops it. See [`Net::drop_hook`].
 pub type DropHook = Box<dyn FnMut(usize, &[u8]) -> bool>;
@@ -518,6 +525,9 @@ pub struct Net {
     pub held: Vec<Sent>,
     /// Called on every datagram about to be delivered.
     pub deliver_hook: Option<DeliverHook>,
+    /// Rewrites the ECN codepoint of every datagram delivered from the queue (a marking or
+    /// bleaching switch); `None`: delivered as sent (after the CE rules).
+    pub ecn_hook: Option<EcnHook>,
     /// Link rate of each direction in bit/s (datagram bytes plus 66 bytes of Ethernet, IP
     /// and UDP framing): a datagram leaves when the sender's link is free and takes its
     /// serialization time, then the one-way `delay`. `None` (the default): no rate limit,
@@ -595,6 +605,7 @@ impl Net {
             wire: Vec::new(),
             drop_hook: None,
             deliver_hook: None,
+            ecn_hook: None,
             keep_held: false,
             held: Vec::new(),
             rate_bps: None,
@@ -608,6 +619,15 @@ impl Net {
     /// defaults have them) over a network with the simple impairments `impair`.
     pub fn impaired(seed: u64, impair: Impair) -> Net {
         Self::impaired_with_configs(seed, impair, pair_config(0, seed), pair_config(1, seed))
+    }
+
+    /// One endpoint per configuration on a network with the simple impairments `impair`.
+    pub fn impaired_all(seed: u64, impair: Impair, cfgs: Vec<EndpointConfig>) -> Net {
+        let mut n = Self::with_all_configs(seed, cfgs);
+        n.rng = Xoshiro256PlusPlus::seed_from_u64(seed);
+        n.impair = impair;
+        n.impaired = true;
+        n
     }
 
     /// [`Net::impaired`] with the given configurations.
@@ -1031,13 +1051,11 @@ impl Net {
             self.delivered += 1;
             self.delivered_to[p.to] += 1;
             let local = self.addrs[p.to].ip();
-            self.eps[p.to].handle_datagram(
-                self.now,
-                p.from,
-                Some(local),
-                p.ecn.and_then(EcnCodepoint::from_bits),
-                &p.data,
-            );
+            let mut ecn = p.ecn.and_then(EcnCodepoint::from_bits);
+            if let Some(h) = self.ecn_hook.as_mut() {
+                ecn = h(&p.data, ecn);
+            }
+            self.eps[p.to].handle_datagram(self.now, p.from, Some(local), ecn, &p.data);
             self.collect_events(p.to);
         }
         for i in 0..self.eps.len() {
