@@ -5,11 +5,11 @@
 use metaroce::rocev2::{
     Completion, ConnectAttrs, QpInit, RcEvent, RcOpcode, RcWire, SendOp, SendWr,
 };
+use metaroce::testing::{pattern, Impair, Kind, Net};
 use metaroce::{
     Access, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event, ReadRequest, WcOpcode,
     WcStatus, WorkCompletion, WriteRequest,
 };
-use metaroce::testing::{pattern, Impair, Kind, Net};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -79,7 +79,6 @@ fn rc_wcs(n: &Net, i: usize) -> Vec<Completion> {
         })
         .collect()
 }
-
 
 fn rc_wr(wr_id: u64, op: SendOp, lkey: u32, local_offset: u64, len: u32) -> SendWr {
     SendWr {

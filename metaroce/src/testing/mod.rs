@@ -420,6 +420,8 @@ pub type DeliverHook = Box<dyn FnMut(&mut Net, usize, SocketAddr, &[u8])>;
 /// it was sent with) -> codepoint delivered`. See [`Net::ecn_hook`].
 pub type EcnHook = Box<dyn FnMut(&[u8], Option<EcnCodepoint>) -> Option<EcnCodepoint>>;
 
+type Filt<'a> = &'a mut dyn FnMut(usize, &[u8]) -> bool;
+
 /// A hook over every datagram an endpoint sends: `(sender, datagram)`; returning `true`
 /// drops it. See [`Net::drop_hook`].
 pub type DropHook = Box<dyn FnMut(usize, &[u8]) -> bool>;
@@ -689,7 +691,7 @@ impl Net {
         });
     }
 
-    fn enqueue(&mut self, from_idx: usize, t: &Transmit, data: &[u8]) {
+    fn enqueue(&mut self, from_idx: usize, t: &Transmit, data: &[u8], filter: Filt<'_>) {
         let Some(to) = self.addrs.iter().position(|a| *a == t.destination) else {
             return;
         };
@@ -720,6 +722,10 @@ impl Net {
                         data: chunk.to_vec(),
                     });
                 }
+                continue;
+            }
+            if filter(from_idx, chunk) {
+                self.dropped += 1;
                 continue;
             }
             let depart = self.departure(from_idx, chunk.len());
@@ -971,6 +977,10 @@ impl Net {
 
     /// Send everything both endpoints want to send, collect events.
     pub fn flush(&mut self) {
+        self.flush_with(&mut |_, _| false);
+    }
+
+    fn flush_with(&mut self, filter: Filt<'_>) {
         let mut buf = Vec::with_capacity(1 << 16);
         loop {
             let mut any = false;
@@ -978,7 +988,7 @@ impl Net {
                 while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
                     any = true;
                     let data = std::mem::take(&mut buf);
-                    self.enqueue(i, &t, &data);
+                    self.enqueue(i, &t, &data, filter);
                     buf = data;
                 }
             }
@@ -1030,6 +1040,10 @@ impl Net {
     }
 
     fn process_now(&mut self) {
+        self.process_now_with(&mut |_, _| false);
+    }
+
+    fn process_now_with(&mut self, filter: Filt<'_>) {
         self.steps += 1;
         assert!(
             self.steps < MAX_STEPS,
@@ -1064,7 +1078,34 @@ impl Net {
                 self.collect_events(i);
             }
         }
-        self.flush();
+        self.flush_with(filter);
+    }
+
+    /// Exchange datagrams and fire timers until nothing is due within `d` of virtual time
+    /// from now, then set the clock to the end of that window (or leave it where the network
+    /// went quiet). `drop(sender, datagram)` decides which datagrams sent meanwhile are lost
+    /// (after [`Net::drop_hook`]; the datagram is still recorded). Returns whether the
+    /// network went quiet (no packet in flight, no timer armed).
+    pub fn run_dropping(
+        &mut self,
+        d: Duration,
+        mut drop: impl FnMut(usize, &[u8]) -> bool,
+    ) -> bool {
+        let end = self.now + d;
+        loop {
+            self.flush_with(&mut drop);
+            let Some(next) = self.next_event() else {
+                return true;
+            };
+            if next > end {
+                self.now = self.now.max(end);
+                return false;
+            }
+            if next > self.now {
+                self.now = next;
+            }
+            self.process_now_with(&mut drop);
+        }
     }
 
     /// Advance the virtual clock to the next packet arrival or timer and process it.
