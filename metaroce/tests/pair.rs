@@ -2,22 +2,11 @@
 //! loss, reordering and duplication.
 
 use bytes::Bytes;
+use metaroce::testing::pattern;
 use metaroce::testing::{Impair, Pair};
 use metaroce::{Access, Event, WcOpcode, WcStatus, WriteRequest};
 use std::collections::HashMap;
 use std::time::Duration;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// Post messages on several streams and check exactly-once, in-order delivery per stream
 /// and one successful completion per message in posting order.
