@@ -113,7 +113,7 @@ fn aead_connection_delivers_and_encrypts() {
             },
         )
         .unwrap();
-    assert!(n.run_until(Duration::from_secs(10), |n| statuses(&n, 0).len() == 21));
+    assert!(n.run_until(Duration::from_secs(10), |n| statuses(n, 0).len() == 21));
     assert!(statuses(&n, 0).iter().all(|s| *s == WcStatus::Success));
     let got = received(&n, 1);
     assert_eq!(got.len(), msgs.len());
@@ -188,7 +188,7 @@ fn every_tampered_packet_is_rejected_and_counted() {
             inj.set(k);
         }
     }));
-    assert!(n.run_until(Duration::from_secs(10), |n| statuses(&n, 0).len() == 4));
+    assert!(n.run_until(Duration::from_secs(10), |n| statuses(n, 0).len() == 4));
     n.deliver_hook = None;
     assert!(statuses(&n, 0).iter().all(|s| *s == WcStatus::Success));
     let got = received(&n, 1);
@@ -243,7 +243,7 @@ fn replayed_packets_are_rejected() {
             },
         )
         .unwrap();
-    assert!(n.run_until(Duration::from_secs(10), |n| statuses(&n, 0).len() == 2));
+    assert!(n.run_until(Duration::from_secs(10), |n| statuses(n, 0).len() == 2));
     n.run_until(Duration::from_millis(50), |_| false);
     n.log_delivered = false;
     // Wipe the target so a replayed WRITE would show.
@@ -444,7 +444,7 @@ fn unprotected_packet_on_aead_connection_is_dropped() {
     n.eps[0]
         .post_send(c, 0, 1, Bytes::from_static(b"genuine"))
         .unwrap();
-    assert!(n.run_until(Duration::from_secs(2), |n| !received(&n, 1).is_empty()));
+    assert!(n.run_until(Duration::from_secs(2), |n| !received(n, 1).is_empty()));
     assert_eq!(forged.get(), 2);
     assert_eq!(&received(&n, 1)[0][..], b"genuine");
     assert_eq!(

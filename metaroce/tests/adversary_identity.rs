@@ -416,7 +416,7 @@ fn assert_sends_delivered(
     assert!(wcs
         .iter()
         .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Send));
-    let msgs = msgs(&net, j, s);
+    let msgs = msgs(net, j, s);
     assert_eq!(msgs.len(), 10, "every Success is a delivered message");
     for (k, m) in msgs.iter().enumerate() {
         assert_eq!(&m[..], &vec![tag ^ k as u8; 3000][..]);

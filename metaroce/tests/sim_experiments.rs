@@ -485,7 +485,7 @@ fn plane_failure_moves_paths_and_they_come_back() {
     assert_eq!(sim.host_stats(a).connections_lost, 0);
     assert_eq!(
         sim.endpoint(b).mr_read(lkeys[0], 0, len as u64).unwrap(),
-        &pattern(0 as u64, len)[..]
+        &pattern(0_u64, len)[..]
     );
     assert_eq!(min_on_failed, 0, "paths left the failed plane");
     assert!(
