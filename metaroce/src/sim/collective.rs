@@ -83,17 +83,9 @@ pub struct CollectiveRun {
     pub rtos: u64,
 }
 
-/// The input of rank `r`: deterministic bytes.
+/// The input of rank `r`: deterministic bytes ([`crate::testing::pattern`]).
 fn input(r: usize, len: usize) -> Vec<u8> {
-    let mut x = (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    crate::testing::pattern(r as u64 + 1, len)
 }
 
 const AG: u32 = 1 << 31;
