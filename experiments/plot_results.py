@@ -4,6 +4,14 @@
     pip install matplotlib
     python3 experiments/plot_results.py [results.json] [outdir]
 
+    python3 experiments/plot_results.py --collectives [collectives.json]
+
+The second form plots experiments/sim/results/collectives.json (written by
+`cargo run --release -p metaroce --features sim --example sim_collectives`) as
+docs/results/sim_collectives.png: completion time over the ideal per collective, transport
+and condition. It uses matplotlib when installed; otherwise it writes the bar chart as an SVG
+by hand and converts it with ImageMagick's `convert` (the SVG stays beside the PNG).
+
 Writes docs/results/exp1_paths.png, exp2_loss.png, exp3_stall.png, exp4_ecn.png and, when
 experiments/netns/results-exp3x8.json exists (run.sh --reps 8 --only exp3 --tag exp3x8),
 exp3_stall_runs.png; when experiments/netns/results-exp1r.json exists (run.sh --reps 10
@@ -16,12 +24,18 @@ import statistics
 import sys
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: E402
+except ImportError:  # the --collectives plot has a hand-written SVG fallback
+    plt = None
 
 ROOT = Path(__file__).resolve().parent.parent
+COLLECTIVES = "--collectives" in sys.argv[1:]
+if COLLECTIVES:
+    sys.argv.remove("--collectives")
 RESULTS = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "experiments/netns/results.json"
 OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/results"
 
@@ -319,7 +333,113 @@ def exp1r(path, extra=()):
     fig.savefig(OUT / "exp1r_rebalance.png", dpi=120)
 
 
+COND_COLORS = {
+    "clean": "#4c72b0",
+    "1% loss": "#dd8452",
+    "failed spine link": "#c44e52",
+    "failed, rto 200us": "#8172b3",
+}
+
+
+def collectives(path):
+    """Completion time / ideal, grouped by (collective, transport), one bar per condition,
+    log scale."""
+    import math
+    import subprocess
+
+    doc = json.loads(path.read_text())
+    runs = doc["runs"]
+    groups = []
+    for r in runs:
+        g = (r["collective"], r["transport"])
+        if g not in groups:
+            groups.append(g)
+    conds = []
+    for r in runs:
+        if r["condition"] not in conds:
+            conds.append(r["condition"])
+    val = {(r["collective"], r["transport"], r["condition"]): r["ratio_to_ideal"] for r in runs}
+    ok = {(r["collective"], r["transport"], r["condition"]): r["data_ok"] for r in runs}
+    title = (f"{doc['hosts']} hosts, {doc['planes']} planes, "
+             f"{doc['host_gbps_per_plane']} Gbit/s per host per plane: completion time / ideal")
+    png = OUT / "sim_collectives.png"
+    OUT.mkdir(parents=True, exist_ok=True)
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        w = 0.8 / len(conds)
+        for ci, c in enumerate(conds):
+            xs = [gi + ci * w for gi in range(len(groups))]
+            ys = [val.get((g[0], g[1], c), float("nan")) for g in groups]
+            ax.bar(xs, ys, w, label=c, color=COND_COLORS.get(c))
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([gi + 0.4 - w / 2 for gi in range(len(groups))])
+        ax.set_xticklabels([f"{a}\n{b}" for a, b in groups])
+        ax.set_ylabel("time / ideal (log)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        print("wrote", png)
+        return
+    # Hand-written SVG: log-scale bars from 1x to the next power of ten above the maximum.
+    W, H, L, R, T, B = 1000, 460, 70, 20, 40, 80
+    top = 10 ** math.ceil(math.log10(max(max(val.values()), 1.0001)))
+    def y(v):
+        v = max(v, 1.0)
+        return T + (H - T - B) * (1 - math.log10(v) / math.log10(top))
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>']
+    d = 1
+    while d <= top:
+        yy = y(d)
+        out.append(f'<line x1="{L}" x2="{W - R}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#ccc"/>')
+        out.append(f'<text x="{L - 6}" y="{yy + 4:.1f}" text-anchor="end">{d}x</text>')
+        d *= 10
+    out.append(f'<text x="16" y="{(H - B + T) / 2}" transform="rotate(-90 16 {(H - B + T) / 2})" '
+               f'text-anchor="middle">time / ideal (log)</text>')
+    gw = (W - L - R) / len(groups)
+    bw = gw * 0.8 / len(conds)
+    for gi, g in enumerate(groups):
+        x0 = L + gi * gw + gw * 0.1
+        for ci, c in enumerate(conds):
+            v = val.get((g[0], g[1], c))
+            if v is None:
+                continue
+            x = x0 + ci * bw
+            yy = y(v)
+            out.append(f'<rect x="{x:.1f}" y="{yy:.1f}" width="{bw - 2:.1f}" '
+                       f'height="{H - B - yy:.1f}" fill="{COND_COLORS.get(c, "#777")}"/>')
+            label = f"{v:.1f}" + ("" if ok.get((g[0], g[1], c)) else " BAD")
+            out.append(f'<text x="{x + bw / 2 - 1:.1f}" y="{yy - 4:.1f}" text-anchor="middle" '
+                       f'font-size="10">{label}</text>')
+        cx = L + gi * gw + gw / 2
+        out.append(f'<text x="{cx:.1f}" y="{H - B + 18}" text-anchor="middle">{g[0]}</text>')
+        out.append(f'<text x="{cx:.1f}" y="{H - B + 34}" text-anchor="middle">{g[1]}</text>')
+    lx = L
+    for c in conds:
+        out.append(f'<rect x="{lx}" y="{H - 24}" width="12" height="12" '
+                   f'fill="{COND_COLORS.get(c, "#777")}"/>')
+        out.append(f'<text x="{lx + 16}" y="{H - 14}">{c}</text>')
+        lx += 40 + 8 * len(c)
+    out.append("</svg>")
+    svg = OUT / "sim_collectives.svg"
+    svg.write_text("\n".join(out) + "\n")
+    print("wrote", svg)
+    try:
+        subprocess.run(["convert", str(svg), str(png)], check=True)
+        print("wrote", png)
+    except (OSError, subprocess.CalledProcessError) as e:
+        print("no PNG (install matplotlib or ImageMagick):", e)
+
+
 def main():
+    if COLLECTIVES:
+        default = ROOT / "experiments/sim/results/collectives.json"
+        collectives(RESULTS if len(sys.argv) > 1 else default)
+        return
     doc = json.loads(RESULTS.read_text())
     OUT.mkdir(parents=True, exist_ok=True)
     exp1(doc)

@@ -74,6 +74,8 @@ pub mod rocev2;
 pub(crate) mod secret;
 #[cfg(feature = "sim")]
 pub mod sim;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod transmit;
 pub mod wire;
 

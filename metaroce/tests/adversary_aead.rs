@@ -6,18 +6,12 @@
 
 use bytes::Bytes;
 use metaroce::crypto::{PacketProtectionKey, ProtectionConfig};
+use metaroce::testing::{pattern, Impair};
 use metaroce::wire::icrc::{self, IpHeader};
 use metaroce::wire::{Packet, Trailer};
-use metaroce::{
-    Access, ConnectionError, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event,
-    WcStatus, WriteRequest,
-};
-use rand_core::{RngCore, SeedableRng};
-use rand_xoshiro::Xoshiro256PlusPlus;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use metaroce::{Access, ConnectionError, EndpointConfig, Event, WcStatus, WriteRequest};
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const KEY: [u8; 16] = *b"metaroce test k!";
 
@@ -34,201 +28,49 @@ fn config(i: usize, seed: u64, key: Option<&[u8]>) -> EndpointConfig {
     c
 }
 
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct InFlight {
-    at: Reverse<Instant>,
-    seq: Reverse<u64>,
-    to: usize,
-    from: SocketAddr,
-    data: Vec<u8>,
+/// The test network (`metaroce::testing::Net`, simple impairments, none by default).
+type Net = metaroce::testing::Net;
+
+fn net(seed: u64, a: EndpointConfig, b: EndpointConfig) -> Net {
+    Net::impaired_with_configs(
+        seed,
+        Impair {
+            reorder_slots: 8,
+            ..Impair::default()
+        },
+        a,
+        b,
+    )
 }
 
-/// What the wire does to a datagram about to be delivered.
-type Tap = Box<dyn FnMut(&mut Net, usize, SocketAddr, &[u8])>;
-
-struct Net {
-    eps: [Endpoint; 2],
-    addrs: [SocketAddr; 2],
-    now: Instant,
-    start: Instant,
-    delay: Duration,
-    loss: f64,
-    reorder: f64,
-    rng: Xoshiro256PlusPlus,
-    queue: BinaryHeap<InFlight>,
-    seq: u64,
-    events: [Vec<Event>; 2],
-    /// Every datagram delivered: (to, from, bytes).
-    captured: Vec<(usize, SocketAddr, Vec<u8>)>,
-    capture: bool,
-    tap: Option<Tap>,
+fn aead(seed: u64) -> Net {
+    net(
+        seed,
+        config(0, seed, Some(&KEY)),
+        config(1, seed, Some(&KEY)),
+    )
 }
 
-impl Net {
-    fn new(seed: u64, a: EndpointConfig, b: EndpointConfig) -> Net {
-        let now = Instant::now();
-        Net {
-            addrs: [a.local_addr, b.local_addr],
-            eps: [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()],
-            now,
-            start: now,
-            delay: Duration::from_micros(10),
-            loss: 0.0,
-            reorder: 0.0,
-            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
-            queue: BinaryHeap::new(),
-            seq: 0,
-            events: [Vec::new(), Vec::new()],
-            captured: Vec::new(),
-            capture: false,
-            tap: None,
-        }
-    }
+/// Statuses of every completion on endpoint `i`.
+fn statuses(n: &Net, i: usize) -> Vec<WcStatus> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { wc, .. } => Some(wc.status),
+            _ => None,
+        })
+        .collect()
+}
 
-    fn aead(seed: u64) -> Net {
-        Net::new(
-            seed,
-            config(0, seed, Some(&KEY)),
-            config(1, seed, Some(&KEY)),
-        )
-    }
-
-    fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && (self.rng.next_u64() as f64 / u64::MAX as f64) < p
-    }
-
-    fn flush(&mut self) {
-        let mut buf = Vec::with_capacity(1 << 16);
-        loop {
-            let mut any = false;
-            for i in 0..2 {
-                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
-                    any = true;
-                    let Some(to) = self.addrs.iter().position(|a| *a == t.destination) else {
-                        continue;
-                    };
-                    let from = SocketAddr::new(self.addrs[i].ip(), t.src_port);
-                    let seg = t.segment_size.unwrap_or(t.size);
-                    for chunk in buf[..t.size].chunks(seg) {
-                        if self.chance(self.loss) {
-                            continue;
-                        }
-                        let mut at = self.now + self.delay;
-                        if self.chance(self.reorder) {
-                            at += self.delay * (1 + self.rng.next_u32() % 8);
-                        }
-                        self.seq += 1;
-                        self.queue.push(InFlight {
-                            at: Reverse(at),
-                            seq: Reverse(self.seq),
-                            to,
-                            from,
-                            data: chunk.to_vec(),
-                        });
-                    }
-                }
-            }
-            if !any {
-                break;
-            }
-        }
-        for i in 0..2 {
-            while let Some(e) = self.eps[i].poll_event() {
-                self.events[i].push(e);
-            }
-        }
-    }
-
-    /// Hand a datagram to endpoint `to` now, as if it came from `from`.
-    fn deliver(&mut self, to: usize, from: SocketAddr, data: &[u8]) {
-        let local = self.addrs[to].ip();
-        self.eps[to].handle_datagram(self.now, from, Some(local), None::<EcnCodepoint>, data);
-    }
-
-    fn step(&mut self) -> bool {
-        self.flush();
-        let next_pkt = self.queue.peek().map(|p| p.at.0);
-        let next_timer = [self.eps[0].poll_timeout(), self.eps[1].poll_timeout()]
-            .into_iter()
-            .flatten()
-            .min();
-        let next = match (next_pkt, next_timer) {
-            (Some(a), Some(b)) => a.min(b),
-            (Some(a), None) | (None, Some(a)) => a,
-            (None, None) => return false,
-        };
-        self.now = self.now.max(next);
-        while self.queue.peek().is_some_and(|p| p.at.0 <= self.now) {
-            let p = self.queue.pop().unwrap();
-            if let Some(mut tap) = self.tap.take() {
-                tap(self, p.to, p.from, &p.data);
-                self.tap = Some(tap);
-            }
-            if self.capture {
-                self.captured.push((p.to, p.from, p.data.clone()));
-            }
-            self.deliver(p.to, p.from, &p.data);
-        }
-        for i in 0..2 {
-            if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
-                self.eps[i].handle_timeout(self.now);
-            }
-        }
-        self.flush();
-        true
-    }
-
-    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Net) -> bool) -> bool {
-        while self.now - self.start < limit {
-            if done(self) {
-                return true;
-            }
-            if !self.step() {
-                return done(self);
-            }
-        }
-        done(self)
-    }
-
-    fn connect(&mut self) -> (ConnectionHandle, ConnectionHandle) {
-        let c = self.eps[0].connect(self.now, self.addrs[1], None).unwrap();
-        let ok = self.run_until(Duration::from_secs(5), |n| {
-            n.events[0]
-                .iter()
-                .any(|e| matches!(e, Event::Connected(h) if *h == c))
-                && n.events[1].iter().any(|e| matches!(e, Event::Incoming(_)))
-        });
-        assert!(ok, "handshake did not complete: {:?}", self.events);
-        let s = self.events[1]
-            .iter()
-            .find_map(|e| match e {
-                Event::Incoming(h) => Some(*h),
-                _ => None,
-            })
-            .unwrap();
-        self.events = [Vec::new(), Vec::new()];
-        (c, s)
-    }
-
-    fn completions(&self, i: usize) -> Vec<WcStatus> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Completion { wc, .. } => Some(wc.status),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn messages(&self, i: usize) -> Vec<Bytes> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Message { data, .. } => Some(data.clone()),
-                _ => None,
-            })
-            .collect()
-    }
+/// Every message received on endpoint `i`.
+fn received(n: &Net, i: usize) -> Vec<Bytes> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message { data, .. } => Some(data.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Recompute the ICRC of a datagram travelling `from` → `to`, so that only the AEAD check
@@ -238,22 +80,10 @@ fn restamp(from: SocketAddr, to: SocketAddr, data: &mut [u8]) {
     icrc::stamp(&ip, from.port(), to.port(), data).unwrap();
 }
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 #[test]
 fn aead_connection_delivers_and_encrypts() {
-    let mut n = Net::aead(1);
-    n.capture = true;
+    let mut n = aead(1);
+    n.log_delivered = true;
     let (c, s) = n.connect();
     let msgs: Vec<Vec<u8>> = (0..20)
         .map(|i| pattern(i, 100 + 777 * i as usize))
@@ -283,9 +113,9 @@ fn aead_connection_delivers_and_encrypts() {
             },
         )
         .unwrap();
-    assert!(n.run_until(Duration::from_secs(10), |n| n.completions(0).len() == 21));
-    assert!(n.completions(0).iter().all(|s| *s == WcStatus::Success));
-    let got = n.messages(1);
+    assert!(n.run_until(Duration::from_secs(10), |n| statuses(n, 0).len() == 21));
+    assert!(statuses(&n, 0).iter().all(|s| *s == WcStatus::Success));
+    let got = received(&n, 1);
     assert_eq!(got.len(), msgs.len());
     for (g, m) in got.iter().zip(&msgs) {
         assert_eq!(&g[..], &m[..]);
@@ -297,7 +127,7 @@ fn aead_connection_delivers_and_encrypts() {
     // On the wire: every packet after the handshake has an AEAD trailer, and no 16-byte
     // run of the WRITE's or the messages' plaintext appears anywhere.
     let mut protected = 0;
-    for (_, _, d) in &n.captured {
+    for (_, _, d) in &n.delivered_log {
         let p = Packet::parse(d).unwrap();
         if p.bth.opcode == metaroce::wire::Opcode::MR_CONNECT {
             assert_eq!(p.trailer, Trailer::None);
@@ -326,7 +156,7 @@ fn aead_connection_delivers_and_encrypts() {
 /// delivered after all its tampered copies, is still accepted and the transfer completes.
 #[test]
 fn every_tampered_packet_is_rejected_and_counted() {
-    let mut n = Net::aead(2);
+    let mut n = aead(2);
     let (c, s) = n.connect();
     let msgs: Vec<Vec<u8>> = (0..4).map(|i| pattern(i, 3000)).collect();
     for (i, m) in msgs.iter().enumerate() {
@@ -338,7 +168,7 @@ fn every_tampered_packet_is_rejected_and_counted() {
     let genuine = std::rc::Rc::new(std::cell::Cell::new([0u64; 2]));
     let inj = injected.clone();
     let gen = genuine.clone();
-    n.tap = Some(Box::new(move |n: &mut Net, to, from, data| {
+    n.deliver_hook = Some(Box::new(move |n: &mut Net, to, from, data| {
         let dst = n.addrs[to];
         if data[0] != metaroce::wire::Opcode::MR_CONNECT.0 {
             let mut g = gen.get();
@@ -358,10 +188,10 @@ fn every_tampered_packet_is_rejected_and_counted() {
             inj.set(k);
         }
     }));
-    assert!(n.run_until(Duration::from_secs(10), |n| n.completions(0).len() == 4));
-    n.tap = None;
-    assert!(n.completions(0).iter().all(|s| *s == WcStatus::Success));
-    let got = n.messages(1);
+    assert!(n.run_until(Duration::from_secs(10), |n| statuses(n, 0).len() == 4));
+    n.deliver_hook = None;
+    assert!(statuses(&n, 0).iter().all(|s| *s == WcStatus::Success));
+    let got = received(&n, 1);
     assert_eq!(got.len(), 4);
     for (g, m) in got.iter().zip(&msgs) {
         assert_eq!(&g[..], &m[..]);
@@ -387,8 +217,8 @@ fn every_tampered_packet_is_rejected_and_counted() {
 
 #[test]
 fn replayed_packets_are_rejected() {
-    let mut n = Net::aead(3);
-    n.capture = true;
+    let mut n = aead(3);
+    n.log_delivered = true;
     let (c, s) = n.connect();
     let src = pattern(5, 32 * 1024);
     let local = n.eps[0].register_mr(src.clone(), Access::LOCAL_WRITE);
@@ -413,9 +243,9 @@ fn replayed_packets_are_rejected() {
             },
         )
         .unwrap();
-    assert!(n.run_until(Duration::from_secs(10), |n| n.completions(0).len() == 2));
+    assert!(n.run_until(Duration::from_secs(10), |n| statuses(n, 0).len() == 2));
     n.run_until(Duration::from_millis(50), |_| false);
-    n.capture = false;
+    n.log_delivered = false;
     // Wipe the target so a replayed WRITE would show.
     n.eps[1]
         .mr_write(remote.lkey, 0, &[0u8; 32 * 1024])
@@ -423,7 +253,7 @@ fn replayed_packets_are_rejected() {
     let before: Vec<_> = (0..2).map(|i| n.eps[i].stats()).collect();
     let ev = [n.events[0].len(), n.events[1].len()];
     let replays: Vec<_> = n
-        .captured
+        .delivered_log
         .iter()
         .filter(|(_, _, d)| {
             Packet::parse(d).unwrap().bth.opcode != metaroce::wire::Opcode::MR_CONNECT
@@ -481,9 +311,9 @@ fn key_rotation_case(seed: u64) {
             .unwrap()
             .key_update_packets = 300;
     }
-    let mut n = Net::new(seed, a, b);
-    n.reorder = 0.3;
-    n.loss = 0.01;
+    let mut n = net(seed, a, b);
+    n.impair.reorder = 0.3;
+    n.impair.loss = 0.01;
     let (c, s) = n.connect();
     let len = 4 << 20;
     let src = pattern(6, len);
@@ -513,8 +343,8 @@ fn key_rotation_case(seed: u64) {
     let mut steps = 0u64;
     let mut requested = 0;
     let done = loop {
-        if n.completions(0).len() == ops || n.now - n.start > Duration::from_secs(60) {
-            break n.completions(0).len() == ops;
+        if statuses(&n, 0).len() == ops || n.now - n.start > Duration::from_secs(60) {
+            break statuses(&n, 0).len() == ops;
         }
         if !n.step() {
             break false;
@@ -527,13 +357,13 @@ fn key_rotation_case(seed: u64) {
             requested += 1;
         }
     };
-    assert!(done, "{} of {ops} completed", n.completions(0).len());
-    assert!(n.completions(0).iter().all(|s| *s == WcStatus::Success));
+    assert!(done, "{} of {ops} completed", statuses(&n, 0).len());
+    assert!(statuses(&n, 0).iter().all(|s| *s == WcStatus::Success));
     assert_eq!(
         n.eps[1].mr_read(remote.lkey, 0, len as u64).unwrap(),
         &src[..]
     );
-    assert_eq!(n.messages(1).len(), ops / 2);
+    assert_eq!(received(&n, 1).len(), ops / 2);
     let cs = n.eps[0].connection_stats(c).unwrap().protection.unwrap();
     let ss = n.eps[1].connection_stats(s).unwrap().protection.unwrap();
     println!("client {cs:?}\nserver {ss:?}\napplication requests {requested}");
@@ -563,7 +393,7 @@ fn lost_reason(events: &[Event]) -> Option<ConnectionError> {
 #[test]
 fn aead_peer_vs_plain_peer_is_rejected() {
     for (ka, kb) in [(Some(&KEY[..]), None), (None, Some(&KEY[..]))] {
-        let mut n = Net::new(5, config(0, 5, ka), config(1, 5, kb));
+        let mut n = net(5, config(0, 5, ka), config(1, 5, kb));
         let c = n.eps[0].connect(n.now, n.addrs[1], None).unwrap();
         n.eps[0]
             .post_send(c, 0, 1, Bytes::from_static(b"secret"))
@@ -582,7 +412,7 @@ fn aead_peer_vs_plain_peer_is_rejected() {
             n.events[0]
         );
         assert!(!n.events[1].iter().any(|e| matches!(e, Event::Incoming(_))));
-        assert!(n.messages(1).is_empty());
+        assert!(received(&n, 1).is_empty());
         assert_eq!(n.eps[1].stats().rejected, 1);
     }
 }
@@ -593,11 +423,11 @@ fn aead_peer_vs_plain_peer_is_rejected() {
 /// of single packets. If it were accepted, its payload would be the message.
 #[test]
 fn unprotected_packet_on_aead_connection_is_dropped() {
-    let mut n = Net::aead(6);
+    let mut n = aead(6);
     let (c, _s) = n.connect();
     let forged = std::rc::Rc::new(std::cell::Cell::new(0u64));
     let f = forged.clone();
-    n.tap = Some(Box::new(move |n: &mut Net, to, from, data| {
+    n.deliver_hook = Some(Box::new(move |n: &mut Net, to, from, data| {
         let Ok(p) = Packet::parse(data) else { return };
         if to != 1 || p.bth.opcode != metaroce::wire::Opcode::MR_SEND || f.get() > 0 {
             return;
@@ -614,9 +444,9 @@ fn unprotected_packet_on_aead_connection_is_dropped() {
     n.eps[0]
         .post_send(c, 0, 1, Bytes::from_static(b"genuine"))
         .unwrap();
-    assert!(n.run_until(Duration::from_secs(2), |n| !n.messages(1).is_empty()));
+    assert!(n.run_until(Duration::from_secs(2), |n| !received(n, 1).is_empty()));
     assert_eq!(forged.get(), 2);
-    assert_eq!(&n.messages(1)[0][..], b"genuine");
+    assert_eq!(&received(&n, 1)[0][..], b"genuine");
     assert_eq!(
         n.eps[1].stats().aead_auth_failures,
         2,

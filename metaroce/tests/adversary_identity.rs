@@ -4,14 +4,15 @@
 //! handshake flood. Sans-IO, virtual time, zero-delay network.
 
 use bytes::Bytes;
+use metaroce::testing::{DropHook, Net, Sent};
 use metaroce::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, PathEth, Reth};
 use metaroce::wire::{Trailer, WriteEth};
 use metaroce::{
-    Access, ConnectionError, ConnectionHandle, Endpoint, EndpointConfig, Event, RetryPolicy,
-    WcOpcode, WcStatus, WorkCompletion, WriteRequest,
+    Access, ConnectionError, ConnectionHandle, EndpointConfig, Event, RetryPolicy, WcOpcode,
+    WcStatus, WriteRequest,
 };
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const PORTS: [u16; 4] = [49152, 49153, 49154, 49155];
 
@@ -30,174 +31,75 @@ fn cfg(i: u8, seed: u64, secret: u8) -> EndpointConfig {
     c
 }
 
-/// Hook deciding whether a datagram from endpoint `from` is held back (captured, not
-/// delivered).
-type Hold = Box<dyn FnMut(usize, &[u8]) -> bool>;
+/// Hook deciding whether a datagram from endpoint `from` is held back (kept in
+/// `Net::held`, not delivered).
+type Hold = DropHook;
 
-struct Net {
-    eps: Vec<Endpoint>,
-    addrs: Vec<SocketAddr>,
-    now: Instant,
-    events: Vec<Vec<Event>>,
-    hold: Option<Hold>,
-    held: Vec<(usize, SocketAddr, Vec<u8>)>,
-    /// Datagrams delivered to each endpoint.
-    delivered: Vec<u64>,
+/// The test network (`metaroce::testing::Net`) with no delay: one endpoint per
+/// configuration.
+fn net_of(cfgs: Vec<EndpointConfig>) -> Net {
+    let mut n = Net::with_all_configs(0, cfgs);
+    n.delay = Duration::ZERO;
+    n.keep_held = true;
+    n
 }
 
-impl Net {
-    fn new(cfgs: Vec<EndpointConfig>) -> Net {
-        let addrs = cfgs.iter().map(|c| c.local_addr).collect();
-        let n = cfgs.len();
-        Net {
-            eps: cfgs
-                .into_iter()
-                .map(|c| Endpoint::new(c).unwrap())
-                .collect(),
-            addrs,
-            now: Instant::now(),
-            events: vec![Vec::new(); n],
-            hold: None,
-            held: Vec::new(),
-            delivered: vec![0; n],
-        }
-    }
+/// Deliver everything due now.
+fn pump(net: &mut Net) {
+    let now = net.now;
+    net.advance_to(now);
+}
 
-    fn restart(&mut self, i: usize, c: EndpointConfig) {
-        self.eps[i] = Endpoint::new(c).unwrap();
-        self.events[i].clear();
-    }
+/// Run for `d` of virtual time from now or until `done`.
+fn run_within(net: &mut Net, d: Duration, done: impl FnMut(&Net) -> bool) -> bool {
+    let limit = net.elapsed() + d;
+    net.run_until(limit, done)
+}
 
-    fn deliver(&mut self, to: usize, from: SocketAddr, data: &[u8]) {
-        self.delivered[to] += 1;
-        let ip = self.addrs[to].ip();
-        self.eps[to].handle_datagram(self.now, from, Some(ip), None, data);
-    }
+/// Connect endpoint `c` to endpoint `s`: (client handle, server handle).
+fn connect(net: &mut Net, c: usize, s: usize) -> (ConnectionHandle, ConnectionHandle) {
+    let h = net.eps[c].connect(net.now, net.addrs[s], None).unwrap();
+    let n_in = incoming(net, s).len();
+    assert!(
+        run_within(net, Duration::from_secs(5), |n| {
+            connected(n, c).contains(&h) && incoming(n, s).len() > n_in
+        }),
+        "handshake did not complete: {:?} / {:?}",
+        net.events[c],
+        net.events[s]
+    );
+    (h, *incoming(net, s).last().unwrap())
+}
 
-    fn pump(&mut self) {
-        let mut buf = Vec::new();
-        loop {
-            let mut out = Vec::new();
-            for i in 0..self.eps.len() {
-                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
-                    let seg = t.segment_size.unwrap_or(t.size).max(1);
-                    for chunk in buf[..t.size].chunks(seg) {
-                        out.push((i, t.destination, t.src_port, chunk.to_vec()));
-                    }
-                }
-            }
-            if out.is_empty() {
-                break;
-            }
-            for (i, dest, sport, data) in out {
-                let from = SocketAddr::new(self.addrs[i].ip(), sport);
-                if let Some(h) = self.hold.as_mut() {
-                    if h(i, &data) {
-                        self.held.push((i, from, data));
-                        continue;
-                    }
-                }
-                if let Some(to) = self.addrs.iter().position(|a| *a == dest) {
-                    self.deliver(to, from, &data);
-                }
-            }
-        }
-        for i in 0..self.eps.len() {
-            while let Some(e) = self.eps[i].poll_event() {
-                self.events[i].push(e);
-            }
-        }
-    }
-
-    /// Run for `d` of virtual time or until `done`.
-    fn run_until(&mut self, d: Duration, mut done: impl FnMut(&Net) -> bool) -> bool {
-        let end = self.now + d;
-        loop {
-            self.pump();
-            if done(self) {
-                return true;
-            }
-            let next = self.eps.iter().filter_map(|e| e.poll_timeout()).min();
-            match next {
-                Some(t) if t <= end => {
-                    if t > self.now {
-                        self.now = t;
-                    }
-                    for e in &mut self.eps {
-                        if e.poll_timeout().is_some_and(|t| t <= self.now) {
-                            e.handle_timeout(self.now);
-                        }
-                    }
-                }
-                _ => {
-                    self.now = end;
-                    self.pump();
-                    return done(self);
-                }
-            }
-        }
-    }
-
-    fn connect(&mut self, c: usize, s: usize) -> (ConnectionHandle, ConnectionHandle) {
-        let h = self.eps[c].connect(self.now, self.addrs[s], None).unwrap();
-        let n_in = self.incoming(s).len();
-        assert!(
-            self.run_until(Duration::from_secs(5), |n| {
-                n.connected(c).contains(&h) && n.incoming(s).len() > n_in
-            }),
-            "handshake did not complete: {:?} / {:?}",
-            self.events[c],
-            self.events[s]
-        );
-        (h, *self.incoming(s).last().unwrap())
-    }
-
-    fn connected(&self, i: usize) -> Vec<ConnectionHandle> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Connected(h) => Some(*h),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn incoming(&self, i: usize) -> Vec<ConnectionHandle> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Incoming(h) => Some(*h),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn completions(&self, i: usize, conn: ConnectionHandle) -> Vec<WorkCompletion> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Completion { conn: c, wc } if *c == conn => Some(*wc),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn messages(&self, i: usize, conn: ConnectionHandle) -> Vec<Bytes> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Message { conn: c, data, .. } if *c == conn => Some(data.clone()),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn lost(&self, i: usize, conn: ConnectionHandle) -> Option<ConnectionError> {
-        self.events[i].iter().find_map(|e| match e {
-            Event::ConnectionLost { conn: c, reason } if *c == conn => Some(reason.clone()),
+fn connected(n: &Net, i: usize) -> Vec<ConnectionHandle> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Connected(h) => Some(*h),
             _ => None,
         })
-    }
+        .collect()
+}
+
+fn incoming(n: &Net, i: usize) -> Vec<ConnectionHandle> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Incoming(h) => Some(*h),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Messages received on endpoint `i` for `conn`, in order (all streams).
+fn msgs(n: &Net, i: usize, conn: ConnectionHandle) -> Vec<Bytes> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message { conn: c, data, .. } if *c == conn => Some(data.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// A forged MR_WRITE_ONLY-style packet (one packet, whole operation) to `dest_qp` with the
@@ -257,10 +159,10 @@ fn xs(s: &mut u64) -> u64 {
 fn blind_sweep(step: u32) -> u64 {
     let mut c = cfg(1, 2, 2);
     c.transport.verify_icrc = false;
-    let mut net = Net::new(vec![cfg(0, 1, 1), c]);
+    let mut net = net_of(vec![cfg(0, 1, 1), c]);
     let mut live = Vec::new();
     for _ in 0..4 {
-        let (_, s) = net.connect(0, 1);
+        let (_, s) = connect(&mut net, 0, 1);
         live.push(s.0);
     }
     let mr = net.eps[1].register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
@@ -290,7 +192,7 @@ fn blind_sweep(step: u32) -> u64 {
         tries += 1;
         hits += u64::from(live.contains(&qp));
     }
-    net.pump();
+    pump(&mut net);
     let st = net.eps[1].stats();
     assert_eq!(
         st.bad_auth - before.bad_auth,
@@ -330,12 +232,12 @@ fn blind_sweep_full_space_accepts_nothing() {
 /// is counted and dropped; only the connection's own token gets through.
 #[test]
 fn token_is_required_on_every_packet() {
-    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
     // Learn the client nonce from its Request (an on-path observer sees it), so the forged
     // CLOSEs below match the connection in everything but the token.
     let nonce = std::rc::Rc::new(std::cell::Cell::new(0u64));
     let seen = nonce.clone();
-    net.hold = Some(Box::new(move |_, d: &[u8]| {
+    net.drop_hook = Some(Box::new(move |_, d: &[u8]| {
         if let Ok(p) = wire::Packet::parse(d) {
             if let Headers::Connect(m) = p.headers {
                 seen.set(m.nonce);
@@ -343,8 +245,8 @@ fn token_is_required_on_every_packet() {
         }
         false
     }));
-    let (c, s) = net.connect(0, 1);
-    net.hold = None;
+    let (c, s) = connect(&mut net, 0, 1);
+    net.drop_hook = None;
     assert_ne!(nonce.get(), 0);
     let mr = net.eps[1].register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let from = SocketAddr::new(net.addrs[0].ip(), PORTS[1]);
@@ -391,14 +293,18 @@ fn token_is_required_on_every_packet() {
         stamp(from, net.addrs[1], &mut p);
         net.deliver(1, from, &p);
     }
-    net.pump();
+    pump(&mut net);
     assert!(net.eps[1].is_established(s));
     assert_eq!(net.lost(1, s), None);
     // The real client still works.
     net.eps[0]
         .post_send(c, 0, 1, Bytes::from_static(b"still here"))
         .unwrap();
-    assert!(net.run_until(Duration::from_secs(1), |n| n.messages(1, s).len() == 1));
+    assert!(run_within(&mut net, Duration::from_secs(1), |n| msgs(
+        n, 1, s
+    )
+    .len()
+        == 1));
 }
 
 /// A key from another endpoint (same seeds elsewhere, another secret seed) names nothing
@@ -407,8 +313,8 @@ fn token_is_required_on_every_packet() {
 fn keys_from_another_endpoint_are_refused() {
     // Endpoints 1 (S) and 2 (T) share the reproducible seed: only secret randomness keeps
     // their keys apart.
-    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2), cfg(2, 2, 3)]);
-    let (c, s) = net.connect(0, 1);
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2), cfg(2, 2, 3)]);
+    let (c, s) = connect(&mut net, 0, 1);
     let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
     let mine = net.eps[1].register_mr(vec![0; 1 << 16], rw);
     let theirs = net.eps[2].register_mr(vec![0; 1 << 16], rw);
@@ -429,7 +335,9 @@ fn keys_from_another_endpoint_are_refused() {
             },
         )
         .unwrap();
-    assert!(net.run_until(Duration::from_secs(2), |n| !n.completions(0, c).is_empty()));
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| !n
+        .completions(0, c)
+        .is_empty()));
     assert_eq!(net.completions(0, c)[0].status, WcStatus::RemoteAccessError);
     assert!(net.eps[1]
         .mr_read(mine.lkey, 0, 1 << 16)
@@ -444,8 +352,8 @@ fn keys_from_another_endpoint_are_refused() {
 /// distinct, and lkeys still work.
 #[test]
 fn stale_keys_after_300_reregistrations_are_refused() {
-    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
-    let (c, _) = net.connect(0, 1);
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let (c, _) = connect(&mut net, 0, 1);
     let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
     let first = net.eps[1].register_mr(vec![0; 4096], rw);
     let mut rkeys = std::collections::HashSet::new();
@@ -476,7 +384,9 @@ fn stale_keys_after_300_reregistrations_are_refused() {
             },
         )
         .unwrap();
-    assert!(net.run_until(Duration::from_secs(2), |n| !n.completions(0, c).is_empty()));
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| !n
+        .completions(0, c)
+        .is_empty()));
     assert_eq!(net.completions(0, c)[0].status, WcStatus::RemoteAccessError);
     assert!(net.eps[1]
         .mr_read(cur.lkey, 0, 4096)
@@ -506,7 +416,7 @@ fn assert_sends_delivered(
     assert!(wcs
         .iter()
         .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Send));
-    let msgs = net.messages(j, s);
+    let msgs = msgs(net, j, s);
     assert_eq!(msgs.len(), 10, "every Success is a delivered message");
     for (k, m) in msgs.iter().enumerate() {
         assert_eq!(&m[..], &vec![tag ^ k as u8; 3000][..]);
@@ -527,21 +437,17 @@ fn hold_first_write(from: usize) -> Hold {
 
 /// Old incarnation: client 0 → server 1 with 10 SENDs and a WRITE one of whose packets is
 /// held back. Returns (old client conn, old server conn, server region lkey, held packet).
-fn old_incarnation(
-    net: &mut Net,
-) -> (
-    ConnectionHandle,
-    ConnectionHandle,
-    u32,
-    (usize, SocketAddr, Vec<u8>),
-) {
-    let (c, s) = net.connect(0, 1);
+fn old_incarnation(net: &mut Net) -> (ConnectionHandle, ConnectionHandle, u32, Sent) {
+    let (c, s) = connect(net, 0, 1);
     post_sends(net, 0, c, 0x10);
-    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert!(run_within(net, Duration::from_secs(2), |n| n
+        .completions(0, c)
+        .len()
+        == 10));
     assert_sends_delivered(net, 0, c, 1, s, 0x10);
     let mr = net.eps[1].register_mr(vec![0; 8192], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let src = net.eps[0].register_mr(vec![0x77; 4096], Access::LOCAL_WRITE);
-    net.hold = Some(hold_first_write(0));
+    net.drop_hook = Some(hold_first_write(0));
     net.eps[0]
         .post_write(
             c,
@@ -556,16 +462,16 @@ fn old_incarnation(
             },
         )
         .unwrap();
-    net.run_until(Duration::from_millis(1), |n| !n.held.is_empty());
-    net.hold = None;
+    run_within(net, Duration::from_millis(1), |n| !n.held.is_empty());
+    net.drop_hook = None;
     let held = net.held.pop().expect("a WRITE packet was held back");
     (c, s, mr.lkey, held)
 }
 
 /// The held-back WRITE of the old incarnation, replayed into the new one, lands nowhere.
-fn replay_lands_nowhere(net: &mut Net, held: &(usize, SocketAddr, Vec<u8>), lkey: Option<u32>) {
+fn replay_lands_nowhere(net: &mut Net, held: &Sent, lkey: Option<u32>) {
     let before = net.eps[1].stats();
-    net.deliver(1, held.1, &held.2);
+    net.deliver(1, held.from, &held.data);
     let st = net.eps[1].stats();
     assert_eq!(
         (st.bad_auth - before.bad_auth) + (st.unknown_connection - before.unknown_connection),
@@ -575,7 +481,7 @@ fn replay_lands_nowhere(net: &mut Net, held: &(usize, SocketAddr, Vec<u8>), lkey
     if let Some(l) = lkey {
         // The other packets of that WRITE landed in the old incarnation; the held one's
         // bytes must still be zero.
-        let p = wire::Packet::parse(&held.2).unwrap();
+        let p = wire::Packet::parse(&held.data).unwrap();
         let Headers::Write { write, .. } = p.headers else {
             panic!("held packet is a WRITE")
         };
@@ -592,19 +498,22 @@ fn replay_lands_nowhere(net: &mut Net, held: &(usize, SocketAddr, Vec<u8>), lkey
 /// incarnation's held-back WRITE lands nowhere.
 #[test]
 fn client_restart_same_seed_gets_a_new_connection() {
-    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
     let (c_old, s_old, lkey, held) = old_incarnation(&mut net);
     // The client restarts mid-WRITE.
-    net.restart(0, cfg(0, 1, 11));
+    net.restart_with(0, cfg(0, 1, 11));
     net.events[1].clear();
-    let (c, s) = net.connect(0, 1);
+    let (c, s) = connect(&mut net, 0, 1);
     assert_eq!(c, c_old, "same seed: same client QPN");
     assert_ne!(s, s_old, "a new server connection, never the old one");
     assert_eq!(net.lost(1, s_old), Some(ConnectionError::PeerRestarted));
     assert!(net.completions(1, s_old).is_empty());
     assert_eq!(net.eps[1].stats().peer_restarts, 1);
     post_sends(&mut net, 0, c, 0x20);
-    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| n
+        .completions(0, c)
+        .len()
+        == 10));
     assert_sends_delivered(&net, 0, c, 1, s, 0x20);
     replay_lands_nowhere(&mut net, &held, Some(lkey));
     assert_eq!(net.eps[1].connections().count(), 1);
@@ -619,14 +528,16 @@ fn server_restart_same_seed_survivor_reports_the_end() {
     c1.transport.max_rto = Duration::from_millis(50);
     let mut c0 = cfg(0, 1, 1);
     c0.transport.max_rto = Duration::from_millis(50);
-    let mut net = Net::new(vec![c0, c1.clone()]);
+    let mut net = net_of(vec![c0, c1.clone()]);
     let (c_old, s_old, _, held) = old_incarnation(&mut net);
     let mut c1b = c1;
     c1b.secret_seed = Some([12; 32]);
-    net.restart(1, c1b);
+    net.restart_with(1, c1b);
     // The client's WRITE (one packet held back) can never complete now.
     let t0 = net.now;
-    assert!(net.run_until(Duration::from_secs(30), |n| n.lost(0, c_old).is_some()));
+    assert!(run_within(&mut net, Duration::from_secs(30), |n| n
+        .lost(0, c_old)
+        .is_some()));
     println!("old connection ended after {:?} (virtual)", net.now - t0);
     assert_eq!(net.lost(0, c_old), Some(ConnectionError::RetryExceeded));
     let wcs = net.completions(0, c_old);
@@ -634,10 +545,13 @@ fn server_restart_same_seed_survivor_reports_the_end() {
         .iter()
         .any(|w| w.wr_id == 99 && w.status != WcStatus::Success));
     net.events[0].clear();
-    let (c, s) = net.connect(0, 1);
+    let (c, s) = connect(&mut net, 0, 1);
     assert_eq!(s, s_old, "same seed: the restarted server reuses the QPN");
     post_sends(&mut net, 0, c, 0x30);
-    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| n
+        .completions(0, c)
+        .len()
+        == 10));
     assert_sends_delivered(&net, 0, c, 1, s, 0x30);
     replay_lands_nowhere(&mut net, &held, None);
 }
@@ -646,15 +560,15 @@ fn server_restart_same_seed_survivor_reports_the_end() {
 /// the old incarnation's held-back WRITE is refused by the token and lands nowhere.
 #[test]
 fn both_restart_same_seed_old_packets_never_land() {
-    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
     let (c_old, s_old, _, held) = old_incarnation(&mut net);
-    net.restart(0, cfg(0, 1, 21));
-    net.restart(1, cfg(1, 2, 22));
-    let (c, s) = net.connect(0, 1);
+    net.restart_with(0, cfg(0, 1, 21));
+    net.restart_with(1, cfg(1, 2, 22));
+    let (c, s) = connect(&mut net, 0, 1);
     assert_eq!((c, s), (c_old, s_old), "same seeds: same QPNs");
     let mr = net.eps[1].register_mr(vec![0; 8192], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let before = net.eps[1].stats().bad_auth;
-    net.deliver(1, held.1, &held.2);
+    net.deliver(1, held.from, &held.data);
     assert_eq!(net.eps[1].stats().bad_auth, before + 1);
     assert!(net.eps[1]
         .mr_read(mr.lkey, 0, 8192)
@@ -662,7 +576,10 @@ fn both_restart_same_seed_old_packets_never_land() {
         .iter()
         .all(|&b| b == 0));
     post_sends(&mut net, 0, c, 0x40);
-    assert!(net.run_until(Duration::from_secs(2), |n| n.completions(0, c).len() == 10));
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| n
+        .completions(0, c)
+        .len()
+        == 10));
     assert_sends_delivered(&net, 0, c, 1, s, 0x40);
 }
 
@@ -672,7 +589,7 @@ fn both_restart_same_seed_old_packets_never_land() {
 /// client connects in the middle of the flood, and amplification is at most 1x in bytes.
 #[test]
 fn handshake_flood_creates_no_state() {
-    let mut net = Net::new(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
     let spoofed = IpAddr::V4(Ipv4Addr::new(10, 9, 9, 9));
     let server = net.addrs[1];
     let mut legit = None;
@@ -703,7 +620,7 @@ fn handshake_flood_creates_no_state() {
             }
         }
         if k == 50_000 {
-            legit = Some(net.connect(0, 1));
+            legit = Some(connect(&mut net, 0, 1));
         }
         if k % 10_000 == 0 {
             net.now += Duration::from_millis(1);
@@ -732,7 +649,11 @@ fn handshake_flood_creates_no_state() {
     net.eps[0]
         .post_send(c, 0, 1, Bytes::from_static(b"after the flood"))
         .unwrap();
-    assert!(net.run_until(Duration::from_secs(1), |n| n.messages(1, s).len() == 1));
+    assert!(run_within(&mut net, Duration::from_secs(1), |n| msgs(
+        n, 1, s
+    )
+    .len()
+        == 1));
 }
 
 /// Without the cookie (RetryPolicy::Never) the same flood is bounded by max_half_open and
@@ -742,7 +663,7 @@ fn half_open_connections_are_bounded_and_expire() {
     let mut c1 = cfg(1, 2, 2);
     c1.retry = RetryPolicy::Never;
     c1.max_half_open = 100;
-    let mut net = Net::new(vec![cfg(0, 1, 1), c1]);
+    let mut net = net_of(vec![cfg(0, 1, 1), c1]);
     let server = net.addrs[1];
     for k in 0..1000u32 {
         let mut m = ConnectEth::new(ConnectKind::Request);
@@ -760,7 +681,7 @@ fn half_open_connections_are_bounded_and_expire() {
     }
     assert_eq!(net.eps[1].connections().count(), 100);
     assert_eq!(net.eps[1].stats().rejected, 900);
-    net.run_until(Duration::from_secs(5), |n| {
+    run_within(&mut net, Duration::from_secs(5), |n| {
         n.eps[1].connections().count() == 0
     });
     assert_eq!(
@@ -782,5 +703,5 @@ fn half_open_connections_are_bounded_and_expire() {
         .count();
     assert_eq!(expired, 100);
     // A real client still gets in.
-    net.connect(0, 1);
+    connect(&mut net, 0, 1);
 }

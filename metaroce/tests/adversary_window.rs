@@ -9,53 +9,20 @@
 //! who has seen the connection's packets (so it knows the QPN, the PSNs and any
 //! per-connection token the packets carry) and injects from the peer's address.
 
+use metaroce::testing::Sent;
 use metaroce::wire::{icrc, Bth, Headers, Packet};
 use metaroce::{
-    Access, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event, MrKeys, ReadRequest,
-    WcOpcode, WcStatus, WorkCompletion, WriteRequest,
+    Access, ConnectionHandle, EndpointConfig, Event, MrKeys, ReadRequest, WcOpcode, WcStatus,
+    WorkCompletion, WriteRequest,
 };
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 // =======================================================================================
-// A two-endpoint in-memory network that records what it carries and lets a test inject.
+// The test network: `metaroce::testing::Net` recording what it carries (bounded), with a
+// drop hook; the test injects with `Net::inject_raw`.
 
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct InFlight {
-    at: Reverse<Instant>,
-    seq: Reverse<u64>,
-    to: usize,
-    from: SocketAddr,
-    data: Vec<u8>,
-}
-
-/// A datagram seen on the wire.
-#[derive(Clone)]
-struct Seen {
-    /// Sending endpoint.
-    from_ep: usize,
-    /// Source address (IP of the sender, UDP source port of the path).
-    from: SocketAddr,
-    data: Vec<u8>,
-}
-
-type Drop = Box<dyn FnMut(usize, &[u8]) -> bool>;
-
-struct Net {
-    eps: [Endpoint; 2],
-    addrs: [SocketAddr; 2],
-    now: Instant,
-    delay: Duration,
-    queue: BinaryHeap<InFlight>,
-    seq: u64,
-    events: [Vec<Event>; 2],
-    /// Every datagram sent so far (bounded).
-    seen: Vec<Seen>,
-    /// Drop a datagram the endpoints send when this returns true.
-    drop: Option<Drop>,
-}
+type Net = metaroce::testing::Net;
 
 fn config(i: usize) -> EndpointConfig {
     let ip = format!("10.0.0.{}", i + 1);
@@ -70,176 +37,38 @@ fn config(i: usize) -> EndpointConfig {
     c
 }
 
-impl Net {
-    fn new() -> Net {
-        Self::with(config(0), config(1))
-    }
+fn new_net() -> Net {
+    net_with(config(0), config(1))
+}
 
-    fn with(a: EndpointConfig, b: EndpointConfig) -> Net {
-        let now = Instant::now();
-        let addrs = [a.local_addr, b.local_addr];
-        Net {
-            eps: [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()],
-            addrs,
-            now,
-            delay: Duration::from_micros(10),
-            queue: BinaryHeap::new(),
-            seq: 0,
-            events: [Vec::new(), Vec::new()],
-            seen: Vec::new(),
-            drop: None,
-        }
-    }
+fn net_with(a: EndpointConfig, b: EndpointConfig) -> Net {
+    let mut n = Net::with_configs(0, a, b);
+    n.record = 200_000;
+    n
+}
 
-    /// Put a datagram on the wire to endpoint `to`, arriving `after` from now.
-    fn inject(&mut self, to: usize, from: SocketAddr, data: Vec<u8>, after: Duration) {
-        self.seq += 1;
-        self.queue.push(InFlight {
-            at: Reverse(self.now + after),
-            seq: Reverse(self.seq),
-            to,
-            from,
-            data,
-        });
-    }
+/// Run until `done` holds or `limit` of virtual time from now passed.
+fn run_within(net: &mut Net, limit: Duration, done: impl FnMut(&Net) -> bool) -> bool {
+    let limit = net.elapsed() + limit;
+    net.run_until(limit, done)
+}
 
-    fn flush(&mut self) {
-        let mut buf = Vec::with_capacity(1 << 16);
-        loop {
-            let mut any = false;
-            for i in 0..2 {
-                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
-                    any = true;
-                    let to = self.addrs.iter().position(|a| *a == t.destination).unwrap();
-                    let from = SocketAddr::new(self.addrs[i].ip(), t.src_port);
-                    let seg = t.segment_size.unwrap_or(t.size);
-                    for chunk in buf[..t.size].chunks(seg) {
-                        if self.seen.len() < 200_000 {
-                            self.seen.push(Seen {
-                                from_ep: i,
-                                from,
-                                data: chunk.to_vec(),
-                            });
-                        }
-                        if self.drop.as_mut().is_some_and(|d| d(i, chunk)) {
-                            continue;
-                        }
-                        let d = self.delay;
-                        self.inject(to, from, chunk.to_vec(), d);
-                    }
-                }
-            }
-            if !any {
-                break;
-            }
-        }
-        for i in 0..2 {
-            while let Some(e) = self.eps[i].poll_event() {
-                self.events[i].push(e);
-            }
-        }
-    }
-
-    fn step(&mut self) -> bool {
-        self.flush();
-        let next_pkt = self.queue.peek().map(|p| p.at.0);
-        let next_timer = [self.eps[0].poll_timeout(), self.eps[1].poll_timeout()]
-            .into_iter()
-            .flatten()
-            .min();
-        let next = match (next_pkt, next_timer) {
-            (Some(a), Some(b)) => a.min(b),
-            (Some(a), None) | (None, Some(a)) => a,
-            (None, None) => return false,
-        };
-        if next > self.now {
-            self.now = next;
-        }
-        while self.queue.peek().is_some_and(|p| p.at.0 <= self.now) {
-            let p = self.queue.pop().unwrap();
-            let local = self.addrs[p.to].ip();
-            self.eps[p.to].handle_datagram(
-                self.now,
-                p.from,
-                Some(local),
-                Some(EcnCodepoint::Ect0),
-                &p.data,
-            );
-        }
-        for i in 0..2 {
-            if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
-                self.eps[i].handle_timeout(self.now);
-            }
-        }
-        self.flush();
-        true
-    }
-
-    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Net) -> bool) -> bool {
-        let end = self.now + limit;
-        while self.now < end {
-            if done(self) {
-                return true;
-            }
-            if !self.step() {
-                return done(self);
-            }
-        }
-        done(self)
-    }
-
-    /// Run for `d` of virtual time.
-    fn run_for(&mut self, d: Duration) {
-        self.run_until(d, |_| false);
-    }
-
-    fn connect(&mut self) -> (ConnectionHandle, ConnectionHandle) {
-        let c = self.eps[0].connect(self.now, self.addrs[1], None).unwrap();
-        let ok = self.run_until(Duration::from_secs(5), |n| {
-            n.events[0]
-                .iter()
-                .any(|e| matches!(e, Event::Connected(h) if *h == c))
-                && n.events[1].iter().any(|e| matches!(e, Event::Incoming(_)))
-        });
-        assert!(ok, "handshake did not complete");
-        let s = self.events[1]
-            .iter()
-            .find_map(|e| match e {
-                Event::Incoming(h) => Some(*h),
-                _ => None,
-            })
-            .unwrap();
-        self.events[0].clear();
-        self.events[1].clear();
-        (c, s)
-    }
-
-    fn completions(&self, i: usize) -> Vec<WorkCompletion> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Completion { wc, .. } => Some(*wc),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// The last captured datagram sent by endpoint `from_ep` that satisfies `f`.
-    fn captured(&self, from_ep: usize, f: impl Fn(&Packet<'_>) -> bool) -> Option<Seen> {
-        self.seen
-            .iter()
-            .rev()
-            .filter(|s| s.from_ep == from_ep)
-            .find(|s| Packet::parse(&s.data).is_ok_and(|p| f(&p)))
-            .cloned()
-    }
+/// Every completion on endpoint `i`.
+fn completions(net: &Net, i: usize) -> Vec<WorkCompletion> {
+    net.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { wc, .. } => Some(*wc),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Mutate a captured datagram in place: `f` changes the BTH and the extension headers,
 /// which are written back with the wire writers over the original bytes (so the payload,
 /// the pad and anything after it stay as they were), then the ICRC is recomputed.
 fn forge(
-    seen: &Seen,
+    seen: &Sent,
     to: SocketAddr,
     f: impl FnOnce(&mut Bth, &mut Headers, &mut [u8]),
 ) -> Vec<u8> {
@@ -289,7 +118,7 @@ fn write_req(wr_id: u64, src: &MrKeys, dst: &MrKeys, off: u64, len: u32) -> Writ
 
 /// A client region filled with a pattern and a zeroed server region.
 fn regions(net: &mut Net, len: usize) -> (MrKeys, MrKeys) {
-    let data: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+    let data = pattern(len);
     let src = net.eps[0].register_mr(data, Access::LOCAL_WRITE);
     let dst = net.eps[1].register_mr(
         vec![0; len],
@@ -299,7 +128,7 @@ fn regions(net: &mut Net, len: usize) -> (MrKeys, MrKeys) {
 }
 
 fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i * 7 + 1) as u8).collect()
+    metaroce::testing::pattern(7, len)
 }
 
 fn data_psn(p: &Packet<'_>) -> Option<(u8, u32)> {
@@ -324,17 +153,19 @@ fn data_psn(p: &Packet<'_>) -> Option<(u8, u32)> {
 /// changes.
 #[test]
 fn forged_floor_out_of_window_moves_nothing() {
-    let mut net = Net::new();
+    let mut net = new_net();
     let (c, s) = net.connect();
     let (src, dst) = regions(&mut net, 256 * 1024);
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 64 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
-    assert_eq!(net.completions(0)[0].status, WcStatus::Success);
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
+    assert_eq!(completions(&net, 0)[0].status, WcStatus::Success);
     // A genuine WRITE packet of path 0, captured.
     let g = net
-        .captured(0, |p| data_psn(p).is_some_and(|(id, _)| id == 0))
+        .last_sent(0, |p| data_psn(p).is_some_and(|(id, _)| id == 0))
         .unwrap();
     let (_, last_psn) = data_psn(&Packet::parse(&g.data).unwrap()).unwrap();
     let dup_before = net.eps[1].connection_stats(s).unwrap().duplicate_packets;
@@ -345,7 +176,7 @@ fn forged_floor_out_of_window_moves_nothing() {
             path.floor_psn = (last_psn + 101) & 0xFF_FFFF;
         }
     });
-    net.inject(1, g.from, forged, Duration::ZERO);
+    net.inject_raw(1, g.from, forged, Duration::ZERO);
     // A second forgery: own PSN in window, floor ahead of its own PSN.
     let forged2 = forge(&g, net.addrs[1], |bth, h, _| {
         bth.psn = (last_psn + 2) & 0xFF_FFFF;
@@ -353,14 +184,16 @@ fn forged_floor_out_of_window_moves_nothing() {
             path.floor_psn = (last_psn + 120) & 0xFF_FFFF;
         }
     });
-    net.inject(1, g.from, forged2, Duration::from_micros(1));
+    net.inject_raw(1, g.from, forged2, Duration::from_micros(1));
     net.run_for(Duration::from_millis(1));
     // 40+ real packets on every path.
     net.eps[0]
         .post_write(c, write_req(2, &src, &dst, 64 * 1024, 192 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
-    let wcs = net.completions(0);
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        completions(n, 0).len() == 2
+    });
+    let wcs = completions(&net, 0);
     assert_eq!(wcs.len(), 2, "{wcs:?}");
     assert_eq!(wcs[1].status, WcStatus::Success);
     assert!(
@@ -403,7 +236,7 @@ fn is_ack(p: &Packet<'_>) -> bool {
 /// Highest PSN endpoint `ep` sent on path `path_id` so far (from the capture).
 fn last_sent_psn(net: &Net, ep: usize, path_id: u8) -> u32 {
     let g = net
-        .captured(ep, |p| data_psn(p).is_some_and(|(id, _)| id == path_id))
+        .last_sent(ep, |p| data_psn(p).is_some_and(|(id, _)| id == path_id))
         .unwrap();
     data_psn(&Packet::parse(&g.data).unwrap()).unwrap().1
 }
@@ -414,15 +247,17 @@ fn last_sent_psn(net: &Net, ep: usize, path_id: u8) -> u32 {
 /// age of the captured ACK). SACK bits for PSNs never sent are ignored and counted.
 #[test]
 fn forged_ack_for_unsent_psns_is_dropped() {
-    let mut net = Net::new();
+    let mut net = new_net();
     let (c, _s) = net.connect();
     let (src, dst) = regions(&mut net, 128 * 1024);
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 64 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
     let ack = net
-        .captured(
+        .last_sent(
             1,
             |p| matches!(&p.headers, Headers::Ack(a) if a.path_id == 0),
         )
@@ -431,7 +266,7 @@ fn forged_ack_for_unsent_psns_is_dropped() {
     // Let time pass, so that the captured ACK's echoed timestamp is 20 ms old.
     net.run_for(Duration::from_millis(20));
     // The server's ACKs are lost from now on: the client's next WRITE stays outstanding.
-    net.drop = Some(Box::new(|from, d| from == 1 && d[0] == 0xC1));
+    net.drop_hook = Some(Box::new(|from, d| from == 1 && d[0] == 0xC1));
     net.eps[0]
         .post_write(c, write_req(2, &src, &dst, 64 * 1024, 16 * 1024))
         .unwrap();
@@ -450,15 +285,15 @@ fn forged_ack_for_unsent_psns_is_dropped() {
             a.sack_set(3 + 5);
         }
     });
-    net.inject(0, ack.from, f1, Duration::ZERO);
-    net.inject(0, ack.from, f2, Duration::ZERO);
+    net.inject_raw(0, ack.from, f1, Duration::ZERO);
+    net.inject_raw(0, ack.from, f2, Duration::ZERO);
     net.step();
     net.step();
     net.flush();
     assert!(
-        net.completions(0).len() == 1,
+        completions(&net, 0).len() == 1,
         "a forged ACK completed a WRITE: {:?}",
-        net.completions(0)
+        completions(&net, 0)
     );
     let cs = net.eps[0].connection_stats(c).unwrap();
     assert_eq!(cs.paths[0].srtt, srtt0[0], "SRTT moved by a forged ACK");
@@ -471,9 +306,11 @@ fn forged_ack_for_unsent_psns_is_dropped() {
     );
     assert_eq!((cs.bad_acks, cs.acks_ignoring_unsent), (1, 1), "{cs:?}");
     // The real ACKs come back: the WRITE completes and its bytes are there.
-    net.drop = None;
-    net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
-    assert_eq!(net.completions(0)[1].status, WcStatus::Success);
+    net.drop_hook = None;
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        completions(n, 0).len() == 2
+    });
+    assert_eq!(completions(&net, 0)[1].status, WcStatus::Success);
     assert!(
         net.eps[1].mr_read(dst.lkey, 0, 80 * 1024).unwrap() == pattern(80 * 1024)[..],
         "bytes differ"
@@ -484,24 +321,26 @@ fn forged_ack_for_unsent_psns_is_dropped() {
 /// newly acknowledges nothing: RFC 6298 §3, Karn).
 #[test]
 fn late_duplicate_ack_takes_no_rtt_sample() {
-    let mut net = Net::new();
+    let mut net = new_net();
     let (c, _s) = net.connect();
     let (src, dst) = regions(&mut net, 64 * 1024);
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 64 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
     net.run_for(Duration::from_millis(1));
     let before = srtts(&net, 0, c);
-    let acks: Vec<Seen> = net
-        .seen
+    let acks: Vec<Sent> = net
+        .wire
         .iter()
         .filter(|s| s.from_ep == 1 && Packet::parse(&s.data).is_ok_and(|p| is_ack(&p)))
         .cloned()
         .collect();
     assert!(!acks.is_empty());
     for a in &acks {
-        net.inject(0, a.from, a.data.clone(), Duration::from_millis(20));
+        net.inject_raw(0, a.from, a.data.clone(), Duration::from_millis(20));
     }
     net.run_for(Duration::from_millis(25));
     let after = srtts(&net, 0, c);
@@ -515,23 +354,25 @@ fn late_duplicate_ack_takes_no_rtt_sample() {
 /// ACK newly acknowledges.
 #[test]
 fn replayed_data_packet_timestamp_is_not_echoed() {
-    let mut net = Net::new();
+    let mut net = new_net();
     let (c, s) = net.connect();
     let (src, dst) = regions(&mut net, 64 * 1024);
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 64 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
     let before = srtts(&net, 0, c);
-    let datas: Vec<Seen> = net
-        .seen
+    let datas: Vec<Sent> = net
+        .wire
         .iter()
         .filter(|s| s.from_ep == 0 && Packet::parse(&s.data).is_ok_and(|p| data_psn(&p).is_some()))
         .cloned()
         .collect();
     // Replayed 50 ms later, unchanged (any token they carry is still valid).
     for d in datas.iter().take(8) {
-        net.inject(1, d.from, d.data.clone(), Duration::from_millis(50));
+        net.inject_raw(1, d.from, d.data.clone(), Duration::from_millis(50));
     }
     net.run_for(Duration::from_millis(60));
     let after = srtts(&net, 0, c);
@@ -545,9 +386,11 @@ fn replayed_data_packet_timestamp_is_not_echoed() {
         .post_write(c, write_req(2, &src, &dst, 0, 64 * 1024))
         .unwrap();
     for d in datas.iter().take(8) {
-        net.inject(1, d.from, d.data.clone(), Duration::from_micros(5));
+        net.inject_raw(1, d.from, d.data.clone(), Duration::from_micros(5));
     }
-    net.run_until(Duration::from_secs(1), |n| n.completions(0).len() == 2);
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        completions(n, 0).len() == 2
+    });
     let later = srtts(&net, 0, c);
     println!("SRTT with replays during a transfer: {later:?}");
     for s in later {
@@ -574,15 +417,17 @@ fn write_pkt(p: &Packet<'_>) -> bool {
 /// (NAK, counted) and the client reports an error status, never Success.
 #[test]
 fn op_id_collision_never_reports_success_without_delivery() {
-    let mut net = Net::new();
+    let mut net = new_net();
     let (c, s) = net.connect();
     let (src, dst) = regions(&mut net, 64 * 1024);
     // op id 0: a genuine one-packet WRITE, captured.
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
-    let g = net.captured(0, write_pkt).unwrap();
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
+    let g = net.last_sent(0, write_pkt).unwrap();
     let next_psn = (last_sent_psn(&net, 0, 0) + 1) & 0xFF_FFFF;
     // The forgery: op id 1 (the client's next), another address, 0xEE bytes, an in-window
     // PSN the client has not used yet.
@@ -598,14 +443,16 @@ fn op_id_collision_never_reports_success_without_delivery() {
         }
         payload.fill(0xEE);
     });
-    net.inject(1, g.from, forged, Duration::ZERO);
+    net.inject_raw(1, g.from, forged, Duration::ZERO);
     net.run_for(Duration::from_micros(50));
     // The real op id 1: 4 KiB at offset 4096.
     net.eps[0]
         .post_write(c, write_req(2, &src, &dst, 4096, 4096))
         .unwrap();
-    net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
-    let wcs = net.completions(0);
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        completions(n, 0).len() == 2
+    });
+    let wcs = completions(&net, 0);
     assert_eq!(wcs.len(), 2, "{wcs:?}");
     let landed = net.eps[1].mr_read(dst.lkey, 4096, 4096).unwrap() == pattern(8192)[4096..];
     let forged_bytes = net.eps[1]
@@ -637,14 +484,16 @@ fn op_id_far_ahead_of_the_floor_is_not_executed() {
     let mut b = config(1);
     a.transport.max_tracked_ops = 1024;
     b.transport.max_tracked_ops = 1024;
-    let mut net = Net::with(a, b);
+    let mut net = net_with(a, b);
     let (c, s) = net.connect();
     let (src, dst) = regions(&mut net, 64 * 1024);
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
-    let g = net.captured(0, write_pkt).unwrap();
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
+    let g = net.last_sent(0, write_pkt).unwrap();
     let next_psn = (last_sent_psn(&net, 0, 0) + 1) & 0xFF_FFFF;
     for (k, id) in [5000u32, 1_000_000, 0x7FFF_FFFF].into_iter().enumerate() {
         let forged = forge(&g, net.addrs[1], |bth, h, payload| {
@@ -659,7 +508,7 @@ fn op_id_far_ahead_of_the_floor_is_not_executed() {
             }
             payload.fill(0xEE);
         });
-        net.inject(1, g.from, forged, Duration::ZERO);
+        net.inject_raw(1, g.from, forged, Duration::ZERO);
     }
     net.run_for(Duration::from_millis(1));
     let mut expect = vec![0u8; 64 * 1024];
@@ -674,8 +523,10 @@ fn op_id_far_ahead_of_the_floor_is_not_executed() {
     net.eps[0]
         .post_write(c, write_req(2, &src, &dst, 0, 16 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
-    assert_eq!(net.completions(0)[1].status, WcStatus::Success);
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        completions(n, 0).len() == 2
+    });
+    assert_eq!(completions(&net, 0)[1].status, WcStatus::Success);
 }
 
 /// A READ response must answer a READ request this side sent, with the request's length
@@ -685,7 +536,7 @@ fn op_id_far_ahead_of_the_floor_is_not_executed() {
 fn forged_read_response_for_unsent_read_is_dropped() {
     let mut a = config(0);
     a.transport.max_rd_atomic = 1;
-    let mut net = Net::with(a, config(1));
+    let mut net = net_with(a, config(1));
     let (c, _s) = net.connect();
     let dst_data: Vec<u8> = (0..8192).map(|i| (i % 251) as u8).collect();
     let remote = net.eps[1].register_mr(dst_data.clone(), Access::REMOTE_READ);
@@ -700,14 +551,16 @@ fn forged_read_response_for_unsent_read_is_dropped() {
     };
     // op id 0: a genuine READ, its response captured.
     net.eps[0].post_read(c, read(1, 0)).unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
     let g = net
-        .captured(1, |p| matches!(p.headers, Headers::ReadResponse { .. }))
+        .last_sent(1, |p| matches!(p.headers, Headers::ReadResponse { .. }))
         .unwrap();
     let next_psn = (last_sent_psn(&net, 1, 0) + 1) & 0xFF_FFFF;
     // op id 1 is sent and held up (the client's data is lost for a while); op id 2 waits
     // behind it (max_rd_atomic 1), not sent.
-    net.drop = Some(Box::new(|from, d| from == 0 && d[0] == 0xC7));
+    net.drop_hook = Some(Box::new(|from, d| from == 0 && d[0] == 0xC7));
     net.eps[0].post_read(c, read(2, 1024)).unwrap();
     net.eps[0].post_read(c, read(3, 2048)).unwrap();
     net.run_for(Duration::from_micros(20));
@@ -719,11 +572,13 @@ fn forged_read_response_for_unsent_read_is_dropped() {
         }
         payload.fill(0xEE);
     });
-    net.inject(0, g.from, forged, Duration::ZERO);
+    net.inject_raw(0, g.from, forged, Duration::ZERO);
     net.run_for(Duration::from_micros(20));
-    net.drop = None;
-    net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 3);
-    let wcs = net.completions(0);
+    net.drop_hook = None;
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        completions(n, 0).len() == 3
+    });
+    let wcs = completions(&net, 0);
     assert_eq!(wcs.len(), 3, "{wcs:?}");
     assert!(wcs
         .iter()
@@ -747,19 +602,21 @@ fn forged_read_response_for_unsent_read_is_dropped() {
 /// paths see no timeout.
 #[test]
 fn in_window_injection_never_preempts_real_packets() {
-    let mut net = Net::new();
+    let mut net = new_net();
     let (c, s) = net.connect();
     let (src, dst) = regions(&mut net, 256 * 1024);
     net.eps[0]
         .post_write(c, write_req(1, &src, &dst, 0, 32 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(1), |n| !n.completions(0).is_empty());
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
     let mut forged = Vec::new();
     assert!(net
-        .captured(0, |p| data_psn(p).is_some_and(|(id, _)| id == 3))
+        .last_sent(0, |p| data_psn(p).is_some_and(|(id, _)| id == 3))
         .is_some());
     for path in 0..4u8 {
-        let Some(g) = net.captured(0, |p| data_psn(p).is_some_and(|(id, _)| id == path)) else {
+        let Some(g) = net.last_sent(0, |p| data_psn(p).is_some_and(|(id, _)| id == path)) else {
             continue;
         };
         let next = (last_sent_psn(&net, 0, path) + 1) & 0xFF_FFFF;
@@ -773,15 +630,17 @@ fn in_window_injection_never_preempts_real_packets() {
         }
     }
     for (from, f) in forged {
-        net.inject(1, from, f, Duration::ZERO);
+        net.inject_raw(1, from, f, Duration::ZERO);
     }
     net.run_for(Duration::from_micros(30));
     let bad_before = net.eps[0].connection_stats(c).unwrap().bad_acks;
     net.eps[0]
         .post_write(c, write_req(2, &src, &dst, 32 * 1024, 224 * 1024))
         .unwrap();
-    net.run_until(Duration::from_secs(5), |n| n.completions(0).len() == 2);
-    let wcs = net.completions(0);
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        completions(n, 0).len() == 2
+    });
+    let wcs = completions(&net, 0);
     assert_eq!(wcs.len(), 2, "{wcs:?}");
     let landed = net.eps[1].mr_read(dst.lkey, 0, 256 * 1024).unwrap() == pattern(256 * 1024)[..];
     println!("WRITE {:?}, bytes landed: {landed}", wcs[1].status);
@@ -819,7 +678,7 @@ fn path_recovers_after_losing_more_than_a_window() {
     a.transport.retry_count = 1000;
     a.transport.min_rto = Duration::from_millis(1);
     a.transport.max_rto = Duration::from_millis(1);
-    let mut net = Net::with(a, config(1));
+    let mut net = net_with(a, config(1));
     let (c, s) = net.connect();
     let (src, dst) = regions(&mut net, 64 << 10);
     // Path 0's data is lost for the first 400 ms (about 190 RTOs, each followed by a probe
@@ -827,7 +686,7 @@ fn path_recovers_after_losing_more_than_a_window() {
     let until = net.now + Duration::from_millis(400);
     let clock = std::rc::Rc::new(std::cell::Cell::new(net.now));
     let ck = clock.clone();
-    net.drop = Some(Box::new(move |from, d| {
+    net.drop_hook = Some(Box::new(move |from, d| {
         from == 0
             && ck.get() < until
             && Packet::parse(d).is_ok_and(|p| data_psn(&p).is_some_and(|(id, _)| id == 0))
@@ -836,7 +695,7 @@ fn path_recovers_after_losing_more_than_a_window() {
     let mut posted = 0;
     while net.now < until + Duration::from_millis(50) {
         clock.set(net.now);
-        if net.completions(0).len() == posted {
+        if completions(&net, 0).len() == posted {
             net.eps[0]
                 .post_write(c, write_req(posted as u64, &src, &dst, 0, 64 << 10))
                 .unwrap();
@@ -848,10 +707,10 @@ fn path_recovers_after_losing_more_than_a_window() {
     }
     let p0_mid = net.eps[0].connection_stats(c).unwrap().paths[0];
     let _ = &p0_mid;
-    net.run_until(Duration::from_secs(10), |n| {
-        n.completions(0).len() == posted
+    run_within(&mut net, Duration::from_secs(10), |n| {
+        completions(n, 0).len() == posted
     });
-    let wcs = net.completions(0);
+    let wcs = completions(&net, 0);
     let cs = net.eps[0].connection_stats(c).unwrap();
     let ss = net.eps[1].connection_stats(s).unwrap();
     let p0 = cs.paths[0];

@@ -2,10 +2,8 @@
 //! with `WrFlushError` and leave the responder's op tracking moving; posted receives are
 //! withdrawn unless a message is landing in them.
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use metaroce::{
     Access, AtomicOp, AtomicRequest, CancelOutcome, Event, ReadRequest, RecvRequest, WcStatus,
     WorkCompletion, WriteRequest,
@@ -50,7 +48,7 @@ fn write(wr_id: u64, src: metaroce::MrKeys, dst: metaroce::MrKeys, len: u32) -> 
 #[test]
 fn cancelled_write_stops_and_a_later_write_succeeds() {
     for seed in 0..4 {
-        let mut p = Pair::new(
+        let mut p = Pair::impaired(
             seed,
             if seed == 0 {
                 Impair::default()
@@ -131,7 +129,7 @@ fn cancelled_write_stops_and_a_later_write_succeeds() {
 #[test]
 fn cancelled_reads_and_atomics_never_touch_their_destination() {
     for seed in 0..4 {
-        let mut p = Pair::new(seed, lossy());
+        let mut p = Pair::impaired(seed, lossy());
         let (c, _s) = p.connect();
         let n = 64 * 1024;
         let remote =
@@ -227,7 +225,7 @@ fn cancelled_reads_and_atomics_never_touch_their_destination() {
 
 #[test]
 fn withdrawn_receive_is_flushed_and_the_message_takes_the_next_one() {
-    let mut p = Pair::new(1, Impair::default());
+    let mut p = Pair::impaired(1, Impair::default());
     let (c, s) = p.connect();
     let buf = p.eps[1].register_mr(vec![0; 8192], Access::LOCAL_WRITE);
     for (wr, off) in [(1u64, 0u64), (2, 4096)] {
@@ -275,7 +273,7 @@ fn withdrawn_receive_is_flushed_and_the_message_takes_the_next_one() {
 
 #[test]
 fn receive_with_a_message_landing_is_not_withdrawn() {
-    let mut p = Pair::new(2, Impair::default());
+    let mut p = Pair::impaired(2, Impair::default());
     let (c, s) = p.connect();
     let buf = p.eps[1].register_mr(vec![0; 1 << 20], Access::LOCAL_WRITE);
     let r = RecvRequest {

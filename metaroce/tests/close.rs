@@ -1,10 +1,8 @@
 //! Connection close: graceful drain with a code and reason, abort, MR_CLOSE retransmission,
 //! and per-connection state freed (issue #10, item 1). Virtual time, in-memory pair.
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use metaroce::{ConnectionError, Event, PostError, TableSizes, WcStatus, MAX_CLOSE_REASON};
 use std::time::Duration;
 
@@ -34,7 +32,7 @@ fn messages(p: &Pair, side: usize) -> usize {
 
 #[test]
 fn graceful_close_drains_then_peer_sees_code_and_reason() {
-    let mut p = Pair::new(1, Impair::default());
+    let mut p = Pair::impaired(1, Impair::default());
     let (a, _b) = p.connect();
     for i in 0..20u64 {
         p.eps[0]
@@ -69,7 +67,7 @@ fn graceful_close_drains_then_peer_sees_code_and_reason() {
 
 #[test]
 fn close_reason_is_bounded() {
-    let mut p = Pair::new(2, Impair::default());
+    let mut p = Pair::impaired(2, Impair::default());
     let (a, _b) = p.connect();
     let long = vec![b'x'; MAX_CLOSE_REASON + 1];
     assert_eq!(
@@ -104,7 +102,7 @@ fn close_reason_is_bounded() {
 
 #[test]
 fn close_drain_is_bounded_by_close_timeout() {
-    let mut p = Pair::new(3, Impair::default());
+    let mut p = Pair::impaired(3, Impair::default());
     let (a, _b) = p.connect();
     p.eps[0]
         .post_send(a, 1, 1, Bytes::from(vec![1; 5000]))
@@ -124,7 +122,7 @@ fn close_drain_is_bounded_by_close_timeout() {
 
 #[test]
 fn abort_is_immediate_and_close_is_retransmitted() {
-    let mut p = Pair::new(4, Impair::default());
+    let mut p = Pair::impaired(4, Impair::default());
     let (a, _b) = p.connect();
     p.eps[0]
         .post_send(a, 1, 1, Bytes::from(vec![1; 50_000]))
@@ -152,7 +150,7 @@ fn abort_is_immediate_and_close_is_retransmitted() {
 
 #[test]
 fn unanswered_close_gives_up() {
-    let mut p = Pair::new(5, Impair::default());
+    let mut p = Pair::impaired(5, Impair::default());
     let (a, _b) = p.connect();
     p.impair.blackhole = true;
     p.eps[0].close(p.now, a);
@@ -163,7 +161,7 @@ fn unanswered_close_gives_up() {
 
 #[test]
 fn crossing_closes_and_duplicates_are_harmless() {
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         6,
         Impair {
             dup: 0.5,
@@ -189,7 +187,7 @@ fn crossing_closes_and_duplicates_are_harmless() {
 
 #[test]
 fn many_connect_close_cycles_leave_tables_flat() {
-    let mut p = Pair::new(7, Impair::default());
+    let mut p = Pair::impaired(7, Impair::default());
     let idle = [p.eps[0].table_sizes(), p.eps[1].table_sizes()];
     for i in 0..500u64 {
         let (a, b) = p.connect();
@@ -222,9 +220,9 @@ fn many_connect_close_cycles_leave_tables_flat() {
 /// the requester's connection ends with both, and a second refusal finds nothing.
 #[test]
 fn refusing_a_held_request_sends_code_and_reason() {
-    let mut b = common::config(1, 40);
+    let mut b = metaroce::testing::pair_config(1, 40);
     b.manual_accept = true;
-    let mut p = Pair::with_configs(40, Impair::default(), common::config(0, 40), b);
+    let mut p = Pair::impaired_with_configs(40, Impair::default(), metaroce::testing::pair_config(0, 40), b);
     let c = p.eps[0].connect(p.now, p.addrs[1], None).unwrap();
     assert!(p.run_until(Duration::from_secs(5), |p| p.events[1]
         .iter()

@@ -1,10 +1,8 @@
 //! Receive flow control with backpressure through the protocol (issue #10, item 4):
 //! `explicit_consume`, `max_stream_recv_bytes`, flow-control RNR NAKs. Virtual time.
 
-mod common;
-
 use bytes::Bytes;
-use common::{config, Impair, Pair};
+use metaroce::testing::{pair_config as config, Impair, Pair};
 use metaroce::{Event, WcStatus};
 use std::time::Duration;
 
@@ -21,7 +19,7 @@ fn pair(seed: u64, impair: Impair) -> Pair {
         c.transport.max_stream_recv_bytes = STREAM_LIMIT;
         c.transport.max_recv_buffer_bytes = CONN_LIMIT;
     }
-    Pair::with_configs(seed, impair, a, b)
+    Pair::impaired_with_configs(seed, impair, a, b)
 }
 
 /// Message `i` of a run: 1 MiB whose first byte is `i % 251`.

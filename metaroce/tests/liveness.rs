@@ -1,10 +1,8 @@
 //! Liveness: keepalives keep an idle connection with a live peer up; a dead peer is
 //! reported within the idle timeout, idle or not (issue #10, item 2). Virtual time.
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use metaroce::{ConnectionError, Event, WcStatus, WriteRequest};
 use std::time::Duration;
 
@@ -17,7 +15,7 @@ fn lost(p: &Pair, side: usize) -> Option<ConnectionError> {
 
 #[test]
 fn idle_connection_with_live_peer_stays_up() {
-    let mut p = Pair::new(11, Impair::default());
+    let mut p = Pair::impaired(11, Impair::default());
     let (a, b) = p.connect();
     let before = p.eps[0].connection_stats(a).unwrap().acks_received;
     p.run_until(Duration::from_secs(120), |_| false);
@@ -42,7 +40,7 @@ fn idle_connection_with_live_peer_stays_up() {
 
 #[test]
 fn dead_peer_on_idle_connection_is_reported_within_idle_timeout() {
-    let mut p = Pair::new(12, Impair::default());
+    let mut p = Pair::impaired(12, Impair::default());
     let (_a, _b) = p.connect();
     p.run_until(Duration::from_secs(1), |_| false);
     // The peer dies: nothing more arrives from it (and nothing reaches it).
@@ -58,7 +56,7 @@ fn dead_peer_on_idle_connection_is_reported_within_idle_timeout() {
 
 #[test]
 fn dead_peer_fails_pending_operations_in_bounded_time() {
-    let mut p = Pair::new(13, Impair::default());
+    let mut p = Pair::impaired(13, Impair::default());
     let (a, _b) = p.connect();
     let mr = p.eps[0].register_mr(vec![7; 1 << 20], metaroce::Access::LOCAL_WRITE);
     let remote = p.eps[1].register_mr(vec![0; 1 << 20], metaroce::Access::REMOTE_WRITE);
@@ -104,7 +102,7 @@ fn dead_peer_fails_pending_operations_in_bounded_time() {
 fn forged_looking_keepalive_only_draws_one_ack() {
     // A keepalive for a path the connection does not have is ignored; one for a real path
     // draws exactly one ACK and moves nothing else.
-    let mut p = Pair::new(14, Impair::default());
+    let mut p = Pair::impaired(14, Impair::default());
     let (a, b) = p.connect();
     p.eps[0]
         .post_send(a, 1, 1, Bytes::from_static(b"m"))

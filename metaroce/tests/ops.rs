@@ -1,10 +1,8 @@
 //! RDMA READ, atomics, posted receives and RNR, two endpoints in memory with a virtual
 //! clock under loss, reordering and duplication.
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use metaroce::{
     Access, AtomicOp, AtomicRequest, Event, ReadRequest, RecvRequest, WcOpcode, WcStatus,
     WorkCompletion,
@@ -33,7 +31,7 @@ fn lossy() -> Impair {
 #[test]
 fn read_places_remote_bytes_under_impairment() {
     for seed in 0..5 {
-        let mut p = Pair::new(seed, lossy());
+        let mut p = Pair::impaired(seed, lossy());
         let (c, _) = p.connect();
         let n = 200_003usize;
         let src: Vec<u8> = (0..n).map(|i| (i * 13 + seed as usize) as u8).collect();
@@ -79,7 +77,7 @@ fn read_places_remote_bytes_under_impairment() {
 
 #[test]
 fn read_without_remote_read_right_is_refused() {
-    let mut p = Pair::new(1, Impair::default());
+    let mut p = Pair::impaired(1, Impair::default());
     let (c, _) = p.connect();
     let remote = p.eps[1].register_mr(vec![9; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let local = p.eps[0].register_mr(vec![0; 4096], Access::LOCAL_WRITE);
@@ -131,7 +129,7 @@ fn read_without_remote_read_right_is_refused() {
 #[test]
 fn atomics_execute_exactly_once_under_retransmission() {
     for seed in 0..5 {
-        let mut p = Pair::new(
+        let mut p = Pair::impaired(
             seed,
             Impair {
                 loss: 0.15,
@@ -188,7 +186,7 @@ fn atomics_execute_exactly_once_under_retransmission() {
 
 #[test]
 fn compare_swap_and_atomic_errors() {
-    let mut p = Pair::new(2, Impair::default());
+    let mut p = Pair::impaired(2, Impair::default());
     let (c, _) = p.connect();
     let target = p.eps[1].register_mr(vec![0; 16], Access::LOCAL_WRITE | Access::REMOTE_ATOMIC);
     let no_atomic = p.eps[1].register_mr(vec![0; 16], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
@@ -249,7 +247,7 @@ fn compare_swap_and_atomic_errors() {
 
 #[test]
 fn posted_receives_take_sends_in_order_and_rnr_waits_for_them() {
-    let mut p = Pair::new(3, lossy());
+    let mut p = Pair::impaired(3, lossy());
     let (c, s) = p.connect();
     let buf = p.eps[1].register_mr(vec![0; 64 * 1024], Access::LOCAL_WRITE);
     // One receive posted, three messages sent: the first lands, the others get RNR NAKs
@@ -353,12 +351,12 @@ fn posted_receives_take_sends_in_order_and_rnr_waits_for_them() {
 
 #[test]
 fn rnr_retry_exceeded_and_length_error() {
-    let mut a = common::config(0, 4);
+    let mut a = metaroce::testing::pair_config(0, 4);
     a.transport.rnr_retry = 2;
-    let mut b = common::config(1, 4);
+    let mut b = metaroce::testing::pair_config(1, 4);
     b.transport.require_posted_receives = true;
     b.transport.min_rnr_timer = 1; // 10 µs
-    let mut p = Pair::with_configs(4, Impair::default(), a, b);
+    let mut p = Pair::impaired_with_configs(4, Impair::default(), a, b);
     let (c, s) = p.connect();
     p.eps[0]
         .post_send(c, 0, 1, Bytes::from_static(b"nobody listens"))
@@ -411,7 +409,7 @@ fn rnr_retry_exceeded_and_length_error() {
 
 #[test]
 fn posted_receives_are_flushed_when_the_connection_closes() {
-    let mut p = Pair::new(6, Impair::default());
+    let mut p = Pair::impaired(6, Impair::default());
     let (_c, s) = p.connect();
     let buf = p.eps[1].register_mr(vec![0; 100], Access::LOCAL_WRITE);
     p.eps[1]

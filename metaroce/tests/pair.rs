@@ -1,30 +1,17 @@
 //! Two endpoints in memory, virtual clock, no sockets: delivery and WRITE integrity under
 //! loss, reordering and duplication.
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::pattern;
+use metaroce::testing::{Impair, Pair};
 use metaroce::{Access, Event, WcOpcode, WcStatus, WriteRequest};
 use std::collections::HashMap;
 use std::time::Duration;
 
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
 /// Post messages on several streams and check exactly-once, in-order delivery per stream
 /// and one successful completion per message in posting order.
 fn streams_case(seed: u64, impair: Impair, streams: u32, per_stream: u32) {
-    let mut p = Pair::new(seed, impair);
+    let mut p = Pair::impaired(seed, impair);
     let (c, _s) = p.connect();
     let mut expect: HashMap<u32, Vec<Vec<u8>>> = HashMap::new();
     let mut wr = 0u64;
@@ -123,7 +110,7 @@ fn messages_under_heavy_loss() {
 
 #[test]
 fn zero_length_messages_are_delivered() {
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         3,
         Impair {
             loss: 0.1,
@@ -144,7 +131,7 @@ fn zero_length_messages_are_delivered() {
 }
 
 fn write_case(seed: u64, impair: Impair) {
-    let mut p = Pair::new(seed, impair);
+    let mut p = Pair::impaired(seed, impair);
     let (c, _s) = p.connect();
     let len = 300_000usize;
     let src = pattern(seed, len);
@@ -241,7 +228,7 @@ fn write_under_loss_reorder_duplication() {
 
 #[test]
 fn write_access_violations_get_nak_and_write_nothing() {
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         5,
         Impair {
             loss: 0.05,
@@ -317,7 +304,7 @@ fn write_access_violations_get_nak_and_write_nothing() {
 #[test]
 fn handshake_survives_loss_and_duplication() {
     for seed in 0..10 {
-        let mut p = Pair::new(
+        let mut p = Pair::impaired(
             seed,
             Impair {
                 loss: 0.3,
@@ -338,7 +325,7 @@ fn handshake_survives_loss_and_duplication() {
 
 #[test]
 fn blackhole_exhausts_retries_and_flushes() {
-    let mut p = Pair::new(9, Impair::default());
+    let mut p = Pair::impaired(9, Impair::default());
     let (c, _) = p.connect();
     p.impair.blackhole = true;
     for i in 0..3 {
@@ -378,7 +365,7 @@ fn blackhole_exhausts_retries_and_flushes() {
 
 #[test]
 fn ecn_marks_shrink_the_window_and_are_counted() {
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         4,
         Impair {
             ce: 0.2,
@@ -401,7 +388,7 @@ fn ecn_marks_shrink_the_window_and_are_counted() {
 
 #[test]
 fn traffic_is_sprayed_over_every_path() {
-    let mut p = Pair::new(2, Impair::default());
+    let mut p = Pair::impaired(2, Impair::default());
     let (c, _) = p.connect();
     for i in 0..100 {
         p.eps[0]
@@ -423,7 +410,7 @@ fn traffic_is_sprayed_over_every_path() {
 
 #[test]
 fn garbage_datagrams_are_counted_not_fatal() {
-    let mut p = Pair::new(8, Impair::default());
+    let mut p = Pair::impaired(8, Impair::default());
     let (c, _) = p.connect();
     let from = "10.0.0.1:49152".parse().unwrap();
     let mut x = 1u64;
@@ -454,11 +441,11 @@ fn garbage_datagrams_are_counted_not_fatal() {
 
 #[test]
 fn psn_wraps_at_2_pow_24_without_loss_of_data() {
-    let mut a = common::config(0, 12);
-    let mut b = common::config(1, 12);
+    let mut a = metaroce::testing::pair_config(0, 12);
+    let mut b = metaroce::testing::pair_config(1, 12);
     a.initial_psn = Some(0xFF_FFF0);
     b.initial_psn = Some(0xFF_FFF0);
-    let mut p = Pair::with_configs(
+    let mut p = Pair::impaired_with_configs(
         12,
         Impair {
             loss: 0.05,
@@ -495,7 +482,7 @@ fn psn_wraps_at_2_pow_24_without_loss_of_data() {
 
 #[test]
 fn blackholed_path_is_rerolled_to_a_new_source_port_and_recovers() {
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         21,
         Impair {
             blackhole_port: Some(0xC000),
@@ -542,10 +529,10 @@ fn blackholed_path_is_rerolled_to_a_new_source_port_and_recovers() {
 
 #[test]
 fn receiver_fair_share_caps_the_sender() {
-    let a = common::config(0, 30);
-    let mut b = common::config(1, 30);
+    let a = metaroce::testing::pair_config(0, 30);
+    let mut b = metaroce::testing::pair_config(1, 30);
     b.transport.recv_capacity_mbps = 400;
-    let mut p = Pair::with_configs(30, Impair::default(), a, b);
+    let mut p = Pair::impaired_with_configs(30, Impair::default(), a, b);
     p.delay = Duration::from_micros(50);
     let (c, s) = p.connect();
     let total = 4_000_000usize;

@@ -6,13 +6,11 @@
 //! Section numbers: IBA Vol. 1 Rel. 1.4. The spec text is not in the reference set; where a
 //! subsection number is from memory it is written `§9.7.x (≈)` in the table.
 
-mod rc_net;
-
 use metaroce::rocev2::{ConnectAttrs, QpState, RcConfig, RcTransmit, RecvWr, SendOp, SendWr};
+use metaroce::testing::rc::*;
 use metaroce::wire::icrc::{self, IpHeader};
 use metaroce::wire::{self, Aeth, Bth, Headers, Opcode, Packet};
 use metaroce::{Access, WcStatus};
-use rc_net::*;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -60,9 +58,9 @@ fn statuses(n: &Net) -> Vec<(u64, WcStatus)> {
 fn nak_remote_access_error_keeps_earlier_read_responses() {
     let mut n = Net::new(1024, None, None);
     let res = n.a.register_mr(vec![0; 4096], Access::LOCAL_WRITE);
-    let src = n.a.register_mr(pattern(64, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, 64), Access::LOCAL_WRITE);
     let tgt =
-        n.b.register_mr(pattern(4096, 9), Access::LOCAL_WRITE | Access::REMOTE_READ);
+        n.b.register_mr(pattern(9, 4096), Access::LOCAL_WRITE | Access::REMOTE_READ);
     // READ 4 KiB (4 responses), then a WRITE to a region without REMOTE_WRITE, then a READ.
     n.a.post_send(n.qa, read_wr(1, res.lkey, 0, 4096, tgt.addr, tgt.rkey))
         .unwrap();
@@ -81,7 +79,7 @@ fn nak_remote_access_error_keeps_earlier_read_responses() {
     );
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 4096).unwrap(),
-        &pattern(4096, 9)[..]
+        &pattern(9, 4096)[..]
     );
     // On the wire: the 4 READ responses, then the NAK (0x62), nothing after it.
     let from_b: Vec<(u8, Option<u8>)> = n
@@ -109,7 +107,7 @@ fn nak_remote_access_error_keeps_earlier_read_responses() {
 #[test]
 fn nak_after_coalesced_ack_completes_earlier_writes() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, 64), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let ro = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
@@ -154,7 +152,7 @@ fn nak_codes_map_to_work_completion_statuses() {
     assert!(n.wire.iter().any(|s| !s.from_a && s.syndrome == Some(0x62)));
     // 0x63
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     let rb = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
     n.b.post_recv(
         n.qb,
@@ -183,7 +181,7 @@ fn nak_codes_map_to_work_completion_statuses() {
 #[test]
 fn send_longer_than_the_receive_wr_is_a_length_error() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(3000, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 3000), Access::LOCAL_WRITE);
     let rb = n.b.register_mr(vec![0; 4096], Access::LOCAL_WRITE);
     n.b.post_recv(
         n.qb,
@@ -209,7 +207,7 @@ fn send_longer_than_the_receive_wr_is_a_length_error() {
 #[test]
 fn local_region_gone_after_posting_is_a_local_protection_error() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     n.a.post_send(n.qa, write_wr(1, src.lkey, 0, 64, tgt.addr, tgt.rkey))
@@ -236,7 +234,7 @@ fn requester_keeps_at_most_max_rd_atomic_outstanding() {
     let mut n = Net::with(1024, None, None, |a: &mut ConnectAttrs| a.max_rd_atomic = 1);
     let res = n.a.register_mr(vec![0; 3 * 2048], Access::LOCAL_WRITE);
     let tgt =
-        n.b.register_mr(pattern(2048, 8), Access::LOCAL_WRITE | Access::REMOTE_READ);
+        n.b.register_mr(pattern(8, 2048), Access::LOCAL_WRITE | Access::REMOTE_READ);
     for i in 0..3u64 {
         n.a.post_send(
             n.qa,
@@ -274,7 +272,7 @@ fn zero_length_write_and_read_skip_the_rkey_check() {
 #[test]
 fn solicited_event_only_on_the_last_packet_when_asked() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(3000, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 3000), Access::LOCAL_WRITE);
     let rb = n.b.register_mr(vec![0; 6000], Access::LOCAL_WRITE);
     for i in 0..2 {
         n.b.post_recv(
@@ -382,7 +380,7 @@ fn reissued_read_answered_from_first_or_only_is_accepted() {
         let mut n = Net::new(1024, None, None);
         let res = n.a.register_mr(vec![0; len as usize], Access::LOCAL_WRITE);
         let tgt = n.b.register_mr(
-            pattern(len as usize, 4),
+            pattern(4, len as usize),
             Access::LOCAL_WRITE | Access::REMOTE_READ,
         );
         n.a.post_send(n.qa, read_wr(1, res.lkey, 0, len, tgt.addr, tgt.rkey))
@@ -416,7 +414,7 @@ fn reissued_read_answered_from_first_or_only_is_accepted() {
         assert_eq!(statuses(&n), vec![(1, WcStatus::Success)], "len {len}");
         assert_eq!(
             n.a.mr_read(res.lkey, 0, u64::from(len)).unwrap(),
-            &pattern(len as usize, 4)[..]
+            &pattern(4, len as usize)[..]
         );
     }
 }
@@ -434,7 +432,7 @@ fn responder_refuses_more_than_max_dest_rd_atomic() {
     });
     let res = n.a.register_mr(vec![0; 8192], Access::LOCAL_WRITE);
     let tgt =
-        n.b.register_mr(pattern(8192, 2), Access::LOCAL_WRITE | Access::REMOTE_READ);
+        n.b.register_mr(pattern(2, 8192), Access::LOCAL_WRITE | Access::REMOTE_READ);
     n.a.post_send(n.qa, read_wr(1, res.lkey, 0, 4096, tgt.addr, tgt.rkey))
         .unwrap();
     n.a.post_send(n.qa, read_wr(2, res.lkey, 4096, 4096, tgt.addr, tgt.rkey))
@@ -447,7 +445,7 @@ fn responder_refuses_more_than_max_dest_rd_atomic() {
     assert_eq!(n.b.qp_stats(n.qb).unwrap().rd_atomic_refused, 1);
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 4096).unwrap(),
-        &pattern(4096, 2)[..]
+        &pattern(2, 4096)[..]
     );
 }
 
@@ -462,7 +460,7 @@ fn within_max_dest_rd_atomic_every_lost_response_is_replayed() {
     });
     let res = n.a.register_mr(vec![0; 8 * 2048], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
-        pattern(8 * 2048, 6),
+        pattern(6, 8 * 2048),
         Access::LOCAL_WRITE | Access::REMOTE_READ,
     );
     for i in 0..8u64 {
@@ -484,7 +482,7 @@ fn within_max_dest_rd_atomic_every_lost_response_is_replayed() {
     assert_eq!(n.b.qp_stats(n.qb).unwrap().rd_atomic_refused, 0);
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 8 * 2048).unwrap(),
-        &pattern(8 * 2048, 6)[..]
+        &pattern(6, 8 * 2048)[..]
     );
 }
 
@@ -497,10 +495,10 @@ fn within_max_dest_rd_atomic_every_lost_response_is_replayed() {
 #[test]
 fn duplicate_write_ack_carries_the_writes_psn() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, 64), Access::LOCAL_WRITE);
     let res = n.a.register_mr(vec![0; 64], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
-        pattern(128, 1),
+        pattern(1, 128),
         Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
     );
     n.a.post_send(n.qa, write_wr(1, src.lkey, 0, 64, tgt.addr, tgt.rkey))
@@ -544,7 +542,7 @@ fn duplicate_write_ack_carries_the_writes_psn() {
     );
     assert_eq!(n.b.qp_stats(n.qb).unwrap().duplicates_received, 2);
     // Executed once: the WRITE's bytes are there, nothing else changed.
-    assert_eq!(n.b.mr_read(tgt.lkey, 0, 64).unwrap(), &pattern(64, 3)[..]);
+    assert_eq!(n.b.mr_read(tgt.lkey, 0, 64).unwrap(), &pattern(3, 64)[..]);
     // No go-back for the READ caused by an ACK past it.
     assert_eq!(n.a.qp_stats(n.qa).unwrap().timeouts, 1);
 }
@@ -555,7 +553,7 @@ fn duplicate_write_ack_carries_the_writes_psn() {
 #[test]
 fn out_of_sequence_request_naks_once_with_the_expected_psn() {
     let mut n = Net::new(256, None, None);
-    let src = n.a.register_mr(pattern(2048, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, 2048), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; 2048], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     n.a.post_send(n.qa, write_wr(1, src.lkey, 0, 2048, tgt.addr, tgt.rkey))
@@ -584,7 +582,7 @@ fn out_of_sequence_request_naks_once_with_the_expected_psn() {
     assert_eq!(naks, vec![lost_psn.unwrap()]);
     assert_eq!(
         n.b.mr_read(tgt.lkey, 0, 2048).unwrap(),
-        &pattern(2048, 3)[..]
+        &pattern(3, 2048)[..]
     );
 }
 
@@ -595,7 +593,7 @@ fn out_of_sequence_request_naks_once_with_the_expected_psn() {
 #[test]
 fn msn_counts_messages_in_every_aeth() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, 64), Access::LOCAL_WRITE);
     let res = n.a.register_mr(vec![0; 64], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
         vec![0; 64],
@@ -639,7 +637,7 @@ fn traffic_class_ecn_bits_are_not_sent_and_packets_are_ect0() {
             |a| a.traffic_class = (26 << 2) | 3,
             |c| c.dcqcn.ect = ect,
         );
-        let src = n.a.register_mr(pattern(4096, 3), Access::LOCAL_WRITE);
+        let src = n.a.register_mr(pattern(3, 4096), Access::LOCAL_WRITE);
         let tgt =
             n.b.register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
         n.a.post_send(n.qa, write_wr(1, src.lkey, 0, 4096, tgt.addr, tgt.rkey))
@@ -662,7 +660,7 @@ fn ce_marks_draw_rate_limited_cnps_and_cut_the_rate() {
     // The rc_pingpong ACK timeout (67 ms): a throttled QP is slow, not lossy.
     let mut n = Net::with(1024, None, None, |a| a.timeout = 14);
     let len = 1 << 20;
-    let src = n.a.register_mr(pattern(len, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, len), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let t0 = n.now;
@@ -687,7 +685,7 @@ fn ce_marks_draw_rate_limited_cnps_and_cut_the_rate() {
     assert_eq!(statuses(&n), vec![(1, WcStatus::Success)]);
     assert_eq!(
         n.b.mr_read(tgt.lkey, 0, len as u64).unwrap(),
-        &pattern(len, 3)[..]
+        &pattern(3, len)[..]
     );
     let elapsed = n.now - t0;
     let sb = n.b.qp_stats(n.qb).unwrap();
@@ -726,7 +724,7 @@ fn ce_marks_draw_rate_limited_cnps_and_cut_the_rate() {
 fn throttled_qp_does_not_time_out_spuriously() {
     let mut n = Net::new(1024, None, None); // timeout 10: 4.2 ms
     let len = 1 << 20;
-    let src = n.a.register_mr(pattern(len, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, len), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let t0 = n.now;
@@ -764,7 +762,7 @@ fn throttled_qp_does_not_time_out_spuriously() {
 fn rate_recovers_without_cnps_and_dcqcn_can_be_disabled() {
     let mut n = Net::with(1024, None, None, |a| a.timeout = 14);
     let len = 256 << 10;
-    let src = n.a.register_mr(pattern(len, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, len), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     n.a.post_send(
@@ -794,7 +792,7 @@ fn rate_recovers_without_cnps_and_dcqcn_can_be_disabled() {
     );
 
     let mut n = Net::with_cfg(1024, None, None, |_| {}, |c| c.dcqcn.enabled = false);
-    let src = n.a.register_mr(pattern(len, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, len), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     n.a.post_send(
@@ -878,7 +876,7 @@ fn bottleneck_run(dcqcn: bool, link: &Bottleneck, duration: Duration) -> Figure 
     };
     let mut n = Net::with_cfg(1024, None, None, |a| a.timeout = 8, tweak);
     let msg = 64 << 10;
-    let src = n.a.register_mr(pattern(msg, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, msg), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; msg], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let t0 = n.now;

@@ -3,9 +3,7 @@
 //! without being sent again and without failing (IBA: the requester's transport timer is
 //! restarted by every valid response packet).
 
-mod common;
-
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use metaroce::{Access, Event, ReadRequest, WcOpcode, WcStatus, WorkCompletion};
 use std::time::Duration;
 
@@ -22,15 +20,15 @@ fn completions(events: &[Event]) -> Vec<WorkCompletion> {
 #[test]
 fn long_read_response_is_progress_not_a_timeout() {
     let seed = 7;
-    let mut a = common::config(0, seed);
-    let mut b = common::config(1, seed);
+    let mut a = metaroce::testing::pair_config(0, seed);
+    let mut b = metaroce::testing::pair_config(1, seed);
     // A small retry budget so the READ outlasts it: with path RTOs near the 1 ms minimum
     // (RTT 200 us) the requester's response waits (twice the largest RTO, doubling) add
     // up to about 2 + 4 = 6 ms before the READ would fail.
     for c in [&mut a, &mut b] {
         c.transport.retry_count = 1;
     }
-    let mut p = Pair::with_configs(seed, Impair::default(), a, b);
+    let mut p = Pair::impaired_with_configs(seed, Impair::default(), a, b);
     // 100 us one way: the response is window-limited to over 12 ms of virtual time (when
     // response packets do not restart the wait, the READ fails after about 9 ms).
     p.delay = Duration::from_micros(100);

@@ -6,15 +6,16 @@
 //! hostile packets are built with the public wire API and fed to `Endpoint::handle_datagram`.
 
 use bytes::Bytes;
+use metaroce::testing::Net;
 use metaroce::wire::{
     self, icrc, AtomicEth, Bth, Headers, Opcode, Packet, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
 use metaroce::{
-    Access, AtomicOp, AtomicRequest, ConnectionHandle, ConnectionStats, Endpoint, EndpointConfig,
-    Event, ReadRequest, WcOpcode, WcStatus, WorkCompletion, WriteRequest,
+    Access, AtomicOp, AtomicRequest, ConnectionHandle, ConnectionStats, EndpointConfig, Event,
+    ReadRequest, WcOpcode, WcStatus, WorkCompletion, WriteRequest,
 };
 use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn ip_of(i: usize) -> IpAddr {
     format!("10.0.0.{}", i + 1).parse().unwrap()
@@ -32,117 +33,75 @@ fn config(i: usize) -> EndpointConfig {
     c
 }
 
-struct Two {
-    eps: [Endpoint; 2],
-    now: Instant,
-    events: [Vec<Event>; 2],
-    /// Every datagram that left endpoint i (dropped or not).
-    sent: [Vec<Vec<u8>>; 2],
+/// Two endpoints on the test network (`metaroce::testing::Net`) with no delay, recording
+/// every datagram that leaves an endpoint (dropped or not).
+type Two = Net;
+
+fn two_of(a: EndpointConfig, b: EndpointConfig) -> Two {
+    let mut n = Net::with_configs(0, a, b);
+    n.delay = Duration::ZERO;
+    n.record = usize::MAX;
+    n
 }
 
-impl Two {
-    fn new(a: EndpointConfig, b: EndpointConfig) -> Two {
-        Two {
-            eps: [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()],
-            now: Instant::now(),
-            events: [Vec::new(), Vec::new()],
-            sent: [Vec::new(), Vec::new()],
-        }
-    }
+/// Exchange packets until quiet, firing timers up to `dur` of virtual time; `drop`
+/// decides (by sender and packet) which datagrams are lost.
+fn run(two: &mut Two, dur: Duration, mut drop: impl FnMut(usize, &Packet<'_>) -> bool) {
+    two.run_dropping(dur, |i, d| drop(i, &Packet::parse(d).unwrap()));
+}
 
-    /// Exchange packets until quiet, firing timers up to `dur` of virtual time; `drop`
-    /// decides (by sender and packet) which datagrams are lost.
-    fn run(&mut self, dur: Duration, mut drop: impl FnMut(usize, &Packet<'_>) -> bool) {
-        let end = self.now + dur;
-        let mut buf = Vec::new();
-        loop {
-            let mut moved = false;
-            for i in 0..2 {
-                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
-                    moved = true;
-                    let seg = t.segment_size.unwrap_or(t.size);
-                    let dgrams: Vec<Vec<u8>> =
-                        buf[..t.size].chunks(seg).map(<[u8]>::to_vec).collect();
-                    for d in dgrams {
-                        self.sent[i].push(d.clone());
-                        if drop(i, &Packet::parse(&d).unwrap()) {
-                            continue;
-                        }
-                        let from = SocketAddr::new(ip_of(i), t.src_port);
-                        self.eps[1 - i].handle_datagram(
-                            self.now,
-                            from,
-                            Some(ip_of(1 - i)),
-                            t.ecn,
-                            &d,
-                        );
-                    }
-                }
-                while let Some(e) = self.eps[i].poll_event() {
-                    self.events[i].push(e);
-                }
-            }
-            if moved {
-                continue;
-            }
-            let Some(t) = self.eps.iter().filter_map(Endpoint::poll_timeout).min() else {
-                return;
-            };
-            if t > end {
-                self.now = end;
-                return;
-            }
-            self.now = self.now.max(t);
-            for ep in &mut self.eps {
-                if ep.poll_timeout().is_some_and(|x| x <= self.now) {
-                    ep.handle_timeout(self.now);
-                }
-            }
-        }
+fn connect(two: &mut Two) -> (ConnectionHandle, ConnectionHandle) {
+    let c = two.eps[0]
+        .connect(two.now, SocketAddr::new(ip_of(1), 4791), None)
+        .unwrap();
+    run(two, Duration::from_millis(50), |_, _| false);
+    let s = two.events[1]
+        .iter()
+        .find_map(|e| match e {
+            Event::Incoming(h) => Some(*h),
+            _ => None,
+        })
+        .expect("handshake");
+    assert!(two.eps[0].is_established(c));
+    for e in &mut two.events {
+        e.clear();
     }
+    two.wire.clear();
+    (c, s)
+}
 
-    fn connect(&mut self) -> (ConnectionHandle, ConnectionHandle) {
-        let c = self.eps[0]
-            .connect(self.now, SocketAddr::new(ip_of(1), 4791), None)
-            .unwrap();
-        self.run(Duration::from_millis(50), |_, _| false);
-        let s = self.events[1]
-            .iter()
-            .find_map(|e| match e {
-                Event::Incoming(h) => Some(*h),
-                _ => None,
-            })
-            .expect("handshake");
-        assert!(self.eps[0].is_established(c));
-        self.events = [Vec::new(), Vec::new()];
-        self.sent = [Vec::new(), Vec::new()];
-        (c, s)
-    }
+fn completions(two: &Two, i: usize) -> Vec<WorkCompletion> {
+    two.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { wc, .. } => Some(*wc),
+            _ => None,
+        })
+        .collect()
+}
 
-    fn completions(&self, i: usize) -> Vec<WorkCompletion> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Completion { wc, .. } => Some(*wc),
-                _ => None,
-            })
-            .collect()
-    }
+fn stats(two: &Two, i: usize, conn: ConnectionHandle) -> ConnectionStats {
+    two.eps[i].connection_stats(conn).unwrap()
+}
 
-    fn stats(&self, i: usize, conn: ConnectionHandle) -> ConnectionStats {
-        self.eps[i].connection_stats(conn).unwrap()
-    }
+/// Every datagram that left endpoint `i` since the last `connect` or `wire.clear()`.
+fn sent(two: &Two, i: usize) -> Vec<Vec<u8>> {
+    two.wire
+        .iter()
+        .filter(|d| d.from_ep == i)
+        .map(|d| d.data.clone())
+        .collect()
+}
 
-    /// NAKs endpoint `i` sent: (syndrome, op id).
-    fn naks_sent(&self, i: usize) -> Vec<(u8, u32)> {
-        self.sent[i]
-            .iter()
-            .filter_map(|d| match Packet::parse(d).unwrap().headers {
-                Headers::Nak { nak, .. } => Some((nak.syndrome, nak.op_id)),
-                _ => None,
-            })
-            .collect()
-    }
+/// NAKs endpoint `i` sent: (syndrome, op id).
+fn naks_sent(two: &Two, i: usize) -> Vec<(u8, u32)> {
+    sent(two, i)
+        .iter()
+        .filter_map(|d| match Packet::parse(d).unwrap().headers {
+            Headers::Nak { nak, .. } => Some((nak.syndrome, nak.op_id)),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Builds packets as endpoint 0's connection would, but with any header values: each takes
@@ -237,8 +196,8 @@ fn scattered_op_ids_and_streams_stay_bounded() {
     b.transport.max_recv_buffer_bytes = BUDGET;
     b.transport.max_message_size = MAX_MSG;
     b.transport.max_streams = 4096;
-    let mut two = Two::new(config(0), b);
-    let (ca, cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, cb) = connect(&mut two);
     let target = two.eps[1].register_mr(
         vec![0; 4096],
         Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
@@ -314,9 +273,9 @@ fn scattered_op_ids_and_streams_stay_bounded() {
         if k % 64 == 0 {
             // Let the responses flow (the honest side acknowledges them), so the responder
             // is not merely busy.
-            two.run(Duration::from_micros(200), |_, _| false);
+            run(&mut two, Duration::from_micros(200), |_, _| false);
         }
-        let s = two.stats(1, cb).recv;
+        let s = stats(&two, 1, cb).recv;
         assert!(
             s.tracked_ops <= 3 * TRACKED as u64 + 1,
             "op id records grow without bound: {} after {k} packets",
@@ -339,7 +298,7 @@ fn scattered_op_ids_and_streams_stay_bounded() {
             s.buffered_messages
         );
     }
-    let s = two.stats(1, cb).recv;
+    let s = stats(&two, 1, cb).recv;
     // The bounds were reached: the test exercised them.
     assert!(s.tracked_ops >= TRACKED as u64, "{s:?}");
     assert!(s.buffered_bytes >= BUDGET, "{s:?}");
@@ -355,15 +314,15 @@ fn scattered_op_ids_and_streams_stay_bounded() {
             &[],
         );
     }
-    let s = two.stats(1, cb).recv;
+    let s = stats(&two, 1, cb).recv;
     assert_eq!(s.op_id_out_of_window, far + 3, "{s:?}");
     // The op id at the floor is always admitted, so the peer's own first operations
     // (ids 0, 1, 2: each becomes the floor in turn) still execute. (The window of
     // `TRACKED` ids ahead of the floor now bounds the tracking set by itself: with every
     // other id of the window taken, no new one is left to refuse with an RNR NAK.)
-    two.run(Duration::from_micros(200), |_, _| false);
-    two.sent[1].clear();
-    let before = two.stats(1, cb).recv;
+    run(&mut two, Duration::from_micros(200), |_, _| false);
+    two.wire.clear();
+    let before = stats(&two, 1, cb).recv;
     for id in [0, 1, 2] {
         f.send(
             &mut two,
@@ -371,11 +330,11 @@ fn scattered_op_ids_and_streams_stay_bounded() {
             read_req(id, target.rkey, target.addr, 64),
             &[],
         );
-        two.run(Duration::from_micros(200), |_, _| false);
+        run(&mut two, Duration::from_micros(200), |_, _| false);
     }
-    let after = two.stats(1, cb).recv;
+    let after = stats(&two, 1, cb).recv;
     assert_eq!(after.reads, before.reads + 3);
-    let naks = two.naks_sent(1);
+    let naks = naks_sent(&two, 1);
     assert!(naks.is_empty(), "{naks:?}");
     assert!(two.eps[0].is_established(ca));
 }
@@ -388,8 +347,8 @@ fn refusal_records_are_bounded() {
     const TRACKED: u32 = 256;
     let mut b = config(1);
     b.transport.max_tracked_ops = TRACKED;
-    let mut two = Two::new(config(0), b);
-    let (ca, cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, cb) = connect(&mut two);
     let mut f = Forger {
         dest_qp: cb.0,
         token: two.eps[0].connection_tokens(ca).unwrap().0,
@@ -403,27 +362,27 @@ fn refusal_records_are_bounded() {
             read_req(id, 0xDEAD, 0, 8),
             &[],
         );
-        let s = two.stats(1, cb).recv;
+        let s = stats(&two, 1, cb).recv;
         assert!(
             s.tracked_ops <= TRACKED as u64,
             "{} records after {id}",
             s.tracked_ops
         );
     }
-    two.run(Duration::from_micros(200), |_, _| false);
-    let naks = two.naks_sent(1);
+    run(&mut two, Duration::from_micros(200), |_, _| false);
+    let naks = naks_sent(&two, 1);
     assert_eq!(naks.len(), 4 * TRACKED as usize);
     assert!(naks.iter().all(|&(syn, _)| syn == 0x62));
     // The most recent refusals are remembered: a re-sent request is refused again.
-    two.sent[1].clear();
+    two.wire.clear();
     f.send(
         &mut two,
         Opcode::MR_READ_REQUEST,
         read_req(4 * TRACKED - 1, 0xDEAD, 0, 8),
         &[],
     );
-    two.run(Duration::from_micros(200), |_, _| false);
-    assert_eq!(two.naks_sent(1), vec![(0x62, 4 * TRACKED - 1)]);
+    run(&mut two, Duration::from_micros(200), |_, _| false);
+    assert_eq!(naks_sent(&two, 1), vec![(0x62, 4 * TRACKED - 1)]);
 }
 
 /// First packets of 64 MiB WRITEs with scattered op ids: the segment bitmaps that track
@@ -433,8 +392,8 @@ fn write_bitmaps_are_bounded() {
     const TRACKED: u32 = 64;
     let mut b = config(1);
     b.transport.max_tracked_ops = TRACKED;
-    let mut two = Two::new(config(0), b);
-    let (ca, cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, cb) = connect(&mut two);
     let huge = two.eps[1].register_mr(vec![0; 64 << 20], Access::REMOTE_WRITE);
     let mut f = Forger {
         dest_qp: cb.0,
@@ -461,14 +420,14 @@ fn write_bitmaps_are_bounded() {
             imm: None,
         };
         f.send(&mut two, Opcode::MR_WRITE, write, &[7; 1024]);
-        let s = two.stats(1, cb).recv;
+        let s = stats(&two, 1, cb).recv;
         assert!(
             s.write_track_bytes <= TRACKED as u64 * 512 + one_write,
             "WRITE bitmaps grow without bound: {} bytes after {k} packets",
             s.write_track_bytes
         );
     }
-    let s = two.stats(1, cb).recv;
+    let s = stats(&two, 1, cb).recv;
     assert!(
         s.write_track_bytes + one_write > TRACKED as u64 * 512,
         "{s:?}"
@@ -484,8 +443,8 @@ fn parked_empty_messages_are_bounded() {
     const BUDGET: u64 = 64 << 10;
     let mut b = config(1);
     b.transport.max_recv_buffer_bytes = BUDGET;
-    let mut two = Two::new(config(0), b);
-    let (ca, cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, cb) = connect(&mut two);
     let mut f = Forger {
         dest_qp: cb.0,
         token: two.eps[0].connection_tokens(ca).unwrap().0,
@@ -503,14 +462,14 @@ fn parked_empty_messages_are_bounded() {
             },
         };
         f.send(&mut two, Opcode::MR_SEND, send, &[]);
-        let s = two.stats(1, cb).recv;
+        let s = stats(&two, 1, cb).recv;
         assert!(
             s.buffered_messages * 128 <= 2 * BUDGET,
             "parked messages grow without bound: {} after {k} packets",
             s.buffered_messages
         );
     }
-    let s = two.stats(1, cb).recv;
+    let s = stats(&two, 1, cb).recv;
     assert!(s.buffered_messages * 128 + 128 > BUDGET, "{s:?}");
     assert_eq!(s.messages, 0);
 }
@@ -524,8 +483,8 @@ fn refused_messages_are_bounded() {
     let mut b = config(1);
     b.transport.max_tracked_ops = TRACKED;
     b.transport.max_message_size = 4096;
-    let mut two = Two::new(config(0), b);
-    let (ca, cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, cb) = connect(&mut two);
     let mut f = Forger {
         dest_qp: cb.0,
         token: two.eps[0].connection_tokens(ca).unwrap().0,
@@ -548,18 +507,18 @@ fn refused_messages_are_bounded() {
             send(k % 8, 1 + k / 8, 1 << 20),
             &[1; 1024],
         );
-        let s = two.stats(1, cb).recv;
+        let s = stats(&two, 1, cb).recv;
         assert!(
             s.refused_messages <= TRACKED as u64,
             "refused message records grow without bound: {} after {k} packets",
             s.refused_messages
         );
     }
-    assert_eq!(two.stats(1, cb).recv.refused_messages, TRACKED as u64);
+    assert_eq!(stats(&two, 1, cb).recv.refused_messages, TRACKED as u64);
     // Stream 9: message 0 is refused at the head and skipped, message 1 is delivered.
     f.send(&mut two, Opcode::MR_SEND, send(9, 0, 1 << 20), &[1; 1024]);
     f.send(&mut two, Opcode::MR_SEND, send(9, 1, 3), &[5, 6, 7]);
-    two.run(Duration::from_micros(100), |_, _| false);
+    run(&mut two, Duration::from_micros(100), |_, _| false);
     let msgs: Vec<_> = two.events[1]
         .iter()
         .filter_map(|e| match e {
@@ -595,8 +554,8 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
     if let Trouble::Busy = trouble {
         b.transport.max_rd_atomic = 1;
     }
-    let mut two = Two::new(config(0), b);
-    let (ca, _cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, _cb) = connect(&mut two);
     let mut init = vec![0u8; 64];
     init[..8].copy_from_slice(&41u64.to_le_bytes());
     init[8..]
@@ -631,10 +590,10 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
     }
     .unwrap();
     // Phase 1: everything the responder sends is lost; the request executes.
-    two.run(Duration::from_micros(100), |from, _| from == 1);
+    run(&mut two, Duration::from_micros(100), |from, _| from == 1);
     let executed = two.eps[1]
         .connections()
-        .map(|c| two.stats(1, c).recv)
+        .map(|c| stats(&two, 1, c).recv)
         .map(|s| s.reads + s.atomics)
         .sum::<u64>();
     assert_eq!(executed, 1);
@@ -646,7 +605,7 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
     }
     // Phase 2: responses stay lost until the responder has seen the re-sent request.
     let mut resent = false;
-    two.run(Duration::from_millis(200), |from, p| {
+    run(&mut two, Duration::from_millis(200), |from, p| {
         let request = matches!(
             p.headers,
             Headers::ReadRequest { .. } | Headers::Atomic { .. }
@@ -661,7 +620,11 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
         from == 1 && response && !resent
     });
     assert!(resent, "the request was not re-sent");
-    assert_eq!(two.naks_sent(1), vec![], "an executed request was refused");
+    assert_eq!(
+        naks_sent(&two, 1),
+        vec![],
+        "an executed request was refused"
+    );
     let (opcode, expect) = match kind {
         Kind::Read => (WcOpcode::RdmaRead, init.clone()),
         Kind::FetchAdd => {
@@ -670,7 +633,7 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
             (WcOpcode::FetchAdd, v)
         }
     };
-    let wcs = two.completions(0);
+    let wcs = completions(&two, 0);
     assert_eq!(wcs.len(), 1, "{wcs:?}");
     assert_eq!((wcs[0].opcode, wcs[0].status), (opcode, WcStatus::Success));
     assert_eq!(two.eps[0].mr_read(local.lkey, 0, 64).unwrap(), &expect[..]);
@@ -710,8 +673,8 @@ fn resent_atomic_at_busy_responder_is_acknowledged() {
 /// requester would wait for a response that never comes.
 #[test]
 fn resent_refused_request_gets_the_same_nak() {
-    let mut two = Two::new(config(0), config(1));
-    let (ca, _cb) = two.connect();
+    let mut two = two_of(config(0), config(1));
+    let (ca, _cb) = connect(&mut two);
     let target = two.eps[1].register_mr(vec![0; 64], Access::REMOTE_READ | Access::REMOTE_WRITE);
     let local = two.eps[0].register_mr(vec![0; 64], Access::LOCAL_WRITE);
     // Bad rkey, then a READ beyond the region; a WRITE beyond it too.
@@ -747,19 +710,20 @@ fn resent_refused_request_gets_the_same_nak() {
         .unwrap();
     // The first NAK of each op is lost.
     let mut seen = std::collections::HashSet::new();
-    two.run(Duration::from_secs(1), |from, p| match p.headers {
-        Headers::Nak { nak, .. } if from == 1 => seen.insert(nak.op_id),
-        _ => false,
+    run(&mut two, Duration::from_secs(1), |from, p| {
+        match p.headers {
+            Headers::Nak { nak, .. } if from == 1 => seen.insert(nak.op_id),
+            _ => false,
+        }
     });
-    let naks = two.naks_sent(1);
+    let naks = naks_sent(&two, 1);
     for id in 0..3 {
         assert!(
             naks.iter().filter(|n| n.1 == id).count() >= 2,
             "op {id} refused only once: {naks:?}"
         );
     }
-    let wcs: Vec<_> = two
-        .completions(0)
+    let wcs: Vec<_> = completions(&two, 0)
         .iter()
         .map(|w| (w.wr_id, w.status))
         .collect();
@@ -779,8 +743,8 @@ fn resent_refused_request_gets_the_same_nak() {
 /// included. Receivers ignore the bit.
 #[test]
 fn ack_req_marks_the_end_of_an_operations_data() {
-    let mut two = Two::new(config(0), config(1));
-    let (ca, _cb) = two.connect();
+    let mut two = two_of(config(0), config(1));
+    let (ca, _cb) = connect(&mut two);
     let target = two.eps[1].register_mr(
         vec![0; 8192],
         Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
@@ -822,11 +786,11 @@ fn ack_req_marks_the_end_of_an_operations_data() {
         },
     };
     two.eps[0].post_atomic(ca, at).unwrap();
-    two.run(Duration::from_secs(1), |_, _| false);
-    assert_eq!(two.completions(0).len(), 5);
+    run(&mut two, Duration::from_secs(1), |_, _| false);
+    assert_eq!(completions(&two, 0).len(), 5);
     let mut checked = 0;
     for i in 0..2 {
-        for d in &two.sent[i] {
+        for d in &sent(&two, i) {
             let p = Packet::parse(d).unwrap();
             let end = p.payload.len() as u64;
             let want = match p.headers {
@@ -864,8 +828,8 @@ fn locally_failed_write_leaves_no_gap_in_op_ids() {
     const TRACKED: u32 = 4;
     let mut b = config(1);
     b.transport.max_tracked_ops = TRACKED;
-    let mut two = Two::new(config(0), b);
-    let (ca, cb) = two.connect();
+    let mut two = two_of(config(0), b);
+    let (ca, cb) = connect(&mut two);
     let dst = two.eps[1].register_mr(
         vec![0; 256 << 10],
         Access::REMOTE_WRITE | Access::REMOTE_READ,
@@ -901,7 +865,7 @@ fn locally_failed_write_leaves_no_gap_in_op_ids() {
         two.eps[1].handle_datagram(two.now, from, Some(ip_of(1)), t.ecn, d);
     }
     two.eps[0].deregister_mr(src.lkey).unwrap();
-    let placed = two.stats(1, cb).recv.write_bytes;
+    let placed = stats(&two, 1, cb).recv.write_bytes;
     assert!(placed > 0 && placed < 64 << 10, "{placed} bytes placed");
     // A READ whose sink region goes away before its response lands fails locally too; its
     // request executed at the responder, so its op id is finished there already.
@@ -943,8 +907,8 @@ fn locally_failed_write_leaves_no_gap_in_op_ids() {
             two.eps[0].post_read(ca, req).unwrap();
         }
     }
-    two.run(Duration::from_secs(2), |_, _| false);
-    let wcs = two.completions(0);
+    run(&mut two, Duration::from_secs(2), |_, _| false);
+    let wcs = completions(&two, 0);
     assert_eq!(wcs.len() as u64, n + 2, "completions {wcs:?}");
     let failed: Vec<_> = wcs[..2].iter().map(|wc| (wc.wr_id, wc.status)).collect();
     assert_eq!(
@@ -957,7 +921,7 @@ fn locally_failed_write_leaves_no_gap_in_op_ids() {
     for wc in &wcs[2..] {
         assert_eq!(wc.status, WcStatus::Success, "{wcs:?}");
     }
-    let s = two.stats(1, cb).recv;
+    let s = stats(&two, 1, cb).recv;
     assert_eq!(s.aborted_ops, 1, "{s:?}");
     // The failed WRITE's immediate is never reported at the responder.
     assert!(

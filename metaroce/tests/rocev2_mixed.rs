@@ -5,44 +5,13 @@
 use metaroce::rocev2::{
     Completion, ConnectAttrs, QpInit, RcEvent, RcOpcode, RcWire, SendOp, SendWr,
 };
+use metaroce::testing::{pattern, Impair, Kind, Net};
 use metaroce::{
     Access, ConnectionHandle, EcnCodepoint, Endpoint, EndpointConfig, Event, ReadRequest, WcOpcode,
     WcStatus, WorkCompletion, WriteRequest,
 };
-use rand_core::{RngCore, SeedableRng};
-use rand_xoshiro::Xoshiro256PlusPlus;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant};
-
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct InFlight {
-    at: Reverse<Instant>,
-    seq: Reverse<u64>,
-    to: usize,
-    from: SocketAddr,
-    data: Vec<u8>,
-}
-
-/// N endpoints on a network with a fixed one-way delay and seeded random loss (plus, when
-/// lossy, two fixed RC packets per sender).
-struct Net {
-    eps: Vec<Endpoint>,
-    addrs: Vec<SocketAddr>,
-    now: Instant,
-    start: Instant,
-    loss: f64,
-    rng: Xoshiro256PlusPlus,
-    queue: BinaryHeap<InFlight>,
-    seq: u64,
-    events: Vec<Vec<Event>>,
-    dropped: u64,
-    /// Datagrams sent with a standard RC opcode (first BTH byte <= 0x14), per sender.
-    rc_sent: Vec<u64>,
-    /// Deliver every RC-opcode datagram with ECN CE (a congested switch).
-    ce_rc: bool,
-}
+use std::net::SocketAddr;
+use std::time::Duration;
 
 fn config(i: usize, seed: u64) -> EndpointConfig {
     let mut c = EndpointConfig::new(
@@ -54,144 +23,60 @@ fn config(i: usize, seed: u64) -> EndpointConfig {
     c
 }
 
-impl Net {
-    fn new(n: usize, seed: u64, loss: f64) -> Net {
-        let now = Instant::now();
-        let cfgs: Vec<EndpointConfig> = (0..n).map(|i| config(i, seed)).collect();
-        Net {
-            addrs: cfgs.iter().map(|c| c.local_addr).collect(),
-            eps: cfgs
-                .into_iter()
-                .map(|c| Endpoint::new(c).unwrap())
-                .collect(),
-            now,
-            start: now,
-            loss,
-            rng: Xoshiro256PlusPlus::seed_from_u64(seed),
-            queue: BinaryHeap::new(),
-            seq: 0,
-            events: (0..n).map(|_| Vec::new()).collect(),
-            dropped: 0,
-            rc_sent: vec![0; n],
-            ce_rc: false,
-        }
-    }
-
-    fn ip(&self, i: usize) -> IpAddr {
-        self.addrs[i].ip()
-    }
-
-    fn flush(&mut self) {
-        let mut buf = Vec::with_capacity(1 << 16);
-        loop {
-            let mut any = false;
-            for i in 0..self.eps.len() {
-                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
-                    any = true;
-                    let Some(to) = self.addrs.iter().position(|a| *a == t.destination) else {
-                        continue;
-                    };
-                    let from = SocketAddr::new(self.ip(i), t.src_port);
-                    let seg = t.segment_size.unwrap_or(t.size);
-                    for chunk in buf[..t.size].chunks(seg) {
-                        if chunk[0] <= 0x14 {
-                            self.rc_sent[i] += 1;
-                            // On a lossy run, the 5th and 20th RC packets of every sender
-                            // are lost too, so go-back-N is exercised whatever the random
-                            // draws hit.
-                            if self.loss > 0.0 && matches!(self.rc_sent[i], 5 | 20) {
-                                self.dropped += 1;
-                                continue;
-                            }
-                        }
-                        let r = self.rng.next_u64() as f64 / u64::MAX as f64;
-                        if r < self.loss {
-                            self.dropped += 1;
-                            continue;
-                        }
-                        self.seq += 1;
-                        self.queue.push(InFlight {
-                            at: Reverse(self.now + Duration::from_micros(10)),
-                            seq: Reverse(self.seq),
-                            to,
-                            from,
-                            data: chunk.to_vec(),
-                        });
-                    }
-                }
-            }
-            if !any {
-                break;
-            }
-        }
-        for i in 0..self.eps.len() {
-            while let Some(e) = self.eps[i].poll_event() {
-                self.events[i].push(e);
-            }
-        }
-    }
-
-    fn step(&mut self) -> bool {
-        self.flush();
-        let next_pkt = self.queue.peek().map(|p| p.at.0);
-        let next_timer = self.eps.iter().filter_map(Endpoint::poll_timeout).min();
-        let next = match (next_pkt, next_timer) {
-            (Some(a), Some(b)) => a.min(b),
-            (Some(a), None) | (None, Some(a)) => a,
-            (None, None) => return false,
-        };
-        self.now = self.now.max(next);
-        while self.queue.peek().is_some_and(|p| p.at.0 <= self.now) {
-            let p = self.queue.pop().unwrap();
-            let local = self.addrs[p.to].ip();
-            let ecn = (self.ce_rc && p.data[0] <= 0x14).then_some(EcnCodepoint::Ce);
-            self.eps[p.to].handle_datagram(self.now, p.from, Some(local), ecn, &p.data);
-        }
-        for ep in &mut self.eps {
-            if ep.poll_timeout().is_some_and(|t| t <= self.now) {
-                ep.handle_timeout(self.now);
-            }
-        }
-        self.flush();
-        true
-    }
-
-    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Net) -> bool) -> bool {
-        while self.now - self.start < limit {
-            if done(self) {
-                return true;
-            }
-            if !self.step() {
-                return done(self);
-            }
-        }
-        done(self)
-    }
-
-    fn meta_wcs(&self, i: usize) -> Vec<(ConnectionHandle, WorkCompletion)> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Completion { conn, wc } => Some((*conn, *wc)),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn rc_wcs(&self, i: usize) -> Vec<Completion> {
-        self.events[i]
-            .iter()
-            .filter_map(|e| match e {
-                Event::Rc(RcEvent::Completion(c)) => Some(*c),
-                _ => None,
-            })
-            .collect()
-    }
+/// N endpoints on the test network (`metaroce::testing::Net`: fixed 10 µs one-way delay,
+/// seeded random loss; plus, when lossy, the 5th and 20th RC packet of every sender lost).
+/// Datagrams arrive without ECN, except that with `ce_rc` every RC-opcode datagram arrives
+/// CE-marked (a congested switch).
+fn new_net(n: usize, seed: u64, loss: f64) -> Net {
+    mixed_net(n, seed, loss, false)
 }
 
-fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+fn mixed_net(n: usize, seed: u64, loss: f64, ce_rc: bool) -> Net {
+    let cfgs: Vec<EndpointConfig> = (0..n).map(|i| config(i, seed)).collect();
+    let mut net = Net::impaired_all(
+        seed,
+        Impair {
+            loss,
+            ..Impair::default()
+        },
+        cfgs,
+    );
+    let mut rc_sent = vec![0u64; n];
+    net.drop_hook = Some(Box::new(move |i, d: &[u8]| {
+        if d[0] > 0x14 {
+            return false;
+        }
+        rc_sent[i] += 1;
+        loss > 0.0 && matches!(rc_sent[i], 5 | 20)
+    }));
+    net.ecn_hook = Some(Box::new(move |d: &[u8], _| {
+        (ce_rc && d[0] <= 0x14).then_some(EcnCodepoint::Ce)
+    }));
+    net
+}
+
+/// RC-opcode datagrams endpoint `i` sent.
+fn rc_sent(net: &Net, i: usize) -> u64 {
+    net.sent[i].get(&Kind::Rc).copied().unwrap_or(0)
+}
+
+fn meta_wcs(n: &Net, i: usize) -> Vec<(ConnectionHandle, WorkCompletion)> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { conn, wc } => Some((*conn, *wc)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn rc_wcs(n: &Net, i: usize) -> Vec<Completion> {
+    n.events[i]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Rc(RcEvent::Completion(c)) => Some(*c),
+            _ => None,
+        })
         .collect()
 }
 
@@ -216,13 +101,13 @@ const HALF: usize = 48 * 1024;
 /// back crosswise: B READs what C wrote, C READs what B wrote. A's one source region goes to
 /// both peers with the same lkey. Every byte is checked, under loss.
 fn mixed(seed: u64, loss: f64) -> Net {
-    let mut net = Net::new(3, seed, loss);
+    let mut net = new_net(3, seed, loss);
     let remote = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
     let shared = net.eps[A].register_mr(vec![0; 2 * HALF], remote);
-    let a_src = net.eps[A].register_mr(pattern(HALF, 1), Access::LOCAL_WRITE);
-    let b_src = net.eps[B].register_mr(pattern(HALF, 2), Access::LOCAL_WRITE);
+    let a_src = net.eps[A].register_mr(pattern(1, HALF), Access::LOCAL_WRITE);
+    let b_src = net.eps[B].register_mr(pattern(2, HALF), Access::LOCAL_WRITE);
     let b_dst = net.eps[B].register_mr(vec![0; 2 * HALF], remote);
-    let c_src = net.eps[C].register_mr(pattern(HALF, 3), Access::LOCAL_WRITE);
+    let c_src = net.eps[C].register_mr(pattern(3, HALF), Access::LOCAL_WRITE);
     let c_dst = net.eps[C].register_mr(vec![0; 2 * HALF], remote);
 
     // MetaRoCE: A -> B.
@@ -252,7 +137,7 @@ fn mixed(seed: u64, loss: f64) -> Net {
         a.max_dest_rd_atomic = 4;
         a
     };
-    let (ip_a, ip_c) = (net.ip(A), net.ip(C));
+    let (ip_a, ip_c) = (net.addrs[A].ip(), net.addrs[C].ip());
     let wire_c = RcWire::Udp {
         peer: net.addrs[C],
         local_ip: None,
@@ -304,31 +189,31 @@ fn mixed(seed: u64, loss: f64) -> Net {
         )
         .unwrap();
     let ok = net.run_until(Duration::from_secs(20), |n| {
-        n.meta_wcs(B).len() == 1
-            && n.meta_wcs(A).len() == 1
-            && n.rc_wcs(C).len() == 1
-            && n.rc_wcs(A).len() == 1
+        meta_wcs(n, B).len() == 1
+            && meta_wcs(n, A).len() == 1
+            && rc_wcs(n, C).len() == 1
+            && rc_wcs(n, A).len() == 1
     });
     assert!(ok, "phase 1 did not complete");
-    for (_, wc) in net.meta_wcs(A).iter().chain(&net.meta_wcs(B)) {
+    for (_, wc) in meta_wcs(&net, A).iter().chain(&meta_wcs(&net, B)) {
         assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
         assert_eq!(wc.opcode, WcOpcode::RdmaWrite);
     }
-    for c in net.rc_wcs(A).iter().chain(&net.rc_wcs(C)) {
+    for c in rc_wcs(&net, A).iter().chain(&rc_wcs(&net, C)) {
         assert_eq!(c.status, WcStatus::Success, "{c:?}");
         assert_eq!(c.opcode, RcOpcode::RdmaWrite);
     }
     let a_shared = net.eps[A].mr_read(shared.lkey, 0, 2 * HALF as u64).unwrap();
     assert_eq!(
         &a_shared[..HALF],
-        &pattern(HALF, 2)[..],
+        &pattern(2, HALF)[..],
         "B's WRITE (MetaRoCE)"
     );
-    assert_eq!(&a_shared[HALF..], &pattern(HALF, 3)[..], "C's WRITE (RC)");
+    assert_eq!(&a_shared[HALF..], &pattern(3, HALF)[..], "C's WRITE (RC)");
     let b_got = net.eps[B].mr_read(b_dst.lkey, 0, HALF as u64).unwrap();
-    assert_eq!(b_got, &pattern(HALF, 1)[..], "A's WRITE to B (MetaRoCE)");
+    assert_eq!(b_got, &pattern(1, HALF)[..], "A's WRITE to B (MetaRoCE)");
     let c_got = net.eps[C].mr_read(c_dst.lkey, 0, HALF as u64).unwrap();
-    assert_eq!(c_got, &pattern(HALF, 1)[..], "A's WRITE to C (RC)");
+    assert_eq!(c_got, &pattern(1, HALF)[..], "A's WRITE to C (RC)");
 
     // Phase 2: crosswise READs of A's region: B reads C's half, C reads B's half.
     net.eps[B]
@@ -353,12 +238,12 @@ fn mixed(seed: u64, loss: f64) -> Net {
         .post_send(qc.qpn, rc_wr(6, read, c_dst.lkey, HALF as u64, HALF as u32))
         .unwrap();
     let ok = net.run_until(Duration::from_secs(40), |n| {
-        n.meta_wcs(B).len() == 2 && n.rc_wcs(C).len() == 2
+        meta_wcs(n, B).len() == 2 && rc_wcs(n, C).len() == 2
     });
     assert!(ok, "phase 2 did not complete");
-    let (_, wc) = net.meta_wcs(B)[1];
+    let (_, wc) = meta_wcs(&net, B)[1];
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
-    let c = net.rc_wcs(C)[1];
+    let c = rc_wcs(&net, C)[1];
     assert_eq!(
         (c.wr_id, c.status, c.opcode),
         (6, WcStatus::Success, RcOpcode::RdmaRead)
@@ -366,11 +251,11 @@ fn mixed(seed: u64, loss: f64) -> Net {
     let b_read = net.eps[B]
         .mr_read(b_dst.lkey, HALF as u64, HALF as u64)
         .unwrap();
-    assert_eq!(b_read, &pattern(HALF, 3)[..], "B READ what C wrote");
+    assert_eq!(b_read, &pattern(3, HALF)[..], "B READ what C wrote");
     let c_read = net.eps[C]
         .mr_read(c_dst.lkey, HALF as u64, HALF as u64)
         .unwrap();
-    assert_eq!(c_read, &pattern(HALF, 2)[..], "C READ what B wrote");
+    assert_eq!(c_read, &pattern(2, HALF)[..], "C READ what B wrote");
 
     // Dispatch: RC packets reached the RC side, nothing was left unhandled or failed ICRC.
     for i in [A, B, C] {
@@ -383,8 +268,8 @@ fn mixed(seed: u64, loss: f64) -> Net {
         let r = net.eps[i].rc_stats();
         assert_eq!((r.rx_bad_icrc, r.rx_malformed), (0, 0), "ep {i}: {r:?}");
     }
-    assert_eq!(net.rc_sent[B], 0, "B has no RC QP");
-    assert!(net.rc_sent[A] > 0 && net.rc_sent[C] > 0);
+    assert_eq!(rc_sent(&net, B), 0, "B has no RC QP");
+    assert!(rc_sent(&net, A) > 0 && rc_sent(&net, C) > 0);
     assert!(net.eps[A].rc_stats().rx_packets > 0 && net.eps[C].rc_stats().rx_packets > 0);
     net
 }
@@ -393,7 +278,7 @@ fn mixed(seed: u64, loss: f64) -> Net {
 fn metaroce_connection_and_rc_qp_share_one_region_lossless() {
     let mut net = mixed(7, 0.0);
     assert_eq!(net.dropped, 0);
-    let rc = net.rc_wcs(A)[0].qpn;
+    let rc = rc_wcs(&net, A)[0].qpn;
     let st = net.eps[A].rc().qp_stats(rc).unwrap();
     assert_eq!(st.retransmitted, 0);
 }
@@ -404,8 +289,8 @@ fn metaroce_connection_and_rc_qp_share_one_region_under_loss() {
         let mut net = mixed(seed, 0.02);
         assert!(net.dropped > 0);
         // The RC side recovered by go-back-N: sequence NAKs and/or timeouts, packets resent.
-        let qa = net.rc_wcs(A)[0].qpn;
-        let qc = net.rc_wcs(C)[0].qpn;
+        let qa = rc_wcs(&net, A)[0].qpn;
+        let qc = rc_wcs(&net, C)[0].qpn;
         let sa = net.eps[A].rc().qp_stats(qa).unwrap();
         let sc = net.eps[C].rc().qp_stats(qc).unwrap();
         assert!(
@@ -446,12 +331,11 @@ fn udp_wire_checks_addresses() {
 /// its RC QPs to that QP's reaction point (not to the MetaRoCE side).
 #[test]
 fn rc_qp_on_an_endpoint_answers_ce_with_cnps_routed_to_the_qp() {
-    let mut net = Net::new(2, 7, 0.0);
-    net.ce_rc = true;
+    let mut net = mixed_net(2, 7, 0.0, true);
     let len = 256 * 1024;
     let remote = Access::LOCAL_WRITE | Access::REMOTE_WRITE;
     let dst = net.eps[A].register_mr(vec![0; len], remote);
-    let src = net.eps[B].register_mr(pattern(len, 5), Access::LOCAL_WRITE);
+    let src = net.eps[B].register_mr(pattern(5, len), Access::LOCAL_WRITE);
     let init = QpInit {
         access: Access::REMOTE_WRITE,
         ..QpInit::default()
@@ -463,7 +347,7 @@ fn rc_qp_on_an_endpoint_answers_ce_with_cnps_routed_to_the_qp() {
         a.timeout = 14;
         a
     };
-    let (ip_a, ip_b) = (net.ip(A), net.ip(B));
+    let (ip_a, ip_b) = (net.addrs[A].ip(), net.addrs[B].ip());
     let (addr_a, addr_b) = (net.addrs[A], net.addrs[B]);
     net.eps[A]
         .rc()
@@ -496,11 +380,11 @@ fn rc_qp_on_an_endpoint_answers_ce_with_cnps_routed_to_the_qp() {
         .rc()
         .post_send(qb.qpn, rc_wr(1, op, src.lkey, 0, len as u32))
         .unwrap();
-    assert!(net.run_until(Duration::from_secs(10), |n| !n.rc_wcs(B).is_empty()));
-    assert_eq!(net.rc_wcs(B)[0].status, WcStatus::Success);
+    assert!(net.run_until(Duration::from_secs(10), |n| !rc_wcs(n, B).is_empty()));
+    assert_eq!(rc_wcs(&net, B)[0].status, WcStatus::Success);
     assert_eq!(
         net.eps[A].mr_read(dst.lkey, 0, len as u64).unwrap(),
-        &pattern(len, 5)[..]
+        &pattern(5, len)[..]
     );
     let sa = net.eps[A].rc().qp_stats(qa.qpn).unwrap();
     let sb = net.eps[B].rc().qp_stats(qb.qpn).unwrap();

@@ -9,13 +9,12 @@ use metaroce::{Access, WcStatus};
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
-mod rc_net;
-use rc_net::*;
+use metaroce::testing::rc::*;
 
 #[test]
 fn send_recv_single_and_multi_packet_with_imm() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(10_000, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 10_000), Access::LOCAL_WRITE);
     let dst = n.b.register_mr(vec![0; 10_000], Access::LOCAL_WRITE);
     for (i, off) in [0u64, 5000].into_iter().enumerate() {
         n.b.post_recv(
@@ -47,7 +46,7 @@ fn send_recv_single_and_multi_packet_with_imm() {
         (101, 4500, Some(0xdead_beef))
     );
     assert_eq!(cb[1].opcode, RcOpcode::Recv);
-    let want = pattern(10_000, 1);
+    let want = pattern(1, 10_000);
     assert_eq!(n.b.mr_read(dst.lkey, 0, 5).unwrap(), &want[..5]);
     assert_eq!(n.b.mr_read(dst.lkey, 5000, 4500).unwrap(), &want[5..4505]);
     // Opcodes on the wire: ONLY, then FIRST MIDDLE MIDDLE MIDDLE LAST_IMM; AckReq coalesced
@@ -74,7 +73,7 @@ fn send_recv_single_and_multi_packet_with_imm() {
 #[test]
 fn write_read_and_atomics() {
     let mut n = Net::new(256, Some(0xFF_FFF0), Some(0xFF_FFFE)); // PSN wrap-around too
-    let src = n.a.register_mr(pattern(3000, 7), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(7, 3000), Access::LOCAL_WRITE);
     let res = n.a.register_mr(vec![0; 3016], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
         vec![0; 4096],
@@ -189,11 +188,11 @@ fn write_read_and_atomics() {
     );
     assert_eq!(
         n.b.mr_read(tgt.lkey, 16, 3000).unwrap(),
-        &pattern(3000, 7)[..]
+        &pattern(7, 3000)[..]
     );
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 3000).unwrap(),
-        &pattern(3000, 7)[..]
+        &pattern(7, 3000)[..]
     );
     assert_eq!(n.a.mr_read(res.lkey, 3000, 8).unwrap(), &5u64.to_le_bytes());
     assert_eq!(
@@ -395,7 +394,7 @@ fn byte_exact_reference_vectors() {
 #[test]
 fn go_back_n_one_nak_per_gap_and_resend_from_naked_psn() {
     let mut n = Net::new(1024, Some(1000), None);
-    let src = n.a.register_mr(pattern(20 * 1024, 3), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(3, 20 * 1024), Access::LOCAL_WRITE);
     let dst = n.b.register_mr(vec![0; 20 * 1024], Access::LOCAL_WRITE);
     n.b.post_recv(
         n.qb,
@@ -428,7 +427,7 @@ fn go_back_n_one_nak_per_gap_and_resend_from_naked_psn() {
     assert_eq!(n.completions_b()[0].byte_len, 20 * 1024);
     assert_eq!(
         n.b.mr_read(dst.lkey, 0, 20 * 1024).unwrap(),
-        &pattern(20 * 1024, 3)[..]
+        &pattern(3, 20 * 1024)[..]
     );
     let naks: Vec<&Seen> = n
         .wire
@@ -451,7 +450,7 @@ fn go_back_n_one_nak_per_gap_and_resend_from_naked_psn() {
 #[test]
 fn duplicates_are_acked_not_reexecuted_and_reads_atomics_replayed() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(4096, 9), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(9, 4096), Access::LOCAL_WRITE);
     let res = n.a.register_mr(vec![0; 4096 + 8], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
         vec![0; 4096 + 8],
@@ -545,7 +544,7 @@ fn duplicates_are_acked_not_reexecuted_and_reads_atomics_replayed() {
     assert_eq!(n.a.mr_read(res.lkey, 4096, 8).unwrap(), &0u64.to_le_bytes());
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 4096).unwrap(),
-        &pattern(4096, 9)[..]
+        &pattern(9, 4096)[..]
     );
     assert!(n.b.qp_stats(n.qb).unwrap().duplicates_received > 0);
     // The atomic ACK was replayed with the saved value.
@@ -562,7 +561,7 @@ fn partial_read_retry_asks_for_the_rest() {
     let mut n = Net::new(1024, None, None);
     let res = n.a.register_mr(vec![0; 8192], Access::LOCAL_WRITE);
     let tgt =
-        n.b.register_mr(pattern(8192, 5), Access::LOCAL_WRITE | Access::REMOTE_READ);
+        n.b.register_mr(pattern(5, 8192), Access::LOCAL_WRITE | Access::REMOTE_READ);
     n.a.post_send(
         n.qa,
         SendWr {
@@ -588,7 +587,7 @@ fn partial_read_retry_asks_for_the_rest() {
     assert_eq!(n.completions_a()[0].status, WcStatus::Success);
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 8192).unwrap(),
-        &pattern(8192, 5)[..]
+        &pattern(5, 8192)[..]
     );
     let reqs: Vec<&Seen> = n
         .wire
@@ -613,7 +612,7 @@ fn rnr_nak_then_retry_succeeds_and_rnr_retry_exceeded() {
     let mut n = Net::with(1024, None, None, |a| {
         a.min_rnr_timer = 1; // 10 µs
     });
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     let dst = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
     n.a.post_send(n.qa, send(1, src.lkey, 0, 64, None)).unwrap();
     let t0 = n.now;
@@ -647,7 +646,7 @@ fn rnr_nak_then_retry_succeeds_and_rnr_retry_exceeded() {
         a.min_rnr_timer = 1;
         a.rnr_retry = 2;
     });
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     n.a.post_send(n.qa, send(1, src.lkey, 0, 64, None)).unwrap();
     n.a.post_send(n.qa, send(2, src.lkey, 0, 64, None)).unwrap();
     n.run_all();
@@ -661,7 +660,7 @@ fn rnr_nak_then_retry_succeeds_and_rnr_retry_exceeded() {
 #[test]
 fn retry_exceeded_on_blackhole() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     n.a.post_send(n.qa, send(1, src.lkey, 0, 64, None)).unwrap();
     n.a.post_send(n.qa, send(2, src.lkey, 0, 64, None)).unwrap();
     let t0 = n.now;
@@ -693,7 +692,7 @@ fn retry_exceeded_on_blackhole() {
 #[test]
 fn remote_access_error_flushes_both_sides() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_READ);
     let rb = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
@@ -750,7 +749,7 @@ fn remote_access_error_flushes_both_sides() {
     assert_eq!((cb[0].wr_id, cb[0].status), (7, WcStatus::WrFlushError));
     // Bad rkey and out-of-range behave the same; an invalid opcode sequence is 0x61.
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     let tgt =
         n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     n.a.post_send(
@@ -776,7 +775,7 @@ fn remote_access_error_flushes_both_sides() {
 #[test]
 fn corrupted_and_foreign_packets_are_dropped() {
     let mut n = Net::new(1024, None, None);
-    let src = n.a.register_mr(pattern(64, 1), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(1, 64), Access::LOCAL_WRITE);
     let dst = n.b.register_mr(vec![0; 64], Access::LOCAL_WRITE);
     n.b.post_recv(
         n.qb,
@@ -811,92 +810,6 @@ fn corrupted_and_foreign_packets_are_dropped() {
     assert_eq!(n.completions_b().len(), 1);
 }
 
-impl Net {
-    /// Like `run`, but over a rate-limited link: each direction serializes its packets at
-    /// `bits_per_sec` (IP packet bytes) and delivers them `prop` later, in order. An
-    /// endpoint is asked for its next packet only when its link is idle (a NIC sending at
-    /// line rate), so queued responses stay at the responder. `drop` decides, per packet,
-    /// whether the link loses it. Virtual time advances to the next delivery, idle link
-    /// or timer.
-    fn run_paced(
-        &mut self,
-        bits_per_sec: u64,
-        prop: Duration,
-        limit: Duration,
-        drop: &mut dyn FnMut(&Seen) -> bool,
-        done: &dyn Fn(&Net) -> bool,
-    ) {
-        use std::collections::VecDeque;
-        let end = self.now + limit;
-        let mut buf = Vec::new();
-        // Per direction (index 0: A to B, 1: B to A): when the link is next free, and the
-        // packets in flight with their arrival times.
-        let mut free = [self.now; 2];
-        let mut flight: [VecDeque<(Instant, Vec<u8>)>; 2] = [VecDeque::new(), VecDeque::new()];
-        for _ in 0..10_000_000 {
-            let mut moved = false;
-            for (d, from_a) in [(0usize, true), (1, false)] {
-                while free[d] <= self.now {
-                    let src = if from_a { &mut self.a } else { &mut self.b };
-                    let Some(t) = src.poll_transmit(self.now, &mut buf) else {
-                        break;
-                    };
-                    let mut pkt = Vec::new();
-                    t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
-                    let ser =
-                        Duration::from_nanos(pkt.len() as u64 * 8 * 1_000_000_000 / bits_per_sec);
-                    free[d] = free[d].max(self.now) + ser;
-                    let s = seen(from_a, pkt);
-                    if !drop(&s) {
-                        flight[d].push_back((free[d] + prop, s.ip_packet.clone()));
-                    }
-                    self.wire.push(s);
-                    moved = true;
-                }
-            }
-            for (d, to_b) in [(0usize, true), (1, false)] {
-                while flight[d].front().is_some_and(|(t, _)| *t <= self.now) {
-                    let (_, pkt) = flight[d].pop_front().unwrap();
-                    let dst = if to_b { &mut self.b } else { &mut self.a };
-                    dst.handle_ip_packet(self.now, &pkt);
-                    moved = true;
-                }
-            }
-            while let Some(e) = self.a.poll_event() {
-                self.ev_a.push(e);
-            }
-            while let Some(e) = self.b.poll_event() {
-                self.ev_b.push(e);
-            }
-            if done(self) {
-                return;
-            }
-            if !moved {
-                let next = [
-                    self.a.poll_timeout(),
-                    self.b.poll_timeout(),
-                    flight[0].front().map(|f| f.0),
-                    flight[1].front().map(|f| f.0),
-                    (free[0] > self.now).then_some(free[0]),
-                    (free[1] > self.now).then_some(free[1]),
-                ]
-                .into_iter()
-                .flatten()
-                .min();
-                match next {
-                    Some(t) if t <= end => {
-                        self.now = self.now.max(t);
-                        self.a.handle_timeout(self.now);
-                        self.b.handle_timeout(self.now);
-                    }
-                    _ => return,
-                }
-            }
-        }
-        panic!("no quiescence");
-    }
-}
-
 /// IBA 9.7.6.1.3 / reference §6.3: the local ACK timer covers the oldest outstanding
 /// request and every valid in-sequence response restarts it. A READ whose response
 /// streams for many timeout periods over a slow but lossless link must complete without
@@ -908,10 +821,10 @@ fn long_read_response_on_slow_link_restarts_the_ack_timer() {
     const LEN: usize = 4 << 20; // 4096 response packets
     let res = n.a.register_mr(vec![0; LEN + 16], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
-        pattern(LEN + 8, 3),
+        pattern(3, LEN + 8),
         Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
     );
-    let src = n.a.register_mr(pattern(LEN, 9), Access::LOCAL_WRITE);
+    let src = n.a.register_mr(pattern(9, LEN), Access::LOCAL_WRITE);
     let sink =
         n.b.register_mr(vec![0; LEN], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     n.a.post_send(
@@ -982,15 +895,15 @@ fn long_read_response_on_slow_link_restarts_the_ack_timer() {
     assert!(c.iter().all(|c| c.status == WcStatus::Success), "{c:?}");
     assert_eq!(
         n.a.mr_read(res.lkey, 0, LEN as u64).unwrap(),
-        &pattern(LEN + 8, 3)[..LEN]
+        &pattern(3, LEN + 8)[..LEN]
     );
     assert_eq!(
         n.b.mr_read(sink.lkey, 0, LEN as u64).unwrap(),
-        &pattern(LEN, 9)[..]
+        &pattern(9, LEN)[..]
     );
     assert_eq!(
         n.a.mr_read(res.lkey, LEN as u64, 8).unwrap(),
-        &pattern(LEN + 8, 3)[LEN..]
+        &pattern(3, LEN + 8)[LEN..]
     );
     let st = n.a.qp_stats(n.qa).unwrap();
     assert_eq!(st.timeouts, 0, "{st:?}");
@@ -1022,7 +935,7 @@ fn read_response_gap_re_requests_the_rest_once_and_responder_switches() {
     const NPKT: usize = LEN / 1024;
     let res = n.a.register_mr(vec![0; LEN], Access::LOCAL_WRITE);
     let tgt =
-        n.b.register_mr(pattern(LEN, 4), Access::LOCAL_WRITE | Access::REMOTE_READ);
+        n.b.register_mr(pattern(4, LEN), Access::LOCAL_WRITE | Access::REMOTE_READ);
     n.a.post_send(
         n.qa,
         SendWr {
@@ -1059,7 +972,7 @@ fn read_response_gap_re_requests_the_rest_once_and_responder_switches() {
     assert_eq!(c[0].status, WcStatus::Success, "{c:?}");
     assert_eq!(
         n.a.mr_read(res.lkey, 0, LEN as u64).unwrap(),
-        &pattern(LEN, 4)[..]
+        &pattern(4, LEN)[..]
     );
     let st = n.a.qp_stats(n.qa).unwrap();
     assert_eq!(st.timeouts, 0, "{st:?}");
@@ -1094,7 +1007,7 @@ fn lost_read_tail_while_next_read_streams() {
     const LEN: usize = 256 << 10; // 256 packets each
     let res = n.a.register_mr(vec![0; 2 * LEN], Access::LOCAL_WRITE);
     let tgt = n.b.register_mr(
-        pattern(2 * LEN, 6),
+        pattern(6, 2 * LEN),
         Access::LOCAL_WRITE | Access::REMOTE_READ,
     );
     for i in 0..2u64 {
@@ -1129,7 +1042,7 @@ fn lost_read_tail_while_next_read_streams() {
     assert_eq!(c[0].wr_id, 1);
     assert_eq!(
         n.a.mr_read(res.lkey, 0, 2 * LEN as u64).unwrap(),
-        &pattern(2 * LEN, 6)[..]
+        &pattern(6, 2 * LEN)[..]
     );
     let st = n.a.qp_stats(n.qa).unwrap();
     assert_eq!(st.timeouts, 0, "{st:?}");

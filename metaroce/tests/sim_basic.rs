@@ -9,6 +9,7 @@ use metaroce::sim::{
     Action, GilbertElliott, HostId, Impairments, LinkConfig, LinkPair, Sim, SimConfig, TraceEvent,
     TraceKind, GBPS,
 };
+use metaroce::testing::pattern;
 use metaroce::{Access, ConnectionHandle, Event, WcOpcode, WcStatus, WriteRequest};
 use std::cell::RefCell;
 use std::collections::hash_map::DefaultHasher;
@@ -16,18 +17,6 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::rc::Rc;
 use std::time::Duration;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 struct TwoHosts {
     sim: Sim,

@@ -8,18 +8,13 @@
 use metaroce::sim::{
     Action, HostId, LinkConfig, Location, PlaneShape, Sim, SimConfig, TraceKind, UplinkPolicy, GBPS,
 };
+use metaroce::testing::pattern;
 use metaroce::wire::Opcode;
 use metaroce::{Access, ConnectionHandle, Event, WriteRequest};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
-
-fn pattern(i: usize, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|k| ((k * 31 + i * 7919) % 251) as u8)
-        .collect()
-}
 
 fn link(gbps: u64) -> LinkConfig {
     LinkConfig::new(gbps * GBPS, Duration::from_micros(1))
@@ -42,7 +37,7 @@ fn connect_all(sim: &mut Sim, pairs: &[(HostId, HostId)]) -> Vec<ConnectionHandl
     conns
 }
 
-/// Post a WRITE of `pattern(i, len)` per pair (wr_id = `wr_id`); returns the target lkeys.
+/// Post a WRITE of `pattern(i as u64, len)` per pair (wr_id = `wr_id`); returns the target lkeys.
 fn post_all(
     sim: &mut Sim,
     pairs: &[(HostId, HostId)],
@@ -57,7 +52,7 @@ fn post_all(
         .map(|(i, (&(s, d), &c))| {
             let src = sim
                 .endpoint_mut(s)
-                .register_mr(pattern(i, len), Access::LOCAL_WRITE);
+                .register_mr(pattern(i as u64, len), Access::LOCAL_WRITE);
             let dst = sim
                 .endpoint_mut(d)
                 .register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
@@ -127,7 +122,7 @@ fn incast(fair_share: bool) -> IncastWave {
     for (i, &k) in lkeys.iter().enumerate() {
         assert_eq!(
             sim.endpoint(sink).mr_read(k, 0, len as u64).unwrap(),
-            &pattern(i, len)[..]
+            &pattern(i as u64, len)[..]
         );
     }
     sim.run_for(Duration::from_micros(100));
@@ -190,7 +185,7 @@ fn incast(fair_share: bool) -> IncastWave {
     for (i, &k) in lkeys.iter().enumerate() {
         assert_eq!(
             sim.endpoint(sink).mr_read(k, 0, len as u64).unwrap(),
-            &pattern(i, len)[..],
+            &pattern(i as u64, len)[..],
             "sender {i}'s data"
         );
     }
@@ -267,7 +262,7 @@ fn cold_incast(fair_share: bool) -> (Vec<f64>, u64, u64) {
     for (i, &s) in senders.iter().enumerate() {
         let src = sim
             .endpoint_mut(s)
-            .register_mr(pattern(i, len), Access::LOCAL_WRITE);
+            .register_mr(pattern(i as u64, len), Access::LOCAL_WRITE);
         let dst = sim
             .endpoint_mut(sink)
             .register_mr(vec![0; len], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
@@ -337,7 +332,7 @@ fn cold_incast(fair_share: bool) -> (Vec<f64>, u64, u64) {
     for (i, &k) in lkeys.iter().enumerate() {
         assert_eq!(
             sim.endpoint(sink).mr_read(k, 0, len as u64).unwrap(),
-            &pattern(i, len)[..],
+            &pattern(i as u64, len)[..],
             "sender {i}'s data"
         );
     }
@@ -394,7 +389,7 @@ fn permutation(paths: u16) -> f64 {
     for (i, (&k, &(_, d))) in lkeys.iter().zip(&pairs).enumerate() {
         assert_eq!(
             sim.endpoint(d).mr_read(k, 0, len as u64).unwrap(),
-            &pattern(i, len)[..]
+            &pattern(i as u64, len)[..]
         );
     }
     let first = pairs
@@ -490,7 +485,7 @@ fn plane_failure_moves_paths_and_they_come_back() {
     assert_eq!(sim.host_stats(a).connections_lost, 0);
     assert_eq!(
         sim.endpoint(b).mr_read(lkeys[0], 0, len as u64).unwrap(),
-        &pattern(0, len)[..]
+        &pattern(0_u64, len)[..]
     );
     assert_eq!(min_on_failed, 0, "paths left the failed plane");
     assert!(
@@ -519,7 +514,7 @@ fn sends_over_two_planes_are_all_delivered() {
     for k in 0..per_stream {
         for s in 0..streams {
             let msg = pattern(
-                (s as usize) * 1000 + k as usize,
+                ((s as usize) * 1000 + k as usize) as u64,
                 1000 + 3000 * (k as usize % 4),
             );
             let wr_id = u64::from(s) * per_stream + k;
@@ -546,7 +541,7 @@ fn sends_over_two_planes_are_all_delivered() {
         let want: Vec<Vec<u8>> = (0..per_stream)
             .map(|k| {
                 pattern(
-                    (s as usize) * 1000 + k as usize,
+                    ((s as usize) * 1000 + k as usize) as u64,
                     1000 + 3000 * (k as usize % 4),
                 )
             })

@@ -8,21 +8,10 @@ use metaroce::sim::{
     Action, HostId, LinkConfig, LinkId, PlaneShape, Sim, SimConfig, UplinkPolicy, GBPS,
     LISTEN_PORT, SOURCE_PORT_BASE,
 };
+use metaroce::testing::pattern;
 use metaroce::{Access, ConnectionHandle, WriteRequest};
 use std::collections::BTreeSet;
 use std::time::Duration;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 fn link(gbps: u64) -> LinkConfig {
     LinkConfig::new(gbps * GBPS, Duration::from_micros(1))

@@ -6,22 +6,11 @@
 #![cfg(feature = "sim")]
 
 use metaroce::sim::{HostId, Impairments, LinkConfig, Sim, SimConfig, GBPS};
+use metaroce::testing::pattern;
 use metaroce::{Access, ConnectionHandle, Event, MrKeys, WcStatus, WriteRequest};
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
 
 fn link() -> LinkConfig {
     LinkConfig::new(100 * GBPS, Duration::from_micros(1))

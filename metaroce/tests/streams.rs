@@ -1,9 +1,7 @@
 //! Streams with an end: FIN, reset with a code, stop-sending (issue #10, item 3).
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use metaroce::{Event, PostError, WcStatus};
 use std::time::Duration;
 
@@ -36,7 +34,7 @@ fn trace(p: &Pair, side: usize, stream: u32) -> Vec<String> {
 
 #[test]
 fn finish_is_reported_after_the_last_message_under_reordering_and_duplication() {
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         21,
         Impair {
             reorder: 0.3,
@@ -74,7 +72,7 @@ fn finish_is_reported_after_the_last_message_under_reordering_and_duplication() 
 
 #[test]
 fn finish_of_an_unused_stream() {
-    let mut p = Pair::new(22, Impair::default());
+    let mut p = Pair::impaired(22, Impair::default());
     let (a, _b) = p.connect();
     p.eps[0].finish_stream(p.now, a, 9).unwrap();
     run_for(&mut p, Duration::from_secs(1));
@@ -83,7 +81,7 @@ fn finish_of_an_unused_stream() {
 
 #[test]
 fn reset_flushes_unsent_sends_and_the_peer_sees_the_code() {
-    let mut p = Pair::new(23, Impair::default());
+    let mut p = Pair::impaired(23, Impair::default());
     let (a, _b) = p.connect();
     p.eps[0]
         .post_send(a, 2, 1, Bytes::from(vec![1; 1000]))
@@ -123,7 +121,7 @@ fn reset_flushes_unsent_sends_and_the_peer_sees_the_code() {
 
 #[test]
 fn stop_makes_the_sender_flush_and_reset() {
-    let mut p = Pair::new(24, Impair::default());
+    let mut p = Pair::impaired(24, Impair::default());
     let (a, b) = p.connect();
     p.eps[0]
         .post_send(a, 4, 1, Bytes::from(vec![1; 10]))
@@ -155,7 +153,7 @@ fn stop_makes_the_sender_flush_and_reset() {
 
 #[test]
 fn stream_send_pending_counts_unacknowledged_bytes() {
-    let mut p = Pair::new(25, Impair::default());
+    let mut p = Pair::impaired(25, Impair::default());
     let (a, _b) = p.connect();
     p.eps[0]
         .post_send(a, 3, 1, Bytes::from(vec![0; 12_345]))

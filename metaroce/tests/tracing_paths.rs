@@ -2,10 +2,8 @@
 //! a `path{conn, path, port, plane}` span (or carries those fields), so a user reading the
 //! log can tell which path and which UDP source port lost, retransmitted or was re-rolled.
 
-mod common;
-
 use bytes::Bytes;
-use common::{Impair, Pair};
+use metaroce::testing::{Impair, Pair};
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -43,7 +41,7 @@ fn loss_timeout_and_reroll_events_name_the_path_and_its_source_port() {
 
     // Path 0 of the client leaves from UDP source port 0xC000; that port is blackholed.
     const BLACKHOLED: u16 = 0xC000;
-    let mut p = Pair::new(
+    let mut p = Pair::impaired(
         21,
         Impair {
             blackhole_port: Some(BLACKHOLED),

@@ -109,6 +109,7 @@
 //! [`Endpoint`]), so thousands of concurrent connections simulate at about the speed of a
 //! few; [`SimConfig::rx_coalesce`] trades receive latency for fewer calls.
 
+pub mod collective;
 mod link;
 mod routing;
 mod topology;

@@ -1,13 +1,14 @@
-//! The in-memory RC test network shared by `rocev2_rc.rs` and `rc_conformance.rs`: two
-//! `rocev2::RcEndpoint`s back to back with virtual time; every packet is captured, checked
-//! (ICRC over the exact IP header), and may be dropped or CE-marked by the test.
-#![allow(dead_code)]
+//! The in-memory RC test network: two [`RcEndpoint`]s back to back with virtual time; every
+//! packet is captured in [`Net::wire`], checked (ICRC over the exact IP header), and may be
+//! dropped, changed or CE-marked by the test. The RoCEv2 conformance suite
+//! (`tests/rc_conformance.rs`, docs/CONFORMANCE.md) runs on it.
 
-use metaroce::rocev2::{
+pub use super::pattern;
+use crate::rocev2::{
     Completion, ConnectAttrs, QpInit, RcConfig, RcEndpoint, RcEvent, SendOp, SendWr,
 };
-use metaroce::wire::{icrc, Headers, Packet};
-use metaroce::Access;
+use crate::wire::{icrc, Headers, Packet};
+use crate::Access;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ pub struct Seen {
     pub ip_packet: Vec<u8>,
 }
 
+#[derive(Debug)]
 pub struct Net {
     pub a: RcEndpoint,
     pub b: RcEndpoint,
@@ -189,6 +191,90 @@ impl Net {
         panic!("no quiescence");
     }
 
+    /// Like `run`, but over a rate-limited link: each direction serializes its packets at
+    /// `bits_per_sec` (IP packet bytes) and delivers them `prop` later, in order. An
+    /// endpoint is asked for its next packet only when its link is idle (a NIC sending at
+    /// line rate), so queued responses stay at the responder. `drop` decides, per packet,
+    /// whether the link loses it. Virtual time advances to the next delivery, idle link
+    /// or timer.
+    pub fn run_paced(
+        &mut self,
+        bits_per_sec: u64,
+        prop: Duration,
+        limit: Duration,
+        drop: &mut dyn FnMut(&Seen) -> bool,
+        done: &dyn Fn(&Net) -> bool,
+    ) {
+        use std::collections::VecDeque;
+        let end = self.now + limit;
+        let mut buf = Vec::new();
+        // Per direction (index 0: A to B, 1: B to A): when the link is next free, and the
+        // packets in flight with their arrival times.
+        let mut free = [self.now; 2];
+        let mut flight: [VecDeque<(Instant, Vec<u8>)>; 2] = [VecDeque::new(), VecDeque::new()];
+        for _ in 0..10_000_000 {
+            let mut moved = false;
+            for (d, from_a) in [(0usize, true), (1, false)] {
+                while free[d] <= self.now {
+                    let src = if from_a { &mut self.a } else { &mut self.b };
+                    let Some(t) = src.poll_transmit(self.now, &mut buf) else {
+                        break;
+                    };
+                    let mut pkt = Vec::new();
+                    t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
+                    let ser =
+                        Duration::from_nanos(pkt.len() as u64 * 8 * 1_000_000_000 / bits_per_sec);
+                    free[d] = free[d].max(self.now) + ser;
+                    let s = seen(from_a, pkt);
+                    if !drop(&s) {
+                        flight[d].push_back((free[d] + prop, s.ip_packet.clone()));
+                    }
+                    self.wire.push(s);
+                    moved = true;
+                }
+            }
+            for (d, to_b) in [(0usize, true), (1, false)] {
+                while flight[d].front().is_some_and(|(t, _)| *t <= self.now) {
+                    let (_, pkt) = flight[d].pop_front().unwrap();
+                    let dst = if to_b { &mut self.b } else { &mut self.a };
+                    dst.handle_ip_packet(self.now, &pkt);
+                    moved = true;
+                }
+            }
+            while let Some(e) = self.a.poll_event() {
+                self.ev_a.push(e);
+            }
+            while let Some(e) = self.b.poll_event() {
+                self.ev_b.push(e);
+            }
+            if done(self) {
+                return;
+            }
+            if !moved {
+                let next = [
+                    self.a.poll_timeout(),
+                    self.b.poll_timeout(),
+                    flight[0].front().map(|f| f.0),
+                    flight[1].front().map(|f| f.0),
+                    (free[0] > self.now).then_some(free[0]),
+                    (free[1] > self.now).then_some(free[1]),
+                ]
+                .into_iter()
+                .flatten()
+                .min();
+                match next {
+                    Some(t) if t <= end => {
+                        self.now = self.now.max(t);
+                        self.a.handle_timeout(self.now);
+                        self.b.handle_timeout(self.now);
+                    }
+                    _ => return,
+                }
+            }
+        }
+        panic!("no quiescence");
+    }
+
     pub fn run_all(&mut self) {
         self.run(Duration::from_secs(60), &mut |_| false, &|_| false);
     }
@@ -207,12 +293,6 @@ pub fn comps(ev: &[RcEvent]) -> Vec<Completion> {
             RcEvent::Completion(c) => Some(*c),
             _ => None,
         })
-        .collect()
-}
-
-pub fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
 }
 
