@@ -170,8 +170,10 @@ async fn prefill_rdma(ep: Endpoint, layout: Layout) -> Result<(), BoxError> {
     while let Some(msg) = stream.next().await {
         let msg = msg?;
         if msg.is_empty() {
-            // The decode side is done: answer, so that it knows every message was read.
+            // The decode side is done: answer, and keep the connection until the decode
+            // side closes it (closing first could fail its last send's completion).
             stream.send(Bytes::new()).await?;
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
             break;
         }
         let req = BlockTable::decode(&msg, &layout)?;
