@@ -23,8 +23,7 @@ fn perftest_consumer(path: &std::path::Path) -> serde_json::Value {
 fn row(stdout: &str, size: u64) -> Vec<f64> {
     stdout
         .lines()
-        .filter(|l| l.split_whitespace().next() == Some(&size.to_string()))
-        .last()
+        .rfind(|l| l.split_whitespace().next() == Some(&size.to_string()))
         .expect("a table row")
         .split_whitespace()
         .filter_map(|w| w.parse().ok())

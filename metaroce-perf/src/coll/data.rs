@@ -472,6 +472,7 @@ mod tests {
 
     /// Run the plans of all `n` ranks in memory, step by step in lock-step (a send is a
     /// copy into the peer's buffer), and return every rank's output.
+    #[allow(clippy::needless_range_loop)] // step k of every rank's plan, side by side
     fn simulate(coll: Collective, dt: DataType, op: RedOp, n: usize, count: usize) -> Vec<Vec<u8>> {
         let len = count * dt.size();
         let mut bufs: Vec<[Vec<u8>; 4]> = (0..n)
