@@ -170,9 +170,8 @@ async fn prefill_rdma(ep: Endpoint, layout: Layout) -> Result<(), BoxError> {
     while let Some(msg) = stream.next().await {
         let msg = msg?;
         if msg.is_empty() {
-            // The decode side is done: answer, and keep the connection until the decode
-            // side closes it (closing first could fail its last send's completion).
-            stream.send(Bytes::new()).await?;
+            // The decode side is done. Keep the stream and the connection until it closes
+            // the connection: dropping them now could fail its last send's completion.
             let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
             break;
         }
@@ -296,11 +295,9 @@ async fn decode_rdma(
         });
         pool.give(req.blocks);
     }
+    // An empty message says "no more requests"; once it is acknowledged, close.
     stream.send(Bytes::new()).await?;
-    stream
-        .next()
-        .await
-        .ok_or("prefill side did not answer the end")??;
+    conn.close(0, b"done");
     Ok(out)
 }
 

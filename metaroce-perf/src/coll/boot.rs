@@ -18,6 +18,9 @@ pub struct RankAddrs {
     pub tcp: SocketAddr,
 }
 
+/// How long rank 0 waits for the other ranks to join, and the others for rank 0.
+const JOIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Longest bootstrap line accepted (a table of 4096 ranks fits).
 const MAX_LINE: usize = 1 << 20;
 
@@ -54,7 +57,7 @@ async fn send_line(w: &mut OwnedWriteHalf, s: &str) -> io::Result<()> {
 
 impl Boot {
     /// Rank 0: accept `n - 1` ranks on `listener`, learn their addresses, send the table.
-    /// Others: connect to `rendezvous` (retrying for up to 30 s while rank 0 starts up).
+    /// Others: connect to `rendezvous` (retrying for up to 60 s while rank 0 starts up); rank 0 waits as long for them.
     /// `mine` is called with the local IP the bootstrap connection uses (the data
     /// endpoints bind to it) and returns this rank's addresses. Returns every rank's.
     pub async fn join<F, Fut, T>(
@@ -78,7 +81,14 @@ impl Boot {
             table[0] = Some(me);
             let mut links: Vec<Option<Line>> = (0..n).map(|_| None).collect();
             for _ in 1..n {
-                let (s, _) = listener.accept().await?;
+                let (s, _) = tokio::time::timeout(JOIN_TIMEOUT, listener.accept())
+                    .await
+                    .map_err(|_| {
+                        io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("not every rank joined within {JOIN_TIMEOUT:?}"),
+                        )
+                    })??;
                 s.set_nodelay(true)?;
                 let (r, w) = s.into_split();
                 let mut r = BufReader::new(r);
@@ -119,7 +129,7 @@ impl Boot {
             let s = loop {
                 match TcpStream::connect(rendezvous).await {
                     Ok(s) => break s,
-                    Err(e) if t0.elapsed() > std::time::Duration::from_secs(30) => {
+                    Err(e) if t0.elapsed() > JOIN_TIMEOUT => {
                         return Err(io::Error::new(
                             e.kind(),
                             format!("rendezvous {rendezvous}: {e}"),

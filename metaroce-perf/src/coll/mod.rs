@@ -177,9 +177,19 @@ async fn in_process(args: Args) -> i32 {
     let tasks: Vec<_> = (0..args.ranks)
         .map(|r| tokio::spawn(rank_main(args.clone(), r, listener.take())))
         .collect();
+    let aborts: Vec<_> = tasks.iter().map(|t| t.abort_handle()).collect();
+    let mut pending: futures::stream::FuturesUnordered<_> = tasks
+        .into_iter()
+        .enumerate()
+        .map(|(r, t)| async move { (r, t.await) })
+        .collect();
     let mut code = 0;
-    for (r, t) in tasks.into_iter().enumerate() {
-        let res = t.await.unwrap_or_else(|e| Err(format!("task: {e}").into()));
+    while let Some((r, res)) = futures::StreamExt::next(&mut pending).await {
+        let res = res.unwrap_or_else(|e| Err(format!("task: {e}").into()));
+        if res.is_err() {
+            // The other ranks would wait for this one forever.
+            aborts.iter().for_each(|a| a.abort());
+        }
         code = code.max(finish(r, res));
     }
     code
@@ -220,14 +230,37 @@ fn launch(args: &Args) -> i32 {
             }
         }
     }
+    // Wait for all; once one rank failed, the others would wait for it forever: end them.
+    let mut children: Vec<Option<std::process::Child>> = children.into_iter().map(Some).collect();
     let mut code = 0;
-    for mut ch in children {
-        code = code.max(match ch.wait() {
-            Ok(st) => st.code().unwrap_or(1),
-            Err(_) => 1,
-        });
+    loop {
+        let mut running = 0;
+        for slot in &mut children {
+            let Some(ch) = slot else { continue };
+            match ch.try_wait() {
+                Ok(None) => running += 1,
+                Ok(Some(st)) => {
+                    code = code.max(st.code().unwrap_or(1));
+                    *slot = None;
+                }
+                Err(_) => {
+                    code = 1;
+                    *slot = None;
+                }
+            }
+        }
+        if running == 0 {
+            return code;
+        }
+        if code != 0 {
+            for mut ch in children.iter_mut().filter_map(Option::take) {
+                let _ = ch.kill();
+                let _ = ch.wait();
+            }
+            return code;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    code
 }
 
 /// The sizes of the run: `-b`, `-b·f`, … up to `-e`.
