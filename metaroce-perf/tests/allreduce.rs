@@ -151,3 +151,50 @@ fn alltoall_four_processes_metaroce() {
     ]);
     check(&out, &[1 << 20], "float", "none", 1);
 }
+
+/// Ranks that disagree on the rank count are refused at the bootstrap: both exit non-zero
+/// (no hang), and rank 0 says why.
+#[test]
+fn a_rank_with_another_rank_count_is_refused() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let rdv = format!("127.0.0.1:{port}");
+    let spawn = |rank: &str, ranks: &str| {
+        Command::new(env!("CARGO_BIN_EXE_metaroce-allreduce"))
+            .args([
+                "-g",
+                ranks,
+                "--rank",
+                rank,
+                "--rendezvous",
+                &rdv,
+                "-b",
+                "4K",
+                "-e",
+                "4K",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run metaroce-allreduce")
+    };
+    let r0 = spawn("0", "2");
+    let r1 = spawn("1", "3");
+    let (o0, o1) = (
+        r0.wait_with_output().unwrap(),
+        r1.wait_with_output().unwrap(),
+    );
+    let e0 = String::from_utf8_lossy(&o0.stderr);
+    eprintln!(
+        "rank 0: {e0}\nrank 1: {}",
+        String::from_utf8_lossy(&o1.stderr)
+    );
+    assert_eq!(o0.status.code(), Some(1));
+    assert_ne!(o1.status.code(), Some(0));
+    assert!(
+        e0.contains("rank 1 runs with 3 ranks, rank 0 with 2"),
+        "{e0}"
+    );
+}
