@@ -106,6 +106,7 @@ fn json_output_and_duration_mode() {
         "4096",
         "--report_gbits",
         "--out_json",
+        "--out_json_file",
         path.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(0));
@@ -117,10 +118,10 @@ fn json_output_and_duration_mode() {
     assert_eq!(doc["mode"], "loopback");
     assert_eq!(doc["paths"], 8);
     assert_eq!(doc["verified"], true);
-    let r = &doc["results"][0];
+    let r = &doc["bw"][0];
     assert_eq!(r["bytes"], 4096);
     assert!(r["iterations"].as_u64().unwrap() > 0);
-    assert!(r["bw_avg_mb_per_sec"].as_f64().unwrap() > 0.0);
+    assert!(r["bw_avg_mib_per_sec"].as_f64().unwrap() > 0.0);
     assert_eq!(r["checksum_source"], r["checksum_destination"]);
     assert_eq!(doc["path_stats"].as_array().unwrap().len(), 16);
 }
@@ -238,6 +239,7 @@ fn help_describes_the_modes() {
         "--server",
         "--report_gbits",
         "--out_json",
+        "--out_json_file",
         "--tx-depth",
         "--pcap",
         "loopback",
@@ -286,9 +288,9 @@ fn a_word_that_is_no_test_and_no_host_is_called_an_unknown_test() {
 
 #[test]
 fn unwritable_out_json_fails_before_the_run() {
-    let o = perf(&["-n", "10", "--out_json", "/nonexistent/x.json"]);
+    let o = perf(&["-n", "10", "--out_json_file", "/nonexistent/x.json"]);
     assert_ne!(o.status.code(), Some(0));
-    assert!(stderr(&o).contains("--out_json /nonexistent/x.json"));
+    assert!(stderr(&o).contains("--out_json_file /nonexistent/x.json"));
     assert!(!stdout(&o).contains(BW_HEADER), "no run: {}", stdout(&o));
 }
 

@@ -26,7 +26,13 @@ fn verdict_prefix(test: &str) -> &'static str {
 /// table, the verdict line, the paths line and the JSON document; returns stdout.
 fn run_verified(test: &str, mode: &str, extra: &[&str]) -> String {
     let json = temp_path(&format!("{test}-{mode}.json"));
-    let mut args = vec![test, "--mode", mode, "--out_json", json.to_str().unwrap()];
+    let mut args = vec![
+        test,
+        "--mode",
+        mode,
+        "--out_json_file",
+        json.to_str().unwrap(),
+    ];
     args.extend_from_slice(extra);
     let o = perf(&args);
     assert_eq!(o.status.code(), Some(0), "{test} --mode {mode}");
@@ -62,9 +68,9 @@ fn run_verified(test: &str, mode: &str, extra: &[&str]) -> String {
     assert_eq!(doc["transport"], mode);
     assert_eq!(doc["verified"], true);
     if bw {
-        let r = &doc["results"][0];
+        let r = &doc["bw"][0];
         assert_eq!(r["checksum_ok"], true);
-        assert!(r["bw_avg_mb_per_sec"].as_f64().unwrap() > 0.0);
+        assert!(r["bw_avg_mib_per_sec"].as_f64().unwrap() > 0.0);
     } else {
         let r = &doc["latency"][0];
         assert_eq!(r["ok"], true);
@@ -308,12 +314,12 @@ fn compare_modes_prints_six_rows() {
         "40",
         "--rc-timeout",
         "12",
-        "--out_json",
+        "--out_json_file",
         json.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(0));
     let s = stdout(&o);
-    assert!(s.contains(" mode      loss  #bytes  #iterations  BW average[MB/sec]  MsgRate[Mpps]  retransmitted[pkts]  goodput vs 0%"), "{s}");
+    assert!(s.contains(" mode      loss  #bytes  #iterations  BW average[MiB/sec]  MsgRate[Mpps]  retransmitted[pkts]  goodput vs 0%"), "{s}");
     let rows: Vec<&str> = s
         .lines()
         .filter(|l| l.starts_with(" metaroce ") || l.starts_with(" rocev2 "))

@@ -15,6 +15,9 @@ pub const MAX_SIZE: u64 = 1 << 31;
 /// Most paths accepted on the command line.
 pub const MAX_PATHS: u16 = 64;
 
+/// perftest's default JSON report file (`DEFAULT_JSON_FILE_NAME`), in the working directory.
+pub const DEFAULT_JSON_FILE: &str = "perftest_out.json";
+
 /// The benchmarks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Test {
@@ -185,8 +188,14 @@ process per run, same -s/-n, default -s 65536 -n 2000) and prints one table.
 The server follows the client's parameters (test, sizes, iterations); its own
 --loss/--paths/--mtu/--pcap apply to its side.
 
-Units: MB/sec is 2^20 bytes per second (as perftest); Gb/sec (--report_gbits) is 10^9
+Units: MiB/sec is 2^20 bytes per second (as perftest); Gb/sec (--report_gbits) is 10^9
 bits per second.
+
+--out_json writes perftest's JSON report (perftest_out.json, or --out_json_file PATH):
+\"test_info\" and \"results\" with perftest's keys (MsgSize, n_iterations, BW_peak,
+BW_average, MsgRate; latency: t_min, t_max, t_typical, t_avg, t_stdev, percentile_99,
+percentile_99.9), for the last size as perftest leaves it; every size in
+\"results_per_size\"; metaroce's own figures beside them.
 
 Examples:
   metaroce-perf                                   write_bw, 65536 B x 5000, loopback
@@ -252,13 +261,23 @@ pub struct Args {
     #[arg(short = 'D', long, value_name = "SECS")]
     pub duration: Option<f64>,
 
-    /// Report bandwidth in Gb/sec instead of MB/sec.
+    /// Report bandwidth in Gb/sec instead of MiB/sec.
     #[arg(long = "report_gbits", visible_alias = "report-gbits")]
     pub report_gbits: bool,
 
-    /// Also write the results as JSON to PATH.
-    #[arg(long = "out_json", visible_alias = "out-json", value_name = "PATH")]
-    pub out_json: Option<PathBuf>,
+    /// Also write the report as JSON (perftest's keys: test_info, results.MsgSize,
+    /// BW_peak, BW_average, MsgRate, t_min … percentile_99.9) to --out_json_file.
+    #[arg(long = "out_json", visible_alias = "out-json")]
+    pub out_json: bool,
+
+    /// The JSON report's file (default perftest_out.json in the working directory, as
+    /// perftest); giving it implies --out_json.
+    #[arg(
+        long = "out_json_file",
+        visible_alias = "out-json-file",
+        value_name = "PATH"
+    )]
+    pub out_json_file: Option<PathBuf>,
 
     /// Bandwidth tests: operations kept outstanding.
     #[arg(
@@ -495,7 +514,7 @@ pub struct Settings {
     pub duration: Option<Duration>,
     /// Report Gb/sec.
     pub report_gbits: bool,
-    /// JSON output path.
+    /// JSON output path (`--out_json` / `--out_json_file`).
     pub out_json: Option<PathBuf>,
     /// Outstanding operations of the bandwidth tests.
     pub tx_depth: usize,
@@ -864,7 +883,11 @@ impl Args {
             iters,
             duration,
             report_gbits: self.report_gbits,
-            out_json: self.out_json,
+            out_json: match (self.out_json, self.out_json_file) {
+                (_, Some(p)) => Some(p),
+                (true, None) => Some(PathBuf::from(DEFAULT_JSON_FILE)),
+                (false, None) => None,
+            },
             tx_depth: self.tx_depth,
             outs: self.outs,
             rx_depth: self.rx_depth,

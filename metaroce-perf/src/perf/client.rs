@@ -6,6 +6,7 @@ use super::data::{
     atomic_add, atomic_initial, client_pattern_seed, derive_seed, pattern, random_bytes,
     server_pattern_seed, window, VARIANTS,
 };
+use super::progress::{Progress, Unit};
 use super::proto::{Ctrl, NO_REGION};
 use super::report;
 use super::stats::{BwMeter, BwResult, LatStats};
@@ -14,10 +15,8 @@ use super::Res;
 use bytes::Bytes;
 use futures::stream::FuturesUnordered;
 use futures::{Future, SinkExt, StreamExt};
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use metaroce::Access;
 use metaroce_tokio::{MessageStream, RemoteRegion};
-use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// The destination of one bandwidth size is at most this many bytes (unless one operation
@@ -160,26 +159,12 @@ fn round_seed(s: &Settings, round: usize) -> u64 {
     derive_seed(s.seed, 1000 + round as u64)
 }
 
-/// A progress bar on stderr when it is a terminal, hidden otherwise.
-fn progress(len: u64, what: String) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
-    if let Ok(style) =
-        ProgressStyle::with_template(" {msg:>14} [{bar:40}] {percent:>3}% {elapsed_precise}")
-    {
-        pb.set_style(style.progress_chars("=> "));
-    }
-    pb.set_message(what);
-    pb
-}
-
-fn progress_for(s: &Settings, size: u64) -> ProgressBar {
+/// The progress display of one size (a bar on a terminal, lines otherwise).
+fn progress_for(s: &Settings, size: u64) -> Progress {
     match (s.iters, s.duration) {
-        (Some(n), _) => progress(n, format!("{size} B")),
-        (None, Some(d)) => progress(d.as_millis() as u64, format!("{size} B")),
-        (None, None) => ProgressBar::hidden(),
+        (Some(n), _) => Progress::new(n, Unit::Iterations, format!("{size} B")),
+        (None, Some(d)) => Progress::new(d.as_millis() as u64, Unit::Millis, format!("{size} B")),
+        (None, None) => Progress::Hidden,
     }
 }
 
@@ -294,7 +279,7 @@ where
     F: FnMut(u64) -> Fut,
     Fut: Future<Output = Res<u64>>,
 {
-    let pb = progress_for(s, size);
+    let mut pb = progress_for(s, size);
     let mut inflight = FuturesUnordered::new();
     let start = Instant::now();
     let deadline = s.duration.map(|d| start + d);
@@ -541,7 +526,7 @@ struct Sampler {
     start: Option<Instant>,
     next: u64,
     rtts: Vec<Duration>,
-    pb: ProgressBar,
+    pb: Progress,
 }
 
 impl Sampler {

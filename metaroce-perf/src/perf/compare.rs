@@ -91,7 +91,7 @@ fn child_args(s: &Settings, mode: Mode, loss: f64, json: &std::path::Path) -> Ve
     if s.verbose {
         a.push("--verbose".into());
     }
-    a.push("--out_json".into());
+    a.push("--out_json_file".into());
     a.push(json.display().to_string());
     a
 }
@@ -192,9 +192,9 @@ fn one(s: &Settings, exe: &std::path::Path, mode: Mode, loss: f64, n: usize) -> 
         _ => {}
     }
     if let Some(d) = doc {
-        let r = &d["results"][0];
+        let r = &d["bw"][0];
         row.iterations = r["iterations"].as_u64().unwrap_or(0);
-        row.bw_avg_mb_per_sec = r["bw_avg_mb_per_sec"].as_f64().unwrap_or(0.0);
+        row.bw_avg_mb_per_sec = r["bw_avg_mib_per_sec"].as_f64().unwrap_or(0.0);
         row.bw_avg_gbit_per_sec = r["bw_avg_gbit_per_sec"].as_f64().unwrap_or(0.0);
         row.msg_rate_mpps = r["msg_rate_mpps"].as_f64().unwrap_or(0.0);
         row.elapsed_sec = r["elapsed_sec"].as_f64().unwrap_or(0.0);
@@ -212,7 +212,7 @@ fn one(s: &Settings, exe: &std::path::Path, mode: Mode, loss: f64, n: usize) -> 
     row
 }
 
-const HEADER: &str = " mode      loss  #bytes  #iterations  BW average[MB/sec]  MsgRate[Mpps]  retransmitted[pkts]  goodput vs 0%  time[s]  checksum";
+const HEADER: &str = " mode      loss  #bytes  #iterations  BW average[MiB/sec]  MsgRate[Mpps]  retransmitted[pkts]  goodput vs 0%  time[s]  checksum";
 
 fn print_row(s: &Settings, r: &Row) {
     let bw = if s.report_gbits {
@@ -338,7 +338,7 @@ pub fn run(s: &Settings) -> i32 {
             }
         };
         if let Err(e) = std::fs::write(path, text + "\n") {
-            eprintln!("metaroce-perf: --out_json {}: {e}", path.display());
+            eprintln!("metaroce-perf: --out_json_file {}: {e}", path.display());
             return EXIT_FAILED;
         }
     }

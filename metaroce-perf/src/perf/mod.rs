@@ -10,6 +10,7 @@ mod ctrl;
 mod data;
 mod net;
 mod pcap;
+mod progress;
 mod proto;
 mod report;
 mod server;
@@ -128,7 +129,8 @@ async fn run(s: Settings) -> Res<i32> {
     };
     // Like --pcap: a path that cannot be written fails now, not after the run.
     if let Some(path) = &s.out_json {
-        std::fs::File::create(path).map_err(|e| format!("--out_json {}: {e}", path.display()))?;
+        std::fs::File::create(path)
+            .map_err(|e| format!("--out_json_file {}: {e}", path.display()))?;
     }
     let sink = sink.as_ref();
     let out = match (s.mode, &s.role) {
@@ -160,7 +162,7 @@ async fn run(s: Settings) -> Res<i32> {
     if let Some(path) = &s.out_json {
         let text = report::json(&s, &footer, verified).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n")
-            .map_err(|e| format!("--out_json {}: {e}", path.display()))?;
+            .map_err(|e| format!("--out_json_file {}: {e}", path.display()))?;
     }
     if !verified {
         eprintln!("metaroce-perf: data verification FAILED");

@@ -50,12 +50,39 @@ fn rc_timeout_text(exp: u8) -> String {
     }
 }
 
+fn title_text(t: &str) {
+    let title = format!("{t:^WIDTH$}");
+    println!("{}", title.trim_end());
+}
+
+/// The centred title line of test `t` (perftest's banner, e.g. "RDMA_Write BW Test").
+fn title(t: Test) {
+    title_text(t.title());
+}
+
+/// A server's banner once a client said which test it runs: the test's title between
+/// rules, then who the client is.
+pub fn client_banner(t: Test, who: &str, qpn: u32, rounds: u32) {
+    rule();
+    title(t);
+    println!(
+        " Client {who} (QPN 0x{qpn:06x}) runs {} with {rounds} size(s)",
+        t.name()
+    );
+    rule();
+}
+
 /// The title and the parameter block; with a connection, the local and remote address
 /// lines.
 pub fn preamble(s: &Settings, link: Option<(&str, &str)>) {
     rule();
-    let title = format!("{:^WIDTH$}", s.test.title());
-    println!("{}", title.trim_end());
+    // A server runs whatever test its client asks for: it names it in the client's banner
+    // ([`client_banner`]), not here.
+    if !matches!(s.role, Role::Server { .. }) {
+        title(s.test);
+    } else {
+        title_text("metaroce-perf server");
+    }
     match s.mode {
         Mode::Metaroce => kv("Transport", "MetaRoCE over UDP"),
         Mode::Rocev2 => kv(
@@ -193,11 +220,11 @@ fn bw_unit(s: &Settings) -> &'static str {
     if s.report_gbits {
         "Gb/sec"
     } else {
-        "MB/sec"
+        "MiB/sec"
     }
 }
 
-/// Bandwidth in the unit of the report: MB/sec = 2^20 B/s, Gb/sec = 10^9 bit/s.
+/// Bandwidth in the unit of the report: MiB/sec = 2^20 B/s, Gb/sec = 10^9 bit/s.
 fn bw_value(s: &Settings, bytes_per_sec: f64) -> f64 {
     if s.report_gbits {
         bytes_per_sec * 8.0 / 1e9
@@ -556,8 +583,8 @@ struct JsonBw {
     iterations: u64,
     slots: u64,
     elapsed_sec: f64,
-    bw_peak_mb_per_sec: f64,
-    bw_avg_mb_per_sec: f64,
+    bw_peak_mib_per_sec: f64,
+    bw_avg_mib_per_sec: f64,
     bw_peak_gbit_per_sec: f64,
     bw_avg_gbit_per_sec: f64,
     msg_rate_mpps: f64,
@@ -644,6 +671,12 @@ struct JsonRc {
 
 #[derive(Debug, Serialize)]
 struct JsonReport {
+    /// perftest's `test_info` object.
+    test_info: serde_json::Value,
+    /// perftest's `results` object: the last size, as perftest's file holds after `-a`.
+    results: serde_json::Value,
+    /// perftest's `results` object of every size, in order.
+    results_per_size: Vec<serde_json::Value>,
     test: &'static str,
     mode: &'static str,
     transport: &'static str,
@@ -660,7 +693,7 @@ struct JsonReport {
     bw_unit: &'static str,
     latency_unit: &'static str,
     server_qpn: Option<u32>,
-    results: Vec<JsonBw>,
+    bw: Vec<JsonBw>,
     latency: Vec<JsonLat>,
     server_rounds: Vec<JsonServerRound>,
     verified: bool,
@@ -727,8 +760,8 @@ fn json_bw(r: &BwRow) -> JsonBw {
         iterations: r.result.ops,
         slots: r.slots,
         elapsed_sec: r.result.elapsed_sec,
-        bw_peak_mb_per_sec: r.result.peak_bytes_per_sec / mib,
-        bw_avg_mb_per_sec: r.result.avg_bytes_per_sec / mib,
+        bw_peak_mib_per_sec: r.result.peak_bytes_per_sec / mib,
+        bw_avg_mib_per_sec: r.result.avg_bytes_per_sec / mib,
         bw_peak_gbit_per_sec: r.result.peak_bytes_per_sec * 8.0 / 1e9,
         bw_avg_gbit_per_sec: r.result.avg_bytes_per_sec * 8.0 / 1e9,
         msg_rate_mpps: r.result.msg_rate_mpps,
@@ -759,12 +792,120 @@ fn json_lat(r: &LatRow) -> JsonLat {
     }
 }
 
+/// perftest's name of a test in `test_info.test` (`testsStr[verb]`, the atomic type,
+/// `BW_` or `Latency_`, `Test`).
+pub fn perftest_test_name(t: Test) -> &'static str {
+    match t {
+        Test::WriteBw => "RDMA_Write_BW_Test",
+        Test::WriteLat => "RDMA_Write_Latency_Test",
+        Test::ReadBw => "RDMA_Read_BW_Test",
+        Test::ReadLat => "RDMA_Read_Latency_Test",
+        Test::AtomicLat => "Atomic_FETCH_AND_ADD_Latency_Test",
+        Test::SendBw => "Send_BW_Test",
+        Test::SendLat => "Send_Latency_Test",
+    }
+}
+
+/// perftest's `test_info` object (perftest_parameters.c, `write_test_info_to_file`): the
+/// keys that have a meaning here, with perftest's spellings and value forms.
+fn perftest_test_info(s: &Settings, test: Test) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    let mut put = |k: &str, v: serde_json::Value| {
+        m.insert(k.to_owned(), v);
+    };
+    put("test", perftest_test_name(test).into());
+    put("Dual_port", "OFF".into());
+    put(
+        "Device",
+        match s.mode {
+            Mode::Metaroce => "metaroce",
+            Mode::Rocev2 => "metaroce-rocev2",
+        }
+        .into(),
+    );
+    put("Number_of_qps", 1.into());
+    put("Transport_type", "IB".into());
+    put(
+        "Connection_type",
+        match s.mode {
+            Mode::Metaroce => "MetaRoCE",
+            Mode::Rocev2 => "RC",
+        }
+        .into(),
+    );
+    put("Using_SRQ", "OFF".into());
+    put("PCIe_relax_order", "Unsupported".into());
+    put("ibv_wr_API", "OFF".into());
+    if test.is_bw() {
+        put("TX_depth", s.tx_depth.into());
+    }
+    if matches!(test, Test::SendBw | Test::SendLat) {
+        put("RX_depth", s.rx_depth.into());
+    }
+    put("Mtu", s.mtu.into());
+    put("Link_type", "Ethernet".into());
+    put("Max_inline_data", 0.into());
+    if matches!(test, Test::ReadBw | Test::ReadLat | Test::AtomicLat) {
+        put("Outstand_reads", s.outs.into());
+    }
+    put("rdma_cm_QPs", "OFF".into());
+    put("Data_ex_method", "Ethernet".into());
+    serde_json::Value::Object(m)
+}
+
+/// perftest's `results` object of one bandwidth row (`REPORT_FMT_JSON`): BW in the
+/// report's unit (MiB/sec, or Gb/sec with --report_gbits), MsgRate in Mpps.
+fn perftest_bw(s: &Settings, r: &BwRow) -> serde_json::Value {
+    serde_json::json!({
+        "MsgSize": r.size,
+        "n_iterations": r.result.ops,
+        "BW_peak": bw_value(s, r.result.peak_bytes_per_sec),
+        "BW_average": bw_value(s, r.result.avg_bytes_per_sec),
+        "MsgRate": r.result.msg_rate_mpps,
+    })
+}
+
+/// perftest's `results` object of one latency row (`REPORT_FMT_LAT_JSON`), usec.
+fn perftest_lat(r: &LatRow) -> serde_json::Value {
+    match &r.stats {
+        Some(l) => serde_json::json!({
+            "MsgSize": r.size,
+            "n_iterations": r.iterations,
+            "t_min": l.t_min_usec,
+            "t_max": l.t_max_usec,
+            "t_typical": l.t_typical_usec,
+            "t_avg": l.t_avg_usec,
+            "t_stdev": l.t_stdev_usec,
+            "percentile_99": l.p99_usec,
+            "percentile_99.9": l.p999_usec,
+        }),
+        None => serde_json::json!({ "MsgSize": r.size, "n_iterations": r.iterations }),
+    }
+}
+
 /// The JSON document of a run.
 pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<String> {
     let results = f
         .client
         .map(|c| c.bw.iter().map(json_bw).collect())
         .unwrap_or_default();
+    let mut per_size: Vec<serde_json::Value> = match f.client {
+        Some(c) => {
+            c.bw.iter()
+                .map(|r| perftest_bw(s, r))
+                .chain(c.lat.iter().map(perftest_lat))
+                .collect()
+        }
+        None => Vec::new(),
+    };
+    if let (Some(r), None) = (f.server, f.client) {
+        // A server does not measure: perftest's size and iteration keys only.
+        per_size = r
+            .rounds
+            .iter()
+            .map(|x| serde_json::json!({ "MsgSize": x.size, "n_iterations": x.iters }))
+            .collect();
+    }
     let latency = f
         .client
         .map(|c| c.lat.iter().map(json_lat).collect())
@@ -797,6 +938,12 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
         .filter(|_| f.client.is_none())
         .unwrap_or(s.test);
     let doc = JsonReport {
+        test_info: perftest_test_info(s, test),
+        results: per_size
+            .last()
+            .cloned()
+            .unwrap_or_else(|| serde_json::json!({})),
+        results_per_size: per_size,
         test: test.name(),
         mode: s.role.name(),
         transport: s.mode.name(),
@@ -824,7 +971,7 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
             "usec, round trip"
         },
         server_qpn: f.client.map(|c| c.server_qpn),
-        results,
+        bw: results,
         latency,
         server_rounds,
         verified,

@@ -341,10 +341,7 @@ pub async fn serve(net: Net, mut ctrl: Chan, print: bool, rx_depth: usize) -> Re
                             .map_or_else(|| "?".to_string(), |a| a.to_string()),
                         Net::Rc(rc) => format!("{}:{port}", rc.peer_ip),
                     };
-                    println!(
-                        " Client {who} (QPN 0x{qpn:06x}) runs {} with {rounds} size(s)",
-                        t.name()
-                    );
+                    super::report::client_banner(t, &who, qpn, rounds);
                 }
                 let (qpn, psn, port) = net.identity();
                 ctrl.post(Ctrl::Welcome { qpn, psn, port }).await?;

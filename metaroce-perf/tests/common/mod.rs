@@ -37,7 +37,7 @@ pub fn temp_path(name: &str) -> PathBuf {
 }
 
 pub const BW_HEADER: &str =
-    " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]";
+    " #bytes     #iterations    BW peak[MiB/sec]    BW average[MiB/sec]   MsgRate[Mpps]";
 
 /// Run `metaroce-perf` with `args` like [`perf`], but kill it if it has not ended after
 /// `limit` (a guard against a hang, not a timing assertion): `None` then.
