@@ -626,7 +626,9 @@ impl Sink<Bytes> for VerbsStream {
     type Error = Error;
     fn poll_ready(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<()>> {
         if self.fin.is_some() || self.fin_done {
-            return Poll::Ready(Err(Error::InvalidArgument("stream already finished".into())));
+            return Poll::Ready(Err(Error::InvalidArgument(
+                "stream already finished".into(),
+            )));
         }
         let window = self.conn.qp.config().send_slots as usize;
         while self.inflight.len() + self.backlog.len() >= window {

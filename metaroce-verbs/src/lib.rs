@@ -43,10 +43,10 @@ mod mr;
 mod qp;
 mod stream;
 
-pub use device::{devices, Context, GidEntry, GidType, PortAttr};
-pub use metaroce::{Access, WcOpcode, WcStatus};
 pub use api::{VerbsConnection, VerbsEndpoint, VerbsStream};
+pub use device::{devices, Context, GidEntry, GidType, PortAttr};
 pub use metaroce::RemoteRegion;
+pub use metaroce::{Access, WcOpcode, WcStatus};
 pub use mr::{Mr, Pd};
 pub use qp::{Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, Wc};
 pub use stream::MessageStream;
@@ -115,7 +115,10 @@ mod tests {
             Ok(c) => eprintln!("an RDMA device is present here: {}", c.name()),
             Err(e @ (Error::LibraryNotFound(_) | Error::NoDevice(_))) => {
                 let s = e.to_string();
-                assert!(s.contains("libibverbs not found") || s.contains("no RDMA device"), "{s}");
+                assert!(
+                    s.contains("libibverbs not found") || s.contains("no RDMA device"),
+                    "{s}"
+                );
             }
             Err(e) => panic!("unexpected error: {e:?}"),
         }

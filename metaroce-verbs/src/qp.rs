@@ -437,6 +437,7 @@ async fn cq_task(st: TaskState) {
 }
 
 /// Empty CQ polls in a row, after completions, before the CQ is armed and the task sleeps.
+/// (A time-based spin of 200 µs was tried for send_lat on rxe and changed nothing.)
 const SPIN_ROUNDS: u32 = 64;
 
 struct Handle(Arc<QpShared>);
@@ -484,7 +485,9 @@ pub struct OpFuture {
 impl Future for OpFuture {
     type Output = Result<Wc>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
-        Pin::new(&mut self.rx).poll(cx).map(|r| r.map_err(|_| Error::Closed))
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.map_err(|_| Error::Closed))
     }
 }
 
@@ -816,7 +819,12 @@ impl RcQp {
         }
     }
 
-    fn post_send_with(&self, permit: OwnedSemaphorePermit, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
+    fn post_send_with(
+        &self,
+        permit: OwnedSemaphorePermit,
+        data: &[u8],
+        imm: Option<u32>,
+    ) -> Result<OpFuture> {
         let s = self.s();
         if data.len() > s.cfg.slot_size as usize {
             return Err(Error::InvalidArgument(format!(
@@ -915,7 +923,8 @@ impl RcQp {
             let n = (wc.byte_len as usize).min(s.cfg.slot_size as usize);
             let mut v = vec![0u8; n];
             let pool = s.recv_pool.as_ref().expect("checked above");
-            pool.buf().read(slot as usize * s.cfg.slot_size as usize, &mut v);
+            pool.buf()
+                .read(slot as usize * s.cfg.slot_size as usize, &mut v);
             Message {
                 data: v.into(),
                 imm: wc.imm,

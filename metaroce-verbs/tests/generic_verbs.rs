@@ -4,10 +4,10 @@
 //! on 127.0.0.1). Without a device the tests print "skipped" and pass, unless
 //! `METAROCE_VERBS_REQUIRE_DEVICE=1` (set by `run-rxe-tests.sh`).
 
-#[path = "../../metaroce/tests/generic/workload.rs"]
-mod workload;
 #[path = "../../metaroce/tests/generic/errors.rs"]
 mod errors;
+#[path = "../../metaroce/tests/generic/workload.rs"]
+mod workload;
 
 use metaroce_verbs::{Context, QpConfig, VerbsEndpoint};
 
@@ -34,7 +34,9 @@ fn endpoints() -> Option<(VerbsEndpoint, VerbsEndpoint)> {
 
 #[tokio::test]
 async fn generic_workload_over_verbs() {
-    let Some((server, client)) = endpoints() else { return };
+    let Some((server, client)) = endpoints() else {
+        return;
+    };
     let p = workload::Params::default();
     let r = workload::run(&p, &server, &client).await.unwrap();
     println!("{r:?}");
@@ -43,14 +45,21 @@ async fn generic_workload_over_verbs() {
 
 #[tokio::test]
 async fn generic_access_rights_over_verbs() {
-    let Some((server, client)) = endpoints() else { return };
+    let Some((server, client)) = endpoints() else {
+        return;
+    };
     let p = workload::Params::default();
-    assert_eq!(errors::access_rights(&p, &server, &client).await.unwrap(), 6);
+    assert_eq!(
+        errors::access_rights(&p, &server, &client).await.unwrap(),
+        6
+    );
 }
 
 #[tokio::test]
 async fn generic_flush_on_close_over_verbs() {
-    let Some((server, client)) = endpoints() else { return };
+    let Some((server, client)) = endpoints() else {
+        return;
+    };
     let p = workload::Params::default();
     let f = errors::flush_on_close(&p, &server, &client, 32, 1 << 20, || {})
         .await

@@ -102,12 +102,17 @@ async fn write_bw(args: &Args) -> Result<(), String> {
         ..QpConfig::default()
     };
     let (_ctx, pd, qa, _qb) = open(args, cfg)?;
-    let src: Vec<u8> = (0..size).map(|i| (i as u8).wrapping_mul(7).wrapping_add(3)).collect();
+    let src: Vec<u8> = (0..size)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
+        .collect();
     let src = pd
         .register(src, Access::LOCAL_WRITE)
         .map_err(|e| e.to_string())?;
     let dst = pd
-        .register(vec![0u8; size as usize], Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .register(
+            vec![0u8; size as usize],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
         .map_err(|e| e.to_string())?;
     let remote = dst.remote();
     let mut inflight = FuturesUnordered::new();
