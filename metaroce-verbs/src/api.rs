@@ -171,34 +171,32 @@ impl RdmaEndpoint for VerbsEndpoint {
     }
 
     async fn accept(&self) -> Option<Result<VerbsConnection>> {
-        loop {
-            if self.0.closed.load(Ordering::Acquire) {
-                return None;
-            }
-            let l = self.0.listener.lock().await;
-            let r = tokio::select! {
-                r = l.accept() => r,
-                _ = self.0.close_notify.notified() => return None,
-            };
-            drop(l);
-            let (mut tcp, peer) = match r {
-                Ok(x) => x,
-                Err(e) => return Some(Err(Error::Exchange(e))),
-            };
-            let _ = tcp.set_nodelay(true);
-            let qp = match RcQp::create(&self.0.pd, self.0.cfg.clone()) {
-                Ok(q) => q,
-                Err(e) => return Some(Err(e)),
-            };
-            return Some(match exchange::server(&mut tcp, &qp).await {
-                Ok(_) => {
-                    let c = VerbsConnection::start(qp, tcp, peer, false);
-                    self.track(&c);
-                    Ok(c)
-                }
-                Err(e) => Err(e),
-            });
+        if self.0.closed.load(Ordering::Acquire) {
+            return None;
         }
+        let l = self.0.listener.lock().await;
+        let r = tokio::select! {
+            r = l.accept() => r,
+            _ = self.0.close_notify.notified() => return None,
+        };
+        drop(l);
+        let (mut tcp, peer) = match r {
+            Ok(x) => x,
+            Err(e) => return Some(Err(Error::Exchange(e))),
+        };
+        let _ = tcp.set_nodelay(true);
+        let qp = match RcQp::create(&self.0.pd, self.0.cfg.clone()) {
+            Ok(q) => q,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(match exchange::server(&mut tcp, &qp).await {
+            Ok(_) => {
+                let c = VerbsConnection::start(qp, tcp, peer, false);
+                self.track(&c);
+                Ok(c)
+            }
+            Err(e) => Err(e),
+        })
     }
 
     fn alloc(&self, len: usize, access: Access) -> Result<Mr> {

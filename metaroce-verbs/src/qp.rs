@@ -749,6 +749,7 @@ impl RcQp {
         self.s().to_error()
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn post(
         &self,
         permit: OwnedSemaphorePermit,
