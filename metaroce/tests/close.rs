@@ -222,7 +222,12 @@ fn many_connect_close_cycles_leave_tables_flat() {
 fn refusing_a_held_request_sends_code_and_reason() {
     let mut b = metaroce::testing::pair_config(1, 40);
     b.manual_accept = true;
-    let mut p = Pair::impaired_with_configs(40, Impair::default(), metaroce::testing::pair_config(0, 40), b);
+    let mut p = Pair::impaired_with_configs(
+        40,
+        Impair::default(),
+        metaroce::testing::pair_config(0, 40),
+        b,
+    );
     let c = p.eps[0].connect(p.now, p.addrs[1], None).unwrap();
     assert!(p.run_until(Duration::from_secs(5), |p| p.events[1]
         .iter()

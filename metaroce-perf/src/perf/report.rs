@@ -950,6 +950,7 @@ pub fn json(s: &Settings, f: &Footer<'_>, verified: bool) -> serde_json::Result<
         backend: match s.backend {
             super::cli::BackendKind::Udp => "udp",
             super::cli::BackendKind::Uring => "uring",
+            super::cli::BackendKind::Verbs => "verbs",
         },
         paths: s.paths,
         mtu: s.mtu,
