@@ -61,6 +61,7 @@ pub mod crypto;
 pub mod endpoint;
 pub mod event;
 pub mod mr;
+pub mod multipath;
 pub mod rocev2;
 pub(crate) mod secret;
 #[cfg(feature = "sim")]
