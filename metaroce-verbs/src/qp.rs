@@ -1,0 +1,1117 @@
+//! RC queue pairs: state transitions, posting, and the completion task.
+
+use crate::ffi::{self, ibv_qp_attr, ibv_send_wr, ibv_wc};
+use crate::mr::{MrInner, PdInner};
+use crate::{verbs_err, Access, Error, Mr, Pd, RemoteRegion, Result, WcOpcode, WcStatus};
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::Ipv6Addr;
+use std::os::fd::RawFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context as TaskCx, Poll};
+use std::time::Duration;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+
+/// Configuration of an [`RcQp`]. Defaults follow `ibv_rc_pingpong` where it has one.
+#[derive(Debug, Clone)]
+pub struct QpConfig {
+    /// Port number (1-based). Default 1.
+    pub port: u8,
+    /// GID index; `None` picks the first RoCEv2 IPv4 GID (then IPv6) of the port.
+    pub gid_index: Option<u8>,
+    /// Initial send PSN (24 bits); `None` draws one at random.
+    pub psn: Option<u32>,
+    /// Path MTU in bytes (256..4096). Default 1024, as `ibv_rc_pingpong`.
+    pub path_mtu: u32,
+    /// Receive slots kept posted (each `slot_size` bytes), i.e. messages the peer may send
+    /// ahead of [`RcQp::recv`]. 0 posts none (the peer's SENDs then meet RNR NAKs).
+    /// Default 64.
+    pub recv_slots: u32,
+    /// Send slots (SENDs in flight, copied into a registered send buffer). Default 64.
+    pub send_slots: u32,
+    /// Largest SEND message in bytes (= receive slot size). Default 64 KiB.
+    pub slot_size: u32,
+    /// RDMA WRITE/READ/atomic work requests in flight. Default 128.
+    pub max_rdma_wr: u32,
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout; IBA 9.7.6.1.3). Default 14.
+    pub timeout: u8,
+    /// Transport retries (0..7). Default 7.
+    pub retry_cnt: u8,
+    /// RNR retries (0..7, 7 = forever). Default 7.
+    pub rnr_retry: u8,
+    /// Minimal RNR NAK timer code advertised (IBA table 45). Default 12 (0.64 ms).
+    pub min_rnr_timer: u8,
+    /// Outstanding READ/atomic requests, as initiator and as responder. Default 16.
+    pub max_rd_atomic: u8,
+    /// GRH flow label (20 bits): rdma_rxe and RoCE NICs derive the RoCEv2 UDP source
+    /// port from it when non-zero. Default 0.
+    pub flow_label: u32,
+    /// GRH traffic class. Default 0.
+    pub traffic_class: u8,
+    /// GRH hop limit. Default 64.
+    pub hop_limit: u8,
+}
+
+impl Default for QpConfig {
+    fn default() -> Self {
+        QpConfig {
+            port: 1,
+            gid_index: None,
+            psn: None,
+            path_mtu: 1024,
+            recv_slots: 64,
+            send_slots: 64,
+            slot_size: 64 * 1024,
+            max_rdma_wr: 128,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 16,
+            flow_label: 0,
+            traffic_class: 0,
+            hop_limit: 64,
+        }
+    }
+}
+
+/// One side's address of an RC QP, as exchanged out of band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpEndpoint {
+    /// LID (0 on RoCE).
+    pub lid: u16,
+    /// QPN (24 bits).
+    pub qpn: u32,
+    /// Initial send PSN (24 bits).
+    pub psn: u32,
+    /// GID.
+    pub gid: Ipv6Addr,
+}
+
+/// QP state as this crate last set it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    /// INIT: receives may be posted.
+    Init,
+    /// RTS after [`RcQp::connect`] (through RTR).
+    Rts,
+    /// ERR: every outstanding work request is flushed.
+    Error,
+}
+
+/// A work completion (`ibv_wc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wc {
+    /// Status. `ibv_wc_status` codes without a metaroce name are mapped to the nearest one
+    /// (LOC_QP_OP/LOC_ACCESS → LocalProtectionError, RESP_TIMEOUT → RetryExceeded, others →
+    /// RemoteOperationalError); [`Wc::code`] is always exact.
+    pub status: WcStatus,
+    /// The exact `ibv_wc_status`.
+    pub code: u32,
+    /// Opcode (for error completions the opcode of the request, as posted).
+    pub opcode: WcOpcode,
+    /// Bytes received (receives; for RECV_RDMA_WITH_IMM the WRITE's length).
+    pub byte_len: u32,
+    /// Immediate data (host order), if any.
+    pub imm: Option<u32>,
+    /// Provider-specific error detail.
+    pub vendor_err: u32,
+}
+
+impl Wc {
+    /// `Ok(self)` on success, else [`Error::Completion`].
+    pub fn ok(self) -> Result<Wc> {
+        if self.status == WcStatus::Success {
+            Ok(self)
+        } else {
+            Err(Error::Completion {
+                status: self.status,
+                code: self.code,
+                vendor_err: self.vendor_err,
+            })
+        }
+    }
+}
+
+pub(crate) fn map_status(code: u32) -> WcStatus {
+    match code {
+        0 => WcStatus::Success,
+        1 => WcStatus::LocalLengthError,
+        2 | 4 | 8 => WcStatus::LocalProtectionError,
+        5 => WcStatus::WrFlushError,
+        9 | 15 => WcStatus::RemoteInvalidRequest,
+        10 => WcStatus::RemoteAccessError,
+        12 | 20 => WcStatus::RetryExceeded,
+        13 => WcStatus::RnrRetryExceeded,
+        _ => WcStatus::RemoteOperationalError,
+    }
+}
+
+fn map_opcode(op: u32) -> WcOpcode {
+    match op {
+        0 => WcOpcode::Send,
+        1 => WcOpcode::RdmaWrite,
+        2 => WcOpcode::RdmaRead,
+        3 => WcOpcode::CompSwap,
+        4 => WcOpcode::FetchAdd,
+        129 => WcOpcode::RdmaWriteWithImm,
+        _ => WcOpcode::Recv,
+    }
+}
+
+/// A received message (or the notice of a WRITE_WITH_IMM).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The SEND's bytes (empty for a WRITE_WITH_IMM, whose bytes landed in the MR).
+    pub data: Bytes,
+    /// Immediate data (SEND_WITH_IMM, WRITE_WITH_IMM).
+    pub imm: Option<u32>,
+    /// True for RECV_RDMA_WITH_IMM (a WRITE_WITH_IMM of `write_len` bytes).
+    pub is_write_imm: bool,
+    /// The WRITE_WITH_IMM's length in bytes (0 for a SEND).
+    pub write_len: u32,
+}
+
+const RECV_BIT: u64 = 1 << 63;
+const IBV_SEND_SIGNALED: u32 = 2;
+const IBV_WR_RDMA_WRITE: u32 = 0;
+const IBV_WR_RDMA_WRITE_WITH_IMM: u32 = 1;
+const IBV_WR_SEND: u32 = 2;
+const IBV_WR_SEND_WITH_IMM: u32 = 3;
+const IBV_WR_RDMA_READ: u32 = 4;
+const IBV_WR_ATOMIC_CMP_AND_SWP: u32 = 5;
+const IBV_WR_ATOMIC_FETCH_AND_ADD: u32 = 6;
+
+struct Pending {
+    tx: Option<oneshot::Sender<Wc>>,
+    opcode: WcOpcode,
+    /// Keeps the MR (and its buffer) registered until the completion is polled.
+    _hold: Option<Arc<MrInner>>,
+    _permit: OwnedSemaphorePermit,
+    send_slot: Option<u32>,
+    atomic_slot: Option<u32>,
+}
+
+/// Shared state of a QP: owned by its handles and its completion task; destroys the verbs
+/// objects (QP first, so the device stops touching memory, then CQ and channel) when the
+/// last of them is gone, and only then releases the MRs that outstanding requests held.
+pub(crate) struct QpShared {
+    qp: ffi::Raw,
+    cq: ffi::Raw,
+    ch: ffi::Raw,
+    fd: RawFd,
+    qpn: u32,
+    psn: u32,
+    gid: Ipv6Addr,
+    gid_index: u8,
+    cfg: QpConfig,
+    state: Mutex<QpState>,
+    pending: Mutex<HashMap<u64, Pending>>,
+    next_wr: AtomicU64,
+    posted_recvs: AtomicUsize,
+    closing: AtomicBool,
+    close_notify: Notify,
+    send_sem: Arc<Semaphore>,
+    rdma_sem: Arc<Semaphore>,
+    send_free: Mutex<Vec<u32>>,
+    atomic_free: Mutex<Vec<u32>>,
+    send_pool: Arc<MrInner>,
+    recv_pool: Option<Arc<MrInner>>,
+    atomic_pool: Arc<MrInner>,
+    recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Wc, u64)>>,
+    recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
+    unknown_wcs: AtomicU64,
+    _pd: Arc<PdInner>,
+}
+
+impl Drop for QpShared {
+    fn drop(&mut self) {
+        if let Err(e) = ffi::destroy_qp(self.qp) {
+            tracing::error!(error = %e, "ibv_destroy_qp failed; leaking QP resources");
+            // The device may still reference the pools and held MRs: leak them.
+            std::mem::forget(std::mem::take(&mut *self.pending.lock()));
+            std::mem::forget(self.send_pool.clone());
+            std::mem::forget(self.atomic_pool.clone());
+            std::mem::forget(self.recv_pool.clone());
+            return;
+        }
+        if let Err(e) = ffi::destroy_cq(self.cq) {
+            tracing::error!(error = %e, "ibv_destroy_cq failed");
+            return;
+        }
+        ffi::destroy_comp_channel(self.ch);
+    }
+}
+
+/// What the completion task owns. Fields drop in order: the `AsyncFd` is deregistered
+/// before the last `Arc<QpShared>` can destroy the channel (also when the runtime drops
+/// the task mid-way).
+struct TaskState {
+    afd: AsyncFd<ffi::ChannelFd>,
+    shared: Arc<QpShared>,
+}
+
+impl QpShared {
+    fn modify(&self, attr: &mut ibv_qp_attr, mask: i32, op: &'static str) -> Result<()> {
+        ffi::modify_qp(self.qp, attr, mask).map_err(verbs_err(op))
+    }
+
+    fn to_error(&self) -> Result<()> {
+        let mut a = ibv_qp_attr {
+            qp_state: 6, // IBV_QPS_ERR
+            ..Default::default()
+        };
+        self.modify(&mut a, 1, "ibv_modify_qp(ERR)")?;
+        *self.state.lock() = QpState::Error;
+        Ok(())
+    }
+
+    fn outstanding(&self) -> usize {
+        self.pending.lock().len() + self.posted_recvs.load(Ordering::Acquire)
+    }
+
+    fn post_recv_slot(&self, slot: u32) -> Result<()> {
+        let Some(pool) = &self.recv_pool else {
+            return Ok(());
+        };
+        let size = u64::from(self.cfg.slot_size);
+        let mut sge = pool.sge(u64::from(slot) * size, size)?;
+        self.posted_recvs.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: the slot lies in recv_pool, which QpShared keeps registered until after
+        // the QP is destroyed (fields drop after Drop::drop destroyed the QP).
+        let r = unsafe { ffi::post_recv(self.qp, RECV_BIT | u64::from(slot), &mut sge) };
+        r.map_err(|e| {
+            self.posted_recvs.fetch_sub(1, Ordering::AcqRel);
+            Error::Verbs {
+                op: "ibv_post_recv",
+                source: e,
+            }
+        })
+    }
+
+    fn dispatch(&self, w: &ibv_wc) {
+        let wc = Wc {
+            status: map_status(w.status),
+            code: w.status,
+            opcode: map_opcode(w.opcode),
+            byte_len: w.byte_len,
+            imm: (w.wc_flags & 2 != 0).then(|| u32::from_be(w.imm_data)),
+            vendor_err: w.vendor_err,
+        };
+        if w.wr_id & RECV_BIT != 0 {
+            self.posted_recvs.fetch_sub(1, Ordering::AcqRel);
+            let mut wc = wc;
+            if w.status != 0 {
+                wc.opcode = WcOpcode::Recv;
+            }
+            let _ = self.recv_tx_id.send((wc, w.wr_id & !RECV_BIT));
+            return;
+        }
+        let Some(p) = self.pending.lock().remove(&w.wr_id) else {
+            self.unknown_wcs.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let mut wc = wc;
+        if w.status != 0 {
+            wc.opcode = p.opcode;
+        }
+        if let Some(s) = p.send_slot {
+            self.send_free.lock().push(s);
+        }
+        if let Some(s) = p.atomic_slot {
+            if let Some(tx) = p.tx {
+                // The old value (host order, as the device wrote it) goes to atomic()
+                // as (byte_len << 32) | imm; the slot is free again right after.
+                let mut b = [0u8; 8];
+                self.atomic_pool.buf().read(s as usize * 8, &mut b);
+                let v = u64::from_ne_bytes(b);
+                let wc2 = Wc {
+                    imm: Some(v as u32),
+                    byte_len: (v >> 32) as u32,
+                    ..wc
+                };
+                self.atomic_free.lock().push(s);
+                let _ = tx.send(wc2);
+                return;
+            }
+            self.atomic_free.lock().push(s);
+            return;
+        }
+        if let Some(tx) = p.tx {
+            let _ = tx.send(wc);
+        }
+    }
+
+    fn poll_all(&self) -> Result<usize> {
+        let mut wcs = [ibv_wc::default(); 32];
+        let mut total = 0;
+        loop {
+            let n = ffi::poll_cq(self.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?;
+            for w in &wcs[..n] {
+                self.dispatch(w);
+            }
+            total += n;
+            if n < wcs.len() {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+async fn cq_task(st: TaskState) {
+    let shared = &st.shared;
+    let afd = &st.afd;
+    let mut close_deadline = None;
+    loop {
+        if let Err(e) = shared.poll_all() {
+            tracing::error!(error = %e, "CQ polling failed");
+            break;
+        }
+        if shared.closing.load(Ordering::Acquire) {
+            if shared.outstanding() == 0 {
+                break;
+            }
+            let d = *close_deadline
+                .get_or_insert_with(|| tokio::time::Instant::now() + Duration::from_secs(2));
+            if tokio::time::Instant::now() >= d {
+                tracing::warn!(
+                    outstanding = shared.outstanding(),
+                    "QP closed with work requests not flushed after 2 s; destroying it"
+                );
+                break;
+            }
+        }
+        if let Err(e) = ffi::req_notify_cq(shared.cq) {
+            tracing::error!(error = %e, "ibv_req_notify_cq failed");
+            break;
+        }
+        // Completions that arrived before the CQ was armed raise no event: poll once more.
+        match shared.poll_all() {
+            Ok(0) => {}
+            Ok(_) => continue,
+            Err(_) => break,
+        }
+        tokio::select! {
+            r = afd.readable() => {
+                let Ok(mut guard) = r else { break };
+                loop {
+                    match ffi::get_and_ack_cq_event(shared.ch) {
+                        Ok(true) => continue,
+                        Ok(false) => { guard.clear_ready(); break; }
+                        Err(e) => { tracing::error!(error = %e, "ibv_get_cq_event"); break; }
+                    }
+                }
+            }
+            _ = shared.close_notify.notified() => {}
+            _ = tokio::time::sleep(Duration::from_millis(50)), if shared.closing.load(Ordering::Acquire) => {}
+        }
+    }
+    // recv() returns Closed once drained.
+    shared.closing.store(true, Ordering::Release);
+    drop(st);
+}
+
+struct Handle(Arc<QpShared>);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.0.closing.store(true, Ordering::Release);
+        let _ = self.0.to_error();
+        self.0.close_notify.notify_one();
+    }
+}
+
+/// An RC queue pair with its own CQ (shared by send and receive queues) and completion
+/// channel, driven by a tokio task. Cheap to clone; the QP is moved to ERR and destroyed
+/// when the last clone is dropped (outstanding work requests are flushed first, up to 2 s).
+///
+/// Every operation waits for its work completion; a future dropped before that leaves the
+/// work request running (the memory it uses stays registered until it completes), so all
+/// operations are cancel safe in the sense that no memory is released early.
+#[derive(Clone)]
+pub struct RcQp {
+    h: Arc<Handle>,
+}
+
+impl std::fmt::Debug for RcQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.h.0;
+        f.debug_struct("RcQp")
+            .field("qpn", &s.qpn)
+            .field("psn", &s.psn)
+            .field("gid", &s.gid)
+            .field("state", &*s.state.lock())
+            .finish()
+    }
+}
+
+/// The completion of one posted work request. Resolves to the [`Wc`] (any status; use
+/// [`Wc::ok`]), or [`Error::Closed`] if the QP was destroyed first. Dropping it does not
+/// cancel the work request.
+#[derive(Debug)]
+pub struct OpFuture {
+    rx: oneshot::Receiver<Wc>,
+}
+
+impl Future for OpFuture {
+    type Output = Result<Wc>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
+        Pin::new(&mut self.rx).poll(cx).map(|r| r.map_err(|_| Error::Closed))
+    }
+}
+
+fn mtu_enum(bytes: u32) -> Result<u32> {
+    Ok(match bytes {
+        256 => 1,
+        512 => 2,
+        1024 => 3,
+        2048 => 4,
+        4096 => 5,
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "path MTU {bytes} (want 256, 512, 1024, 2048 or 4096)"
+            )))
+        }
+    })
+}
+
+fn random_psn() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    );
+    (h.finish() as u32) & 0xFF_FFFF
+}
+
+impl RcQp {
+    /// Create an RC QP on `pd` and move it to INIT, with its receive slots posted.
+    /// Must be called within a tokio runtime (the completion task is spawned on it).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad configuration or outside a runtime,
+    /// [`Error::NoGid`], [`Error::Verbs`].
+    pub fn create(pd: &Pd, cfg: QpConfig) -> Result<RcQp> {
+        let rt = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::InvalidArgument("RcQp::create outside a tokio runtime".into()))?;
+        mtu_enum(cfg.path_mtu)?;
+        if cfg.send_slots == 0 || cfg.slot_size == 0 || cfg.max_rdma_wr == 0 {
+            return Err(Error::InvalidArgument(
+                "send_slots, slot_size and max_rdma_wr must be > 0".into(),
+            ));
+        }
+        let ctx = pd.context();
+        let gid_e = match cfg.gid_index {
+            Some(i) => crate::GidEntry {
+                index: i,
+                gid: ctx.gid(cfg.port, i)?,
+                kind: crate::GidType::Unknown,
+            },
+            None => ctx
+                .select_gid(cfg.port, true)
+                .or_else(|_| ctx.select_gid(cfg.port, false))?,
+        };
+        let pool = |n: u32, size: u32| -> Result<Mr> {
+            let bytes = (n as usize)
+                .checked_mul(size as usize)
+                .filter(|&b| b <= 1 << 30)
+                .ok_or_else(|| Error::InvalidArgument("slot pools over 1 GiB".into()))?;
+            pd.register(vec![0u8; bytes.max(8)], Access::LOCAL_WRITE)
+        };
+        let send_pool = pool(cfg.send_slots, cfg.slot_size)?;
+        let recv_pool = if cfg.recv_slots > 0 {
+            Some(pool(cfg.recv_slots, cfg.slot_size)?)
+        } else {
+            None
+        };
+        let atomic_pool = pool(cfg.max_rdma_wr, 8)?;
+        let (ch, fd) =
+            ffi::create_comp_channel(ctx.0.raw).map_err(verbs_err("ibv_create_comp_channel"))?;
+        let fail_ch = |e: Error| {
+            ffi::destroy_comp_channel(ch);
+            e
+        };
+        ffi::set_nonblocking(fd)
+            .map_err(verbs_err("fcntl(O_NONBLOCK)"))
+            .map_err(fail_ch)?;
+        let max_send = cfg.send_slots + cfg.max_rdma_wr;
+        let cqe = (max_send + cfg.recv_slots + 16) as i32;
+        let cq = ffi::create_cq(ctx.0.raw, cqe, ch)
+            .map_err(verbs_err("ibv_create_cq"))
+            .map_err(fail_ch)?;
+        let cap = ffi::ibv_qp_cap {
+            max_send_wr: max_send,
+            max_recv_wr: cfg.recv_slots.max(1),
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let (qp, qpn) = match ffi::create_rc_qp(pd.0.raw, cq, cap) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = ffi::destroy_cq(cq);
+                ffi::destroy_comp_channel(ch);
+                return Err(Error::Verbs {
+                    op: "ibv_create_qp",
+                    source: e,
+                });
+            }
+        };
+        let (recv_tx_id, recv_rx) = mpsc::unbounded_channel();
+        let psn = cfg.psn.unwrap_or_else(random_psn) & 0xFF_FFFF;
+        let shared = Arc::new(QpShared {
+            qp,
+            cq,
+            ch,
+            fd,
+            qpn,
+            psn,
+            gid: gid_e.gid,
+            gid_index: gid_e.index,
+            state: Mutex::new(QpState::Init),
+            pending: Mutex::new(HashMap::new()),
+            next_wr: AtomicU64::new(1),
+            posted_recvs: AtomicUsize::new(0),
+            closing: AtomicBool::new(false),
+            close_notify: Notify::new(),
+            send_sem: Arc::new(Semaphore::new(cfg.send_slots as usize)),
+            rdma_sem: Arc::new(Semaphore::new(cfg.max_rdma_wr as usize)),
+            send_free: Mutex::new((0..cfg.send_slots).rev().collect()),
+            atomic_free: Mutex::new((0..cfg.max_rdma_wr).rev().collect()),
+            send_pool: send_pool.0,
+            recv_pool: recv_pool.map(|m| m.0),
+            atomic_pool: atomic_pool.0,
+            recv_rx: tokio::sync::Mutex::new(recv_rx),
+            recv_tx_id,
+            unknown_wcs: AtomicU64::new(0),
+            _pd: pd.0.clone(),
+            cfg,
+        });
+        // RESET -> INIT.
+        let mut a = ibv_qp_attr {
+            qp_state: 2, // IBV_QPS_INIT
+            pkey_index: 0,
+            port_num: shared.cfg.port,
+            qp_access_flags: (Access::LOCAL_WRITE
+                | Access::REMOTE_WRITE
+                | Access::REMOTE_READ
+                | Access::REMOTE_ATOMIC)
+                .0 as i32,
+            ..Default::default()
+        };
+        // IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS
+        shared.modify(&mut a, 1 | 16 | 32 | 8, "ibv_modify_qp(INIT)")?;
+        for s in 0..shared.cfg.recv_slots {
+            shared.post_recv_slot(s)?;
+        }
+        let afd = {
+            let _g = rt.enter();
+            // SAFETY: the channel is destroyed by QpShared::drop, which cannot run before
+            // TaskState (which owns both the AsyncFd and an Arc<QpShared>) dropped the
+            // AsyncFd; on the error path below `shared` is dropped after the error.
+            unsafe { ffi::register_channel_fd(shared.fd) }
+                .map_err(verbs_err("AsyncFd(completion channel)"))?
+        };
+        rt.spawn(cq_task(TaskState {
+            afd,
+            shared: shared.clone(),
+        }));
+        Ok(RcQp {
+            h: Arc::new(Handle(shared)),
+        })
+    }
+
+    fn s(&self) -> &QpShared {
+        &self.h.0
+    }
+
+    /// This QP's address for the peer.
+    pub fn local(&self) -> QpEndpoint {
+        QpEndpoint {
+            lid: 0,
+            qpn: self.s().qpn,
+            psn: self.s().psn,
+            gid: self.s().gid,
+        }
+    }
+
+    /// QPN.
+    pub fn qpn(&self) -> u32 {
+        self.s().qpn
+    }
+
+    /// The GID index used as source GID.
+    pub fn gid_index(&self) -> u8 {
+        self.s().gid_index
+    }
+
+    /// State as this crate last set it.
+    pub fn state(&self) -> QpState {
+        *self.s().state.lock()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &QpConfig {
+        &self.s().cfg
+    }
+
+    /// Completions polled whose wr_id matched no request (should stay 0).
+    pub fn unknown_completions(&self) -> u64 {
+        self.s().unknown_wcs.load(Ordering::Relaxed)
+    }
+
+    /// INIT → RTR → RTS towards `remote` (IBA 10.3; attributes as `ibv_rc_pingpong`).
+    ///
+    /// # Errors
+    /// [`Error::Verbs`] if the device refuses a transition (e.g. called twice).
+    pub fn connect(&self, remote: &QpEndpoint) -> Result<()> {
+        let s = self.s();
+        let c = &s.cfg;
+        let mut a = ibv_qp_attr {
+            qp_state: 3, // RTR
+            path_mtu: mtu_enum(c.path_mtu)?,
+            dest_qp_num: remote.qpn & 0xFF_FFFF,
+            rq_psn: remote.psn & 0xFF_FFFF,
+            max_dest_rd_atomic: c.max_rd_atomic,
+            min_rnr_timer: c.min_rnr_timer,
+            ..Default::default()
+        };
+        a.ah_attr.is_global = 1;
+        a.ah_attr.dlid = remote.lid;
+        a.ah_attr.port_num = c.port;
+        a.ah_attr.grh.dgid = remote.gid.octets();
+        a.ah_attr.grh.sgid_index = s.gid_index;
+        a.ah_attr.grh.hop_limit = c.hop_limit;
+        a.ah_attr.grh.flow_label = c.flow_label & 0xF_FFFF;
+        a.ah_attr.grh.traffic_class = c.traffic_class;
+        // STATE | AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER
+        s.modify(
+            &mut a,
+            1 | 128 | 256 | 1_048_576 | 4096 | 131_072 | 32_768,
+            "ibv_modify_qp(RTR)",
+        )?;
+        let mut a = ibv_qp_attr {
+            qp_state: 4, // RTS
+            timeout: c.timeout,
+            retry_cnt: c.retry_cnt,
+            rnr_retry: c.rnr_retry,
+            sq_psn: s.psn,
+            max_rd_atomic: c.max_rd_atomic,
+            ..Default::default()
+        };
+        // STATE | TIMEOUT | RETRY_CNT | RNR_RETRY | SQ_PSN | MAX_QP_RD_ATOMIC
+        s.modify(
+            &mut a,
+            1 | 512 | 1024 | 2048 | 65_536 | 8192,
+            "ibv_modify_qp(RTS)",
+        )?;
+        *s.state.lock() = QpState::Rts;
+        Ok(())
+    }
+
+    /// Move the QP to ERR: every outstanding and later work request completes with
+    /// `WrFlushError` (IBA 10.3.1).
+    pub fn set_error(&self) -> Result<()> {
+        self.s().to_error()
+    }
+
+    fn post(
+        &self,
+        permit: OwnedSemaphorePermit,
+        mut wr: ibv_send_wr,
+        sge: Option<ffi::ibv_sge>,
+        opcode: WcOpcode,
+        hold: Option<Arc<MrInner>>,
+        send_slot: Option<u32>,
+        atomic_slot: Option<u32>,
+    ) -> Result<OpFuture> {
+        let s = self.s();
+        let id = s.next_wr.fetch_add(1, Ordering::Relaxed) & !RECV_BIT;
+        let (tx, rx) = oneshot::channel();
+        s.pending.lock().insert(
+            id,
+            Pending {
+                tx: Some(tx),
+                opcode,
+                _hold: hold,
+                _permit: permit,
+                send_slot,
+                atomic_slot,
+            },
+        );
+        wr.wr_id = id;
+        wr.send_flags = IBV_SEND_SIGNALED;
+        let mut sge = sge;
+        // SAFETY: the memory named by the SGE belongs to an MR held by the Pending entry
+        // just inserted (or to a pool of QpShared), released only when the completion is
+        // dispatched or after the QP is destroyed.
+        let r = unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) };
+        if let Err(e) = r {
+            if let Some(p) = s.pending.lock().remove(&id) {
+                if let Some(sl) = p.send_slot {
+                    s.send_free.lock().push(sl);
+                }
+                if let Some(sl) = p.atomic_slot {
+                    s.atomic_free.lock().push(sl);
+                }
+            }
+            return Err(Error::Verbs {
+                op: "ibv_post_send",
+                source: e,
+            });
+        }
+        Ok(OpFuture { rx })
+    }
+
+    fn blank_wr(opcode: u32) -> ibv_send_wr {
+        ibv_send_wr {
+            wr_id: 0,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+            opcode,
+            send_flags: 0,
+            imm_data: 0,
+            wr: Default::default(),
+            _tail: [0; 7],
+        }
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.s().closing.load(Ordering::Acquire) {
+            Err(Error::Closed)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn post_send_with(&self, permit: OwnedSemaphorePermit, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
+        let s = self.s();
+        if data.len() > s.cfg.slot_size as usize {
+            return Err(Error::InvalidArgument(format!(
+                "message of {} bytes exceeds slot_size {}",
+                data.len(),
+                s.cfg.slot_size
+            )));
+        }
+        let slot = s
+            .send_free
+            .lock()
+            .pop()
+            .expect("a send permit guarantees a free slot");
+        let off = slot as usize * s.cfg.slot_size as usize;
+        s.send_pool.buf().write(off, data);
+        let sge = (!data.is_empty())
+            .then(|| s.send_pool.sge(off as u64, data.len() as u64))
+            .transpose()?;
+        let mut wr = Self::blank_wr(if imm.is_some() {
+            IBV_WR_SEND_WITH_IMM
+        } else {
+            IBV_WR_SEND
+        });
+        wr.imm_data = imm.unwrap_or(0).to_be();
+        self.post(permit, wr, sge, WcOpcode::Send, None, Some(slot), None)
+    }
+
+    /// Post a SEND of `data` (copied into a send slot) without waiting for a slot.
+    ///
+    /// # Errors
+    /// [`Error::SendQueueFull`] if every send slot is in flight; [`Error::InvalidArgument`]
+    /// if `data` exceeds `slot_size`; [`Error::Verbs`] if the post fails (e.g. QP in RESET).
+    pub fn post_send(&self, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
+        self.check_open()?;
+        let p = self
+            .s()
+            .send_sem
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::SendQueueFull)?;
+        self.post_send_with(p, data, imm)
+    }
+
+    /// SEND `data` (optionally with immediate data) and wait for its completion. Waits for
+    /// a free send slot first. Messages arrive in order at the peer's [`RcQp::recv`].
+    ///
+    /// # Errors
+    /// As [`RcQp::post_send`] (never `SendQueueFull`), or [`Error::Completion`].
+    pub async fn send(&self, data: &[u8], imm: Option<u32>) -> Result<Wc> {
+        self.check_open()?;
+        let p = self
+            .s()
+            .send_sem
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::Closed)?;
+        self.post_send_with(p, data, imm)?.await?.ok()
+    }
+
+    /// The next received message, in order. Reposts its receive slot.
+    ///
+    /// # Errors
+    /// [`Error::Completion`] for a receive completed in error (e.g. `WrFlushError` after
+    /// the QP entered ERR), [`Error::Closed`] once the QP is gone.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a message is taken only when this returns.
+    pub async fn recv(&self) -> Result<Message> {
+        let s = self.s();
+        if s.recv_pool.is_none() {
+            return Err(Error::InvalidArgument("QP has recv_slots 0".into()));
+        }
+        let mut rx = s.recv_rx.lock().await;
+        let (wc, slot) = loop {
+            // The receive channel's sender lives in QpShared, so it never closes while we
+            // hold the handle; wake up on close instead.
+            tokio::select! {
+                m = rx.recv() => break m.ok_or(Error::Closed)?,
+                _ = tokio::time::sleep(Duration::from_millis(200)), if s.closing.load(Ordering::Acquire) => {
+                    if s.outstanding() == 0 { return Err(Error::Closed); }
+                }
+            }
+        };
+        drop(rx);
+        let wc = wc.ok()?;
+        let slot = slot as u32;
+        let msg = if wc.opcode == WcOpcode::RdmaWriteWithImm {
+            Message {
+                data: Bytes::new(),
+                imm: wc.imm,
+                is_write_imm: true,
+                write_len: wc.byte_len,
+            }
+        } else {
+            let n = (wc.byte_len as usize).min(s.cfg.slot_size as usize);
+            let mut v = vec![0u8; n];
+            let pool = s.recv_pool.as_ref().expect("checked above");
+            pool.buf().read(slot as usize * s.cfg.slot_size as usize, &mut v);
+            Message {
+                data: v.into(),
+                imm: wc.imm,
+                is_write_imm: false,
+                write_len: 0,
+            }
+        };
+        if self.state() != QpState::Error {
+            s.post_recv_slot(slot)?;
+        }
+        Ok(msg)
+    }
+
+    fn rdma_permit_try(&self) -> Result<OwnedSemaphorePermit> {
+        self.check_open()?;
+        self.s()
+            .rdma_sem
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::SendQueueFull)
+    }
+
+    async fn rdma_permit(&self) -> Result<OwnedSemaphorePermit> {
+        self.check_open()?;
+        self.s()
+            .rdma_sem
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| Error::Closed)
+    }
+
+    fn remote_check(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
+        if roff.checked_add(len).is_none_or(|e| e > remote.len) {
+            return Err(Error::InvalidArgument(format!(
+                "remote range {roff}+{len} outside the {}-byte region",
+                remote.len
+            )));
+        }
+        Ok(remote.addr + roff)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_rdma(
+        &self,
+        permit: OwnedSemaphorePermit,
+        opcode: u32,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+        imm: Option<u32>,
+    ) -> Result<OpFuture> {
+        let raddr = Self::remote_check(remote, roff, len)?;
+        let sge = local.0.sge(loff, len)?;
+        let mut wr = Self::blank_wr(opcode);
+        wr.wr.remote_addr = raddr;
+        wr.wr.word1 = u64::from(remote.rkey);
+        wr.imm_data = imm.unwrap_or(0).to_be();
+        let op = match opcode {
+            IBV_WR_RDMA_READ => WcOpcode::RdmaRead,
+            IBV_WR_RDMA_WRITE_WITH_IMM => WcOpcode::RdmaWriteWithImm,
+            _ => WcOpcode::RdmaWrite,
+        };
+        let sge = (len > 0).then_some(sge);
+        self.post(permit, wr, sge, op, Some(local.0.clone()), None, None)
+    }
+
+    /// Post an RDMA WRITE of `local[loff..loff+len]` to `remote` at `roff` (with
+    /// immediate data: WRITE_WITH_IMM, which consumes a receive at the peer). `local` stays
+    /// registered until the completion, even if dropped meanwhile.
+    ///
+    /// # Errors
+    /// [`Error::SendQueueFull`], [`Error::InvalidArgument`] for ranges, [`Error::Verbs`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn post_write(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+        imm: Option<u32>,
+    ) -> Result<OpFuture> {
+        let p = self.rdma_permit_try()?;
+        let op = if imm.is_some() {
+            IBV_WR_RDMA_WRITE_WITH_IMM
+        } else {
+            IBV_WR_RDMA_WRITE
+        };
+        self.post_rdma(p, op, local, loff, len, remote, roff, imm)
+    }
+
+    /// RDMA WRITE and wait for its completion (see [`RcQp::post_write`]).
+    pub async fn write(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<Wc> {
+        let p = self.rdma_permit().await?;
+        self.post_rdma(p, IBV_WR_RDMA_WRITE, local, loff, len, remote, roff, None)?
+            .await?
+            .ok()
+    }
+
+    /// RDMA WRITE_WITH_IMM and wait for its completion.
+    pub async fn write_with_imm(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+        imm: u32,
+    ) -> Result<Wc> {
+        let p = self.rdma_permit().await?;
+        self.post_rdma(
+            p,
+            IBV_WR_RDMA_WRITE_WITH_IMM,
+            local,
+            loff,
+            len,
+            remote,
+            roff,
+            Some(imm),
+        )?
+        .await?
+        .ok()
+    }
+
+    /// Post an RDMA READ of `remote[roff..roff+len]` into `local` at `loff`.
+    pub fn post_read(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<OpFuture> {
+        let p = self.rdma_permit_try()?;
+        self.post_rdma(p, IBV_WR_RDMA_READ, local, loff, len, remote, roff, None)
+    }
+
+    /// RDMA READ and wait for its completion.
+    pub async fn read(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<Wc> {
+        let p = self.rdma_permit().await?;
+        self.post_rdma(p, IBV_WR_RDMA_READ, local, loff, len, remote, roff, None)?
+            .await?
+            .ok()
+    }
+
+    async fn atomic(
+        &self,
+        opcode: u32,
+        remote: &RemoteRegion,
+        roff: u64,
+        compare_add: u64,
+        swap: u64,
+    ) -> Result<u64> {
+        let raddr = Self::remote_check(remote, roff, 8)?;
+        if raddr % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "atomic target {raddr:#x} is not 8-byte aligned"
+            )));
+        }
+        let p = self.rdma_permit().await?;
+        let s = self.s();
+        let slot = s
+            .atomic_free
+            .lock()
+            .pop()
+            .expect("an RDMA permit guarantees a free atomic slot");
+        let sge = s.atomic_pool.sge(u64::from(slot) * 8, 8)?;
+        let mut wr = Self::blank_wr(opcode);
+        wr.wr.remote_addr = raddr;
+        wr.wr.word1 = compare_add;
+        wr.wr.swap = swap;
+        wr.wr.atomic_rkey = remote.rkey;
+        let op = if opcode == IBV_WR_ATOMIC_CMP_AND_SWP {
+            WcOpcode::CompSwap
+        } else {
+            WcOpcode::FetchAdd
+        };
+        let wc = self
+            .post(p, wr, Some(sge), op, None, None, Some(slot))?
+            .await?
+            .ok()?;
+        // dispatch() hands the old value over as (byte_len << 32) | imm.
+        Ok((u64::from(wc.byte_len) << 32) | u64::from(wc.imm.unwrap_or(0)))
+    }
+
+    /// ATOMIC CMP_SWP on the 8-byte word at `remote + roff` (8-byte aligned): if it equals
+    /// `compare` it becomes `swap`. Returns the word's previous value.
+    pub async fn compare_swap(
+        &self,
+        remote: &RemoteRegion,
+        roff: u64,
+        compare: u64,
+        swap: u64,
+    ) -> Result<u64> {
+        self.atomic(IBV_WR_ATOMIC_CMP_AND_SWP, remote, roff, compare, swap)
+            .await
+    }
+
+    /// ATOMIC FETCH_ADD of `add` to the 8-byte word at `remote + roff` (8-byte aligned).
+    /// Returns the word's previous value.
+    pub async fn fetch_add(&self, remote: &RemoteRegion, roff: u64, add: u64) -> Result<u64> {
+        self.atomic(IBV_WR_ATOMIC_FETCH_AND_ADD, remote, roff, add, 0)
+            .await
+    }
+}
