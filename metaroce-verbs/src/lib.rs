@@ -36,6 +36,7 @@ mod device;
 pub mod exchange;
 mod ffi;
 mod mr;
+pub mod multipath;
 mod qp;
 mod stream;
 
@@ -43,6 +44,7 @@ pub use device::{devices, Context, GidEntry, GidType, PortAttr};
 pub use metaroce::{Access, WcOpcode, WcStatus};
 pub use metaroce_tokio::RemoteRegion;
 pub use mr::{Mr, Pd};
+pub use multipath::{MpConfig, MpConnection, MpStats};
 pub use qp::{Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, Wc};
 pub use stream::MessageStream;
 

@@ -468,15 +468,29 @@ impl Scheduler {
     /// [`MultipathError::NoFreeSlot`] if all K slots hold a QP that is up;
     /// [`MultipathError::Closed`] after [`Scheduler::fail_all`].
     pub fn add_qp(&mut self) -> Result<QpId, MultipathError> {
+        let i = self
+            .slots
+            .iter()
+            .position(|s| s.state != SlotState::Up)
+            .ok_or(MultipathError::NoFreeSlot)?;
+        self.add_qp_at(i as u16)
+    }
+
+    /// Puts a new QP in slot `slot` (which must have none, or one that is down) and returns
+    /// its id (the slot's next generation).
+    ///
+    /// # Errors
+    /// [`MultipathError::NoFreeSlot`] if `slot` is out of range or its QP is up;
+    /// [`MultipathError::Closed`] after [`Scheduler::fail_all`].
+    pub fn add_qp_at(&mut self, slot: u16) -> Result<QpId, MultipathError> {
         if self.closed.is_some() {
             return Err(MultipathError::Closed);
         }
-        let (i, slot) = self
-            .slots
-            .iter_mut()
-            .enumerate()
-            .find(|(_, s)| s.state != SlotState::Up)
-            .ok_or(MultipathError::NoFreeSlot)?;
+        let i = usize::from(slot);
+        let slot = match self.slots.get_mut(i) {
+            Some(s) if s.state != SlotState::Up => s,
+            _ => return Err(MultipathError::NoFreeSlot),
+        };
         slot.state = SlotState::Up;
         slot.generation += 1;
         slot.outstanding = 0;

@@ -1,0 +1,180 @@
+//! The K-QP multipath connection (`metaroce_verbs::multipath`) on a real verbs stack: both
+//! ends in one process on one device (rdma_rxe loopback in the QEMU guest of
+//! `run-rxe-tests.sh`, `TESTS="rxe_multipath"`). Without an RDMA device each test prints
+//! "skipped" and passes, unless `METAROCE_VERBS_REQUIRE_DEVICE=1`.
+
+use metaroce::multipath::MultipathConfig;
+use metaroce_verbs::{Access, Context, Error, MpConfig, MpConnection, Pd, WcStatus};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+
+fn device() -> Option<(Context, Pd)> {
+    match Context::open(std::env::var("METAROCE_VERBS_DEVICE").ok().as_deref()) {
+        Ok(ctx) => {
+            let pd = ctx.alloc_pd().expect("ibv_alloc_pd");
+            Some((ctx, pd))
+        }
+        Err(e) => {
+            if std::env::var("METAROCE_VERBS_REQUIRE_DEVICE").is_ok_and(|v| v == "1") {
+                panic!("METAROCE_VERBS_REQUIRE_DEVICE=1 but no device: {e}");
+            }
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ ((i >> 8) as u8))
+        .collect()
+}
+
+async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("timed out")
+}
+
+async fn pair(pd: &Pd, k: usize, chunk: u32) -> (MpConnection, MpConnection) {
+    let cfg = MpConfig {
+        multipath: MultipathConfig {
+            qps: k,
+            chunk_size: chunk,
+            ..MultipathConfig::default()
+        },
+        ..MpConfig::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = async {
+        let (tcp, _) = listener.accept().await.unwrap();
+        MpConnection::accept(pd, cfg.clone(), tcp).await
+    };
+    let client = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        MpConnection::connect(pd, cfg.clone(), tcp).await
+    };
+    let (s, c) = within(60, async { tokio::join!(server, client) }).await;
+    (s.expect("accept"), c.expect("connect"))
+}
+
+/// K = 4: four QPs, four distinct flow labels and so four distinct RoCEv2 UDP source ports
+/// (as `rdma_get_udp_sport` computes them); a 4 MiB WRITE sprayed over all four, read back
+/// with a sprayed READ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k4_write_and_read_use_every_qp() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (server, client) = pair(&pd, 4, 64 * 1024).await;
+    let n = 4 << 20;
+    let data = pattern(n, 3);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .register(
+            vec![0u8; n],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let back = pd.register(vec![0u8; n], Access::LOCAL_WRITE).unwrap();
+    let t = std::time::Instant::now();
+    within(120, client.write(&src, 0, n as u64, &dst.remote(), 0))
+        .await
+        .expect("write");
+    let took = t.elapsed();
+    assert!(dst.read(0, n).unwrap() == data, "WRITE placed the bytes");
+    within(120, client.read(&back, 0, n as u64, &dst.remote(), 0))
+        .await
+        .expect("read");
+    assert!(back.read(0, n).unwrap() == data, "READ brought them back");
+    let st = client.stats();
+    println!(
+        "4 MiB WRITE in {took:?}; ports (flow label, UDP sport) {:?}",
+        st.ports
+    );
+    let ports: std::collections::HashSet<u16> = st.ports.iter().map(|p| p.1).collect();
+    assert_eq!(ports.len(), 4, "four distinct source ports: {:?}", st.ports);
+    for (i, s) in st.slots.iter().enumerate() {
+        println!("slot {i}: {} chunks, {} bytes, rate {:.0} B/s", s.posted_chunks, s.posted_bytes, s.rate);
+        assert!(s.posted_chunks > 0, "slot {i} carried no chunk");
+    }
+    // The server's QPs carry flow labels too (its ACKs and READ responses use them).
+    assert_eq!(server.stats().ports.len(), 4);
+    let qpns: std::collections::HashSet<u32> = (0..4).map(|s| client.qp(s).unwrap().qpn()).collect();
+    assert_eq!(qpns.len(), 4);
+}
+
+/// A QP forced into the error state (`ibv_modify_qp` to ERR) in the middle of sixteen
+/// 256 KiB WRITEs costs no operation: all sixteen complete `Success`, the data is right,
+/// the failed QP's chunks were re-issued and the slot got a new QP with a new source port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qp_forced_to_error_mid_transfer_costs_no_operation() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (server, client) = pair(&pd, 4, 16 * 1024).await;
+    let each = 256 * 1024;
+    let ops = 16;
+    let n = each * ops;
+    let data = pattern(n, 11);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .register(
+            vec![0u8; n],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let remote = dst.remote();
+    let port_before = client.stats().ports[1];
+    let victim_qpn = client.qp(1).unwrap().qpn();
+    let writes: Vec<_> = (0..ops)
+        .map(|i| {
+            let c = client.clone();
+            let src = src.clone();
+            let off = (i * each) as u64;
+            tokio::spawn(async move { c.write(&src, off, each as u64, &remote, off).await })
+        })
+        .collect();
+    // Wait until slot 1 has completed a chunk, then break its QP.
+    within(60, async {
+        while client.stats().slots[1].completed_chunks == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    let outstanding = client.stats().slots[1].outstanding;
+    client.qp(1).unwrap().set_error().expect("ibv_modify_qp(ERR)");
+    let mut statuses = Vec::new();
+    for w in writes {
+        statuses.push(match within(120, w).await.unwrap() {
+            Ok(()) => WcStatus::Success,
+            Err(Error::Completion { status, .. }) => status,
+            Err(e) => panic!("{e}"),
+        });
+    }
+    let st = client.stats();
+    println!(
+        "slot 1 had {outstanding} chunks outstanding when forced to ERR; reissued {}, replacements {}, ports {:?} (slot 1 was {port_before:?})",
+        st.reissued_chunks, st.replacements, st.ports
+    );
+    assert!(statuses.iter().all(|s| *s == WcStatus::Success), "{statuses:?}");
+    assert!(dst.read(0, n).unwrap() == data, "every byte placed");
+    assert_eq!(st.slots[1].failures, 1);
+    assert!(st.reissued_chunks > 0, "the failed QP had chunks to re-issue");
+    // The replacement arrives shortly after (it is not needed for the WRITEs to finish).
+    within(30, async {
+        while client.stats().replacements == 0 || server.stats().replacements == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let st = client.stats();
+    assert_ne!(client.qp(1).unwrap().qpn(), victim_qpn, "slot 1 has a new QP");
+    assert_ne!(st.ports[1], port_before, "the new QP has a new source port");
+    // And the connection goes on using all four QPs.
+    let again = pattern(n, 99);
+    src.write(0, &again).unwrap();
+    within(120, client.write(&src, 0, n as u64, &remote, 0))
+        .await
+        .expect("write after the replacement");
+    assert!(dst.read(0, n).unwrap() == again);
+    let after = client.stats();
+    assert!(after.slots[1].posted_chunks > st.slots[1].posted_chunks, "slot 1 used again");
+}
