@@ -178,3 +178,67 @@ async fn qp_forced_to_error_mid_transfer_costs_no_operation() {
     let after = client.stats();
     assert!(after.slots[1].posted_chunks > st.slots[1].posted_chunks, "slot 1 used again");
 }
+
+/// The guest half of the capture test (`run-rxe-multipath.sh`): a K = 4 connection from the
+/// rxe guest to `mp_rc_peer` on the host (`METAROCE_MP_PEER` = its control address,
+/// `METAROCE_MP_REGION` = the file with its region), a sprayed 1 MiB WRITE and READ-back over
+/// the tap, which the script captures to count the connection's UDP source ports. Skipped
+/// when `METAROCE_MP_PEER` is not set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k4_to_host_peer_over_the_wire() {
+    let (Ok(peer), Ok(region)) = (
+        std::env::var("METAROCE_MP_PEER"),
+        std::env::var("METAROCE_MP_REGION"),
+    ) else {
+        eprintln!("skipped: METAROCE_MP_PEER / METAROCE_MP_REGION not set");
+        return;
+    };
+    let Some((_ctx, pd)) = device() else { return };
+    let text = std::fs::read_to_string(&region).expect("region file");
+    let f: Vec<u64> = text
+        .split_whitespace()
+        .map(|x| u64::from_str_radix(x, 16).expect("hex"))
+        .collect();
+    let remote = metaroce_verbs::RemoteRegion {
+        addr: f[0],
+        rkey: f[1] as u32,
+        len: f[2],
+    };
+    let tcp = within(30, async {
+        loop {
+            match TcpStream::connect(&peer).await {
+                Ok(t) => break t,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    })
+    .await;
+    let cfg = MpConfig {
+        multipath: MultipathConfig {
+            qps: 4,
+            chunk_size: 16 * 1024,
+            ..MultipathConfig::default()
+        },
+        ..MpConfig::default()
+    };
+    let client = within(30, MpConnection::connect(&pd, cfg, tcp))
+        .await
+        .expect("connect to the host peer");
+    let n = (1usize << 20).min(remote.len as usize);
+    let data = pattern(n, 5);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let back = pd.register(vec![0u8; n], Access::LOCAL_WRITE).unwrap();
+    let t = std::time::Instant::now();
+    within(120, client.write(&src, 0, n as u64, &remote, 0))
+        .await
+        .expect("write to the host");
+    let w = t.elapsed();
+    within(120, client.read(&back, 0, n as u64, &remote, 0))
+        .await
+        .expect("read from the host");
+    assert!(back.read(0, n).unwrap() == data, "READ-back equals the WRITE");
+    let st = client.stats();
+    println!("MP-PORTS {}", st.ports.iter().map(|p| p.1.to_string()).collect::<Vec<_>>().join(" "));
+    println!("1 MiB WRITE to the host in {w:?}; per slot chunks {:?}", st.slots.iter().map(|s| s.posted_chunks).collect::<Vec<_>>());
+    assert!(st.slots.iter().all(|s| s.posted_chunks > 0));
+}
