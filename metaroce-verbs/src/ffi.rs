@@ -186,10 +186,11 @@ type ReqNotifyCq = unsafe extern "C" fn(*mut c_void, c_int) -> c_int;
 type PostSend = unsafe extern "C" fn(*mut c_void, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> c_int;
 type PostRecv = unsafe extern "C" fn(*mut c_void, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
 
-/// `struct ibv_context_ops`, up to `post_recv` (index 25 of 32 pointers).
+/// `struct ibv_context_ops`, up to `post_recv` (index 26 of 32 pointers; offsets checked
+/// with `offsetof` against rdma-core 44's verbs.h: poll_cq 88, post_send 200).
 #[repr(C)]
 struct ibv_context_ops {
-    _a: [usize; 10],
+    _a: [usize; 11],
     poll_cq: Option<PollCq>,
     req_notify_cq: Option<ReqNotifyCq>,
     _b: [usize; 12],
@@ -250,8 +251,10 @@ const _: () = {
     assert!(std::mem::size_of::<ibv_qp_init_attr>() == 64);
     assert!(std::mem::offset_of!(ibv_port_attr, link_layer) == 46);
     assert!(std::mem::offset_of!(ibv_context, ops) == 8);
-    assert!(std::mem::offset_of!(ibv_context_ops, poll_cq) == 80);
-    assert!(std::mem::offset_of!(ibv_context_ops, post_send) == 192);
+    assert!(std::mem::offset_of!(ibv_context_ops, poll_cq) == 88);
+    assert!(std::mem::offset_of!(ibv_context_ops, req_notify_cq) == 96);
+    assert!(std::mem::offset_of!(ibv_context_ops, post_send) == 200);
+    assert!(std::mem::offset_of!(ibv_context_ops, post_recv) == 208);
     assert!(std::mem::offset_of!(ibv_mr, lkey) == 36);
     assert!(std::mem::offset_of!(ibv_qp, qp_num) == 52);
     assert!(std::mem::offset_of!(ibv_comp_channel, fd) == 8);

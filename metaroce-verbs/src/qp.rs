@@ -597,7 +597,7 @@ impl RcQp {
         });
         // RESET -> INIT.
         let mut a = ibv_qp_attr {
-            qp_state: 2, // IBV_QPS_INIT
+            qp_state: 1, // IBV_QPS_INIT
             pkey_index: 0,
             port_num: shared.cfg.port,
             qp_access_flags: (Access::LOCAL_WRITE
@@ -676,7 +676,7 @@ impl RcQp {
         let s = self.s();
         let c = &s.cfg;
         let mut a = ibv_qp_attr {
-            qp_state: 3, // RTR
+            qp_state: 2, // IBV_QPS_RTR
             path_mtu: mtu_enum(c.path_mtu)?,
             dest_qp_num: remote.qpn & 0xFF_FFFF,
             rq_psn: remote.psn & 0xFF_FFFF,
@@ -699,7 +699,7 @@ impl RcQp {
             "ibv_modify_qp(RTR)",
         )?;
         let mut a = ibv_qp_attr {
-            qp_state: 4, // RTS
+            qp_state: 3, // IBV_QPS_RTS
             timeout: c.timeout,
             retry_cnt: c.retry_cnt,
             rnr_retry: c.rnr_retry,

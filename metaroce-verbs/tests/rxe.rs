@@ -1,0 +1,361 @@
+//! metaroce-verbs on a real verbs stack: two RC QPs on one device (rdma_rxe loopback in
+//! the QEMU guest of `run-rxe-tests.sh`). Without an RDMA device each test prints
+//! "skipped" and passes, unless `METAROCE_VERBS_REQUIRE_DEVICE=1` (set by the script in the
+//! guest), which turns a missing device into a failure.
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use metaroce_verbs::{
+    Access, Context, Error, GidType, MessageStream, Pd, QpConfig, RcQp, RemoteRegion, WcStatus,
+};
+use std::time::Duration;
+
+fn device() -> Option<(Context, Pd)> {
+    match Context::open(std::env::var("METAROCE_VERBS_DEVICE").ok().as_deref()) {
+        Ok(ctx) => {
+            let pd = ctx.alloc_pd().expect("ibv_alloc_pd");
+            Some((ctx, pd))
+        }
+        Err(e) => {
+            if std::env::var("METAROCE_VERBS_REQUIRE_DEVICE").is_ok_and(|v| v == "1") {
+                panic!("METAROCE_VERBS_REQUIRE_DEVICE=1 but no device: {e}");
+            }
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn pair(pd: &Pd, a: QpConfig, b: QpConfig) -> (RcQp, RcQp) {
+    let qa = RcQp::create(pd, a).expect("create qa");
+    let qb = RcQp::create(pd, b).expect("create qb");
+    qa.connect(&qb.local()).expect("connect qa");
+    qb.connect(&qa.local()).expect("connect qb");
+    (qa, qb)
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+async fn timeout<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f)
+        .await
+        .expect("operation timed out")
+}
+
+fn status_of(r: Result<impl std::fmt::Debug, Error>) -> WcStatus {
+    match r {
+        Err(Error::Completion { status, .. }) => status,
+        other => panic!("expected an error completion, got {other:?}"),
+    }
+}
+
+#[test]
+fn device_port_and_roce_v2_gid() {
+    let Some((ctx, _pd)) = device() else { return };
+    let port = ctx.query_port(1).unwrap();
+    println!("{}: {port:?}", ctx.name());
+    assert_eq!(port.state, 4, "port ACTIVE");
+    assert_eq!(port.link_layer, 2, "Ethernet link layer (RoCE)");
+    let table = ctx.gid_table(1).unwrap();
+    for e in &table {
+        println!("  GID[{}] {} {:?}", e.index, e.gid, e.kind);
+    }
+    let v4 = ctx.select_gid(1, true).unwrap();
+    assert_eq!(v4.kind, GidType::RoceV2);
+    assert!(v4.gid.to_ipv4_mapped().is_some(), "{v4:?}");
+    assert_eq!(ctx.gid(1, v4.index).unwrap(), v4.gid);
+    if let Ok(v6) = ctx.select_gid(1, false) {
+        assert_eq!(v6.kind, GidType::RoceV2);
+        assert!(v6.gid.to_ipv4_mapped().is_none());
+    }
+    assert!(matches!(
+        Context::open(Some("no-such-dev9")),
+        Err(Error::NoDevice(Some(_)))
+    ));
+}
+
+#[tokio::test]
+async fn send_recv_ordered_stream_with_imm_and_edge_sizes() {
+    let Some((_ctx, pd)) = device() else { return };
+    let cfg = QpConfig {
+        slot_size: 8192,
+        send_slots: 16,
+        recv_slots: 32,
+        ..QpConfig::default()
+    };
+    let (qa, qb) = pair(&pd, cfg.clone(), cfg);
+    // Zero-length, one byte, and the largest message; with immediate data.
+    qa.send(&[], Some(7)).await.unwrap();
+    let m = timeout(qb.recv()).await.unwrap();
+    assert!(m.data.is_empty());
+    assert_eq!(m.imm, Some(7));
+    qa.send(&[0xab], None).await.unwrap();
+    let m = timeout(qb.recv()).await.unwrap();
+    assert_eq!(&m.data[..], &[0xab]);
+    assert_eq!(m.imm, None);
+    let big = pattern(8192, 3);
+    qa.send(&big, Some(0xdead_beef)).await.unwrap();
+    let m = timeout(qb.recv()).await.unwrap();
+    assert_eq!(m.data, big);
+    assert_eq!(m.imm, Some(0xdead_beef));
+    assert!(matches!(
+        qa.send(&pattern(8193, 0), None).await,
+        Err(Error::InvalidArgument(_))
+    ));
+    // 300 messages through the Sink / Stream pair: order and content preserved, more
+    // messages than send or receive slots.
+    let mut tx = MessageStream::new(qa.clone());
+    let mut rx = MessageStream::new(qb.clone());
+    let n = 300usize;
+    let sender = tokio::spawn(async move {
+        for i in 0..n {
+            let mut m = pattern(1 + (i * 37) % 4000, i as u8);
+            m[0] = i as u8;
+            tx.feed(Bytes::from(m)).await.unwrap();
+        }
+        tx.flush().await.unwrap();
+    });
+    for i in 0..n {
+        let m = timeout(rx.next()).await.unwrap().unwrap();
+        let mut want = pattern(1 + (i * 37) % 4000, i as u8);
+        want[0] = i as u8;
+        assert_eq!(m.data, want, "message {i}");
+    }
+    sender.await.unwrap();
+    assert_eq!(qa.unknown_completions() + qb.unknown_completions(), 0);
+}
+
+#[tokio::test]
+async fn write_read_and_write_with_imm() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (qa, qb) = pair(&pd, QpConfig::default(), QpConfig::default());
+    let n = 256 * 1024;
+    let src = pd.register(pattern(n, 1), Access::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .register(
+            vec![0u8; n],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let back = pd.register(vec![0u8; n], Access::LOCAL_WRITE).unwrap();
+    let wc = timeout(qa.write(&src, 0, n as u64, &dst.remote(), 0)).await.unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(dst.read(0, n).unwrap(), pattern(n, 1));
+    // READ it back at an offset.
+    timeout(qa.read(&back, 16, (n - 16) as u64, &dst.remote(), 16)).await.unwrap();
+    assert_eq!(back.read(16, n - 16).unwrap(), pattern(n, 1)[16..]);
+    assert_eq!(back.read(0, 16).unwrap(), vec![0u8; 16]);
+    // WRITE_WITH_IMM: the bytes land and the peer's receive reports the immediate.
+    src.write(0, &pattern(4096, 9)).unwrap();
+    timeout(qa.write_with_imm(&src, 0, 4096, &dst.remote(), 1000, 0x1234_5678))
+        .await
+        .unwrap();
+    let m = timeout(qb.recv()).await.unwrap();
+    assert!(m.is_write_imm);
+    assert_eq!(m.imm, Some(0x1234_5678));
+    assert_eq!(m.write_len, 4096);
+    assert!(m.data.is_empty());
+    assert_eq!(dst.read(1000, 4096).unwrap(), pattern(4096, 9));
+    // Local range checks are application errors, not completions.
+    assert!(matches!(
+        qa.write(&src, 0, n as u64 + 1, &dst.remote(), 0).await,
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        qa.write(&src, 0, 16, &dst.remote(), n as u64 - 8).await,
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test]
+async fn atomics_fetch_add_and_compare_swap() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (qa, _qb) = pair(&pd, QpConfig::default(), QpConfig::default());
+    let target = pd
+        .register(
+            vec![0u8; 64],
+            Access::LOCAL_WRITE | Access::REMOTE_ATOMIC | Access::REMOTE_READ,
+        )
+        .unwrap();
+    target.write(8, &41u64.to_ne_bytes()).unwrap();
+    let r = target.remote();
+    assert_eq!(timeout(qa.fetch_add(&r, 8, 1)).await.unwrap(), 41);
+    assert_eq!(timeout(qa.fetch_add(&r, 8, 1 << 40)).await.unwrap(), 42);
+    let v = 42 + (1u64 << 40);
+    assert_eq!(target.read(8, 8).unwrap(), v.to_ne_bytes());
+    // CMP_SWP that matches swaps; one that does not leaves the word alone.
+    assert_eq!(timeout(qa.compare_swap(&r, 8, v, 7)).await.unwrap(), v);
+    assert_eq!(timeout(qa.compare_swap(&r, 8, 99, 8)).await.unwrap(), 7);
+    assert_eq!(target.read(8, 8).unwrap(), 7u64.to_ne_bytes());
+    assert!(matches!(
+        qa.fetch_add(&r, 4, 1).await,
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[tokio::test]
+async fn remote_access_error_then_flush_on_qp_error() {
+    let Some((_ctx, pd)) = device() else { return };
+    let cfg = QpConfig {
+        retry_cnt: 1,
+        ..QpConfig::default()
+    };
+    let (qa, _qb) = pair(&pd, cfg.clone(), cfg);
+    let src = pd.register(pattern(4096, 5), Access::LOCAL_WRITE).unwrap();
+    // A region the peer registered without remote write access.
+    let ro = pd
+        .register(vec![0u8; 4096], Access::LOCAL_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    let st = status_of(timeout(qa.write(&src, 0, 4096, &ro.remote(), 0)).await);
+    assert_eq!(st, WcStatus::RemoteAccessError);
+    assert_eq!(ro.read(0, 4096).unwrap(), vec![0u8; 4096], "nothing written");
+    // The QP is now in the error state: the next request is flushed.
+    let st = status_of(timeout(qa.read(&src, 0, 64, &ro.remote(), 0)).await);
+    assert_eq!(st, WcStatus::WrFlushError);
+
+    // A wrong rkey on a fresh pair.
+    let (qc, _qd) = pair(&pd, QpConfig::default(), QpConfig::default());
+    let bad = RemoteRegion {
+        rkey: ro.rkey() ^ 0x5a5a_0000,
+        ..ro.remote()
+    };
+    let st = status_of(timeout(qc.read(&src, 0, 64, &bad, 0)).await);
+    assert_eq!(st, WcStatus::RemoteAccessError);
+}
+
+#[tokio::test]
+async fn rnr_retry_exceeded_when_peer_posts_no_receive() {
+    let Some((_ctx, pd)) = device() else { return };
+    let a = QpConfig {
+        rnr_retry: 0,
+        ..QpConfig::default()
+    };
+    let b = QpConfig {
+        recv_slots: 0,
+        min_rnr_timer: 1,
+        ..QpConfig::default()
+    };
+    let (qa, _qb) = pair(&pd, a, b);
+    let st = status_of(timeout(qa.send(b"nobody listens", None)).await);
+    assert_eq!(st, WcStatus::RnrRetryExceeded);
+    let st = status_of(timeout(qa.send(b"after the error", None)).await);
+    assert_eq!(st, WcStatus::WrFlushError);
+}
+
+#[tokio::test]
+async fn set_error_flushes_posted_receives() {
+    let Some((_ctx, pd)) = device() else { return };
+    let cfg = QpConfig {
+        recv_slots: 4,
+        ..QpConfig::default()
+    };
+    let (_qa, qb) = pair(&pd, cfg.clone(), cfg);
+    qb.set_error().unwrap();
+    for _ in 0..4 {
+        let st = status_of(timeout(qb.recv()).await);
+        assert_eq!(st, WcStatus::WrFlushError);
+    }
+}
+
+#[tokio::test]
+async fn mr_dropped_with_write_in_flight_stays_registered_until_completion() {
+    let Some((_ctx, pd)) = device() else { return };
+    // The peer posts no receive and the sender retries RNR forever: a WRITE_WITH_IMM
+    // stays in flight until we move the QP to ERR.
+    let a = QpConfig {
+        rnr_retry: 7,
+        ..QpConfig::default()
+    };
+    let b = QpConfig {
+        recv_slots: 0,
+        min_rnr_timer: 1,
+        ..QpConfig::default()
+    };
+    let (qa, _qb) = pair(&pd, a, b);
+    let n = 4 << 20;
+    let dst = pd
+        .register(vec![0u8; n], Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let base = pd.live_mrs();
+    let src = pd.register(pattern(n, 77), Access::LOCAL_WRITE).unwrap();
+    assert_eq!(pd.live_mrs(), base + 1);
+    let stuck = qa
+        .post_write(&src, 0, n as u64, &dst.remote(), 0, Some(1))
+        .unwrap();
+    // A clone of the handle cannot take the buffer back while the WRITE holds it.
+    let src = match src.into_inner() {
+        Ok(b) => panic!("{}-byte buffer given back while a WRITE holds it", b.len()),
+        Err(m) => m,
+    };
+    drop(src);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(pd.live_mrs(), base + 1, "dropped but still registered: a WR holds it");
+    // Registering more memory meanwhile cannot reuse it (it is still registered, and the
+    // allocator cannot hand out its buffer, which is not freed).
+    let other = pd.register(pattern(n, 1), Access::LOCAL_WRITE).unwrap();
+    assert_eq!(pd.live_mrs(), base + 2);
+    drop(other);
+    qa.set_error().unwrap();
+    let wc = timeout(stuck).await.unwrap();
+    assert_eq!(wc.status, WcStatus::WrFlushError);
+    assert_eq!(pd.live_mrs(), base, "deregistered once the WRITE completed (flushed)");
+
+    // The normal case on a fresh pair: the WRITE completes and the bytes land intact.
+    let (qa, _qb) = pair(&pd, QpConfig::default(), QpConfig::default());
+    let base = pd.live_mrs();
+    let src = pd.register(pattern(n, 76), Access::LOCAL_WRITE).unwrap();
+    let op = qa.post_write(&src, 0, n as u64, &dst.remote(), 0, None).unwrap();
+    drop(src);
+    let wc = timeout(op).await.unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(pd.live_mrs(), base);
+    assert_eq!(dst.read(0, n).unwrap(), pattern(n, 76));
+
+    // A dropped OpFuture does not cancel the WRITE nor free its MR early.
+    let src = pd.register(pattern(n, 78), Access::LOCAL_WRITE).unwrap();
+    drop(qa.post_write(&src, 0, n as u64, &dst.remote(), 0, None).unwrap());
+    drop(src);
+    // Fence: a READ after the WRITE on the same QP completes after it.
+    let probe = pd.register(vec![0u8; 8], Access::LOCAL_WRITE).unwrap();
+    let dst_r = pd
+        .register(vec![0u8; 8], Access::LOCAL_WRITE | Access::REMOTE_READ)
+        .unwrap();
+    timeout(qa.read(&probe, 0, 8, &dst_r.remote(), 0)).await.unwrap();
+    assert_eq!(dst.read(0, n).unwrap(), pattern(n, 78));
+    // Registered: dst, probe, dst_r (the dropped source is gone).
+    assert_eq!(pd.live_mrs(), base + 2);
+    // An unused MR gives its buffer back.
+    let b = probe.into_inner().expect("no WR uses it");
+    assert_eq!(b.len(), 8);
+    assert_eq!(pd.live_mrs(), base + 1);
+}
+
+#[tokio::test]
+async fn dropping_a_qp_releases_its_resources() {
+    let Some((_ctx, pd)) = device() else { return };
+    let base = pd.live_mrs();
+    let (qa, qb) = pair(&pd, QpConfig::default(), QpConfig::default());
+    assert!(pd.live_mrs() > base, "slot pools registered");
+    let remote = pd
+        .register(vec![0u8; 1 << 20], Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let src = pd.register(pattern(1 << 20, 4), Access::LOCAL_WRITE).unwrap();
+    let op = qa.post_write(&src, 0, 1 << 20, &remote.remote(), 0, None).unwrap();
+    drop(src);
+    drop(qa);
+    drop(qb);
+    // The WRITE either completed or was flushed; either way the future resolves.
+    let r = timeout(op).await;
+    println!("write on a dropped QP: {r:?}");
+    for _ in 0..100 {
+        if pd.live_mrs() == base + 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(pd.live_mrs(), base + 1, "only `remote` is left registered");
+}
