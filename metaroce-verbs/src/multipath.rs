@@ -70,7 +70,7 @@ use metaroce_tokio::RemoteRegion;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
@@ -123,6 +123,11 @@ pub struct MpConfig {
     /// `max_rdma_wr` must be at least `multipath.qp_depth`. Default: [`QpConfig::default`]
     /// with no receive slots (WRITE and READ need none) and one send slot.
     pub qp: QpConfig,
+    /// How long a failed QP's replacement may take (from the failure to the peer's
+    /// `REPLACED`, or on the server from `FAILED` to `REPLACE`) before the connection is
+    /// given up: operations that had a chunk on the failed QP cannot complete until the
+    /// peer confirms its end is torn down. Default 10 s.
+    pub replace_timeout: Duration,
 }
 
 impl Default for MpConfig {
@@ -135,6 +140,7 @@ impl Default for MpConfig {
                 slot_size: 64,
                 ..QpConfig::default()
             },
+            replace_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -173,7 +179,7 @@ enum Ctrl {
 /// when the last clone is dropped and the operations outstanding have completed.
 #[derive(Clone)]
 pub struct MpConnection {
-    cmd: mpsc::UnboundedSender<Cmd>,
+    cmd: mpsc::Sender<Cmd>,
     shared: Arc<Mutex<SharedView>>,
 }
 
@@ -265,8 +271,10 @@ impl MpConnection {
             qps.push(Some((id, qp)));
         }
         let (rd, wr) = tcp.into_split();
-        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-        let (ctrl_tx, ctrl_rx) = mpsc::unbounded_channel();
+        // Bounded: the application waits (backpressure) instead of queueing without limit,
+        // and a peer flooding the control channel is read no faster than it is handled.
+        let (cmd_tx, cmd_rx) = mpsc::channel(64);
+        let (ctrl_tx, ctrl_rx) = mpsc::channel(16);
         let (comp_tx, comp_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_ctrl(rd, ctrl_tx));
         let shared = Arc::new(Mutex::new(SharedView::default()));
@@ -277,6 +285,7 @@ impl MpConnection {
             sched,
             qps,
             pending: HashMap::new(),
+            deadlines: HashMap::new(),
             ops: HashMap::new(),
             ctrl: wr,
             comp_tx,
@@ -324,6 +333,7 @@ impl MpConnection {
                 roff,
                 done,
             })
+            .await
             .map_err(|_| Error::Closed)?;
         let status = rx.await.map_err(|_| Error::Closed)?;
         if status == WcStatus::Success {
@@ -379,7 +389,7 @@ fn new_qp(pd: &Pd, cfg: &MpConfig, slot: u16, generation: u32, k: usize) -> Resu
     RcQp::create(pd, qc)
 }
 
-async fn read_ctrl(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Ctrl>) {
+async fn read_ctrl(mut rd: OwnedReadHalf, tx: mpsc::Sender<Ctrl>) {
     loop {
         let mut t = [0u8; 7];
         if rd.read_exact(&mut t).await.is_err() {
@@ -405,7 +415,7 @@ async fn read_ctrl(mut rd: OwnedReadHalf, tx: mpsc::UnboundedSender<Ctrl>) {
                 return;
             }
         };
-        if tx.send(msg).is_err() {
+        if tx.send(msg).await.is_err() {
             return;
         }
     }
@@ -428,6 +438,9 @@ struct Driver {
     qps: Vec<Option<(QpId, RcQp)>>,
     /// Client: replacement QPs waiting for the server's REPLACED, by slot.
     pending: HashMap<u16, (u32, RcQp)>,
+    /// Slots whose failed pair the peer has not yet confirmed torn down, with the time by
+    /// which it must (`replace_timeout`).
+    deadlines: HashMap<u16, Instant>,
     ops: HashMap<OpId, OpCtx>,
     ctrl: OwnedWriteHalf,
     comp_tx: mpsc::UnboundedSender<(u64, WcStatus)>,
@@ -439,8 +452,8 @@ struct Driver {
 impl Driver {
     async fn run(
         mut self,
-        mut cmd_rx: mpsc::UnboundedReceiver<Cmd>,
-        mut ctrl_rx: mpsc::UnboundedReceiver<Ctrl>,
+        mut cmd_rx: mpsc::Receiver<Cmd>,
+        mut ctrl_rx: mpsc::Receiver<Ctrl>,
         mut comp_rx: mpsc::UnboundedReceiver<(u64, WcStatus)>,
     ) {
         let mut cmds_open = true;
@@ -450,8 +463,14 @@ impl Driver {
             if !cmds_open && self.ops.is_empty() {
                 break;
             }
+            let room = self.sched.outstanding_ops() < self.cfg.multipath.max_ops;
+            let deadline = self.deadlines.values().min().copied();
             tokio::select! {
-                c = cmd_rx.recv(), if cmds_open => match c {
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now).into()), if deadline.is_some() && !self.closed => {
+                    tracing::warn!("a failed multipath QP was not replaced in time; closing the connection");
+                    self.close();
+                }
+                c = cmd_rx.recv(), if cmds_open && room => match c {
                     Some(Cmd::Op { req, local, loff, remote, roff, done }) => {
                         match self.sched.submit(req) {
                             Ok(id) => { self.ops.insert(id, OpCtx { local, loff, remote, roff, done }); }
@@ -476,6 +495,7 @@ impl Driver {
 
     fn close(&mut self) {
         self.closed = true;
+        self.deadlines.clear();
         for (_, qp) in self.qps.iter().flatten() {
             let _ = qp.set_error();
         }
@@ -594,6 +614,9 @@ impl Driver {
         if let Some(Some((_, qp))) = self.qps.get(usize::from(failed.slot)) {
             let _ = qp.set_error(); // our end of the pair: nothing more from it
         }
+        self.deadlines
+            .entry(failed.slot)
+            .or_insert_with(|| Instant::now() + self.cfg.replace_timeout);
         if !self.client {
             let mut m = vec![3u8];
             m.extend_from_slice(&failed.slot.to_be_bytes());
@@ -640,6 +663,7 @@ impl Driver {
                 self.sched.fail_qp(old, WcStatus::WrFlushError);
                 // The client moved its end to ERR before sending REPLACE.
                 self.sched.peer_torn_down(old);
+                self.deadlines.remove(&slot);
                 let Ok(remote) = exchange::parse_record(&record) else { return };
                 let qp = match new_qp(&self.pd, &self.cfg, slot, generation, self.cfg.multipath.qps)
                     .and_then(|qp| qp.connect(&remote).map(|()| qp))
@@ -668,6 +692,7 @@ impl Driver {
                 let Some(old) = self.current(slot) else { return };
                 // The server moved its end of the old pair to ERR before answering.
                 self.sched.peer_torn_down(old);
+                self.deadlines.remove(&slot);
                 let ok = exchange::parse_record(&record)
                     .map_err(Error::Exchange)
                     .and_then(|remote| qp.connect(&remote));
