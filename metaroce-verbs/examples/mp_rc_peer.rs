@@ -41,8 +41,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
     );
     let listener = tokio::net::TcpListener::bind(listen).await?;
-    std::fs::write(&args[4], format!("{:x} {:x} {:x}\n", mr.addr, mr.rkey, mr.len))?;
-    eprintln!("mp_rc_peer: region {:#x} rkey {:#x} len {}; listening on {listen}", mr.addr, mr.rkey, mr.len);
+    std::fs::write(
+        &args[4],
+        format!("{:x} {:x} {:x}\n", mr.addr, mr.rkey, mr.len),
+    )?;
+    eprintln!(
+        "mp_rc_peer: region {:#x} rkey {:#x} len {}; listening on {listen}",
+        mr.addr, mr.rkey, mr.len
+    );
     let (mut tcp, from) = listener.accept().await?;
     let mut hello = [0u8; 7];
     tcp.read_exact(&mut hello).await?;
@@ -60,7 +66,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut rec = [0u8; exchange::RECORD_LEN];
         tcp.read_exact(&mut rec).await?;
         let peer = exchange::parse_record(&rec)?;
-        let ip = peer.gid.to_ipv4_mapped().map_or(IpAddr::V6(peer.gid), IpAddr::V4);
+        let ip = peer
+            .gid
+            .to_ipv4_mapped()
+            .map_or(IpAddr::V6(peer.gid), IpAddr::V4);
         let mut attrs = ConnectAttrs::new(ip, peer.qpn, peer.psn);
         attrs.max_dest_rd_atomic = 16;
         attrs.max_rd_atomic = 16;
@@ -73,7 +82,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             gid: local.to_ipv6_mapped(),
         };
         tcp.write_all(&exchange::to_record(&mine)).await?;
-        eprintln!("mp_rc_peer: slot {slot}: qpn {:#x} <-> {:#x} at {ip}", qp.qpn(), peer.qpn);
+        eprintln!(
+            "mp_rc_peer: slot {slot}: qpn {:#x} <-> {:#x} at {ip}",
+            qp.qpn(),
+            peer.qpn
+        );
         qps.push(qp);
     }
     eprintln!("mp_rc_peer: {k} QPs up with {from}; serving until the control channel closes");

@@ -30,7 +30,9 @@ pub struct Context(pub(crate) Arc<CtxInner>);
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context").field("name", &self.0.name).finish()
+        f.debug_struct("Context")
+            .field("name", &self.0.name)
+            .finish()
     }
 }
 
@@ -171,7 +173,9 @@ impl Context {
         let t = self.gid_table(port)?;
         let v2 = |e: &&GidEntry| e.kind == GidType::RoceV2;
         let found = if ipv4 {
-            t.iter().filter(v2).find(|e| e.gid.to_ipv4_mapped().is_some())
+            t.iter()
+                .filter(v2)
+                .find(|e| e.gid.to_ipv4_mapped().is_some())
         } else {
             let v6: Vec<&GidEntry> = t
                 .iter()
@@ -183,9 +187,11 @@ impl Context {
                 .or(v6.first())
                 .copied()
         };
-        found
-            .copied()
-            .ok_or(Error::NoGid(if ipv4 { "RoCEv2 IPv4" } else { "RoCEv2 IPv6" }))
+        found.copied().ok_or(Error::NoGid(if ipv4 {
+            "RoCEv2 IPv4"
+        } else {
+            "RoCEv2 IPv6"
+        }))
     }
 
     /// Allocate a protection domain.

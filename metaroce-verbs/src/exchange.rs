@@ -40,8 +40,7 @@ pub fn parse_record(rec: &[u8]) -> io::Result<QpEndpoint> {
     let end = rec.iter().position(|&b| b == 0).unwrap_or(rec.len());
     let s = std::str::from_utf8(&rec[..end]).map_err(|_| bad("record not ASCII"))?;
     let f: Vec<&str> = s.split(':').collect();
-    if f.len() < 4 || f[0].len() != 4 || f[1].len() != 6 || f[2].len() != 6 || f[3].len() != 32
-    {
+    if f.len() < 4 || f[0].len() != 4 || f[1].len() != 6 || f[2].len() != 6 || f[3].len() != 32 {
         return Err(bad(format!("malformed record {s:?}")));
     }
     let hex = |x: &str| u32::from_str_radix(x, 16).map_err(|_| bad(format!("bad hex {x:?}")));
@@ -62,7 +61,10 @@ pub fn parse_record(rec: &[u8]) -> io::Result<QpEndpoint> {
 ///
 /// # Cancel safety
 /// Not cancel safe (drop the TCP stream too).
-pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(tcp: &mut S, qp: &RcQp) -> Result<QpEndpoint> {
+pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(
+    tcp: &mut S,
+    qp: &RcQp,
+) -> Result<QpEndpoint> {
     tcp.write_all(&to_record(&qp.local()))
         .await
         .map_err(Error::Exchange)?;
@@ -80,7 +82,10 @@ pub async fn client<S: AsyncRead + AsyncWrite + Unpin>(tcp: &mut S, qp: &RcQp) -
 ///
 /// # Errors
 /// As [`client`].
-pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(tcp: &mut S, qp: &RcQp) -> Result<QpEndpoint> {
+pub async fn server<S: AsyncRead + AsyncWrite + Unpin>(
+    tcp: &mut S,
+    qp: &RcQp,
+) -> Result<QpEndpoint> {
     let mut rec = [0u8; RECORD_LEN];
     tcp.read_exact(&mut rec).await.map_err(Error::Exchange)?;
     let remote = parse_record(&rec).map_err(Error::Exchange)?;

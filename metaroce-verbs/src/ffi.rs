@@ -276,7 +276,8 @@ struct Lib {
     dereg_mr: unsafe extern "C" fn(*mut c_void) -> c_int,
     create_comp_channel: unsafe extern "C" fn(*mut c_void) -> *mut c_void,
     destroy_comp_channel: unsafe extern "C" fn(*mut c_void) -> c_int,
-    create_cq: unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void,
+    create_cq:
+        unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void,
     destroy_cq: unsafe extern "C" fn(*mut c_void) -> c_int,
     get_cq_event: unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut *mut c_void) -> c_int,
     ack_cq_events: unsafe extern "C" fn(*mut c_void, u32),
@@ -537,9 +538,7 @@ pub fn destroy_comp_channel(ch: Raw) {
 /// `ibv_create_cq` with `cqe` entries on completion channel `ch`.
 pub fn create_cq(ctx: Raw, cqe: i32, ch: Raw) -> std::io::Result<Raw> {
     // SAFETY: ctx and ch are live; cq_context NULL; comp_vector 0.
-    let p = unsafe {
-        (lib_or_panic!().create_cq)(ctx.0, cqe, std::ptr::null_mut(), ch.0, 0)
-    };
+    let p = unsafe { (lib_or_panic!().create_cq)(ctx.0, cqe, std::ptr::null_mut(), ch.0, 0) };
     if p.is_null() {
         Err(errno())
     } else {
@@ -582,9 +581,17 @@ fn cq_ops(cq: Raw) -> &'static ibv_context_ops {
 
 /// `ibv_poll_cq`: fills `out`, returns how many completions were written.
 pub fn poll_cq(cq: Raw, out: &mut [ibv_wc]) -> std::io::Result<usize> {
-    let f = cq_ops(cq).poll_cq.ok_or_else(|| std::io::Error::other("provider has no poll_cq"))?;
+    let f = cq_ops(cq)
+        .poll_cq
+        .ok_or_else(|| std::io::Error::other("provider has no poll_cq"))?;
     // SAFETY: cq is live; out has out.len() writable entries.
-    let n = unsafe { f(cq.0, out.len().min(i32::MAX as usize) as c_int, out.as_mut_ptr()) };
+    let n = unsafe {
+        f(
+            cq.0,
+            out.len().min(i32::MAX as usize) as c_int,
+            out.as_mut_ptr(),
+        )
+    };
     if n < 0 {
         Err(std::io::Error::other(format!("ibv_poll_cq failed ({n})")))
     } else {
@@ -645,7 +652,11 @@ fn qp_ops(qp: Raw) -> &'static ibv_context_ops {
 /// # Safety
 /// The memory the SGE names (and for RDMA READ / atomics, which the device writes) must
 /// stay registered and valid until the work request's completion has been polled.
-pub unsafe fn post_send(qp: Raw, wr: &mut ibv_send_wr, sge: Option<&mut ibv_sge>) -> std::io::Result<()> {
+pub unsafe fn post_send(
+    qp: Raw,
+    wr: &mut ibv_send_wr,
+    sge: Option<&mut ibv_sge>,
+) -> std::io::Result<()> {
     let f = qp_ops(qp)
         .post_send
         .ok_or_else(|| std::io::Error::other("provider has no post_send"))?;

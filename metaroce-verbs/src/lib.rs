@@ -44,7 +44,7 @@ pub use device::{devices, Context, GidEntry, GidType, PortAttr};
 pub use metaroce::{Access, WcOpcode, WcStatus};
 pub use metaroce_tokio::RemoteRegion;
 pub use mr::{Mr, Pd};
-pub use multipath::{MpConfig, MpConnection, MpStats};
+pub use multipath::{Incoming, MpConfig, MpConnection, MpStats};
 pub use qp::{Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, Wc};
 pub use stream::MessageStream;
 
@@ -112,7 +112,10 @@ mod tests {
             Ok(c) => eprintln!("an RDMA device is present here: {}", c.name()),
             Err(e @ (Error::LibraryNotFound(_) | Error::NoDevice(_))) => {
                 let s = e.to_string();
-                assert!(s.contains("libibverbs not found") || s.contains("no RDMA device"), "{s}");
+                assert!(
+                    s.contains("libibverbs not found") || s.contains("no RDMA device"),
+                    "{s}"
+                );
             }
             Err(e) => panic!("unexpected error: {e:?}"),
         }

@@ -54,7 +54,9 @@ impl Pd {
     pub fn register(&self, buf: impl Into<Box<[u8]>>, access: Access) -> Result<Mr> {
         let buf = RegBuf::new(buf.into());
         if buf.len() == 0 {
-            return Err(Error::InvalidArgument("cannot register an empty buffer".into()));
+            return Err(Error::InvalidArgument(
+                "cannot register an empty buffer".into(),
+            ));
         }
         if (access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC))
             && !access.contains(Access::LOCAL_WRITE)

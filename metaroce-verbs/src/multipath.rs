@@ -62,13 +62,15 @@
 //! numbers, [`metaroce::multipath::Reorderer`]), this connection exposes WRITE and READ only.
 
 use crate::{exchange, Error, Mr, Pd, QpConfig, RcQp, Result, WcStatus};
+use bytes::{BufMut, Bytes, BytesMut};
 use metaroce::multipath::{
-    ChunkKind, Event, MultipathConfig, MultipathError, OpId, OpKind, OpRequest, QpId, QpStats,
-    Scheduler,
+    Accepted, ChunkKind, Event, MultipathConfig, MultipathError, OpId, OpKind, OpRequest, QpId,
+    QpStats, Reorderer, Scheduler,
 };
 use metaroce_tokio::RemoteRegion;
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -120,8 +122,9 @@ pub struct MpConfig {
     /// K, chunk size, depths (see [`MultipathConfig`]); `multipath.qps` is K (default 4).
     pub multipath: MultipathConfig,
     /// Template for the K QPs; `flow_label` is overwritten per slot ([`flow_label_for`]).
-    /// `max_rdma_wr` must be at least `multipath.qp_depth`. Default: [`QpConfig::default`]
-    /// with no receive slots (WRITE and READ need none) and one send slot.
+    /// `max_rdma_wr` and `send_slots` must be at least `multipath.qp_depth`; `slot_size` −
+    /// [`FRAME_HEADER`] is the largest message. Default: [`QpConfig::default`] with 32
+    /// receive and 32 send slots of 16 KiB per QP (`recv_slots` 0: WRITE and READ only).
     pub qp: QpConfig,
     /// How long a failed QP's replacement may take (from the failure to the peer's
     /// `REPLACED`, or on the server from `FAILED` to `REPLACE`) before the connection is
@@ -135,9 +138,9 @@ impl Default for MpConfig {
         MpConfig {
             multipath: MultipathConfig::default(),
             qp: QpConfig {
-                recv_slots: 0,
-                send_slots: 1,
-                slot_size: 64,
+                recv_slots: 32,
+                send_slots: 32,
+                slot_size: 16 * 1024,
                 ..QpConfig::default()
             },
             replace_timeout: Duration::from_secs(10),
@@ -156,23 +159,63 @@ pub struct MpStats {
     pub replacements: u64,
     /// Chunks re-issued after a QP failure.
     pub reissued_chunks: u64,
+    /// Stream frames dropped as duplicates (re-issued after a QP failure).
+    pub duplicate_frames: u64,
+    /// Stream frames dropped as malformed or out of window.
+    pub bad_frames: u64,
 }
 
 enum Cmd {
     Op {
         req: OpRequest,
-        local: Mr,
-        loff: u64,
-        remote: RemoteRegion,
-        roff: u64,
+        target: Target,
         done: oneshot::Sender<WcStatus>,
     },
 }
 
+/// What an operation's chunks address.
+enum Target {
+    Rdma {
+        local: Mr,
+        loff: u64,
+        remote: RemoteRegion,
+        roff: u64,
+    },
+    Send(Bytes),
+}
+
+/// A frame received on one of the QPs, for the driver's reorderer.
+type Frame = Bytes;
+
+/// Bytes of a stream frame's header: kind `u8` (0 message, 1 immediate), channel `u32`,
+/// sequence number `u64` (big-endian).
+pub const FRAME_HEADER: usize = 13;
+
+/// What [`MpConnection::recv`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Incoming {
+    /// A message sent with [`MpConnection::send`].
+    Message(Bytes),
+    /// The immediate of a [`MpConnection::write_with_imm`]: every byte of that WRITE is
+    /// placed.
+    Immediate(u32),
+}
+
 enum Ctrl {
-    Replace { slot: u16, generation: u32, record: [u8; exchange::RECORD_LEN] },
-    Replaced { slot: u16, generation: u32, record: [u8; exchange::RECORD_LEN] },
-    Failed { slot: u16, generation: u32 },
+    Replace {
+        slot: u16,
+        generation: u32,
+        record: [u8; exchange::RECORD_LEN],
+    },
+    Replaced {
+        slot: u16,
+        generation: u32,
+        record: [u8; exchange::RECORD_LEN],
+    },
+    Failed {
+        slot: u16,
+        generation: u32,
+    },
 }
 
 /// One connection over K RC QPs. Cheap to clone; the QPs are moved to ERR and destroyed
@@ -181,6 +224,8 @@ enum Ctrl {
 pub struct MpConnection {
     cmd: mpsc::Sender<Cmd>,
     shared: Arc<Mutex<SharedView>>,
+    arrived: Arc<tokio::sync::Notify>,
+    slot_size: u32,
 }
 
 impl std::fmt::Debug for MpConnection {
@@ -195,6 +240,10 @@ impl std::fmt::Debug for MpConnection {
 struct SharedView {
     qps: Vec<Option<RcQp>>,
     stats: MpStats,
+    /// Delivered, in order, per channel, not yet taken by `recv`.
+    inbox: HashMap<u32, VecDeque<Incoming>>,
+    queued: usize,
+    closed: bool,
 }
 
 impl MpConnection {
@@ -216,13 +265,22 @@ impl MpConnection {
         Self::setup(pd, cfg, tcp, false).await
     }
 
-    async fn setup(pd: &Pd, mut cfg: MpConfig, mut tcp: TcpStream, client: bool) -> Result<MpConnection> {
+    async fn setup(
+        pd: &Pd,
+        mut cfg: MpConfig,
+        mut tcp: TcpStream,
+        client: bool,
+    ) -> Result<MpConnection> {
         cfg.multipath
             .validate()
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        if cfg.qp.max_rdma_wr < cfg.multipath.qp_depth {
+        if cfg.qp.max_rdma_wr < cfg.multipath.qp_depth
+            || cfg.qp.send_slots < cfg.multipath.qp_depth
+            || (cfg.qp.slot_size as usize) < FRAME_HEADER + 4
+        {
             return Err(Error::InvalidArgument(
-                "qp.max_rdma_wr must be at least multipath.qp_depth".into(),
+                "qp.max_rdma_wr and qp.send_slots must be at least multipath.qp_depth, qp.slot_size at least 17"
+                    .into(),
             ));
         }
         let io = |e| Error::Exchange(e);
@@ -248,8 +306,8 @@ impl MpConnection {
             tcp.write_all(&got).await.map_err(io)?;
         }
         let k = cfg.multipath.qps;
-        let mut sched =
-            Scheduler::new(cfg.multipath.clone()).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut sched = Scheduler::new(cfg.multipath.clone())
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let mut qps = Vec::with_capacity(k);
         for slot in 0..k as u16 {
             let qp = new_qp(pd, &cfg, slot, 1, k)?;
@@ -266,7 +324,9 @@ impl MpConnection {
             if !client {
                 tcp.write_all(&mine).await.map_err(io)?;
             }
-            let id = sched.add_qp_at(slot).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            let id = sched
+                .add_qp_at(slot)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
             debug_assert_eq!(id.generation, 1);
             qps.push(Some((id, qp)));
         }
@@ -278,6 +338,8 @@ impl MpConnection {
         let (comp_tx, comp_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_ctrl(rd, ctrl_tx));
         let shared = Arc::new(Mutex::new(SharedView::default()));
+        let (frame_tx, frame_rx) = mpsc::channel(64);
+        let reorder = Reorderer::new(cfg.multipath.channel_window, cfg.multipath.max_channels);
         let d = Driver {
             pd: pd.clone(),
             cfg,
@@ -292,10 +354,25 @@ impl MpConnection {
             shared: shared.clone(),
             replacements: 0,
             closed: false,
+            frame_tx,
+            reorder,
+            arrived: Arc::new(tokio::sync::Notify::new()),
+            bad_frames: 0,
         };
+        let initial: Vec<RcQp> = d.qps.iter().flatten().map(|(_, qp)| qp.clone()).collect();
+        for qp in initial {
+            d.spawn_recv(qp);
+        }
         d.publish();
-        tokio::spawn(d.run(cmd_rx, ctrl_rx, comp_rx));
-        Ok(MpConnection { cmd: cmd_tx, shared })
+        let slot_size = d.cfg.qp.slot_size;
+        let arrived = d.arrived.clone();
+        tokio::spawn(d.run(cmd_rx, ctrl_rx, comp_rx, frame_rx));
+        Ok(MpConnection {
+            cmd: cmd_tx,
+            shared,
+            arrived,
+            slot_size,
+        })
     }
 
     async fn op(
@@ -319,6 +396,16 @@ impl MpConnection {
                 remote.len
             )));
         }
+        let target = Target::Rdma {
+            local: local.clone(),
+            loff,
+            remote: *remote,
+            roff,
+        };
+        self.submit(kind, len, target).await
+    }
+
+    async fn submit(&self, kind: OpKind, len: u64, target: Target) -> Result<()> {
         let (done, rx) = oneshot::channel();
         self.cmd
             .send(Cmd::Op {
@@ -327,10 +414,7 @@ impl MpConnection {
                     len,
                     fence: false,
                 },
-                local: local.clone(),
-                loff,
-                remote: *remote,
-                roff,
+                target,
                 done,
             })
             .await
@@ -358,14 +442,117 @@ impl MpConnection {
     /// # Cancel safety
     /// Dropping the future does not cancel the WRITE; `local` stays registered until it
     /// has completed.
-    pub async fn write(&self, local: &Mr, loff: u64, len: u64, remote: &RemoteRegion, roff: u64) -> Result<()> {
+    pub async fn write(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<()> {
         self.op(OpKind::Write, local, loff, len, remote, roff).await
     }
 
     /// RDMA READ of `remote[roff..roff+len]` into `local` at `loff`, in chunks over the K
     /// QPs. Errors and cancel safety as [`MpConnection::write`].
-    pub async fn read(&self, local: &Mr, loff: u64, len: u64, remote: &RemoteRegion, roff: u64) -> Result<()> {
+    pub async fn read(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<()> {
         self.op(OpKind::Read, local, loff, len, remote, roff).await
+    }
+
+    /// RDMA WRITE as [`MpConnection::write`], then the immediate `imm` on `channel`: the
+    /// peer's [`MpConnection::recv`] on `channel` returns [`Incoming::Immediate`] once every
+    /// byte of the WRITE is placed, exactly once, in order with the channel's messages.
+    /// Over K QPs the immediate travels as a stream frame posted after all data chunks
+    /// completed (a verbs WRITE_WITH_IMM cannot carry the sequence number that makes it
+    /// exactly-once when re-issued on another QP).
+    ///
+    /// # Errors
+    /// As [`MpConnection::write`]; `WrFlushError` if an earlier notification of `channel`
+    /// failed (the channel is then in the error state).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn write_with_imm(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+        channel: u32,
+        imm: u32,
+    ) -> Result<()> {
+        self.op(
+            OpKind::WriteWithImm { channel, imm },
+            local,
+            loff,
+            len,
+            remote,
+            roff,
+        )
+        .await
+    }
+
+    /// Sends `data` as one message on stream `channel`. Messages of one channel are
+    /// delivered in the order of their `send` calls (submission order), exactly once,
+    /// whichever QPs carry them and whatever QP fails; resolves when the peer's device has
+    /// received it and every earlier message of the channel.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `data` is longer than `qp.slot_size` −
+    /// [`FRAME_HEADER`]; [`Error::Completion`] (`WrFlushError` once the channel is in the
+    /// error state); [`Error::Closed`].
+    ///
+    /// # Cancel safety
+    /// Dropping the future does not cancel the SEND; its place in the channel's order is
+    /// taken when the call is first polled.
+    pub async fn send(&self, channel: u32, data: &[u8]) -> Result<()> {
+        let max = self.slot_size as usize - FRAME_HEADER.min(self.slot_size as usize);
+        if data.len() > max {
+            return Err(Error::InvalidArgument(format!(
+                "message of {} bytes exceeds {max} (slot_size - {FRAME_HEADER})",
+                data.len()
+            )));
+        }
+        let kind = OpKind::Send { channel };
+        self.submit(
+            kind,
+            data.len() as u64,
+            Target::Send(Bytes::copy_from_slice(data)),
+        )
+        .await
+    }
+
+    /// The next message or immediate on `channel`, in order.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] once the connection is closed and nothing is left on `channel`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: an item is taken only when this returns it.
+    pub async fn recv(&self, channel: u32) -> Result<Incoming> {
+        loop {
+            let notified = self.arrived.notified();
+            {
+                let mut v = self.shared.lock();
+                if let Some(item) = v.inbox.get_mut(&channel).and_then(|q| q.pop_front()) {
+                    v.queued -= 1;
+                    drop(v);
+                    // The driver may be waiting for room in the inbox.
+                    self.arrived.notify_waiters();
+                    return Ok(item);
+                }
+                if v.closed {
+                    return Err(Error::Closed);
+                }
+            }
+            notified.await;
+        }
     }
 
     /// The QP now in `slot` (for diagnostics and fault injection: tests move one to ERR).
@@ -404,9 +591,17 @@ async fn read_ctrl(mut rd: OwnedReadHalf, tx: mpsc::Sender<Ctrl>) {
                     return;
                 }
                 if t[0] == 1 {
-                    Ctrl::Replace { slot, generation, record }
+                    Ctrl::Replace {
+                        slot,
+                        generation,
+                        record,
+                    }
                 } else {
-                    Ctrl::Replaced { slot, generation, record }
+                    Ctrl::Replaced {
+                        slot,
+                        generation,
+                        record,
+                    }
                 }
             }
             3 => Ctrl::Failed { slot, generation },
@@ -422,10 +617,7 @@ async fn read_ctrl(mut rd: OwnedReadHalf, tx: mpsc::Sender<Ctrl>) {
 }
 
 struct OpCtx {
-    local: Mr,
-    loff: u64,
-    remote: RemoteRegion,
-    roff: u64,
+    target: Target,
     done: oneshot::Sender<WcStatus>,
 }
 
@@ -447,14 +639,72 @@ struct Driver {
     shared: Arc<Mutex<SharedView>>,
     replacements: u64,
     closed: bool,
+    frame_tx: mpsc::Sender<Frame>,
+    reorder: Reorderer<Incoming>,
+    arrived: Arc<tokio::sync::Notify>,
+    bad_frames: u64,
 }
 
+/// Items delivered and not yet taken by the application, over all channels, at most; the
+/// QPs' receive tasks then stop taking receives (which stops reposting them, so the peer
+/// meets RNR NAKs: backpressure).
+const INBOX_LIMIT: usize = 1024;
+
 impl Driver {
+    /// Reads every receive of `qp` and hands the frames to the driver, until the QP fails.
+    fn spawn_recv(&self, qp: RcQp) {
+        if qp.config().recv_slots == 0 {
+            return;
+        }
+        let tx = self.frame_tx.clone();
+        tokio::spawn(async move {
+            while let Ok(m) = qp.recv().await {
+                if tx.send(m.data).await.is_err() {
+                    return;
+                }
+            }
+        });
+    }
+
+    fn on_frame(&mut self, f: Frame) {
+        if f.len() < FRAME_HEADER {
+            self.bad_frames += 1;
+            return;
+        }
+        let kind = f[0];
+        let channel = u32::from_be_bytes([f[1], f[2], f[3], f[4]]);
+        let seq = u64::from_be_bytes(f[5..13].try_into().expect("8 bytes"));
+        let item = match (kind, f.len()) {
+            (0, _) => Incoming::Message(f.slice(FRAME_HEADER..)),
+            (1, 17) => Incoming::Immediate(u32::from_be_bytes([f[13], f[14], f[15], f[16]])),
+            _ => {
+                self.bad_frames += 1;
+                return;
+            }
+        };
+        if self.reorder.accept(channel, seq, item) == Accepted::Refused {
+            self.bad_frames += 1;
+        }
+        let mut delivered = false;
+        {
+            let mut v = self.shared.lock();
+            while let Some((c, _, item)) = self.reorder.poll() {
+                v.inbox.entry(c).or_default().push_back(item);
+                v.queued += 1;
+                delivered = true;
+            }
+        }
+        if delivered {
+            self.arrived.notify_waiters();
+        }
+    }
+
     async fn run(
         mut self,
         mut cmd_rx: mpsc::Receiver<Cmd>,
         mut ctrl_rx: mpsc::Receiver<Ctrl>,
         mut comp_rx: mpsc::UnboundedReceiver<(u64, WcStatus)>,
+        mut frame_rx: mpsc::Receiver<Frame>,
     ) {
         let mut cmds_open = true;
         loop {
@@ -464,6 +714,8 @@ impl Driver {
                 break;
             }
             let room = self.sched.outstanding_ops() < self.cfg.multipath.max_ops;
+            let inbox_room = self.shared.lock().queued < INBOX_LIMIT;
+            let taken = self.arrived.notified();
             let deadline = self.deadlines.values().min().copied();
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline.unwrap_or_else(Instant::now).into()), if deadline.is_some() && !self.closed => {
@@ -471,9 +723,9 @@ impl Driver {
                     self.close();
                 }
                 c = cmd_rx.recv(), if cmds_open && room => match c {
-                    Some(Cmd::Op { req, local, loff, remote, roff, done }) => {
+                    Some(Cmd::Op { req, target, done }) => {
                         match self.sched.submit(req) {
-                            Ok(id) => { self.ops.insert(id, OpCtx { local, loff, remote, roff, done }); }
+                            Ok(id) => { self.ops.insert(id, OpCtx { target, done }); }
                             Err(MultipathError::TooManyOps) | Err(MultipathError::Closed) | Err(_) => {
                                 let _ = done.send(WcStatus::WrFlushError);
                             }
@@ -484,6 +736,8 @@ impl Driver {
                 Some((wr, status)) = comp_rx.recv() => {
                     self.sched.on_completion(wr, status, Instant::now());
                 }
+                Some(f) = frame_rx.recv(), if inbox_room => self.on_frame(f),
+                _ = taken, if !inbox_room => {}
                 m = ctrl_rx.recv(), if !self.closed => match m {
                     Some(m) => self.on_ctrl(m).await,
                     None => self.close(),
@@ -491,6 +745,8 @@ impl Driver {
             }
         }
         // Last handle gone and nothing outstanding: dropping the QPs moves them to ERR.
+        self.shared.lock().closed = true;
+        self.arrived.notify_waiters();
     }
 
     fn close(&mut self) {
@@ -503,11 +759,17 @@ impl Driver {
             let _ = qp.set_error();
         }
         self.sched.fail_all(WcStatus::WrFlushError);
+        self.shared.lock().closed = true;
+        self.arrived.notify_waiters();
     }
 
     fn publish(&self) {
         let mut v = self.shared.lock();
-        v.qps = self.qps.iter().map(|q| q.as_ref().map(|(_, qp)| qp.clone())).collect();
+        v.qps = self
+            .qps
+            .iter()
+            .map(|q| q.as_ref().map(|(_, qp)| qp.clone()))
+            .collect();
         let k = self.cfg.multipath.qps;
         v.stats.slots = (0..k).filter_map(|s| self.sched.qp_stats(s)).collect();
         v.stats.ports = self
@@ -522,6 +784,8 @@ impl Driver {
             .collect();
         v.stats.replacements = self.replacements;
         v.stats.reissued_chunks = self.sched.stats().reissued_chunks;
+        v.stats.duplicate_frames = self.reorder.duplicates();
+        v.stats.bad_frames = self.bad_frames;
     }
 
     async fn pump(&mut self) {
@@ -540,19 +804,58 @@ impl Driver {
                     continue;
                 };
                 let len = u64::from(p.len);
-                let posted = match p.kind {
-                    ChunkKind::Write => qp.post_write(
-                        &ctx.local,
-                        ctx.loff + p.offset,
-                        len,
-                        &ctx.remote,
-                        ctx.roff + p.offset,
-                        None,
-                    ),
-                    ChunkKind::Read => {
-                        qp.post_read(&ctx.local, ctx.loff + p.offset, len, &ctx.remote, ctx.roff + p.offset)
+                let posted = match (&ctx.target, p.kind) {
+                    (
+                        Target::Rdma {
+                            local,
+                            loff,
+                            remote,
+                            roff,
+                        },
+                        ChunkKind::Write,
+                    ) => qp.post_write(local, loff + p.offset, len, remote, roff + p.offset, None),
+                    (
+                        Target::Rdma {
+                            local,
+                            loff,
+                            remote,
+                            roff,
+                        },
+                        ChunkKind::Read,
+                    ) => qp.post_read(local, loff + p.offset, len, remote, roff + p.offset),
+                    (
+                        Target::Rdma { .. },
+                        ChunkKind::Notify {
+                            channel,
+                            seq,
+                            imm: Some(imm),
+                        },
+                    ) => {
+                        let mut f = BytesMut::with_capacity(FRAME_HEADER + 4);
+                        f.put_u8(1);
+                        f.put_u32(channel);
+                        f.put_u64(seq);
+                        f.put_u32(imm);
+                        qp.post_send(&f, None)
                     }
-                    ChunkKind::Notify { .. } => Err(Error::InvalidArgument("no notifications here".into())),
+                    (
+                        Target::Send(data),
+                        ChunkKind::Notify {
+                            channel,
+                            seq,
+                            imm: None,
+                        },
+                    ) => {
+                        let mut f = BytesMut::with_capacity(FRAME_HEADER + data.len());
+                        f.put_u8(0);
+                        f.put_u32(channel);
+                        f.put_u64(seq);
+                        f.put_slice(data);
+                        qp.post_send(&f, None)
+                    }
+                    _ => Err(Error::InvalidArgument(
+                        "chunk does not match its operation".into(),
+                    )),
                 };
                 let tx = self.comp_tx.clone();
                 let wr = p.wr_id;
@@ -594,7 +897,10 @@ impl Driver {
     }
 
     fn current(&self, slot: u16) -> Option<QpId> {
-        self.qps.get(usize::from(slot)).and_then(|q| q.as_ref()).map(|(id, _)| *id)
+        self.qps
+            .get(usize::from(slot))
+            .and_then(|q| q.as_ref())
+            .map(|(id, _)| *id)
     }
 
     async fn send_ctrl(&mut self, buf: &[u8]) {
@@ -628,7 +934,13 @@ impl Driver {
             return;
         }
         let generation = failed.generation + 1;
-        match new_qp(&self.pd, &self.cfg, failed.slot, generation, self.cfg.multipath.qps) {
+        match new_qp(
+            &self.pd,
+            &self.cfg,
+            failed.slot,
+            generation,
+            self.cfg.multipath.qps,
+        ) {
             Ok(qp) => {
                 let mut m = vec![1u8];
                 m.extend_from_slice(&failed.slot.to_be_bytes());
@@ -637,7 +949,9 @@ impl Driver {
                 self.pending.insert(failed.slot, (generation, qp));
                 self.send_ctrl(&m).await;
             }
-            Err(e) => tracing::warn!(error = %e, slot = failed.slot, "cannot create a replacement QP; slot stays down"),
+            Err(e) => {
+                tracing::warn!(error = %e, slot = failed.slot, "cannot create a replacement QP; slot stays down")
+            }
         }
     }
 
@@ -651,10 +965,20 @@ impl Driver {
                     }
                 }
             }
-            Ctrl::Replace { slot, generation, record } if !self.client => {
-                let Some(old) = self.current(slot) else { return };
+            Ctrl::Replace {
+                slot,
+                generation,
+                record,
+            } if !self.client => {
+                let Some(old) = self.current(slot) else {
+                    return;
+                };
                 if old.generation + 1 != generation {
-                    tracing::warn!(slot, generation, "REPLACE for an unexpected generation; ignored");
+                    tracing::warn!(
+                        slot,
+                        generation,
+                        "REPLACE for an unexpected generation; ignored"
+                    );
                     return;
                 }
                 if let Some(Some((_, qp))) = self.qps.get(usize::from(slot)) {
@@ -664,9 +988,17 @@ impl Driver {
                 // The client moved its end to ERR before sending REPLACE.
                 self.sched.peer_torn_down(old);
                 self.deadlines.remove(&slot);
-                let Ok(remote) = exchange::parse_record(&record) else { return };
-                let qp = match new_qp(&self.pd, &self.cfg, slot, generation, self.cfg.multipath.qps)
-                    .and_then(|qp| qp.connect(&remote).map(|()| qp))
+                let Ok(remote) = exchange::parse_record(&record) else {
+                    return;
+                };
+                let qp = match new_qp(
+                    &self.pd,
+                    &self.cfg,
+                    slot,
+                    generation,
+                    self.cfg.multipath.qps,
+                )
+                .and_then(|qp| qp.connect(&remote).map(|()| qp))
                 {
                     Ok(qp) => qp,
                     Err(e) => {
@@ -679,17 +1011,26 @@ impl Driver {
                 out.extend_from_slice(&generation.to_be_bytes());
                 out.extend_from_slice(&exchange::to_record(&qp.local()));
                 if let Ok(id) = self.sched.add_qp_at(slot) {
+                    self.spawn_recv(qp.clone());
                     self.qps[usize::from(slot)] = Some((id, qp));
                     self.replacements += 1;
                 }
                 self.send_ctrl(&out).await;
             }
-            Ctrl::Replaced { slot, generation, record } if self.client => {
-                let Some((g, qp)) = self.pending.remove(&slot) else { return };
+            Ctrl::Replaced {
+                slot,
+                generation,
+                record,
+            } if self.client => {
+                let Some((g, qp)) = self.pending.remove(&slot) else {
+                    return;
+                };
                 if g != generation {
                     return;
                 }
-                let Some(old) = self.current(slot) else { return };
+                let Some(old) = self.current(slot) else {
+                    return;
+                };
                 // The server moved its end of the old pair to ERR before answering.
                 self.sched.peer_torn_down(old);
                 self.deadlines.remove(&slot);
@@ -701,6 +1042,7 @@ impl Driver {
                     return;
                 }
                 if let Ok(id) = self.sched.add_qp_at(slot) {
+                    self.spawn_recv(qp.clone());
                     self.qps[usize::from(slot)] = Some((id, qp));
                     self.replacements += 1;
                 }
@@ -732,7 +1074,10 @@ mod tests {
         let mut f = p;
         f ^= f >> 20;
         f ^= f >> 40;
-        assert_eq!(rdma_calc_flow_label(0xff_ffff, 0xff_ffff), (f & 0xf_ffff) as u32);
+        assert_eq!(
+            rdma_calc_flow_label(0xff_ffff, 0xff_ffff),
+            (f & 0xf_ffff) as u32
+        );
         assert_eq!(rocev2_udp_sport(7, 1, 2), 0xC007, "explicit label wins");
     }
 
@@ -746,7 +1091,10 @@ mod tests {
                 .collect();
             let set: std::collections::HashSet<_> = gen1.iter().collect();
             assert_eq!(set.len(), k, "K = {k}: {gen1:?}");
-            assert!(gen1.iter().all(|p| *p > ROCEV2_SPORT_MIN), "label 0 never used");
+            assert!(
+                gen1.iter().all(|p| *p > ROCEV2_SPORT_MIN),
+                "label 0 never used"
+            );
             let repl = rdma_flow_label_to_udp_sport(flow_label_for(0, 2, k));
             assert!(!gen1.contains(&repl));
         }

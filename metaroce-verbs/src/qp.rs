@@ -461,7 +461,9 @@ pub struct OpFuture {
 impl Future for OpFuture {
     type Output = Result<Wc>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
-        Pin::new(&mut self.rx).poll(cx).map(|r| r.map_err(|_| Error::Closed))
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.map_err(|_| Error::Closed))
     }
 }
 
@@ -793,7 +795,12 @@ impl RcQp {
         }
     }
 
-    fn post_send_with(&self, permit: OwnedSemaphorePermit, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
+    fn post_send_with(
+        &self,
+        permit: OwnedSemaphorePermit,
+        data: &[u8],
+        imm: Option<u32>,
+    ) -> Result<OpFuture> {
         let s = self.s();
         if data.len() > s.cfg.slot_size as usize {
             return Err(Error::InvalidArgument(format!(
@@ -892,7 +899,8 @@ impl RcQp {
             let n = (wc.byte_len as usize).min(s.cfg.slot_size as usize);
             let mut v = vec![0u8; n];
             let pool = s.recv_pool.as_ref().expect("checked above");
-            pool.buf().read(slot as usize * s.cfg.slot_size as usize, &mut v);
+            pool.buf()
+                .read(slot as usize * s.cfg.slot_size as usize, &mut v);
             Message {
                 data: v.into(),
                 imm: wc.imm,

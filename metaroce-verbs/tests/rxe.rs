@@ -142,11 +142,15 @@ async fn write_read_and_write_with_imm() {
         )
         .unwrap();
     let back = pd.register(vec![0u8; n], Access::LOCAL_WRITE).unwrap();
-    let wc = timeout(qa.write(&src, 0, n as u64, &dst.remote(), 0)).await.unwrap();
+    let wc = timeout(qa.write(&src, 0, n as u64, &dst.remote(), 0))
+        .await
+        .unwrap();
     assert_eq!(wc.status, WcStatus::Success);
     assert_eq!(dst.read(0, n).unwrap(), pattern(n, 1));
     // READ it back at an offset.
-    timeout(qa.read(&back, 16, (n - 16) as u64, &dst.remote(), 16)).await.unwrap();
+    timeout(qa.read(&back, 16, (n - 16) as u64, &dst.remote(), 16))
+        .await
+        .unwrap();
     assert_eq!(back.read(16, n - 16).unwrap(), pattern(n, 1)[16..]);
     assert_eq!(back.read(0, 16).unwrap(), vec![0u8; 16]);
     // WRITE_WITH_IMM: the bytes land and the peer's receive reports the immediate.
@@ -212,7 +216,11 @@ async fn remote_access_error_then_flush_on_qp_error() {
         .unwrap();
     let st = status_of(timeout(qa.write(&src, 0, 4096, &ro.remote(), 0)).await);
     assert_eq!(st, WcStatus::RemoteAccessError);
-    assert_eq!(ro.read(0, 4096).unwrap(), vec![0u8; 4096], "nothing written");
+    assert_eq!(
+        ro.read(0, 4096).unwrap(),
+        vec![0u8; 4096],
+        "nothing written"
+    );
     // The QP is now in the error state: the next request is flushed.
     let st = status_of(timeout(qa.read(&src, 0, 64, &ro.remote(), 0)).await);
     assert_eq!(st, WcStatus::WrFlushError);
@@ -293,7 +301,11 @@ async fn mr_dropped_with_write_in_flight_stays_registered_until_completion() {
     };
     drop(src);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(pd.live_mrs(), base + 1, "dropped but still registered: a WR holds it");
+    assert_eq!(
+        pd.live_mrs(),
+        base + 1,
+        "dropped but still registered: a WR holds it"
+    );
     // Registering more memory meanwhile cannot reuse it (it is still registered, and the
     // allocator cannot hand out its buffer, which is not freed).
     let other = pd.register(pattern(n, 1), Access::LOCAL_WRITE).unwrap();
@@ -302,13 +314,19 @@ async fn mr_dropped_with_write_in_flight_stays_registered_until_completion() {
     qa.set_error().unwrap();
     let wc = timeout(stuck).await.unwrap();
     assert_eq!(wc.status, WcStatus::WrFlushError);
-    assert_eq!(pd.live_mrs(), base, "deregistered once the WRITE completed (flushed)");
+    assert_eq!(
+        pd.live_mrs(),
+        base,
+        "deregistered once the WRITE completed (flushed)"
+    );
 
     // The normal case on a fresh pair: the WRITE completes and the bytes land intact.
     let (qa, _qb) = pair(&pd, QpConfig::default(), QpConfig::default());
     let base = pd.live_mrs();
     let src = pd.register(pattern(n, 76), Access::LOCAL_WRITE).unwrap();
-    let op = qa.post_write(&src, 0, n as u64, &dst.remote(), 0, None).unwrap();
+    let op = qa
+        .post_write(&src, 0, n as u64, &dst.remote(), 0, None)
+        .unwrap();
     drop(src);
     let wc = timeout(op).await.unwrap();
     assert_eq!(wc.status, WcStatus::Success);
@@ -317,14 +335,19 @@ async fn mr_dropped_with_write_in_flight_stays_registered_until_completion() {
 
     // A dropped OpFuture does not cancel the WRITE nor free its MR early.
     let src = pd.register(pattern(n, 78), Access::LOCAL_WRITE).unwrap();
-    drop(qa.post_write(&src, 0, n as u64, &dst.remote(), 0, None).unwrap());
+    drop(
+        qa.post_write(&src, 0, n as u64, &dst.remote(), 0, None)
+            .unwrap(),
+    );
     drop(src);
     // Fence: a READ after the WRITE on the same QP completes after it.
     let probe = pd.register(vec![0u8; 8], Access::LOCAL_WRITE).unwrap();
     let dst_r = pd
         .register(vec![0u8; 8], Access::LOCAL_WRITE | Access::REMOTE_READ)
         .unwrap();
-    timeout(qa.read(&probe, 0, 8, &dst_r.remote(), 0)).await.unwrap();
+    timeout(qa.read(&probe, 0, 8, &dst_r.remote(), 0))
+        .await
+        .unwrap();
     assert_eq!(dst.read(0, n).unwrap(), pattern(n, 78));
     // Registered: dst, probe, dst_r (the dropped source is gone).
     assert_eq!(pd.live_mrs(), base + 2);
@@ -341,10 +364,17 @@ async fn dropping_a_qp_releases_its_resources() {
     let (qa, qb) = pair(&pd, QpConfig::default(), QpConfig::default());
     assert!(pd.live_mrs() > base, "slot pools registered");
     let remote = pd
-        .register(vec![0u8; 1 << 20], Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .register(
+            vec![0u8; 1 << 20],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
         .unwrap();
-    let src = pd.register(pattern(1 << 20, 4), Access::LOCAL_WRITE).unwrap();
-    let op = qa.post_write(&src, 0, 1 << 20, &remote.remote(), 0, None).unwrap();
+    let src = pd
+        .register(pattern(1 << 20, 4), Access::LOCAL_WRITE)
+        .unwrap();
+    let op = qa
+        .post_write(&src, 0, 1 << 20, &remote.remote(), 0, None)
+        .unwrap();
     drop(src);
     drop(qa);
     drop(qb);
