@@ -57,9 +57,18 @@
 //! its buffer). If the control channel closes, every QP is moved to ERR and every operation
 //! still outstanding completes with `WrFlushError`.
 //!
-//! # Not (yet) here
-//! SEND streams and WRITE_WITH_IMM over the K QPs: the scheduler supports them (sequence
-//! numbers, [`metaroce::multipath::Reorderer`]), this connection exposes WRITE and READ only.
+//! # Streams over K QPs
+//! [`MpConnection::send`] / [`MpConnection::recv`] carry ordered message streams (channels)
+//! and [`MpConnection::write_with_imm`] an immediate ordered with them. Each is a SEND of a
+//! *stream frame* on whichever QP the scheduler picks: kind `u8` (0 message, 1 immediate),
+//! channel `u32`, sequence number `u64`, then the message bytes or the immediate `u32` (all
+//! big-endian; [`FRAME_HEADER`] = 13 bytes). Every QP keeps `qp.recv_slots` receives posted;
+//! a task per QP hands what arrives to the driver, whose
+//! [`Reorderer`](metaroce::multipath::Reorderer) delivers each channel in sequence order and
+//! drops the duplicates that re-issue after a QP failure can create. Malformed or
+//! out-of-window frames are counted ([`MpStats::bad_frames`]) and dropped. At most
+//! `INBOX_LIMIT` (1024) delivered items wait for [`MpConnection::recv`]; beyond that the
+//! receive tasks stop taking (and so reposting) receives and the peer's SENDs meet RNR NAKs.
 
 use crate::{exchange, Error, Mr, Pd, QpConfig, RcQp, Result, WcStatus};
 use bytes::{BufMut, Bytes, BytesMut};

@@ -353,11 +353,15 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
     );
     let got = within(120, receiver).await.unwrap();
     for (i, m) in got.iter().enumerate() {
-        assert_eq!(
-            *m,
-            metaroce_verbs::Incoming::Message(message(i as u32).into()),
-            "message {i} out of order or corrupt"
-        );
+        if *m != metaroce_verbs::Incoming::Message(message(i as u32).into()) {
+            let at = match m {
+                metaroce_verbs::Incoming::Message(b) if b.len() >= 4 => {
+                    format!("message {}", u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                }
+                other => format!("{:?}", other),
+            };
+            panic!("position {i} holds {at}: out of order or corrupt");
+        }
     }
     use metaroce_verbs::Incoming;
     assert_eq!(
