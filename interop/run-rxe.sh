@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # interop/run-rxe.sh — metaroce's RoCEv2 mode against Linux soft-RoCE (rdma_rxe) in a QEMU
 # guest: ibv_rc_pingpong both ways and RDMA WRITE/READ/FETCH_ADD both ways (rdma_rw.c), and
-# ibv_rc_pingpong both ways against an RC QP hosted on a MetaRoCE endpoint (--unified).
+# ibv_rc_pingpong both ways against an RC QP hosted on a MetaRoCE endpoint (--unified), and
+# metaroce-verbs (examples/verbs_rc_pingpong) against ibv_rc_pingpong and against the host's
+# metaroce RoCEv2 mode (cases 9-12).
 #
 # Runs as root on a fresh Debian bookworm machine: installs its own dependencies
 # (rxe-vm.sh deps, libibverbs-dev, gcc), builds the guest image once, brings up the netns
@@ -64,6 +66,9 @@ TARGET_DIR=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps 2>/dev/nu
     || echo "$ROOT/target")
 PP="$TARGET_DIR/release/metaroce-rc-pingpong"
 gcc -O2 -Wall -o "$SHARE/rdma_rw" "$HERE/rdma_rw.c" -libverbs
+# metaroce-verbs' ibv_rc_pingpong (libibverbs in the guest, dlopened): copied into the share.
+(cd "$ROOT" && cargo build --release -q -p metaroce-verbs --example verbs_rc_pingpong)
+cp "$TARGET_DIR/release/examples/verbs_rc_pingpong" "$SHARE/verbs_rc_pingpong"
 
 # --- cases ---------------------------------------------------------------------------
 # run_case N "direction" "operation" SIZE ITERS server(host|guest) "host cmd" "guest cmd"
@@ -123,6 +128,17 @@ run_case 7 "guest client -> host server (QP on a MetaRoCE endpoint)" "SEND ping-
     "$PP --unified -s 4096 -n $ITERS" "$G -s 4096 -n $ITERS $HOST_IP"
 run_case 8 "host client (QP on a MetaRoCE endpoint) -> guest server" "SEND ping-pong (ibv_rc_pingpong)" 64 "$ITERS" guest \
     "$PP --unified -s 64 -n $ITERS $GUEST_IP" "$G -s 64 -n $ITERS"
+# metaroce-verbs (RcQp on the guest's rxe0 through libibverbs) against the stock tool, both
+# roles in one guest over rxe loopback, and against metaroce's native RoCEv2 RC QP on the host.
+V="/mnt/host/verbs_rc_pingpong -d rxe0 -g 1"
+run_case 9 "guest: metaroce-verbs client -> ibv_rc_pingpong server" "SEND ping-pong (metaroce-verbs vs stock)" 4096 "$ITERS" host \
+    "true" "$G -s 4096 -n $ITERS > /tmp/srv.log 2>&1 & sleep 1; $V -s 4096 -n $ITERS 127.0.0.1 && wait \$! && cat /tmp/srv.log"
+run_case 10 "guest: ibv_rc_pingpong client -> metaroce-verbs server" "SEND ping-pong (stock vs metaroce-verbs)" 64 "$ITERS" host \
+    "true" "$V -s 64 -n $ITERS > /tmp/srv.log 2>&1 & sleep 1; $G -s 64 -n $ITERS 127.0.0.1 && wait \$! && cat /tmp/srv.log"
+run_case 11 "guest metaroce-verbs client -> host server (metaroce RoCEv2 RC)" "SEND ping-pong (metaroce-verbs vs metaroce-rc-pingpong)" 4096 "$ITERS" host \
+    "$PP -s 4096 -n $ITERS" "$V -s 4096 -n $ITERS $HOST_IP"
+run_case 12 "host client (metaroce RoCEv2 RC) -> guest metaroce-verbs server" "SEND ping-pong (metaroce-rc-pingpong vs metaroce-verbs)" 64 "$ITERS" guest \
+    "$PP -s 64 -n $ITERS $GUEST_IP" "$V -s 64 -n $ITERS"
 
 # --- report --------------------------------------------------------------------------
 echo

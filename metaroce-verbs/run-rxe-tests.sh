@@ -6,7 +6,7 @@
 #
 # Needs what interop/run-rxe.sh needs (root, QEMU, the guest image in $WORK); it installs
 # and builds them the same way when missing. Environment: WORK, SHARE, NS, TESTBED as for
-# rxe-vm.sh; TESTS (default "rxe"), the integration test files to run.
+# rxe-vm.sh; TESTS (default "rxe generic_verbs"), the integration test files to run.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -20,7 +20,7 @@ VM="$TESTBED/rxe-vm.sh"
 export WORK=${WORK:-/tmp/metaroce-rxe-vm}
 export SHARE=${SHARE:-$WORK/share}
 export TIMEOUT=${TIMEOUT:-400}
-TESTS=${TESTS:-rxe}
+TESTS=${TESTS:-"rxe generic_verbs"}
 log() { echo "[run-rxe-tests] $*" >&2; }
 
 if ! command -v qemu-system-x86_64 >/dev/null || ! command -v busybox >/dev/null; then

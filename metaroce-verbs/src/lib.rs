@@ -13,6 +13,9 @@
 //!   RDMA WRITE, WRITE_WITH_IMM, READ and the atomics CMP_SWP / FETCH_ADD, each returning a
 //!   [`Wc`] whose status is a [`metaroce::WcStatus`].
 //! * [`exchange`]: connection setup with `ibv_rc_pingpong`'s out-of-band TCP exchange.
+//! * [`VerbsEndpoint`], [`VerbsConnection`], [`VerbsStream`]: the `metaroce::api` traits
+//!   (`RdmaEndpoint`, `RdmaConnection`, `LocalRegion` for [`Mr`], `OpError` for [`Error`]),
+//!   so code written against them runs over UDP (metaroce-tokio) and over a NIC unchanged.
 //!
 //! # Binding
 //! libibverbs is opened with `dlopen` at run time ([`ffi`](crate) module, through the
@@ -31,6 +34,7 @@
 //! `tokio::spawn` does, outside one; [`RcQp::create`] checks and returns
 //! [`Error::InvalidArgument`] instead).
 
+mod api;
 mod buf;
 mod device;
 pub mod exchange;
@@ -40,9 +44,10 @@ pub mod multipath;
 mod qp;
 mod stream;
 
+pub use api::{VerbsConnection, VerbsEndpoint, VerbsStream};
 pub use device::{devices, Context, GidEntry, GidType, PortAttr};
+pub use metaroce::RemoteRegion;
 pub use metaroce::{Access, WcOpcode, WcStatus};
-pub use metaroce_tokio::RemoteRegion;
 pub use mr::{Mr, Pd};
 pub use multipath::{Incoming, MpConfig, MpConnection, MpStats};
 pub use qp::{Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, Wc};

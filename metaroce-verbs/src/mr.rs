@@ -99,6 +99,9 @@ impl MrInner {
     pub(crate) fn len(&self) -> usize {
         self.buf.as_ref().map_or(0, RegBuf::len)
     }
+    pub(crate) fn access(&self) -> Access {
+        self.access
+    }
     pub(crate) fn buf(&self) -> &RegBuf {
         self.buf.as_ref().expect("buffer present until drop")
     }

@@ -70,13 +70,13 @@
 //! `INBOX_LIMIT` (1024) delivered items wait for [`MpConnection::recv`]; beyond that the
 //! receive tasks stop taking (and so reposting) receives and the peer's SENDs meet RNR NAKs.
 
+use crate::RemoteRegion;
 use crate::{exchange, Error, Mr, Pd, QpConfig, RcQp, Result, WcStatus};
 use bytes::{BufMut, Bytes, BytesMut};
 use metaroce::multipath::{
     Accepted, ChunkKind, Event, MultipathConfig, MultipathError, OpId, OpKind, OpRequest, QpId,
     QpStats, Reorderer, Scheduler,
 };
-use metaroce_tokio::RemoteRegion;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::collections::VecDeque;

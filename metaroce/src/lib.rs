@@ -52,9 +52,17 @@
 //!   [`Endpoint`] ([`Endpoint::rc`]) over the same memory regions, or stand-alone
 //!   ([`rocev2::RcEndpoint`]). Received packets are dispatched by BTH opcode: standard RC
 //!   opcodes to the RC QPs, MetaRoCE opcodes to the connections.
+//!
+//! ## One API over every backend
+//!
+//! [`api`] holds the traits ([`api::RdmaEndpoint`], [`api::RdmaConnection`],
+//! [`api::LocalRegion`], [`api::OpError`]) and the [`RemoteRegion`] descriptor that both
+//! `metaroce-tokio` (UDP) and `metaroce-verbs` (RDMA NICs through libibverbs) implement, so
+//! an application written once against them runs over either.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod api;
 pub mod config;
 pub mod conn;
 pub mod crypto;
@@ -69,6 +77,7 @@ pub mod sim;
 pub mod transmit;
 pub mod wire;
 
+pub use api::RemoteRegion;
 pub use config::{
     CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy, TransportConfig,
 };

@@ -132,6 +132,10 @@ impl Mode {
 pub enum BackendKind {
     /// Kernel UDP sockets (GSO/GRO, ECN).
     Udp,
+    /// An RDMA device through libibverbs (metaroce-verbs RC QPs; `-d`, `-x` as perftest).
+    /// Runs write_bw or send_lat with both QPs in this process, like perftest's server and
+    /// client on one host.
+    Verbs,
 }
 
 /// Default TCP port of the RoCEv2-mode control exchange (perftest's).
@@ -352,6 +356,15 @@ pub struct Args {
     /// Datagram backend.
     #[arg(long, value_enum, default_value = "udp")]
     pub backend: BackendKind,
+
+    /// --backend verbs: RDMA device name (perftest's -d / --ib-dev) [default: the first].
+    #[arg(short = 'd', long = "ib-dev", value_name = "DEVICE")]
+    pub ib_dev: Option<String>,
+
+    /// --backend verbs: GID index (perftest's -x / --gid-index) [default: the first RoCEv2
+    /// IPv4 GID].
+    #[arg(short = 'x', long = "gid-index", value_name = "N")]
+    pub gid_index: Option<u8>,
 
     /// Run write_bw in both modes at 0%, 1% and 5% loss (loopback) and print one table.
     #[arg(long = "compare-modes")]
@@ -603,7 +616,9 @@ impl Args {
     /// Checks the arguments and resolves the positionals. Errors are messages for the user
     /// (the caller exits with status 2).
     pub fn validate(self) -> Result<Settings, String> {
-        let BackendKind::Udp = self.backend;
+        if self.backend == BackendKind::Verbs {
+            return Err("--backend verbs is handled before validation".into());
+        }
         let mode = self.mode.unwrap_or(Mode::Metaroce);
 
         // Positionals: [TEST] [SERVER]; a first positional that is no test is the server.

@@ -14,6 +14,7 @@ mod proto;
 mod report;
 mod server;
 mod stats;
+mod verbs;
 mod xport;
 
 use clap::error::ErrorKind;
@@ -43,6 +44,9 @@ const TCP_CONNECT_PATIENCE: Duration = Duration::from_secs(10);
 /// usage errors).
 pub fn main() -> i32 {
     let args = Args::parse();
+    if args.backend == cli::BackendKind::Verbs {
+        return verbs::main(&args);
+    }
     let settings = match args.validate() {
         Ok(s) => s,
         Err(msg) => Args::command()
