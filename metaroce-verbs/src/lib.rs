@@ -40,6 +40,7 @@ mod device;
 pub mod exchange;
 mod ffi;
 mod mr;
+pub mod multipath;
 mod qp;
 mod stream;
 
@@ -48,6 +49,7 @@ pub use device::{devices, Context, GidEntry, GidType, PortAttr};
 pub use metaroce::RemoteRegion;
 pub use metaroce::{Access, WcOpcode, WcStatus};
 pub use mr::{Mr, Pd};
+pub use multipath::{Incoming, MpConfig, MpConnection, MpStats};
 pub use qp::{Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, Wc};
 pub use stream::MessageStream;
 

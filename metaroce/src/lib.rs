@@ -70,6 +70,7 @@ pub mod endpoint;
 pub mod event;
 pub(crate) mod fasthash;
 pub mod mr;
+pub mod multipath;
 pub mod rocev2;
 pub(crate) mod secret;
 #[cfg(feature = "sim")]

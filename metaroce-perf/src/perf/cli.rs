@@ -406,6 +406,12 @@ pub struct Args {
     #[arg(short = 'x', long = "gid-index", value_name = "N")]
     pub gid_index: Option<u8>,
 
+    /// --backend verbs: run write_bw over one multipath connection of K RC QPs
+    /// (metaroce-verbs `MpConnection`: WRITEs cut into 64 KiB chunks sprayed over the K QPs,
+    /// each with its own UDP source port) instead of one RC QP.
+    #[arg(long, value_name = "K")]
+    pub qps: Option<usize>,
+
     /// Run write_bw in both modes at 0%, 1% and 5% loss (loopback) and print one table.
     #[arg(long = "compare-modes")]
     pub compare_modes: bool,

@@ -86,7 +86,113 @@ fn open(args: &Args, cfg: QpConfig) -> Result<(Context, metaroce_verbs::Pd, RcQp
     Ok((ctx, pd, qa, qb))
 }
 
+/// write_bw over one [`MpConnection`] of `k` RC QPs, both ends in this process (the
+/// control channel over loopback TCP): `-n` WRITEs of `-s` bytes, `-t` outstanding.
+async fn mp_write_bw(args: &Args, k: usize) -> Result<(), String> {
+    use metaroce::multipath::MultipathConfig;
+    use metaroce_verbs::{MpConfig, MpConnection};
+    let size = args.size.unwrap_or(65536);
+    let iters = args.iters.unwrap_or(5000);
+    let depth = args.tx_depth.clamp(1, 1024);
+    if size == 0 || size > 1 << 30 {
+        return Err(format!("-s {size}: want 1 .. 2^30"));
+    }
+    let ctx = Context::open(args.ib_dev.as_deref()).map_err(|e| e.to_string())?;
+    let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+    let mut cfg = MpConfig {
+        multipath: MultipathConfig {
+            qps: k,
+            ..MultipathConfig::default()
+        },
+        ..MpConfig::default()
+    };
+    cfg.qp.gid_index = args.gid_index;
+    cfg.qp.recv_slots = 0;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let (server, client) = tokio::join!(
+        async {
+            let (tcp, _) = listener.accept().await.map_err(|e| e.to_string())?;
+            MpConnection::accept(&pd, cfg.clone(), tcp)
+                .await
+                .map_err(|e| e.to_string())
+        },
+        async {
+            let tcp = tokio::net::TcpStream::connect(addr)
+                .await
+                .map_err(|e| e.to_string())?;
+            MpConnection::connect(&pd, cfg.clone(), tcp)
+                .await
+                .map_err(|e| e.to_string())
+        }
+    );
+    let (_server, client) = (server?, client?);
+    println!(
+        "# metaroce-verbs multipath on {}: {k} RC QPs, UDP source ports {:?}",
+        ctx.name(),
+        client.stats().ports.iter().map(|p| p.1).collect::<Vec<_>>()
+    );
+    let src: Vec<u8> = (0..size)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
+        .collect();
+    let src = pd
+        .register(src, Access::LOCAL_WRITE)
+        .map_err(|e| e.to_string())?;
+    let dst = pd
+        .register(
+            vec![0u8; size as usize],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .map_err(|e| e.to_string())?;
+    let remote = dst.remote();
+    let mut inflight = FuturesUnordered::new();
+    let (mut posted, mut done) = (0u64, 0u64);
+    let t0 = Instant::now();
+    while done < iters {
+        while posted < iters && inflight.len() < depth {
+            let (c, src) = (client.clone(), src.clone());
+            inflight.push(async move { c.write(&src, 0, size, &remote, 0).await });
+            posted += 1;
+        }
+        match inflight.next().await {
+            Some(r) => {
+                r.map_err(|e| e.to_string())?;
+                done += 1;
+            }
+            None => break,
+        }
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    if dst.read(0, size as usize).map_err(|e| e.to_string())?
+        != src.read(0, size as usize).map_err(|e| e.to_string())?
+    {
+        return Err("destination differs from the source after the run".into());
+    }
+    let bytes = (size * iters) as f64;
+    println!(" #bytes     #iterations    BW average[Gb/sec]   BW average[MiB/sec]   MsgRate[Mpps]");
+    println!(
+        " {:<10} {:<14} {:<20.4} {:<21.2} {:.6}",
+        size,
+        iters,
+        bytes * 8.0 / dt / 1e9,
+        bytes / dt / (1 << 20) as f64,
+        iters as f64 / dt / 1e6
+    );
+    let st = client.stats();
+    println!(
+        "# chunks per QP {:?}",
+        st.slots.iter().map(|s| s.posted_chunks).collect::<Vec<_>>()
+    );
+    println!("write_bw_gbps={:.6}", bytes * 8.0 / dt / 1e9);
+    Ok(())
+}
+
 async fn write_bw(args: &Args) -> Result<(), String> {
+    if let Some(k) = args.qps {
+        return mp_write_bw(args, k).await;
+    }
     let size = args.size.unwrap_or(65536);
     let iters = args.iters.unwrap_or(5000);
     let depth = args.tx_depth.clamp(1, 1024);

@@ -1,0 +1,396 @@
+//! The K-QP multipath connection (`metaroce_verbs::multipath`) on a real verbs stack: both
+//! ends in one process on one device (rdma_rxe loopback in the QEMU guest of
+//! `run-rxe-tests.sh`, `TESTS="rxe_multipath"`). Without an RDMA device each test prints
+//! "skipped" and passes, unless `METAROCE_VERBS_REQUIRE_DEVICE=1`.
+
+use metaroce::multipath::MultipathConfig;
+use metaroce_verbs::{Access, Context, Error, MpConfig, MpConnection, Pd, WcStatus};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+
+fn device() -> Option<(Context, Pd)> {
+    match Context::open(std::env::var("METAROCE_VERBS_DEVICE").ok().as_deref()) {
+        Ok(ctx) => {
+            let pd = ctx.alloc_pd().expect("ibv_alloc_pd");
+            Some((ctx, pd))
+        }
+        Err(e) => {
+            if std::env::var("METAROCE_VERBS_REQUIRE_DEVICE").is_ok_and(|v| v == "1") {
+                panic!("METAROCE_VERBS_REQUIRE_DEVICE=1 but no device: {e}");
+            }
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn pattern(n: usize, seed: u8) -> Vec<u8> {
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ ((i >> 8) as u8))
+        .collect()
+}
+
+async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(secs), f)
+        .await
+        .expect("timed out")
+}
+
+async fn pair(pd: &Pd, k: usize, chunk: u32) -> (MpConnection, MpConnection) {
+    let cfg = MpConfig {
+        multipath: MultipathConfig {
+            qps: k,
+            chunk_size: chunk,
+            ..MultipathConfig::default()
+        },
+        ..MpConfig::default()
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = async {
+        let (tcp, _) = listener.accept().await.unwrap();
+        MpConnection::accept(pd, cfg.clone(), tcp).await
+    };
+    let client = async {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        MpConnection::connect(pd, cfg.clone(), tcp).await
+    };
+    let (s, c) = within(60, async { tokio::join!(server, client) }).await;
+    (s.expect("accept"), c.expect("connect"))
+}
+
+/// K = 4: four QPs, four distinct flow labels and so four distinct RoCEv2 UDP source ports
+/// (as `rdma_get_udp_sport` computes them); a 4 MiB WRITE sprayed over all four, read back
+/// with a sprayed READ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k4_write_and_read_use_every_qp() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (server, client) = pair(&pd, 4, 64 * 1024).await;
+    let n = 4 << 20;
+    let data = pattern(n, 3);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .register(
+            vec![0u8; n],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let back = pd.register(vec![0u8; n], Access::LOCAL_WRITE).unwrap();
+    let t = std::time::Instant::now();
+    within(120, client.write(&src, 0, n as u64, &dst.remote(), 0))
+        .await
+        .expect("write");
+    let took = t.elapsed();
+    assert!(dst.read(0, n).unwrap() == data, "WRITE placed the bytes");
+    within(120, client.read(&back, 0, n as u64, &dst.remote(), 0))
+        .await
+        .expect("read");
+    assert!(back.read(0, n).unwrap() == data, "READ brought them back");
+    let st = client.stats();
+    println!(
+        "4 MiB WRITE in {took:?}; ports (flow label, UDP sport) {:?}",
+        st.ports
+    );
+    let ports: std::collections::HashSet<u16> = st.ports.iter().map(|p| p.1).collect();
+    assert_eq!(ports.len(), 4, "four distinct source ports: {:?}", st.ports);
+    for (i, s) in st.slots.iter().enumerate() {
+        println!(
+            "slot {i}: {} chunks, {} bytes, rate {:.0} B/s",
+            s.posted_chunks, s.posted_bytes, s.rate
+        );
+        assert!(s.posted_chunks > 0, "slot {i} carried no chunk");
+    }
+    // The server's QPs carry flow labels too (its ACKs and READ responses use them).
+    assert_eq!(server.stats().ports.len(), 4);
+    let qpns: std::collections::HashSet<u32> =
+        (0..4).map(|s| client.qp(s).unwrap().qpn()).collect();
+    assert_eq!(qpns.len(), 4);
+}
+
+/// A QP forced into the error state (`ibv_modify_qp` to ERR) in the middle of sixteen
+/// 256 KiB WRITEs costs no operation: all sixteen complete `Success`, the data is right,
+/// the failed QP's chunks were re-issued and the slot got a new QP with a new source port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qp_forced_to_error_mid_transfer_costs_no_operation() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (server, client) = pair(&pd, 4, 16 * 1024).await;
+    let each = 256 * 1024;
+    let ops = 16;
+    let n = each * ops;
+    let data = pattern(n, 11);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let dst = pd
+        .register(
+            vec![0u8; n],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    let remote = dst.remote();
+    let port_before = client.stats().ports[1];
+    let victim_qpn = client.qp(1).unwrap().qpn();
+    let writes: Vec<_> = (0..ops)
+        .map(|i| {
+            let c = client.clone();
+            let src = src.clone();
+            let off = (i * each) as u64;
+            tokio::spawn(async move { c.write(&src, off, each as u64, &remote, off).await })
+        })
+        .collect();
+    // Wait until slot 1 has completed a chunk, then break its QP.
+    within(60, async {
+        while client.stats().slots[1].completed_chunks == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    let outstanding = client.stats().slots[1].outstanding;
+    client
+        .qp(1)
+        .unwrap()
+        .set_error()
+        .expect("ibv_modify_qp(ERR)");
+    let mut statuses = Vec::new();
+    for w in writes {
+        statuses.push(match within(120, w).await.unwrap() {
+            Ok(()) => WcStatus::Success,
+            Err(Error::Completion { status, .. }) => status,
+            Err(e) => panic!("{e}"),
+        });
+    }
+    let st = client.stats();
+    println!(
+        "slot 1 had {outstanding} chunks outstanding when forced to ERR; reissued {}, replacements {}, ports {:?} (slot 1 was {port_before:?})",
+        st.reissued_chunks, st.replacements, st.ports
+    );
+    assert!(
+        statuses.iter().all(|s| *s == WcStatus::Success),
+        "{statuses:?}"
+    );
+    assert!(dst.read(0, n).unwrap() == data, "every byte placed");
+    assert_eq!(st.slots[1].failures, 1);
+    assert!(
+        st.reissued_chunks > 0,
+        "the failed QP had chunks to re-issue"
+    );
+    // The replacement arrives shortly after (it is not needed for the WRITEs to finish).
+    within(30, async {
+        while client.stats().replacements == 0 || server.stats().replacements == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let st = client.stats();
+    assert_ne!(
+        client.qp(1).unwrap().qpn(),
+        victim_qpn,
+        "slot 1 has a new QP"
+    );
+    assert_ne!(st.ports[1], port_before, "the new QP has a new source port");
+    // And the connection goes on using all four QPs.
+    let again = pattern(n, 99);
+    src.write(0, &again).unwrap();
+    within(120, client.write(&src, 0, n as u64, &remote, 0))
+        .await
+        .expect("write after the replacement");
+    assert!(dst.read(0, n).unwrap() == again);
+    let after = client.stats();
+    assert!(
+        after.slots[1].posted_chunks > st.slots[1].posted_chunks,
+        "slot 1 used again"
+    );
+}
+
+/// The guest half of the capture test (`run-rxe-multipath.sh`): a K = 4 connection from the
+/// rxe guest to `mp_rc_peer` on the host (`METAROCE_MP_PEER` = its control address,
+/// `METAROCE_MP_REGION` = the file with its region), a sprayed 1 MiB WRITE and READ-back over
+/// the tap, which the script captures to count the connection's UDP source ports. Skipped
+/// when `METAROCE_MP_PEER` is not set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k4_to_host_peer_over_the_wire() {
+    let (Ok(peer), Ok(region)) = (
+        std::env::var("METAROCE_MP_PEER"),
+        std::env::var("METAROCE_MP_REGION"),
+    ) else {
+        eprintln!("skipped: METAROCE_MP_PEER / METAROCE_MP_REGION not set");
+        return;
+    };
+    let Some((_ctx, pd)) = device() else { return };
+    let text = std::fs::read_to_string(&region).expect("region file");
+    let f: Vec<u64> = text
+        .split_whitespace()
+        .map(|x| u64::from_str_radix(x, 16).expect("hex"))
+        .collect();
+    let remote = metaroce_verbs::RemoteRegion {
+        addr: f[0],
+        rkey: f[1] as u32,
+        len: f[2],
+    };
+    let tcp = within(30, async {
+        loop {
+            match TcpStream::connect(&peer).await {
+                Ok(t) => break t,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    })
+    .await;
+    let cfg = MpConfig {
+        multipath: MultipathConfig {
+            qps: 4,
+            chunk_size: 16 * 1024,
+            ..MultipathConfig::default()
+        },
+        ..MpConfig::default()
+    };
+    let client = within(30, MpConnection::connect(&pd, cfg, tcp))
+        .await
+        .expect("connect to the host peer");
+    let n = (1usize << 20).min(remote.len as usize);
+    let data = pattern(n, 5);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let back = pd.register(vec![0u8; n], Access::LOCAL_WRITE).unwrap();
+    let t = std::time::Instant::now();
+    within(120, client.write(&src, 0, n as u64, &remote, 0))
+        .await
+        .expect("write to the host");
+    let w = t.elapsed();
+    within(120, client.read(&back, 0, n as u64, &remote, 0))
+        .await
+        .expect("read from the host");
+    assert!(
+        back.read(0, n).unwrap() == data,
+        "READ-back equals the WRITE"
+    );
+    let st = client.stats();
+    println!(
+        "MP-PORTS {}",
+        st.ports
+            .iter()
+            .map(|p| p.1.to_string())
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    println!(
+        "1 MiB WRITE to the host in {w:?}; per slot chunks {:?}",
+        st.slots.iter().map(|s| s.posted_chunks).collect::<Vec<_>>()
+    );
+    assert!(st.slots.iter().all(|s| s.posted_chunks > 0));
+}
+
+fn message(i: u32) -> Vec<u8> {
+    let len = 1 + (i as usize * 397) % 4000;
+    let mut m = i.to_be_bytes().to_vec();
+    m.extend((0..len).map(|j| (j as u32 ^ i) as u8));
+    m
+}
+
+/// Ordered message streams over K = 4 QPs keep their order and lose or duplicate nothing
+/// when one QP is forced to ERR mid-stream: 600 SENDs on channel 0 pipelined over all four
+/// QPs, and on channel 1 messages with a WRITE_WITH_IMM between them; the receiver gets
+/// every message once, in submission order, and the immediate after its data is placed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_keep_order_across_a_qp_forced_to_error() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (server, client) = pair(&pd, 4, 16 * 1024).await;
+    let n = 600u32;
+    let c = client.clone();
+    let sender = tokio::spawn(async move {
+        let futs = (0..n).map(|i| {
+            let c = c.clone();
+            async move { c.send(0, &message(i)).await }
+        });
+        futures::future::join_all(futs).await
+    });
+    let s = server.clone();
+    let receiver = tokio::spawn(async move {
+        let mut got = Vec::new();
+        for _ in 0..n {
+            got.push(within(120, s.recv(0)).await.expect("recv"));
+        }
+        got
+    });
+    within(60, async {
+        while client.stats().slots[2].completed_chunks < 3 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    let outstanding = client.stats().slots[2].outstanding;
+    client
+        .qp(2)
+        .unwrap()
+        .set_error()
+        .expect("ibv_modify_qp(ERR)");
+    // Channel 1: message, WRITE_WITH_IMM, message.
+    let dst = pd
+        .register(
+            vec![0u8; 64 * 1024],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let data = pattern(64 * 1024, 1);
+    let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
+    let dst_remote = dst.remote();
+    let (a, b, cc) = tokio::join!(
+        client.send(1, b"before"),
+        client.write_with_imm(&src, 0, 64 * 1024, &dst_remote, 0, 1, 0xfeed),
+        client.send(1, b"after"),
+    );
+    a.unwrap();
+    b.unwrap();
+    cc.unwrap();
+    let results = within(120, sender).await.unwrap();
+    let failed: Vec<_> = results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.is_err())
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} sends failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    let got = within(120, receiver).await.unwrap();
+    for (i, m) in got.iter().enumerate() {
+        if *m != metaroce_verbs::Incoming::Message(message(i as u32).into()) {
+            let at = match m {
+                metaroce_verbs::Incoming::Message(b) if b.len() >= 4 => {
+                    format!("message {}", u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+                }
+                other => format!("{:?}", other),
+            };
+            panic!("position {i} holds {at}: out of order or corrupt");
+        }
+    }
+    use metaroce_verbs::Incoming;
+    assert_eq!(
+        within(30, server.recv(1)).await.unwrap(),
+        Incoming::Message(b"before"[..].into())
+    );
+    assert_eq!(
+        within(30, server.recv(1)).await.unwrap(),
+        Incoming::Immediate(0xfeed)
+    );
+    assert!(
+        dst.read(0, 64 * 1024).unwrap() == data,
+        "data placed before its immediate"
+    );
+    assert_eq!(
+        within(30, server.recv(1)).await.unwrap(),
+        Incoming::Message(b"after"[..].into())
+    );
+    let st = client.stats();
+    let sst = server.stats();
+    println!(
+        "slot 2 had {outstanding} chunks outstanding at ERR; reissued {}; server dropped {} duplicate frames, {} bad; chunks per slot {:?}",
+        st.reissued_chunks,
+        sst.duplicate_frames,
+        sst.bad_frames,
+        st.slots.iter().map(|s| s.posted_chunks).collect::<Vec<_>>()
+    );
+    assert_eq!(st.slots[2].failures, 1);
+    assert!(st.reissued_chunks > 0);
+    assert_eq!(sst.bad_frames, 0);
+    assert!(st.slots.iter().all(|s| s.posted_chunks > 0));
+}
