@@ -17,6 +17,25 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 
+/// How the task awaiting a completion ([`RcQp::send`], [`RcQp::recv`], ...) learns of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CqPoll {
+    /// Completions are polled by the QP's CQ task, which sleeps on the completion channel
+    /// (`ibv_req_notify_cq` + `ibv_get_cq_event`) when idle and hands each completion to
+    /// the awaiting task through a channel. No CPU is used while idle. The default.
+    #[default]
+    Events,
+    /// The awaiting task itself polls the CQ (`ibv_poll_cq`, no task hop), yielding to the
+    /// runtime between empty polls, for at most `max` per wait; after that it falls back to
+    /// [`CqPoll::Events`] for the rest of that wait. This is perftest's default
+    /// (busy-polled CQ, `-e` for events): it trades a CPU spinning during each wait for
+    /// the latency of the event path. An idle QP (nobody awaiting) never spins.
+    BusySpin {
+        /// Longest spin of one wait before falling back to events.
+        max: Duration,
+    },
+}
+
 /// Configuration of an [`RcQp`]. Defaults follow `ibv_rc_pingpong` where it has one.
 #[derive(Debug, Clone)]
 pub struct QpConfig {
@@ -55,6 +74,13 @@ pub struct QpConfig {
     pub traffic_class: u8,
     /// GRH hop limit. Default 64.
     pub hop_limit: u8,
+    /// How awaiting tasks learn of completions. Default [`CqPoll::Events`].
+    pub poll: CqPoll,
+    /// SENDs of at most this many bytes are posted with `IBV_SEND_INLINE` (the device
+    /// copies the payload at post time rather than reading it by DMA; perftest's `-I`).
+    /// Requested as the QP's `max_inline_data` capability; 0 (the default) disables it.
+    /// A device that cannot support the size makes [`RcQp::create`] fail.
+    pub max_inline_data: u32,
 }
 
 impl Default for QpConfig {
@@ -76,6 +102,8 @@ impl Default for QpConfig {
             flow_label: 0,
             traffic_class: 0,
             hop_limit: 64,
+            poll: CqPoll::Events,
+            max_inline_data: 0,
         }
     }
 }
@@ -179,6 +207,7 @@ pub struct Message {
 
 const RECV_BIT: u64 = 1 << 63;
 const IBV_SEND_SIGNALED: u32 = 2;
+const IBV_SEND_INLINE: u32 = 8;
 const IBV_WR_RDMA_WRITE: u32 = 0;
 const IBV_WR_RDMA_WRITE_WITH_IMM: u32 = 1;
 const IBV_WR_SEND: u32 = 2;
@@ -226,6 +255,9 @@ pub(crate) struct QpShared {
     recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Wc, u64)>>,
     recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
     unknown_wcs: AtomicU64,
+    /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
+    /// completions are dispatched (and receives queued) in CQ order.
+    poll_lock: Mutex<()>,
     _pd: Arc<PdInner>,
 }
 
@@ -348,6 +380,7 @@ impl QpShared {
     }
 
     fn poll_all(&self) -> Result<usize> {
+        let _g = self.poll_lock.lock();
         let mut wcs = [ibv_wc::default(); 32];
         let mut total = 0;
         loop {
@@ -480,12 +513,54 @@ impl std::fmt::Debug for RcQp {
 #[derive(Debug)]
 pub struct OpFuture {
     rx: oneshot::Receiver<Wc>,
+    spin: Option<Spin>,
+}
+
+/// The busy-poll state of one wait under [`CqPoll::BusySpin`].
+struct Spin {
+    shared: Arc<QpShared>,
+    deadline: Option<std::time::Instant>,
+    max: Duration,
+}
+
+impl std::fmt::Debug for Spin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spin").field("max", &self.max).finish()
+    }
+}
+
+impl Spin {
+    /// Poll the CQ once (dispatching whatever completed). Returns false once the spin's
+    /// time is up (or polling failed): the caller then waits for the CQ task instead.
+    fn poll_once(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        let d = *self.deadline.get_or_insert(now + self.max);
+        if now >= d || self.shared.closing.load(Ordering::Acquire) {
+            return false;
+        }
+        self.shared.poll_all().is_ok()
+    }
 }
 
 impl Future for OpFuture {
     type Output = Result<Wc>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
-        Pin::new(&mut self.rx)
+        let this = &mut *self;
+        if let Some(spin) = &mut this.spin {
+            if spin.poll_once() {
+                return match this.rx.try_recv() {
+                    Ok(wc) => Poll::Ready(Ok(wc)),
+                    Err(oneshot::error::TryRecvError::Closed) => Poll::Ready(Err(Error::Closed)),
+                    Err(oneshot::error::TryRecvError::Empty) => {
+                        // Yield: let the runtime run other tasks, then poll again.
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                };
+            }
+            this.spin = None;
+        }
+        Pin::new(&mut this.rx)
             .poll(cx)
             .map(|r| r.map_err(|_| Error::Closed))
     }
@@ -578,7 +653,7 @@ impl RcQp {
             max_recv_wr: cfg.recv_slots.max(1),
             max_send_sge: 1,
             max_recv_sge: 1,
-            max_inline_data: 0,
+            max_inline_data: cfg.max_inline_data,
         };
         let (qp, qpn) = match ffi::create_rc_qp(pd.0.raw, cq, cap) {
             Ok(x) => x,
@@ -618,6 +693,7 @@ impl RcQp {
             recv_rx: tokio::sync::Mutex::new(recv_rx),
             recv_tx_id,
             unknown_wcs: AtomicU64::new(0),
+            poll_lock: Mutex::new(()),
             _pd: pd.0.clone(),
             cfg,
         });
@@ -775,7 +851,7 @@ impl RcQp {
             },
         );
         wr.wr_id = id;
-        wr.send_flags = IBV_SEND_SIGNALED;
+        wr.send_flags |= IBV_SEND_SIGNALED;
         let mut sge = sge;
         // SAFETY: the memory named by the SGE belongs to an MR held by the Pending entry
         // just inserted (or to a pool of QpShared), released only when the completion is
@@ -795,7 +871,21 @@ impl RcQp {
                 source: e,
             });
         }
-        Ok(OpFuture { rx })
+        Ok(OpFuture {
+            rx,
+            spin: self.spinner(),
+        })
+    }
+
+    fn spinner(&self) -> Option<Spin> {
+        match self.s().cfg.poll {
+            CqPoll::Events => None,
+            CqPoll::BusySpin { max } => Some(Spin {
+                shared: self.h.0.clone(),
+                deadline: None,
+                max,
+            }),
+        }
     }
 
     fn blank_wr(opcode: u32) -> ibv_send_wr {
@@ -850,6 +940,9 @@ impl RcQp {
             IBV_WR_SEND
         });
         wr.imm_data = imm.unwrap_or(0).to_be();
+        if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
+            wr.send_flags = IBV_SEND_INLINE;
+        }
         self.post(permit, wr, sge, WcOpcode::Send, None, Some(slot), None)
     }
 
@@ -900,7 +993,18 @@ impl RcQp {
             return Err(Error::InvalidArgument("QP has recv_slots 0".into()));
         }
         let mut rx = s.recv_rx.lock().await;
+        let mut spin = self.spinner();
         let (wc, slot) = loop {
+            if let Some(sp) = &mut spin {
+                if sp.poll_once() {
+                    if let Ok(m) = rx.try_recv() {
+                        break m;
+                    }
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                spin = None;
+            }
             // The receive channel's sender lives in QpShared, so it never closes while we
             // hold the handle; wake up on close instead.
             tokio::select! {

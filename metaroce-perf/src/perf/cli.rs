@@ -406,6 +406,13 @@ pub struct Args {
     #[arg(short = 'x', long = "gid-index", value_name = "N")]
     pub gid_index: Option<u8>,
 
+    /// --backend verbs: wait for completions through the completion channel (CQ events)
+    /// instead of busy-polling the CQ (perftest's -e / --events). Without it, the *_lat
+    /// tests busy-poll their CQs (metaroce-verbs `CqPoll::BusySpin`) and post SENDs of at
+    /// most 236 bytes inline, as perftest's ib_send_lat does by default.
+    #[arg(short = 'e', long = "events")]
+    pub events: bool,
+
     /// --backend verbs: run write_bw over one multipath connection of K RC QPs
     /// (metaroce-verbs `MpConnection`: WRITEs cut into 64 KiB chunks sprayed over the K QPs,
     /// each with its own UDP source port) instead of one RC QP.

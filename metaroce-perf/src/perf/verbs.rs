@@ -7,12 +7,15 @@
 //!   (default 128, at most the QP's `max_rdma_wr`); bandwidth = bytes / time from the first
 //!   post to the last completion; then the destination is compared with the source.
 //! * send_lat: `-n` SEND ping-pongs of `-s` bytes (default 2 × 1000); each one-way latency
-//!   is half a round trip; t_typical is the median (perftest's definition).
+//!   is half a round trip; t_typical is the median (perftest's definition). Like
+//!   ib_send_lat, the CQs are busy-polled (`CqPoll::BusySpin`, up to 1 s per wait) and
+//!   SENDs of at most 236 bytes go inline, unless `-e` (events: CQ task + completion
+//!   channel, no inline).
 
 use super::cli::{Args, Test};
 use futures::stream::{FuturesUnordered, StreamExt};
-use metaroce_verbs::{Access, Context, QpConfig, RcQp};
-use std::time::Instant;
+use metaroce_verbs::{Access, Context, CqPoll, QpConfig, RcQp};
+use std::time::{Duration, Instant};
 
 fn test_of(args: &Args) -> Result<Test, String> {
     match args.first.as_deref() {
@@ -272,6 +275,14 @@ async fn send_lat(args: &Args) -> Result<(), String> {
         recv_slots: 16,
         send_slots: 16,
         max_rdma_wr: 1,
+        poll: if args.events {
+            CqPoll::Events
+        } else {
+            CqPoll::BusySpin {
+                max: Duration::from_secs(1),
+            }
+        },
+        max_inline_data: if args.events { 0 } else { 236 },
         ..QpConfig::default()
     };
     // Both QPs on this thread's runtime: measured faster here (rxe in a 2-vCPU TCG guest,
