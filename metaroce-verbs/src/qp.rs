@@ -258,6 +258,11 @@ pub(crate) struct QpShared {
     /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
     /// completions are dispatched (and receives queued) in CQ order.
     poll_lock: Mutex<()>,
+    /// Busy-polling waiters ([`CqPoll::BusySpin`]) currently spinning: while any is, the
+    /// CQ task does not arm the CQ (no completion event, no system calls per completion).
+    spinners: AtomicUsize,
+    /// Signalled when `spinners` drops to 0.
+    spin_notify: Notify,
     _pd: Arc<PdInner>,
 }
 
@@ -439,6 +444,17 @@ async fn cq_task(st: TaskState) {
                 break;
             }
         }
+        if shared.spinners.load(Ordering::Acquire) > 0 && !shared.closing.load(Ordering::Acquire)
+        {
+            // Busy-polling waiters drain the CQ themselves: stay off the completion
+            // channel until the last of them is done (the 50 ms bound is a safety net).
+            tokio::select! {
+                _ = shared.spin_notify.notified() => {}
+                _ = shared.close_notify.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            continue;
+        }
         if let Err(e) = ffi::req_notify_cq(shared.cq) {
             tracing::error!(error = %e, "ibv_req_notify_cq failed");
             break;
@@ -526,6 +542,14 @@ struct Spin {
 impl std::fmt::Debug for Spin {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Spin").field("max", &self.max).finish()
+    }
+}
+
+impl Drop for Spin {
+    fn drop(&mut self) {
+        if self.shared.spinners.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.shared.spin_notify.notify_one();
+        }
     }
 }
 
@@ -694,6 +718,8 @@ impl RcQp {
             recv_tx_id,
             unknown_wcs: AtomicU64::new(0),
             poll_lock: Mutex::new(()),
+            spinners: AtomicUsize::new(0),
+            spin_notify: Notify::new(),
             _pd: pd.0.clone(),
             cfg,
         });
@@ -881,7 +907,10 @@ impl RcQp {
         match self.s().cfg.poll {
             CqPoll::Events => None,
             CqPoll::BusySpin { max } => Some(Spin {
-                shared: self.h.0.clone(),
+                shared: {
+                    self.h.0.spinners.fetch_add(1, Ordering::AcqRel);
+                    self.h.0.clone()
+                },
                 deadline: None,
                 max,
             }),
