@@ -444,8 +444,7 @@ async fn cq_task(st: TaskState) {
                 break;
             }
         }
-        if shared.spinners.load(Ordering::Acquire) > 0 && !shared.closing.load(Ordering::Acquire)
-        {
+        if shared.spinners.load(Ordering::Acquire) > 0 && !shared.closing.load(Ordering::Acquire) {
             // Busy-polling waiters drain the CQ themselves: stay off the completion
             // channel until the last of them is done (the 50 ms bound is a safety net).
             tokio::select! {

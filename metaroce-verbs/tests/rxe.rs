@@ -6,7 +6,8 @@
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use metaroce_verbs::{
-    Access, Context, Error, GidType, MessageStream, Pd, QpConfig, RcQp, RemoteRegion, WcStatus,
+    Access, Context, CqPoll, Error, GidType, MessageStream, Pd, QpConfig, RcQp, RemoteRegion,
+    WcStatus,
 };
 use std::time::Duration;
 
@@ -127,6 +128,45 @@ async fn send_recv_ordered_stream_with_imm_and_edge_sizes() {
     }
     sender.await.unwrap();
     assert_eq!(qa.unknown_completions() + qb.unknown_completions(), 0);
+}
+
+/// CqPoll::BusySpin + max_inline_data: waiters on one current-thread runtime poll their
+/// CQs themselves (cooperatively: the peer's echo task runs on the same thread), inline and
+/// non-inline SENDs keep order and content; a spin bound too short for any completion
+/// (1 ns) falls back to the CQ task and completion events and still completes.
+#[tokio::test]
+async fn busy_spin_and_inline_sends_ping_pong() {
+    let Some((_ctx, pd)) = device() else { return };
+    for max in [Duration::from_secs(1), Duration::from_nanos(1)] {
+        let cfg = QpConfig {
+            slot_size: 512,
+            send_slots: 8,
+            recv_slots: 8,
+            poll: CqPoll::BusySpin { max },
+            max_inline_data: 64,
+            ..QpConfig::default()
+        };
+        let (qa, qb) = pair(&pd, cfg.clone(), cfg);
+        let n = 200usize;
+        let qb2 = qb.clone();
+        let echo = tokio::spawn(async move {
+            for _ in 0..n {
+                let m = qb2.recv().await.unwrap();
+                qb2.send(&m.data, m.imm).await.unwrap();
+            }
+        });
+        for i in 0..n {
+            // 0..=127 bytes: both sides of the 64-byte inline limit.
+            let msg = pattern(i % 128, i as u8);
+            let wc = timeout(qa.send(&msg, Some(i as u32))).await.unwrap();
+            assert_eq!(wc.status, WcStatus::Success);
+            let m = timeout(qa.recv()).await.unwrap();
+            assert_eq!(m.data, msg, "message {i} (spin {max:?})");
+            assert_eq!(m.imm, Some(i as u32));
+        }
+        timeout(echo).await.unwrap();
+        assert_eq!(qa.unknown_completions() + qb.unknown_completions(), 0);
+    }
 }
 
 #[tokio::test]
