@@ -467,6 +467,12 @@ impl RecvState {
         }
     }
 
+    /// Number of `stream`'s messages delivered in order so far (the next message due);
+    /// 0 for a stream never received on.
+    pub fn delivered_count(&self, stream: u32) -> u32 {
+        self.streams.get(&stream).map_or(0, |st| st.next_deliver)
+    }
+
     /// The sender aborted `stream` from message `first` on (an `MR_SEND` with the
     /// stream-abort flag: a SEND failed with `RnrRetryExceeded` and every later SEND on
     /// the stream was flushed). Messages before `first` are still delivered as they
