@@ -178,7 +178,10 @@ async fn dropping_after_the_last_message_does_not_fail_its_send() {
             assert!(r.is_ok(), "round {round}: feed {i}: {r:?}");
         }
         let r = tokio::time::timeout(T, tx.flush()).await.unwrap();
-        assert!(r.is_ok(), "round {round}: flush of delivered messages: {r:?}");
+        assert!(
+            r.is_ok(),
+            "round {round}: flush of delivered messages: {r:?}"
+        );
         reader.await.unwrap();
     }
 }
