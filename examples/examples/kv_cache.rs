@@ -170,10 +170,14 @@ async fn prefill_rdma(ep: Endpoint, layout: Layout) -> Result<(), BoxError> {
     while let Some(msg) = stream.next().await {
         let msg = msg?;
         if msg.is_empty() {
-            // The decode side is done. Keep the stream and the connection until it closes
-            // the connection: dropping them now could fail its last send's completion.
+            // The decode side is done. The stream may go at once (its STOP tells the decode
+            // side that this message was delivered, so that send completes Success), but
+            // the endpoint stays until the decode side closes the connection: closing it
+            // here could overtake the acknowledgement and fail the send with
+            // ConnectionLost.
+            drop(stream);
             let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
-            break;
+            return Ok(());
         }
         let req = BlockTable::decode(&msg, &layout)?;
         // The sender posts each finished layer's WRITEs as soon as the layer is handed

@@ -335,7 +335,9 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     .get_mut(&conn)
                     .and_then(|c| c.streams.get_mut(&stream))
                 {
-                    e.error = Some(Error::StreamStopped { stream, code });
+                    // Not an error of the messages already delivered (they complete
+                    // Success): the flushed ones and later sink calls fail with it.
+                    e.stopped = Some(Error::StreamStopped { stream, code });
                     if let Some(w) = e.waker.take() {
                         w.wake();
                     }

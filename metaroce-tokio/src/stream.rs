@@ -78,6 +78,10 @@ pub(crate) struct StreamEntry {
     pub send_pending: u64,
     /// The first failed completion, reported by the next sink call.
     pub error: Option<Error>,
+    /// The peer stopped the stream ([`Error::StreamStopped`]): messages posted before
+    /// that and not delivered fail with it, and so does every later `poll_ready`; a
+    /// `poll_flush` whose messages were all delivered succeeds.
+    pub stopped: Option<Error>,
     /// The task waiting in `poll_ready` / `poll_flush`.
     pub waker: Option<Waker>,
 }
@@ -95,6 +99,7 @@ impl StreamEntry {
                 in_flight: 0,
                 send_pending: 0,
                 error: None,
+                stopped: None,
                 waker: None,
             },
             rx,
@@ -126,7 +131,8 @@ impl StreamEntry {
         self.in_flight = self.in_flight.saturating_sub(1);
         self.send_pending = send_pending;
         if let (Some(e), None) = (result, &self.error) {
-            self.error = Some(e);
+            // A SEND flushed because the peer stopped the stream fails with the stop.
+            self.error = Some(self.stopped.clone().unwrap_or(e));
         }
         if let Some(w) = self.waker.take() {
             w.wake();
@@ -254,6 +260,7 @@ impl MessageStream {
     fn poll_entry(
         &self,
         cx: &mut Context<'_>,
+        fail_if_stopped: bool,
         ready: impl Fn(&StreamEntry, usize) -> bool,
     ) -> Poll<Result<(), Error>> {
         let shared = &self.conn.ep.shared;
@@ -272,6 +279,9 @@ impl MessageStream {
         };
         if let Some(e) = entry.error.take() {
             return Poll::Ready(Err(e));
+        }
+        if let (true, Some(e)) = (fail_if_stopped, &entry.stopped) {
+            return Poll::Ready(Err(e.clone()));
         }
         if ready(entry, max) {
             return Poll::Ready(Ok(()));
@@ -319,7 +329,9 @@ impl Sink<Bytes> for MessageStream {
             return Poll::Ready(Err(Error::StreamClosed(self.id)));
         }
         let max_bytes = self.conn.ep.shared.cfg.stream_send_buffer as u64;
-        self.poll_entry(cx, |e, max| e.in_flight < max && e.send_pending < max_bytes)
+        self.poll_entry(cx, true, |e, max| {
+            e.in_flight < max && e.send_pending < max_bytes
+        })
     }
 
     fn start_send(self: Pin<&mut Self>, item: Bytes) -> Result<(), Error> {
@@ -353,7 +365,7 @@ impl Sink<Bytes> for MessageStream {
         if self.send_closed {
             return Poll::Ready(Ok(()));
         }
-        self.poll_entry(cx, |e, _| e.in_flight == 0)
+        self.poll_entry(cx, false, |e, _| e.in_flight == 0)
     }
 
     fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {

@@ -152,3 +152,36 @@ async fn a_reader_can_stop_the_sender() {
         "{end:?}"
     );
 }
+
+/// A reader that drops its stream right after the last message (a STOP races the
+/// acknowledgement back to the sender): the sender's sends of delivered messages, and its
+/// flush, succeed. Repeated on fresh streams to give the race many chances.
+#[tokio::test]
+async fn dropping_after_the_last_message_does_not_fail_its_send() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    for round in 0..30u32 {
+        let mut tx = c.open_stream().unwrap();
+        let reader = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let mut rx = s.accept_stream().await.unwrap();
+                for _ in 0..3 {
+                    next(&mut rx).await.unwrap().unwrap();
+                }
+                drop(rx);
+            })
+        };
+        for i in 0..3u8 {
+            let r = tokio::time::timeout(T, tx.feed(Bytes::from(vec![i; 2000])))
+                .await
+                .unwrap();
+            assert!(r.is_ok(), "round {round}: feed {i}: {r:?}");
+        }
+        let r = tokio::time::timeout(T, tx.flush()).await.unwrap();
+        assert!(
+            r.is_ok(),
+            "round {round}: flush of delivered messages: {r:?}"
+        );
+        reader.await.unwrap();
+    }
+}

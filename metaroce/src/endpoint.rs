@@ -734,7 +734,7 @@ impl Endpoint {
         code: u32,
     ) -> Result<(), PostError> {
         let c = self.conn_for_stream(conn)?;
-        c.sq.stop_stream(stream, code);
+        c.stop_stream(stream, code);
         self.touched(conn.0);
         Ok(())
     }

@@ -170,3 +170,117 @@ fn stream_send_pending_counts_unacknowledged_bytes() {
     assert_eq!(p.eps[0].stream_send_pending(a, 3), 0);
     assert_eq!(p.eps[0].stream_send_pending(a, 8), 0);
 }
+
+/// The receiver reads the stream's last message and stops the stream before the sender
+/// has the acknowledgement (the STOP overtakes it): the delivered message completes
+/// `Success` (it was delivered), a later message that was not delivered is flushed, and
+/// the receiver sees the reset with the STOP's code after the delivered message.
+#[test]
+fn stop_after_the_last_message_completes_it_success() {
+    use metaroce::testing::{Action, Filter, Kind, Net, Rule};
+    let mut p = Net::new(26);
+    let (a, b) = p.connect();
+    // Every acknowledgement from the receiver is lost until the STOP has landed.
+    p.add_rule(Rule::always(
+        Filter::any().from(1).kind(Kind::Ack),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(a, 4, 1, Bytes::from(vec![1; 3000]))
+        .unwrap();
+    p.run_until(p.now - p.start + Duration::from_secs(1), |n| {
+        !trace(n, 1, 4).is_empty()
+    });
+    assert_eq!(trace(&p, 1, 4), vec!["msg 3000"]);
+    // A second message whose data never reaches the receiver before the STOP.
+    p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(a, 4, 2, Bytes::from(vec![2; 3000]))
+        .unwrap();
+    p.eps[1].stop_stream(p.now, b, 4, 13).unwrap();
+    p.run_until(p.now - p.start + Duration::from_secs(1), |n| {
+        !trace(n, 0, 4).is_empty()
+    });
+    assert_eq!(trace(&p, 0, 4), vec!["stopped 13"]);
+    p.clear_rules();
+    run_for(&mut p, Duration::from_secs(3));
+    let st: Vec<(u64, WcStatus)> = p
+        .completions(0, a)
+        .iter()
+        .map(|wc| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(
+        st,
+        vec![(1, WcStatus::Success), (2, WcStatus::WrFlushError)],
+        "the delivered message must complete Success"
+    );
+    assert_eq!(trace(&p, 1, 4), vec!["msg 3000", "reset 13"]);
+}
+
+/// A message the receiver refused (too long for its posted receive: LocalLengthError there)
+/// is skipped by delivery; when the receiver then stops the stream and the STOP overtakes the
+/// NAK, the refused message must not complete `Success` at the sender: it was not delivered.
+#[test]
+fn stop_overtaking_a_nak_never_completes_the_refused_message_success() {
+    use metaroce::testing::{Action, Filter, Kind, Net, Rule};
+    use metaroce::{Access, RecvRequest};
+    let mut p = Net::new(27);
+    let (a, b) = p.connect();
+    let buf = p.eps[1].register_mr(vec![0; 100], Access::LOCAL_WRITE);
+    p.eps[1]
+        .post_recv(
+            b,
+            4,
+            RecvRequest {
+                wr_id: 7,
+                lkey: buf.lkey,
+                offset: 0,
+                len: 10,
+            },
+        )
+        .unwrap();
+    // Every acknowledgement and NAK from the receiver is lost until the STOP has landed.
+    p.add_rule(Rule::always(
+        Filter::any().from(1).kind(Kind::Ack),
+        Action::Blackhole,
+    ));
+    p.add_rule(Rule::always(
+        Filter::any().from(1).kind(Kind::Nak),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(
+            a,
+            4,
+            1,
+            Bytes::from_static(b"this is longer than ten bytes"),
+        )
+        .unwrap();
+    p.run_until(p.now - p.start + Duration::from_secs(1), |n| {
+        n.events[1].iter().any(|e| {
+            matches!(e, Event::RecvCompletion { wc, .. }
+                if wc.wr_id == 7 && wc.status == WcStatus::LocalLengthError)
+        })
+    });
+    p.eps[1].stop_stream(p.now, b, 4, 13).unwrap();
+    p.run_until(p.now - p.start + Duration::from_secs(1), |n| {
+        !trace(n, 0, 4).is_empty()
+    });
+    assert_eq!(trace(&p, 0, 4), vec!["stopped 13"]);
+    p.clear_rules();
+    run_for(&mut p, Duration::from_secs(3));
+    let st: Vec<(u64, WcStatus)> = p
+        .completions(0, a)
+        .iter()
+        .map(|wc| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(st.len(), 1, "{st:?}");
+    assert_ne!(
+        st[0].1,
+        WcStatus::Success,
+        "a refused message was not delivered: {st:?}"
+    );
+}

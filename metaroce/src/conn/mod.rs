@@ -882,8 +882,14 @@ impl Connection {
             Data::Send(s) if ctrl == send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN => {
                 // STOP: the peer, receiving on this stream, asks us to stop sending on it.
                 // Only for a stream we send on, and once: we reset it with the peer's code.
+                // msg_seq is the number of messages the peer had delivered: those
+                // complete Success even if the STOP overtook their acknowledgement.
                 let known = self.sq.knows_stream(s.stream_id);
-                if known && self.sq.reset_stream(s.stream_id, s.offset) {
+                if known
+                    && self
+                        .sq
+                        .reset_stream_after(s.stream_id, s.offset, Some(s.msg_seq))
+                {
                     events.push_back(Event::StreamStopped {
                         conn: handle,
                         stream: s.stream_id,
@@ -1286,6 +1292,12 @@ impl Connection {
 
     pub fn post_atomic(&mut self, req: &crate::endpoint::AtomicRequest) {
         self.sq.post_atomic(req);
+    }
+
+    /// Ask the peer to stop sending on `stream` (a STOP after the messages delivered so far).
+    pub fn stop_stream(&mut self, stream: u32, code: u32) {
+        let delivered = self.rq.delivered_count(stream);
+        self.sq.stop_stream(stream, code, delivered);
     }
 
     /// The application consumed `bytes` of the messages delivered on `stream`.
@@ -1924,11 +1936,15 @@ impl Connection {
                 OpKind::StreamFin { stream, msg_seq } => {
                     stream_ctrl(path, send::PATH_FLAG_STREAM_FIN, *stream, *msg_seq, 0)
                 }
-                OpKind::StreamStop { stream, code } => stream_ctrl(
+                OpKind::StreamStop {
+                    stream,
+                    code,
+                    delivered,
+                } => stream_ctrl(
                     path,
                     send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN,
                     *stream,
-                    0,
+                    *delivered,
                     *code,
                 ),
                 OpKind::OpAbort { wire_id } => (

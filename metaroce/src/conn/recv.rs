@@ -89,6 +89,11 @@ struct StreamRx {
     /// so a refused message leaves no permanent gap in its stream. At most
     /// `max_stream_window` entries.
     refused: BTreeSet<u32>,
+    /// The first message delivery skipped because the receiver refused it (a NAK, e.g. a
+    /// length error). A STOP reports the messages delivered before it only
+    /// ([`RecvState::delivered_count`]): the refused message must not complete `Success` at
+    /// a sender whose NAK the STOP overtook.
+    first_skipped: Option<u32>,
     /// The stream is in the error state from this message on (the sender gave up on it
     /// with `RnrRetryExceeded` and sent a stream abort): its packets and every later
     /// message's are acknowledged and discarded, and once delivery reaches it every posted
@@ -465,6 +470,17 @@ impl RecvState {
         for (stream, wc) in self.flushed.drain(..) {
             events.push_back(Event::RecvCompletion { conn, stream, wc });
         }
+    }
+
+    /// Number of `stream`'s messages delivered in order so far (the next message due);
+    /// 0 for a stream never received on. Once delivery has skipped a message the receiver
+    /// refused, the count stops before it: a STOP must never let a refused message complete
+    /// `Success` at the sender (later delivered messages then complete as flushed, the
+    /// conservative side, as a STOP did before it carried a count).
+    pub fn delivered_count(&self, stream: u32) -> u32 {
+        self.streams
+            .get(&stream)
+            .map_or(0, |st| st.first_skipped.unwrap_or(st.next_deliver))
     }
 
     /// The sender aborted `stream` from message `first` on (an `MR_SEND` with the
@@ -862,6 +878,7 @@ impl RecvState {
             }
             if st.refused.remove(&st.next_deliver) {
                 buf.refused -= 1;
+                st.first_skipped.get_or_insert(st.next_deliver);
                 st.next_deliver = st.next_deliver.wrapping_add(1);
                 continue;
             }

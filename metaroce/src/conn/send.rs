@@ -117,8 +117,14 @@ pub(crate) enum OpKind {
     /// all): an `MR_SEND` with the stream-FIN flag, no payload.
     StreamFin { stream: u32, msg_seq: u32 },
     /// Receiver of a stream: ask the peer to stop sending on `stream` (`code` from the
-    /// application): an `MR_SEND` with the stream-abort and stream-FIN flags, no payload.
-    StreamStop { stream: u32, code: u32 },
+    /// application): an `MR_SEND` with the stream-abort and stream-FIN flags, no payload;
+    /// `delivered` is the number of the stream's messages this side had delivered in order
+    /// when it stopped (the peer completes those `Success`).
+    StreamStop {
+        stream: u32,
+        code: u32,
+        delivered: u32,
+    },
     /// Requester: tell the peer that the WRITE with op id `wire_id` will send no more
     /// packets (it failed locally, e.g. its source region was deregistered), so the peer
     /// counts the op id as finished: an `MR_WRITE` with the op-abort flag, no payload.
@@ -1072,6 +1078,15 @@ impl SendQueue {
     /// carrying `code` tells the receiver. Idempotent: a stream already reset is left
     /// alone (`false`).
     pub fn reset_stream(&mut self, stream: u32, code: u32) -> bool {
+        self.reset_stream_after(stream, code, None)
+    }
+
+    /// [`Self::reset_stream`] for a STOP from the peer that had delivered the stream's
+    /// messages before `delivered` (message sequence numbers, wrapping): those complete
+    /// `Success` even if their acknowledgement has not arrived (the STOP overtook it; they
+    /// were delivered), and the reset starts at the first later message not completed.
+    /// `None`: no message counts as delivered beyond what was acknowledged.
+    pub fn reset_stream_after(&mut self, stream: u32, code: u32, delivered: Option<u32>) -> bool {
         if self.ended_streams.get(&stream) == Some(&StreamEnd::Reset) {
             return false;
         }
@@ -1086,6 +1101,11 @@ impl SendQueue {
                 continue;
             };
             if s != stream {
+                continue;
+            }
+            if delivered.is_some_and(|d| (msg_seq.wrapping_sub(d) as i32) < 0) {
+                // Delivered at the peer (it said so in its STOP): the truth is Success.
+                self.finish(self.base_id + i as u64, WcStatus::Success);
                 continue;
             }
             if first.is_none() && self.ops[i].status.is_none() {
@@ -1113,12 +1133,21 @@ impl SendQueue {
         true
     }
 
-    /// Ask the peer to stop sending on `stream` with `code` (once per stream).
-    pub fn stop_stream(&mut self, stream: u32, code: u32) -> bool {
+    /// Ask the peer to stop sending on `stream` with `code` (once per stream), after the
+    /// `delivered` messages this side delivered on it in order.
+    pub fn stop_stream(&mut self, stream: u32, code: u32, delivered: u32) -> bool {
         if !self.stopped_streams.insert(stream) {
             return false;
         }
-        self.push(0, OpKind::StreamStop { stream, code }, 0);
+        self.push(
+            0,
+            OpKind::StreamStop {
+                stream,
+                code,
+                delivered,
+            },
+            0,
+        );
         true
     }
 
