@@ -235,6 +235,7 @@ pub struct MpConnection {
     shared: Arc<Mutex<SharedView>>,
     arrived: Arc<tokio::sync::Notify>,
     slot_size: u32,
+    pd: Pd,
 }
 
 impl std::fmt::Debug for MpConnection {
@@ -381,6 +382,7 @@ impl MpConnection {
             shared,
             arrived,
             slot_size,
+            pd: pd.clone(),
         })
     }
 
@@ -393,13 +395,21 @@ impl MpConnection {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<()> {
+        if !Arc::ptr_eq(&local.0.pd, &self.pd.0) {
+            return Err(Error::InvalidArgument(
+                "the MR belongs to another protection domain than the connection".into(),
+            ));
+        }
         if loff.checked_add(len).is_none_or(|e| e > local.len() as u64) {
             return Err(Error::InvalidArgument(format!(
                 "local range {loff}+{len} outside the {}-byte MR",
                 local.len()
             )));
         }
-        if roff.checked_add(len).is_none_or(|e| e > remote.len) {
+        if roff
+            .checked_add(len)
+            .is_none_or(|e| e > remote.len || remote.addr.checked_add(e).is_none())
+        {
             return Err(Error::InvalidArgument(format!(
                 "remote range {roff}+{len} outside the {}-byte region",
                 remote.len

@@ -226,7 +226,7 @@ pub(crate) struct QpShared {
     recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Wc, u64)>>,
     recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
     unknown_wcs: AtomicU64,
-    _pd: Arc<PdInner>,
+    pd: Arc<PdInner>,
 }
 
 impl Drop for QpShared {
@@ -618,7 +618,7 @@ impl RcQp {
             recv_rx: tokio::sync::Mutex::new(recv_rx),
             recv_tx_id,
             unknown_wcs: AtomicU64::new(0),
-            _pd: pd.0.clone(),
+            pd: pd.0.clone(),
             cfg,
         });
         // RESET -> INIT.
@@ -958,14 +958,43 @@ impl RcQp {
             .map_err(|_| Error::Closed)
     }
 
+    /// The remote address of `remote[roff..roff + len]`. `remote` may come from a peer, so
+    /// every sum is checked: an error, never an overflow.
     fn remote_check(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "remote range {roff}+{len} outside the {}-byte region at {:#x}",
+                remote.len, remote.addr
+            ))
+        };
         if roff.checked_add(len).is_none_or(|e| e > remote.len) {
-            return Err(Error::InvalidArgument(format!(
-                "remote range {roff}+{len} outside the {}-byte region",
-                remote.len
-            )));
+            return Err(bad());
         }
-        Ok(remote.addr + roff)
+        let raddr = remote.addr.checked_add(roff).ok_or_else(bad)?;
+        raddr.checked_add(len).ok_or_else(bad)?;
+        Ok(raddr)
+    }
+
+    /// Validate an RDMA WRITE/READ before it waits for a send-queue slot: the remote
+    /// range, the local range (within the MR and at most 2^32 - 1 bytes, one SGE), and that
+    /// the MR is of this QP's PD (otherwise the device would fail the work request with a
+    /// local protection error and move the QP to ERR, IBA 10.6.3.3).
+    fn rdma_check(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<(u64, ffi::ibv_sge)> {
+        if !Arc::ptr_eq(&local.0.pd, &self.s().pd) {
+            return Err(Error::InvalidArgument(
+                "the MR belongs to another protection domain than the QP".into(),
+            ));
+        }
+        let raddr = Self::remote_check(remote, roff, len)?;
+        let sge = local.0.sge(loff, len)?;
+        Ok((raddr, sge))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -980,8 +1009,7 @@ impl RcQp {
         roff: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
-        let raddr = Self::remote_check(remote, roff, len)?;
-        let sge = local.0.sge(loff, len)?;
+        let (raddr, sge) = self.rdma_check(local, loff, len, remote, roff)?;
         let mut wr = Self::blank_wr(opcode);
         wr.wr.remote_addr = raddr;
         wr.wr.word1 = u64::from(remote.rkey);
@@ -1011,6 +1039,7 @@ impl RcQp {
         roff: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit_try()?;
         let op = if imm.is_some() {
             IBV_WR_RDMA_WRITE_WITH_IMM
@@ -1029,6 +1058,7 @@ impl RcQp {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<Wc> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit().await?;
         self.post_rdma(p, IBV_WR_RDMA_WRITE, local, loff, len, remote, roff, None)?
             .await?
@@ -1045,6 +1075,7 @@ impl RcQp {
         roff: u64,
         imm: u32,
     ) -> Result<Wc> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit().await?;
         self.post_rdma(
             p,
@@ -1069,6 +1100,7 @@ impl RcQp {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<OpFuture> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit_try()?;
         self.post_rdma(p, IBV_WR_RDMA_READ, local, loff, len, remote, roff, None)
     }
@@ -1082,6 +1114,7 @@ impl RcQp {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<Wc> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit().await?;
         self.post_rdma(p, IBV_WR_RDMA_READ, local, loff, len, remote, roff, None)?
             .await?

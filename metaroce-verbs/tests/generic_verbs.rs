@@ -67,3 +67,16 @@ async fn generic_flush_on_close_over_verbs() {
     println!("{f:?}");
     assert_eq!(f.completed + f.flushed + f.connection_ended, 32);
 }
+
+/// The same bad-application-input checks as metaroce-tokio's `generic_udp.rs`: copies out
+/// of range (offsets and lengths near `u64::MAX`), reversed and too long local ranges, and
+/// an MR of another endpoint's PD are error values (no status or a local one), never
+/// panics, and change nothing.
+#[tokio::test]
+async fn generic_local_errors_over_verbs() {
+    let Some((server, client)) = endpoints() else {
+        return;
+    };
+    let p = workload::Params::default();
+    assert_eq!(errors::local_errors(&p, &server, &client).await.unwrap(), 9);
+}
