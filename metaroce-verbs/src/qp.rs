@@ -55,6 +55,12 @@ pub struct QpConfig {
     pub traffic_class: u8,
     /// GRH hop limit. Default 64.
     pub hop_limit: u8,
+    /// Streams a [`crate::VerbsConnection`] keeps open at once, both sides' together
+    /// (opened, announced and not yet accepted, or not finished). `open_stream` beyond it
+    /// is an [`Error::InvalidArgument`]; a peer that opens more is misbehaving and the
+    /// connection is closed with code [`crate::CLOSE_STREAM_LIMIT`]. Bounds the memory
+    /// a peer can make us hold. Not used by a bare [`RcQp`]. Default 1024.
+    pub max_streams: u32,
 }
 
 impl Default for QpConfig {
@@ -76,6 +82,7 @@ impl Default for QpConfig {
             flow_label: 0,
             traffic_class: 0,
             hop_limit: 64,
+            max_streams: 1024,
         }
     }
 }
@@ -568,8 +575,19 @@ impl RcQp {
         ffi::set_nonblocking(fd)
             .map_err(verbs_err("fcntl(O_NONBLOCK)"))
             .map_err(fail_ch)?;
-        let max_send = cfg.send_slots + cfg.max_rdma_wr;
-        let cqe = (max_send + cfg.recv_slots + 16) as i32;
+        // The pools above bound each count (at most 2^30), so these sums fit a u64; the
+        // CQ size must also fit the `int` of ibv_create_cq, else the configuration is bad.
+        let total =
+            u64::from(cfg.send_slots) + u64::from(cfg.max_rdma_wr) + u64::from(cfg.recv_slots) + 16;
+        let (Ok(max_send), Ok(cqe)) = (
+            u32::try_from(u64::from(cfg.send_slots) + u64::from(cfg.max_rdma_wr)),
+            i32::try_from(total),
+        ) else {
+            ffi::destroy_comp_channel(ch);
+            return Err(Error::InvalidArgument(format!(
+                "send_slots + max_rdma_wr + recv_slots = {total} exceeds a CQ's size"
+            )));
+        };
         let cq = ffi::create_cq(ctx.0.raw, cqe, ch)
             .map_err(verbs_err("ibv_create_cq"))
             .map_err(fail_ch)?;
