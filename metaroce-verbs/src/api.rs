@@ -12,6 +12,8 @@
 //!   meets RNR NAKs (retried forever with the default `rnr_retry` 7): backpressure instead
 //!   of unbounded buffering. A reader that waits on one stream while another's queue is full
 //!   blocks both (one SEND queue, as in any RC stream multiplexing).
+//! * At most [`QpConfig::max_streams`] streams are open at once; a peer that opens more
+//!   gets the connection closed with [`CLOSE_STREAM_LIMIT`].
 //! * WRITE_WITH_IMM notices go to [`RdmaConnection::recv_imm`].
 //! * Close: a record on the TCP channel (`u32` code, `u16` reason length, reason, all
 //!   big-endian) then the QP to ERR (outstanding work requests flush). EOF without a record
