@@ -64,7 +64,7 @@
 //! channel `u32`, sequence number `u64`, then the message bytes or the immediate `u32` (all
 //! big-endian; [`FRAME_HEADER`] = 13 bytes). Every QP keeps `qp.recv_slots` receives posted;
 //! a task per QP hands what arrives to the driver, whose
-//! [`Reorderer`](metaroce::multipath::Reorderer) delivers each channel in sequence order and
+//! [`Reorderer`] delivers each channel in sequence order and
 //! drops the duplicates that re-issue after a QP failure can create. Malformed or
 //! out-of-window frames are counted ([`MpStats::bad_frames`]) and dropped. At most
 //! `INBOX_LIMIT` (1024) delivered items wait for [`MpConnection::recv`]; beyond that the
