@@ -344,7 +344,7 @@ fn uring_backend_write_bw_and_send_lat_verify() {
         "64",
         "-n",
         "500",
-        "--out_json",
+        "--out_json_file",
         json.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));

@@ -12,6 +12,8 @@
 //!   meets RNR NAKs (retried forever with the default `rnr_retry` 7): backpressure instead
 //!   of unbounded buffering. A reader that waits on one stream while another's queue is full
 //!   blocks both (one SEND queue, as in any RC stream multiplexing).
+//! * At most [`QpConfig::max_streams`] streams are open at once; a peer that opens more
+//!   gets the connection closed with [`CLOSE_STREAM_LIMIT`].
 //! * WRITE_WITH_IMM notices go to [`RdmaConnection::recv_imm`].
 //! * Close: a record on the TCP channel (`u32` code, `u16` reason length, reason, all
 //!   big-endian) then the QP to ERR (outstanding work requests flush). EOF without a record
@@ -39,6 +41,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Notify};
 
 const FIN: u32 = 1 << 31;
+
+/// Close code sent when the peer opened more than [`QpConfig::max_streams`] streams
+/// (reason `"stream limit exceeded"`).
+pub const CLOSE_STREAM_LIMIT: u32 = 0x5354_4c4d;
 
 impl OpError for Error {
     fn wc_status(&self) -> Option<WcStatus> {
@@ -232,6 +238,7 @@ struct ConnInner {
     closed: watch::Sender<Option<ConnectionError>>,
     ctrl: Mutex<Option<tokio::net::tcp::OwnedWriteHalf>>,
     queue_cap: usize,
+    max_streams: usize,
 }
 
 impl Drop for ConnInner {
@@ -270,6 +277,7 @@ impl VerbsConnection {
         let (in_tx, in_rx) = mpsc::unbounded_channel();
         let (imm_tx, imm_rx) = mpsc::unbounded_channel();
         let queue_cap = qp.config().recv_slots.max(1) as usize;
+        let max_streams = qp.config().max_streams as usize;
         let c = Arc::new(ConnInner {
             qp,
             remote,
@@ -280,6 +288,7 @@ impl VerbsConnection {
             closed: watch::channel(None).0,
             ctrl: Mutex::new(Some(wr)),
             queue_cap,
+            max_streams,
         });
         // Receive loop: route SENDs to streams, WRITE_WITH_IMM notices to recv_imm.
         let weak = Arc::downgrade(&c);
@@ -296,10 +305,15 @@ impl VerbsConnection {
                     continue;
                 };
                 let id = imm & !FIN;
+                let mut over_limit = false;
                 let tx = {
                     let mut map = conn.streams.lock();
                     match map.get(&id) {
                         Some(s) => Some(s.tx.clone()),
+                        None if id % 2 == u32::from(client) && map.len() >= conn.max_streams => {
+                            over_limit = true;
+                            None
+                        }
                         None if id % 2 == u32::from(client) => {
                             // A new stream of the peer's parity.
                             let (tx, rx) = mpsc::channel(conn.queue_cap);
@@ -310,6 +324,11 @@ impl VerbsConnection {
                         None => None, // our id, stream already gone: drop
                     }
                 };
+                if over_limit {
+                    tracing::warn!(id, "peer exceeded max_streams; closing the connection");
+                    VerbsConnection(conn).close(CLOSE_STREAM_LIMIT, b"stream limit exceeded");
+                    break;
+                }
                 drop(conn);
                 if imm & FIN != 0 {
                     if let Some(c) = weak.upgrade() {
@@ -401,7 +420,16 @@ impl RdmaConnection for VerbsConnection {
             return Err(Error::InvalidArgument("stream ids exhausted".into()));
         }
         let (tx, rx) = mpsc::channel(self.0.queue_cap);
-        self.0.streams.lock().insert(id, StreamSlot { tx });
+        {
+            let mut map = self.0.streams.lock();
+            if map.len() >= self.0.max_streams {
+                return Err(Error::InvalidArgument(format!(
+                    "{} streams open (max_streams)",
+                    map.len()
+                )));
+            }
+            map.insert(id, StreamSlot { tx });
+        }
         Ok(VerbsStream::new(self.0.clone(), id, rx))
     }
 

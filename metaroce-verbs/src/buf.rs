@@ -31,7 +31,8 @@ impl RegBuf {
         self.len
     }
 
-    fn check(&self, off: usize, n: usize) -> bool {
+    /// Whether `[off, off + n)` lies inside the buffer (false on overflow).
+    pub(crate) fn check(&self, off: usize, n: usize) -> bool {
         off.checked_add(n).is_some_and(|end| end <= self.len)
     }
 

@@ -44,7 +44,7 @@ pub mod multipath;
 mod qp;
 mod stream;
 
-pub use api::{VerbsConnection, VerbsEndpoint, VerbsStream};
+pub use api::{VerbsConnection, VerbsEndpoint, VerbsStream, CLOSE_STREAM_LIMIT};
 pub use device::{devices, Context, GidEntry, GidType, PortAttr};
 pub use metaroce::RemoteRegion;
 pub use metaroce::{Access, WcOpcode, WcStatus};

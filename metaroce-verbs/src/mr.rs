@@ -195,15 +195,18 @@ impl Mr {
     /// # Errors
     /// [`Error::InvalidArgument`] if out of range.
     pub fn read(&self, offset: usize, len: usize) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; len];
-        if self.0.buf().read(offset, &mut v) {
-            Ok(v)
-        } else {
-            Err(Error::InvalidArgument(format!(
+        // Range first: `len` is application input and may be huge (`usize::MAX`), so it
+        // must not size an allocation before it is known to fit the MR.
+        if !self.0.buf().check(offset, len) {
+            return Err(Error::InvalidArgument(format!(
                 "read {offset}+{len} outside the {}-byte MR",
                 self.len()
-            )))
+            )));
         }
+        let mut v = vec![0u8; len];
+        let copied = self.0.buf().read(offset, &mut v);
+        debug_assert!(copied, "range checked above");
+        Ok(v)
     }
     /// Copy `data` to `offset`.
     ///

@@ -64,7 +64,7 @@
 //! channel `u32`, sequence number `u64`, then the message bytes or the immediate `u32` (all
 //! big-endian; [`FRAME_HEADER`] = 13 bytes). Every QP keeps `qp.recv_slots` receives posted;
 //! a task per QP hands what arrives to the driver, whose
-//! [`Reorderer`](metaroce::multipath::Reorderer) delivers each channel in sequence order and
+//! [`Reorderer`] delivers each channel in sequence order and
 //! drops the duplicates that re-issue after a QP failure can create. Malformed or
 //! out-of-window frames are counted ([`MpStats::bad_frames`]) and dropped. At most
 //! `INBOX_LIMIT` (1024) delivered items wait for [`MpConnection::recv`]; beyond that the
@@ -235,6 +235,7 @@ pub struct MpConnection {
     shared: Arc<Mutex<SharedView>>,
     arrived: Arc<tokio::sync::Notify>,
     slot_size: u32,
+    pd: Pd,
 }
 
 impl std::fmt::Debug for MpConnection {
@@ -381,6 +382,7 @@ impl MpConnection {
             shared,
             arrived,
             slot_size,
+            pd: pd.clone(),
         })
     }
 
@@ -393,13 +395,21 @@ impl MpConnection {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<()> {
+        if !Arc::ptr_eq(&local.0.pd, &self.pd.0) {
+            return Err(Error::InvalidArgument(
+                "the MR belongs to another protection domain than the connection".into(),
+            ));
+        }
         if loff.checked_add(len).is_none_or(|e| e > local.len() as u64) {
             return Err(Error::InvalidArgument(format!(
                 "local range {loff}+{len} outside the {}-byte MR",
                 local.len()
             )));
         }
-        if roff.checked_add(len).is_none_or(|e| e > remote.len) {
+        if roff
+            .checked_add(len)
+            .is_none_or(|e| e > remote.len || remote.addr.checked_add(e).is_none())
+        {
             return Err(Error::InvalidArgument(format!(
                 "remote range {roff}+{len} outside the {}-byte region",
                 remote.len

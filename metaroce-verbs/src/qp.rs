@@ -81,6 +81,12 @@ pub struct QpConfig {
     /// Requested as the QP's `max_inline_data` capability; 0 (the default) disables it.
     /// A device that cannot support the size makes [`RcQp::create`] fail.
     pub max_inline_data: u32,
+    /// Streams a [`crate::VerbsConnection`] keeps open at once, both sides' together
+    /// (opened, announced and not yet accepted, or not finished). `open_stream` beyond it
+    /// is an [`Error::InvalidArgument`]; a peer that opens more is misbehaving and the
+    /// connection is closed with code [`crate::CLOSE_STREAM_LIMIT`]. Bounds the memory
+    /// a peer can make us hold. Not used by a bare [`RcQp`]. Default 1024.
+    pub max_streams: u32,
 }
 
 impl Default for QpConfig {
@@ -104,6 +110,7 @@ impl Default for QpConfig {
             hop_limit: 64,
             poll: CqPoll::Events,
             max_inline_data: 0,
+            max_streams: 1024,
         }
     }
 }
@@ -264,6 +271,7 @@ pub(crate) struct QpShared {
     /// Signalled when `spinners` drops to 0.
     spin_notify: Notify,
     _pd: Arc<PdInner>,
+    pd: Arc<PdInner>,
 }
 
 impl Drop for QpShared {
@@ -666,8 +674,19 @@ impl RcQp {
         ffi::set_nonblocking(fd)
             .map_err(verbs_err("fcntl(O_NONBLOCK)"))
             .map_err(fail_ch)?;
-        let max_send = cfg.send_slots + cfg.max_rdma_wr;
-        let cqe = (max_send + cfg.recv_slots + 16) as i32;
+        // The pools above bound each count (at most 2^30), so these sums fit a u64; the
+        // CQ size must also fit the `int` of ibv_create_cq, else the configuration is bad.
+        let total =
+            u64::from(cfg.send_slots) + u64::from(cfg.max_rdma_wr) + u64::from(cfg.recv_slots) + 16;
+        let (Ok(max_send), Ok(cqe)) = (
+            u32::try_from(u64::from(cfg.send_slots) + u64::from(cfg.max_rdma_wr)),
+            i32::try_from(total),
+        ) else {
+            ffi::destroy_comp_channel(ch);
+            return Err(Error::InvalidArgument(format!(
+                "send_slots + max_rdma_wr + recv_slots = {total} exceeds a CQ's size"
+            )));
+        };
         let cq = ffi::create_cq(ctx.0.raw, cqe, ch)
             .map_err(verbs_err("ibv_create_cq"))
             .map_err(fail_ch)?;
@@ -720,6 +739,7 @@ impl RcQp {
             spinners: AtomicUsize::new(0),
             spin_notify: Notify::new(),
             _pd: pd.0.clone(),
+            pd: pd.0.clone(),
             cfg,
         });
         // RESET -> INIT.
@@ -1090,14 +1110,43 @@ impl RcQp {
             .map_err(|_| Error::Closed)
     }
 
+    /// The remote address of `remote[roff..roff + len]`. `remote` may come from a peer, so
+    /// every sum is checked: an error, never an overflow.
     fn remote_check(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
+        let bad = || {
+            Error::InvalidArgument(format!(
+                "remote range {roff}+{len} outside the {}-byte region at {:#x}",
+                remote.len, remote.addr
+            ))
+        };
         if roff.checked_add(len).is_none_or(|e| e > remote.len) {
-            return Err(Error::InvalidArgument(format!(
-                "remote range {roff}+{len} outside the {}-byte region",
-                remote.len
-            )));
+            return Err(bad());
         }
-        Ok(remote.addr + roff)
+        let raddr = remote.addr.checked_add(roff).ok_or_else(bad)?;
+        raddr.checked_add(len).ok_or_else(bad)?;
+        Ok(raddr)
+    }
+
+    /// Validate an RDMA WRITE/READ before it waits for a send-queue slot: the remote
+    /// range, the local range (within the MR and at most 2^32 - 1 bytes, one SGE), and that
+    /// the MR is of this QP's PD (otherwise the device would fail the work request with a
+    /// local protection error and move the QP to ERR, IBA 10.6.3.3).
+    fn rdma_check(
+        &self,
+        local: &Mr,
+        loff: u64,
+        len: u64,
+        remote: &RemoteRegion,
+        roff: u64,
+    ) -> Result<(u64, ffi::ibv_sge)> {
+        if !Arc::ptr_eq(&local.0.pd, &self.s().pd) {
+            return Err(Error::InvalidArgument(
+                "the MR belongs to another protection domain than the QP".into(),
+            ));
+        }
+        let raddr = Self::remote_check(remote, roff, len)?;
+        let sge = local.0.sge(loff, len)?;
+        Ok((raddr, sge))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1112,8 +1161,7 @@ impl RcQp {
         roff: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
-        let raddr = Self::remote_check(remote, roff, len)?;
-        let sge = local.0.sge(loff, len)?;
+        let (raddr, sge) = self.rdma_check(local, loff, len, remote, roff)?;
         let mut wr = Self::blank_wr(opcode);
         wr.wr.remote_addr = raddr;
         wr.wr.word1 = u64::from(remote.rkey);
@@ -1143,6 +1191,7 @@ impl RcQp {
         roff: u64,
         imm: Option<u32>,
     ) -> Result<OpFuture> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit_try()?;
         let op = if imm.is_some() {
             IBV_WR_RDMA_WRITE_WITH_IMM
@@ -1161,6 +1210,7 @@ impl RcQp {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<Wc> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit().await?;
         self.post_rdma(p, IBV_WR_RDMA_WRITE, local, loff, len, remote, roff, None)?
             .await?
@@ -1177,6 +1227,7 @@ impl RcQp {
         roff: u64,
         imm: u32,
     ) -> Result<Wc> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit().await?;
         self.post_rdma(
             p,
@@ -1201,6 +1252,7 @@ impl RcQp {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<OpFuture> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit_try()?;
         self.post_rdma(p, IBV_WR_RDMA_READ, local, loff, len, remote, roff, None)
     }
@@ -1214,6 +1266,7 @@ impl RcQp {
         remote: &RemoteRegion,
         roff: u64,
     ) -> Result<Wc> {
+        self.rdma_check(local, loff, len, remote, roff)?;
         let p = self.rdma_permit().await?;
         self.post_rdma(p, IBV_WR_RDMA_READ, local, loff, len, remote, roff, None)?
             .await?
