@@ -19,7 +19,7 @@ use bytes::Bytes;
 use metaroce::testing::{self, Impair, ImpairPhase, Net};
 use metaroce::{
     Access, AtomicOp, AtomicRequest, ConnectionHandle, Event, MrKeys, ReadRequest, WcOpcode,
-    WcStatus, WorkCompletion, WriteRequest,
+    WcStatus, WriteRequest,
 };
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -428,16 +428,6 @@ fn post(sim: &mut Sim, k: usize, p: &mut Planned) {
     p.posted = res.is_ok();
 }
 
-fn completions(events: &[Event]) -> Vec<WorkCompletion> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Completion { wc, .. } => Some(*wc),
-            _ => None,
-        })
-        .collect()
-}
-
 /// The target.
 pub fn run(input: &Input) {
     let seed = input.seed;
@@ -589,7 +579,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     let mut hung = [false; 2];
     if any_lost && util::tolerate("rd-atomic-hang") {
         for side in 0..2 {
-            let done = completions(&events[side]).len();
+            let done = sim.net.completions(side, sim.sides[side].conn).len();
             if let Some(&k) = wr_ids[side].get(done) {
                 hung[side] = matches!(planned[k].kind, Kind::Read { .. } | Kind::FetchAdd { .. });
             }
@@ -599,7 +589,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     // Completions: exactly once each, in posting order, right opcode and length.
     let mut status: HashMap<usize, WcStatus> = HashMap::new();
     for side in 0..2 {
-        let wcs = completions(&events[side]);
+        let wcs = sim.net.completions(side, sim.sides[side].conn);
         let all_posted = &wr_ids[side];
         let posted = if hung[side] {
             &all_posted[..wcs.len().min(all_posted.len())]
@@ -640,7 +630,9 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     // Posting order is checked through opcode and length above and, more strictly, here:
     // the sequence of (opcode, length) pairs matches the posting sequence exactly.
     for side in 0..2 {
-        let got: Vec<(WcOpcode, u32)> = completions(&events[side])
+        let got: Vec<(WcOpcode, u32)> = sim
+            .net
+            .completions(side, sim.sides[side].conn)
             .iter()
             .map(|w| (w.opcode, w.byte_len))
             .collect();
