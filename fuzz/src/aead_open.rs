@@ -269,7 +269,13 @@ fn endpoints(input: &Input) {
         }
         *now = (*now).max(until);
     };
-    run(&mut eps, &mut queue, &mut held, &mut now, Duration::from_millis(5));
+    run(
+        &mut eps,
+        &mut queue,
+        &mut held,
+        &mut now,
+        Duration::from_millis(5),
+    );
     let drain = |eps: &mut Vec<Endpoint>, got: &mut Vec<Bytes>, server: &mut Option<_>| {
         while let Some(e) = eps[0].poll_event() {
             if let Event::Completion { wc, .. } = e {
@@ -343,10 +349,21 @@ fn endpoints(input: &Input) {
             break;
         }
     }
-    run(&mut eps, &mut queue, &mut held, &mut now, Duration::from_millis(20));
+    run(
+        &mut eps,
+        &mut queue,
+        &mut held,
+        &mut now,
+        Duration::from_millis(20),
+    );
     drain(&mut eps, &mut got, &mut server);
     if std::env::var_os("AEAD_TRACE").is_some() {
-        eprintln!("aead_open: sent {} got {} held {}", sent.len(), got.len(), held.len());
+        eprintln!(
+            "aead_open: sent {} got {} held {}",
+            sent.len(),
+            got.len(),
+            held.len()
+        );
     }
     assert!(got.len() <= sent.len(), "more messages than sent");
     for (g, s) in got.iter().zip(&sent) {

@@ -13,16 +13,15 @@
 //! good WRITE's slot changed; WRITE-with-immediate notifications came at most once each,
 //! exactly once for successful ones, and never for faulty ones.
 
-use crate::util::{self, addr_of};
+use crate::util;
 use arbitrary::Arbitrary;
 use bytes::Bytes;
+use metaroce::testing::{self, Impair, ImpairPhase, Net};
 use metaroce::{
-    Access, AtomicOp, AtomicRequest, ConnectionHandle, EcnCodepoint, Endpoint, Event, MrKeys,
-    ReadRequest, Transmit, WcOpcode, WcStatus, WorkCompletion, WriteRequest,
+    Access, AtomicOp, AtomicRequest, ConnectionHandle, Event, MrKeys, ReadRequest, WcOpcode,
+    WcStatus, WriteRequest,
 };
-use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
-use std::net::SocketAddr;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 const MAX_OPS: usize = 24;
@@ -126,30 +125,24 @@ pub struct Phase {
     pub blackhole: u8,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Imp {
-    loss: f64,
-    dup: f64,
-    reorder: f64,
-    ce: f64,
-    corrupt: f64,
-    blackhole: bool,
-}
-
 impl Phase {
     fn duration(&self) -> Duration {
         Duration::from_millis(u64::from(self.dur) * 10)
     }
 
-    fn imp(&self) -> Imp {
+    /// The phase as `metaroce::testing` simple impairments (reordering by 1..=8 one-way
+    /// delays, corruption that flips bytes or truncates).
+    fn imp(&self) -> Impair {
         let f = |x: u8, max: f64| f64::from(x) / 255.0 * max;
-        Imp {
+        Impair {
             loss: f(self.loss, 0.5),
             dup: f(self.dup, 0.3),
             reorder: f(self.reorder, 0.5),
+            reorder_slots: 8,
             ce: f(self.ce, 0.5),
             corrupt: f(self.corrupt, 0.3),
             blackhole: self.blackhole >= 0xE0,
+            ..Impair::default()
         }
     }
 
@@ -157,34 +150,6 @@ impl Phase {
     fn hostile(&self) -> bool {
         let i = self.imp();
         self.duration() >= Duration::from_millis(100) && (i.blackhole || i.loss >= 0.35)
-    }
-}
-
-#[derive(Debug)]
-struct InFlight {
-    at: Instant,
-    seq: u64,
-    to: usize,
-    from: SocketAddr,
-    ecn: Option<EcnCodepoint>,
-    data: Vec<u8>,
-}
-
-impl PartialEq for InFlight {
-    fn eq(&self, o: &Self) -> bool {
-        (self.at, self.seq) == (o.at, o.seq)
-    }
-}
-impl Eq for InFlight {}
-impl PartialOrd for InFlight {
-    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for InFlight {
-    /// Earliest first out of the max-heap.
-    fn cmp(&self, o: &Self) -> Ordering {
-        (o.at, o.seq).cmp(&(self.at, self.seq))
     }
 }
 
@@ -248,8 +213,8 @@ impl Kind {
     }
 }
 
+/// What the target keeps of one side; its endpoint and events live in the [`Net`].
 struct Side {
-    ep: Endpoint,
     conn: ConnectionHandle,
     src: MrKeys,
     src_data: Vec<u8>,
@@ -259,134 +224,15 @@ struct Side {
     ro_canary: Vec<u8>,
     counter: MrKeys,
     counter_init: u64,
-    events: Vec<Event>,
 }
 
 struct Sim {
+    net: Net,
     sides: [Side; 2],
-    addrs: [SocketAddr; 2],
-    now: Instant,
-    delay: Duration,
-    rng: util::Rng,
-    queue: BinaryHeap<InFlight>,
-    seq: u64,
-    /// Phase boundaries: (start, end, impairment).
-    phases: Vec<(Instant, Instant, Imp)>,
-    buf: Vec<u8>,
-}
-
-impl Sim {
-    fn imp(&self) -> Option<Imp> {
-        self.phases
-            .iter()
-            .find(|(s, e, _)| *s <= self.now && self.now < *e)
-            .map(|p| p.2)
-    }
-
-    fn corrupt(&mut self, d: &mut Vec<u8>) {
-        if d.is_empty() {
-            return;
-        }
-        if self.rng.chance(0.2) && d.len() > 4 {
-            let keep = self.rng.below(d.len() as u64 / 4) as usize * 4;
-            d.truncate(keep);
-            return;
-        }
-        for _ in 0..1 + self.rng.below(3) {
-            let i = self.rng.below(d.len() as u64) as usize;
-            d[i] ^= 1 + self.rng.below(255) as u8;
-        }
-    }
-
-    fn enqueue(&mut self, from_side: usize, t: &Transmit, buf: &[u8]) {
-        let Some(to) = self.addrs.iter().position(|a| *a == t.destination) else {
-            return;
-        };
-        let from = SocketAddr::new(self.addrs[from_side].ip(), t.src_port);
-        let imp = self.imp();
-        for seg in util::segments(t, buf) {
-            util::check_emitted(seg, self.addrs[from_side].ip(), t.destination, t.src_port);
-            let mut copies = 1;
-            if let Some(i) = imp {
-                if i.blackhole || self.rng.chance(i.loss) {
-                    continue;
-                }
-                if self.rng.chance(i.dup) {
-                    copies = 2;
-                }
-            }
-            for _ in 0..copies {
-                let mut at = self.now + self.delay;
-                let mut ecn = t.ecn;
-                let mut data = seg.to_vec();
-                if let Some(i) = imp {
-                    if self.rng.chance(i.reorder) {
-                        at += self.delay * (1 + self.rng.below(8) as u32);
-                    }
-                    if ecn.is_some() && self.rng.chance(i.ce) {
-                        ecn = Some(EcnCodepoint::Ce);
-                    }
-                    if self.rng.chance(i.corrupt) {
-                        self.corrupt(&mut data);
-                    }
-                }
-                self.seq += 1;
-                self.queue.push(InFlight {
-                    at,
-                    seq: self.seq,
-                    to,
-                    from,
-                    ecn,
-                    data,
-                });
-            }
-        }
-    }
-
-    fn flush(&mut self) {
-        let mut buf = std::mem::take(&mut self.buf);
-        for i in 0..2 {
-            let mut n = 0u32;
-            while let Some(t) = self.sides[i].ep.poll_transmit(self.now, &mut buf) {
-                n += 1;
-                assert!(n < 1_000_000, "side {i}: poll_transmit never returns None");
-                self.enqueue(i, &t, &buf);
-            }
-            while let Some(e) = self.sides[i].ep.poll_event() {
-                self.sides[i].events.push(e);
-            }
-        }
-        self.buf = buf;
-    }
-
-    fn next_timer(&self) -> Option<Instant> {
-        self.sides.iter().filter_map(|s| s.ep.poll_timeout()).min()
-    }
-
-    fn deliver_due(&mut self) {
-        while self.queue.peek().is_some_and(|p| p.at <= self.now) {
-            let p = self.queue.pop().expect("peeked");
-            let local = self.addrs[p.to].ip();
-            self.sides[p.to]
-                .ep
-                .handle_datagram(self.now, p.from, Some(local), p.ecn, &p.data);
-        }
-    }
-
-    fn fire_timers(&mut self) {
-        for s in &mut self.sides {
-            if s.ep.poll_timeout().is_some_and(|t| t <= self.now) {
-                s.ep.handle_timeout(self.now);
-                if let Some(t) = s.ep.poll_timeout() {
-                    assert!(t > self.now, "timer still due right after handle_timeout");
-                }
-            }
-        }
-    }
 }
 
 fn endpoint_config(i: usize, seed: u64, cfg: &PairCfg) -> metaroce::EndpointConfig {
-    let mut c = util::config(i, seed);
+    let mut c = testing::config(i, seed);
     // The target checks transport properties under impairment: that the work completes
     // and no connection is lost unless a phase was hostile. The idle timeout (10 s, on by
     // default since issue #10) would end connections during long lossy phases whose
@@ -505,16 +351,17 @@ fn post(sim: &mut Sim, k: usize, p: &mut Planned) {
     let other = 1 - p.side;
     let (dst, ro) = (sim.sides[other].dst, sim.sides[other].ro);
     let (rsrc, counter) = (sim.sides[other].src, sim.sides[other].counter);
-    let s = &mut sim.sides[p.side];
+    let s = &sim.sides[p.side];
+    let ep = &mut sim.net.eps[p.side];
     let wr_id = k as u64;
     let res = match &p.kind {
-        Kind::Send { stream, data } => s.ep.post_send(s.conn, *stream, wr_id, data.clone()),
+        Kind::Send { stream, data } => ep.post_send(s.conn, *stream, wr_id, data.clone()),
         Kind::Write {
             local_offset,
             len,
             slot,
             imm,
-        } => s.ep.post_write(
+        } => ep.post_write(
             s.conn,
             WriteRequest {
                 wr_id,
@@ -538,7 +385,7 @@ fn post(sim: &mut Sim, k: usize, p: &mut Planned) {
                 2 => (dst.addr - 1, dst.rkey),
                 _ => (ro.addr, ro.rkey),
             };
-            s.ep.post_write(
+            ep.post_write(
                 s.conn,
                 WriteRequest {
                     wr_id,
@@ -555,7 +402,7 @@ fn post(sim: &mut Sim, k: usize, p: &mut Planned) {
             remote_offset,
             len,
             slot,
-        } => s.ep.post_read(
+        } => ep.post_read(
             s.conn,
             ReadRequest {
                 wr_id,
@@ -566,7 +413,7 @@ fn post(sim: &mut Sim, k: usize, p: &mut Planned) {
                 rkey: rsrc.rkey,
             },
         ),
-        Kind::FetchAdd { add, slot } => s.ep.post_atomic(
+        Kind::FetchAdd { add, slot } => ep.post_atomic(
             s.conn,
             AtomicRequest {
                 wr_id,
@@ -581,33 +428,26 @@ fn post(sim: &mut Sim, k: usize, p: &mut Planned) {
     p.posted = res.is_ok();
 }
 
-fn completions(events: &[Event]) -> Vec<WorkCompletion> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Completion { wc, .. } => Some(*wc),
-            _ => None,
-        })
-        .collect()
-}
-
 /// The target.
 pub fn run(input: &Input) {
     let seed = input.seed;
-    let cfgs = [
+    let mut net = Net::impaired_with_configs(
+        seed,
+        Impair::default(),
         endpoint_config(0, seed, &input.cfg),
         endpoint_config(1, seed, &input.cfg),
-    ];
-    let addrs = [addr_of(0), addr_of(1)];
-    let mut sides = Vec::new();
+    );
+    net.delay = Duration::from_micros(10 * (1 + u64::from(input.cfg.delay)));
+    net.check_emitted = true;
+    net.check_timers = true;
     let mut max_bad = 0usize;
     for op in input.ops.iter().take(MAX_OPS) {
         if let OpSpec::BadWrite { len, .. } = op {
             max_bad = max_bad.max(2 + usize::from(*len) % (MAX_BAD_LEN - 1));
         }
     }
-    for (i, c) in cfgs.into_iter().enumerate() {
-        let mut ep = Endpoint::new(c).expect("valid config");
+    let sides = [0, 1].map(|i| {
+        let ep = &mut net.eps[i];
         let src_data = util::pattern(seed ^ 0x5EED ^ i as u64, SRC_LEN);
         let src = ep.register_mr(src_data.clone(), Access::LOCAL_WRITE | Access::REMOTE_READ);
         let ro_canary = util::pattern(0xCA9A ^ i as u64, max_bad + GAP);
@@ -617,8 +457,7 @@ pub fn run(input: &Input) {
             counter_init.to_le_bytes().to_vec(),
             Access::LOCAL_WRITE | Access::REMOTE_ATOMIC,
         );
-        sides.push(Side {
-            ep,
+        Side {
             conn: ConnectionHandle(0),
             src,
             src_data,
@@ -628,90 +467,48 @@ pub fn run(input: &Input) {
             ro_canary,
             counter,
             counter_init,
-            events: Vec::new(),
-        });
-    }
-    let [a, b]: [Side; 2] = match sides.try_into() {
-        Ok(s) => s,
-        Err(_) => unreachable!(),
-    };
-    let mut sim = Sim {
-        sides: [a, b],
-        addrs,
-        now: Instant::now(),
-        delay: Duration::from_micros(10 * (1 + u64::from(input.cfg.delay))),
-        rng: util::Rng::new(seed),
-        queue: BinaryHeap::new(),
-        seq: 0,
-        phases: Vec::new(),
-        buf: Vec::with_capacity(1 << 16),
-    };
-
-    // Clean handshake.
-    let c = sim.sides[0]
-        .ep
-        .connect(sim.now, addrs[1], None)
-        .expect("connect");
-    let mut steps = 0;
-    let server = loop {
-        sim.flush();
-        let found = sim.sides[1].events.iter().find_map(|e| match e {
-            Event::Incoming(h) => Some(*h),
-            _ => None,
-        });
-        let connected = sim.sides[0]
-            .events
-            .iter()
-            .any(|e| matches!(e, Event::Connected(h) if *h == c));
-        if let (Some(s), true) = (found, connected) {
-            break s;
         }
-        let next = [sim.queue.peek().map(|p| p.at), sim.next_timer()]
-            .into_iter()
-            .flatten()
-            .min()
-            .expect("handshake stalled");
-        sim.now = sim.now.max(next);
-        sim.deliver_due();
-        sim.fire_timers();
-        steps += 1;
-        assert!(steps < 10_000, "clean handshake did not finish");
-    };
+    });
+    let mut sim = Sim { net, sides };
+
+    // Clean handshake (no phase yet); clears the event logs.
+    let (c, server) = sim.net.connect();
     sim.sides[0].conn = c;
     sim.sides[1].conn = server;
-    for s in &mut sim.sides {
-        s.events.clear();
-    }
 
     // Layout and schedule.
-    let t0 = sim.now;
+    let t0 = sim.net.now;
     let (mut planned, sizes) = plan(input, t0);
     // The destination region of side r is laid out by `plan` (sizes[r] bytes of slots and
     // gaps) and starts as canary bytes.
     for (r, s) in sim.sides.iter_mut().enumerate() {
         let canary = util::pattern(0xC0FFEE ^ r as u64, sizes[r] + GAP);
         s.dst =
-            s.ep.register_mr(canary.clone(), Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+            sim.net.eps[r].register_mr(canary.clone(), Access::LOCAL_WRITE | Access::REMOTE_WRITE);
         s.canary = canary;
     }
     let mut t = t0;
     let mut hostile = false;
     for p in input.phases.iter().take(MAX_PHASES) {
         let end = t + p.duration();
-        sim.phases.push((t, end, p.imp()));
+        let start = sim.net.start;
+        sim.net.phases.push(ImpairPhase {
+            from: t - start,
+            until: end - start,
+            impair: p.imp(),
+        });
         hostile |= p.hostile();
         t = end;
     }
     let last_post = planned.last().map_or(t0, |p| p.at);
     let limit = t.max(last_post) + SETTLE;
 
-    // Run.
+    // Run: post each operation when due, let the network run to the next posting.
     let mut next_op = 0;
     let mut wr_ids: [Vec<usize>; 2] = [Vec::new(), Vec::new()];
     let mut timed_out = false;
-    let mut steps = 0u64;
     loop {
-        while next_op < planned.len() && planned[next_op].at <= sim.now {
+        while next_op < planned.len() && planned[next_op].at <= sim.net.now {
             let mut p = planned[next_op].clone();
             post(&mut sim, next_op, &mut p);
             if p.posted {
@@ -720,51 +517,38 @@ pub fn run(input: &Input) {
             planned[next_op] = p;
             next_op += 1;
         }
-        sim.flush();
-        let boundary = sim
-            .phases
-            .iter()
-            .flat_map(|(s, e, _)| [*s, *e])
-            .filter(|x| *x > sim.now)
+        sim.net.flush();
+        let next = [sim.net.next_event(), planned.get(next_op).map(|p| p.at)]
+            .into_iter()
+            .flatten()
             .min();
-        let next = [
-            sim.queue.peek().map(|p| p.at),
-            sim.next_timer(),
-            planned.get(next_op).map(|p| p.at),
-            boundary,
-        ]
-        .into_iter()
-        .flatten()
-        .min();
         let Some(next) = next else { break };
         if next > limit {
             timed_out = true;
             break;
         }
-        sim.now = sim.now.max(next);
-        sim.deliver_due();
-        sim.fire_timers();
-        steps += 1;
-        assert!(steps < MAX_STEPS, "run did not finish in {MAX_STEPS} steps");
+        sim.net.advance_to(next);
+        assert!(
+            sim.net.steps < MAX_STEPS,
+            "run did not finish in {MAX_STEPS} steps"
+        );
     }
-    sim.flush();
+    sim.net.flush();
     if util::trace() {
         let lost: Vec<_> = sim
-            .sides
+            .net
+            .events
             .iter()
-            .map(|s| {
-                s.events
-                    .iter()
-                    .any(|e| matches!(e, Event::ConnectionLost { .. }))
-            })
+            .map(|ev| ev.iter().any(|e| matches!(e, Event::ConnectionLost { .. })))
             .collect();
         eprintln!(
-            "pair_impaired: {} ops ({} posted), {} phases (hostile {hostile}), {steps} steps, {:?} virtual, lost {lost:?}, events {:?}",
+            "pair_impaired: {} ops ({} posted), {} phases (hostile {hostile}), {} steps, {:?} virtual, lost {lost:?}, events {:?}",
             planned.len(),
             planned.iter().filter(|p| p.posted).count(),
-            sim.phases.len(),
-            sim.now - t0,
-            [sim.sides[0].events.len(), sim.sides[1].events.len()],
+            sim.net.phases.len(),
+            sim.net.steps,
+            sim.net.now - t0,
+            [sim.net.events[0].len(), sim.net.events[1].len()],
         );
     }
 
@@ -772,23 +556,18 @@ pub fn run(input: &Input) {
 }
 
 fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool, timed_out: bool) {
-    let lost: Vec<bool> = sim
-        .sides
+    let events = &sim.net.events;
+    let lost: Vec<bool> = events
         .iter()
-        .map(|s| {
-            s.events
-                .iter()
-                .any(|e| matches!(e, Event::ConnectionLost { .. }))
-        })
+        .map(|ev| ev.iter().any(|e| matches!(e, Event::ConnectionLost { .. })))
         .collect();
     let any_lost = lost.iter().any(|&l| l);
     assert!(
         !any_lost || hostile,
         "a connection was lost although no phase was hostile: {:?}",
-        sim.sides
+        events
             .iter()
-            .map(|s| s
-                .events
+            .map(|ev| ev
                 .iter()
                 .find(|e| matches!(e, Event::ConnectionLost { .. })))
             .collect::<Vec<_>>()
@@ -800,7 +579,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     let mut hung = [false; 2];
     if any_lost && util::tolerate("rd-atomic-hang") {
         for side in 0..2 {
-            let done = completions(&sim.sides[side].events).len();
+            let done = sim.net.completions(side, sim.sides[side].conn).len();
             if let Some(&k) = wr_ids[side].get(done) {
                 hung[side] = matches!(planned[k].kind, Kind::Read { .. } | Kind::FetchAdd { .. });
             }
@@ -810,7 +589,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     // Completions: exactly once each, in posting order, right opcode and length.
     let mut status: HashMap<usize, WcStatus> = HashMap::new();
     for side in 0..2 {
-        let wcs = completions(&sim.sides[side].events);
+        let wcs = sim.net.completions(side, sim.sides[side].conn);
         let all_posted = &wr_ids[side];
         let posted = if hung[side] {
             &all_posted[..wcs.len().min(all_posted.len())]
@@ -851,7 +630,9 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     // Posting order is checked through opcode and length above and, more strictly, here:
     // the sequence of (opcode, length) pairs matches the posting sequence exactly.
     for side in 0..2 {
-        let got: Vec<(WcOpcode, u32)> = completions(&sim.sides[side].events)
+        let got: Vec<(WcOpcode, u32)> = sim
+            .net
+            .completions(side, sim.sides[side].conn)
             .iter()
             .map(|w| (w.opcode, w.byte_len))
             .collect();
@@ -898,7 +679,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             }
         }
         let mut got: HashMap<u32, Vec<&Bytes>> = HashMap::new();
-        for e in &sim.sides[recv].events {
+        for e in &events[recv] {
             if let Event::Message { stream, data, .. } = e {
                 got.entry(*stream).or_default().push(data);
             }
@@ -931,12 +712,13 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     // WRITEs: memory, canaries and immediates.
     for recv in 0..2 {
         let s = &sim.sides[recv];
-        let mem =
-            s.ep.mr_read(s.dst.lkey, 0, s.dst.len)
-                .expect("destination region readable");
+        let ep = &sim.net.eps[recv];
+        let mem = ep
+            .mr_read(s.dst.lkey, 0, s.dst.len)
+            .expect("destination region readable");
         let mut covered = vec![false; mem.len()];
         let mut imms: HashMap<u32, Vec<u32>> = HashMap::new();
-        for e in &s.events {
+        for e in &events[recv] {
             if let Event::WriteWithImm { imm, byte_len, .. } = e {
                 imms.entry(*imm).or_default().push(*byte_len);
             }
@@ -1051,8 +833,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
         }
         // FETCH_ADD: executed exactly once each at the peer's counter.
         let peer = &sim.sides[1 - recv];
-        let raw = peer
-            .ep
+        let raw = sim.net.eps[1 - recv]
             .mr_read(peer.counter.lkey, 0, 8)
             .expect("counter readable");
         let mut b = [0u8; 8];
@@ -1109,17 +890,17 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
                 "side {recv}: byte {i} of the destination region outside every WRITE changed"
             );
         }
-        let ro =
-            s.ep.mr_read(s.ro.lkey, 0, s.ro.len)
-                .expect("read-only region readable");
+        let ro = ep
+            .mr_read(s.ro.lkey, 0, s.ro.len)
+            .expect("read-only region readable");
         assert!(
             ro == &s.ro_canary[..],
             "side {recv}: region without REMOTE_WRITE was written"
         );
         // Sources are never modified.
-        let src =
-            s.ep.mr_read(s.src.lkey, 0, s.src.len)
-                .expect("source readable");
+        let src = ep
+            .mr_read(s.src.lkey, 0, s.src.len)
+            .expect("source readable");
         assert!(
             src == &s.src_data[..],
             "side {recv}: source region modified"

@@ -1,8 +1,8 @@
 //! Helpers shared by the targets: addresses and configurations of the two in-memory
-//! endpoints, a tiny deterministic RNG, data patterns, GSO splitting and ICRC stamping.
+//! endpoints, data patterns (from `metaroce::testing`), GSO splitting and ICRC stamping.
 
+use metaroce::wire;
 use metaroce::wire::icrc::{self, IpHeader};
-use metaroce::wire::{self, Packet};
 use metaroce::{EndpointConfig, Transmit};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
@@ -34,49 +34,9 @@ pub fn config(i: usize, seed: u64) -> EndpointConfig {
     c
 }
 
-/// SplitMix64: small, fast, deterministic; good enough for impairment draws.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator from a seed.
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x6A09_E667_F3BC_C909)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`0` when `n == 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
-        if n == 0 {
-            0
-        } else {
-            self.next_u64() % n
-        }
-    }
-
-    /// True with probability `p`.
-    pub fn chance(&mut self, p: f64) -> bool {
-        p > 0.0 && ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < p
-    }
-}
-
-/// `len` pseudo-random bytes determined by `seed`.
+/// `len` deterministic bytes for `seed` ([`metaroce::testing::pattern`]).
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut r = Rng::new(seed);
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        v.extend_from_slice(&r.next_u64().to_le_bytes());
-    }
-    v.truncate(len);
-    v
+    metaroce::testing::pattern(seed, len)
 }
 
 /// The datagrams of a transmit: one, or the GSO segments packed in `buf`.
@@ -97,19 +57,10 @@ pub fn restamp(pkt: &mut [u8], src: IpAddr, dst: IpAddr, sport: u16, dport: u16)
 }
 
 /// Check a datagram an endpoint at `local` emitted towards `dest` from port `sport`: it
-/// parses, and its ICRC verifies whenever the addresses allow one to be computed.
+/// parses, and its ICRC verifies whenever the addresses allow one to be computed (the
+/// check of [`metaroce::testing::check_emitted`]).
 pub fn check_emitted(pkt: &[u8], local: IpAddr, dest: SocketAddr, sport: u16) {
-    if let Err(e) = Packet::parse(pkt) {
-        panic!(
-            "endpoint {local} emitted an unparsable packet to {dest}: {e}: {:02x?}",
-            pkt
-        );
-    }
-    if let Ok(ip) = IpHeader::synthesized(local, dest.ip()) {
-        if let Err(e) = icrc::verify(&ip, sport, dest.port(), pkt) {
-            panic!("endpoint {local} emitted a packet to {dest} with a bad ICRC: {e}");
-        }
-    }
+    metaroce::testing::check_emitted(pkt, local, dest, sport);
 }
 
 /// Whether `METAROCE_FUZZ_TRACE` is set: the targets then print a one-line summary of each

@@ -6,8 +6,10 @@
 //! a run is deterministic for a seed and costs no wall-clock time.
 //!
 //! Impairments come in two forms:
-//! * [`Impair`]: independent random loss, duplication, reordering and CE marking applied
-//!   to every datagram, plus blackholes of everything or of one path ([`Net::pair`]).
+//! * [`Impair`]: independent random loss, duplication, reordering, CE marking and
+//!   corruption (bit flips or truncation, ICRC not fixed) applied to every datagram, plus
+//!   blackholes of everything or of one path; [`ImpairPhase`]s ([`Net::phases`]) change
+//!   them over virtual time.
 //! * [`Rule`]s ([`Net::add_rule`]): a virtual-time window `[from, until)`, a [`Filter`]
 //!   (direction, packet kind from BTH byte 0, path from the UDP source port, or any
 //!   predicate over the parsed packet [`PktInfo`]) and an [`Action`] (loss, burst loss,
@@ -56,7 +58,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -395,6 +397,21 @@ pub struct Impair {
     /// A reordered datagram is delayed by 1..=`reorder_slots` extra one-way delays; 0
     /// means 5.
     pub reorder_slots: u32,
+    /// Probability a datagram (each copy) is corrupted and its ICRC left as it was: with
+    /// probability 1/5 truncated to a random multiple of 4 bytes shorter than a quarter of
+    /// its length, otherwise 1 to 3 random bytes XORed with a random non-zero value. The
+    /// receiver must count and drop it.
+    pub corrupt: f64,
+}
+
+/// A phase of simple impairments: `impair` applies to datagrams sent in the virtual-time
+/// window `[from, until)` since the start of the run, instead of [`Net::impair`]. See
+/// [`Net::phases`].
+#[derive(Debug, Clone, Copy)]
+pub struct ImpairPhase {
+    pub from: Duration,
+    pub until: Duration,
+    pub impair: Impair,
 }
 
 /// A datagram as sent, recorded by [`Net::record`] in [`Net::wire`].
@@ -513,7 +530,17 @@ pub struct Net {
     /// The simple impairments; they apply (instead of the rules) when the net was made with
     /// [`Net::impaired`].
     pub impair: Impair,
+    /// Phases of simple impairments (nets made with [`Net::impaired`] and friends): the first
+    /// phase whose window holds the send time applies instead of [`Net::impair`].
+    pub phases: Vec<ImpairPhase>,
     impaired: bool,
+    /// Check every datagram an endpoint emits (each GSO segment): it parses as a packet and,
+    /// when the two addresses are of one family, its ICRC verifies; panics otherwise.
+    /// Default off.
+    pub check_emitted: bool,
+    /// Check the timer contract after every `handle_timeout`: `poll_timeout` is then `None`
+    /// or later than now; panics otherwise. Default off.
+    pub check_timers: bool,
     /// Record at most this many sent datagrams in [`Net::wire`] (default 0: none).
     pub record: usize,
     /// The recorded datagrams, in sending order.
@@ -602,7 +629,10 @@ impl Net {
             imm_snaps: Vec::new(),
             last_stats: vec![HashMap::new(); n],
             impair: Impair::default(),
+            phases: Vec::new(),
             impaired: false,
+            check_emitted: false,
+            check_timers: false,
             record: 0,
             wire: Vec::new(),
             drop_hook: None,
@@ -700,6 +730,9 @@ impl Net {
         let seg = t.segment_size.unwrap_or(t.size).max(1);
         let rel = self.elapsed();
         for chunk in data[..t.size].chunks(seg) {
+            if self.check_emitted {
+                self.check_segment(from_idx, t, chunk);
+            }
             let info = PktInfo::parse(from_idx, t.src_port, path, chunk);
             *self.sent[from_idx].entry(info.kind).or_default() += 1;
             if self.wire.len() < self.record {
@@ -877,6 +910,37 @@ impl Net {
         at
     }
 
+    /// Panic unless `chunk`, one datagram endpoint `i` emitted in `t`, parses and carries a
+    /// valid ICRC (see [`Net::check_emitted`]).
+    fn check_segment(&self, i: usize, t: &Transmit, chunk: &[u8]) {
+        check_emitted(chunk, self.addrs[i].ip(), t.destination, t.src_port);
+    }
+
+    /// The simple impairments in effect for a datagram sent now.
+    fn impair_now(&self) -> Impair {
+        let rel = self.elapsed();
+        self.phases
+            .iter()
+            .find(|p| p.from <= rel && rel < p.until)
+            .map_or(self.impair, |p| p.impair)
+    }
+
+    /// Corrupt `d` as [`Impair::corrupt`] describes.
+    fn corrupt_bytes(&mut self, d: &mut Vec<u8>) {
+        if d.is_empty() {
+            return;
+        }
+        if d.len() > 4 && self.draw(0.2) {
+            let keep = (self.rng.next_u64() % (d.len() as u64 / 4)) as usize * 4;
+            d.truncate(keep);
+            return;
+        }
+        for _ in 0..1 + self.rng.next_u64() % 3 {
+            let i = (self.rng.next_u64() % d.len() as u64) as usize;
+            d[i] ^= 1 + (self.rng.next_u64() % 255) as u8;
+        }
+    }
+
     fn enqueue_impaired(
         &mut self,
         depart: Instant,
@@ -885,7 +949,7 @@ impl Net {
         t: &Transmit,
         chunk: &[u8],
     ) {
-        let imp = self.impair;
+        let imp = self.impair_now();
         if imp.blackhole || imp.blackhole_port == Some(t.src_port) || self.draw(imp.loss) {
             self.dropped += 1;
             return;
@@ -905,7 +969,11 @@ impl Net {
             if ecn.is_some() && self.draw(imp.ce) {
                 ecn = Some(0b11);
             }
-            self.push(at, to, from, ecn, chunk.to_vec());
+            let mut data = chunk.to_vec();
+            if self.draw(imp.corrupt) {
+                self.corrupt_bytes(&mut data);
+            }
+            self.push(at, to, from, ecn, data);
         }
     }
 
@@ -985,7 +1053,13 @@ impl Net {
         loop {
             let mut any = false;
             for i in 0..self.eps.len() {
+                let mut n = 0u32;
                 while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
+                    n += 1;
+                    assert!(
+                        n < 1_000_000,
+                        "endpoint {i}: poll_transmit never returns None"
+                    );
                     any = true;
                     let data = std::mem::take(&mut buf);
                     self.enqueue(i, &t, &data, filter);
@@ -1075,6 +1149,15 @@ impl Net {
         for i in 0..self.eps.len() {
             if self.eps[i].poll_timeout().is_some_and(|t| t <= self.now) {
                 self.eps[i].handle_timeout(self.now);
+                if self.check_timers {
+                    if let Some(t) = self.eps[i].poll_timeout() {
+                        assert!(
+                            t > self.now,
+                            "endpoint {i}: timer still due right after handle_timeout at {:?}",
+                            self.elapsed()
+                        );
+                    }
+                }
                 self.collect_events(i);
             }
         }
@@ -1283,6 +1366,25 @@ impl Net {
                 _ => None,
             })
             .collect()
+    }
+}
+
+/// Check one datagram an endpoint at IP `local` emitted towards `dest` from UDP source port
+/// `src_port` (one GSO segment): it parses as a packet ([`Packet::parse`]) and, when `local`
+/// and `dest` are of one address family, its ICRC (RoCEv2 annex A17.8, over the synthesized
+/// IP header) verifies.
+///
+/// # Panics
+/// If either check fails, with the reason and the datagram.
+pub fn check_emitted(pkt: &[u8], local: IpAddr, dest: SocketAddr, src_port: u16) {
+    use crate::wire::icrc::{self, IpHeader};
+    if let Err(e) = Packet::parse(pkt) {
+        panic!("endpoint {local} emitted an unparsable packet to {dest}: {e}: {pkt:02x?}");
+    }
+    if let Ok(ip) = IpHeader::synthesized(local, dest.ip()) {
+        if let Err(e) = icrc::verify(&ip, src_port, dest.port(), pkt) {
+            panic!("endpoint {local} emitted a packet to {dest} with a bad ICRC: {e}");
+        }
     }
 }
 
