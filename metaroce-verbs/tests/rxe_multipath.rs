@@ -331,14 +331,15 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
     let data = pattern(64 * 1024, 1);
     let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
     let dst_remote = dst.remote();
-    let (a, b, cc) = tokio::join!(
-        client.send(1, b"before"),
-        client.write_with_imm(&src, 0, 64 * 1024, &dst_remote, 0, 1, 0xfeed),
-        client.send(1, b"after"),
-    );
-    a.unwrap();
-    b.unwrap();
-    cc.unwrap();
+    // One after the other: the connection orders operations by submission, and three
+    // futures polled together by `join!` have no defined submission order once the first
+    // one waits for queue space before it submits.
+    client.send(1, b"before").await.unwrap();
+    client
+        .write_with_imm(&src, 0, 64 * 1024, &dst_remote, 0, 1, 0xfeed)
+        .await
+        .unwrap();
+    client.send(1, b"after").await.unwrap();
     let results = within(120, sender).await.unwrap();
     let failed: Vec<_> = results
         .iter()
