@@ -55,26 +55,38 @@ struct Sock {
 impl Sock {
     /// Creates, configures and binds a non-blocking UDP socket at `addr`.
     fn bind(addr: SocketAddr, recv_buffer: Option<usize>, send_buffer: usize) -> io::Result<Self> {
-        let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-        // Buffer sizes are best effort: the kernel silently caps them, and a refusal must not
-        // make the endpoint unusable.
-        if let Some(bytes) = recv_buffer {
-            if let Err(e) = socket.set_recv_buffer_size(bytes) {
-                tracing::warn!("cannot set SO_RCVBUF to {bytes} bytes: {e}");
-            }
-        }
-        if let Err(e) = socket.set_send_buffer_size(send_buffer) {
-            tracing::warn!("cannot set SO_SNDBUF to {send_buffer} bytes: {e}");
-        }
-        socket.set_nonblocking(true)?;
-        socket.bind(&addr.into())?;
-        let std_socket: std::net::UdpSocket = socket.into();
-        // Enables IP_RECVTOS, UDP_GRO, IP_PKTINFO / IPV6_RECVPKTINFO and forbids fragmentation.
-        let state = UdpSocketState::new(UdpSockRef::from(&std_socket))?;
-        let port = std_socket.local_addr()?.port();
+        let (std_socket, state, port) = bind_configured(addr, recv_buffer, send_buffer)?;
         let io = tokio::net::UdpSocket::from_std(std_socket)?;
         Ok(Self { io, state, port })
     }
+}
+
+/// Creates, configures and binds a non-blocking UDP socket at `addr`, shared by the UDP and
+/// io_uring backends: best-effort buffer sizes, then quinn-udp's socket options. Returns the
+/// socket, its quinn-udp state and its local port.
+pub(crate) fn bind_configured(
+    addr: SocketAddr,
+    recv_buffer: Option<usize>,
+    send_buffer: usize,
+) -> io::Result<(std::net::UdpSocket, UdpSocketState, u16)> {
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    // Buffer sizes are best effort: the kernel silently caps them, and a refusal must not
+    // make the endpoint unusable.
+    if let Some(bytes) = recv_buffer {
+        if let Err(e) = socket.set_recv_buffer_size(bytes) {
+            tracing::warn!("cannot set SO_RCVBUF to {bytes} bytes: {e}");
+        }
+    }
+    if let Err(e) = socket.set_send_buffer_size(send_buffer) {
+        tracing::warn!("cannot set SO_SNDBUF to {send_buffer} bytes: {e}");
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    let std_socket: std::net::UdpSocket = socket.into();
+    // Enables IP_RECVTOS, UDP_GRO, IP_PKTINFO / IPV6_RECVPKTINFO and forbids fragmentation.
+    let state = UdpSocketState::new(UdpSockRef::from(&std_socket))?;
+    let port = std_socket.local_addr()?.port();
+    Ok((std_socket, state, port))
 }
 
 /// Identifies the transmit a partially completed [`UdpBackend::poll_send`] was working on,

@@ -30,7 +30,6 @@ use std::sync::Mutex;
 use std::task::{ready, Context, Poll};
 
 use quinn_udp::{UdpSockRef, UdpSocketState};
-use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::unix::AsyncFd;
 
 use super::{check_transmit, unknown_src_port, DatagramBackend, RecvMeta, UdpConfig};
@@ -91,21 +90,7 @@ struct Sock {
 
 impl Sock {
     fn bind(addr: SocketAddr, recv_buffer: Option<usize>, send_buffer: usize) -> io::Result<Self> {
-        let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-        if let Some(bytes) = recv_buffer {
-            if let Err(e) = socket.set_recv_buffer_size(bytes) {
-                tracing::warn!("cannot set SO_RCVBUF to {bytes} bytes: {e}");
-            }
-        }
-        if let Err(e) = socket.set_send_buffer_size(send_buffer) {
-            tracing::warn!("cannot set SO_SNDBUF to {send_buffer} bytes: {e}");
-        }
-        socket.set_nonblocking(true)?;
-        socket.bind(&addr.into())?;
-        let socket: std::net::UdpSocket = socket.into();
-        // IP_RECVTOS, UDP_GRO, IP_PKTINFO / IPV6_RECVPKTINFO, no fragmentation.
-        let state = UdpSocketState::new(UdpSockRef::from(&socket))?;
-        let port = socket.local_addr()?.port();
+        let (socket, state, port) = super::udp::bind_configured(addr, recv_buffer, send_buffer)?;
         Ok(Self {
             socket,
             state,
