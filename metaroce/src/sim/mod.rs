@@ -322,7 +322,7 @@ pub struct HostStats {
     pub incoming: u64,
     /// Connections lost ([`Event::ConnectionLost`]).
     pub connections_lost: u64,
-    /// Successful work completions.
+    /// Successful work completions (MetaRoCE connections and RC QPs, [`Event::Rc`]).
     pub completions: u64,
     /// Bytes of the successful work completions (`byte_len`).
     pub completed_bytes: u64,
@@ -332,7 +332,8 @@ pub struct HostStats {
     pub messages: u64,
     /// Bytes of the messages received.
     pub message_bytes: u64,
-    /// WRITE-with-immediate notifications ([`Event::WriteWithImm`]).
+    /// WRITE-with-immediate notifications ([`Event::WriteWithImm`], and RC receive
+    /// completions of opcode `RecvRdmaWithImm`).
     pub writes_with_imm: u64,
 }
 
@@ -355,6 +356,17 @@ impl HostStats {
                 self.message_bytes += data.len() as u64;
             }
             Event::WriteWithImm { .. } => self.writes_with_imm += 1,
+            Event::Rc(crate::rocev2::RcEvent::Completion(c)) => {
+                if c.status == WcStatus::Success {
+                    self.completions += 1;
+                    self.completed_bytes += u64::from(c.byte_len);
+                    if c.opcode == crate::rocev2::RcOpcode::RecvRdmaWithImm {
+                        self.writes_with_imm += 1;
+                    }
+                } else {
+                    self.completion_errors += 1;
+                }
+            }
             // Events added to the core later are not counted.
             #[allow(unreachable_patterns)]
             _ => {}
@@ -476,6 +488,11 @@ struct Packet {
     dst_host: u32,
     ecn: Option<EcnCodepoint>,
     hash: u64,
+    /// A native RoCEv2 packet of an RC QP ([`crate::rocev2::RcWire::Native`]): the IPv4
+    /// Identification its ICRC was computed over. It is handed to the destination as a
+    /// whole IP packet ([`Endpoint::handle_ip_packet`]) rebuilt from this, the addresses,
+    /// the ports and the ECN field. `None`: an ordinary datagram.
+    rc_ip_id: Option<u16>,
     /// Generation of the link the packet is on when it was queued.
     generation: u32,
 }
@@ -561,6 +578,8 @@ pub struct Sim {
     dirty: Vec<u32>,
     routes_dirty: bool,
     buf: Vec<u8>,
+    /// Scratch buffer for the IP packets of native RoCEv2 deliveries.
+    rc_rx_buf: Vec<u8>,
     host_config: Option<HostConfigHook>,
     handler: Option<EventHandler>,
     trace: Option<TraceHook>,
@@ -601,6 +620,7 @@ impl Sim {
             dirty: Vec::new(),
             routes_dirty: true,
             buf: Vec::with_capacity(1 << 16),
+            rc_rx_buf: Vec::new(),
             host_config: None,
             handler: None,
             trace: None,
@@ -1184,7 +1204,26 @@ impl Sim {
                 let Some(t) = self.hosts[host].endpoint.poll_transmit(now, &mut buf) else {
                     break;
                 };
-                self.inject(host, &t, &mut buf);
+                self.inject(host, &t, &mut buf, None);
+            }
+            // RC QPs (RoCEv2 mode) of the endpoint: native RoCEv2 packets from the QP's own
+            // UDP source port. Nothing to do (and no state touched) when it has none.
+            while self.nic_has_room(host) {
+                let Some(t) = self.hosts[host].endpoint.poll_rc_transmit(now, &mut buf) else {
+                    break;
+                };
+                let ip_id = match t.ip {
+                    crate::wire::icrc::IpHeader::V4 { id, .. } => id,
+                    crate::wire::icrc::IpHeader::V6 { .. } => 0,
+                };
+                let t = crate::Transmit {
+                    destination: t.destination,
+                    src_port: t.src_port,
+                    ecn: t.ecn,
+                    size: t.size,
+                    segment_size: None,
+                };
+                self.inject(host, &t, &mut buf, Some(ip_id));
             }
             if !self.drain_events_of(host, now) {
                 break;
@@ -1310,8 +1349,15 @@ impl Sim {
         }
     }
 
-    /// Put the datagrams of transmit `t` (in `buf`) on the host's uplink.
-    fn inject(&mut self, host: usize, t: &crate::Transmit, buf: &mut Vec<u8>) {
+    /// Put the datagrams of transmit `t` (in `buf`) on the host's uplink; `rc_ip_id`: a
+    /// native RoCEv2 packet and its IPv4 Identification ([`Packet::rc_ip_id`]).
+    fn inject(
+        &mut self,
+        host: usize,
+        t: &crate::Transmit,
+        buf: &mut Vec<u8>,
+        rc_ip_id: Option<u16>,
+    ) {
         let len = t.size.min(buf.len());
         let seg = match t.segment_size {
             Some(s) if s > 0 && s < len => s,
@@ -1350,6 +1396,7 @@ impl Sim {
             p.dst_port = dst.port();
             p.ecn = t.ecn;
             p.hash = hash;
+            p.rc_ip_id = rc_ip_id;
             p.dst_host = dst_host.unwrap_or(u32::MAX);
             let h = &mut self.hosts[host];
             h.stats.packets_sent += 1;
@@ -1447,6 +1494,7 @@ impl Sim {
             b.dst_host = a.dst_host;
             b.ecn = a.ecn;
             b.hash = a.hash;
+            b.rc_ip_id = a.rc_ip_id;
             self.trace_packet(TraceKind::Duplicate, loc, pkt, queue);
             self.send_on_link(li, copy);
         }
@@ -1572,10 +1620,34 @@ impl Sim {
         );
         let h = &mut self.hosts[host];
         let p = &self.packets[pkt as usize];
-        let from = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(p.src_ip), p.src_port));
-        let local = IpAddr::V4(Ipv4Addr::from(p.dst_ip));
-        h.endpoint
-            .handle_datagram(now, from, Some(local), p.ecn, &p.data);
+        if let Some(id) = p.rc_ip_id {
+            // A native RoCEv2 packet: the whole IP packet a raw-IP backend would receive.
+            let ip = crate::wire::icrc::IpHeader::V4 {
+                src: Ipv4Addr::from(p.src_ip),
+                dst: Ipv4Addr::from(p.dst_ip),
+                id,
+                flags_frag: crate::wire::icrc::IPV4_FLAG_DF,
+                ttl: crate::wire::icrc::SYNTH_TTL,
+                tos: p.ecn.map_or(0, |e| e as u8),
+            };
+            let mut raw = std::mem::take(&mut self.rc_rx_buf);
+            raw.clear();
+            let udp = crate::wire::icrc::udp_header(p.src_port, p.dst_port, p.data.len());
+            if let (Ok(udp), Ok(udp_len)) = (udp, u16::try_from(p.data.len() + 8)) {
+                raw.resize(ip.header_len(), 0);
+                if ip.to_bytes(udp_len, &mut raw).is_ok() {
+                    raw.extend_from_slice(&udp);
+                    raw.extend_from_slice(&p.data);
+                    h.endpoint.handle_ip_packet(now, &raw);
+                }
+            }
+            self.rc_rx_buf = raw;
+        } else {
+            let from = SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::from(p.src_ip), p.src_port));
+            let local = IpAddr::V4(Ipv4Addr::from(p.dst_ip));
+            h.endpoint
+                .handle_datagram(now, from, Some(local), p.ecn, &p.data);
+        }
         self.free_packets.push(pkt);
     }
 }
