@@ -1,5 +1,6 @@
 //! The cluster-scale question (#14 item 3): collectives on a 128-host, two-plane, two-tier
-//! fabric, MetaRoCE (spraying over many paths, SACK) against a single path per connection.
+//! fabric, MetaRoCE (spraying over many paths, SACK) against one path per connection and
+//! against RoCEv2 RC queue pairs (one path per QP, go-back-N).
 //!
 //! Fabric: 2 planes, each a leaf-spine of 8 leaves × 4 spines; 128 hosts (16 per leaf),
 //! each with one 25 Gbit/s uplink per plane (50 Gbit/s per host); leaf–spine links
@@ -15,17 +16,23 @@
 //!
 //! Transports:
 //! * **MetaRoCE**: 16 paths per connection (8 per plane), plane-aware, SACK loss recovery;
-//! * **single path**: `transport.paths = 1`, `planes = 1` — the RoCEv2 path model (one UDP
-//!   source port per QP, so one ECMP route and one plane). Loss recovery is still
-//!   MetaRoCE's SACK: the simulator runs `Endpoint`s only, so RoCEv2's go-back-N is not
-//!   modelled and this row is a lower bound for a RoCEv2 RC QP's cost under loss.
+//! * **MetaRoCE paths=1**: `transport.paths = 1`, `planes = 1` — the RoCEv2 path model (one
+//!   UDP source port per connection, so one ECMP route and one plane) with MetaRoCE's loss
+//!   recovery (SACK, timeouts that re-roll the port);
+//! * **RoCEv2 RC (go-back-N)**: one standard RC QP per connection, native RoCEv2 through the
+//!   endpoints' RoCEv2 mode (`Transport::Rc`): UDP source port `rdma_get_udp_sport` of the
+//!   QPNs (one route, one plane), go-back-N on a sequence NAK or local ACK timeout, NCCL's
+//!   defaults `timeout` 18 (4.096 µs × 2^18 ≈ 1.07 s) and `retry_cnt` 7, then the QP goes to
+//!   the error state (a failed collective), DCQCN on (line rate 25 Gbit/s), path MTU 4096,
+//!   128 unacknowledged PSNs per QP.
 //!
 //! Conditions: clean; 1 % random loss on every host uplink (host → leaf); one failed
 //! spine link (plane 0, leaf 0 ↔ spine 0 down in both directions when the collective
 //! starts, routes not recomputed: the blackhole a link failure is until routing converges).
 //!
 //! The failed link runs twice: with the default `min_rto` (1 ms, sized for OS timers) and
-//! with 200 µs (what a fabric with a ~10 µs RTT and a precise timer can afford).
+//! with a short one: MetaRoCE `min_rto` 200 µs (what a fabric with a ~10 µs RTT and a precise
+//! timer can afford), RC `timeout` 14 (67 ms, NCCL's default before 2.14 and rc_pingpong's).
 //!
 //! Ideal: the bytes each rank sends over its 50 Gbit/s (for the ring this equals bytes
 //! across the bisection / bisection bandwidth; for the all-to-all the bisection bound is
@@ -34,6 +41,7 @@
 //! ```text
 //! cargo run --release -p metaroce --features sim --example sim_collectives [-- --seed 1 --hosts 128]
 //! ```
+//! A run that fails (an RC QP in the error state) is reported with the time it failed.
 //! Writes `experiments/sim/results/collectives.json`; `python3 experiments/plot_results.py
 //! --collectives` draws `docs/results/sim_collectives.png`.
 
@@ -41,7 +49,10 @@
 mod common;
 
 use common::Json;
-use metaroce::sim::collective::{run_collective, Collective, CollectiveRun};
+use metaroce::rocev2::RcConfig;
+use metaroce::sim::collective::{
+    run_collective_with, Collective, CollectiveRun, RcQpParams, Transport,
+};
 use metaroce::sim::{
     Action, HostId, Impairments, LinkConfig, PlaneShape, Sim, SimConfig, UplinkPolicy, GBPS,
 };
@@ -55,8 +66,26 @@ enum Cond {
     Clean,
     Loss,
     FailedLink,
-    /// The failed link with `min_rto` 200 µs instead of the 1 ms default.
+    /// The failed link with a short timeout: MetaRoCE `min_rto` 200 µs instead of the 1 ms
+    /// default; RC `timeout` 14 (67 ms) instead of 18.
     FailedLinkFastRto,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    MetaRoce,
+    OnePath,
+    Rc,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::MetaRoce => "MetaRoCE",
+            Kind::OnePath => "MetaRoCE paths=1",
+            Kind::Rc => "RoCEv2 RC (go-back-N)",
+        }
+    }
 }
 
 impl Cond {
@@ -65,12 +94,13 @@ impl Cond {
             Cond::Clean => "clean",
             Cond::Loss => "1% loss",
             Cond::FailedLink => "failed spine link",
-            Cond::FailedLinkFastRto => "failed, rto 200us",
+            Cond::FailedLinkFastRto => "failed, short timeout",
         }
     }
 }
 
-fn run(seed: u64, hosts: usize, multipath: bool, cond: Cond, coll: Collective) -> CollectiveRun {
+fn run(seed: u64, hosts: usize, kind: Kind, cond: Cond, coll: Collective) -> CollectiveRun {
+    let multipath = kind == Kind::MetaRoce;
     let mut sim = Sim::new(SimConfig {
         uplink_policy: UplinkPolicy::SourcePort,
         ..SimConfig::with_seed(seed)
@@ -117,7 +147,23 @@ fn run(seed: u64, hosts: usize, multipath: bool, cond: Cond, coll: Collective) -
         .map(|r| mp.hosts[(r % leaves) * per_leaf + r / leaves])
         .collect();
     let failed = mp.planes[0].fabric_links[0][0];
-    run_collective(&mut sim, &ranks, coll, Duration::from_secs(2), |sim| {
+    let (transport, limit) = if kind == Kind::Rc {
+        for &h in &mp.hosts {
+            let ep = sim.endpoint_mut(h);
+            let mut rc = RcConfig::new(ep.config().local_addr.ip());
+            rc.dcqcn.line_rate_bps = HOST_GBPS * GBPS;
+            ep.set_rc_config(rc).expect("no QP yet");
+        }
+        let mut p = RcQpParams::nccl();
+        if cond == Cond::FailedLinkFastRto {
+            p.timeout = 14;
+        }
+        // Room for 8 timeouts of 1.07 s and for stalls under loss.
+        (Transport::Rc(p), Duration::from_secs(30))
+    } else {
+        (Transport::MetaRoce, Duration::from_secs(2))
+    };
+    run_collective_with(&mut sim, &ranks, coll, transport, limit, |sim| {
         if matches!(cond, Cond::FailedLink | Cond::FailedLinkFastRto) {
             for l in failed.both() {
                 sim.apply(Action::LinkDown(l));
@@ -156,7 +202,7 @@ fn main() {
         o.seed
     );
     println!(
-        "{:<16} {:<12} {:<18} {:>10} {:>10} {:>7} {:>9} {:>7} {:>6} {:>6} {:>5}",
+        "{:<16} {:<22} {:<22} {:>10} {:>10} {:>7} {:>9} {:>7} {:>6} {:>6} {:>5}",
         "collective",
         "transport",
         "condition",
@@ -188,7 +234,7 @@ fn main() {
     for (cname, coll) in colls {
         let ideal =
             Duration::from_secs_f64(coll.bytes_sent_per_rank(o.hosts) as f64 * 8.0 / host_bps);
-        for multipath in [true, false] {
+        for kind in [Kind::MetaRoce, Kind::OnePath, Kind::Rc] {
             for cond in [
                 Cond::Clean,
                 Cond::Loss,
@@ -196,23 +242,30 @@ fn main() {
                 Cond::FailedLinkFastRto,
             ] {
                 let t = Instant::now();
-                let r = run(o.seed, o.hosts, multipath, cond, coll);
-                let tname = if multipath { "MetaRoCE" } else { "single path" };
-                let ratio = r.time.as_secs_f64() / ideal.as_secs_f64();
+                let r = run(o.seed, o.hosts, kind, cond, coll);
+                let tname = kind.name();
+                // A failed run: the time it failed.
+                let time = r.failed_at.unwrap_or(r.time);
+                let ratio = time.as_secs_f64() / ideal.as_secs_f64();
                 let ok = r.completed && r.data_ok && r.errors == 0 && r.connections_lost == 0;
+                let status = match (ok, r.qp_error) {
+                    (true, _) => "ok".to_string(),
+                    (false, Some(s)) => format!("QP error {s:?}"),
+                    (false, None) => "BAD".to_string(),
+                };
                 println!(
-                    "{:<16} {:<12} {:<18} {:>10.2?} {:>10.2?} {:>7.2} {:>9} {:>7} {:>6} {:>6} {:>5}",
+                    "{:<16} {:<22} {:<22} {:>10.2?} {:>10.2?} {:>7.2} {:>9} {:>7} {:>6} {:>6} {}",
                     cname,
                     tname,
                     cond.name(),
-                    r.time,
+                    time,
                     ideal,
                     ratio,
                     r.packets_sent,
                     r.retransmits,
                     r.rtos,
                     r.errors + r.connections_lost,
-                    if ok { "ok" } else { "BAD" }
+                    status
                 );
                 eprintln!("  ({:.1} s wall)", t.elapsed().as_secs_f64());
                 rows.push(
@@ -221,8 +274,10 @@ fn main() {
                         .with("transport", tname)
                         .with("condition", cond.name())
                         .with("completed", r.completed)
+                        .with("failed", r.failed_at.is_some())
+                        .with("status", status.as_str())
                         .with("data_ok", r.data_ok)
-                        .with("time_us", r.time.as_secs_f64() * 1e6)
+                        .with("time_us", time.as_secs_f64() * 1e6)
                         .with("ideal_us", ideal.as_secs_f64() * 1e6)
                         .with("ratio_to_ideal", ratio)
                         .with("bytes_sent_per_rank", coll.bytes_sent_per_rank(o.hosts))
