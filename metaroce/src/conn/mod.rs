@@ -1004,6 +1004,33 @@ impl Connection {
         }
     }
 
+    /// Path `i` timed out once while other paths deliver ([`Self::others_delivered_since`]):
+    /// move it to a new source port (new ECMP entropy) at once, on its own plane. A route
+    /// inside the plane is dead (a failed spine link); if the whole plane is, its other
+    /// paths time out too and `detect_plane_down` moves them all (this one, `Probing` after
+    /// a timeout, counts as timed out there).
+    fn reroll_at_first_timeout(&mut self, i: usize) {
+        let planes = self.cfg.planes;
+        let own = (planes > 1).then(|| path::plane_of(self.tx[i].src_port, planes));
+        tracing::info!(conn = %self.handle, path = self.tx[i].id, "path timed out while the others deliver: re-rolled at once");
+        self.move_path(i, own);
+    }
+
+    /// Whether a path other than `i` had a packet acknowledged that was sent after `since`
+    /// (the send time of path `i`'s newest outstanding packet, usually its tail-loss
+    /// probe): the network delivered what left after path `i`'s last packet; only path
+    /// `i`'s route is silent.
+    fn others_delivered_since(&self, i: usize, since: Option<Instant>) -> bool {
+        let Some(since) = since else {
+            return false;
+        };
+        self.tx.iter().enumerate().any(|(k, q)| {
+            k != i
+                && q.state != PathState::Failed
+                && q.newest_acked_sent().is_some_and(|t| t > since)
+        })
+    }
+
     /// Path `i` timed out `path_reroll_timeouts` times in a row: move it to a source port no
     /// other path of this connection uses (new ECMP entropy); with planes, on the healthy
     /// plane with the fewest paths.
@@ -1425,13 +1452,20 @@ impl Connection {
                 if probing && p.defer_probe(now, heard) {
                     continue;
                 }
+                let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
                 let segs = p.on_loss_timer(now, retry);
                 probing |= p.probe_unanswered_since(heard);
                 lost.extend(segs);
+                let first_rto = p.consecutive_rtos == 1 && p.stats.rtos > rtos;
                 if p.state == PathState::Failed {
                     tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
                 } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
                     self.reroll(i, now);
+                } else if first_rto
+                    && self.cfg.path_reroll_on_first_timeout
+                    && self.others_delivered_since(i, newest)
+                {
+                    self.reroll_at_first_timeout(i);
                 }
             }
         }

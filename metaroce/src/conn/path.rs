@@ -164,6 +164,9 @@ pub(crate) struct PathTx {
     /// Time of the last forward progress (or of the first send after idling); loss timers
     /// count from it.
     last_progress: Instant,
+    /// The latest send time of a packet of this path that an ACK (or NAK) settled: the
+    /// peer heard this route at least until then.
+    newest_acked_sent: Option<Instant>,
     probe_sent: bool,
     /// The next PSN when the pending tail-loss probe was scheduled: packets below it were
     /// outstanding before the probe.
@@ -246,6 +249,7 @@ impl PathTx {
             last_ce_count: 0,
             consecutive_rtos: 0,
             last_progress: now,
+            newest_acked_sent: None,
             probe_sent: false,
             probe_psn: None,
             probe_since: now,
@@ -546,6 +550,9 @@ impl PathTx {
             self.state = PathState::Active;
             out.progress = true;
             self.last_progress = now;
+            if let Some((_, newest)) = span {
+                self.newest_acked_sent = self.newest_acked_sent.max(Some(newest));
+            }
             self.probe_sent = false;
             self.probe_psn = None;
             self.late_grace = None;
@@ -619,12 +626,13 @@ impl PathTx {
             return None;
         }
         p.state = PktState::Settled;
-        let seg = p.seg;
+        let (seg, sent) = (p.seg, p.sent);
         self.outstanding -= 1;
         self.consecutive_rtos = 0;
         self.probe_sent = false;
         self.probe_psn = None;
         self.last_progress = now;
+        self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
         if self.state != PathState::Failed {
             self.state = PathState::Active;
         }
@@ -801,6 +809,22 @@ impl PathTx {
         }
         self.apply_pending_port();
         lost
+    }
+
+    /// When the newest packet still outstanding on this path (a tail-loss probe, after
+    /// one) was sent.
+    pub fn newest_outstanding_sent(&self) -> Option<Instant> {
+        self.sent
+            .iter()
+            .rev()
+            .find(|p| p.state == PktState::Outstanding)
+            .map(|p| p.sent)
+    }
+
+    /// The latest send time of a packet of this path an ACK or NAK settled (`None`: none
+    /// yet).
+    pub fn newest_acked_sent(&self) -> Option<Instant> {
+        self.newest_acked_sent
     }
 
     /// Whether this path should move to a new source port now: every
