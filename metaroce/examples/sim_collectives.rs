@@ -188,6 +188,10 @@ struct Opts {
     /// All-to-all bytes per pair, in KiB.
     #[arg(long, default_value_t = 32)]
     alltoall_kib: usize,
+    /// Run only the rows whose "collective / transport / condition" contains this text
+    /// (the JSON file is then not written).
+    #[arg(long)]
+    only: Option<String>,
 }
 
 fn main() {
@@ -241,6 +245,10 @@ fn main() {
                 Cond::FailedLink,
                 Cond::FailedLinkFastRto,
             ] {
+                let label = format!("{cname} / {} / {}", kind.name(), cond.name());
+                if o.only.as_ref().is_some_and(|f| !label.contains(f.as_str())) {
+                    continue;
+                }
                 let t = Instant::now();
                 let r = run(o.seed, o.hosts, kind, cond, coll);
                 let tname = kind.name();
@@ -292,6 +300,9 @@ fn main() {
         }
     }
     println!("wall time {:.1} s", wall.elapsed().as_secs_f64());
+    if o.only.is_some() {
+        return;
+    }
     Json::obj()
         .with("experiment", "collectives")
         .with("hosts", o.hosts)

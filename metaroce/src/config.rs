@@ -239,17 +239,18 @@ pub struct TransportConfig {
     /// with one packet at a time; progress makes it active again. Repeats every this many
     /// timeouts until `retry_count`. 0 disables re-rolling. Default 3.
     pub path_reroll_timeouts: u32,
-    /// Re-roll a path after its **first** retransmission timeout when another path of the
-    /// connection has had a packet acknowledged that was sent after this path's newest
-    /// outstanding packet (its tail-loss probe): the network delivers, only this path's
-    /// route is silent — the blackhole a
-    /// failed link is until routing converges. Its packets are already resent on the other
-    /// paths (every timed-out packet is), and the re-rolled path probes its new port with one
-    /// packet at a time, so it comes back as soon as that route works. Without it a
-    /// blackholed path waits for `path_reroll_timeouts` backed-off timeouts, which a chain
-    /// of dependent transfers (a ring all-reduce) pays at every hop. A connection with one
-    /// path, or whose paths all went silent, keeps the `path_reroll_timeouts` rule.
-    /// Default `true`.
+    /// Re-roll a path at a retransmission timeout — from its first one on, not only every
+    /// `path_reroll_timeouts` — when another path of the connection has had a packet
+    /// acknowledged that was sent after this path's newest outstanding packet (its
+    /// tail-loss probe): the network delivers, only this path's route is silent, as in the
+    /// blackhole a failed link is until routing converges. Its packets are resent on the
+    /// other paths anyway (every timed-out packet is); the path moves to a new source port
+    /// on its own plane and probes it with one packet at a time, so it is back as soon as
+    /// that route works (a whole failed plane is still found by the plane logic). A
+    /// connection with one path, or whose paths all went silent, keeps the
+    /// `path_reroll_timeouts` rule. Default `false`: it cuts the time a single WRITE loses to
+    /// a blackholed path by half (tests/sim_path_blackhole.rs), but on the 128-host ring
+    /// all-reduce with a failed spine link it did not help (docs/RESULTS.md (f)).
     pub path_reroll_on_first_timeout: bool,
     /// ECMP collision handling, in the spirit of PLB (Protective Load Balancing, SIGCOMM
     /// 2022): paths that hash onto one bottleneck link split it, so a connection whose
@@ -457,7 +458,7 @@ impl Default for TransportConfig {
             handshake_attempts: 20,
             retry_count: 12,
             path_reroll_timeouts: 3,
-            path_reroll_on_first_timeout: true,
+            path_reroll_on_first_timeout: false,
             rebalance_ratio_permille: 750,
             rebalance_interval_rtts: 4,
             rebalance_min_packets: 64,

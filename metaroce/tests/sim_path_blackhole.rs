@@ -1,8 +1,9 @@
-//! A path whose route is blackholed (a failed spine link before routing converges) while
-//! the connection's other paths deliver is re-rolled to a new UDP source port after its
-//! **first** retransmission timeout (`TransportConfig::path_reroll_on_first_timeout`), not
-//! after `path_reroll_timeouts` backed-off ones; the WRITE completes with the right data.
-//! With the option off, the old rule holds (three timeouts before the first re-roll).
+//! With `TransportConfig::path_reroll_on_first_timeout`, a path whose route is blackholed
+//! (a failed spine link before routing converges) while the connection's other paths
+//! deliver is re-rolled to a new UDP source port at its **first** retransmission timeout,
+//! not after `path_reroll_timeouts` backed-off ones; the WRITE completes with the right
+//! data. With the option off (the default), the old rule holds (three timeouts before the
+//! first re-roll).
 //!
 //! Run with `cargo test -p metaroce --features sim --test sim_path_blackhole`.
 #![cfg(feature = "sim")]
@@ -83,9 +84,8 @@ fn a_blackholed_path_is_rerolled_after_its_first_timeout() {
         "no path crossed the failed link: {paths:?}"
     );
     for &&(rtos, rerolls) in &hit {
-        // Re-rolled at its first timeout; a new port that is dead too is re-rolled by the
-        // old rule (3 timeouts in a row) — at most 2 timeouts per re-roll, never 3 before
-        // the first.
+        // Re-rolled at its first timeout (and at every later one while the others
+        // deliver): never the old rule's 3 timeouts before the first re-roll.
         assert!(
             rerolls >= 1,
             "a timed-out path was not re-rolled: {paths:?}"

@@ -1004,12 +1004,13 @@ impl Connection {
         }
     }
 
-    /// Path `i` timed out once while other paths deliver ([`Self::others_delivered_since`]):
-    /// move it to a new source port (new ECMP entropy) at once, on its own plane. A route
+    /// Path `i` timed out while other paths deliver ([`Self::others_delivered_since`],
+    /// `TransportConfig::path_reroll_on_first_timeout`): move it to a new source port (new
+    /// ECMP entropy) at once, on its own plane. A route
     /// inside the plane is dead (a failed spine link); if the whole plane is, its other
     /// paths time out too and `detect_plane_down` moves them all (this one, `Probing` after
     /// a timeout, counts as timed out there).
-    fn reroll_at_first_timeout(&mut self, i: usize) {
+    fn reroll_at_timeout(&mut self, i: usize) {
         let planes = self.cfg.planes;
         let own = (planes > 1).then(|| path::plane_of(self.tx[i].src_port, planes));
         tracing::info!(conn = %self.handle, path = self.tx[i].id, "path timed out while the others deliver: re-rolled at once");
@@ -1456,16 +1457,16 @@ impl Connection {
                 let segs = p.on_loss_timer(now, retry);
                 probing |= p.probe_unanswered_since(heard);
                 lost.extend(segs);
-                let first_rto = p.consecutive_rtos == 1 && p.stats.rtos > rtos;
+                let timed_out = p.stats.rtos > rtos;
                 if p.state == PathState::Failed {
                     tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
                 } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
                     self.reroll(i, now);
-                } else if first_rto
+                } else if timed_out
                     && self.cfg.path_reroll_on_first_timeout
                     && self.others_delivered_since(i, newest)
                 {
-                    self.reroll_at_first_timeout(i);
+                    self.reroll_at_timeout(i);
                 }
             }
         }
