@@ -337,7 +337,7 @@ COND_COLORS = {
     "clean": "#4c72b0",
     "1% loss": "#dd8452",
     "failed spine link": "#c44e52",
-    "failed, rto 200us": "#8172b3",
+    "failed, short timeout": "#8172b3",
 }
 
 
@@ -360,22 +360,29 @@ def collectives(path):
             conds.append(r["condition"])
     val = {(r["collective"], r["transport"], r["condition"]): r["ratio_to_ideal"] for r in runs}
     ok = {(r["collective"], r["transport"], r["condition"]): r["data_ok"] for r in runs}
+    # A failed run (an RC QP in the error state): its bar is the time it failed.
+    failed = {(r["collective"], r["transport"], r["condition"]) for r in runs if r.get("failed")}
     title = (f"{doc['hosts']} hosts, {doc['planes']} planes, "
              f"{doc['host_gbps_per_plane']} Gbit/s per host per plane: completion time / ideal")
     png = OUT / "sim_collectives.png"
     OUT.mkdir(parents=True, exist_ok=True)
     if plt is not None:
-        fig, ax = plt.subplots(figsize=(10, 4.5))
+        fig, ax = plt.subplots(figsize=(12, 5))
         w = 0.8 / len(conds)
         for ci, c in enumerate(conds):
             xs = [gi + ci * w for gi in range(len(groups))]
             ys = [val.get((g[0], g[1], c), float("nan")) for g in groups]
-            ax.bar(xs, ys, w, label=c, color=COND_COLORS.get(c))
+            bars = ax.bar(xs, ys, w, label=c, color=COND_COLORS.get(c))
+            for g, b, yv in zip(groups, bars, ys):
+                if (g[0], g[1], c) in failed:
+                    b.set_hatch("//")
+                    ax.text(b.get_x() + b.get_width() / 2, yv * 1.1, "QP\nerror",
+                            ha="center", va="bottom", fontsize=6)
         ax.set_yscale("log")
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([gi + 0.4 - w / 2 for gi in range(len(groups))])
         ax.set_xticklabels([f"{a}\n{b}" for a, b in groups])
-        ax.set_ylabel("time / ideal (log)")
+        ax.set_ylabel("time / ideal (log); hatched: failed (time of the QP error)")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -412,7 +419,8 @@ def collectives(path):
             yy = y(v)
             out.append(f'<rect x="{x:.1f}" y="{yy:.1f}" width="{bw - 2:.1f}" '
                        f'height="{H - B - yy:.1f}" fill="{COND_COLORS.get(c, "#777")}"/>')
-            label = f"{v:.1f}" + ("" if ok.get((g[0], g[1], c)) else " BAD")
+            label = f"{v:.1f}" + ("" if ok.get((g[0], g[1], c)) else
+                                  " QP error" if (g[0], g[1], c) in failed else " BAD")
             out.append(f'<text x="{x + bw / 2 - 1:.1f}" y="{yy - 4:.1f}" text-anchor="middle" '
                        f'font-size="10">{label}</text>')
         cx = L + gi * gw + gw / 2
