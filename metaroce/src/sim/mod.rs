@@ -56,6 +56,15 @@
 //! [`Sim::set_event_handler`]) and schedules [`Endpoint::handle_timeout`] for the time
 //! [`Endpoint::poll_timeout`] asks for.
 //!
+//! RC queue pairs of the endpoint ([`Endpoint::rc`], RoCEv2 mode) connected with
+//! [`crate::rocev2::RcWire::Native`] are driven the same way: after the datagrams the host
+//! takes their packets from [`Endpoint::poll_rc_transmit`] (from the QP's own UDP source
+//! port, so ECMP and the uplink choice pin a QP to one route and one plane) and delivers
+//! them with [`Endpoint::handle_ip_packet`] as whole IPv4 packets rebuilt from the
+//! addresses, ports, ECN field (CE if a switch marked it) and the IPv4 ID the sender's ICRC
+//! covers, so the receiver verifies the ICRC as over a raw-IP socket. See
+//! [`collective::Transport::Rc`].
+//!
 //! Like a real driver, a host applies backpressure: it takes transmits only while its NIC
 //! queue (the uplink's queue) holds less than [`SimConfig::nic_queue_bytes`], and comes
 //! back for more when the queue has drained to half of that, so the transport's packets
