@@ -17,7 +17,7 @@
 //!   corruption).
 //!
 //! Adversary tests capture packets ([`Action::Capture`], [`Net::captured`]), look at
-//! everything sent ([`Net::tap`]), and put packets of their own making on the wire
+//! everything sent ([`Net::wire`], [`Net::last_sent`]), and put packets of their own making on the wire
 //! ([`Net::inject`], [`Net::inject_raw`]). An endpoint can be restarted ([`Net::restart`])
 //! while packets of its old incarnation are still in flight.
 //!
