@@ -1091,6 +1091,132 @@ impl RcQp {
         Ok(msg)
     }
 
+    /// Latency probe at the verbs floor (a measurement tool, not a stable API): `iters`
+    /// SEND ping-pongs of `data` on this QP driven by `ibv_post_send` / `ibv_post_recv` /
+    /// `ibv_poll_cq` directly on the calling thread, spinning on the CQ, with no task, no
+    /// channel and no copy out of the receive slot; what `ib_send_lat` does per iteration.
+    /// The initiator (`initiator = true`) SENDs first and returns each round trip in µs;
+    /// the other side echoes every message it receives and returns an empty vector. Every
+    /// SEND is signaled; a SEND waits for a free send-queue entry only when `send_slots`
+    /// are outstanding. Nothing else may use the QP (or its CQ) meanwhile: the QP's CQ
+    /// task must not run (drive it from threads outside its runtime) and no other operation
+    /// may be in flight.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `data` exceeds `slot_size` or the QP has no receive
+    /// slots, [`Error::Completion`] for a completion in error, [`Error::Verbs`] if a verb
+    /// fails, [`Error::Closed`] if the QP is closed, or a wait exceeds 5 s.
+    #[doc(hidden)]
+    pub fn probe_pingpong(&self, initiator: bool, data: &[u8], iters: u64) -> Result<Vec<f64>> {
+        const PROBE_WR: u64 = RECV_BIT - 1;
+        let s = self.s();
+        if data.len() > s.cfg.slot_size as usize || s.recv_pool.is_none() {
+            return Err(Error::InvalidArgument(
+                "probe: data exceeds slot_size, or recv_slots is 0".into(),
+            ));
+        }
+        let _permit = s
+            .send_sem
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::SendQueueFull)?;
+        let slot = s
+            .send_free
+            .lock()
+            .pop()
+            .expect("a send permit guarantees a free slot");
+        let off = slot as usize * s.cfg.slot_size as usize;
+        s.send_pool.buf().write(off, data);
+        let max_out = s.cfg.send_slots as usize;
+        let mut sends_out = 0usize;
+        let post = |sends_out: &mut usize| -> Result<()> {
+            let mut wr = Self::blank_wr(IBV_WR_SEND);
+            wr.wr_id = PROBE_WR;
+            wr.send_flags = IBV_SEND_SIGNALED;
+            if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
+                wr.send_flags |= IBV_SEND_INLINE;
+            }
+            let mut sge = (!data.is_empty())
+                .then(|| s.send_pool.sge(off as u64, data.len() as u64))
+                .transpose()?;
+            // SAFETY: the SGE lies in send_pool, registered until after the QP is destroyed.
+            unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) }
+                .map_err(verbs_err("ibv_post_send"))?;
+            *sends_out += 1;
+            Ok(())
+        };
+        // Polls until a receive completes (`want_recv`) or until `sends_out <= target`.
+        let wait = |sends_out: &mut usize, want_recv: bool, target: usize| -> Result<()> {
+            let mut wcs = [ibv_wc::default(); 16];
+            let t0 = std::time::Instant::now();
+            let mut spins = 0u32;
+            loop {
+                let n = {
+                    let _g = s.poll_lock.lock();
+                    ffi::poll_cq(s.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?
+                };
+                let mut got = false;
+                for w in &wcs[..n] {
+                    let wc = Wc {
+                        status: map_status(w.status),
+                        code: w.status,
+                        opcode: map_opcode(w.opcode),
+                        byte_len: w.byte_len,
+                        imm: None,
+                        vendor_err: w.vendor_err,
+                    };
+                    wc.ok()?;
+                    if w.wr_id & RECV_BIT != 0 {
+                        s.posted_recvs.fetch_sub(1, Ordering::AcqRel);
+                        s.post_recv_slot((w.wr_id & !RECV_BIT) as u32)?;
+                        got = true;
+                    } else if w.wr_id == PROBE_WR {
+                        *sends_out -= 1;
+                    } else {
+                        s.unknown_wcs.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                if (want_recv && got) || (!want_recv && *sends_out <= target) {
+                    return Ok(());
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 4096 == 0
+                    && (s.closing.load(Ordering::Acquire) || t0.elapsed() > Duration::from_secs(5))
+                {
+                    return Err(Error::Closed);
+                }
+            }
+        };
+        let mut rtts = Vec::with_capacity(if initiator { iters as usize } else { 0 });
+        let r = (|| {
+            for _ in 0..iters {
+                if initiator {
+                    let t = std::time::Instant::now();
+                    if sends_out >= max_out {
+                        wait(&mut sends_out, false, max_out - 1)?;
+                    }
+                    post(&mut sends_out)?;
+                    wait(&mut sends_out, true, 0)?;
+                    rtts.push(t.elapsed().as_secs_f64() * 1e6);
+                } else {
+                    wait(&mut sends_out, true, 0)?;
+                    if sends_out >= max_out {
+                        wait(&mut sends_out, false, max_out - 1)?;
+                    }
+                    post(&mut sends_out)?;
+                }
+            }
+            if sends_out > 0 {
+                wait(&mut sends_out, false, 0)?;
+            }
+            Ok(())
+        })();
+        if r.is_ok() {
+            s.send_free.lock().push(slot);
+        }
+        r.map(|()| rtts)
+    }
+
     fn rdma_permit_try(&self) -> Result<OwnedSemaphorePermit> {
         self.check_open()?;
         self.s()
