@@ -26,7 +26,8 @@ pub enum CqPoll {
     #[default]
     Events,
     /// The awaiting task itself polls the CQ (`ibv_poll_cq`, no task hop), yielding to the
-    /// runtime between empty polls, for at most `max` per wait; after that it falls back to
+    /// runtime after every [`SPIN_BURST`] empty polls in a row, for about `max` per wait (the
+    /// clock is read once per [`SPIN_BURST`] polls); after that it falls back to
     /// [`CqPoll::Events`] for the rest of that wait. This is perftest's default
     /// (busy-polled CQ, `-e` for events): it trades a CPU spinning during each wait for
     /// the latency of the event path. An idle QP (nobody awaiting) never spins.
@@ -263,8 +264,9 @@ pub(crate) struct QpShared {
     recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
     unknown_wcs: AtomicU64,
     /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
-    /// completions are dispatched (and receives queued) in CQ order.
-    poll_lock: Mutex<()>,
+    /// completions are dispatched (and receives queued) in CQ order; holds the buffer
+    /// `ibv_poll_cq` fills (not zeroed again per poll).
+    poll_lock: Mutex<[ibv_wc; POLL_BATCH]>,
     /// Busy-polling waiters ([`CqPoll::BusySpin`]) currently spinning: while any is, the
     /// CQ task does not arm the CQ (no completion event, no system calls per completion).
     spinners: AtomicUsize,
@@ -393,11 +395,10 @@ impl QpShared {
     }
 
     fn poll_all(&self) -> Result<usize> {
-        let _g = self.poll_lock.lock();
-        let mut wcs = [ibv_wc::default(); 32];
+        let mut wcs = self.poll_lock.lock();
         let mut total = 0;
         loop {
-            let n = ffi::poll_cq(self.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?;
+            let n = ffi::poll_cq(self.cq, &mut *wcs).map_err(verbs_err("ibv_poll_cq"))?;
             for w in &wcs[..n] {
                 self.dispatch(w);
             }
@@ -421,6 +422,12 @@ async fn cq_task(st: TaskState) {
         let mut empty = 0;
         let mut failed = false;
         while empty < SPIN_ROUNDS {
+            if shared.spinners.load(Ordering::Acquire) > 0 {
+                // A busy-polling waiter appeared: it drains the CQ itself; competing with
+                // it for the CQ (and, on a current-thread runtime, for the thread) only
+                // delays it.
+                break;
+            }
             match shared.poll_all() {
                 Ok(0) => empty += 1,
                 Ok(_) => empty = 0,
@@ -454,11 +461,14 @@ async fn cq_task(st: TaskState) {
         }
         if shared.spinners.load(Ordering::Acquire) > 0 && !shared.closing.load(Ordering::Acquire) {
             // Busy-polling waiters drain the CQ themselves: stay off the completion
-            // channel until the last of them is done (the 50 ms bound is a safety net).
+            // channel until the last of them is done. No timer here: arming one per wait
+            // reads the clock, and the runtime then reads it at every yield of the
+            // spinning waiter (costly where the clocksource is an emulated HPET). No
+            // wake-up is lost: a Spin dropped after the load above leaves a permit in
+            // `spin_notify`.
             tokio::select! {
                 _ = shared.spin_notify.notified() => {}
                 _ = shared.close_notify.notified() => {}
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
             continue;
         }
@@ -495,6 +505,19 @@ async fn cq_task(st: TaskState) {
 /// Empty CQ polls in a row, after completions, before the CQ is armed and the task sleeps.
 /// (A time-based spin of 200 µs was tried for send_lat on rxe and changed nothing.)
 const SPIN_ROUNDS: u32 = 64;
+
+/// Completions taken per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 32;
+
+/// Under [`CqPoll::BusySpin`], empty CQ polls a waiter makes in a row before it yields to
+/// the runtime (and before it reads the clock for its deadline). A yield is a pass through
+/// the scheduler (on a current-thread runtime an `epoll_wait` and a clock read), which in
+/// a TCG guest costs several `ibv_poll_cq` of rdma_rxe: send_lat 64 B there measured 50 us
+/// with bursts of 8 polls, 33 us with 32 and 32 us with 128 (docs/RESULTS.md). The price:
+/// a spinning waiter holds its thread for up to this many polls, so two QPs ping-ponging
+/// on ONE current-thread runtime wait for each other's bursts (keep latency-critical peers
+/// on separate threads, as separate processes would be).
+pub const SPIN_BURST: u32 = 128;
 
 struct Handle(Arc<QpShared>);
 
@@ -544,6 +567,8 @@ struct Spin {
     shared: Arc<QpShared>,
     deadline: Option<std::time::Instant>,
     max: Duration,
+    /// CQ polls made so far.
+    polls: u32,
 }
 
 impl std::fmt::Debug for Spin {
@@ -564,9 +589,17 @@ impl Spin {
     /// Poll the CQ once (dispatching whatever completed). Returns false once the spin's
     /// time is up (or polling failed): the caller then waits for the CQ task instead.
     fn poll_once(&mut self) -> bool {
-        let now = std::time::Instant::now();
-        let d = *self.deadline.get_or_insert(now + self.max);
-        if now >= d || self.shared.closing.load(Ordering::Acquire) {
+        if self.polls % SPIN_BURST == 0 {
+            // The clock is read once per burst: in a guest whose clocksource is the
+            // emulated HPET, reading it costs more than the poll.
+            let now = std::time::Instant::now();
+            let d = *self.deadline.get_or_insert(now + self.max);
+            if now >= d {
+                return false;
+            }
+        }
+        self.polls = self.polls.wrapping_add(1);
+        if self.shared.closing.load(Ordering::Acquire) {
             return false;
         }
         self.shared.poll_all().is_ok()
@@ -578,16 +611,26 @@ impl Future for OpFuture {
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
         let this = &mut *self;
         if let Some(spin) = &mut this.spin {
-            if spin.poll_once() {
-                return match this.rx.try_recv() {
-                    Ok(wc) => Poll::Ready(Ok(wc)),
-                    Err(oneshot::error::TryRecvError::Closed) => Poll::Ready(Err(Error::Closed)),
-                    Err(oneshot::error::TryRecvError::Empty) => {
-                        // Yield: let the runtime run other tasks, then poll again.
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
+            let mut live = true;
+            for _ in 0..SPIN_BURST {
+                if !spin.poll_once() {
+                    live = false;
+                    break;
+                }
+                match this.rx.try_recv() {
+                    Ok(wc) => return Poll::Ready(Ok(wc)),
+                    Err(oneshot::error::TryRecvError::Closed) => {
+                        return Poll::Ready(Err(Error::Closed))
                     }
-                };
+                    // No `spin_loop()` hint: QEMU's TCG turns PAUSE into an exit from its
+                    // translated-code loop, costlier than the poll.
+                    Err(oneshot::error::TryRecvError::Empty) => {}
+                }
+            }
+            if live {
+                // Yield: let the runtime run other tasks, then poll again.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
             this.spin = None;
         }
@@ -735,7 +778,7 @@ impl RcQp {
             recv_rx: tokio::sync::Mutex::new(recv_rx),
             recv_tx_id,
             unknown_wcs: AtomicU64::new(0),
-            poll_lock: Mutex::new(()),
+            poll_lock: Mutex::new([ibv_wc::default(); POLL_BATCH]),
             spinners: AtomicUsize::new(0),
             spin_notify: Notify::new(),
             _pd: pd.0.clone(),
@@ -932,6 +975,7 @@ impl RcQp {
                 },
                 deadline: None,
                 max,
+                polls: 0,
             }),
         }
     }
@@ -1044,10 +1088,23 @@ impl RcQp {
         let mut spin = self.spinner();
         let (wc, slot) = loop {
             if let Some(sp) = &mut spin {
-                if sp.poll_once() {
+                let mut live = true;
+                let mut got = None;
+                for _ in 0..SPIN_BURST {
+                    // Something else (the CQ task, another waiter) may have dispatched it.
                     if let Ok(m) = rx.try_recv() {
-                        break m;
+                        got = Some(m);
+                        break;
                     }
+                    if !sp.poll_once() {
+                        live = false;
+                        break;
+                    }
+                }
+                if let Some(m) = got {
+                    break m;
+                }
+                if live {
                     tokio::task::yield_now().await;
                     continue;
                 }
@@ -1147,13 +1204,15 @@ impl RcQp {
         };
         // Polls until a receive completes (`want_recv`) or until `sends_out <= target`.
         let wait = |sends_out: &mut usize, want_recv: bool, target: usize| -> Result<()> {
-            let mut wcs = [ibv_wc::default(); 16];
+            let mut wcs = [ibv_wc::default(); POLL_BATCH];
             let t0 = std::time::Instant::now();
             let mut spins = 0u32;
             loop {
                 let n = {
-                    let _g = s.poll_lock.lock();
-                    ffi::poll_cq(s.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?
+                    let mut g = s.poll_lock.lock();
+                    let n = ffi::poll_cq(s.cq, &mut *g).map_err(verbs_err("ibv_poll_cq"))?;
+                    wcs[..n].copy_from_slice(&g[..n]);
+                    n
                 };
                 let mut got = false;
                 for w in &wcs[..n] {
@@ -1189,15 +1248,18 @@ impl RcQp {
         };
         let mut rtts = Vec::with_capacity(if initiator { iters as usize } else { 0 });
         let r = (|| {
+            // One clock read per iteration (round trip = time between consecutive stamps).
+            let mut t = std::time::Instant::now();
             for _ in 0..iters {
                 if initiator {
-                    let t = std::time::Instant::now();
                     if sends_out >= max_out {
                         wait(&mut sends_out, false, max_out - 1)?;
                     }
                     post(&mut sends_out)?;
                     wait(&mut sends_out, true, 0)?;
-                    rtts.push(t.elapsed().as_secs_f64() * 1e6);
+                    let now = std::time::Instant::now();
+                    rtts.push((now - t).as_secs_f64() * 1e6);
+                    t = now;
                 } else {
                     wait(&mut sends_out, true, 0)?;
                     if sends_out >= max_out {

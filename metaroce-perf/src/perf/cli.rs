@@ -432,13 +432,14 @@ pub struct Args {
     /// (for measuring where the latency goes; docs/RESULTS.md has the table). `raw`: two
     /// threads spinning on ibv_post_send / ibv_post_recv / ibv_poll_cq (the floor);
     /// `threads`: the RcQp API (send, recv) on two threads without a tokio scheduler;
-    /// `runtimes`: each QP on its own thread's current-thread tokio runtime, as two
-    /// perftest processes; `runtime`: both QPs' tasks on one current-thread runtime;
+    /// `runtimes` (the default): each QP on its own thread's current-thread tokio runtime,
+    /// as perftest's server and client processes; `runtime`: both QPs' tasks on one
+    /// current-thread runtime;
     /// `mt`: both on one two-worker multi-thread runtime.
     #[arg(
         long = "verbs-layer",
         value_enum,
-        default_value = "runtime",
+        default_value = "runtimes",
         value_name = "LAYER"
     )]
     pub verbs_layer: VerbsLayer,
