@@ -7,10 +7,13 @@
 //!   (default 128, at most the QP's `max_rdma_wr`); bandwidth = bytes / time from the first
 //!   post to the last completion; then the destination is compared with the source.
 //! * send_lat: `-n` SEND ping-pongs of `-s` bytes (default 2 × 1000); each one-way latency
-//!   is half a round trip; t_typical is the median (perftest's definition). Like
-//!   ib_send_lat, the CQs are busy-polled (`CqPoll::BusySpin`, up to 1 s per wait) and
-//!   SENDs of at most 236 bytes go inline, unless `-e` (events: CQ task + completion
-//!   channel, no inline).
+//!   is half a round trip (one clock read per iteration, as perftest); t_typical is the
+//!   median (perftest's definition). Like ib_send_lat, the CQs are busy-polled
+//!   (`CqPoll::BusySpin`, up to 1 s per wait) and SENDs of at most 236 bytes go inline,
+//!   unless `-e` (events: CQ task + completion channel, no inline). By default the echo QP
+//!   runs on its own OS thread with its own current-thread runtime, as ib_send_lat's
+//!   server is its own process; `--verbs-layer` selects other arrangements, down to the
+//!   bare verbs (`raw`), to show what each layer costs (docs/RESULTS.md).
 
 use super::cli::{Args, Test, VerbsLayer};
 use futures::stream::{FuturesUnordered, StreamExt};
