@@ -30,9 +30,12 @@ pub enum CqPoll {
     /// clock is read once per [`SPIN_BURST`] polls); after that it falls back to
     /// [`CqPoll::Events`] for the rest of that wait. This is perftest's default
     /// (busy-polled CQ, `-e` for events): it trades a CPU spinning during each wait for
-    /// the latency of the event path. An idle QP (nobody awaiting) never spins.
+    /// the latency of the event path. An idle QP (nobody awaiting) never spins. A burst
+    /// holds the thread, so waiters that depend on each other (the two ends of a
+    /// ping-pong) belong on different threads, not on one current-thread runtime.
     BusySpin {
-        /// Longest spin of one wait before falling back to events.
+        /// Longest spin of one wait before falling back to events (checked once per
+        /// [`SPIN_BURST`] polls, so a wait spins at least that many polls).
         max: Duration,
     },
 }
