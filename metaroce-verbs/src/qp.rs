@@ -267,9 +267,8 @@ pub(crate) struct QpShared {
     recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
     unknown_wcs: AtomicU64,
     /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
-    /// completions are dispatched (and receives queued) in CQ order; holds the buffer
-    /// `ibv_poll_cq` fills (not zeroed again per poll).
-    poll_lock: Mutex<[ibv_wc; POLL_BATCH]>,
+    /// completions are dispatched (and receives queued) in CQ order.
+    poll_lock: Mutex<()>,
     /// Busy-polling waiters ([`CqPoll::BusySpin`]) currently spinning: while any is, the
     /// CQ task does not arm the CQ (no completion event, no system calls per completion).
     spinners: AtomicUsize,
@@ -398,10 +397,11 @@ impl QpShared {
     }
 
     fn poll_all(&self) -> Result<usize> {
-        let mut wcs = self.poll_lock.lock();
+        let _g = self.poll_lock.lock();
+        let mut wcs = [ibv_wc::default(); POLL_BATCH];
         let mut total = 0;
         loop {
-            let n = ffi::poll_cq(self.cq, &mut *wcs).map_err(verbs_err("ibv_poll_cq"))?;
+            let n = ffi::poll_cq(self.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?;
             for w in &wcs[..n] {
                 self.dispatch(w);
             }
@@ -781,7 +781,7 @@ impl RcQp {
             recv_rx: tokio::sync::Mutex::new(recv_rx),
             recv_tx_id,
             unknown_wcs: AtomicU64::new(0),
-            poll_lock: Mutex::new([ibv_wc::default(); POLL_BATCH]),
+            poll_lock: Mutex::new(()),
             spinners: AtomicUsize::new(0),
             spin_notify: Notify::new(),
             _pd: pd.0.clone(),
@@ -1212,10 +1212,8 @@ impl RcQp {
             let mut spins = 0u32;
             loop {
                 let n = {
-                    let mut g = s.poll_lock.lock();
-                    let n = ffi::poll_cq(s.cq, &mut *g).map_err(verbs_err("ibv_poll_cq"))?;
-                    wcs[..n].copy_from_slice(&g[..n]);
-                    n
+                    let _g = s.poll_lock.lock();
+                    ffi::poll_cq(s.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?
                 };
                 let mut got = false;
                 for w in &wcs[..n] {
