@@ -4,7 +4,9 @@
 # 64 B (both sides of each on the guest's rxe0, RC loopback), and the ratios.
 # Environment: WORK, SHARE, TESTBED as for rxe-vm.sh; BW_ITERS (default 2000), LAT_ITERS
 # (default 2000), REPS (default 3: each pair is run REPS times, interleaved; the medians
-# are compared).
+# are compared); LAYERS (default "raw threads runtime"): send_lat is also run, in each rep,
+# with each of these `--verbs-layer`s (the default one, runtimes, is the send_lat above),
+# to show what each layer of metaroce-verbs costs; LAYERS="" skips them.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -20,6 +22,7 @@ export TIMEOUT=${TIMEOUT:-500}
 BW_ITERS=${BW_ITERS:-2000}
 LAT_ITERS=${LAT_ITERS:-2000}
 REPS=${REPS:-3}
+LAYERS=${LAYERS-raw threads runtime}
 (cd "$ROOT" && cargo build --release -q -p metaroce-perf --bin metaroce-perf)
 TARGET_DIR=$(cd "$ROOT" && cargo metadata --format-version 1 --no-deps \
     | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
@@ -37,8 +40,11 @@ for r in \$(seq $REPS); do
   ib_send_lat -d rxe0 -x 1 -s 64 -n $LAT_ITERS 127.0.0.1 | awk '\$1==64 {print \"ib_send_lat_typical_usec=\" \$5}'
   wait
   \$P send_lat -s 64 -n $LAT_ITERS | grep '^send_lat_typical_usec='
+  for l in $LAYERS; do
+    \$P send_lat -s 64 -n $LAT_ITERS --verbs-layer \$l | sed -n \"s/^send_lat_typical_usec=/send_lat_\${l}_usec=/p\"
+  done
 done
-" | tee "$LOG" | grep -E '^(ib_)?(write_bw_gbps|send_lat_typical_usec)=' > "$WORK/rxe-perf.kv" || true
+" | tee "$LOG" | grep -E '^(ib_)?(write_bw_gbps|send_lat_typical_usec|send_lat_[a-z]+_usec)=' > "$WORK/rxe-perf.kv" || true
 python3 - "$WORK/rxe-perf.kv" <<'PY'
 import sys, statistics as st
 kv = {}
@@ -50,10 +56,12 @@ missing = [k for k in need if k not in kv]
 if missing:
     print('missing figures:', missing); sys.exit(1)
 m = {k: st.median(v) for k, v in kv.items()}
-for k in need:
+for k in need + sorted(k for k in kv if k not in need):
     print(f'{k:28s} runs {kv[k]} median {m[k]:.4f}')
 bw = m['write_bw_gbps'] / m['ib_write_bw_gbps']
 lat = m['send_lat_typical_usec'] / m['ib_send_lat_typical_usec']
 print(f'write_bw 64 KiB: metaroce-verbs / ib_write_bw = {bw:.3f} (target >= 0.9)')
 print(f'send_lat 64 B:   metaroce-verbs / ib_send_lat = {lat:.3f} (target <= 1.2)')
+for k in sorted(k for k in m if k.startswith('send_lat_') and k != 'send_lat_typical_usec'):
+    print(f'  --verbs-layer {k[9:-5]:9s} / ib_send_lat = {m[k] / m["ib_send_lat_typical_usec"]:.3f}')
 PY

@@ -26,12 +26,16 @@ pub enum CqPoll {
     #[default]
     Events,
     /// The awaiting task itself polls the CQ (`ibv_poll_cq`, no task hop), yielding to the
-    /// runtime between empty polls, for at most `max` per wait; after that it falls back to
+    /// runtime after every [`SPIN_BURST`] empty polls in a row, for about `max` per wait (the
+    /// clock is read once per [`SPIN_BURST`] polls); after that it falls back to
     /// [`CqPoll::Events`] for the rest of that wait. This is perftest's default
     /// (busy-polled CQ, `-e` for events): it trades a CPU spinning during each wait for
-    /// the latency of the event path. An idle QP (nobody awaiting) never spins.
+    /// the latency of the event path. An idle QP (nobody awaiting) never spins. A burst
+    /// holds the thread, so waiters that depend on each other (the two ends of a
+    /// ping-pong) belong on different threads, not on one current-thread runtime.
     BusySpin {
-        /// Longest spin of one wait before falling back to events.
+        /// Longest spin of one wait before falling back to events (checked once per
+        /// [`SPIN_BURST`] polls, so a wait spins at least that many polls).
         max: Duration,
     },
 }
@@ -394,7 +398,7 @@ impl QpShared {
 
     fn poll_all(&self) -> Result<usize> {
         let _g = self.poll_lock.lock();
-        let mut wcs = [ibv_wc::default(); 32];
+        let mut wcs = [ibv_wc::default(); POLL_BATCH];
         let mut total = 0;
         loop {
             let n = ffi::poll_cq(self.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?;
@@ -421,6 +425,12 @@ async fn cq_task(st: TaskState) {
         let mut empty = 0;
         let mut failed = false;
         while empty < SPIN_ROUNDS {
+            if shared.spinners.load(Ordering::Acquire) > 0 {
+                // A busy-polling waiter appeared: it drains the CQ itself; competing with
+                // it for the CQ (and, on a current-thread runtime, for the thread) only
+                // delays it.
+                break;
+            }
             match shared.poll_all() {
                 Ok(0) => empty += 1,
                 Ok(_) => empty = 0,
@@ -454,11 +464,14 @@ async fn cq_task(st: TaskState) {
         }
         if shared.spinners.load(Ordering::Acquire) > 0 && !shared.closing.load(Ordering::Acquire) {
             // Busy-polling waiters drain the CQ themselves: stay off the completion
-            // channel until the last of them is done (the 50 ms bound is a safety net).
+            // channel until the last of them is done. No timer here: arming one per wait
+            // reads the clock, and the runtime then reads it at every yield of the
+            // spinning waiter (costly where the clocksource is an emulated HPET). No
+            // wake-up is lost: a Spin dropped after the load above leaves a permit in
+            // `spin_notify`.
             tokio::select! {
                 _ = shared.spin_notify.notified() => {}
                 _ = shared.close_notify.notified() => {}
-                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
             }
             continue;
         }
@@ -495,6 +508,19 @@ async fn cq_task(st: TaskState) {
 /// Empty CQ polls in a row, after completions, before the CQ is armed and the task sleeps.
 /// (A time-based spin of 200 µs was tried for send_lat on rxe and changed nothing.)
 const SPIN_ROUNDS: u32 = 64;
+
+/// Completions taken per `ibv_poll_cq` call.
+const POLL_BATCH: usize = 32;
+
+/// Under [`CqPoll::BusySpin`], empty CQ polls a waiter makes in a row before it yields to
+/// the runtime (and before it reads the clock for its deadline). A yield is a pass through
+/// the scheduler (on a current-thread runtime an `epoll_wait` and a clock read), which in
+/// a TCG guest costs several `ibv_poll_cq` of rdma_rxe: send_lat 64 B there measured 50 us
+/// with bursts of 8 polls, 33 us with 32 and 32 us with 128 (docs/RESULTS.md). The price:
+/// a spinning waiter holds its thread for up to this many polls, so two QPs ping-ponging
+/// on ONE current-thread runtime wait for each other's bursts (keep latency-critical peers
+/// on separate threads, as separate processes would be).
+pub const SPIN_BURST: u32 = 128;
 
 struct Handle(Arc<QpShared>);
 
@@ -544,6 +570,8 @@ struct Spin {
     shared: Arc<QpShared>,
     deadline: Option<std::time::Instant>,
     max: Duration,
+    /// CQ polls made so far.
+    polls: u32,
 }
 
 impl std::fmt::Debug for Spin {
@@ -564,9 +592,17 @@ impl Spin {
     /// Poll the CQ once (dispatching whatever completed). Returns false once the spin's
     /// time is up (or polling failed): the caller then waits for the CQ task instead.
     fn poll_once(&mut self) -> bool {
-        let now = std::time::Instant::now();
-        let d = *self.deadline.get_or_insert(now + self.max);
-        if now >= d || self.shared.closing.load(Ordering::Acquire) {
+        if self.polls % SPIN_BURST == 0 {
+            // The clock is read once per burst: in a guest whose clocksource is the
+            // emulated HPET, reading it costs more than the poll.
+            let now = std::time::Instant::now();
+            let d = *self.deadline.get_or_insert(now + self.max);
+            if now >= d {
+                return false;
+            }
+        }
+        self.polls = self.polls.wrapping_add(1);
+        if self.shared.closing.load(Ordering::Acquire) {
             return false;
         }
         self.shared.poll_all().is_ok()
@@ -578,16 +614,26 @@ impl Future for OpFuture {
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
         let this = &mut *self;
         if let Some(spin) = &mut this.spin {
-            if spin.poll_once() {
-                return match this.rx.try_recv() {
-                    Ok(wc) => Poll::Ready(Ok(wc)),
-                    Err(oneshot::error::TryRecvError::Closed) => Poll::Ready(Err(Error::Closed)),
-                    Err(oneshot::error::TryRecvError::Empty) => {
-                        // Yield: let the runtime run other tasks, then poll again.
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
+            let mut live = true;
+            for _ in 0..SPIN_BURST {
+                if !spin.poll_once() {
+                    live = false;
+                    break;
+                }
+                match this.rx.try_recv() {
+                    Ok(wc) => return Poll::Ready(Ok(wc)),
+                    Err(oneshot::error::TryRecvError::Closed) => {
+                        return Poll::Ready(Err(Error::Closed))
                     }
-                };
+                    // No `spin_loop()` hint: QEMU's TCG turns PAUSE into an exit from its
+                    // translated-code loop, costlier than the poll.
+                    Err(oneshot::error::TryRecvError::Empty) => {}
+                }
+            }
+            if live {
+                // Yield: let the runtime run other tasks, then poll again.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
             this.spin = None;
         }
@@ -932,6 +978,7 @@ impl RcQp {
                 },
                 deadline: None,
                 max,
+                polls: 0,
             }),
         }
     }
@@ -1044,10 +1091,23 @@ impl RcQp {
         let mut spin = self.spinner();
         let (wc, slot) = loop {
             if let Some(sp) = &mut spin {
-                if sp.poll_once() {
+                let mut live = true;
+                let mut got = None;
+                for _ in 0..SPIN_BURST {
+                    // Something else (the CQ task, another waiter) may have dispatched it.
                     if let Ok(m) = rx.try_recv() {
-                        break m;
+                        got = Some(m);
+                        break;
                     }
+                    if !sp.poll_once() {
+                        live = false;
+                        break;
+                    }
+                }
+                if let Some(m) = got {
+                    break m;
+                }
+                if live {
                     tokio::task::yield_now().await;
                     continue;
                 }
@@ -1089,6 +1149,135 @@ impl RcQp {
             s.post_recv_slot(slot)?;
         }
         Ok(msg)
+    }
+
+    /// Latency probe at the verbs floor (a measurement tool, not a stable API): `iters`
+    /// SEND ping-pongs of `data` on this QP driven by `ibv_post_send` / `ibv_post_recv` /
+    /// `ibv_poll_cq` directly on the calling thread, spinning on the CQ, with no task, no
+    /// channel and no copy out of the receive slot; what `ib_send_lat` does per iteration.
+    /// The initiator (`initiator = true`) SENDs first and returns each round trip in µs;
+    /// the other side echoes every message it receives and returns an empty vector. Every
+    /// SEND is signaled; a SEND waits for a free send-queue entry only when `send_slots`
+    /// are outstanding. Nothing else may use the QP (or its CQ) meanwhile: the QP's CQ
+    /// task must not run (drive it from threads outside its runtime) and no other operation
+    /// may be in flight.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `data` exceeds `slot_size` or the QP has no receive
+    /// slots, [`Error::Completion`] for a completion in error, [`Error::Verbs`] if a verb
+    /// fails, [`Error::Closed`] if the QP is closed, or a wait exceeds 5 s.
+    #[doc(hidden)]
+    pub fn probe_pingpong(&self, initiator: bool, data: &[u8], iters: u64) -> Result<Vec<f64>> {
+        const PROBE_WR: u64 = RECV_BIT - 1;
+        let s = self.s();
+        if data.len() > s.cfg.slot_size as usize || s.recv_pool.is_none() {
+            return Err(Error::InvalidArgument(
+                "probe: data exceeds slot_size, or recv_slots is 0".into(),
+            ));
+        }
+        let _permit = s
+            .send_sem
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| Error::SendQueueFull)?;
+        let slot = s
+            .send_free
+            .lock()
+            .pop()
+            .expect("a send permit guarantees a free slot");
+        let off = slot as usize * s.cfg.slot_size as usize;
+        s.send_pool.buf().write(off, data);
+        let max_out = s.cfg.send_slots as usize;
+        let mut sends_out = 0usize;
+        let post = |sends_out: &mut usize| -> Result<()> {
+            let mut wr = Self::blank_wr(IBV_WR_SEND);
+            wr.wr_id = PROBE_WR;
+            wr.send_flags = IBV_SEND_SIGNALED;
+            if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
+                wr.send_flags |= IBV_SEND_INLINE;
+            }
+            let mut sge = (!data.is_empty())
+                .then(|| s.send_pool.sge(off as u64, data.len() as u64))
+                .transpose()?;
+            // SAFETY: the SGE lies in send_pool, registered until after the QP is destroyed.
+            unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) }
+                .map_err(verbs_err("ibv_post_send"))?;
+            *sends_out += 1;
+            Ok(())
+        };
+        // Polls until a receive completes (`want_recv`) or until `sends_out <= target`.
+        let wait = |sends_out: &mut usize, want_recv: bool, target: usize| -> Result<()> {
+            let mut wcs = [ibv_wc::default(); POLL_BATCH];
+            let t0 = std::time::Instant::now();
+            let mut spins = 0u32;
+            loop {
+                let n = {
+                    let _g = s.poll_lock.lock();
+                    ffi::poll_cq(s.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?
+                };
+                let mut got = false;
+                for w in &wcs[..n] {
+                    let wc = Wc {
+                        status: map_status(w.status),
+                        code: w.status,
+                        opcode: map_opcode(w.opcode),
+                        byte_len: w.byte_len,
+                        imm: None,
+                        vendor_err: w.vendor_err,
+                    };
+                    wc.ok()?;
+                    if w.wr_id & RECV_BIT != 0 {
+                        s.posted_recvs.fetch_sub(1, Ordering::AcqRel);
+                        s.post_recv_slot((w.wr_id & !RECV_BIT) as u32)?;
+                        got = true;
+                    } else if w.wr_id == PROBE_WR {
+                        *sends_out -= 1;
+                    } else {
+                        s.unknown_wcs.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                if (want_recv && got) || (!want_recv && *sends_out <= target) {
+                    return Ok(());
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 4096 == 0
+                    && (s.closing.load(Ordering::Acquire) || t0.elapsed() > Duration::from_secs(5))
+                {
+                    return Err(Error::Closed);
+                }
+            }
+        };
+        let mut rtts = Vec::with_capacity(if initiator { iters as usize } else { 0 });
+        let r = (|| {
+            // One clock read per iteration (round trip = time between consecutive stamps).
+            let mut t = std::time::Instant::now();
+            for _ in 0..iters {
+                if initiator {
+                    if sends_out >= max_out {
+                        wait(&mut sends_out, false, max_out - 1)?;
+                    }
+                    post(&mut sends_out)?;
+                    wait(&mut sends_out, true, 0)?;
+                    let now = std::time::Instant::now();
+                    rtts.push((now - t).as_secs_f64() * 1e6);
+                    t = now;
+                } else {
+                    wait(&mut sends_out, true, 0)?;
+                    if sends_out >= max_out {
+                        wait(&mut sends_out, false, max_out - 1)?;
+                    }
+                    post(&mut sends_out)?;
+                }
+            }
+            if sends_out > 0 {
+                wait(&mut sends_out, false, 0)?;
+            }
+            Ok(())
+        })();
+        if r.is_ok() {
+            s.send_free.lock().push(slot);
+        }
+        r.map(|()| rtts)
     }
 
     fn rdma_permit_try(&self) -> Result<OwnedSemaphorePermit> {

@@ -169,6 +169,103 @@ async fn busy_spin_and_inline_sends_ping_pong() {
     }
 }
 
+/// The echo QP on its own thread with its own current-thread runtime (as the send_lat of
+/// metaroce-perf runs it, and as two processes would): BusySpin waiters on two runtimes
+/// ping-pong with content and immediates intact; with a spin bound too short for any
+/// completion (1 ns) every wait falls back to its QP's CQ task, which is only woken by the
+/// last spinner leaving (no timer): a lost wake-up would hang here (the 60 s timeout).
+#[tokio::test]
+async fn busy_spin_echo_on_its_own_runtime() {
+    let Some((_ctx, pd)) = device() else { return };
+    for max in [Duration::from_secs(1), Duration::from_nanos(1)] {
+        let cfg = QpConfig {
+            slot_size: 256,
+            send_slots: 8,
+            recv_slots: 8,
+            poll: CqPoll::BusySpin { max },
+            max_inline_data: 64,
+            ..QpConfig::default()
+        };
+        let qa = RcQp::create(&pd, cfg.clone()).expect("create qa");
+        let (to_echo, from_main) = std::sync::mpsc::channel();
+        let (to_main, from_echo) = tokio::sync::oneshot::channel();
+        let n = 300usize;
+        let pd2 = pd.clone();
+        let echo = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let qb = RcQp::create(&pd2, cfg).expect("create qb");
+                to_main.send(qb.local()).unwrap();
+                qb.connect(&from_main.recv().unwrap()).expect("connect qb");
+                for _ in 0..n + 16 {
+                    let m = timeout(qb.recv()).await.unwrap();
+                    timeout(qb.send(&m.data, m.imm)).await.unwrap();
+                }
+                qb.unknown_completions()
+            })
+        });
+        qa.connect(&timeout(from_echo).await.unwrap())
+            .expect("connect qa");
+        to_echo.send(qa.local()).unwrap();
+        for i in 0..n {
+            let msg = pattern(i % 200, i as u8);
+            qa.post_send(&msg, Some(i as u32)).unwrap();
+            let m = timeout(qa.recv()).await.unwrap();
+            assert_eq!(m.data, msg, "message {i} (spin {max:?})");
+            assert_eq!(m.imm, Some(i as u32));
+        }
+        // Send slots were all given back (the earlier SENDs' completions dispatched by
+        // the spinning receives): 16 waited SENDs through 8 slots.
+        for i in 0..16u8 {
+            timeout(qa.send(&[i], None)).await.unwrap();
+            assert_eq!(timeout(qa.recv()).await.unwrap().data, vec![i]);
+        }
+        assert_eq!(echo.join().unwrap(), 0);
+        assert_eq!(qa.unknown_completions(), 0);
+    }
+}
+
+/// `RcQp::probe_pingpong` (the verbs-floor probe of `metaroce-perf send_lat --verbs-layer
+/// raw`): two threads, one per QP, drive SEND ping-pongs straight through the verbs; every
+/// round trip is measured, no completion is lost or unknown, and afterwards both QPs work
+/// through their normal API (receive slots reposted, the borrowed send slot returned).
+#[tokio::test]
+async fn probe_pingpong_on_two_threads() {
+    let Some((_ctx, pd)) = device() else { return };
+    let cfg = QpConfig {
+        slot_size: 64,
+        send_slots: 4,
+        recv_slots: 4,
+        max_inline_data: 64,
+        ..QpConfig::default()
+    };
+    let (qa, qb) = pair(&pd, cfg.clone(), cfg);
+    let n = 500;
+    let msg = pattern(64, 3);
+    let (rtts, echoed) = std::thread::scope(|sc| {
+        let e = sc.spawn(|| qb.probe_pingpong(false, &msg, n));
+        let p = sc.spawn(|| qa.probe_pingpong(true, &msg, n));
+        (p.join().unwrap().unwrap(), e.join().unwrap().unwrap())
+    });
+    assert_eq!(rtts.len(), n as usize);
+    assert!(echoed.is_empty());
+    assert!(rtts.iter().all(|r| r.is_finite() && *r > 0.0), "{rtts:?}");
+    // Each side took n receives and reposted them; the peer's n SENDs all completed.
+    assert_eq!(qa.unknown_completions() + qb.unknown_completions(), 0);
+    for i in 0..8u8 {
+        timeout(qa.send(&[i; 10], None)).await.unwrap();
+        assert_eq!(timeout(qb.recv()).await.unwrap().data, vec![i; 10]);
+    }
+    // Bad input is an error value, not a panic.
+    assert!(matches!(
+        qa.probe_pingpong(true, &[0u8; 65], 1),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
 #[tokio::test]
 async fn write_read_and_write_with_imm() {
     let Some((_ctx, pd)) = device() else { return };

@@ -130,6 +130,21 @@ impl Mode {
     }
 }
 
+/// How `--backend verbs send_lat` drives its two QPs (`--verbs-layer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum VerbsLayer {
+    /// Verbs directly, one spinning thread per QP.
+    Raw,
+    /// RcQp API, one thread per QP, no tokio scheduler.
+    Threads,
+    /// RcQp API, one thread and current-thread runtime per QP.
+    Runtimes,
+    /// RcQp API, both QPs on one current-thread runtime.
+    Runtime,
+    /// RcQp API, both QPs on one two-worker multi-thread runtime.
+    Mt,
+}
+
 /// Datagram backend (`--backend`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
@@ -412,6 +427,22 @@ pub struct Args {
     /// most 236 bytes inline, as perftest's ib_send_lat does by default.
     #[arg(short = 'e', long = "events")]
     pub events: bool,
+
+    /// --backend verbs send_lat: the layers of metaroce-verbs each ping-pong goes through
+    /// (for measuring where the latency goes; docs/RESULTS.md has the table). `raw`: two
+    /// threads spinning on ibv_post_send / ibv_post_recv / ibv_poll_cq (the floor);
+    /// `threads`: the RcQp API (send, recv) on two threads without a tokio scheduler;
+    /// `runtimes` (the default): each QP on its own thread's current-thread tokio runtime,
+    /// as perftest's server and client processes; `runtime`: both QPs' tasks on one
+    /// current-thread runtime;
+    /// `mt`: both on one two-worker multi-thread runtime.
+    #[arg(
+        long = "verbs-layer",
+        value_enum,
+        default_value = "runtimes",
+        value_name = "LAYER"
+    )]
+    pub verbs_layer: VerbsLayer,
 
     /// --backend verbs: run write_bw over one multipath connection of K RC QPs
     /// (metaroce-verbs `MpConnection`: WRITEs cut into 64 KiB chunks sprayed over the K QPs,

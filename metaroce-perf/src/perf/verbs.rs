@@ -7,12 +7,15 @@
 //!   (default 128, at most the QP's `max_rdma_wr`); bandwidth = bytes / time from the first
 //!   post to the last completion; then the destination is compared with the source.
 //! * send_lat: `-n` SEND ping-pongs of `-s` bytes (default 2 × 1000); each one-way latency
-//!   is half a round trip; t_typical is the median (perftest's definition). Like
-//!   ib_send_lat, the CQs are busy-polled (`CqPoll::BusySpin`, up to 1 s per wait) and
-//!   SENDs of at most 236 bytes go inline, unless `-e` (events: CQ task + completion
-//!   channel, no inline).
+//!   is half a round trip (one clock read per iteration, as perftest); t_typical is the
+//!   median (perftest's definition). Like ib_send_lat, the CQs are busy-polled
+//!   (`CqPoll::BusySpin`, up to 1 s per wait) and SENDs of at most 236 bytes go inline,
+//!   unless `-e` (events: CQ task + completion channel, no inline). By default the echo QP
+//!   runs on its own OS thread with its own current-thread runtime, as ib_send_lat's
+//!   server is its own process; `--verbs-layer` selects other arrangements, down to the
+//!   bare verbs (`raw`), to show what each layer costs (docs/RESULTS.md).
 
-use super::cli::{Args, Test};
+use super::cli::{Args, Test, VerbsLayer};
 use futures::stream::{FuturesUnordered, StreamExt};
 use metaroce_verbs::{Access, Context, CqPoll, QpConfig, RcQp};
 use std::time::{Duration, Instant};
@@ -42,10 +45,14 @@ pub fn main(args: &Args) -> i32 {
             return 2;
         }
     };
-    let rt = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let mut b = if test == Test::SendLat && args.verbs_layer == VerbsLayer::Mt {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(2);
+        b
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    let rt = match b.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("metaroce-perf: cannot start the async runtime: {e}");
@@ -264,13 +271,8 @@ async fn write_bw(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-async fn send_lat(args: &Args) -> Result<(), String> {
-    let size = args.size.unwrap_or(2);
-    let iters = args.iters.unwrap_or(1000);
-    if size > 1 << 20 {
-        return Err(format!("-s {size}: at most 1 MiB for send_lat"));
-    }
-    let cfg = QpConfig {
+fn send_lat_cfg(args: &Args, size: u64) -> QpConfig {
+    QpConfig {
         slot_size: (size as u32).max(1),
         recv_slots: 16,
         send_slots: 16,
@@ -283,36 +285,156 @@ async fn send_lat(args: &Args) -> Result<(), String> {
             }
         },
         max_inline_data: if args.events { 0 } else { 236 },
+        gid_index: args.gid_index,
         ..QpConfig::default()
-    };
-    // Both QPs on this thread's runtime: measured faster here (rxe in a 2-vCPU TCG guest,
-    // 64 B: 64 us typical) than an echo thread with its own runtime (2 ms: the two
-    // runtimes' CQ tasks wake each other through the completion channels).
-    let (_ctx, _pd, qa, qb) = open(args, cfg)?;
-    let msg = vec![0x5au8; size as usize];
-    let echo_msg = msg.clone();
-    let echo = tokio::spawn(async move {
-        for _ in 0..iters {
-            let m = qb.recv().await.map_err(|e| e.to_string())?;
-            if m.data.len() != echo_msg.len() {
-                return Err(format!("echo got {} bytes", m.data.len()));
-            }
-            qb.post_send(&echo_msg, None).map_err(|e| e.to_string())?;
-        }
-        Ok::<(), String>(())
-    });
-    let mut rtts = Vec::with_capacity(iters as usize);
+    }
+}
+
+/// The echo side of send_lat over the RcQp API: `iters` times, receive and send back.
+async fn echo_loop(qb: &RcQp, expect: usize, iters: u64) -> Result<(), String> {
+    let echo_msg = vec![0x5au8; expect];
     for _ in 0..iters {
-        let t = Instant::now();
-        qa.post_send(&msg, None).map_err(|e| e.to_string())?;
+        let m = qb.recv().await.map_err(|e| e.to_string())?;
+        if m.data.len() != expect {
+            return Err(format!("echo got {} bytes", m.data.len()));
+        }
+        qb.post_send(&echo_msg, None).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// The initiating side of send_lat over the RcQp API; returns each round trip in µs.
+async fn ping_loop(qa: &RcQp, msg: &[u8], iters: u64) -> Result<Vec<f64>, String> {
+    // One clock read per iteration, as perftest's latency tests (a round trip is the time
+    // between consecutive stamps): in a TCG guest whose clocksource is the emulated HPET a
+    // read costs about 1 us.
+    let mut rtts = Vec::with_capacity(iters as usize);
+    let mut t = Instant::now();
+    for _ in 0..iters {
+        qa.post_send(msg, None).map_err(|e| e.to_string())?;
         let m = qa.recv().await.map_err(|e| e.to_string())?;
-        rtts.push(t.elapsed().as_secs_f64() * 1e6);
+        let now = Instant::now();
+        rtts.push((now - t).as_secs_f64() * 1e6);
+        t = now;
         if m.data != msg {
             return Err("echo differs".into());
         }
     }
-    echo.await.map_err(|e| e.to_string())??;
+    Ok(rtts)
+}
+
+fn join_err<T>(r: std::thread::Result<Result<T, String>>) -> Result<T, String> {
+    r.map_err(|_| "a send_lat thread panicked".to_string())?
+}
+
+async fn send_lat(args: &Args) -> Result<(), String> {
+    let size = args.size.unwrap_or(2);
+    let iters = args.iters.unwrap_or(1000);
+    if size > 1 << 20 {
+        return Err(format!("-s {size}: at most 1 MiB for send_lat"));
+    }
+    let cfg = send_lat_cfg(args, size);
+    let msg = vec![0x5au8; size as usize];
+    let layer = args.verbs_layer;
+    println!("# send_lat layer {layer:?}");
+    let rtts = match layer {
+        VerbsLayer::Runtimes => {
+            // The echo QP lives on its own thread's runtime (its CQ task too), as
+            // ib_send_lat's server process; endpoints cross over std channels.
+            let ctx = Context::open(args.ib_dev.as_deref()).map_err(|e| e.to_string())?;
+            let pd = ctx.alloc_pd().map_err(|e| e.to_string())?;
+            let qa = RcQp::create(&pd, cfg.clone()).map_err(|e| e.to_string())?;
+            let (to_echo, from_main) = std::sync::mpsc::channel();
+            let (to_main, from_echo) = tokio::sync::oneshot::channel();
+            let (pd2, cfg2, n) = (pd.clone(), cfg.clone(), size as usize);
+            let echo = std::thread::spawn(move || -> Result<(), String> {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| e.to_string())?;
+                rt.block_on(async move {
+                    let qb = RcQp::create(&pd2, cfg2).map_err(|e| e.to_string())?;
+                    let _ = to_main.send(qb.local());
+                    let remote = from_main
+                        .recv()
+                        .map_err(|_| "send_lat: no endpoint from the client".to_string())?;
+                    qb.connect(&remote).map_err(|e| e.to_string())?;
+                    echo_loop(&qb, n, iters).await
+                })
+            });
+            let rb = from_echo
+                .await
+                .map_err(|_| "send_lat: the echo thread did not start".to_string());
+            let rb = match rb {
+                Ok(rb) => rb,
+                Err(e) => return join_err(echo.join()).and(Err(e)),
+            };
+            qa.connect(&rb).map_err(|e| e.to_string())?;
+            let _ = to_echo.send(qa.local());
+            println!(
+                "# metaroce-verbs on {} port 1, GID index {} ({}), QPNs {:#x} -> {:#x}",
+                ctx.name(),
+                qa.gid_index(),
+                qa.local().gid,
+                qa.qpn(),
+                rb.qpn
+            );
+            let rtts = ping_loop(&qa, &msg, iters).await?;
+            join_err(echo.join())?;
+            rtts
+        }
+        VerbsLayer::Runtime | VerbsLayer::Mt => {
+            let (_ctx, _pd, qa, qb) = open(args, cfg)?;
+            let n = size as usize;
+            let echo = tokio::spawn(async move { echo_loop(&qb, n, iters).await });
+            let rtts = ping_loop(&qa, &msg, iters).await?;
+            echo.await.map_err(|e| e.to_string())??;
+            rtts
+        }
+        VerbsLayer::Raw | VerbsLayer::Threads => {
+            // Both QPs were created on this runtime, whose CQ tasks do not run while this
+            // thread waits for the two below: they poll their own CQs.
+            let (_ctx, _pd, qa, qb) = open(args, cfg)?;
+            let h = tokio::runtime::Handle::current();
+            let n = size as usize;
+            std::thread::scope(|sc| {
+                let h2 = h.clone();
+                let echo = sc.spawn(move || -> Result<(), String> {
+                    if layer == VerbsLayer::Raw {
+                        qb.probe_pingpong(false, &vec![0x5au8; n], iters)
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    } else {
+                        let _g = h2.enter();
+                        futures::executor::block_on(echo_loop(&qb, n, iters))
+                    }
+                });
+                let ping = sc.spawn(|| -> Result<Vec<f64>, String> {
+                    if layer == VerbsLayer::Raw {
+                        qa.probe_pingpong(true, &msg, iters)
+                            .map_err(|e| e.to_string())
+                    } else {
+                        let _g = h.enter();
+                        futures::executor::block_on(ping_loop(&qa, &msg, iters))
+                    }
+                });
+                let rtts = join_err(ping.join());
+                let e = join_err(echo.join());
+                let rtts = rtts?;
+                e?;
+                Ok::<_, String>(rtts)
+            })?
+        }
+    };
+    report_lat(size, &rtts);
+    Ok(())
+}
+
+fn report_lat(size: u64, rtts: &[f64]) {
     let mut half: Vec<f64> = rtts.iter().map(|r| r / 2.0).collect();
+    if half.is_empty() {
+        return;
+    }
     half.sort_by(|a, b| a.total_cmp(b));
     let n = half.len();
     let pct = |p: f64| half[((n as f64 * p) as usize).min(n - 1)];
@@ -329,5 +451,4 @@ async fn send_lat(args: &Args) -> Result<(), String> {
         pct(0.99)
     );
     println!("send_lat_typical_usec={:.3}", pct(0.5));
-    Ok(())
 }
