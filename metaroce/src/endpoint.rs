@@ -230,7 +230,8 @@ pub struct EndpointStats {
     /// Connections ended because their client came back as a new incarnation
     /// ([`ConnectionError::PeerRestarted`]).
     pub peer_restarts: u64,
-    /// Handshake replies dropped because `max_control_queue` was full.
+    /// Handshake replies (and ACKs flushed at a local close) dropped because
+    /// `max_control_queue` was full.
     pub control_dropped: u64,
     /// Bytes received in MR_CONNECT packets (for the amplification bound).
     pub handshake_bytes_in: u64,
@@ -280,9 +281,11 @@ pub struct Endpoint {
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<ControlPacket>,
-    /// Control packets already built and sealed (the `MR_CLOSE` of an AEAD connection,
-    /// whose keys are gone once it is removed).
-    sealed_control: VecDeque<(SocketAddr, Vec<u8>)>,
+    /// Packets already built (and sealed) that go out ahead of everything else: the
+    /// `MR_CLOSE` answer of an AEAD connection, whose keys are gone once it is removed, and
+    /// the ACKs a connection closed locally still owed (flushed ahead of its `MR_CLOSE`).
+    /// Each with the [`Transmit`] it leaves with.
+    sealed_control: VecDeque<(Transmit, Vec<u8>)>,
     /// Scratch buffer: a received AEAD packet is decrypted in a copy.
     scratch: Vec<u8>,
     rr_cursor: u32,
@@ -1019,9 +1022,23 @@ impl Endpoint {
     }
 
     /// Remove connection `q` as closed locally and start sending its MR_CLOSE.
+    ///
+    /// The ACKs the connection still owes go out first: a message it received just before
+    /// the close (its Message event already reported) is acknowledged ahead of the MR_CLOSE,
+    /// so on a link that keeps order the sender completes that operation with `Success`
+    /// rather than flushing it when the MR_CLOSE arrives. (With loss or reordering the
+    /// sender may still fail it: conservative, never a false success.)
     fn finish_close(&mut self, now: Instant, q: u32, code: u32, reason: Bytes) {
-        let Some(c) = self.conns.get(&q) else { return };
+        let Some(c) = self.conns.get_mut(&q) else { return };
         if c.state == State::Established {
+            let mut b = Vec::new();
+            while let Some(t) = c.poll_ack(&mut b) {
+                if self.sealed_control.len() >= self.cfg.max_control_queue {
+                    self.stats.control_dropped += 1;
+                    continue;
+                }
+                self.sealed_control.push_back((t, std::mem::take(&mut b)));
+            }
             let t = &self.cfg.transport;
             let interval = c.largest_rto().max(t.min_rto);
             let (tx_token, rx_token) = c.tokens();
@@ -1168,7 +1185,14 @@ impl Endpoint {
                         if c.emit(&mut b, port, &bth, &hdrs, &[]).is_some()
                             && self.sealed_control.len() < self.cfg.max_control_queue
                         {
-                            self.sealed_control.push_back((peer, b));
+                            let t = Transmit {
+                                destination: peer,
+                                src_port: port,
+                                ecn: None,
+                                size: b.len(),
+                                segment_size: None,
+                            };
+                            self.sealed_control.push_back((t, b));
                         }
                     }
                 } else {
@@ -1951,15 +1975,9 @@ impl Endpoint {
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         self.epoch(now);
-        if let Some((dest, bytes)) = self.sealed_control.pop_front() {
+        if let Some((t, bytes)) = self.sealed_control.pop_front() {
             buf.extend_from_slice(&bytes);
-            return Some(Transmit {
-                destination: dest,
-                src_port: self.cfg.source_ports[0],
-                ecn: None,
-                size: bytes.len(),
-                segment_size: None,
-            });
+            return Some(t);
         }
         while let Some(ControlPacket {
             dest,
