@@ -199,3 +199,57 @@ async fn closing_an_endpoint_refuses_requests_it_holds() {
     ));
     tokio::time::timeout(T, server.wait_idle()).await.unwrap();
 }
+
+/// How the receiving side goes away right after the message arrived.
+#[derive(Debug, Clone, Copy)]
+enum CloseHow {
+    Connection,
+    Endpoint,
+    DropAll,
+}
+
+/// The server takes one message and closes at once (connection close, endpoint close, or
+/// dropping every handle): the client's SEND of that message was delivered, so it must
+/// complete with Success, not fail because the close overtook its ACK.
+async fn close_right_after_receiving(how: CloseHow, len: usize) {
+    let (server, client) = endpoints().await;
+    let (c, s) = connect(&server, &client).await;
+    let send = {
+        let c = c.clone();
+        tokio::spawn(async move { c.send(0, bytes::Bytes::from(vec![5u8; len])).await })
+    };
+    let mut rx = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    let msg = tokio::time::timeout(T, futures::StreamExt::next(&mut rx))
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(msg.len(), len);
+    match how {
+        CloseHow::Connection => s.close(3, b"got it"),
+        CloseHow::Endpoint => server.close(3, b"got it"),
+        CloseHow::DropAll => {
+            drop(rx);
+            drop(s);
+            drop(server);
+        }
+    }
+    let wc = tokio::time::timeout(T, send).await.unwrap().unwrap();
+    let wc = wc.unwrap_or_else(|e| panic!("{how:?}, {len} bytes: the delivered SEND failed: {e}"));
+    assert_eq!(wc.status, metaroce::WcStatus::Success);
+    let why = tokio::time::timeout(T, c.closed()).await.unwrap();
+    assert!(is_closed_by_peer(&why), "{why:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_received_just_before_close_completes_success_at_the_sender() {
+    for round in 0..10 {
+        for how in [CloseHow::Connection, CloseHow::Endpoint, CloseHow::DropAll] {
+            let len = if round % 2 == 0 { 100 } else { 100_000 };
+            close_right_after_receiving(how, len).await;
+        }
+    }
+}

@@ -1029,7 +1029,9 @@ impl Endpoint {
     /// rather than flushing it when the MR_CLOSE arrives. (With loss or reordering the
     /// sender may still fail it: conservative, never a false success.)
     fn finish_close(&mut self, now: Instant, q: u32, code: u32, reason: Bytes) {
-        let Some(c) = self.conns.get_mut(&q) else { return };
+        let Some(c) = self.conns.get_mut(&q) else {
+            return;
+        };
         if c.state == State::Established {
             let mut b = Vec::new();
             while let Some(t) = c.poll_ack(&mut b) {
