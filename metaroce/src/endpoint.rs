@@ -1048,13 +1048,7 @@ impl Endpoint {
                 let port = self.cfg.source_ports[0];
                 let attempts = t.close_attempts;
                 let reply_port = self.cfg.local_addr.port();
-                let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth {
-                    reason: code,
-                    flags: 0,
-                    reply_port,
-                    nonce: c.nonce,
-                });
+                let (bth, hdrs) = close_packet(c.peer_qpn, code, false, reply_port, c.nonce);
                 let c = self.conns.get_mut(&q).expect("looked up above");
                 (0..attempts)
                     .filter_map(|_| {
@@ -1173,13 +1167,13 @@ impl Endpoint {
                     }
                 }
                 if c.is_protected() {
-                    let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                    let hdrs = Headers::Close(wire::CloseEth {
-                        reason: msg.reason,
-                        flags: wire::CloseEth::FLAG_ACK,
-                        reply_port: self.cfg.local_addr.port(),
-                        nonce: msg.nonce,
-                    });
+                    let (bth, hdrs) = close_packet(
+                        c.peer_qpn,
+                        msg.reason,
+                        true,
+                        self.cfg.local_addr.port(),
+                        msg.nonce,
+                    );
                     let port = self.cfg.source_ports[0];
                     let mut b = Vec::new();
                     let peer = c.peer;
@@ -1225,13 +1219,13 @@ impl Endpoint {
             }
         }
         if let Some((peer, peer_qpn, lip, tx)) = answer {
-            let bth = Bth::new(Opcode::MR_CLOSE, peer_qpn, 0);
-            let hdrs = Headers::Close(wire::CloseEth {
-                reason: msg.reason,
-                flags: wire::CloseEth::FLAG_ACK,
-                reply_port: self.cfg.local_addr.port(),
-                nonce: msg.nonce,
-            });
+            let (bth, hdrs) = close_packet(
+                peer_qpn,
+                msg.reason,
+                true,
+                self.cfg.local_addr.port(),
+                msg.nonce,
+            );
             self.push_control(peer, bth, hdrs, Trailer::Token(tx), lip.or(local_ip));
         }
     }
@@ -1692,13 +1686,8 @@ impl Endpoint {
                 };
                 if ghost && msg.kind == ConnectKind::Accept {
                     let peer = SocketAddr::new(from.ip(), msg.listen_port);
-                    let bth = Bth::new(Opcode::MR_CLOSE, msg.src_qpn, 0);
-                    let hdrs = Headers::Close(wire::CloseEth {
-                        reason: 1,
-                        flags: 0,
-                        reply_port: self.cfg.local_addr.port(),
-                        nonce: msg.nonce,
-                    });
+                    let (bth, hdrs) =
+                        close_packet(msg.src_qpn, 1, false, self.cfg.local_addr.port(), msg.nonce);
                     let (c2s, _) = secret::tokens(msg.nonce, msg.server_nonce);
                     self.push_control(peer, bth, hdrs, Trailer::Token(c2s), local_ip);
                 }
@@ -1732,24 +1721,8 @@ impl Endpoint {
         };
         let ix = self.index.entry(q).or_default();
         ix.stale = false;
-        let deadline = c.next_timeout();
-        if deadline != ix.deadline {
-            if let Some(old) = ix.deadline {
-                self.timers.remove(&(old, q));
-            }
-            if let Some(new) = deadline {
-                self.timers.insert((new, q));
-            }
-            ix.deadline = deadline;
-        }
-        if c.last_data_rx != ix.data_rx {
-            if let Some(old) = ix.data_rx {
-                self.recent_rx.remove(&(old, q));
-            }
-            if let Some(new) = c.last_data_rx {
-                self.recent_rx.insert((new, q));
-            }
-            ix.data_rx = c.last_data_rx;
+        move_entry(&mut self.timers, q, &mut ix.deadline, c.next_timeout());
+        if move_entry(&mut self.recent_rx, q, &mut ix.data_rx, c.last_data_rx) {
             // The set of active senders changed: the next grant must count it even at
             // the same `now` (several connections established in one instant).
             self.fair_share_at = None;
@@ -1778,14 +1751,7 @@ impl Endpoint {
             ix.stale = true;
             self.stale.push(q);
         }
-        if c.last_data_rx != ix.data_rx {
-            if let Some(old) = ix.data_rx {
-                self.recent_rx.remove(&(old, q));
-            }
-            if let Some(new) = c.last_data_rx {
-                self.recent_rx.insert((new, q));
-            }
-            ix.data_rx = c.last_data_rx;
+        if move_entry(&mut self.recent_rx, q, &mut ix.data_rx, c.last_data_rx) {
             self.fair_share_at = None;
         }
         true
@@ -2000,13 +1966,7 @@ impl Endpoint {
             if bth.opcode == Opcode::MR_CONNECT {
                 self.stats.handshake_bytes_out += len as u64;
             }
-            let local = local_ip.or(self.local_ip()).unwrap_or(match dest.ip() {
-                IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
-            });
-            if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
-                let _ = icrc::stamp(&ip, port, dest.port(), buf);
-            }
+            stamp_icrc(local_ip.or(self.local_ip()), dest, port, buf);
             return Some(Transmit {
                 destination: dest,
                 src_port: port,
@@ -2027,13 +1987,7 @@ impl Endpoint {
             }
             let dest = cl.peer;
             let len = if cl.sealed.is_empty() {
-                let bth = Bth::new(Opcode::MR_CLOSE, cl.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth {
-                    reason: cl.code,
-                    flags: 0,
-                    reply_port,
-                    nonce,
-                });
+                let (bth, hdrs) = close_packet(cl.peer_qpn, cl.code, false, reply_port, nonce);
                 let trailer = Trailer::Token(cl.tx_token);
                 let len = wire::packet_len_with(&hdrs, cl.reason.len(), &trailer);
                 buf.resize(len, 0);
@@ -2042,13 +1996,7 @@ impl Endpoint {
                     self.closers.remove(&nonce);
                     continue;
                 }
-                let local = cl.local_ip.or(my_ip).unwrap_or(match dest.ip() {
-                    IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                    IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
-                });
-                if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
-                    let _ = icrc::stamp(&ip, port, dest.port(), buf);
-                }
+                stamp_icrc(cl.local_ip.or(my_ip), dest, port, buf);
                 len
             } else {
                 // AEAD: the copy sealed for this attempt (a fresh packet number each, so
@@ -2123,6 +2071,61 @@ impl Endpoint {
             .pop_front()
             .or_else(|| self.rc.poll_event().map(Event::Rc))
     }
+}
+
+/// Write the ICRC of the endpoint-built packet in `buf`, sent from `local` (the unspecified
+/// address of `dest`'s family when unknown) and UDP source port `port` to `dest`. A packet
+/// whose addresses cannot make an IP header keeps its ICRC field as it was.
+fn stamp_icrc(local: Option<IpAddr>, dest: SocketAddr, port: u16, buf: &mut [u8]) {
+    let local = local.unwrap_or(match dest.ip() {
+        IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    });
+    if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
+        let _ = icrc::stamp(&ip, port, dest.port(), buf);
+    }
+}
+
+/// An MR_CLOSE to the peer's QPN `peer_qpn` (PROTOCOL.md, *CloseEth*): CloseEth
+/// `reason` (the application's code), the ACK flag when it answers the peer's close,
+/// the port answers go to, and the connection's nonce (the client nonce of its identity).
+fn close_packet(
+    peer_qpn: u32,
+    reason: u32,
+    ack: bool,
+    reply_port: u16,
+    nonce: u64,
+) -> (Bth, Headers) {
+    let flags = if ack { wire::CloseEth::FLAG_ACK } else { 0 };
+    let bth = Bth::new(Opcode::MR_CLOSE, peer_qpn, 0);
+    let hdrs = Headers::Close(wire::CloseEth {
+        reason,
+        flags,
+        reply_port,
+        nonce,
+    });
+    (bth, hdrs)
+}
+
+/// Move connection `q`'s entry in the time-ordered index `set` from `*at` to `new` (none:
+/// no entry); whether it changed. O(log n).
+fn move_entry(
+    set: &mut BTreeSet<(Instant, u32)>,
+    q: u32,
+    at: &mut Option<Instant>,
+    new: Option<Instant>,
+) -> bool {
+    if *at == new {
+        return false;
+    }
+    if let Some(old) = *at {
+        set.remove(&(old, q));
+    }
+    if let Some(t) = new {
+        set.insert((t, q));
+    }
+    *at = new;
+    true
 }
 
 /// An endpoint-generated packet waiting for `poll_transmit` (Retry, Reject, CLOSE answer).
