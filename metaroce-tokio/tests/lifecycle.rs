@@ -210,13 +210,26 @@ enum CloseHow {
 
 /// The server takes one message and closes at once (connection close, endpoint close, or
 /// dropping every handle): the client's SEND of that message was delivered, so it must
-/// complete with Success, not fail because the close overtook its ACK.
-async fn close_right_after_receiving(how: CloseHow, len: usize) {
+/// complete with Success (`Connection::send`) or flush Ok (the stream's Sink), not fail
+/// because the close overtook its ACK or was handled right after it.
+async fn close_right_after_receiving(how: CloseHow, len: usize, sink: bool) {
     let (server, client) = endpoints().await;
     let (c, s) = connect(&server, &client).await;
     let send = {
         let c = c.clone();
-        tokio::spawn(async move { c.send(0, bytes::Bytes::from(vec![5u8; len])).await })
+        let data = bytes::Bytes::from(vec![5u8; len]);
+        tokio::spawn(async move {
+            if sink {
+                // The Sink: `send` is ready + start_send + flush, and the flush resolves
+                // once the message is acknowledged.
+                let mut tx = c.open_stream()?;
+                futures::SinkExt::send(&mut tx, data).await
+            } else {
+                c.send(0, data).await.map(|wc| {
+                    assert_eq!(wc.status, metaroce::WcStatus::Success);
+                })
+            }
+        })
     };
     let mut rx = tokio::time::timeout(T, s.accept_stream())
         .await
@@ -237,19 +250,20 @@ async fn close_right_after_receiving(how: CloseHow, len: usize) {
             drop(server);
         }
     }
-    let wc = tokio::time::timeout(T, send).await.unwrap().unwrap();
-    let wc = wc.unwrap_or_else(|e| panic!("{how:?}, {len} bytes: the delivered SEND failed: {e}"));
-    assert_eq!(wc.status, metaroce::WcStatus::Success);
+    let r = tokio::time::timeout(T, send).await.unwrap().unwrap();
+    if let Err(e) = r {
+        panic!("{how:?}, {len} bytes, sink {sink}: the delivered SEND failed: {e:?}");
+    }
     let why = tokio::time::timeout(T, c.closed()).await.unwrap();
     assert!(is_closed_by_peer(&why), "{why:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_received_just_before_close_completes_success_at_the_sender() {
-    for round in 0..10 {
+    for round in 0..20 {
         for how in [CloseHow::Connection, CloseHow::Endpoint, CloseHow::DropAll] {
             let len = if round % 2 == 0 { 100 } else { 100_000 };
-            close_right_after_receiving(how, len).await;
+            close_right_after_receiving(how, len, round % 4 >= 2).await;
         }
     }
 }
