@@ -138,6 +138,22 @@ impl Pool {
     fn take(&mut self, k: usize) -> Option<Vec<u32>> {
         (self.free.len() >= k).then(|| self.free.split_off(self.free.len() - k))
     }
+    /// The block table of request `request`: `tokens` tokens in free pool blocks.
+    fn table(
+        &mut self,
+        request: u32,
+        tokens: usize,
+        layout: &Layout,
+    ) -> Result<BlockTable, BoxError> {
+        let blocks = self
+            .take(tokens.div_ceil(layout.block_tokens))
+            .ok_or("KV cache pool exhausted")?;
+        Ok(BlockTable {
+            request,
+            tokens: tokens as u32,
+            blocks,
+        })
+    }
     fn give(&mut self, blocks: Vec<u32>) {
         self.free.splice(0..0, blocks);
     }
@@ -268,14 +284,7 @@ async fn decode_rdma(
     let mut pool = Pool::new(layout.pool_blocks);
     let mut out = Vec::new();
     for request in 0..requests {
-        let blocks = pool
-            .take(tokens.div_ceil(layout.block_tokens))
-            .ok_or("KV cache pool exhausted")?;
-        let req = BlockTable {
-            request,
-            tokens: tokens as u32,
-            blocks,
-        };
+        let req = pool.table(request, tokens, &layout)?;
         let t0 = Instant::now();
         stream.send(req.encode()).await?;
         let mut layers = Vec::new();
@@ -359,14 +368,7 @@ async fn decode_tcp(
     let bb = layout.block_bytes();
     let mut out = Vec::new();
     for request in 0..requests {
-        let blocks = pool
-            .take(tokens.div_ceil(layout.block_tokens))
-            .ok_or("KV cache pool exhausted")?;
-        let req = BlockTable {
-            request,
-            tokens: tokens as u32,
-            blocks,
-        };
+        let req = pool.table(request, tokens, &layout)?;
         let t0 = Instant::now();
         let msg = req.encode();
         wr.write_all(&(msg.len() as u32).to_le_bytes()).await?;
