@@ -138,6 +138,22 @@ impl Pool {
     fn take(&mut self, k: usize) -> Option<Vec<u32>> {
         (self.free.len() >= k).then(|| self.free.split_off(self.free.len() - k))
     }
+    /// The block table of request `request`: `tokens` tokens in free pool blocks.
+    fn table(
+        &mut self,
+        request: u32,
+        tokens: usize,
+        layout: &Layout,
+    ) -> Result<BlockTable, BoxError> {
+        let blocks = self
+            .take(tokens.div_ceil(layout.block_tokens))
+            .ok_or("KV cache pool exhausted")?;
+        Ok(BlockTable {
+            request,
+            tokens: tokens as u32,
+            blocks,
+        })
+    }
     fn give(&mut self, blocks: Vec<u32>) {
         self.free.splice(0..0, blocks);
     }
@@ -170,13 +186,9 @@ async fn prefill_rdma(ep: Endpoint, layout: Layout) -> Result<(), BoxError> {
     while let Some(msg) = stream.next().await {
         let msg = msg?;
         if msg.is_empty() {
-            // The decode side is done. The stream may go at once (its STOP tells the decode
-            // side that this message was delivered, so that send completes Success), but
-            // the endpoint stays until the decode side closes the connection: closing it
-            // here could overtake the acknowledgement and fail the send with
-            // ConnectionLost.
-            drop(stream);
-            let _ = tokio::time::timeout(Duration::from_secs(5), conn.closed()).await;
+            // The decode side is done: return, which drops the stream, the connection and
+            // the endpoint. The close sends the ACKs still owed ahead of the MR_CLOSE, so
+            // the decode side's send of this message completes Success.
             return Ok(());
         }
         let req = BlockTable::decode(&msg, &layout)?;
@@ -272,14 +284,7 @@ async fn decode_rdma(
     let mut pool = Pool::new(layout.pool_blocks);
     let mut out = Vec::new();
     for request in 0..requests {
-        let blocks = pool
-            .take(tokens.div_ceil(layout.block_tokens))
-            .ok_or("KV cache pool exhausted")?;
-        let req = BlockTable {
-            request,
-            tokens: tokens as u32,
-            blocks,
-        };
+        let req = pool.table(request, tokens, &layout)?;
         let t0 = Instant::now();
         stream.send(req.encode()).await?;
         let mut layers = Vec::new();
@@ -363,14 +368,7 @@ async fn decode_tcp(
     let bb = layout.block_bytes();
     let mut out = Vec::new();
     for request in 0..requests {
-        let blocks = pool
-            .take(tokens.div_ceil(layout.block_tokens))
-            .ok_or("KV cache pool exhausted")?;
-        let req = BlockTable {
-            request,
-            tokens: tokens as u32,
-            blocks,
-        };
+        let req = pool.table(request, tokens, &layout)?;
         let t0 = Instant::now();
         let msg = req.encode();
         wr.write_all(&(msg.len() as u32).to_le_bytes()).await?;

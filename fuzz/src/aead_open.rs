@@ -229,8 +229,8 @@ fn endpoints(input: &Input) {
                     queue: &mut VecDeque<(usize, SocketAddr, Vec<u8>)>,
                     held: &mut Vec<(SocketAddr, Vec<u8>)>,
                     now: Instant| {
-        for i in 0..2 {
-            while let Some(t) = eps[i].poll_transmit(now, &mut buf) {
+        for (i, ep) in eps.iter_mut().enumerate().take(2) {
+            while let Some(t) = ep.poll_transmit(now, &mut buf) {
                 let from = SocketAddr::new(ip_of(i), t.src_port);
                 let to = 1 - i;
                 for d in util::segments(&t, &buf) {

@@ -671,7 +671,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
 
     // Messages: per receiving side and stream, a prefix of what was posted (all of it when
     // nothing was lost), exactly once, in order, byte for byte.
-    for recv in 0..2 {
+    for (recv, recv_events) in events.iter().enumerate().take(2) {
         let mut want: HashMap<u32, Vec<&Bytes>> = HashMap::new();
         for p in planned.iter().filter(|p| p.posted && p.side == 1 - recv) {
             if let Kind::Send { stream, data } = &p.kind {
@@ -679,7 +679,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             }
         }
         let mut got: HashMap<u32, Vec<&Bytes>> = HashMap::new();
-        for e in &events[recv] {
+        for e in recv_events {
             if let Event::Message { stream, data, .. } = e {
                 got.entry(*stream).or_default().push(data);
             }
@@ -710,7 +710,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     }
 
     // WRITEs: memory, canaries and immediates.
-    for recv in 0..2 {
+    for (recv, recv_events) in events.iter().enumerate().take(2) {
         let s = &sim.sides[recv];
         let ep = &sim.net.eps[recv];
         let mem = ep
@@ -718,7 +718,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             .expect("destination region readable");
         let mut covered = vec![false; mem.len()];
         let mut imms: HashMap<u32, Vec<u32>> = HashMap::new();
-        for e in &events[recv] {
+        for e in recv_events {
             if let Event::WriteWithImm { imm, byte_len, .. } = e {
                 imms.entry(*imm).or_default().push(*byte_len);
             }
@@ -894,16 +894,13 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             .mr_read(s.ro.lkey, 0, s.ro.len)
             .expect("read-only region readable");
         assert!(
-            ro == &s.ro_canary[..],
+            ro == s.ro_canary[..],
             "side {recv}: region without REMOTE_WRITE was written"
         );
         // Sources are never modified.
         let src = ep
             .mr_read(s.src.lkey, 0, s.src.len)
             .expect("source readable");
-        assert!(
-            src == &s.src_data[..],
-            "side {recv}: source region modified"
-        );
+        assert!(src == s.src_data[..], "side {recv}: source region modified");
     }
 }

@@ -4,7 +4,10 @@ use std::process::Command;
 
 mod common;
 
-use common::{perf, stderr, stdout, temp_path, BW_HEADER};
+use common::{
+    assert_usage_error, free_udp_port, perf, server_output, spawn_server, stderr, stdout,
+    temp_path, BW_HEADER,
+};
 
 #[test]
 fn loopback_write_bw_verifies() {
@@ -145,27 +148,11 @@ fn all_sizes_one_row_each() {
 
 #[test]
 fn client_and_server_processes() {
-    // A free UDP port (released again right away; a clash is unlikely).
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let server = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
-        .args(["--server", "--bind", "127.0.0.1", "-p", &port])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let port = free_udp_port();
+    let server = spawn_server(&["--server", "--bind", "127.0.0.1", "-p", &port]);
     let target = format!("127.0.0.1:{port}");
     let client = perf(&["write_bw", &target, "-n", "100", "--loss", "2"]);
-    let server = server.wait_with_output().unwrap();
-    eprintln!(
-        "--- server stdout\n{}--- server stderr\n{}",
-        stdout(&server),
-        stderr(&server)
-    );
+    let server = server_output(server);
     assert_eq!(client.status.code(), Some(0));
     assert_eq!(server.status.code(), Some(0));
     let c = stdout(&client);
@@ -180,13 +167,6 @@ fn client_and_server_processes() {
         stdout(&server).contains(&format!("checksum {crc}")),
         "the server reports the same destination checksum"
     );
-}
-
-fn assert_usage_error(args: &[&str], message: &str) {
-    let o = perf(args);
-    assert_eq!(o.status.code(), Some(2), "exit status for {args:?}");
-    let e = stderr(&o);
-    assert!(e.contains(message), "{args:?}: expected {message:?} in {e}");
 }
 
 #[test]

@@ -4,26 +4,9 @@
 
 mod common;
 
+use common::{free_tcp_port, free_udp_port};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn free_udp_port() -> String {
-    std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
-
-fn free_tcp_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string()
-}
 
 struct Proc(Child);
 

@@ -131,18 +131,8 @@ fn out_json_alone_writes_perftest_out_json_in_the_working_directory() {
 
 #[test]
 fn server_banner_names_the_clients_test() {
-    let port = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let server = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
-        .args(["--server", "--bind", "127.0.0.1", "-p", &port])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let port = free_udp_port();
+    let server = spawn_server(&["--server", "--bind", "127.0.0.1", "-p", &port]);
     let client = perf(&[
         "send_lat",
         &format!("127.0.0.1:{port}"),
@@ -151,12 +141,8 @@ fn server_banner_names_the_clients_test() {
         "-s",
         "32",
     ]);
-    let server = server.wait_with_output().unwrap();
+    let server = server_output(server);
     let out = stdout(&server);
-    eprintln!(
-        "--- server stdout\n{out}--- server stderr\n{}",
-        stderr(&server)
-    );
     assert_eq!(client.status.code(), Some(0));
     assert_eq!(server.status.code(), Some(0));
     assert!(out.contains("Send Latency Test"), "{out}");

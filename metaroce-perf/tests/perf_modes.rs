@@ -2,11 +2,12 @@
 //! RoCEv2-compatible RC mode), the RoCEv2 client/server exchange, `--compare-modes`, and
 //! the combinations that are refused.
 
-use std::process::{Command, Stdio};
-
 mod common;
 
-use common::{perf, stderr, stdout, temp_path, BW_HEADER};
+use common::{
+    assert_usage_error, free_tcp_port, free_udp_port, perf, server_output, spawn_server, stderr,
+    stdout, temp_path, BW_HEADER,
+};
 
 const LAT_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]";
 
@@ -230,31 +231,21 @@ fn rocev2_several_sizes_reuse_regions() {
     assert!(s.contains("  OK"), "{s}");
 }
 
-fn free_port() -> u16 {
-    // Released again right away; a clash is unlikely.
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn rocev2_client_and_server_processes() {
-    let udp = std::net::UdpSocket::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let oob = free_port().to_string();
-    let server = Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
-        .args(["--server", "--mode", "rocev2", "--bind", "127.0.0.1"])
-        .args(["-p", &udp, "--oob-port", &oob])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let udp = free_udp_port();
+    let oob = free_tcp_port();
+    let server = spawn_server(&[
+        "--server",
+        "--mode",
+        "rocev2",
+        "--bind",
+        "127.0.0.1",
+        "-p",
+        &udp,
+        "--oob-port",
+        &oob,
+    ]);
     let client = perf(&[
         "read_bw",
         "--mode",
@@ -271,12 +262,7 @@ fn rocev2_client_and_server_processes() {
         "--rc-timeout",
         "12",
     ]);
-    let server = server.wait_with_output().unwrap();
-    eprintln!(
-        "--- server stdout\n{}--- server stderr\n{}",
-        stdout(&server),
-        stderr(&server)
-    );
+    let server = server_output(server);
     assert_eq!(client.status.code(), Some(0));
     assert_eq!(server.status.code(), Some(0));
     let c = stdout(&client);
@@ -352,13 +338,6 @@ fn compare_modes_prints_six_rows() {
     assert_eq!(doc["rows"].as_array().unwrap().len(), 6);
     // 5% loss makes go-back-N resend packets.
     assert!(doc["rows"][5]["retransmitted_packets"].as_u64().unwrap() > 0);
-}
-
-fn assert_usage_error(args: &[&str], message: &str) {
-    let o = perf(args);
-    assert_eq!(o.status.code(), Some(2), "exit status for {args:?}");
-    let e = stderr(&o);
-    assert!(e.contains(message), "{args:?}: expected {message:?} in {e}");
 }
 
 #[test]

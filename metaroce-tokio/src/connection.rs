@@ -579,10 +579,7 @@ impl Connection {
         dst: RemoteRegion,
         dst_offset: u64,
     ) -> Result<WorkCompletion, Error> {
-        let req = self.write_request(src, range, dst, dst_offset, None)?;
-        let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
-            .await
+        self.write_op(src, range, dst, dst_offset, None).await
     }
 
     /// RDMA WRITE with immediate: as [`write`](Self::write), and the peer's
@@ -602,7 +599,20 @@ impl Connection {
         dst_offset: u64,
         imm: u32,
     ) -> Result<WorkCompletion, Error> {
-        let req = self.write_request(src, range, dst, dst_offset, Some(imm))?;
+        self.write_op(src, range, dst, dst_offset, Some(imm)).await
+    }
+
+    /// [`write`](Self::write) and [`write_with_imm`](Self::write_with_imm): one WRITE,
+    /// with the immediate if `imm` is set.
+    async fn write_op(
+        &self,
+        src: &MemoryRegion,
+        range: Range<u64>,
+        dst: RemoteRegion,
+        dst_offset: u64,
+        imm: Option<u32>,
+    ) -> Result<WorkCompletion, Error> {
+        let req = self.write_request(src, range, dst, dst_offset, imm)?;
         let h = self.inner.handle;
         self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
             .await

@@ -338,13 +338,7 @@ impl MemoryRegion {
     /// [`into_inner`](Self::into_inner)).
     pub fn deregister(mut self) -> Box<dyn Any> {
         self.detached = true;
-        let core_side = self
-            .ep
-            .shared
-            .lock()
-            .core
-            .deregister_mr_memory(self.keys.lkey);
-        drop(core_side);
+        self.deregister_in_core();
         let mem = std::mem::replace(&mut self.mem, Arc::new(Mutex::new(Box::new(Vec::new()))));
         match Arc::try_unwrap(mem) {
             Ok(m) => m.into_inner().into_any(),
@@ -354,6 +348,19 @@ impl MemoryRegion {
                 Box::new(g.bytes().to_vec())
             }
         }
+    }
+
+    /// Deregister the region from the core. The core's handle on the memory is dropped
+    /// outside the endpoint lock (it is only a reference count; the buffer goes with this
+    /// region's last reference).
+    fn deregister_in_core(&self) {
+        let core_side = self
+            .ep
+            .shared
+            .lock()
+            .core
+            .deregister_mr_memory(self.keys.lkey);
+        drop(core_side);
     }
 }
 
@@ -365,15 +372,7 @@ fn unreachable_buffer<B>() -> Result<B, MemoryRegion> {
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         if !self.detached {
-            // The core's handle is dropped outside the endpoint lock (it is only a
-            // reference count; the buffer goes with this region's last reference).
-            let core_side = self
-                .ep
-                .shared
-                .lock()
-                .core
-                .deregister_mr_memory(self.keys.lkey);
-            drop(core_side);
+            self.deregister_in_core();
         }
     }
 }

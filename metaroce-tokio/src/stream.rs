@@ -34,6 +34,10 @@ pub(crate) struct RxQueue {
     pub bytes: usize,
     pub end: Option<RxEnd>,
     pub waker: Option<Waker>,
+    /// Set when the connection ended with every SEND posted on the stream completed and
+    /// none failed: a `poll_flush` then has nothing left to fail (the driver's entry, which
+    /// counts the SENDs in flight, is gone by the time the writer looks).
+    pub sends_settled: bool,
 }
 
 pub(crate) type SharedRx = Arc<Mutex<RxQueue>>;
@@ -118,7 +122,10 @@ impl StreamEntry {
     }
 
     pub fn close(&mut self, err: Error) {
-        lock_rx(&self.rx).end(RxEnd::Error(err.clone()));
+        let mut q = lock_rx(&self.rx);
+        q.sends_settled = self.in_flight == 0 && self.error.is_none();
+        q.end(RxEnd::Error(err.clone()));
+        drop(q);
         if self.error.is_none() {
             self.error = Some(err);
         }
@@ -156,7 +163,8 @@ impl StreamEntry {
 /// [`Config::stream_send_buffer`](crate::Config::stream_send_buffer) bytes are
 /// unacknowledged (a peer that does not read stops acknowledging once its receive buffer
 /// is full), `poll_flush` waits until every
-/// message sent so far is acknowledged by the peer, `poll_close` flushes and then
+/// message sent so far is acknowledged by the peer (and succeeds if they all were, even
+/// when the connection ended right after), `poll_close` flushes and then
 /// finishes the stream, and a failed message surfaces as the error of the next sink call.
 /// Sending after `poll_close` is [`Error::StreamClosed`]. Use
 /// [`futures::StreamExt::split`] for independent halves.
@@ -365,7 +373,15 @@ impl Sink<Bytes> for MessageStream {
         if self.send_closed {
             return Poll::Ready(Ok(()));
         }
-        self.poll_entry(cx, false, |e, _| e.in_flight == 0)
+        match self.poll_entry(cx, false, |e, _| e.in_flight == 0) {
+            // The connection ended after every message sent so far was acknowledged
+            // (the close came right behind the last ACK): the flush succeeded. The next
+            // `poll_ready` reports the loss.
+            Poll::Ready(Err(Error::ConnectionLost(_))) if lock_rx(&self.rx).sends_settled => {
+                Poll::Ready(Ok(()))
+            }
+            r => r,
+        }
     }
 
     fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<(), Error>> {

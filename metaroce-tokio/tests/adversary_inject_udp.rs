@@ -8,9 +8,12 @@
 //! issue asks for at least 90 %; the figure is reported, not asserted: tests never assert
 //! wall-clock numbers).
 
+mod common;
+
+use common::pair;
 use metaroce::wire::{self, icrc, AckEth, Bth, Headers, Opcode, PathEth, Reth, WriteEth};
 use metaroce::Access;
-use metaroce_tokio::{Config, Connection, Endpoint};
+use metaroce_tokio::{Config, Connection};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,24 +25,6 @@ const RATE: u64 = 10_000;
 const MAX_FORGED: u64 = 200_000;
 /// Runs of each kind; the fastest of each is compared.
 const RUNS: usize = 4;
-
-async fn pair() -> (Endpoint, Endpoint, Connection, Connection) {
-    let cfg = Config {
-        seed: Some(0x5EC),
-        ..Config::default()
-    };
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await.map(|i| i.accept().unwrap()) });
-    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
-    let s = accept.await.unwrap().unwrap();
-    (server, client, c, s)
-}
 
 /// xorshift64*: the forger's own randomness.
 struct Rng(u64);
@@ -166,7 +151,11 @@ async fn bulk(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_write_goodput_under_10k_forged_packets_per_second() {
-    let (server, client, c, s) = pair().await;
+    let (server, client, c, s) = pair(Config {
+        seed: Some(0x5EC),
+        ..Config::default()
+    })
+    .await;
     let data: Vec<u8> = (0..TOTAL).map(|i| (i % 251) as u8).collect();
     let src = client.register(data.clone(), Access::LOCAL_WRITE);
     let dst = server.alloc(TOTAL, Access::LOCAL_WRITE | Access::REMOTE_WRITE);

@@ -1,25 +1,14 @@
 //! The async API end to end over UDP on 127.0.0.1.
 
+mod common;
+
 use bytes::Bytes;
+use common::pair;
 use futures::{SinkExt, StreamExt};
 use metaroce::{Access, WcStatus};
 use metaroce_tokio::backend::{Impaired, Impairment, UdpBackend};
-use metaroce_tokio::{Config, Connection, Endpoint, Error};
+use metaroce_tokio::{Config, Endpoint, Error};
 use std::time::Duration;
-
-async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await.and_then(|i| i.accept().ok()) });
-    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
-    let s = accept.await.unwrap().unwrap();
-    (server, client, c, s)
-}
 
 #[tokio::test]
 async fn streams_exchange_messages_in_order() {

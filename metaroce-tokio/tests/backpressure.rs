@@ -2,9 +2,12 @@
 //! resident memory bounded, the sender's `send` waits, and once the reader starts every
 //! byte arrives in order. Alone in its test binary so that VmRSS is this test's.
 
+mod common;
+
 use bytes::Bytes;
+use common::{connect, endpoints, rss_kib};
 use futures::{SinkExt, StreamExt};
-use metaroce_tokio::{Config, Endpoint};
+use metaroce_tokio::Config;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,18 +22,6 @@ const SEND_BUFFER: usize = 8 << 20;
 /// runtime slack.
 const BOUND_KIB: u64 = (2 * STREAM_LIMIT + SEND_BUFFER as u64 + 2 * MSG as u64 + (32 << 20)) / 1024;
 
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 fn message(i: u64) -> Bytes {
     let mut v = vec![(i % 251) as u8; MSG];
     v[..8].copy_from_slice(&i.to_be_bytes());
@@ -42,15 +33,8 @@ async fn a_gibibyte_into_an_unread_stream_stays_bounded_and_then_arrives_in_orde
     let mut cfg = Config::default();
     cfg.transport.max_stream_recv_bytes = STREAM_LIMIT;
     cfg.stream_send_buffer = SEND_BUFFER;
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let peer = server.accept().await.unwrap().accept().unwrap();
-    let conn = connecting.await.unwrap();
+    let (server, client) = endpoints(cfg).await;
+    let (conn, peer) = connect(&server, &client).await;
     let before = rss_kib();
 
     let sent = Arc::new(AtomicU64::new(0));

@@ -2,33 +2,18 @@
 //! timeout around it) cancels what was not sent, keeps what the transport may still
 //! write into registered, and never lets a message land unreported.
 
+mod common;
+
 use bytes::Bytes;
+use common::{pair, pair_with};
 use metaroce::Access;
 use metaroce_tokio::backend::{Impaired, Impairment, UdpBackend};
-use metaroce_tokio::{Config, Connection, Endpoint};
+use metaroce_tokio::{Config, Endpoint};
 use std::time::Duration;
-
-async fn pair_with(client: Endpoint) -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await.map(|i| i.accept().unwrap()) });
-    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
-    let s = accept.await.unwrap().unwrap();
-    (server, client, c, s)
-}
-
-async fn pair() -> (Endpoint, Endpoint, Connection, Connection) {
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    pair_with(client).await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_write_cancels_unsent_segments_and_a_later_write_succeeds() {
-    let (_se, ce, c, s) = pair().await;
+    let (_se, ce, c, s) = pair(Config::default()).await;
     let n: u64 = 64 << 20;
     let src = ce.alloc(n as usize, Access::LOCAL_WRITE);
     src.write(0, &vec![0xAB; n as usize]).unwrap();
@@ -83,7 +68,7 @@ async fn dropped_atomic_keeps_its_result_region_until_the_core_finished_it() {
     )
     .unwrap();
     let client = Endpoint::with_backend(backend, Config::default()).unwrap();
-    let (_se, ce, c, s) = pair_with(client).await;
+    let (_se, ce, c, s) = pair_with(Config::default(), client).await;
     let counter = s.endpoint().alloc(8, Access::REMOTE_ATOMIC);
     let base = ce.registered_regions();
     let r = tokio::time::timeout(
@@ -120,7 +105,7 @@ async fn dropped_atomic_keeps_its_result_region_until_the_core_finished_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timed_out_recv_into_is_withdrawn_and_the_message_takes_the_next_receive() {
-    let (_se, _ce, c, s) = pair().await;
+    let (_se, _ce, c, s) = pair(Config::default()).await;
     let buf = s.endpoint().alloc(8192, Access::LOCAL_WRITE);
     let r = tokio::time::timeout(Duration::from_millis(50), s.recv_into(5, &buf, 0..4096)).await;
     assert!(r.is_err(), "no message was sent");
@@ -148,7 +133,7 @@ async fn timed_out_recv_into_is_withdrawn_and_the_message_takes_the_next_receive
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recv_into_dropped_while_a_message_lands_reports_the_message() {
-    let (_se, _ce, c, s) = pair().await;
+    let (_se, _ce, c, s) = pair(Config::default()).await;
     let n = 32usize << 20;
     let buf = s.endpoint().alloc(n, Access::LOCAL_WRITE);
     let mut recv = Box::pin(s.recv_into(1, &buf, 0..n as u64));

@@ -2,44 +2,18 @@
 //! structure is freed and resident memory stays flat. Alone in its test binary, so that
 //! no other test's memory shows in the process's VmRSS.
 
-use metaroce_tokio::{Config, Connection, Endpoint};
+mod common;
+
+use common::{connect, endpoints, rss_kib};
+use metaroce_tokio::Config;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
 
-async fn endpoints() -> (Endpoint, Endpoint) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    (server, client)
-}
-
-async fn connect(server: &Endpoint, client: &Endpoint) -> (Connection, Connection) {
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let s = server.accept().await.unwrap().accept().unwrap();
-    let c = tokio::time::timeout(T, connecting).await.unwrap().unwrap();
-    (c, s)
-}
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 /// `n` connect/close cycles on one pair of endpoints; the driver maps must be empty after
 /// each, resident memory is printed and its growth bounded.
 async fn cycles(n: usize) {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     // Warm up allocator pools and socket buffers before the first figure.
     for _ in 0..200 {
         let (c, s) = connect(&server, &client).await;

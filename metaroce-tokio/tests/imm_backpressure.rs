@@ -4,7 +4,10 @@
 //! flow-control RNR NAKs — nothing is dropped, nothing fails, the queue does not grow — and
 //! once it reads, every immediate arrives, in order, and every WRITE completes.
 
-use metaroce_tokio::{Access, Config, Endpoint, WcStatus};
+mod common;
+
+use common::{connect, endpoints};
+use metaroce_tokio::{Access, Config, WcStatus};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,15 +22,8 @@ async fn an_unread_immediate_queue_holds_the_sender_back_and_then_delivers_every
     let mut cfg = Config::default();
     cfg.transport.max_unconsumed_immediates = CAP;
     cfg.transport.pmtu = 1024;
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let peer = server.accept().await.unwrap().accept().unwrap();
-    let conn = connecting.await.unwrap();
+    let (server, client) = endpoints(cfg).await;
+    let (conn, peer) = connect(&server, &client).await;
 
     let target = server.alloc(
         (LEN * WRITES as u64) as usize,

@@ -2,35 +2,13 @@
 //! closing by dropping handles, endpoint drop, wait_idle, and that every driver-side
 //! structure of a connection is freed when it ends.
 
-use metaroce_tokio::{Config, ConnectError, Connection, ConnectionError, Endpoint, REFUSED_BUSY};
+mod common;
+
+use common::{connect, endpoints};
+use metaroce_tokio::{Config, ConnectError, ConnectionError, REFUSED_BUSY};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
-
-async fn endpoints() -> (Endpoint, Endpoint) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    (server, client)
-}
-
-async fn connect(server: &Endpoint, client: &Endpoint) -> (Connection, Connection) {
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let incoming = tokio::time::timeout(T, server.accept())
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        incoming.remote_addr().map(|a| a.ip()),
-        Some(client.local_addr().ip())
-    );
-    let s = incoming.accept().unwrap();
-    let c = tokio::time::timeout(T, connecting).await.unwrap().unwrap();
-    (c, s)
-}
 
 fn is_closed_by_peer(e: &ConnectionError) -> bool {
     matches!(e, ConnectionError::ClosedByPeer { .. })
@@ -45,7 +23,7 @@ fn closed_by_peer(e: &ConnectionError) -> Option<(u32, &[u8])> {
 
 #[tokio::test]
 async fn close_with_code_reaches_the_peers_closed() {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     let (c, s) = connect(&server, &client).await;
     c.close(42, b"bye");
     let why = tokio::time::timeout(T, s.closed()).await.unwrap();
@@ -61,7 +39,7 @@ async fn close_with_code_reaches_the_peers_closed() {
 
 #[tokio::test]
 async fn dropping_the_last_handle_closes_the_connection() {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     let (c, s) = connect(&server, &client).await;
     let c2 = c.clone();
     let stream = c.open_stream().unwrap();
@@ -79,7 +57,7 @@ async fn dropping_the_last_handle_closes_the_connection() {
 
 #[tokio::test]
 async fn an_endpoint_dropped_without_close_closes_at_the_peer() {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     let (c, s) = connect(&server, &client).await;
     drop(c);
     drop(client);
@@ -91,7 +69,7 @@ async fn an_endpoint_dropped_without_close_closes_at_the_peer() {
 
 #[tokio::test]
 async fn endpoint_close_reaches_every_peer_and_wait_idle_returns() {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     let mut peers = Vec::new();
     let mut mine = Vec::new();
     for _ in 0..4 {
@@ -123,7 +101,7 @@ fn rejected(code: u32, reason: &[u8]) -> ConnectionError {
 
 #[tokio::test]
 async fn a_refused_request_fails_the_connecting_side_with_the_code_and_reason() {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     let connecting = client.connect(server.local_addr()).unwrap();
     let incoming = server.accept().await.unwrap();
     incoming.refuse(77, b"tenant over quota");
@@ -172,7 +150,7 @@ async fn a_refused_request_fails_the_connecting_side_with_the_code_and_reason() 
 
 #[tokio::test]
 async fn dropping_connecting_abandons_the_attempt() {
-    let (_server, client) = endpoints().await;
+    let (_server, client) = endpoints(Config::default()).await;
     let dead = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let connecting = client.connect(dead.local_addr().unwrap()).unwrap();
     assert_eq!(client.driver_maps().connecting, 1);
@@ -184,7 +162,7 @@ async fn dropping_connecting_abandons_the_attempt() {
 
 #[tokio::test]
 async fn closing_an_endpoint_refuses_requests_it_holds() {
-    let (server, client) = endpoints().await;
+    let (server, client) = endpoints(Config::default()).await;
     let connecting = client.connect(server.local_addr()).unwrap();
     let undecided = server.accept().await.unwrap();
     server.close(5, b"going away");
@@ -198,4 +176,72 @@ async fn closing_an_endpoint_refuses_requests_it_holds() {
         Err(ConnectError::EndpointClosed)
     ));
     tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+}
+
+/// How the receiving side goes away right after the message arrived.
+#[derive(Debug, Clone, Copy)]
+enum CloseHow {
+    Connection,
+    Endpoint,
+    DropAll,
+}
+
+/// The server takes one message and closes at once (connection close, endpoint close, or
+/// dropping every handle): the client's SEND of that message was delivered, so it must
+/// complete with Success (`Connection::send`) or flush Ok (the stream's Sink), not fail
+/// because the close overtook its ACK or was handled right after it.
+async fn close_right_after_receiving(how: CloseHow, len: usize, sink: bool) {
+    let (server, client) = endpoints(Config::default()).await;
+    let (c, s) = connect(&server, &client).await;
+    let send = {
+        let c = c.clone();
+        let data = bytes::Bytes::from(vec![5u8; len]);
+        tokio::spawn(async move {
+            if sink {
+                // The Sink: `send` is ready + start_send + flush, and the flush resolves
+                // once the message is acknowledged.
+                let mut tx = c.open_stream()?;
+                futures::SinkExt::send(&mut tx, data).await
+            } else {
+                c.send(0, data).await.map(|wc| {
+                    assert_eq!(wc.status, metaroce::WcStatus::Success);
+                })
+            }
+        })
+    };
+    let mut rx = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    let msg = tokio::time::timeout(T, futures::StreamExt::next(&mut rx))
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(msg.len(), len);
+    match how {
+        CloseHow::Connection => s.close(3, b"got it"),
+        CloseHow::Endpoint => server.close(3, b"got it"),
+        CloseHow::DropAll => {
+            drop(rx);
+            drop(s);
+            drop(server);
+        }
+    }
+    let r = tokio::time::timeout(T, send).await.unwrap().unwrap();
+    if let Err(e) = r {
+        panic!("{how:?}, {len} bytes, sink {sink}: the delivered SEND failed: {e:?}");
+    }
+    let why = tokio::time::timeout(T, c.closed()).await.unwrap();
+    assert!(is_closed_by_peer(&why), "{why:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_received_just_before_close_completes_success_at_the_sender() {
+    for round in 0..20 {
+        for how in [CloseHow::Connection, CloseHow::Endpoint, CloseHow::DropAll] {
+            let len = if round % 2 == 0 { 100 } else { 100_000 };
+            close_right_after_receiving(how, len, round % 4 >= 2).await;
+        }
+    }
 }

@@ -2,25 +2,14 @@
 //! back, externally owned memory, checked RemoteRegion arithmetic, and local copies that
 //! do not stall packet processing.
 
+mod common;
+
+use common::pair;
 use metaroce::{Access, MrError};
-use metaroce_tokio::{Config, Connection, Endpoint, Error, ExternalMemory, RemoteRegion};
+use metaroce_tokio::{Config, Error, ExternalMemory, RemoteRegion};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-async fn pair() -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await.map(|i| i.accept().unwrap()) });
-    let c = client.connect(server.local_addr()).unwrap().await.unwrap();
-    let s = accept.await.unwrap().unwrap();
-    (server, client, c, s)
-}
 
 #[test]
 fn remote_region_slice_cannot_overflow() {
@@ -58,7 +47,7 @@ fn remote_region_slice_cannot_overflow() {
 
 #[tokio::test]
 async fn operations_refuse_addresses_past_u64_max() {
-    let (_se, ce, c, _s) = pair().await;
+    let (_se, ce, c, _s) = pair(Config::default()).await;
     let src = ce.alloc(64, Access::LOCAL_WRITE);
     let hostile = RemoteRegion::from_bytes(
         &RemoteRegion {
@@ -81,7 +70,7 @@ async fn operations_refuse_addresses_past_u64_max() {
 
 #[tokio::test]
 async fn owned_buffers_are_registered_without_a_copy_and_given_back() {
-    let (_se, ce, c, s) = pair().await;
+    let (_se, ce, c, s) = pair(Config::default()).await;
     let ep = s.endpoint();
     // Vec<u8>: the same heap allocation comes back.
     let v = vec![0u8; 1 << 20];
@@ -118,7 +107,7 @@ async fn owned_buffers_are_registered_without_a_copy_and_given_back() {
 
 #[tokio::test]
 async fn external_memory_receives_remote_writes() {
-    let (_se, ce, c, s) = pair().await;
+    let (_se, ce, c, s) = pair(Config::default()).await;
     // Stands in for an mmap'd huge page: the owner keeps the allocation alive, and nothing
     // but the ExternalMemory touches it while registered.
     let mut backing = vec![0u8; 8192];
@@ -150,7 +139,7 @@ async fn external_memory_receives_remote_writes() {
 /// 268 WRITEs (debug build, 2 shared cores).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_copies_do_not_stall_packet_processing() {
-    let (_se, ce, c, s) = pair().await;
+    let (_se, ce, c, s) = pair(Config::default()).await;
     let n = 64usize << 20;
     let target = Arc::new(
         s.endpoint()

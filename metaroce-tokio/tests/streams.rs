@@ -1,25 +1,15 @@
 //! Streams with an end over UDP on 127.0.0.1: finish, reset (on drop and with a code),
 //! stop, send after close.
 
+mod common;
+
 use bytes::Bytes;
+use common::pair;
 use futures::{SinkExt, StreamExt};
-use metaroce_tokio::{Config, Connection, Endpoint, Error, MessageStream, RESET_ON_DROP};
+use metaroce_tokio::{Config, Error, MessageStream, RESET_ON_DROP};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
-
-async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let s = server.accept().await.unwrap().accept().unwrap();
-    let c = tokio::time::timeout(T, connecting).await.unwrap().unwrap();
-    (server, client, c, s)
-}
 
 async fn next(s: &mut MessageStream) -> Option<Result<Bytes, Error>> {
     tokio::time::timeout(T, s.next())

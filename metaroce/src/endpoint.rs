@@ -230,7 +230,8 @@ pub struct EndpointStats {
     /// Connections ended because their client came back as a new incarnation
     /// ([`ConnectionError::PeerRestarted`]).
     pub peer_restarts: u64,
-    /// Handshake replies dropped because `max_control_queue` was full.
+    /// Handshake replies (and ACKs flushed at a local close) dropped because
+    /// `max_control_queue` was full.
     pub control_dropped: u64,
     /// Bytes received in MR_CONNECT packets (for the amplification bound).
     pub handshake_bytes_in: u64,
@@ -280,9 +281,11 @@ pub struct Endpoint {
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<ControlPacket>,
-    /// Control packets already built and sealed (the `MR_CLOSE` of an AEAD connection,
-    /// whose keys are gone once it is removed).
-    sealed_control: VecDeque<(SocketAddr, Vec<u8>)>,
+    /// Packets already built (and sealed) that go out ahead of everything else: the
+    /// `MR_CLOSE` answer of an AEAD connection, whose keys are gone once it is removed, and
+    /// the ACKs a connection closed locally still owed (flushed ahead of its `MR_CLOSE`).
+    /// Each with the [`Transmit`] it leaves with.
+    sealed_control: VecDeque<(Transmit, Vec<u8>)>,
     /// Scratch buffer: a received AEAD packet is decrypted in a copy.
     scratch: Vec<u8>,
     rr_cursor: u32,
@@ -1019,9 +1022,25 @@ impl Endpoint {
     }
 
     /// Remove connection `q` as closed locally and start sending its MR_CLOSE.
+    ///
+    /// The ACKs the connection still owes go out first: a message it received just before
+    /// the close (its Message event already reported) is acknowledged ahead of the MR_CLOSE,
+    /// so on a link that keeps order the sender completes that operation with `Success`
+    /// rather than flushing it when the MR_CLOSE arrives. (With loss or reordering the
+    /// sender may still fail it: conservative, never a false success.)
     fn finish_close(&mut self, now: Instant, q: u32, code: u32, reason: Bytes) {
-        let Some(c) = self.conns.get(&q) else { return };
+        let Some(c) = self.conns.get_mut(&q) else {
+            return;
+        };
         if c.state == State::Established {
+            let mut b = Vec::new();
+            while let Some(t) = c.poll_ack(&mut b) {
+                if self.sealed_control.len() >= self.cfg.max_control_queue {
+                    self.stats.control_dropped += 1;
+                    continue;
+                }
+                self.sealed_control.push_back((t, std::mem::take(&mut b)));
+            }
             let t = &self.cfg.transport;
             let interval = c.largest_rto().max(t.min_rto);
             let (tx_token, rx_token) = c.tokens();
@@ -1029,13 +1048,7 @@ impl Endpoint {
                 let port = self.cfg.source_ports[0];
                 let attempts = t.close_attempts;
                 let reply_port = self.cfg.local_addr.port();
-                let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth {
-                    reason: code,
-                    flags: 0,
-                    reply_port,
-                    nonce: c.nonce,
-                });
+                let (bth, hdrs) = close_packet(c.peer_qpn, code, false, reply_port, c.nonce);
                 let c = self.conns.get_mut(&q).expect("looked up above");
                 (0..attempts)
                     .filter_map(|_| {
@@ -1154,13 +1167,13 @@ impl Endpoint {
                     }
                 }
                 if c.is_protected() {
-                    let bth = Bth::new(Opcode::MR_CLOSE, c.peer_qpn, 0);
-                    let hdrs = Headers::Close(wire::CloseEth {
-                        reason: msg.reason,
-                        flags: wire::CloseEth::FLAG_ACK,
-                        reply_port: self.cfg.local_addr.port(),
-                        nonce: msg.nonce,
-                    });
+                    let (bth, hdrs) = close_packet(
+                        c.peer_qpn,
+                        msg.reason,
+                        true,
+                        self.cfg.local_addr.port(),
+                        msg.nonce,
+                    );
                     let port = self.cfg.source_ports[0];
                     let mut b = Vec::new();
                     let peer = c.peer;
@@ -1168,7 +1181,14 @@ impl Endpoint {
                         if c.emit(&mut b, port, &bth, &hdrs, &[]).is_some()
                             && self.sealed_control.len() < self.cfg.max_control_queue
                         {
-                            self.sealed_control.push_back((peer, b));
+                            let t = Transmit {
+                                destination: peer,
+                                src_port: port,
+                                ecn: None,
+                                size: b.len(),
+                                segment_size: None,
+                            };
+                            self.sealed_control.push_back((t, b));
                         }
                     }
                 } else {
@@ -1199,13 +1219,13 @@ impl Endpoint {
             }
         }
         if let Some((peer, peer_qpn, lip, tx)) = answer {
-            let bth = Bth::new(Opcode::MR_CLOSE, peer_qpn, 0);
-            let hdrs = Headers::Close(wire::CloseEth {
-                reason: msg.reason,
-                flags: wire::CloseEth::FLAG_ACK,
-                reply_port: self.cfg.local_addr.port(),
-                nonce: msg.nonce,
-            });
+            let (bth, hdrs) = close_packet(
+                peer_qpn,
+                msg.reason,
+                true,
+                self.cfg.local_addr.port(),
+                msg.nonce,
+            );
             self.push_control(peer, bth, hdrs, Trailer::Token(tx), lip.or(local_ip));
         }
     }
@@ -1666,13 +1686,8 @@ impl Endpoint {
                 };
                 if ghost && msg.kind == ConnectKind::Accept {
                     let peer = SocketAddr::new(from.ip(), msg.listen_port);
-                    let bth = Bth::new(Opcode::MR_CLOSE, msg.src_qpn, 0);
-                    let hdrs = Headers::Close(wire::CloseEth {
-                        reason: 1,
-                        flags: 0,
-                        reply_port: self.cfg.local_addr.port(),
-                        nonce: msg.nonce,
-                    });
+                    let (bth, hdrs) =
+                        close_packet(msg.src_qpn, 1, false, self.cfg.local_addr.port(), msg.nonce);
                     let (c2s, _) = secret::tokens(msg.nonce, msg.server_nonce);
                     self.push_control(peer, bth, hdrs, Trailer::Token(c2s), local_ip);
                 }
@@ -1706,24 +1721,8 @@ impl Endpoint {
         };
         let ix = self.index.entry(q).or_default();
         ix.stale = false;
-        let deadline = c.next_timeout();
-        if deadline != ix.deadline {
-            if let Some(old) = ix.deadline {
-                self.timers.remove(&(old, q));
-            }
-            if let Some(new) = deadline {
-                self.timers.insert((new, q));
-            }
-            ix.deadline = deadline;
-        }
-        if c.last_data_rx != ix.data_rx {
-            if let Some(old) = ix.data_rx {
-                self.recent_rx.remove(&(old, q));
-            }
-            if let Some(new) = c.last_data_rx {
-                self.recent_rx.insert((new, q));
-            }
-            ix.data_rx = c.last_data_rx;
+        move_entry(&mut self.timers, q, &mut ix.deadline, c.next_timeout());
+        if move_entry(&mut self.recent_rx, q, &mut ix.data_rx, c.last_data_rx) {
             // The set of active senders changed: the next grant must count it even at
             // the same `now` (several connections established in one instant).
             self.fair_share_at = None;
@@ -1752,14 +1751,7 @@ impl Endpoint {
             ix.stale = true;
             self.stale.push(q);
         }
-        if c.last_data_rx != ix.data_rx {
-            if let Some(old) = ix.data_rx {
-                self.recent_rx.remove(&(old, q));
-            }
-            if let Some(new) = c.last_data_rx {
-                self.recent_rx.insert((new, q));
-            }
-            ix.data_rx = c.last_data_rx;
+        if move_entry(&mut self.recent_rx, q, &mut ix.data_rx, c.last_data_rx) {
             self.fair_share_at = None;
         }
         true
@@ -1951,15 +1943,9 @@ impl Endpoint {
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         self.epoch(now);
-        if let Some((dest, bytes)) = self.sealed_control.pop_front() {
+        if let Some((t, bytes)) = self.sealed_control.pop_front() {
             buf.extend_from_slice(&bytes);
-            return Some(Transmit {
-                destination: dest,
-                src_port: self.cfg.source_ports[0],
-                ecn: None,
-                size: bytes.len(),
-                segment_size: None,
-            });
+            return Some(t);
         }
         while let Some(ControlPacket {
             dest,
@@ -1980,13 +1966,7 @@ impl Endpoint {
             if bth.opcode == Opcode::MR_CONNECT {
                 self.stats.handshake_bytes_out += len as u64;
             }
-            let local = local_ip.or(self.local_ip()).unwrap_or(match dest.ip() {
-                IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
-            });
-            if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
-                let _ = icrc::stamp(&ip, port, dest.port(), buf);
-            }
+            stamp_icrc(local_ip.or(self.local_ip()), dest, port, buf);
             return Some(Transmit {
                 destination: dest,
                 src_port: port,
@@ -2007,13 +1987,7 @@ impl Endpoint {
             }
             let dest = cl.peer;
             let len = if cl.sealed.is_empty() {
-                let bth = Bth::new(Opcode::MR_CLOSE, cl.peer_qpn, 0);
-                let hdrs = Headers::Close(wire::CloseEth {
-                    reason: cl.code,
-                    flags: 0,
-                    reply_port,
-                    nonce,
-                });
+                let (bth, hdrs) = close_packet(cl.peer_qpn, cl.code, false, reply_port, nonce);
                 let trailer = Trailer::Token(cl.tx_token);
                 let len = wire::packet_len_with(&hdrs, cl.reason.len(), &trailer);
                 buf.resize(len, 0);
@@ -2022,13 +1996,7 @@ impl Endpoint {
                     self.closers.remove(&nonce);
                     continue;
                 }
-                let local = cl.local_ip.or(my_ip).unwrap_or(match dest.ip() {
-                    IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                    IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
-                });
-                if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
-                    let _ = icrc::stamp(&ip, port, dest.port(), buf);
-                }
+                stamp_icrc(cl.local_ip.or(my_ip), dest, port, buf);
                 len
             } else {
                 // AEAD: the copy sealed for this attempt (a fresh packet number each, so
@@ -2103,6 +2071,61 @@ impl Endpoint {
             .pop_front()
             .or_else(|| self.rc.poll_event().map(Event::Rc))
     }
+}
+
+/// Write the ICRC of the endpoint-built packet in `buf`, sent from `local` (the unspecified
+/// address of `dest`'s family when unknown) and UDP source port `port` to `dest`. A packet
+/// whose addresses cannot make an IP header keeps its ICRC field as it was.
+fn stamp_icrc(local: Option<IpAddr>, dest: SocketAddr, port: u16, buf: &mut [u8]) {
+    let local = local.unwrap_or(match dest.ip() {
+        IpAddr::V4(_) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+    });
+    if let Ok(ip) = icrc::IpHeader::synthesized(local, dest.ip()) {
+        let _ = icrc::stamp(&ip, port, dest.port(), buf);
+    }
+}
+
+/// An MR_CLOSE to the peer's QPN `peer_qpn` (PROTOCOL.md, *CloseEth*): CloseEth
+/// `reason` (the application's code), the ACK flag when it answers the peer's close,
+/// the port answers go to, and the connection's nonce (the client nonce of its identity).
+fn close_packet(
+    peer_qpn: u32,
+    reason: u32,
+    ack: bool,
+    reply_port: u16,
+    nonce: u64,
+) -> (Bth, Headers) {
+    let flags = if ack { wire::CloseEth::FLAG_ACK } else { 0 };
+    let bth = Bth::new(Opcode::MR_CLOSE, peer_qpn, 0);
+    let hdrs = Headers::Close(wire::CloseEth {
+        reason,
+        flags,
+        reply_port,
+        nonce,
+    });
+    (bth, hdrs)
+}
+
+/// Move connection `q`'s entry in the time-ordered index `set` from `*at` to `new` (none:
+/// no entry); whether it changed. O(log n).
+fn move_entry(
+    set: &mut BTreeSet<(Instant, u32)>,
+    q: u32,
+    at: &mut Option<Instant>,
+    new: Option<Instant>,
+) -> bool {
+    if *at == new {
+        return false;
+    }
+    if let Some(old) = *at {
+        set.remove(&(old, q));
+    }
+    if let Some(t) = new {
+        set.insert((t, q));
+    }
+    *at = new;
+    true
 }
 
 /// An endpoint-generated packet waiting for `poll_transmit` (Retry, Reject, CLOSE answer).

@@ -264,3 +264,125 @@ fn refusing_a_held_request_sends_code_and_reason() {
     );
     assert_eq!(p.eps[1].connections().count(), 0);
 }
+
+/// Hold every datagram A sends, then hand them to B one by one; the moment B reports the
+/// message, `close` runs on B (before B's endpoint is polled for anything to send). Returns
+/// the pair and A's handle, with the held datagrams delivered and the network run on.
+fn close_right_after_last_message(
+    mut p: Pair,
+    len: usize,
+    close: impl FnOnce(&mut Pair, metaroce::ConnectionHandle),
+) -> (Pair, metaroce::ConnectionHandle) {
+    let (a, b) = p.connect();
+    p.keep_held = true;
+    p.drop_hook = Some(Box::new(|from, _| from == 0));
+    p.eps[0]
+        .post_send(a, 1, 7, Bytes::from(vec![3; len]))
+        .unwrap();
+    p.flush();
+    p.drop_hook = None;
+    p.keep_held = false;
+    let held = std::mem::take(&mut p.held);
+    assert!(!held.is_empty());
+    let mut close = Some(close);
+    for s in held {
+        p.deliver(1, s.from, &s.data);
+        if messages(&p, 1) == 1 {
+            if let Some(f) = close.take() {
+                f(&mut p, b);
+            }
+        }
+    }
+    assert!(close.is_none(), "B never got the message");
+    assert!(p.run_until(Duration::from_secs(10), |p| lost(p, 0).is_some()));
+    (p, a)
+}
+
+#[test]
+fn abort_right_after_the_last_message_still_acks_it() {
+    for len in [100, 20_000] {
+        let p = Pair::impaired(11, Impair::default());
+        let (p, _a) = close_right_after_last_message(p, len, |p, b| {
+            let now = p.now;
+            p.eps[1].close(now, b)
+        });
+        // The ACK left before the MR_CLOSE: the SEND was delivered, so it succeeded.
+        assert_eq!(statuses(&p, 0), vec![WcStatus::Success], "len {len}");
+        assert_eq!(
+            lost(&p, 0),
+            Some(ConnectionError::ClosedByPeer {
+                code: 0,
+                reason: Bytes::new()
+            })
+        );
+    }
+}
+
+#[test]
+fn graceful_close_right_after_the_last_message_still_acks_it() {
+    let p = Pair::impaired(12, Impair::default());
+    let (p, _a) = close_right_after_last_message(p, 30_000, |p, b| {
+        let now = p.now;
+        p.eps[1].close_with(now, b, 5, b"done").unwrap()
+    });
+    assert_eq!(statuses(&p, 0), vec![WcStatus::Success]);
+    assert_eq!(
+        lost(&p, 0),
+        Some(ConnectionError::ClosedByPeer {
+            code: 5,
+            reason: Bytes::from_static(b"done")
+        })
+    );
+}
+
+#[test]
+fn aead_close_right_after_the_last_message_still_acks_it() {
+    use metaroce::crypto::{PacketProtectionKey, ProtectionConfig};
+    let cfg = |i| {
+        let mut c = metaroce::testing::pair_config(i, 13);
+        c.transport.packet_protection = Some(ProtectionConfig::new(
+            PacketProtectionKey::new(b"metaroce test k!").unwrap(),
+        ));
+        c
+    };
+    let p = Pair::impaired_with_configs(13, Impair::default(), cfg(0), cfg(1));
+    let (p, _a) = close_right_after_last_message(p, 20_000, |p, b| {
+        let now = p.now;
+        p.eps[1].close_with(now, b, 6, b"sealed").unwrap()
+    });
+    // The flushed ACKs are sealed like any other: the sender takes them, then the close.
+    assert_eq!(statuses(&p, 0), vec![WcStatus::Success]);
+    assert_eq!(
+        lost(&p, 0),
+        Some(ConnectionError::ClosedByPeer {
+            code: 6,
+            reason: Bytes::from_static(b"sealed")
+        })
+    );
+}
+
+#[test]
+fn close_before_the_message_is_complete_never_reports_success() {
+    let mut p = Pair::impaired(14, Impair::default());
+    let (a, b) = p.connect();
+    p.keep_held = true;
+    p.drop_hook = Some(Box::new(|from, _| from == 0));
+    p.eps[0]
+        .post_send(a, 1, 7, Bytes::from(vec![3; 20_000]))
+        .unwrap();
+    p.flush();
+    p.drop_hook = None;
+    p.keep_held = false;
+    let mut held = std::mem::take(&mut p.held);
+    // The last data datagram is lost; B closes with the message incomplete.
+    held.pop();
+    for s in held {
+        p.deliver(1, s.from, &s.data);
+    }
+    assert_eq!(messages(&p, 1), 0);
+    let now = p.now;
+    p.eps[1].close(now, b);
+    assert!(p.run_until(Duration::from_secs(10), |p| lost(p, 0).is_some()));
+    // The ACKs flushed at the close cover only part of the message: the SEND fails.
+    assert_eq!(statuses(&p, 0), vec![WcStatus::WrFlushError]);
+}

@@ -270,6 +270,30 @@ pub fn plan(coll: Collective, dt: DataType, r: usize, n: usize, count: usize) ->
     let m = |k: isize| (k.rem_euclid(n as isize)) as usize;
     let ri = r as isize;
     let blk = |c: usize| block(c, n, count, es);
+    // Ring step `s` of `phase`: block `sb` of `src` goes to `next`'s `dst` at the same
+    // offset while block `rb` arrives from `prev` into this rank's `dst`.
+    let ring_step = |src: Buf, dst: Buf, phase: u32, s: usize, sb: usize, rb: usize| {
+        let (so, ro) = (blk(sb), blk(rb));
+        Step {
+            sends: vec![Send {
+                peer: next,
+                src,
+                off: so.start,
+                dst,
+                dst_off: so.start,
+                len: so.len(),
+                imm: imm(phase, s, sb),
+            }],
+            recvs: vec![Recv {
+                peer: prev,
+                dst,
+                off: ro.start,
+                len: ro.len(),
+                imm: imm(phase, s, rb),
+            }],
+            after: vec![],
+        }
+    };
     let mut steps = Vec::new();
     match coll {
         Collective::AllReduce | Collective::ReduceScatter => {
@@ -283,26 +307,9 @@ pub fn plan(coll: Collective, dt: DataType, r: usize, n: usize, count: usize) ->
             for s in 0..n - 1 {
                 let sb = m(ri + shift - s as isize);
                 let rb = m(ri + shift - s as isize - 1);
-                let (so, ro) = (blk(sb), blk(rb));
-                steps.push(Step {
-                    sends: vec![Send {
-                        peer: next,
-                        src: Buf::Work,
-                        off: so.start,
-                        dst: Buf::Stage,
-                        dst_off: so.start,
-                        len: so.len(),
-                        imm: imm(1, s, sb),
-                    }],
-                    recvs: vec![Recv {
-                        peer: prev,
-                        dst: Buf::Stage,
-                        off: ro.start,
-                        len: ro.len(),
-                        imm: imm(1, s, rb),
-                    }],
-                    after: vec![Local::Reduce(ro)],
-                });
+                let mut step = ring_step(Buf::Work, Buf::Stage, 1, s, sb, rb);
+                step.after.push(Local::Reduce(blk(rb)));
+                steps.push(step);
             }
             if coll == Collective::ReduceScatter {
                 let own = blk(r);
@@ -325,26 +332,7 @@ pub fn plan(coll: Collective, dt: DataType, r: usize, n: usize, count: usize) ->
             for s in 0..n - 1 {
                 let sb = m(ri + 1 - s as isize);
                 let rb = m(ri - s as isize);
-                let (so, ro) = (blk(sb), blk(rb));
-                steps.push(Step {
-                    sends: vec![Send {
-                        peer: next,
-                        src: Buf::Output,
-                        off: so.start,
-                        dst: Buf::Output,
-                        dst_off: so.start,
-                        len: so.len(),
-                        imm: imm(2, s, sb),
-                    }],
-                    recvs: vec![Recv {
-                        peer: prev,
-                        dst: Buf::Output,
-                        off: ro.start,
-                        len: ro.len(),
-                        imm: imm(2, s, rb),
-                    }],
-                    after: vec![],
-                });
+                steps.push(ring_step(Buf::Output, Buf::Output, 2, s, sb, rb));
             }
         }
         Collective::AllGather => {
@@ -356,26 +344,7 @@ pub fn plan(coll: Collective, dt: DataType, r: usize, n: usize, count: usize) ->
             for s in 0..n - 1 {
                 let sb = m(ri - s as isize);
                 let rb = m(ri - s as isize - 1);
-                let (so, ro) = (blk(sb), blk(rb));
-                steps.push(Step {
-                    sends: vec![Send {
-                        peer: next,
-                        src: Buf::Output,
-                        off: so.start,
-                        dst: Buf::Output,
-                        dst_off: so.start,
-                        len: so.len(),
-                        imm: imm(3, s, sb),
-                    }],
-                    recvs: vec![Recv {
-                        peer: prev,
-                        dst: Buf::Output,
-                        off: ro.start,
-                        len: ro.len(),
-                        imm: imm(3, s, rb),
-                    }],
-                    after: vec![],
-                });
+                steps.push(ring_step(Buf::Output, Buf::Output, 3, s, sb, rb));
             }
         }
         Collective::AllToAll => {

@@ -117,6 +117,18 @@ impl ClientRun {
     pub fn verified(&self) -> bool {
         self.bw.iter().all(BwRow::ok) && self.lat.iter().all(LatRow::ok)
     }
+
+    /// Prints a bandwidth row and keeps it.
+    fn push_bw(&mut self, s: &Settings, row: BwRow) {
+        report::bw_row(s, &row);
+        self.bw.push(row);
+    }
+
+    /// Prints a latency row and keeps it.
+    fn push_lat(&mut self, row: LatRow) {
+        report::lat_row(&row);
+        self.lat.push(row);
+    }
 }
 
 /// How one bandwidth size is laid out.
@@ -151,6 +163,29 @@ fn plan(s: &Settings, size: u64) -> Plan {
                 region_len: slots * size,
             }
         }
+    }
+}
+
+/// Bytes of the largest region any size of the run lays out (one region serves them all).
+fn largest_region(s: &Settings, what: &str) -> Res<usize> {
+    let len = s
+        .sizes
+        .iter()
+        .map(|&z| plan(s, z).region_len)
+        .max()
+        .unwrap_or(0);
+    usize::try_from(len).map_err(|_| format!("{what} region too large"))
+}
+
+/// MetaRoCE: the one stream the test's messages go on, opened now (the server accepts it
+/// with its first message; the handle stays alive for the run). RC: none.
+fn data_stream(net: &Net, what: &str) -> Res<Option<MessageStream>> {
+    match net {
+        Net::Meta(c) => c
+            .open_stream()
+            .map(Some)
+            .map_err(|e| format!("opening the {what} stream: {e}")),
+        Net::Rc(_) => Ok(None),
     }
 }
 
@@ -265,6 +300,46 @@ async fn done(ctrl: &mut Chan, check_len: u64, ops: u64) -> Res<(u32, u64, u64, 
     }
 }
 
+/// [`done`] for a test whose server checksums `check_len` bytes: the server's CRC, or an
+/// error if it checksummed another length.
+async fn done_checked(ctrl: &mut Chan, check_len: u64, ops: u64) -> Res<u32> {
+    match done(ctrl, check_len, ops).await? {
+        (crc, n, _, _) if n == check_len => Ok(crc),
+        (_, n, _, _) => Err(format!(
+            "the server checksummed {n} bytes instead of {check_len}"
+        )),
+    }
+}
+
+/// Waits for `reply` while completing the operations in `pending` (their errors end the
+/// wait); ends early with the server's report when it reports a failure on its side.
+async fn reply_while<F, U, T>(
+    ctrl: &mut Chan,
+    pending: &mut FuturesUnordered<F>,
+    reply: impl Future<Output = Res<T>>,
+) -> Res<T>
+where
+    F: Future<Output = Res<U>>,
+{
+    let mut reply = std::pin::pin!(reply);
+    loop {
+        tokio::select! {
+            biased;
+            Some(r) = pending.next() => { r?; }
+            r = &mut reply => return r,
+            e = ctrl.peer_failure() => return Err(e),
+        }
+    }
+}
+
+/// Completes every operation left in `pending`.
+async fn drain<F: Future<Output = Res<U>>, U>(pending: &mut FuturesUnordered<F>) -> Res<()> {
+    while let Some(r) = pending.next().await {
+        r?;
+    }
+    Ok(())
+}
+
 /// Keeps `s.tx_depth` operations `op(i)` outstanding until `ops` completed (or the
 /// duration ran out), metering completions. Ends early with the server's report when it
 /// reports a failure on its side.
@@ -327,16 +402,7 @@ async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun)
     // One source region serves every size: slot i of size z is bytes [i*z, (i+1)*z).
     let data = match &s.file {
         Some(f) => f.data.clone(),
-        None => {
-            let len = s
-                .sizes
-                .iter()
-                .map(|&z| plan(s, z).region_len)
-                .max()
-                .unwrap_or(0);
-            let len = usize::try_from(len).map_err(|_| "source region too large")?;
-            random_bytes(derive_seed(s.seed, 100), len)
-        }
+        None => random_bytes(derive_seed(s.seed, 100), largest_region(s, "source")?),
     };
     let src = net.register(data, Access::LOCAL_WRITE);
     report::bw_header(s);
@@ -354,14 +420,7 @@ async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun)
             Some(_) => p.region_len,
             None => result.ops.min(p.slots) * size,
         };
-        let dst_crc = match done(ctrl, check_len, result.ops).await? {
-            (crc, n, _, _) if n == check_len => crc,
-            (_, n, _, _) => {
-                return Err(format!(
-                    "the server checksummed {n} bytes instead of {check_len}"
-                ))
-            }
-        };
+        let dst_crc = done_checked(ctrl, check_len, result.ops).await?;
         if s.selftest_mismatch {
             src.flip(0)?;
         }
@@ -374,20 +433,13 @@ async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun)
             check_len,
             messages: None,
         };
-        report::bw_row(s, &row);
-        out.bw.push(row);
+        out.push_bw(s, row);
     }
     Ok(())
 }
 
 async fn read_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) -> Res<()> {
-    let len = s
-        .sizes
-        .iter()
-        .map(|&z| plan(s, z).region_len)
-        .max()
-        .unwrap_or(0);
-    let len = usize::try_from(len).map_err(|_| "destination region too large")?;
+    let len = largest_region(s, "destination")?;
     let dst = net.register(vec![0; len.max(1)], Access::LOCAL_WRITE);
     report::bw_header(s);
     for (round, &size) in s.sizes.iter().enumerate() {
@@ -410,14 +462,7 @@ async fn read_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) 
         })
         .await?;
         let check_len = result.ops.min(p.slots) * size;
-        let src_crc = match done(ctrl, check_len, result.ops).await? {
-            (crc, n, _, _) if n == check_len => crc,
-            (_, n, _, _) => {
-                return Err(format!(
-                    "the server checksummed {n} bytes instead of {check_len}"
-                ))
-            }
-        };
+        let src_crc = done_checked(ctrl, check_len, result.ops).await?;
         if s.selftest_mismatch {
             dst.flip(0)?;
         }
@@ -430,8 +475,7 @@ async fn read_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) 
             check_len,
             messages: None,
         };
-        report::bw_row(s, &row);
-        out.bw.push(row);
+        out.push_bw(s, row);
     }
     Ok(())
 }
@@ -443,15 +487,7 @@ async fn send_bw(
     out: &mut ClientRun,
     pool: &mut Pool,
 ) -> Res<()> {
-    // MetaRoCE: every message on one stream, opened now (the server accepts it with its
-    // first message). The stream handle stays alive for the run.
-    let stream = match net {
-        Net::Meta(c) => Some(
-            c.open_stream()
-                .map_err(|e| format!("opening the data stream: {e}"))?,
-        ),
-        Net::Rc(_) => None,
-    };
+    let stream = data_stream(net, "data")?;
     report::bw_header(s);
     for (round, &size) in s.sizes.iter().enumerate() {
         let seed = round_seed(s, round);
@@ -510,8 +546,7 @@ async fn send_bw(
             check_len,
             messages: Some((result.ops, received)),
         };
-        report::bw_row(s, &row);
-        out.bw.push(row);
+        out.push_bw(s, row);
     }
     drop(stream);
     Ok(())
@@ -643,14 +678,7 @@ async fn write_lat(
             let slot = (i % 2) * size;
             let t0 = Instant::now();
             writes.push(net.write(&mine, window(i), size, region, slot, Some(i as u32)));
-            let imm = loop {
-                tokio::select! {
-                    biased;
-                    Some(r) = writes.next() => { r?; }
-                    r = net.next_imm() => break r?,
-                    e = ctrl.peer_failure() => return Err(e),
-                }
-            };
+            let imm = reply_while(ctrl, &mut writes, net.next_imm()).await?;
             let rtt = t0.elapsed();
             let w = window(i) as usize;
             if imm != i as u32 || !land.eq_at(slot, &theirs[w..w + size as usize])? {
@@ -658,17 +686,14 @@ async fn write_lat(
             }
             smp.record(measured, rtt);
         }
-        while let Some(r) = writes.next().await {
-            r?;
-        }
+        drain(&mut writes).await?;
         let ops = smp.next;
         let (_, _, replies, server_bad) = done(ctrl, 0, ops).await?;
         if replies != ops {
             return Err(format!("the server answered {replies} of {ops} WRITEs"));
         }
         let row = lat_row(size, smp, s.test, bad, server_bad, None);
-        report::lat_row(&row);
-        out.lat.push(row);
+        out.push_lat(row);
     }
     Ok(())
 }
@@ -703,8 +728,7 @@ async fn read_lat(
         }
         done(ctrl, 0, smp.next).await?;
         let row = lat_row(size, smp, s.test, bad, 0, None);
-        report::lat_row(&row);
-        out.lat.push(row);
+        out.push_lat(row);
     }
     Ok(())
 }
@@ -756,8 +780,7 @@ async fn atomic_lat(
             found,
         };
         let row = lat_row(size, smp, s.test, bad, 0, Some(check));
-        report::lat_row(&row);
-        out.lat.push(row);
+        out.push_lat(row);
     }
     Ok(())
 }
@@ -769,13 +792,7 @@ async fn send_lat(
     out: &mut ClientRun,
     pool: &mut Pool,
 ) -> Res<()> {
-    let mut data = match net {
-        Net::Meta(c) => Some(
-            c.open_stream()
-                .map_err(|e| format!("opening the ping-pong stream: {e}"))?,
-        ),
-        Net::Rc(_) => None,
-    };
+    let mut data = data_stream(net, "ping-pong")?;
     // RC: echoes land in posted receives of the largest size.
     let ring = match net {
         Net::Rc(rc) => {
@@ -806,8 +823,7 @@ async fn send_lat(
             _ => return Err("no ping-pong channel".into()),
         };
         done(ctrl, 0, row.checked).await?;
-        report::lat_row(&row);
-        out.lat.push(row);
+        out.push_lat(row);
     }
     Ok(())
 }
@@ -875,14 +891,7 @@ async fn rc_send_lat(
     while let Some((i, measured)) = smp.next() {
         let t0 = Instant::now();
         sends.push(rc.send(&src, window(i), size));
-        let c = loop {
-            tokio::select! {
-                biased;
-                Some(r) = sends.next() => { r?; }
-                r = rc.recv() => break r?,
-                e = ctrl.peer_failure() => return Err(e),
-            }
-        };
+        let c = reply_while(ctrl, &mut sends, rc.recv()).await?;
         let rtt = t0.elapsed();
         let w = window(i) as usize;
         let k = c.wr_id;
@@ -892,8 +901,6 @@ async fn rc_send_lat(
         rc.post_recv(k, ring, k * slot, slot as u32)?;
         smp.record(measured, rtt);
     }
-    while let Some(r) = sends.next().await {
-        r?;
-    }
+    drain(&mut sends).await?;
     Ok(lat_row(size, smp, s.test, bad, 0, None))
 }

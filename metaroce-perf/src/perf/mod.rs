@@ -207,37 +207,13 @@ async fn with_local_server(
 }
 
 async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
-    let seed = s.seed;
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-    let server = Node::bind(
-        addr,
-        s,
-        derive_seed(seed, SEED_SERVER_IMPAIR),
-        core_seed(s, SEED_SERVER_CORE),
-        sink,
-    )
-    .map_err(bind_err("server", addr))?;
-    let client = Node::bind(
-        addr,
-        s,
-        derive_seed(seed, SEED_CLIENT_IMPAIR),
-        core_seed(s, SEED_CLIENT_CORE),
-        sink,
-    )
-    .map_err(bind_err("client", addr))?;
+    let server = meta_node(s, true, addr, sink)?;
+    let client = meta_node(s, false, addr, sink)?;
     let server_ep = server.ep.clone();
     let rx_depth = s.rx_depth;
     let server_task = tokio::spawn(async move {
-        let conn = server_ep
-            .accept()
-            .await
-            .ok_or("the server endpoint closed")?
-            .accept()
-            .map_err(|e| format!("accepting the client's connection: {e}"))?;
-        let ctrl = conn
-            .accept_stream()
-            .await
-            .ok_or("the client closed the connection before saying hello")?;
+        let (conn, ctrl) = meta_accept(&server_ep).await?;
         server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, rx_depth).await
     });
     let conn = client
@@ -256,6 +232,42 @@ async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
     })
 }
 
+/// The MetaRoCE endpoint of the server (`server`) or client side at `addr`, with that
+/// side's impairment and core seeds.
+fn meta_node(s: &Settings, server: bool, addr: SocketAddr, sink: Sink<'_>) -> Res<Node> {
+    let (what, impair, core) = if server {
+        ("server", SEED_SERVER_IMPAIR, SEED_SERVER_CORE)
+    } else {
+        ("client", SEED_CLIENT_IMPAIR, SEED_CLIENT_CORE)
+    };
+    Node::bind(
+        addr,
+        s,
+        derive_seed(s.seed, impair),
+        core_seed(s, core),
+        sink,
+    )
+    .map_err(bind_err(what, addr))
+}
+
+/// The server side's first client: its connection, accepted, and the control stream it
+/// says hello on.
+async fn meta_accept(
+    ep: &metaroce_tokio::Endpoint,
+) -> Res<(metaroce_tokio::Connection, metaroce_tokio::MessageStream)> {
+    let conn = ep
+        .accept()
+        .await
+        .ok_or("the server endpoint closed")?
+        .accept()
+        .map_err(|e| format!("accepting the client's connection: {e}"))?;
+    let ctrl = conn
+        .accept_stream()
+        .await
+        .ok_or("the client closed the connection before saying hello")?;
+    Ok((conn, ctrl))
+}
+
 async fn meta_run_client(conn: &metaroce_tokio::Connection, s: &Settings) -> Res<ClientRun> {
     let ctrl = conn
         .open_stream()
@@ -264,16 +276,8 @@ async fn meta_run_client(conn: &metaroce_tokio::Connection, s: &Settings) -> Res
 }
 
 async fn meta_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>) -> Res<Outcome> {
-    let seed = s.seed;
     let local = unspecified_like(&addr);
-    let client = Node::bind(
-        local,
-        s,
-        derive_seed(seed, SEED_CLIENT_IMPAIR),
-        core_seed(s, SEED_CLIENT_CORE),
-        sink,
-    )
-    .map_err(bind_err("client", local))?;
+    let client = meta_node(s, false, local, sink)?;
     let connecting = client.ep.connect(addr).map_err(|e| e.to_string());
     let conn = match connecting {
         Ok(c) => c.await.map_err(|e| error_chain(&e)),
@@ -296,32 +300,14 @@ async fn meta_client(s: &Settings, addr: SocketAddr, given: &str, sink: Sink<'_>
 }
 
 async fn meta_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outcome> {
-    let seed = s.seed;
-    let server = Node::bind(
-        addr,
-        s,
-        derive_seed(seed, SEED_SERVER_IMPAIR),
-        core_seed(s, SEED_SERVER_CORE),
-        sink,
-    )
-    .map_err(bind_err("server", addr))?;
+    let server = meta_node(s, true, addr, sink)?;
     report::preamble(s, None);
     println!(
         " Waiting for a client on {} (source ports {:?})",
         server.ep.local_addr(),
         server.ep.source_ports()
     );
-    let conn = server
-        .ep
-        .accept()
-        .await
-        .ok_or("the server endpoint closed")?
-        .accept()
-        .map_err(|e| format!("accepting the client's connection: {e}"))?;
-    let ctrl = conn
-        .accept_stream()
-        .await
-        .ok_or("the client closed the connection before saying hello")?;
+    let (conn, ctrl) = meta_accept(&server.ep).await?;
     let r = server::serve(Net::Meta(conn), Chan::Stream(ctrl), true, s.rx_depth).await?;
     report::rule();
     Ok(Outcome {

@@ -14,12 +14,12 @@
 
 use metaroce::wire::icrc::{self, IpHeader};
 use metaroce::Transmit;
-use metaroce_tokio::backend::{DatagramBackend, RecvMeta};
+use metaroce_tokio::backend::DatagramBackend;
 use pcap_file::pcap::{PcapHeader, PcapPacket, PcapWriter};
 use pcap_file::{DataLink, Endianness, TsResolution};
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, BufWriter, IoSliceMut};
+use std::io::{self, BufWriter};
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -242,30 +242,9 @@ pub fn route_source(dst: IpAddr) -> IpAddr {
 }
 
 impl DatagramBackend for PcapBackend {
-    fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr()
-    }
-
-    fn source_ports(&self) -> Vec<u16> {
-        self.inner.source_ports()
-    }
-
-    fn max_gso_segments(&self) -> usize {
-        self.inner.max_gso_segments()
-    }
-
-    fn max_gro_segments(&self) -> usize {
-        self.inner.max_gro_segments()
-    }
-
-    fn poll_recv(
-        &self,
-        cx: &mut Context<'_>,
-        bufs: &mut [IoSliceMut<'_>],
-        meta: &mut [RecvMeta],
-    ) -> Poll<io::Result<usize>> {
-        self.inner.poll_recv(cx, bufs, meta)
-    }
+    // Everything but sending is the inner backend's, unchanged.
+    metaroce_tokio::forward_datagram_backend!([.inner] local_addr, source_ports,
+        max_gso_segments, max_gro_segments, poll_recv, poll_recv_in_place, flush);
 
     fn poll_send(
         &self,
@@ -281,19 +260,6 @@ impl DatagramBackend for PcapBackend {
             self.retry_recorded.store(true, Ordering::Relaxed);
         }
         res
-    }
-
-    fn poll_recv_in_place(
-        &self,
-        cx: &mut Context<'_>,
-        max: usize,
-        f: &mut dyn FnMut(&RecvMeta, &[u8]),
-    ) -> Option<Poll<std::io::Result<usize>>> {
-        self.inner.poll_recv_in_place(cx, max, f)
-    }
-
-    fn flush(&self) {
-        self.inner.flush()
     }
 }
 

@@ -82,3 +82,54 @@ pub fn perf_bounded(args: &[&str], limit: std::time::Duration) -> Option<Output>
         stderr,
     })
 }
+
+/// A free UDP port on 127.0.0.1 (released again right away; a clash is unlikely).
+pub fn free_udp_port() -> String {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// A free TCP port on 127.0.0.1 (released again right away; a clash is unlikely).
+pub fn free_tcp_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string()
+}
+
+/// Start `metaroce-perf` with `args` (a server) in the background, stdout and stderr
+/// piped; [`server_output`] waits for it.
+pub fn spawn_server(args: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_metaroce-perf"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run metaroce-perf --server")
+}
+
+/// Wait for a server from [`spawn_server`] to end; echo its output to stderr (shown on
+/// failure).
+pub fn server_output(server: std::process::Child) -> Output {
+    let out = server.wait_with_output().expect("wait for the server");
+    eprintln!(
+        "--- server stdout\n{}--- server stderr\n{}",
+        stdout(&out),
+        stderr(&out)
+    );
+    out
+}
+
+/// `metaroce-perf args` exits with status 2 and says `message` on stderr.
+pub fn assert_usage_error(args: &[&str], message: &str) {
+    let o = perf(args);
+    assert_eq!(o.status.code(), Some(2), "exit status for {args:?}");
+    let e = stderr(&o);
+    assert!(e.contains(message), "{args:?}: expected {message:?} in {e}");
+}

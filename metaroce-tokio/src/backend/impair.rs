@@ -16,7 +16,7 @@
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
-use std::io::{self, IoSliceMut};
+use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
@@ -28,7 +28,7 @@ use rand_xoshiro::Xoshiro256PlusPlus;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{check_transmit, unknown_src_port, DatagramBackend, RecvMeta};
+use super::{check_transmit, unknown_src_port, DatagramBackend};
 
 /// Longest accepted `delay`, `jitter` or `reorder_delay`: one hour.
 const MAX_DURATION: Duration = Duration::from_secs(3600);
@@ -1025,31 +1025,14 @@ async fn run_sender<B: DatagramBackend>(inner: Arc<B>, shared: Arc<Shared>) {
 }
 
 impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
-    fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr()
-    }
+    // Receiving is not impaired. The inner backend's GSO limit is kept, so a driver
+    // batches as it would without impairment (the surviving datagrams of a batch are
+    // re-batched here).
+    crate::forward_datagram_backend!([.inner] local_addr, max_gso_segments, max_gro_segments,
+        poll_recv, poll_recv_in_place, flush);
 
     fn source_ports(&self) -> Vec<u16> {
         self.ports.clone()
-    }
-
-    /// The inner backend's value, so a driver batches as it would without impairment (the
-    /// surviving datagrams of a batch are re-batched here).
-    fn max_gso_segments(&self) -> usize {
-        self.inner.max_gso_segments()
-    }
-
-    fn max_gro_segments(&self) -> usize {
-        self.inner.max_gro_segments()
-    }
-
-    fn poll_recv(
-        &self,
-        cx: &mut Context<'_>,
-        bufs: &mut [IoSliceMut<'_>],
-        meta: &mut [RecvMeta],
-    ) -> Poll<io::Result<usize>> {
-        self.inner.poll_recv(cx, bufs, meta)
     }
 
     fn poll_send(
@@ -1087,19 +1070,6 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
         }
         self.finish(job);
         Poll::Ready(Ok(()))
-    }
-
-    fn poll_recv_in_place(
-        &self,
-        cx: &mut Context<'_>,
-        max: usize,
-        f: &mut dyn FnMut(&RecvMeta, &[u8]),
-    ) -> Option<Poll<io::Result<usize>>> {
-        self.inner.poll_recv_in_place(cx, max, f)
-    }
-
-    fn flush(&self) {
-        self.inner.flush()
     }
 }
 

@@ -225,102 +225,114 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     fn flush(&self) {}
 }
 
+/// Implements the named [`DatagramBackend`] methods of a wrapper backend by handing each
+/// call, unchanged, to the backend it wraps; the wrapper writes the others itself. For use
+/// inside an `impl DatagramBackend for Wrapper` block.
+///
+/// The first argument, in brackets, is what follows `self` to reach the inner backend: a
+/// field (`[.inner]`) or a method call (`[.as_ref()]`). Then the method names, any of
+/// `local_addr`, `source_ports`, `max_gso_segments`, `max_gro_segments`, `poll_recv`,
+/// `poll_send`, `poll_recv_in_place`, `flush`.
+///
+/// ```
+/// use metaroce_tokio::backend::{DatagramBackend, UdpBackend};
+/// use metaroce_tokio::forward_datagram_backend;
+///
+/// /// A backend that counts the sends it passes on.
+/// #[derive(Debug)]
+/// struct Counting {
+///     inner: UdpBackend,
+///     sends: std::sync::atomic::AtomicU64,
+/// }
+///
+/// impl DatagramBackend for Counting {
+///     forward_datagram_backend!([.inner] local_addr, source_ports, max_gso_segments,
+///         max_gro_segments, poll_recv, poll_recv_in_place, flush);
+///
+///     fn poll_send(
+///         &self,
+///         cx: &mut std::task::Context<'_>,
+///         transmit: &metaroce_tokio::metaroce::Transmit,
+///         contents: &[u8],
+///     ) -> std::task::Poll<std::io::Result<()>> {
+///         let res = self.inner.poll_send(cx, transmit, contents);
+///         if res.is_ready() {
+///             self.sends.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+///         }
+///         res
+///     }
+/// }
+/// ```
+#[macro_export]
+macro_rules! forward_datagram_backend {
+    (@one [$($to:tt)+] local_addr) => {
+        fn local_addr(&self) -> ::std::net::SocketAddr {
+            self $($to)+ .local_addr()
+        }
+    };
+    (@one [$($to:tt)+] source_ports) => {
+        fn source_ports(&self) -> ::std::vec::Vec<u16> {
+            self $($to)+ .source_ports()
+        }
+    };
+    (@one [$($to:tt)+] max_gso_segments) => {
+        fn max_gso_segments(&self) -> usize {
+            self $($to)+ .max_gso_segments()
+        }
+    };
+    (@one [$($to:tt)+] max_gro_segments) => {
+        fn max_gro_segments(&self) -> usize {
+            self $($to)+ .max_gro_segments()
+        }
+    };
+    (@one [$($to:tt)+] poll_recv) => {
+        fn poll_recv(
+            &self,
+            cx: &mut ::std::task::Context<'_>,
+            bufs: &mut [::std::io::IoSliceMut<'_>],
+            meta: &mut [$crate::backend::RecvMeta],
+        ) -> ::std::task::Poll<::std::io::Result<usize>> {
+            self $($to)+ .poll_recv(cx, bufs, meta)
+        }
+    };
+    (@one [$($to:tt)+] poll_send) => {
+        fn poll_send(
+            &self,
+            cx: &mut ::std::task::Context<'_>,
+            transmit: &$crate::metaroce::Transmit,
+            contents: &[u8],
+        ) -> ::std::task::Poll<::std::io::Result<()>> {
+            self $($to)+ .poll_send(cx, transmit, contents)
+        }
+    };
+    (@one [$($to:tt)+] poll_recv_in_place) => {
+        fn poll_recv_in_place(
+            &self,
+            cx: &mut ::std::task::Context<'_>,
+            max: usize,
+            f: &mut dyn FnMut(&$crate::backend::RecvMeta, &[u8]),
+        ) -> ::std::option::Option<::std::task::Poll<::std::io::Result<usize>>> {
+            self $($to)+ .poll_recv_in_place(cx, max, f)
+        }
+    };
+    (@one [$($to:tt)+] flush) => {
+        fn flush(&self) {
+            self $($to)+ .flush()
+        }
+    };
+    ($to:tt $($method:ident),+ $(,)?) => {
+        $( $crate::forward_datagram_backend!(@one $to $method); )+
+    };
+}
+
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
-    fn local_addr(&self) -> SocketAddr {
-        (**self).local_addr()
-    }
-
-    fn source_ports(&self) -> Vec<u16> {
-        (**self).source_ports()
-    }
-
-    fn max_gso_segments(&self) -> usize {
-        (**self).max_gso_segments()
-    }
-
-    fn max_gro_segments(&self) -> usize {
-        (**self).max_gro_segments()
-    }
-
-    fn poll_recv(
-        &self,
-        cx: &mut Context<'_>,
-        bufs: &mut [IoSliceMut<'_>],
-        meta: &mut [RecvMeta],
-    ) -> Poll<io::Result<usize>> {
-        (**self).poll_recv(cx, bufs, meta)
-    }
-
-    fn poll_send(
-        &self,
-        cx: &mut Context<'_>,
-        transmit: &metaroce::Transmit,
-        contents: &[u8],
-    ) -> Poll<io::Result<()>> {
-        (**self).poll_send(cx, transmit, contents)
-    }
-
-    fn poll_recv_in_place(
-        &self,
-        cx: &mut Context<'_>,
-        max: usize,
-        f: &mut dyn FnMut(&RecvMeta, &[u8]),
-    ) -> Option<Poll<io::Result<usize>>> {
-        (**self).poll_recv_in_place(cx, max, f)
-    }
-
-    fn flush(&self) {
-        (**self).flush()
-    }
+    forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
+        max_gro_segments, poll_recv, poll_send, poll_recv_in_place, flush);
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
-    fn local_addr(&self) -> SocketAddr {
-        (**self).local_addr()
-    }
-
-    fn source_ports(&self) -> Vec<u16> {
-        (**self).source_ports()
-    }
-
-    fn max_gso_segments(&self) -> usize {
-        (**self).max_gso_segments()
-    }
-
-    fn max_gro_segments(&self) -> usize {
-        (**self).max_gro_segments()
-    }
-
-    fn poll_recv(
-        &self,
-        cx: &mut Context<'_>,
-        bufs: &mut [IoSliceMut<'_>],
-        meta: &mut [RecvMeta],
-    ) -> Poll<io::Result<usize>> {
-        (**self).poll_recv(cx, bufs, meta)
-    }
-
-    fn poll_send(
-        &self,
-        cx: &mut Context<'_>,
-        transmit: &metaroce::Transmit,
-        contents: &[u8],
-    ) -> Poll<io::Result<()>> {
-        (**self).poll_send(cx, transmit, contents)
-    }
-
-    fn poll_recv_in_place(
-        &self,
-        cx: &mut Context<'_>,
-        max: usize,
-        f: &mut dyn FnMut(&RecvMeta, &[u8]),
-    ) -> Option<Poll<io::Result<usize>>> {
-        (**self).poll_recv_in_place(cx, max, f)
-    }
-
-    fn flush(&self) {
-        (**self).flush()
-    }
+    forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
+        max_gro_segments, poll_recv, poll_send, poll_recv_in_place, flush);
 }
 
 /// Checks a transmit's shape and returns its datagram size (`segment_size`, or the whole

@@ -270,6 +270,16 @@ impl UdpBackend {
     }
 }
 
+/// The lowest GSO limit over the path sockets' `states` (at least 1): what one `sendmsg`
+/// may carry whichever path it leaves on. Shared with the io_uring backend.
+pub(crate) fn lowest_gso_segments<'a>(states: impl Iterator<Item = &'a UdpSocketState>) -> usize {
+    states
+        .map(UdpSocketState::max_gso_segments)
+        .min()
+        .unwrap_or(1)
+        .max(1)
+}
+
 fn to_quinn_ecn(ecn: Option<metaroce::EcnCodepoint>) -> Option<quinn_udp::EcnCodepoint> {
     ecn.and_then(|e| quinn_udp::EcnCodepoint::from_bits(e.bits()))
 }
@@ -290,12 +300,7 @@ impl DatagramBackend for UdpBackend {
     /// The kernel's GSO limit (64 on Linux with `UDP_SEGMENT`), or 1 without GSO or after the
     /// NIC rejected it; the lowest over the path sockets.
     fn max_gso_segments(&self) -> usize {
-        self.paths
-            .iter()
-            .map(|p| p.state.max_gso_segments())
-            .min()
-            .unwrap_or(1)
-            .max(1)
+        lowest_gso_segments(self.paths.iter().map(|p| &p.state))
     }
 
     /// 64 on Linux with `UDP_GRO` (the kernel's `UDP_GRO_CNT_MAX`), else 1.

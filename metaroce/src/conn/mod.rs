@@ -1675,6 +1675,42 @@ impl Connection {
         )
     }
 
+    /// The next pending MR_ACK (one path per call, rotating over the paths whose receive
+    /// side owes one), written into `buf`; `None` when no path owes an ACK. Called by
+    /// [`poll_transmit`](Self::poll_transmit) and, when the connection is closed locally, by
+    /// the endpoint to flush the ACKs still owed ahead of the MR_CLOSE (so a message this
+    /// side received is never reported lost by the sender merely because the close
+    /// overtook its ACK).
+    pub fn poll_ack(&mut self, buf: &mut Vec<u8>) -> Option<Transmit> {
+        buf.clear();
+        let nrx = self.rx.len();
+        for k in 0..nrx {
+            let i = (self.next_ack_path + k) % nrx;
+            if !self.rx[i].ack_pending {
+                continue;
+            }
+            self.next_ack_path = (i + 1) % nrx;
+            let port = self.answer_port(i as u8, self.rx[i].generation, self.rx[i].plane);
+            let rx = &mut self.rx[i];
+            rx.ack_pending = false;
+            let flags = rx.ce_since_ack as u8;
+            rx.ce_since_ack = false;
+            let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, rx.cum);
+            let hdrs = Headers::Ack(AckEth {
+                path_id: i as u8,
+                flags,
+                echo_ts: rx.echo_ts,
+                ce_count: rx.ce_count,
+                rate_hint: self.granted_rate_mbps,
+                sack: rx.sack_bytes(),
+            });
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            self.acks_sent += 1;
+            return Some(self.transmit(port, None, n, None));
+        }
+        None
+    }
+
     pub fn poll_transmit(
         &mut self,
         now: Instant,
@@ -1769,30 +1805,8 @@ impl Connection {
             return Some(self.transmit(port, None, n, None));
         }
         // 3. ACKs, one path per call, rotating.
-        let nrx = self.rx.len();
-        for k in 0..nrx {
-            let i = (self.next_ack_path + k) % nrx;
-            if !self.rx[i].ack_pending {
-                continue;
-            }
-            self.next_ack_path = (i + 1) % nrx;
-            let port = self.answer_port(i as u8, self.rx[i].generation, self.rx[i].plane);
-            let rx = &mut self.rx[i];
-            rx.ack_pending = false;
-            let flags = rx.ce_since_ack as u8;
-            rx.ce_since_ack = false;
-            let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, rx.cum);
-            let hdrs = Headers::Ack(AckEth {
-                path_id: i as u8,
-                flags,
-                echo_ts: rx.echo_ts,
-                ce_count: rx.ce_count,
-                rate_hint: self.granted_rate_mbps,
-                sack: rx.sack_bytes(),
-            });
-            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
-            self.acks_sent += 1;
-            return Some(self.transmit(port, None, n, None));
+        if let Some(t) = self.poll_ack(buf) {
+            return Some(t);
         }
         // 4. Tail-loss probes, ahead of the window.
         for i in 0..self.tx.len() {

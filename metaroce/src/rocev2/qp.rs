@@ -707,40 +707,26 @@ impl Qp {
                 compare,
                 swap,
             } => {
-                bth = Bth::new(Opcode::RC_COMPARE_SWAP, rqpn, psn);
-                headers = rc(
-                    None,
-                    None,
-                    Some(AtomicEth {
-                        va: remote_addr,
-                        rkey,
-                        swap_add: swap,
-                        compare,
-                    }),
-                    None,
-                    None,
-                );
-                bth.ack_req = true;
+                let eth = AtomicEth {
+                    va: remote_addr,
+                    rkey,
+                    swap_add: swap,
+                    compare,
+                };
+                (bth, headers) = atomic_request(Opcode::RC_COMPARE_SWAP, rqpn, psn, eth);
             }
             SendOp::FetchAdd {
                 remote_addr,
                 rkey,
                 add,
             } => {
-                bth = Bth::new(Opcode::RC_FETCH_ADD, rqpn, psn);
-                headers = rc(
-                    None,
-                    None,
-                    Some(AtomicEth {
-                        va: remote_addr,
-                        rkey,
-                        swap_add: add,
-                        compare: 0,
-                    }),
-                    None,
-                    None,
-                );
-                bth.ack_req = true;
+                let eth = AtomicEth {
+                    va: remote_addr,
+                    rkey,
+                    swap_add: add,
+                    compare: 0,
+                };
+                (bth, headers) = atomic_request(Opcode::RC_FETCH_ADD, rqpn, psn, eth);
             }
         }
         self.noack_pkts += 1;
@@ -1587,6 +1573,14 @@ fn rc(
         imm,
         ieth: None,
     }
+}
+
+/// The BTH (AckReq set: an atomic is always answered) and AtomicETH of an atomic request
+/// `opcode` (IBA 9.4.5) to QP `rqpn` at `psn`.
+fn atomic_request(opcode: Opcode, rqpn: u32, psn: u32, eth: AtomicEth) -> (Bth, Headers) {
+    let mut bth = Bth::new(opcode, rqpn, psn);
+    bth.ack_req = true;
+    (bth, rc(None, None, Some(eth), None, None))
 }
 
 /// `len` bytes at `va` of the region `rkey`, if READ is allowed there.

@@ -164,28 +164,12 @@ impl Net {
                     }
                 }
             }
-            while let Some(e) = self.a.poll_event() {
-                self.ev_a.push(e);
-            }
-            while let Some(e) = self.b.poll_event() {
-                self.ev_b.push(e);
-            }
+            self.collect_events();
             if done(self) {
                 return;
             }
-            if !moved {
-                let next = [self.a.poll_timeout(), self.b.poll_timeout()]
-                    .into_iter()
-                    .flatten()
-                    .min();
-                match next {
-                    Some(t) if t <= end => {
-                        self.now = self.now.max(t);
-                        self.a.handle_timeout(self.now);
-                        self.b.handle_timeout(self.now);
-                    }
-                    _ => return,
-                }
+            if !moved && !self.advance([], end) {
+                return;
             }
         }
         panic!("no quiescence");
@@ -241,38 +225,52 @@ impl Net {
                     moved = true;
                 }
             }
-            while let Some(e) = self.a.poll_event() {
-                self.ev_a.push(e);
-            }
-            while let Some(e) = self.b.poll_event() {
-                self.ev_b.push(e);
-            }
+            self.collect_events();
             if done(self) {
                 return;
             }
             if !moved {
-                let next = [
-                    self.a.poll_timeout(),
-                    self.b.poll_timeout(),
+                let links = [
                     flight[0].front().map(|f| f.0),
                     flight[1].front().map(|f| f.0),
                     (free[0] > self.now).then_some(free[0]),
                     (free[1] > self.now).then_some(free[1]),
-                ]
-                .into_iter()
-                .flatten()
-                .min();
-                match next {
-                    Some(t) if t <= end => {
-                        self.now = self.now.max(t);
-                        self.a.handle_timeout(self.now);
-                        self.b.handle_timeout(self.now);
-                    }
-                    _ => return,
+                ];
+                if !self.advance(links, end) {
+                    return;
                 }
             }
         }
         panic!("no quiescence");
+    }
+
+    /// Move both sides' events into `ev_a` / `ev_b`.
+    fn collect_events(&mut self) {
+        while let Some(e) = self.a.poll_event() {
+            self.ev_a.push(e);
+        }
+        while let Some(e) = self.b.poll_event() {
+            self.ev_b.push(e);
+        }
+    }
+
+    /// Set the clock to the earliest of both sides' timers and the instants in `also`
+    /// and fire the timers; `false` (nothing changed) when none is due by `end`.
+    fn advance<const N: usize>(&mut self, also: [Option<Instant>; N], end: Instant) -> bool {
+        let next = [self.a.poll_timeout(), self.b.poll_timeout()]
+            .into_iter()
+            .chain(also)
+            .flatten()
+            .min();
+        match next {
+            Some(t) if t <= end => {
+                self.now = self.now.max(t);
+                self.a.handle_timeout(self.now);
+                self.b.handle_timeout(self.now);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn run_all(&mut self) {

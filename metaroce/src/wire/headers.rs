@@ -178,6 +178,23 @@ fn from(b: &[u8], off: usize) -> &[u8] {
     b.get(off..).unwrap_or(&[])
 }
 
+/// If `present`, parse the `len`-byte header at `b[*off..]` with `parse` and advance `*off`
+/// past it; `None` (nothing read) otherwise. The parse side of [`put`].
+fn take<T>(
+    present: bool,
+    b: &[u8],
+    off: &mut usize,
+    len: usize,
+    parse: impl FnOnce(&[u8]) -> Result<T, Error>,
+) -> Result<Option<T>, Error> {
+    if !present {
+        return Ok(None);
+    }
+    let v = parse(from(b, *off))?;
+    *off += len;
+    Ok(Some(v))
+}
+
 /// Run `f` on `out[*off..]` and advance `*off` by `len` (the size `f` writes).
 fn put(
     out: &mut [u8],
@@ -230,42 +247,18 @@ impl Headers {
         let h = match l {
             Layout::Rc(s) => {
                 let mut off = 0;
-                let reth = if s.reth {
-                    let v = Reth::parse(from(b, off))?;
-                    off += Reth::LEN;
-                    Some(v)
-                } else {
-                    None
-                };
-                let aeth = if s.aeth {
-                    let v = Aeth::parse(from(b, off))?;
-                    off += Aeth::LEN;
-                    Some(v)
-                } else {
-                    None
-                };
-                let atomic = if s.atomic {
-                    let v = AtomicEth::parse(from(b, off))?;
-                    off += AtomicEth::LEN;
-                    Some(v)
-                } else {
-                    None
-                };
-                let atomic_ack = if s.atomic_ack {
-                    let v = AtomicAckEth::parse(from(b, off))?;
-                    off += AtomicAckEth::LEN;
-                    Some(v)
-                } else {
-                    None
-                };
-                let imm = if s.imm {
-                    let v = u32_at(b, off)?;
-                    off += IMM_LEN;
-                    Some(v)
-                } else {
-                    None
-                };
-                let ieth = if s.ieth { Some(u32_at(b, off)?) } else { None };
+                let reth = take(s.reth, b, &mut off, Reth::LEN, Reth::parse)?;
+                let aeth = take(s.aeth, b, &mut off, Aeth::LEN, Aeth::parse)?;
+                let atomic = take(s.atomic, b, &mut off, AtomicEth::LEN, AtomicEth::parse)?;
+                let atomic_ack = take(
+                    s.atomic_ack,
+                    b,
+                    &mut off,
+                    AtomicAckEth::LEN,
+                    AtomicAckEth::parse,
+                )?;
+                let imm = take(s.imm, b, &mut off, IMM_LEN, |b| u32_at(b, 0))?;
+                let ieth = take(s.ieth, b, &mut off, IMM_LEN, |b| u32_at(b, 0))?;
                 Headers::Rc {
                     reth,
                     aeth,

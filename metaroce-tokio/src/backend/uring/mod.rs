@@ -550,12 +550,7 @@ impl DatagramBackend for UringBackend {
     /// As [`UdpBackend`](super::UdpBackend): the kernel's GSO limit, the lowest over the
     /// path sockets.
     fn max_gso_segments(&self) -> usize {
-        self.paths
-            .iter()
-            .map(|p| p.state.max_gso_segments())
-            .min()
-            .unwrap_or(1)
-            .clamp(1, MAX_GSO_SEGMENTS)
+        super::udp::lowest_gso_segments(self.paths.iter().map(|p| &p.state)).min(MAX_GSO_SEGMENTS)
     }
 
     fn max_gro_segments(&self) -> usize {
