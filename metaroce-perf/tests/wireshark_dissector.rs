@@ -316,6 +316,36 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
                 ("metaroce.trailer.token", s("0x0123456789abcdef")),
             ],
         ),
+        // An ACK bundle (docs/PROTOCOL.md "ACK bundles"): path 3, then one block for
+        // path 6 with cum 2000 and one SACK bit.
+        (
+            frame(
+                bth(Opcode::MR_ACK, 0x0012_3456, 1000),
+                Headers::Ack(AckEth {
+                    flags: AckEth::FLAG_BUNDLE,
+                    ..ack
+                }),
+                &{
+                    let mut b = AckEth {
+                        path_id: 6,
+                        sack: [0; 32],
+                        ..ack
+                    };
+                    b.sack_set(0);
+                    let mut out = vec![0; AckEth::BLOCK_LEN];
+                    b.emit_block(2000, &mut out).unwrap();
+                    out
+                },
+                tok,
+            ),
+            vec![
+                ("metaroce.ack.bundle", s("1,0")),
+                ("metaroce.ack.blocks", s("1")),
+                ("metaroce.ack.block_cum", s("2000")),
+                ("metaroce.ack.path_id", s("3,6")),
+                ("metaroce.ack.sack_highest", s("1010,2001")),
+            ],
+        ),
         (
             frame(
                 bth(Opcode::MR_ACK, 0x0012_3456, 1000),
