@@ -93,7 +93,8 @@ fn bulk(net: &mut Net) -> Vec<Vec<u8>> {
         .iter()
         .all(|wc| wc.status == WcStatus::Success));
     assert!(
-        net.eps[1].mr_read(dst.lkey, 0, len as u64).unwrap() == metaroce::testing::pattern(3, len)[..],
+        net.eps[1].mr_read(dst.lkey, 0, len as u64).unwrap()
+            == metaroce::testing::pattern(3, len)[..],
         "bytes differ"
     );
     let cs = net.eps[0].connection_stats(c).unwrap();
@@ -156,9 +157,9 @@ fn malformed_bundle_applies_no_block() {
         .rev()
         .find(|s| {
             s.from_ep == 1
-                && Packet::parse(&s.data).is_ok_and(|p| {
-                    matches!(p.headers, Headers::Ack(a) if a.flags & AckEth::FLAG_BUNDLE != 0)
-                })
+                && Packet::parse(&s.data).is_ok_and(
+                    |p| matches!(p.headers, Headers::Ack(a) if a.flags & AckEth::FLAG_BUNDLE != 0),
+                )
         })
         .cloned()
         .expect("no bundle captured");

@@ -252,6 +252,13 @@ pub(crate) struct Connection {
 }
 
 /// Nanoseconds since the endpoint's epoch, modulo 2^32 (PathEth timestamp).
+/// How long an acknowledged READ/atomic request waits for its response before it is sent
+/// again: twice the largest path RTO.
+fn response_timeout(tx: &[PathTx], cfg: &TransportConfig) -> Duration {
+    let (min, max) = (cfg.min_rto, cfg.max_rto);
+    2 * tx.iter().map(|p| p.rtt.rto(min, max)).max().unwrap_or(min)
+}
+
 pub(crate) fn ts32(epoch: Instant, now: Instant) -> u32 {
     now.saturating_duration_since(epoch).as_nanos() as u32
 }
@@ -875,9 +882,10 @@ impl Connection {
             self.planes.on_progress(port);
             self.rebalance_planes(now);
         }
-        let resp_timeout = self.response_timeout();
+        let (tx, cfg) = (&self.tx, &self.cfg);
+        let mut resp_timeout = || response_timeout(tx, cfg);
         for &s in &out.acked {
-            self.sq.on_acked(s, now, resp_timeout);
+            self.sq.on_acked(s, now, &mut resp_timeout);
         }
         for s in out.lost {
             self.sq.on_lost(s);
@@ -1308,18 +1316,6 @@ impl Connection {
     pub fn largest_rto(&self) -> Duration {
         let (min, max) = (self.cfg.min_rto, self.cfg.max_rto);
         self.tx
-            .iter()
-            .map(|p| p.rtt.rto(min, max))
-            .max()
-            .unwrap_or(min)
-    }
-
-    /// How long an acknowledged READ/atomic request waits for its response before it is sent
-    /// again: twice the largest path RTO.
-    fn response_timeout(&self) -> Duration {
-        let (min, max) = (self.cfg.min_rto, self.cfg.max_rto);
-        2 * self
-            .tx
             .iter()
             .map(|p| p.rtt.rto(min, max))
             .max()
@@ -1763,7 +1759,6 @@ impl Connection {
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
-        let ts = ts32(self.epoch, now);
         // 2. Keepalive: an MR_ACK with the keepalive flag, on the next usable path in turn.
         if self.keepalive_pending {
             self.keepalive_pending = false;
@@ -1778,7 +1773,7 @@ impl Connection {
                 let hdrs = Headers::Ack(AckEth {
                     path_id: i as u8,
                     flags: AckEth::FLAG_KEEPALIVE,
-                    echo_ts: ts,
+                    echo_ts: ts32(self.epoch, now),
                     ce_count: 0,
                     rate_hint: 0,
                     sack: [0; 32],
@@ -1863,6 +1858,8 @@ impl Connection {
             self.ack_datagrams_sent += 1;
             return Some(self.transmit(port, None, n_bytes, None));
         }
+        // (Data packets carry the transmit timestamp; ACKs and NAKs above do not need it.)
+        let ts = ts32(self.epoch, now);
         // 4. Tail-loss probes, ahead of the window.
         for i in 0..self.tx.len() {
             if let Some(seg) = self.tx[i].probe.take() {
