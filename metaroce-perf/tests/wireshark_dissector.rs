@@ -806,9 +806,10 @@ fn perf_runs_decode_completely_and_consistently() {
                 panic!("{name} frame {}: not decoded as MetaRoCE: {f:?}", i + 1)
             });
             *seen.entry(op.clone()).or_default() += 1;
-            // Every data packet names a path of the run; ACKs too.
+            // Every data packet names a path of the run; ACKs too (an ACK bundle names
+            // several: tshark lists them comma-separated).
             for k in ["metaroce.path.id", "metaroce.ack.path_id"] {
-                if let Some(p) = f.get(k) {
+                for p in f.get(k).into_iter().flat_map(|v| v.split(',')) {
                     let p: u32 = p.parse().unwrap();
                     assert!(p < PATHS, "{name} frame {}: {k} {p}", i + 1);
                 }
