@@ -316,6 +316,36 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
                 ("metaroce.trailer.token", s("0x0123456789abcdef")),
             ],
         ),
+        // An ACK bundle (docs/PROTOCOL.md "ACK bundles"): path 3, then one block for
+        // path 6 with cum 2000 and one SACK bit.
+        (
+            frame(
+                bth(Opcode::MR_ACK, 0x0012_3456, 1000),
+                Headers::Ack(AckEth {
+                    flags: AckEth::FLAG_BUNDLE,
+                    ..ack
+                }),
+                &{
+                    let mut b = AckEth {
+                        path_id: 6,
+                        sack: [0; 32],
+                        ..ack
+                    };
+                    b.sack_set(0);
+                    let mut out = vec![0; AckEth::BLOCK_LEN];
+                    b.emit_block(2000, &mut out).unwrap();
+                    out
+                },
+                tok,
+            ),
+            vec![
+                ("metaroce.ack.bundle", s("1,0")),
+                ("metaroce.ack.blocks", s("1")),
+                ("metaroce.ack.block_cum", s("2000")),
+                ("metaroce.ack.path_id", s("3,6")),
+                ("metaroce.ack.sack_highest", s("1010,2001")),
+            ],
+        ),
         (
             frame(
                 bth(Opcode::MR_ACK, 0x0012_3456, 1000),
@@ -776,9 +806,10 @@ fn perf_runs_decode_completely_and_consistently() {
                 panic!("{name} frame {}: not decoded as MetaRoCE: {f:?}", i + 1)
             });
             *seen.entry(op.clone()).or_default() += 1;
-            // Every data packet names a path of the run; ACKs too.
+            // Every data packet names a path of the run; ACKs too (an ACK bundle names
+            // several: tshark lists them comma-separated).
             for k in ["metaroce.path.id", "metaroce.ack.path_id"] {
-                if let Some(p) = f.get(k) {
+                for p in f.get(k).into_iter().flat_map(|v| v.split(',')) {
                     let p: u32 = p.parse().unwrap();
                     assert!(p < PATHS, "{name} frame {}: {k} {p}", i + 1);
                 }

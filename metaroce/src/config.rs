@@ -294,6 +294,14 @@ pub struct TransportConfig {
     pub reorder_threshold: u32,
     /// Most packets one GSO batch may carry (set by the I/O backend). Default 1.
     pub max_gso_segments: usize,
+    /// Most paths one `MR_ACK` datagram acknowledges (an *ACK bundle*, docs/PROTOCOL.md
+    /// "ACK bundles"): when several paths of the same plane have an ACK due at once (a
+    /// receive batch sprayed over them), the receiver sends one datagram of up to this many
+    /// ACK blocks instead of one datagram per path, from the answer port of the path it
+    /// names first (rotating, so the reverse routes of all paths keep being used). 1 = one
+    /// path per ACK, as peers without bundles expect; at most 28 (the datagram then stays
+    /// under 1,500 bytes). Default 8.
+    pub max_ack_bundle: usize,
     /// Verify the ICRC of received packets when the addresses it covers are known.
     /// Default `true`.
     pub verify_icrc: bool,
@@ -469,6 +477,7 @@ impl Default for TransportConfig {
             max_rto: Duration::from_secs(1),
             reorder_threshold: 0,
             max_gso_segments: 1,
+            max_ack_bundle: 8,
             verify_icrc: true,
             idle_timeout: Some(Duration::from_secs(10)),
             keepalive_interval: Some(Duration::from_secs(3)),
@@ -526,6 +535,12 @@ impl TransportConfig {
         }
         if self.max_gso_segments == 0 {
             return bad("max_gso_segments", "must be at least 1");
+        }
+        if !(1..=28).contains(&self.max_ack_bundle) {
+            return bad(
+                "max_ack_bundle",
+                format!("must be in 1..=28 paths, got {}", self.max_ack_bundle),
+            );
         }
         if self.min_rto > self.max_rto {
             return bad(

@@ -246,9 +246,11 @@ pub struct EndpointStats {
 struct ConnIndex {
     /// The connection's `next_timeout()` when last looked at (its key in `timers`).
     deadline: Option<Instant>,
-    /// The connection's `last_data_rx` when last looked at (its key in `recent_rx`, unless
-    /// it has since left the fair-share window).
+    /// The connection's `last_data_rx` when last looked at.
     data_rx: Option<Instant>,
+    /// Its key in `recent_rx`, if it has one: a lower bound of `data_rx` (see
+    /// `Endpoint::index_data_rx`).
+    in_recent: Option<Instant>,
     /// The connection was touched since `deadline` was read: it is listed in
     /// `Endpoint::stale` and its `timers` entry may be out of date.
     stale: bool,
@@ -1722,11 +1724,7 @@ impl Endpoint {
         let ix = self.index.entry(q).or_default();
         ix.stale = false;
         move_entry(&mut self.timers, q, &mut ix.deadline, c.next_timeout());
-        if move_entry(&mut self.recent_rx, q, &mut ix.data_rx, c.last_data_rx) {
-            // The set of active senders changed: the next grant must count it even at
-            // the same `now` (several connections established in one instant).
-            self.fair_share_at = None;
-        }
+        Self::index_data_rx(ix, &mut self.recent_rx, &mut self.fair_share_at, q, c);
         true
     }
 
@@ -1751,10 +1749,41 @@ impl Endpoint {
             ix.stale = true;
             self.stale.push(q);
         }
-        if move_entry(&mut self.recent_rx, q, &mut ix.data_rx, c.last_data_rx) {
-            self.fair_share_at = None;
-        }
+        Self::index_data_rx(ix, &mut self.recent_rx, &mut self.fair_share_at, q, c);
         true
+    }
+
+    /// Keep connection `q`'s entry in `recent_rx` (issue #13: lazily). A connection that
+    /// has an entry keeps it when its last data arrival moves on (a data packet moves it
+    /// every time): the entry's time is then a lower bound of the real one, and
+    /// [`update_fair_share`](Self::update_fair_share) re-reads the real time before it
+    /// drops an entry that looks old. Only a connection without an entry is inserted (a
+    /// new sender: the next grant must count it even at the same `now`). O(1) per data
+    /// packet instead of a remove and an insert.
+    fn index_data_rx(
+        ix: &mut ConnIndex,
+        recent_rx: &mut BTreeSet<(Instant, u32)>,
+        fair_share_at: &mut Option<Instant>,
+        q: u32,
+        c: &Connection,
+    ) {
+        if c.last_data_rx == ix.data_rx {
+            return;
+        }
+        ix.data_rx = c.last_data_rx;
+        match (ix.in_recent, c.last_data_rx) {
+            (None, Some(new)) => {
+                recent_rx.insert((new, q));
+                ix.in_recent = Some(new);
+                *fair_share_at = None;
+            }
+            (Some(old), None) => {
+                recent_rx.remove(&(old, q));
+                ix.in_recent = None;
+                *fair_share_at = None;
+            }
+            _ => {}
+        }
     }
 
     /// Read the deadlines of the connections touched since the last call into `timers`.
@@ -1788,7 +1817,7 @@ impl Endpoint {
             if let Some(t) = ix.deadline {
                 self.timers.remove(&(t, q));
             }
-            if let Some(t) = ix.data_rx {
+            if let Some(t) = ix.in_recent {
                 self.recent_rx.remove(&(t, q));
             }
         }
@@ -1912,11 +1941,23 @@ impl Endpoint {
                     .count()
             } else {
                 self.fair_share_latest = Some(now);
-                while let Some(&(at, _)) = self.recent_rx.first() {
+                // Entries hold a lower bound of each connection's last data arrival
+                // (`index_data_rx`): an old-looking entry is re-read before it goes.
+                while let Some(&(at, q)) = self.recent_rx.first() {
                     if recent(at) {
                         break;
                     }
                     self.recent_rx.pop_first();
+                    let real = self.conns.get(&q).and_then(|c| c.last_data_rx);
+                    let ix = self.index.get_mut(&q);
+                    match (real, ix) {
+                        (Some(t), Some(ix)) if t > at && recent(t) => {
+                            self.recent_rx.insert((t, q));
+                            ix.in_recent = Some(t);
+                        }
+                        (_, Some(ix)) => ix.in_recent = None,
+                        (_, None) => {}
+                    }
                 }
                 debug_assert!(
                     self.conns.len() > 64

@@ -118,6 +118,9 @@ local f = {
     ack_flags = ProtoField.uint8("metaroce.ack.flags", "Flags", base.HEX),
     ack_ece = ProtoField.bool("metaroce.ack.ece", "ECE (CE seen since the last ACK)", 8, nil, 0x01),
     ack_ka = ProtoField.bool("metaroce.ack.keepalive", "KEEPALIVE", 8, nil, 0x02),
+    ack_bundle = ProtoField.bool("metaroce.ack.bundle", "BUNDLE (ACK blocks follow)", 8, nil, 0x04),
+    ack_blocks = ProtoField.uint16("metaroce.ack.blocks", "Further ACK blocks (paths)", base.DEC),
+    ack_block_cum = ProtoField.uint24("metaroce.ack.block_cum", "Cumulative PSN of the block's path", base.DEC),
     ack_echo = ProtoField.uint32("metaroce.ack.echo_ts", "Echoed timestamp", base.DEC),
     ack_ce = ProtoField.uint32("metaroce.ack.ce_count", "CE count", base.DEC),
     ack_rate = ProtoField.uint32("metaroce.ack.rate_hint", "Rate hint (Mbit/s, 0 = no limit)", base.DEC),
@@ -276,6 +279,7 @@ function H.ack(r, t, cum)
     local fl = t:add(f.ack_flags, r(1, 1))
     fl:add(f.ack_ece, r(1, 1))
     fl:add(f.ack_ka, r(1, 1))
+    fl:add(f.ack_bundle, r(1, 1))
     t:add(f.ack_echo, r(4, 4))
     t:add(f.ack_ce, r(8, 4))
     t:add(f.ack_rate, r(12, 4))
@@ -303,6 +307,7 @@ function H.ack(r, t, cum)
     local flags = r(1, 1):uint()
     local what = "cum=" .. cum
     if math.floor(flags / 2) % 2 == 1 then what = "KEEPALIVE" end
+    if math.floor(flags / 4) % 2 == 1 then what = what .. " BUNDLE" end
     if flags % 2 == 1 then what = what .. " ECE" end
     return string.format("path=%d %s sack=%d", r(0, 1):uint(), what, n)
 end
@@ -443,12 +448,27 @@ local function dissect_mr(tvb, pinfo, tree)
         elseif op == 0xC6 then
             root:add(f.cl_text, pr, printable(pr))
             info[#info + 1] = "reason=\"" .. printable(pr) .. "\""
+        elseif op == 0xC1 and math.floor(tvb(13, 1):uint() / 4) % 2 == 1 then
+            -- ACK bundle: 52-byte blocks, each a cumulative PSN word and an AckEth.
+            local k = math.floor(plen / 52)
+            local bt = root:add(pr, "ACK blocks")
+            bt:add(f.ack_blocks, pr, k):set_generated()
+            if plen % 52 ~= 0 then
+                malformed(root, pinfo, "ACK bundle payload of " .. plen .. " bytes is not whole 52-byte blocks")
+            end
+            for j = 0, k - 1 do
+                local b = tvb(off + 52 * j, 52)
+                local cum = b(1, 3):uint()
+                local t = bt:add(b, "ACK block")
+                t:add(f.ack_block_cum, b(1, 3))
+                info[#info + 1] = "+ " .. H.ack(b(4, 48), t, cum)
+            end
         else
             root:add(f.payload, pr)
         end
     end
     root:add(f.payload_len, tvb(off, plen), plen):set_generated()
-    if plen > 0 and op ~= 0xC0 and op ~= 0xC6 then
+    if plen > 0 and op ~= 0xC0 and op ~= 0xC6 and op ~= 0xC1 then
         info[#info + 1] = "payload=" .. plen
     end
     off = off + plen

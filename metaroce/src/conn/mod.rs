@@ -103,8 +103,11 @@ pub struct ConnectionStats {
     pub paths: Vec<PathInfo>,
     /// Responder-side counters.
     pub recv: RecvStats,
-    /// ACK packets sent.
+    /// ACKs sent, counted per path acknowledged: an ACK bundle of *n* paths counts *n*.
     pub acks_sent: u64,
+    /// `MR_ACK` datagrams sent (ACK bundles and single ACKs; keepalives not counted):
+    /// `acks_sent / ack_datagrams_sent` is the mean bundle size.
+    pub ack_datagrams_sent: u64,
     /// ACK packets received.
     pub acks_received: u64,
     /// Data packets received (new, duplicate and dropped).
@@ -188,6 +191,13 @@ pub(crate) struct Connection {
     tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
     /// `send_data`'s copy buffer for WRITE segments, kept across calls.
     tx_scratch: Vec<u8>,
+    /// The further ACK blocks of the bundled `MR_ACK` being built (reused).
+    ack_scratch: Vec<u8>,
+    /// [`conn_window`](Self::conn_window) as last computed (issue #13: it walks every path,
+    /// and was computed for every data packet sent). Cleared by everything its inputs
+    /// depend on: ACKs (RTT samples, rate hint, first ACK), the handshake (paths, PMTU,
+    /// grant, RTT from the handshake) and timers.
+    window_cache: Option<u32>,
     local_port: u16,
     pub pmtu: u32,
     init_psn: u32,
@@ -219,6 +229,7 @@ pub(crate) struct Connection {
     pub last_data_rx: Option<Instant>,
     cfg: TransportConfig,
     acks_sent: u64,
+    ack_datagrams_sent: u64,
     acks_received: u64,
     data_in: u64,
     dup_in: u64,
@@ -241,6 +252,13 @@ pub(crate) struct Connection {
 }
 
 /// Nanoseconds since the endpoint's epoch, modulo 2^32 (PathEth timestamp).
+/// How long an acknowledged READ/atomic request waits for its response before it is sent
+/// again: twice the largest path RTO.
+fn response_timeout(tx: &[PathTx], cfg: &TransportConfig) -> Duration {
+    let (min, max) = (cfg.min_rto, cfg.max_rto);
+    2 * tx.iter().map(|p| p.rtt.rto(min, max)).max().unwrap_or(min)
+}
+
 pub(crate) fn ts32(epoch: Instant, now: Instant) -> u32 {
     now.saturating_duration_since(epoch).as_nanos() as u32
 }
@@ -427,6 +445,8 @@ impl Connection {
             confirmed: true,
             tx_ip: None,
             tx_scratch: Vec::new(),
+            ack_scratch: Vec::new(),
+            window_cache: None,
             half_open: None,
             confirm_pending: false,
             local_ip,
@@ -451,6 +471,7 @@ impl Connection {
             last_data_rx: None,
             cfg,
             acks_sent: 0,
+            ack_datagrams_sent: 0,
             acks_received: 0,
             data_in: 0,
             dup_in: 0,
@@ -477,6 +498,7 @@ impl Connection {
         pmtu: u32,
         peer_init_psn: u32,
     ) {
+        self.window_cache = None;
         self.peer_qpn = peer_qpn;
         self.pmtu = pmtu;
         self.sq.set_pmtu(pmtu);
@@ -525,6 +547,7 @@ impl Connection {
             paths: self.tx.iter().map(PathTx::info).collect(),
             recv: self.rq.stats(),
             acks_sent: self.acks_sent,
+            ack_datagrams_sent: self.ack_datagrams_sent,
             acks_received: self.acks_received,
             data_packets_received: self.data_in,
             duplicate_packets: self.dup_in,
@@ -541,7 +564,7 @@ impl Connection {
                 .iter()
                 .map(|p| p.cc.window())
                 .sum::<u32>()
-                .min(self.conn_window()),
+                .min(self.compute_conn_window()),
             rebalance_rerolls: self.tx.iter().map(|p| p.stats.rebalance_rerolls).sum(),
             protection: self.protection.as_ref().map(|p| *p.stats()),
         }
@@ -558,6 +581,7 @@ impl Connection {
         if !crate::secret::ct_eq_u64(msg.nonce, self.nonce) {
             return Outcome::default();
         }
+        self.window_cache = None;
         let Some(hs) = &mut self.handshake else {
             // Established: a repeated Accept of this very identity means our Confirm was
             // lost; send it again.
@@ -684,6 +708,10 @@ impl Connection {
                     rx.ack_pending = true;
                 }
             }
+            Headers::Ack(a) if a.flags & AckEth::FLAG_BUNDLE != 0 => {
+                let first = self.apply_ack(now, pkt.bth.psn, a);
+                self.on_ack_bundle(now, first, pkt.payload, events);
+            }
             Headers::Ack(a) => self.on_ack(now, pkt.bth.psn, a, events),
             Headers::Send { path, send } => {
                 self.on_data(ecn, pkt, path, Data::Send(send), mrs, events)
@@ -763,10 +791,61 @@ impl Connection {
         }
     }
 
+    /// The further ACK blocks of a bundled `MR_ACK` (docs/PROTOCOL.md, "ACK bundles"), each
+    /// applied like an ACK of its own path. A payload that is not a whole number of blocks,
+    /// holds more blocks than the connection has paths, or a block flagged KEEPALIVE or
+    /// BUNDLE, is malformed: none of the blocks is applied (`bad_acks` counts it once).
+    /// The first AckEth was applied already: it is a complete ACK by itself.
+    /// `first`: whether the first AckEth, applied by the caller, made progress.
+    fn on_ack_bundle(
+        &mut self,
+        now: Instant,
+        first: bool,
+        blocks: &[u8],
+        events: &mut VecDeque<Event>,
+    ) {
+        let bad_flags = AckEth::FLAG_KEEPALIVE | AckEth::FLAG_BUNDLE;
+        let well_formed = blocks.len() % AckEth::BLOCK_LEN == 0
+            && blocks.len() / AckEth::BLOCK_LEN < self.tx.len().max(1)
+            && blocks
+                .chunks_exact(AckEth::BLOCK_LEN)
+                .all(|b| b[5] & bad_flags == 0);
+        let mut progress = first;
+        if !well_formed {
+            self.bad_acks += 1;
+            if progress {
+                self.detect_collisions(now);
+            }
+            self.drain_completions(events);
+            return;
+        }
+        for b in blocks.chunks_exact(AckEth::BLOCK_LEN) {
+            if let Ok((cum, a)) = AckEth::parse_block(b) {
+                progress |= self.apply_ack(now, cum, &a);
+            }
+        }
+        if progress {
+            self.detect_collisions(now);
+        }
+        self.drain_completions(events);
+    }
+
     fn on_ack(&mut self, now: Instant, cum: u32, a: &AckEth, events: &mut VecDeque<Event>) {
+        if self.apply_ack(now, cum, a) {
+            self.detect_collisions(now);
+        }
+        self.drain_completions(events);
+    }
+
+    /// The per-path part of an ACK (one AckEth, or one block of a bundle): the path's
+    /// state, the segments it acknowledges or declares lost. Returns whether it made
+    /// progress; the caller then runs the connection-wide part once per datagram (ECMP
+    /// collision detection, completions: issue #13, one pass per bundle, not per path).
+    fn apply_ack(&mut self, now: Instant, cum: u32, a: &AckEth) -> bool {
+        self.window_cache = None;
         let _span = self.path_span(a.path_id as usize).entered();
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
-            return;
+            return false;
         };
         let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
@@ -783,7 +862,7 @@ impl Connection {
             // Acknowledges PSNs this path never sent: dropped before it moved anything
             // (not even the rate grant it carries).
             self.bad_acks += 1;
-            return;
+            return false;
         }
         if out.ignored_unsent {
             self.acks_ignoring_unsent += 1;
@@ -803,12 +882,10 @@ impl Connection {
             self.planes.on_progress(port);
             self.rebalance_planes(now);
         }
-        if out.progress {
-            self.detect_collisions(now);
-        }
-        let resp_timeout = self.response_timeout();
+        let (tx, cfg) = (&self.tx, &self.cfg);
+        let mut resp_timeout = || response_timeout(tx, cfg);
         for &s in &out.acked {
-            self.sq.on_acked(s, now, resp_timeout);
+            self.sq.on_acked(s, now, &mut resp_timeout);
         }
         for s in out.lost {
             self.sq.on_lost(s);
@@ -818,7 +895,7 @@ impl Connection {
         if let Some(p) = self.tx.get_mut(a.path_id as usize) {
             p.spare_acked = out.acked;
         }
-        self.drain_completions(events);
+        out.progress
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1273,18 +1350,6 @@ impl Connection {
             .unwrap_or(min)
     }
 
-    /// How long an acknowledged READ/atomic request waits for its response before it is sent
-    /// again: twice the largest path RTO.
-    fn response_timeout(&self) -> Duration {
-        let (min, max) = (self.cfg.min_rto, self.cfg.max_rto);
-        2 * self
-            .tx
-            .iter()
-            .map(|p| p.rtt.rto(min, max))
-            .max()
-            .unwrap_or(min)
-    }
-
     fn drain_completions(&mut self, events: &mut VecDeque<Event>) {
         while let Some(wc) = self.sq.pop_completion() {
             events.push_back(Event::Completion {
@@ -1401,6 +1466,7 @@ impl Connection {
     }
 
     pub fn handle_timeout(&mut self, now: Instant, events: &mut VecDeque<Event>) -> Outcome {
+        self.window_cache = None;
         if let Some(hs) = &mut self.handshake {
             if now >= hs.next_at {
                 if hs.attempts >= self.cfg.handshake_attempts {
@@ -1657,7 +1723,16 @@ impl Connection {
         (bth, hdrs)
     }
 
-    fn conn_window(&self) -> u32 {
+    fn conn_window(&mut self) -> u32 {
+        if let Some(w) = self.window_cache {
+            return w;
+        }
+        let w = self.compute_conn_window();
+        self.window_cache = Some(w);
+        w
+    }
+
+    fn compute_conn_window(&self) -> u32 {
         let srtt = self
             .tx
             .iter()
@@ -1675,38 +1750,64 @@ impl Connection {
         )
     }
 
-    /// The next pending MR_ACK (one path per call, rotating over the paths whose receive
-    /// side owes one), written into `buf`; `None` when no path owes an ACK. Called by
+    /// The next pending MR_ACK datagram (rotating over the paths whose receive side owes
+    /// one, several paths of one plane bundled into one datagram), written into `buf`; `None` when no path owes an ACK. Called by
     /// [`poll_transmit`](Self::poll_transmit) and, when the connection is closed locally, by
     /// the endpoint to flush the ACKs still owed ahead of the MR_CLOSE (so a message this
     /// side received is never reported lost by the sender merely because the close
     /// overtook its ACK).
     pub fn poll_ack(&mut self, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
+        // The next path in turn with an ACK due, bundled with up to `max_ack_bundle - 1`
+        // further due paths of the same plane (docs/PROTOCOL.md, "ACK bundles"); the
+        // datagram leaves from the first path's answer port.
         let nrx = self.rx.len();
         for k in 0..nrx {
             let i = (self.next_ack_path + k) % nrx;
             if !self.rx[i].ack_pending {
                 continue;
             }
-            self.next_ack_path = (i + 1) % nrx;
             let port = self.answer_port(i as u8, self.rx[i].generation, self.rx[i].plane);
-            let rx = &mut self.rx[i];
-            rx.ack_pending = false;
-            let flags = rx.ce_since_ack as u8;
-            rx.ce_since_ack = false;
-            let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, rx.cum);
-            let hdrs = Headers::Ack(AckEth {
-                path_id: i as u8,
-                flags,
-                echo_ts: rx.echo_ts,
-                ce_count: rx.ce_count,
-                rate_hint: self.granted_rate_mbps,
-                sack: rx.sack_bytes(),
-            });
-            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
-            self.acks_sent += 1;
-            return Some(self.transmit(port, None, n, None));
+            let plane = self.rx[i].plane;
+            let rate_hint = self.granted_rate_mbps;
+            let mut flags = self.rx[i].take_ack_flags();
+            let first = &self.rx[i];
+            let (cum, first_ack) = (first.cum, first.ack_eth(i as u8, flags, rate_hint));
+            let mut last = i;
+            let mut blocks = std::mem::take(&mut self.ack_scratch);
+            blocks.clear();
+            let max = self.cfg.max_ack_bundle.max(1);
+            let mut n = 1;
+            for k2 in k + 1..nrx {
+                if n >= max {
+                    break;
+                }
+                let j = (self.next_ack_path + k2) % nrx;
+                let rx = &mut self.rx[j];
+                if !rx.ack_pending || rx.plane != plane {
+                    continue;
+                }
+                let f = rx.take_ack_flags();
+                let at = blocks.len();
+                blocks.resize(at + AckEth::BLOCK_LEN, 0);
+                let _ = rx
+                    .ack_eth(j as u8, f, rate_hint)
+                    .emit_block(rx.cum, &mut blocks[at..]);
+                last = j;
+                n += 1;
+            }
+            if n > 1 {
+                flags |= AckEth::FLAG_BUNDLE;
+            }
+            self.next_ack_path = (last + 1) % nrx;
+            let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, cum);
+            let hdrs = Headers::Ack(AckEth { flags, ..first_ack });
+            let emitted = self.emit(buf, port, &bth, &hdrs, &blocks);
+            self.ack_scratch = blocks;
+            let n_bytes = emitted?;
+            self.acks_sent += n as u64;
+            self.ack_datagrams_sent += 1;
+            return Some(self.transmit(port, None, n_bytes, None));
         }
         None
     }
@@ -1755,7 +1856,6 @@ impl Connection {
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
-        let ts = ts32(self.epoch, now);
         // 2. Keepalive: an MR_ACK with the keepalive flag, on the next usable path in turn.
         if self.keepalive_pending {
             self.keepalive_pending = false;
@@ -1770,7 +1870,7 @@ impl Connection {
                 let hdrs = Headers::Ack(AckEth {
                     path_id: i as u8,
                     flags: AckEth::FLAG_KEEPALIVE,
-                    echo_ts: ts,
+                    echo_ts: ts32(self.epoch, now),
                     ce_count: 0,
                     rate_hint: 0,
                     sack: [0; 32],
@@ -1804,10 +1904,12 @@ impl Connection {
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
-        // 3. ACKs, one path per call, rotating.
+        // 3. ACKs (bundled, see `poll_ack`).
         if let Some(t) = self.poll_ack(buf) {
             return Some(t);
         }
+        // (Data packets carry the transmit timestamp; ACKs and NAKs above do not need it.)
+        let ts = ts32(self.epoch, now);
         // 4. Tail-loss probes, ahead of the window.
         for i in 0..self.tx.len() {
             if let Some(seg) = self.tx[i].probe.take() {

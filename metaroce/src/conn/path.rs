@@ -963,6 +963,27 @@ pub(crate) struct PathRx {
 }
 
 impl PathRx {
+    /// Clear the ACK due and the CE-since-last-ACK mark, returning the AckEth flags
+    /// (ECE) of the ACK being sent.
+    pub fn take_ack_flags(&mut self) -> u8 {
+        self.ack_pending = false;
+        let flags = self.ce_since_ack as u8;
+        self.ce_since_ack = false;
+        flags
+    }
+
+    /// The AckEth describing this path's state (cumulative PSN in the BTH or ACK block).
+    pub fn ack_eth(&self, path_id: u8, flags: u8, rate_hint: u32) -> crate::wire::AckEth {
+        crate::wire::AckEth {
+            path_id,
+            flags,
+            echo_ts: self.echo_ts,
+            ce_count: self.ce_count,
+            rate_hint,
+            sack: self.sack_bytes(),
+        }
+    }
+
     pub fn new(init_psn: u32) -> Self {
         Self {
             cum: psn_add(init_psn, crate::wire::PSN_MASK),

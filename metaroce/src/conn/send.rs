@@ -697,9 +697,15 @@ impl SendQueue {
         }
     }
 
-    /// A segment was acknowledged. `resp_timeout` is how long an acknowledged READ or atomic
-    /// request waits for its response before it is sent again (doubling each time).
-    pub fn on_acked(&mut self, s: SegRef, now: Instant, resp_timeout: Duration) {
+    /// A segment was acknowledged. `resp_timeout` gives how long an acknowledged READ or
+    /// atomic request waits for its response before it is sent again (doubling each time);
+    /// it is called only for such a request (issue #13: it walks every path).
+    pub fn on_acked(
+        &mut self,
+        s: SegRef,
+        now: Instant,
+        resp_timeout: &mut impl FnMut() -> Duration,
+    ) {
         let Some(op) = self.op_mut(s.op) else { return };
         if op.status.is_some() || s.seg >= op.nsegs || op.is_acked(s.seg) {
             return;
@@ -718,8 +724,10 @@ impl SendQueue {
                 // READs and atomics complete with their response, not with the request's
                 // ACK; if the response never comes (the responder went away), the request
                 // is sent again and, after retry_count tries, fails.
-                let wait = resp_timeout * (1u32 << op.resp_timeouts.min(10));
-                self.resp_wait.push_back((now + wait, s, resp_timeout, now));
+                let t = resp_timeout();
+                let Some(op) = self.op_mut(s.op) else { return };
+                let wait = t * (1u32 << op.resp_timeouts.min(10));
+                self.resp_wait.push_back((now + wait, s, t, now));
             } else {
                 self.finish(s.op, WcStatus::Success);
             }

@@ -232,6 +232,14 @@ impl AckEth {
     /// here). BTH.PSN, CE count, rate hint and SACK are 0 and ignored. See
     /// docs/PROTOCOL.md, "Keepalive".
     pub const FLAG_KEEPALIVE: u8 = 0x02;
+    /// Flag bit 2 (BUNDLE), on the first AckEth of an `MR_ACK` only: the payload carries
+    /// further ACK blocks ([`AckEth::BLOCK_LEN`] bytes each: the cumulative PSN of another
+    /// path, then that path's AckEth), so one datagram acknowledges several paths. See
+    /// docs/PROTOCOL.md, "ACK bundles".
+    pub const FLAG_BUNDLE: u8 = 0x04;
+    /// Size in bytes (52) of one further ACK block in the payload of a bundled `MR_ACK`:
+    /// 4 bytes (8 reserved bits, 0, then the 24-bit cumulative PSN) and a 48-byte AckEth.
+    pub const BLOCK_LEN: usize = 4 + Self::LEN;
     /// Number of PSNs the SACK bitmap covers beyond the cumulative PSN (256).
     pub const SACK_BITS: usize = 256;
 
@@ -261,6 +269,23 @@ impl AckEth {
         w.u32(self.ce_count)?;
         w.u32(self.rate_hint)?;
         w.bytes(&self.sack)
+    }
+
+    /// Parse one further ACK block (the first [`AckEth::BLOCK_LEN`] bytes of `b`) of a
+    /// bundled `MR_ACK`: (cumulative PSN, AckEth). The reserved top byte of the PSN word is
+    /// ignored. [`Error::Truncated`] if `b` is shorter.
+    pub fn parse_block(b: &[u8]) -> Result<(u32, Self), Error> {
+        let mut r = Reader::with_len(b, Self::BLOCK_LEN)?;
+        let cum = r.u32()? & PSN_MASK;
+        Ok((cum, Self::parse(&b[4..])?))
+    }
+
+    /// Write one further ACK block for path `self.path_id` with cumulative PSN `cum` (24
+    /// bits; higher bits are dropped) to the start of `out` ([`AckEth::BLOCK_LEN`] bytes);
+    /// [`Error::BufferTooSmall`] if shorter.
+    pub fn emit_block(&self, cum: u32, out: &mut [u8]) -> Result<(), Error> {
+        Writer::with_len(out, Self::BLOCK_LEN)?.u32(cum & PSN_MASK)?;
+        self.emit(&mut out[4..])
     }
 
     /// True when [`AckEth::FLAG_ECE`] is set.
