@@ -185,7 +185,7 @@ fn run_child(exe: &Path, args: &[String], timeout: Duration) -> Result<String, S
     }
 }
 
-/// One `metaroce-perf` run with `--out_json`; `pick` reads the figure from the document.
+/// One `metaroce-perf` run with `--out_json_file` (its `bw` / `latency` sections); `pick` reads the figure from the document.
 fn perf_run(
     ctx: &Ctx,
     args: &[String],
@@ -197,7 +197,7 @@ fn perf_run(
         rand_suffix()
     ));
     let mut a = args.to_vec();
-    a.push("--out_json".into());
+    a.push("--out_json_file".into());
     a.push(json.display().to_string());
     let res = run_child(&ctx.perf, &a, ctx.timeout);
     let doc = std::fs::read_to_string(&json)
@@ -245,7 +245,7 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             command: format!("metaroce-perf {bulk}"),
             run: Box::new(move |ctx| {
                 perf_run(ctx, &strings(&bulk), |d| {
-                    let r = &d["results"][0];
+                    let r = &d["bw"][0];
                     Some((
                         r["bw_avg_gbit_per_sec"].as_f64()?,
                         r["iterations"].as_u64()? * 256,
@@ -267,7 +267,7 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             command: format!("metaroce-perf {rate}"),
             run: Box::new(move |ctx| {
                 perf_run(ctx, &strings(&rate), |d| {
-                    let r = &d["results"][0];
+                    let r = &d["bw"][0];
                     Some((
                         r["msg_rate_mpps"].as_f64()? * 1e6,
                         r["iterations"].as_u64()?,
