@@ -35,6 +35,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
             let deadline;
+            let mut dereg;
             {
                 let due = shared
                     .lock()
@@ -93,6 +94,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                     return;
                 }
                 deadline = st.core.poll_timeout();
+                dereg = std::mem::take(&mut st.dereg_later);
+            }
+            // Regions the core finished with (cancelled atomics' results): off every shard,
+            // each under its own lock.
+            for lkey in dereg.drain(..) {
+                shared.deregister_everywhere(lkey);
             }
             let full = out.len() == TX_BATCH || ip_out.len() == TX_BATCH;
             if let Some(ipb) = &shared.ip_backend {
@@ -254,7 +261,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     && st
                         .incoming
                         .as_ref()
-                        .is_some_and(|tx| tx.try_send(h).is_ok());
+                        .is_some_and(|tx| tx.try_send((shared.shard, h)).is_ok());
                 if queued {
                     st.conns.insert(h, ConnEntry::new());
                 } else {
