@@ -244,7 +244,7 @@ async fn handshake_flood_on_one_shard_does_not_lock_clients_out() {
         for k in 0..20_000u32 {
             // Every forged client QPN is even: the whole flood lands on shard 0.
             let q = ((k * 2) % 0xFF_FFF0) + 2;
-            let _ = s.send_to(&request(from, to, q, u64::from(k) * 0x9E37 | 1), to);
+            let _ = s.send_to(&request(from, to, q, (u64::from(k) * 0x9E37) | 1), to);
         }
     });
     // Meanwhile clients on both client shards connect (so through both server shards),
@@ -296,5 +296,15 @@ async fn zero_or_too_many_shards_are_refused() {
             .await
             .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{n}: {e}");
+    }
+}
+
+#[test]
+fn the_environment_sets_the_default() {
+    // The suites run sharded with METAROCE_TOKIO_SHARDS=2: check that it took effect.
+    match std::env::var("METAROCE_TOKIO_SHARDS").ok().as_deref() {
+        Some("2") => assert_eq!(Config::default().shards, 2),
+        None => assert_eq!(Config::default().shards, 1),
+        Some(_) => {}
     }
 }

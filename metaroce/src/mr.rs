@@ -282,9 +282,7 @@ impl MrTable {
         data: Box<dyn RegionMemory>,
         keys: MrKeys,
     ) -> Result<(), MrError> {
-        let idx = (keys.lkey >> 8)
-            .checked_sub(1)
-            .ok_or(MrError::InvalidKey)? as usize;
+        let idx = (keys.lkey >> 8).checked_sub(1).ok_or(MrError::InvalidKey)? as usize;
         let taken = self.slots.get(idx).is_some_and(|s| s.is_some());
         if taken
             || keys.rkey == 0

@@ -14,7 +14,9 @@ fn qpns_stay_in_the_residue_class() {
         c.qpn_residue = r;
         let mut ep = Endpoint::new(c).unwrap();
         for _ in 0..200 {
-            let h = ep.connect(now, "10.0.0.2:4791".parse().unwrap(), None).unwrap();
+            let h = ep
+                .connect(now, "10.0.0.2:4791".parse().unwrap(), None)
+                .unwrap();
             assert_eq!(h.0 % m, r, "QPN {:#x} outside class {r} mod {m}", h.0);
             assert!(h.0 > 1 && h.0 <= 0xFF_FFFF);
         }
@@ -46,7 +48,10 @@ fn bad_residue_class_is_refused() {
         let mut c = config(0, 1);
         c.qpn_modulus = m;
         c.qpn_residue = r;
-        assert!(Endpoint::new(c).is_err(), "modulus {m} residue {r} accepted");
+        assert!(
+            Endpoint::new(c).is_err(),
+            "modulus {m} residue {r} accepted"
+        );
     }
 }
 
