@@ -111,7 +111,9 @@ pub(crate) fn on_cancelled_completion(
 ) {
     if let Some(lkey) = dereg {
         // The core is done with the operation: nothing can write the result region now.
-        drop(st.core.deregister_mr_memory(lkey));
+        // It is registered on every shard; the driver deregisters it from all of them once
+        // this shard's lock is released (`Shared::deregister_everywhere`).
+        st.dereg_later.push(lkey);
     }
     if let Some(r) = recv {
         report_cancelled_recv(st, conn, r, wc);
@@ -191,10 +193,9 @@ impl Drop for PendingOp<'_> {
             Err(_) => st.waiters.remove(&key).is_none(),
         };
         if finished {
+            drop(st);
             if let Some(lkey) = dereg {
-                let core_side = st.core.deregister_mr_memory(lkey);
-                drop(st);
-                drop(core_side);
+                shared.deregister_everywhere(lkey);
             }
             return;
         }
@@ -216,6 +217,8 @@ impl Drop for PendingOp<'_> {
 
 pub(crate) struct ConnInner {
     pub ep: Arc<EndpointRef>,
+    /// The shard whose core holds this connection.
+    pub shared: Arc<Shared>,
     pub handle: ConnectionHandle,
     pub signals: Arc<ConnSignals>,
     pub peer: Option<SocketAddr>,
@@ -226,7 +229,7 @@ impl Drop for ConnInner {
     /// The last handle (connection or stream) is gone: close the connection (code 0).
     fn drop(&mut self) {
         if self.signals.reason().is_none() {
-            let shared = &self.ep.shared;
+            let shared = &self.shared;
             let mut st = shared.lock();
             if st.conns.contains_key(&self.handle) {
                 st.close_conn(self.handle, 0, b"");
@@ -276,12 +279,13 @@ impl std::fmt::Debug for Connection {
 impl Connection {
     pub(crate) fn new(
         ep: Arc<EndpointRef>,
+        shared: Arc<Shared>,
         handle: ConnectionHandle,
         signals: Arc<ConnSignals>,
         peer: Option<SocketAddr>,
     ) -> Connection {
         let span = tracing::debug_span!(
-            parent: &ep.shared.span,
+            parent: &shared.span,
             "connection",
             qpn = handle.0,
             peer = ?peer
@@ -289,6 +293,7 @@ impl Connection {
         Connection {
             inner: Arc::new(ConnInner {
                 ep,
+                shared,
                 handle,
                 signals,
                 peer,
@@ -298,7 +303,7 @@ impl Connection {
     }
 
     fn shared(&self) -> &Arc<Shared> {
-        &self.inner.ep.shared
+        &self.inner.shared
     }
 
     /// The tracing span of this connection (fields `qpn`, `peer`; child of the endpoint's).
@@ -524,7 +529,7 @@ impl Connection {
         dst_offset: u64,
         imm: Option<u32>,
     ) -> Result<WriteRequest, Error> {
-        if !Arc::ptr_eq(&src.ep().shared, self.shared()) {
+        if !Arc::ptr_eq(src.ep(), &self.inner.ep) {
             return Err(Error::ForeignRegion);
         }
         let len = range
@@ -766,7 +771,7 @@ impl Connection {
         dst: &MemoryRegion,
         range: Range<u64>,
     ) -> Result<WorkCompletion, Error> {
-        if !Arc::ptr_eq(&dst.ep().shared, self.shared()) {
+        if !Arc::ptr_eq(dst.ep(), &self.inner.ep) {
             return Err(Error::ForeignRegion);
         }
         let len = range

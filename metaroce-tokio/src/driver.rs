@@ -1,24 +1,129 @@
-//! The driver task: feeds datagrams and timers into the core, flushes its transmits and
-//! routes its events to the waiting handles.
+//! The one driver task: feeds datagrams, IP packets and timers into a core, flushes its
+//! transmits and routes its events to the waiting handles. It drives a MetaRoCE endpoint
+//! shard (`endpoint::Shared`: MetaRoCE connections and RC QPs over a datagram backend,
+//! native RC QPs over an IP backend) and a stand-alone RoCEv2 host
+//! (`rocev2::RcEndpoint`: RC QPs over an IP backend) through [`Driven`].
 
-use crate::backend::RecvMeta;
+use crate::backend::{DatagramBackend, RecvMeta};
 use crate::connection::ConnEntry;
 use crate::endpoint::{Shared, State, Waiter};
 use crate::error::Error;
+use crate::rocev2::IpBackend;
 use crate::stream::{lock_rx, RxEnd, StreamEntry};
+use metaroce::rocev2::RcTransmit;
 use metaroce::{Event, Transmit, WcStatus};
 use std::future::poll_fn;
 use std::io::IoSliceMut;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
+use tokio::sync::Notify;
 
 /// Receive buffers per poll, each large enough for a full GRO batch of 64 KiB.
 const RECV_BUFS: usize = 8;
 const RECV_BUF_LEN: usize = 1 << 16;
 /// Transmits gathered under one lock before they are sent.
 const TX_BATCH: usize = 32;
+/// IP packets taken without waiting after one arrived (a burst is handled under one lock).
+const IP_DRAIN: usize = 64;
 
-pub(crate) async fn run(shared: Arc<Shared>) {
+/// What the driver drives: a sans-IO core behind a lock, with its backends. The core's
+/// calls take the locked state; the rest are the host's.
+pub(crate) trait Driven: Send + Sync + 'static {
+    type State: Send;
+    /// The state, locked.
+    fn lock(&self) -> MutexGuard<'_, Self::State>;
+    /// The datagram backend (MetaRoCE, RC over UDP), if any.
+    fn datagrams(&self) -> Option<&dyn DatagramBackend>;
+    /// The whole-IP-packet backend (native RoCEv2), if any.
+    fn ip(&self) -> Option<&dyn IpBackend>;
+    /// Notified when work was posted or the host is closing.
+    fn woken(&self) -> &Notify;
+    fn poll_timeout(st: &Self::State) -> Option<Instant>;
+    fn handle_timeout(st: &mut Self::State, now: Instant);
+    fn handle_datagram(st: &mut Self::State, now: Instant, meta: &RecvMeta, d: &[u8]);
+    fn poll_transmit(st: &mut Self::State, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit>;
+    fn handle_ip_packet(st: &mut Self::State, now: Instant, pkt: &[u8]);
+    fn poll_ip_transmit(
+        st: &mut Self::State,
+        now: Instant,
+        payload: &mut Vec<u8>,
+    ) -> Option<RcTransmit>;
+    /// Route the core's events to the waiting handles (under the lock).
+    fn dispatch(&self, st: &mut Self::State);
+    /// Whether the driver may stop, given that nothing is left to send.
+    fn may_stop(&self, st: &Self::State) -> bool;
+    /// Work to do once the lock is released (regions to deregister from every shard).
+    fn take_deferred(_st: &mut Self::State) -> Vec<u32> {
+        Vec::new()
+    }
+    fn run_deferred(&self, _lkeys: &mut Vec<u32>) {}
+    /// The driver returned.
+    fn on_stop(&self) {}
+}
+
+impl Driven for Shared {
+    type State = State;
+    fn lock(&self) -> MutexGuard<'_, State> {
+        Shared::lock(self)
+    }
+    fn datagrams(&self) -> Option<&dyn DatagramBackend> {
+        Some(&*self.backend)
+    }
+    fn ip(&self) -> Option<&dyn IpBackend> {
+        self.ip_backend.as_deref()
+    }
+    fn woken(&self) -> &Notify {
+        &self.wake_driver
+    }
+    fn poll_timeout(st: &State) -> Option<Instant> {
+        st.core.poll_timeout()
+    }
+    fn handle_timeout(st: &mut State, now: Instant) {
+        st.core.handle_timeout(now);
+    }
+    fn handle_datagram(st: &mut State, now: Instant, meta: &RecvMeta, d: &[u8]) {
+        st.core
+            .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+    }
+    fn poll_transmit(st: &mut State, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        st.core.poll_transmit(now, buf)
+    }
+    fn handle_ip_packet(st: &mut State, now: Instant, pkt: &[u8]) {
+        st.core.handle_ip_packet(now, pkt);
+    }
+    fn poll_ip_transmit(st: &mut State, now: Instant, payload: &mut Vec<u8>) -> Option<RcTransmit> {
+        st.core.poll_rc_transmit(now, payload)
+    }
+    fn dispatch(&self, st: &mut State) {
+        dispatch(st, self);
+        // Wake `wait_idle` when the last connection and pending CLOSE are gone.
+        let t = st.core.table_sizes();
+        if st.conns.is_empty() && t.connections == 0 && t.closers == 0 {
+            self.idle.notify_waiters();
+        }
+    }
+    fn may_stop(&self, st: &State) -> bool {
+        st.drained()
+    }
+    fn take_deferred(st: &mut State) -> Vec<u32> {
+        std::mem::take(&mut st.dereg_later)
+    }
+    fn run_deferred(&self, lkeys: &mut Vec<u32>) {
+        // Regions the core finished with (cancelled atomics' results): off every shard,
+        // each under its own lock.
+        for lkey in lkeys.drain(..) {
+            self.deregister_everywhere(lkey);
+        }
+    }
+    fn on_stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.idle.notify_waiters();
+        tracing::debug!("driver stopped");
+    }
+}
+
+pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
     let mut bufs: Vec<Vec<u8>> = (0..RECV_BUFS).map(|_| vec![0u8; RECV_BUF_LEN]).collect();
     let mut metas = [RecvMeta::EMPTY; RECV_BUFS];
     let mut pool: Vec<Vec<u8>> = Vec::new();
@@ -26,38 +131,37 @@ pub(crate) async fn run(shared: Arc<Shared>) {
     // Native RoCEv2 QPs (only with an IP backend): whole IP packets in and out.
     let mut ip_out: Vec<(std::net::IpAddr, Vec<u8>)> = Vec::new();
     let mut ip_payload = Vec::new();
-    let mut ip_rbuf = if shared.ip_backend.is_some() {
+    let mut ip_rbuf = if shared.ip().is_some() {
         vec![0u8; RECV_BUF_LEN]
     } else {
         Vec::new()
     };
+    let has_dgram = shared.datagrams().is_some();
+    let has_ip = shared.ip().is_some();
     loop {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
             let deadline;
+            let mut deferred;
             {
-                let due = shared
-                    .lock()
-                    .core
-                    .poll_timeout()
-                    .is_some_and(|t| t <= Instant::now());
+                let due = D::poll_timeout(&shared.lock()).is_some_and(|t| t <= Instant::now());
                 if due {
                     // A loss timer that came due while the task was not running (scheduling
                     // delay, a long send batch) must see the ACKs that arrived meanwhile, or
                     // it fires tail-loss probes and timeouts for packets already delivered:
                     // take in what the socket holds first.
-                    drain_ready(&shared, &mut bufs, &mut metas);
+                    drain_ready(&*shared, &mut bufs, &mut metas);
                 }
                 let mut st = shared.lock();
                 let now = Instant::now();
-                if st.core.poll_timeout().is_some_and(|t| t <= now) {
-                    st.core.handle_timeout(now);
+                if D::poll_timeout(&st).is_some_and(|t| t <= now) {
+                    D::handle_timeout(&mut st, now);
                 }
-                while out.len() < TX_BATCH {
+                while has_dgram && out.len() < TX_BATCH {
                     let mut buf = pool
                         .pop()
                         .unwrap_or_else(|| Vec::with_capacity(RECV_BUF_LEN));
-                    match st.core.poll_transmit(now, &mut buf) {
+                    match D::poll_transmit(&mut st, now, &mut buf) {
                         Some(t) => out.push((t, buf)),
                         None => {
                             pool.push(buf);
@@ -65,9 +169,9 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                         }
                     }
                 }
-                if shared.ip_backend.is_some() {
+                if has_ip {
                     while ip_out.len() < TX_BATCH {
-                        let Some(t) = st.core.poll_rc_transmit(now, &mut ip_payload) else {
+                        let Some(t) = D::poll_ip_transmit(&mut st, now, &mut ip_payload) else {
                             break;
                         };
                         let mut pkt = Vec::with_capacity(t.size + 48);
@@ -76,42 +180,36 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                         }
                     }
                 }
-                dispatch(&mut st, &shared);
-                // Wake `wait_idle` when the last connection and pending CLOSE are gone.
-                let t = st.core.table_sizes();
-                let now_idle = st.conns.is_empty() && t.connections == 0 && t.closers == 0;
-                if now_idle {
-                    shared.idle.notify_waiters();
-                }
-                if st.drained() && out.is_empty() && ip_out.is_empty() {
+                shared.dispatch(&mut st);
+                if out.is_empty() && ip_out.is_empty() && shared.may_stop(&st) {
                     drop(st);
-                    shared
-                        .stopped
-                        .store(true, std::sync::atomic::Ordering::Release);
-                    shared.idle.notify_waiters();
-                    tracing::debug!("driver stopped");
+                    shared.on_stop();
                     return;
                 }
-                deadline = st.core.poll_timeout();
+                deadline = D::poll_timeout(&st);
+                deferred = D::take_deferred(&mut st);
             }
+            shared.run_deferred(&mut deferred);
             let full = out.len() == TX_BATCH || ip_out.len() == TX_BATCH;
-            if let Some(ipb) = &shared.ip_backend {
+            if let Some(ipb) = shared.ip() {
                 for (dst, pkt) in ip_out.drain(..) {
                     if let Err(e) = poll_fn(|cx| ipb.poll_send(cx, &pkt, dst)).await {
                         tracing::debug!(error = %e, %dst, "rocev2 send failed");
                     }
                 }
             }
-            for (t, buf) in out.drain(..) {
-                if let Err(e) = poll_fn(|cx| shared.backend.poll_send(cx, &t, &buf[..t.size])).await
-                {
-                    // A failed send is a lost packet: the transport recovers.
-                    tracing::debug!(error = %e, dest = %t.destination, "send failed");
+            if let Some(dgb) = shared.datagrams() {
+                for (t, buf) in out.drain(..) {
+                    if let Err(e) = poll_fn(|cx| dgb.poll_send(cx, &t, &buf[..t.size])).await {
+                        // A failed send is a lost packet: the transport recovers.
+                        tracing::debug!(error = %e, dest = %t.destination, "send failed");
+                    }
+                    pool.push(buf);
                 }
-                pool.push(buf);
+                // Backends that batch submissions (io_uring) hand the batch to the kernel
+                // here.
+                dgb.flush();
             }
-            // Backends that batch submissions (io_uring) hand the batch to the kernel here.
-            shared.backend.flush();
             if !full {
                 // Wait for input, a timer or new work.
                 let sleep = async {
@@ -125,34 +223,45 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                 // `Some(true)`: the backend lent its buffers and the datagrams were handled
                 // in place; `Some(false)`: they are in `bufs` / `metas`.
                 let recv = poll_fn(|cx| {
+                    let Some(dgb) = shared.datagrams() else {
+                        return std::task::Poll::Pending;
+                    };
                     let mut handle = |meta: &RecvMeta, buf: &[u8]| {
                         let mut st = shared.lock();
                         let now = Instant::now();
                         for d in meta.datagrams(buf) {
-                            st.core
-                                .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                            D::handle_datagram(&mut st, now, meta, d);
                         }
                     };
-                    if let Some(p) = shared
-                        .backend
-                        .poll_recv_in_place(cx, RECV_BUFS, &mut handle)
-                    {
+                    if let Some(p) = dgb.poll_recv_in_place(cx, RECV_BUFS, &mut handle) {
                         return p.map(|r| r.map(|n| (n, true)));
                     }
-                    shared
-                        .backend
-                        .poll_recv(cx, &mut iovs, &mut metas)
+                    dgb.poll_recv(cx, &mut iovs, &mut metas)
                         .map(|r| r.map(|n| (n, false)))
                 });
-                let ip_recv = poll_fn(|cx| match &shared.ip_backend {
+                let ip_recv = poll_fn(|cx| match shared.ip() {
                     Some(b) => b.poll_recv(cx, &mut ip_rbuf),
                     None => std::task::Poll::Pending,
                 });
                 tokio::select! {
-                    r = ip_recv, if shared.ip_backend.is_some() => match r {
+                    r = ip_recv, if has_ip => match r {
                         Ok(n) => {
                             let mut st = shared.lock();
-                            st.core.handle_ip_packet(Instant::now(), &ip_rbuf[..n]);
+                            let now = Instant::now();
+                            D::handle_ip_packet(&mut st, now, &ip_rbuf[..n]);
+                            // Take whatever else is queued without waiting.
+                            if let Some(ipb) = shared.ip() {
+                                let waker = futures::task::noop_waker();
+                                let mut cx = std::task::Context::from_waker(&waker);
+                                for _ in 0..IP_DRAIN {
+                                    match ipb.poll_recv(&mut cx, &mut ip_rbuf) {
+                                        std::task::Poll::Ready(Ok(n)) => {
+                                            D::handle_ip_packet(&mut st, now, &ip_rbuf[..n]);
+                                        }
+                                        _ => break,
+                                    }
+                                }
+                            }
                         }
                         Err(e) => {
                             tracing::debug!(error = %e, "rocev2 receive failed");
@@ -162,7 +271,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                             }
                         }
                     },
-                    r = recv => {
+                    r = recv, if has_dgram => {
                         match r {
                             Ok((n, lent)) => {
                                 drop(iovs);
@@ -171,7 +280,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                                 let copied = if lent { 0 } else { n };
                                 for (meta, buf) in metas[..copied].iter().zip(&bufs) {
                                     for d in meta.datagrams(buf) {
-                                        st.core.handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                                        D::handle_datagram(&mut st, now, meta, d);
                                     }
                                 }
                                 // Drain whatever else is already queued without waiting,
@@ -180,14 +289,14 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                                 // (one wasted system call per datagram in a ping-pong).
                                 drop(st);
                                 if n == RECV_BUFS {
-                                    drain_ready(&shared, &mut bufs, &mut metas);
+                                    drain_ready(&*shared, &mut bufs, &mut metas);
                                 }
                             }
                             Err(e) => tracing::debug!(error = %e, "receive failed"),
                         }
                     }
                     _ = sleep => {}
-                    _ = shared.wake_driver.notified() => {}
+                    _ = shared.woken().notified() => {}
                 }
                 break;
             }
@@ -198,7 +307,10 @@ pub(crate) async fn run(shared: Arc<Shared>) {
 
 /// Receive datagrams that are ready now (non-blocking), up to a bound, so that a burst is
 /// processed before the next flush.
-fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
+fn drain_ready<D: Driven>(shared: &D, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
+    let Some(dgb) = shared.datagrams() else {
+        return;
+    };
     let waker = futures::task::noop_waker();
     let mut cx = std::task::Context::from_waker(&waker);
     for _ in 0..4 {
@@ -206,29 +318,24 @@ fn drain_ready(shared: &Shared, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
             let mut st = shared.lock();
             let now = Instant::now();
             for d in meta.datagrams(buf) {
-                st.core
-                    .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                D::handle_datagram(&mut st, now, meta, d);
             }
         };
-        if let Some(p) = shared
-            .backend
-            .poll_recv_in_place(&mut cx, bufs.len(), &mut handle)
-        {
+        if let Some(p) = dgb.poll_recv_in_place(&mut cx, bufs.len(), &mut handle) {
             match p {
                 std::task::Poll::Ready(Ok(n)) if n > 0 => continue,
                 _ => break,
             }
         }
         let mut iovs: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
-        match shared.backend.poll_recv(&mut cx, &mut iovs, metas) {
+        match dgb.poll_recv(&mut cx, &mut iovs, metas) {
             std::task::Poll::Ready(Ok(n)) if n > 0 => {
                 drop(iovs);
                 let mut st = shared.lock();
                 let now = Instant::now();
                 for (meta, buf) in metas[..n].iter().zip(bufs.iter()) {
                     for d in meta.datagrams(buf) {
-                        st.core
-                            .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+                        D::handle_datagram(&mut st, now, meta, d);
                     }
                 }
             }
@@ -254,7 +361,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     && st
                         .incoming
                         .as_ref()
-                        .is_some_and(|tx| tx.try_send(h).is_ok());
+                        .is_some_and(|tx| tx.try_send((shared.shard, h)).is_ok());
                 if queued {
                     st.conns.insert(h, ConnEntry::new());
                 } else {

@@ -69,6 +69,33 @@ pub struct Config {
     /// Bytes one [`MessageStream`](crate::MessageStream) sink has posted and not yet
     /// acknowledged before `poll_ready` waits. Default 16 MiB.
     pub stream_send_buffer: usize,
+    /// Shards of an endpoint from [`Endpoint::bind`]: each shard is a core endpoint with
+    /// its own lock, driver task and UDP sockets, so connections on different shards run
+    /// in parallel on a multi-thread runtime. The shards share the listening port
+    /// (`SO_REUSEPORT`); a classic-BPF reuseport program (`SO_ATTACH_REUSEPORT_CBPF`)
+    /// steers every datagram in the kernel to the shard of its BTH DestQP (`DestQP mod
+    /// shards`; a CONNECT Request by the client's QPN in its ConnectEth; non-MetaRoCE
+    /// opcodes to shard 0, which hosts the RC QPs), and each shard's core allocates QPNs
+    /// in its residue class. Memory regions are registered on every shard with the same
+    /// keys. A connection lives on one shard (round-robin at [`Endpoint::connect`]).
+    /// If the program cannot be attached the endpoint runs with one shard and logs a
+    /// warning; [`Endpoint::shards`] tells. Endpoints from
+    /// [`with_backend`](Endpoint::with_backend) / [`with_rocev2`](Endpoint::with_rocev2)
+    /// always have one shard. In `1..=64`. Default 1 (one driver, as before), or the value
+    /// of the environment variable `METAROCE_TOKIO_SHARDS` when set (to run a test suite
+    /// sharded). See docs/ARCHITECTURE.md, "Shards".
+    pub shards: usize,
+}
+
+/// Most shards of one endpoint ([`Config::shards`]).
+pub const MAX_SHARDS: usize = 64;
+
+fn default_shards() -> usize {
+    std::env::var("METAROCE_TOKIO_SHARDS")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|n| (1..=MAX_SHARDS).contains(n))
+        .unwrap_or(1)
 }
 
 /// Default idle timeout of [`Config::default`]: 10 s (see [`Config`]).
@@ -93,6 +120,7 @@ impl Default for Config {
             spare_ports: 8,
             max_stream_in_flight: 256,
             stream_send_buffer: 16 << 20,
+            shards: default_shards(),
         }
     }
 }
@@ -113,6 +141,12 @@ impl Config {
             if v == 0 {
                 return Err(ConfigError::Zero(name));
             }
+        }
+        if self.shards == 0 {
+            return Err(ConfigError::Zero("shards"));
+        }
+        if self.shards > MAX_SHARDS {
+            return Err(ConfigError::TooManyShards(self.shards));
         }
         Ok(())
     }
@@ -138,9 +172,12 @@ pub(crate) struct State {
     pub connecting: HashMap<ConnectionHandle, oneshot::Sender<Result<(), ConnectionError>>>,
     pub waiters: HashMap<(ConnectionHandle, u64), Waiter>,
     pub next_wr_id: u64,
-    /// Connection requests for `Endpoint::accept` (handles only: bounded by
-    /// `max_pending_incoming`).
-    pub incoming: Option<mpsc::Sender<ConnectionHandle>>,
+    /// Connection requests for `Endpoint::accept` (shard index and handle: bounded by
+    /// `max_pending_incoming` over all shards).
+    pub incoming: Option<mpsc::Sender<(usize, ConnectionHandle)>>,
+    /// lkeys of regions the core is done with, to deregister from every shard once this
+    /// shard's lock is released (`Shared::deregister_everywhere`).
+    pub dereg_later: Vec<u32>,
     pub closed: bool,
     /// Completion routing of the RC queue pairs (`Endpoint::create_rc_qp`).
     pub rc: crate::rocev2::RcSide,
@@ -216,9 +253,11 @@ pub(crate) struct Shared {
     /// Whole-IP-packet backend of native RoCEv2 QPs, if any (`Endpoint::with_rocev2`).
     pub ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
     pub id: u64,
+    /// This shard's index in its endpoint (0 for an unsharded one).
+    pub shard: usize,
+    /// Every shard of the endpoint, this one included, in order (set once at start).
+    pub siblings: std::sync::OnceLock<Vec<std::sync::Weak<Shared>>>,
     pub cfg: Config,
-    /// Connection requests waiting for `Endpoint::accept`.
-    pub incoming_rx: tokio::sync::Mutex<mpsc::Receiver<ConnectionHandle>>,
     /// The driver task returned.
     pub stopped: std::sync::atomic::AtomicBool,
     pub span: tracing::Span,
@@ -229,6 +268,22 @@ impl Shared {
         // A panic while holding the lock would be a bug in this crate; keep going with the
         // state as it was rather than poisoning every handle.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Deregister `lkey` from every shard of this endpoint, shard 0 (which chooses the
+    /// keys) last, so that no shard still holds the slot when shard 0 reuses it. Takes
+    /// each shard's lock in turn (never two at once); must not be called with one held.
+    /// The cores' handles on the memory are dropped outside the locks.
+    pub fn deregister_everywhere(&self, lkey: u32) {
+        let Some(sibs) = self.siblings.get() else {
+            let core_side = self.lock().core.deregister_mr_memory(lkey);
+            drop(core_side);
+            return;
+        };
+        for s in sibs.iter().rev().filter_map(std::sync::Weak::upgrade) {
+            let core_side = s.lock().core.deregister_mr_memory(lkey);
+            drop(core_side);
+        }
     }
 }
 
@@ -246,19 +301,28 @@ impl std::fmt::Debug for Shared {
 /// the driver stops) and stops it.
 #[derive(Debug)]
 pub(crate) struct EndpointRef {
+    /// Shard 0: the endpoint's address, RC QPs, the keys of memory regions.
     pub shared: Arc<Shared>,
+    /// Every shard (`shards[0]` is `shared`).
+    pub shards: Vec<Arc<Shared>>,
+    /// Connection requests of every shard waiting for `Endpoint::accept`.
+    pub incoming_rx: tokio::sync::Mutex<mpsc::Receiver<(usize, ConnectionHandle)>>,
+    /// Round-robin counter of `Endpoint::connect`.
+    pub next_shard: AtomicU64,
 }
 
 impl Drop for EndpointRef {
     fn drop(&mut self) {
-        let mut st = self.shared.lock();
-        let handles: Vec<_> = st.core.connections().collect();
-        for h in handles {
-            st.close_conn(h, 0, b"");
+        for shared in &self.shards {
+            let mut st = shared.lock();
+            let handles: Vec<_> = st.core.connections().collect();
+            for h in handles {
+                st.close_conn(h, 0, b"");
+            }
+            st.closed = true;
+            drop(st);
+            shared.wake_driver.notify_one();
         }
-        st.closed = true;
-        drop(st);
-        self.shared.wake_driver.notify_one();
     }
 }
 
@@ -310,8 +374,16 @@ impl Endpoint {
     pub async fn bind(addr: SocketAddr, config: Config) -> std::io::Result<Endpoint> {
         config.validate()?;
         let ports = config.transport.paths as usize + config.spare_ports;
-        let backend = UdpBackend::bind_with(addr, ports, &config.udp)?;
-        Self::with_backend(backend, config)
+        if config.shards == 1 {
+            let backend = UdpBackend::bind_with(addr, ports, &config.udp)?;
+            return Self::with_backend(backend, config);
+        }
+        let backends = UdpBackend::bind_sharded(addr, config.shards, ports, &config.udp)?;
+        let backends = backends
+            .into_iter()
+            .map(|b| Arc::new(b) as Arc<dyn DatagramBackend>)
+            .collect();
+        Self::start_shards(backends, None, config)
     }
 
     /// Start an endpoint over any datagram backend (for example a UDP backend wrapped in
@@ -385,7 +457,52 @@ impl Endpoint {
         ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
         config: Config,
     ) -> std::io::Result<Endpoint> {
+        Self::start_shards(vec![backend], ip_backend, config)
+    }
+
+    /// Start one shard per backend (all bound to one address; shard `i` allocates QPNs
+    /// `≡ i mod n`). The IP backend (native RC QPs) goes to shard 0.
+    fn start_shards(
+        backends: Vec<Arc<dyn DatagramBackend>>,
+        mut ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
+        config: Config,
+    ) -> std::io::Result<Endpoint> {
         config.validate()?;
+        let n = backends.len();
+        let (tx, rx) = mpsc::channel(config.max_pending_incoming);
+        let id = NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed);
+        let mut shards = Vec::with_capacity(n);
+        for (i, backend) in backends.into_iter().enumerate() {
+            let ip = if i == 0 { ip_backend.take() } else { None };
+            shards.push(Self::new_shard(backend, ip, &config, id, i, n, tx.clone())?);
+        }
+        drop(tx);
+        let weak: Vec<_> = shards.iter().map(Arc::downgrade).collect();
+        for s in &shards {
+            let _ = s.siblings.set(weak.clone());
+        }
+        let inner = Arc::new(EndpointRef {
+            shared: shards[0].clone(),
+            shards: shards.clone(),
+            incoming_rx: tokio::sync::Mutex::new(rx),
+            next_shard: AtomicU64::new(0),
+        });
+        for shared in shards {
+            let span = shared.span.clone();
+            tokio::spawn(tracing::Instrument::instrument(driver::run(shared), span));
+        }
+        Ok(Endpoint { inner })
+    }
+
+    fn new_shard(
+        backend: Arc<dyn DatagramBackend>,
+        ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
+        config: &Config,
+        id: u64,
+        shard: usize,
+        shards: usize,
+        tx: mpsc::Sender<(usize, ConnectionHandle)>,
+    ) -> std::io::Result<Arc<Shared>> {
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
         ecfg.transport = config.transport.clone();
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
@@ -399,9 +516,13 @@ impl Endpoint {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
         };
         ecfg.seed = match config.seed {
-            Some(s) => s,
+            Some(s) => s.wrapping_add(shard as u64),
             None => getrandom::u64().map_err(os_err)?,
         };
+        // Residue class `shard mod shards` (identity for one shard): the kernel's
+        // reuseport program steers by `DestQP mod shards`.
+        ecfg.qpn_modulus = shards as u32;
+        ecfg.qpn_residue = shard as u32;
         let mut secret = [0u8; 32];
         getrandom::fill(&mut secret).map_err(os_err)?;
         ecfg.secret_seed = Some(secret);
@@ -412,10 +533,8 @@ impl Endpoint {
             core.set_rc_config(rc)
                 .map_err(|e| ConfigError::Rc(e.to_string()))?;
         }
-        let (tx, rx) = mpsc::channel(config.max_pending_incoming);
-        let id = NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed);
-        let span = tracing::debug_span!("endpoint", id, addr = %backend.local_addr());
-        let shared = Arc::new(Shared {
+        let span = tracing::debug_span!("endpoint", id, shard, addr = %backend.local_addr());
+        Ok(Arc::new(Shared {
             state: Mutex::new(State {
                 core,
                 conns: HashMap::new(),
@@ -423,6 +542,7 @@ impl Endpoint {
                 waiters: HashMap::new(),
                 next_wr_id: 0,
                 incoming: Some(tx),
+                dereg_later: Vec::new(),
                 closed: false,
                 rc: crate::rocev2::RcSide::new(),
             }),
@@ -432,16 +552,12 @@ impl Endpoint {
             backend,
             ip_backend,
             id,
-            cfg: config,
-            incoming_rx: tokio::sync::Mutex::new(rx),
+            shard,
+            siblings: std::sync::OnceLock::new(),
+            cfg: config.clone(),
             stopped: std::sync::atomic::AtomicBool::new(false),
-            span: span.clone(),
-        });
-        let inner = Arc::new(EndpointRef {
-            shared: shared.clone(),
-        });
-        tokio::spawn(tracing::Instrument::instrument(driver::run(shared), span));
-        Ok(Endpoint { inner })
+            span,
+        }))
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -461,7 +577,9 @@ impl Endpoint {
     /// closed, [`ConnectError::Post`] if the core refuses (`max_connections` reached).
     /// Awaiting the [`Connecting`] reports how the handshake ended.
     pub fn connect(&self, addr: SocketAddr) -> Result<Connecting, ConnectError> {
-        let shared = self.shared();
+        let shards = &self.inner.shards;
+        let pick = self.inner.next_shard.fetch_add(1, Ordering::Relaxed) % shards.len() as u64;
+        let shared = &shards[pick as usize];
         let local_ip = local_ip_for(self.local_addr(), addr);
         let (tx, rx) = oneshot::channel();
         let conn = {
@@ -475,7 +593,13 @@ impl Endpoint {
                 .map_err(ConnectError::Post)?;
             st.connecting.insert(h, tx);
             let entry = ConnEntry::new();
-            let conn = Connection::new(self.inner.clone(), h, entry.signals.clone(), Some(addr));
+            let conn = Connection::new(
+                self.inner.clone(),
+                shared.clone(),
+                h,
+                entry.signals.clone(),
+                Some(addr),
+            );
             st.conns.insert(h, entry);
             conn
         };
@@ -494,8 +618,9 @@ impl Endpoint {
     /// Cancel safe: a request is taken from the queue only when this resolves.
     pub async fn accept(&self) -> Option<Incoming> {
         loop {
-            let h = self.shared().incoming_rx.lock().await.recv().await?;
-            let st = self.shared().lock();
+            let (i, h) = self.inner.incoming_rx.lock().await.recv().await?;
+            let shared = self.inner.shards.get(i)?;
+            let st = shared.lock();
             if st.closed {
                 return None;
             }
@@ -503,6 +628,7 @@ impl Endpoint {
                 drop(st);
                 return Some(Incoming {
                     ep: self.inner.clone(),
+                    shared: shared.clone(),
                     handle: h,
                     decided: false,
                 });
@@ -522,14 +648,47 @@ impl Endpoint {
         self.register(vec![0; len], access)
     }
 
-    /// Endpoint-wide counters (malformed datagrams, bad ICRCs, …).
+    /// Endpoint-wide counters (malformed datagrams, bad ICRCs, …), summed over the shards.
     pub fn stats(&self) -> EndpointStats {
-        self.shared().lock().core.stats()
+        let mut total = EndpointStats::default();
+        for s in &self.inner.shards {
+            total += s.lock().core.stats();
+        }
+        total
     }
 
-    /// The backend's local UDP source ports (one per path).
+    /// The counters of each shard, in shard order ([`Config::shards`]).
+    pub fn shard_stats(&self) -> Vec<EndpointStats> {
+        self.inner
+            .shards
+            .iter()
+            .map(|s| s.lock().core.stats())
+            .collect()
+    }
+
+    /// Number of shards this endpoint runs ([`Config::shards`], or 1 after a fallback).
+    pub fn shards(&self) -> usize {
+        self.inner.shards.len()
+    }
+
+    /// Live connections on each shard, in shard order (diagnostics: how connections
+    /// spread over the shards).
+    pub fn shard_connections(&self) -> Vec<usize> {
+        self.inner
+            .shards
+            .iter()
+            .map(|s| s.lock().conns.len())
+            .collect()
+    }
+
+    /// The backends' local UDP source ports (one per path; shard 0's first, then each
+    /// further shard's).
     pub fn source_ports(&self) -> Vec<u16> {
-        self.shared().backend.source_ports()
+        self.inner
+            .shards
+            .iter()
+            .flat_map(|s| s.backend.source_ports())
+            .collect()
     }
 
     /// Close every connection gracefully with `code` and `reason` (at most
@@ -540,16 +699,17 @@ impl Endpoint {
     /// refused at once; the driver stops once every CLOSE was answered (or sent
     /// `close_attempts` times). [`wait_idle`](Self::wait_idle) waits for that.
     pub fn close(&self, code: u32, reason: &[u8]) {
-        let shared = self.shared();
-        {
-            let mut st = shared.lock();
-            let handles: Vec<_> = st.core.connections().collect();
-            for h in handles {
-                st.close_conn(h, code, reason);
+        for shared in &self.inner.shards {
+            {
+                let mut st = shared.lock();
+                let handles: Vec<_> = st.core.connections().collect();
+                for h in handles {
+                    st.close_conn(h, code, reason);
+                }
+                st.closed = true;
             }
-            st.closed = true;
+            shared.wake_driver.notify_one();
         }
-        shared.wake_driver.notify_one();
     }
 
     /// Wait until this endpoint has no connection left (every connection closed, by
@@ -559,7 +719,12 @@ impl Endpoint {
     /// # Cancel safety
     /// Cancel safe: it only observes.
     pub async fn wait_idle(&self) {
-        let shared = self.shared();
+        for shared in &self.inner.shards {
+            Self::wait_shard_idle(shared).await;
+        }
+    }
+
+    async fn wait_shard_idle(shared: &Shared) {
         loop {
             let notified = shared.idle.notified();
             if shared.stopped.load(Ordering::Acquire) {
@@ -586,7 +751,25 @@ impl Endpoint {
 
     /// Sizes of the driver's per-connection structures (diagnostics and leak tests).
     pub fn driver_maps(&self) -> DriverMaps {
-        self.shared().lock().map_sizes()
+        let mut total = DriverMaps::default();
+        for s in &self.inner.shards {
+            let m = s.lock().map_sizes();
+            total.connections += m.connections;
+            total.connecting += m.connecting;
+            total.waiters += m.waiters;
+            total.core_connections += m.core_connections;
+            let (t, c) = (&mut total.core, m.core);
+            t.connections += c.connections;
+            t.nonces += c.nonces;
+            t.index += c.index;
+            t.timers += c.timers;
+            t.ready += c.ready;
+            t.recent_rx += c.recent_rx;
+            t.closers += c.closers;
+            t.control += c.control;
+            t.events += c.events;
+        }
+        total
     }
 }
 
@@ -630,6 +813,8 @@ impl Future for Connecting {
 #[derive(Debug)]
 pub struct Incoming {
     ep: Arc<EndpointRef>,
+    /// The shard whose core holds the request.
+    shared: Arc<Shared>,
     handle: ConnectionHandle,
     decided: bool,
 }
@@ -637,7 +822,7 @@ pub struct Incoming {
 impl Incoming {
     /// The requester's address.
     pub fn remote_addr(&self) -> Option<SocketAddr> {
-        self.ep.shared.lock().core.peer_addr(self.handle)
+        self.shared.lock().core.peer_addr(self.handle)
     }
 
     /// Accept: the CONNECT Accept goes out and the connection is usable at once.
@@ -647,7 +832,7 @@ impl Incoming {
     /// it), [`ConnectError::EndpointClosed`] if the endpoint is closed.
     pub fn accept(mut self) -> Result<Connection, ConnectError> {
         self.decided = true;
-        let shared = self.ep.shared.clone();
+        let shared = self.shared.clone();
         let mut st = shared.lock();
         if st.closed {
             return Err(ConnectError::EndpointClosed);
@@ -663,7 +848,13 @@ impl Incoming {
         let peer = st.core.peer_addr(self.handle);
         drop(st);
         shared.wake_driver.notify_one();
-        Ok(Connection::new(self.ep.clone(), self.handle, signals, peer))
+        Ok(Connection::new(
+            self.ep.clone(),
+            shared.clone(),
+            self.handle,
+            signals,
+            peer,
+        ))
     }
 
     /// Refuse with an application `code` and `reason`: the requester's [`Connecting`] fails
@@ -678,7 +869,7 @@ impl Incoming {
 
     fn do_refuse(&self, code: u32, reason: &[u8]) {
         let reason = &reason[..reason.len().min(metaroce::MAX_CLOSE_REASON)];
-        let shared = &self.ep.shared;
+        let shared = &self.shared;
         // Err: the request ended meanwhile (nothing to refuse).
         let _ = shared
             .lock()

@@ -26,6 +26,10 @@ pub enum ConfigError {
     /// A limit of the async layer is zero (the field name).
     #[error("{0} must be at least 1")]
     Zero(&'static str),
+    /// [`Config::shards`](crate::Config::shards) is above
+    /// [`MAX_SHARDS`](crate::MAX_SHARDS) (the value found).
+    #[error("shards must be at most 64, not {0}")]
+    TooManyShards(usize),
 }
 
 impl ConfigError {

@@ -106,7 +106,8 @@ mod stream;
 
 pub use connection::{CancelledRecv, Connection};
 pub use endpoint::{
-    Config, Connecting, DriverMaps, Endpoint, Incoming, DEFAULT_IDLE_TIMEOUT, REFUSED_BUSY,
+    Config, Connecting, DriverMaps, Endpoint, Incoming, DEFAULT_IDLE_TIMEOUT, MAX_SHARDS,
+    REFUSED_BUSY,
 };
 pub use error::{ConfigError, ConnectError, Error};
 pub use mr::{ExternalMemory, MemoryRegion, OwnedBuffer, RemoteRegion, COPY_CHUNK};

@@ -188,12 +188,25 @@ impl Endpoint {
 
     pub(crate) fn register_backing(&self, b: Box<dyn Backing>, access: Access) -> MemoryRegion {
         let mem: Cell = Arc::new(Mutex::new(b));
-        let keys = self
-            .inner
-            .shared
+        // Shard 0 chooses the keys; every other shard registers the same bytes under the
+        // same keys, so that a WRITE, READ or atomic reaches the region on whichever shard
+        // its connection lives (one lock at a time: never two shard locks at once).
+        let shards = &self.inner.shards;
+        let keys = shards[0]
             .lock()
             .core
             .register_mr_memory(Box::new(Shared(mem.clone())), access);
+        for s in &shards[1..] {
+            let r = s
+                .lock()
+                .core
+                .register_mr_memory_with_keys(Box::new(Shared(mem.clone())), keys);
+            if let Err(e) = r {
+                // Cannot happen while shard 0 alone chooses keys and deregistration
+                // reaches shard 0 last; reported rather than panicking.
+                tracing::error!(lkey = keys.lkey, error = %e, "region not registered on a shard");
+            }
+        }
         MemoryRegion {
             ep: self.inner.clone(),
             keys,
@@ -338,7 +351,7 @@ impl MemoryRegion {
     /// [`into_inner`](Self::into_inner)).
     pub fn deregister(mut self) -> Box<dyn Any> {
         self.detached = true;
-        self.deregister_in_core();
+        self.ep.shared.deregister_everywhere(self.keys.lkey);
         let mem = std::mem::replace(&mut self.mem, Arc::new(Mutex::new(Box::new(Vec::new()))));
         match Arc::try_unwrap(mem) {
             Ok(m) => m.into_inner().into_any(),
@@ -348,19 +361,6 @@ impl MemoryRegion {
                 Box::new(g.bytes().to_vec())
             }
         }
-    }
-
-    /// Deregister the region from the core. The core's handle on the memory is dropped
-    /// outside the endpoint lock (it is only a reference count; the buffer goes with this
-    /// region's last reference).
-    fn deregister_in_core(&self) {
-        let core_side = self
-            .ep
-            .shared
-            .lock()
-            .core
-            .deregister_mr_memory(self.keys.lkey);
-        drop(core_side);
     }
 }
 
@@ -372,7 +372,9 @@ fn unreachable_buffer<B>() -> Result<B, MemoryRegion> {
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         if !self.detached {
-            self.deregister_in_core();
+            // The core's handle is dropped outside the endpoint lock (it is only a
+            // reference count; the buffer goes with this region's last reference).
+            self.ep.shared.deregister_everywhere(self.keys.lkey);
         }
     }
 }

@@ -230,7 +230,7 @@ impl MessageStream {
     /// fail with [`Error::StreamClosed`].
     pub fn reset(&mut self, code: u32) {
         self.send_closed = true;
-        let shared = &self.conn.ep.shared;
+        let shared = &self.conn.shared;
         reset(&mut shared.lock(), self.handle(), self.id, code);
         shared.wake_driver.notify_one();
     }
@@ -240,7 +240,7 @@ impl MessageStream {
     /// with the same code, and this side's reader then yields [`Error::StreamReset`] after
     /// the messages that arrived before.
     pub fn stop(&mut self, code: u32) {
-        let shared = &self.conn.ep.shared;
+        let shared = &self.conn.shared;
         stop(&mut shared.lock(), self.handle(), self.id, code);
         shared.wake_driver.notify_one();
     }
@@ -271,7 +271,7 @@ impl MessageStream {
         fail_if_stopped: bool,
         ready: impl Fn(&StreamEntry, usize) -> bool,
     ) -> Poll<Result<(), Error>> {
-        let shared = &self.conn.ep.shared;
+        let shared = &self.conn.shared;
         let max = shared.cfg.max_stream_in_flight.max(1);
         let mut st = shared.lock();
         if st.closed {
@@ -309,7 +309,7 @@ impl Stream for MessageStream {
             drop(q);
             // The bytes leave the core's receive budget: a sender held back by flow
             // control may go on.
-            let shared = &self.conn.ep.shared;
+            let shared = &self.conn.shared;
             shared
                 .lock()
                 .core
@@ -336,7 +336,7 @@ impl Sink<Bytes> for MessageStream {
         if self.send_closed {
             return Poll::Ready(Err(Error::StreamClosed(self.id)));
         }
-        let max_bytes = self.conn.ep.shared.cfg.stream_send_buffer as u64;
+        let max_bytes = self.conn.shared.cfg.stream_send_buffer as u64;
         self.poll_entry(cx, true, |e, max| {
             e.in_flight < max && e.send_pending < max_bytes
         })
@@ -346,7 +346,7 @@ impl Sink<Bytes> for MessageStream {
         if self.send_closed {
             return Err(Error::StreamClosed(self.id));
         }
-        let shared = &self.conn.ep.shared;
+        let shared = &self.conn.shared;
         {
             let mut st = shared.lock();
             let wr_id = st.wr_id();
@@ -390,7 +390,7 @@ impl Sink<Bytes> for MessageStream {
         }
         std::task::ready!(self.as_mut().poll_flush(cx))?;
         self.send_closed = true;
-        let shared = &self.conn.ep.shared;
+        let shared = &self.conn.shared;
         let mut st = shared.lock();
         let r = finish(&mut st, self.handle(), self.id)
             .map_err(|e| post_error(e, self.id, || self.lost(&st)));
@@ -402,7 +402,7 @@ impl Sink<Bytes> for MessageStream {
 
 impl Drop for MessageStream {
     fn drop(&mut self) {
-        let shared = &self.conn.ep.shared;
+        let shared = &self.conn.shared;
         let mut st = shared.lock();
         if !self.send_closed {
             reset(&mut st, self.handle(), self.id, RESET_ON_DROP);

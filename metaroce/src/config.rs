@@ -112,6 +112,16 @@ pub struct EndpointConfig {
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.
     pub max_control_queue: usize,
+    /// QPN residue class of this endpoint: every QPN it allocates for its connections is
+    /// `≡ qpn_residue (mod qpn_modulus)`. A sharded host (`metaroce-tokio`'s
+    /// `Config::shards`) runs one endpoint per shard on one UDP port and steers each
+    /// datagram to a shard by `DestQP mod shards` (a reuseport program in the kernel), so
+    /// each shard's endpoint must own its residue class. Default `1` (every QPN; the
+    /// allocation is then exactly as without sharding, draw for draw). Must be in
+    /// `1..=65536`.
+    pub qpn_modulus: u32,
+    /// See [`qpn_modulus`](Self::qpn_modulus); must be `< qpn_modulus`. Default 0.
+    pub qpn_residue: u32,
     /// Transport parameters of every connection.
     pub transport: TransportConfig,
 }
@@ -153,6 +163,8 @@ impl EndpointConfig {
             retry_cookie_lifetime: Duration::from_secs(10),
             max_half_open: 4096,
             max_control_queue: 1024,
+            qpn_modulus: 1,
+            qpn_residue: 0,
             transport: TransportConfig::default(),
         }
     }

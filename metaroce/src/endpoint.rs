@@ -240,6 +240,50 @@ pub struct EndpointStats {
     pub handshake_bytes_out: u64,
 }
 
+impl std::ops::AddAssign for EndpointStats {
+    /// Field-wise sum (the counters of several endpoints, e.g. the shards of one
+    /// `metaroce-tokio` endpoint).
+    fn add_assign(&mut self, o: Self) {
+        // Exhaustive: a new counter must be added here too.
+        let EndpointStats {
+            datagrams_received,
+            malformed,
+            bad_icrc,
+            unknown_connection,
+            unsupported,
+            rejected,
+            aead_auth_failures,
+            aead_replays,
+            key_updates,
+            bad_auth,
+            missing_auth,
+            retries_sent,
+            bad_cookie,
+            peer_restarts,
+            control_dropped,
+            handshake_bytes_in,
+            handshake_bytes_out,
+        } = o;
+        self.datagrams_received += datagrams_received;
+        self.malformed += malformed;
+        self.bad_icrc += bad_icrc;
+        self.unknown_connection += unknown_connection;
+        self.unsupported += unsupported;
+        self.rejected += rejected;
+        self.aead_auth_failures += aead_auth_failures;
+        self.aead_replays += aead_replays;
+        self.key_updates += key_updates;
+        self.bad_auth += bad_auth;
+        self.missing_auth += missing_auth;
+        self.retries_sent += retries_sent;
+        self.bad_cookie += bad_cookie;
+        self.peer_restarts += peer_restarts;
+        self.control_dropped += control_dropped;
+        self.handshake_bytes_in += handshake_bytes_in;
+        self.handshake_bytes_out += handshake_bytes_out;
+    }
+}
+
 /// What the endpoint remembers about one connection to find the work due without walking
 /// every connection: its entries in [`Endpoint`]'s `timers` and `recent_rx` sets.
 #[derive(Debug, Clone, Copy, Default)]
@@ -384,6 +428,18 @@ impl Endpoint {
                 "must not be empty",
             )));
         }
+        if !(1..=65_536).contains(&cfg.qpn_modulus) {
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "qpn_modulus",
+                "must be in 1..=65536",
+            )));
+        }
+        if cfg.qpn_residue >= cfg.qpn_modulus {
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "qpn_residue",
+                "must be below qpn_modulus",
+            )));
+        }
         let mut secret = SecretRng::new(
             cfg.secret_seed
                 .unwrap_or_else(|| SecretRng::default_seed(cfg.seed)),
@@ -445,9 +501,12 @@ impl Endpoint {
     }
 
     fn new_qpn(&mut self) -> u32 {
+        let (m, r) = (self.cfg.qpn_modulus, self.cfg.qpn_residue);
         loop {
             let q = self.rng.next_u32() & wire::PSN_MASK;
-            if q > 1 && !self.conns.contains_key(&q) {
+            // Into this endpoint's residue class (identity when `m == 1`).
+            let q = q - q % m + r;
+            if q > 1 && q <= wire::PSN_MASK && !self.conns.contains_key(&q) {
                 return q;
             }
         }
@@ -559,6 +618,24 @@ impl Endpoint {
     /// already checked. Returns the keys and the address peers use.
     pub fn register_mr_memory(&mut self, mem: Box<dyn RegionMemory>, access: Access) -> MrKeys {
         self.mrs.register(mem, access)
+    }
+
+    /// Register memory under keys (lkey, rkey, address, length, access) that another
+    /// endpoint's [`register_mr_memory`](Self::register_mr_memory) returned, so that one
+    /// region is reachable with the same keys through several endpoints — the shards of
+    /// one `metaroce-tokio` endpoint, which share one UDP port and one set of regions.
+    /// Use it on an endpoint whose regions are all registered this way (keys chosen by one
+    /// endpoint only), or its own registrations may take the slot the keys name.
+    ///
+    /// # Errors
+    /// [`MrError::InvalidKey`] if the lkey's slot or the rkey is in use here, the lkey is
+    /// malformed or `keys.len` is not `mem.len()`; nothing is registered.
+    pub fn register_mr_memory_with_keys(
+        &mut self,
+        mem: Box<dyn RegionMemory>,
+        keys: MrKeys,
+    ) -> Result<(), MrError> {
+        self.mrs.register_with_keys(mem, keys)
     }
 
     /// Deregister a region; returns its bytes (the registered `Vec` itself, or a copy of

@@ -272,6 +272,38 @@ impl MrTable {
         keys
     }
 
+    /// Register `data` under keys another table chose (`keys` from its
+    /// [`register`](Self::register)): the same lkey, rkey and address, so that one region
+    /// answers to one set of keys on several endpoints (the shards of one async endpoint).
+    /// `InvalidKey` if the lkey's slot or the rkey is taken here, the lkey is malformed,
+    /// or `keys.len` is not `data.len()`; nothing is registered then.
+    pub(crate) fn register_with_keys(
+        &mut self,
+        data: Box<dyn RegionMemory>,
+        keys: MrKeys,
+    ) -> Result<(), MrError> {
+        let idx = (keys.lkey >> 8).checked_sub(1).ok_or(MrError::InvalidKey)? as usize;
+        let taken = self.slots.get(idx).is_some_and(|s| s.is_some());
+        if taken
+            || keys.rkey == 0
+            || self.by_rkey.contains_key(&keys.rkey)
+            || keys.len != data.len() as u64
+            || idx >= u32::MAX as usize >> 8
+        {
+            return Err(MrError::InvalidKey);
+        }
+        while self.slots.len() <= idx {
+            self.free.push(self.slots.len());
+            self.slots.push(None);
+            self.variants.push(0);
+        }
+        self.free.retain(|&i| i != idx);
+        self.variants[idx] = keys.lkey as u8;
+        self.by_rkey.insert(keys.rkey, idx);
+        self.slots[idx] = Some(Region { keys, data });
+        Ok(())
+    }
+
     fn slot(&self, key: u32) -> Option<&Region> {
         let idx = (key >> 8).checked_sub(1)? as usize;
         self.slots.get(idx)?.as_ref().filter(|r| r.keys.lkey == key)

@@ -19,6 +19,7 @@
 //! | `udp_gso_bulk` | raw UDP blaster, GSO sends of 15 × 4096 B, GRO receives (quinn-udp), at most 2 MiB ahead of the receiver, 1 GiB: received Gbit/s |
 //! | `udp_rtt64` | tokio UDP ping-pong, 64 B, 10,000 round trips: median RTT, µs |
 //! | `udp_rate64` | raw UDP blaster, 64 B datagrams (GSO batches of 64): received datagrams/s |
+//! | `metaroce_conns8_shards{1,2}` | in process: 8 connections, bulk 1 MiB WRITEs (4 in flight each, 1 GiB in all), both endpoints with `Config::shards` = 1 or 2, the client on the 2-worker runtime, the server on its own 2-worker runtime: aggregate Gbit/s |
 //! | `core_rate_{64,4096}` | `cargo bench -p metaroce --bench core_rate -- --json` when that bench exists in the source tree: datagrams/s of CPU time |
 //!
 //! The tokio peers use a 2-worker multi-thread runtime, as `metaroce-perf` does. Printed
@@ -293,6 +294,139 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
         });
     }
     v
+}
+
+/// 8 connections between two endpoints with `shards` shards each (issue #13 item 4): the
+/// client on the 2-worker runtime `ctx.rt`, the server on its own 2-worker runtime; every
+/// connection WRITEs 1 MiB messages, 4 in flight, into its own slot of one server region,
+/// `total` bytes in all. Aggregate goodput in Gbit/s; the slots are verified at the end.
+fn conns_bulk(ctx: &Ctx, shards: usize, total: u64) -> Result<Sample, String> {
+    use futures::StreamExt;
+    use metaroce_tokio::{Access, Config, Endpoint};
+    const CONNS: usize = 8;
+    const MSG: usize = 1 << 20;
+    const DEPTH: usize = 4;
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let srt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|x| e(&x))?;
+    let cfg = Config {
+        shards,
+        ..Config::default()
+    };
+    let any: SocketAddr = "127.0.0.1:0".parse().map_err(|x| e(&x))?;
+    let server = srt
+        .block_on(Endpoint::bind(any, cfg.clone()))
+        .map_err(|x| e(&x))?;
+    if server.shards() != shards {
+        return Err(format!(
+            "server runs {} shards, not {shards}",
+            server.shards()
+        ));
+    }
+    let target = server.alloc(CONNS * MSG, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let remote = target.remote();
+    let s2 = server.clone();
+    let acceptor = srt.spawn(async move {
+        let mut v = Vec::new();
+        while v.len() < CONNS {
+            match s2.accept().await {
+                Some(i) => v.extend(i.accept().ok()),
+                None => break,
+            }
+        }
+        v
+    });
+    let per_conn = (total / CONNS as u64 / MSG as u64).max(1);
+    let saddr = server.local_addr();
+    let data: Vec<Vec<u8>> = (0..CONNS)
+        .map(|i| {
+            (0..MSG)
+                .map(|k| (k * 7 + i * 13 + k / 4096) as u8)
+                .collect()
+        })
+        .collect();
+    let want = data.clone();
+    let (secs, retx) = ctx.rt.block_on(async move {
+        let client = Endpoint::bind(any, cfg).await.map_err(|x| e(&x))?;
+        let mut conns = Vec::new();
+        for _ in 0..CONNS {
+            let c = client
+                .connect(saddr)
+                .map_err(|x| e(&x))?
+                .await
+                .map_err(|x| e(&x))?;
+            conns.push(c);
+        }
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        for (i, (c, d)) in conns.iter().zip(data).enumerate() {
+            let c = c.clone();
+            let src = Arc::new(client.register(d, Access::LOCAL_WRITE));
+            tasks.push(tokio::spawn(async move {
+                let off = (i * MSG) as u64;
+                let mut results = futures::stream::iter(0..per_conn)
+                    .map(|_| c.write(&src, 0..MSG as u64, remote, off))
+                    .buffer_unordered(DEPTH);
+                while let Some(r) = results.next().await {
+                    r.map_err(|x| x.to_string())?;
+                }
+                Ok::<(), String>(())
+            }));
+        }
+        for t in tasks {
+            t.await.map_err(|x| e(&x))??;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let retx: u64 = conns
+            .iter()
+            .filter_map(|c| c.stats())
+            .flat_map(|s| s.paths.into_iter().map(|p| p.stats.retransmits))
+            .sum();
+        client.close(0, b"");
+        client.wait_idle().await;
+        Ok::<(f64, u64), String>((secs, retx))
+    })?;
+    let _ = srt.block_on(acceptor);
+    for (i, w) in want.iter().enumerate() {
+        if target
+            .read((i * MSG) as u64, MSG as u64)
+            .map_err(|x| e(&x))?
+            != *w
+        {
+            return Err(format!("slot {i} did not verify"));
+        }
+    }
+    drop(target);
+    server.close(0, b"");
+    srt.block_on(server.wait_idle());
+    let bytes = per_conn * CONNS as u64 * MSG as u64;
+    Ok(Sample {
+        value: bytes as f64 * 8.0 / secs / 1e9,
+        retransmits: retx,
+        packets: bytes / 4096,
+    })
+}
+
+fn shard_measures(scale: u64) -> Vec<Measure> {
+    let total = (1u64 << 30) / scale;
+    [1usize, 2]
+        .into_iter()
+        .map(|n| Measure {
+            name: if n == 1 {
+                "metaroce_conns8_shards1"
+            } else {
+                "metaroce_conns8_shards2"
+            },
+            unit: "Gbit/s",
+            command: format!(
+                "in-process: 8 connections, 1 MiB WRITEs, 4 in flight each, {total} bytes, Config::shards = {n} on both ends, 2 + 2 tokio workers"
+            ),
+            run: Box::new(move |ctx| conns_bulk(ctx, n, total)),
+        })
+        .collect()
 }
 
 /// Median of RTT samples, in µs.
@@ -693,6 +827,7 @@ fn main() {
     let iperf = command_output("iperf3", &["--version"]).is_some();
     let mut measures = metaroce_measures(scale);
     measures.extend(peer_measures(scale, iperf));
+    measures.extend(shard_measures(scale));
     measures.extend(core_measures());
     if !args.only.is_empty() {
         measures.retain(|m| args.only.iter().any(|o| m.name.contains(o.as_str())));
@@ -723,11 +858,12 @@ fn main() {
             match (m.run)(&ctx) {
                 Ok(s) => {
                     println!(
-                        "  rep {} {:<22} {:>14.3} {}",
+                        "  rep {} {:<22} {:>14.3} {} ({} retransmits)",
                         rep + 1,
                         m.name,
                         s.value,
-                        m.unit
+                        m.unit,
+                        s.retransmits
                     );
                     samples[i].push(s);
                 }
@@ -813,6 +949,12 @@ fn main() {
             "-",
         ),
         ratio("TCP RTT vs UDP RTT", "tcp_rtt64", "udp_rtt64", "-"),
+        ratio(
+            "8 connections, 2 shards vs 1 (2-worker runtime)",
+            "metaroce_conns8_shards2",
+            "metaroce_conns8_shards1",
+            "> 1.0",
+        ),
     ];
     println!();
     println!(" {:<24} {:>14} {:<12} samples", "measure", "median", "unit");

@@ -23,6 +23,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 mod impair;
+#[cfg(target_os = "linux")]
+mod reuseport;
 mod udp;
 #[cfg(target_os = "linux")]
 mod uring;

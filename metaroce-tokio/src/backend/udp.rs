@@ -55,7 +55,17 @@ struct Sock {
 impl Sock {
     /// Creates, configures and binds a non-blocking UDP socket at `addr`.
     fn bind(addr: SocketAddr, recv_buffer: Option<usize>, send_buffer: usize) -> io::Result<Self> {
-        let (std_socket, state, port) = bind_configured(addr, recv_buffer, send_buffer)?;
+        Self::bind_opt(addr, recv_buffer, send_buffer, false)
+    }
+
+    fn bind_opt(
+        addr: SocketAddr,
+        recv_buffer: Option<usize>,
+        send_buffer: usize,
+        reuse_port: bool,
+    ) -> io::Result<Self> {
+        let (std_socket, state, port) =
+            bind_configured_opt(addr, recv_buffer, send_buffer, reuse_port)?;
         let io = tokio::net::UdpSocket::from_std(std_socket)?;
         Ok(Self { io, state, port })
     }
@@ -69,6 +79,17 @@ pub(crate) fn bind_configured(
     recv_buffer: Option<usize>,
     send_buffer: usize,
 ) -> io::Result<(std::net::UdpSocket, UdpSocketState, u16)> {
+    bind_configured_opt(addr, recv_buffer, send_buffer, false)
+}
+
+/// [`bind_configured`], with `SO_REUSEPORT` set before the bind when `reuse_port` (the
+/// sockets of a sharded endpoint share its port).
+fn bind_configured_opt(
+    addr: SocketAddr,
+    recv_buffer: Option<usize>,
+    send_buffer: usize,
+    reuse_port: bool,
+) -> io::Result<(std::net::UdpSocket, UdpSocketState, u16)> {
     let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
     // Buffer sizes are best effort: the kernel silently caps them, and a refusal must not
     // make the endpoint unusable.
@@ -81,6 +102,12 @@ pub(crate) fn bind_configured(
         tracing::warn!("cannot set SO_SNDBUF to {send_buffer} bytes: {e}");
     }
     socket.set_nonblocking(true)?;
+    #[cfg(unix)]
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
+    #[cfg(not(unix))]
+    let _ = reuse_port;
     socket.bind(&addr.into())?;
     let std_socket: std::net::UdpSocket = socket.into();
     // Enables IP_RECVTOS, UDP_GRO, IP_PKTINFO / IPV6_RECVPKTINFO and forbids fragmentation.
@@ -204,6 +231,88 @@ impl UdpBackend {
             gro = main.state.gro_segments(),
             "UdpBackend bound"
         );
+        Ok(Self {
+            main,
+            paths,
+            ports,
+            local_addr,
+            resume: Mutex::new(None),
+        })
+    }
+
+    /// `shards` backends for the shards of one endpoint ([`Config::shards`](crate::Config::shards)):
+    /// their main sockets share one port at `addr` (`SO_REUSEPORT`, bound in shard order)
+    /// and a reuseport program steers each datagram to the shard of its BTH DestQP; each
+    /// backend has its own `paths` path sockets. If the program cannot be attached (not
+    /// Linux, an old kernel, a seccomp policy), one backend is returned and a warning
+    /// logged: the endpoint then runs unsharded.
+    ///
+    /// Errors: as [`bind_with`](Self::bind_with); `shards == 0` is `InvalidInput`.
+    pub(crate) fn bind_sharded(
+        addr: SocketAddr,
+        shards: usize,
+        paths: usize,
+        config: &UdpConfig,
+    ) -> io::Result<Vec<Self>> {
+        if shards == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero shards"));
+        }
+        let first = Self::bind_member(addr, paths, config, shards > 1)?;
+        if shards == 1 {
+            return Ok(vec![first]);
+        }
+        #[cfg(target_os = "linux")]
+        let attached = super::reuseport::attach(&first.main.io, shards as u32);
+        #[cfg(not(target_os = "linux"))]
+        let attached: io::Result<()> = Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "reuseport steering needs Linux",
+        ));
+        if let Err(e) = attached {
+            tracing::warn!(
+                error = %e,
+                shards,
+                "cannot attach the reuseport steering program: running with one shard"
+            );
+            return Ok(vec![first]);
+        }
+        let mut at = addr;
+        at.set_port(first.local_addr.port());
+        let mut all = vec![first];
+        for _ in 1..shards {
+            all.push(Self::bind_member(at, paths, config, true)?);
+        }
+        Ok(all)
+    }
+
+    fn bind_member(
+        addr: SocketAddr,
+        paths: usize,
+        config: &UdpConfig,
+        reuse_port: bool,
+    ) -> io::Result<Self> {
+        if !reuse_port {
+            return Self::bind_with(addr, paths, config);
+        }
+        if paths == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a UdpBackend needs at least one path socket",
+            ));
+        }
+        let main = Sock::bind_opt(
+            addr,
+            Some(config.recv_buffer_bytes),
+            config.send_buffer_bytes,
+            true,
+        )?;
+        let local_addr = main.io.local_addr()?;
+        let mut path_addr = addr;
+        path_addr.set_port(0);
+        let paths = (0..paths)
+            .map(|_| Sock::bind(path_addr, None, config.send_buffer_bytes))
+            .collect::<io::Result<Vec<_>>>()?;
+        let ports = paths.iter().map(|p| p.port).collect();
         Ok(Self {
             main,
             paths,

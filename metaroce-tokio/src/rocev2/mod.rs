@@ -53,7 +53,6 @@ pub use udp::{UdpIpBackend, UdpIpStats};
 use metaroce::{Access, MrError, WcStatus};
 use std::collections::HashMap;
 use std::fmt;
-use std::future::poll_fn;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -148,6 +147,52 @@ impl Shared {
     }
 }
 
+/// The stand-alone host in the one driver (`crate::driver`): RC QPs over its IP backend
+/// only (no datagram backend, no MetaRoCE connections).
+impl crate::driver::Driven for Shared {
+    type State = State;
+    fn lock(&self) -> MutexGuard<'_, State> {
+        Shared::lock(self)
+    }
+    fn datagrams(&self) -> Option<&dyn crate::backend::DatagramBackend> {
+        None
+    }
+    fn ip(&self) -> Option<&dyn IpBackend> {
+        Some(&*self.backend)
+    }
+    fn woken(&self) -> &Notify {
+        &self.wake
+    }
+    fn poll_timeout(st: &State) -> Option<Instant> {
+        st.core.poll_timeout()
+    }
+    fn handle_timeout(st: &mut State, now: Instant) {
+        st.core.handle_timeout(now);
+    }
+    fn handle_datagram(_: &mut State, _: Instant, _: &crate::backend::RecvMeta, _: &[u8]) {}
+    fn poll_transmit(_: &mut State, _: Instant, _: &mut Vec<u8>) -> Option<metaroce::Transmit> {
+        None
+    }
+    fn handle_ip_packet(st: &mut State, now: Instant, pkt: &[u8]) {
+        st.core.handle_ip_packet(now, pkt);
+    }
+    fn poll_ip_transmit(
+        st: &mut State,
+        now: Instant,
+        payload: &mut Vec<u8>,
+    ) -> Option<metaroce::rocev2::RcTransmit> {
+        st.core.poll_transmit(now, payload)
+    }
+    fn dispatch(&self, st: &mut State) {
+        while let Some(ev) = st.core.poll_event() {
+            st.side.on_event(ev);
+        }
+    }
+    fn may_stop(&self, st: &State) -> bool {
+        st.closed
+    }
+}
+
 /// Stops the driver when the last user handle goes away.
 struct Owner(Arc<Shared>);
 
@@ -196,7 +241,7 @@ impl RcEndpoint {
             wake: Notify::new(),
             backend,
         });
-        tokio::spawn(run(shared.clone()));
+        tokio::spawn(crate::driver::run(shared.clone()));
         Ok(Self {
             owner: Arc::new(Owner(shared)),
         })
@@ -710,88 +755,5 @@ fn wr(op: SendOp, lkey: u32, local_offset: u64, len: u32) -> SendWr {
         local_offset,
         len,
         solicited: false,
-    }
-}
-
-/// Packets gathered under one lock before they are sent.
-const TX_BATCH: usize = 64;
-const RECV_BUF: usize = 1 << 16;
-
-async fn run(shared: Arc<Shared>) {
-    let mut rbuf = vec![0u8; RECV_BUF];
-    let mut payload = Vec::with_capacity(RECV_BUF);
-    let mut out: Vec<(std::net::IpAddr, Vec<u8>)> = Vec::with_capacity(TX_BATCH);
-    loop {
-        let deadline;
-        {
-            let mut st = shared.lock();
-            let now = Instant::now();
-            if st.core.poll_timeout().is_some_and(|t| t <= now) {
-                st.core.handle_timeout(now);
-            }
-            while out.len() < TX_BATCH {
-                let Some(t) = st.core.poll_transmit(now, &mut payload) else {
-                    break;
-                };
-                let mut pkt = Vec::with_capacity(t.size + 28);
-                if t.write_ip_packet(&payload[..t.size], &mut pkt).is_ok() {
-                    out.push((t.destination.ip(), pkt));
-                }
-            }
-            dispatch(&mut st);
-            if st.closed && out.is_empty() {
-                return;
-            }
-            deadline = st.core.poll_timeout();
-        }
-        let full = out.len() == TX_BATCH;
-        for (dst, pkt) in out.drain(..) {
-            if let Err(e) = poll_fn(|cx| shared.backend.poll_send(cx, &pkt, dst)).await {
-                tracing::debug!(error = %e, %dst, "rocev2 send failed");
-            }
-        }
-        if full {
-            tokio::task::yield_now().await;
-            continue;
-        }
-        let sleep = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d.into()).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            r = poll_fn(|cx| shared.backend.poll_recv(cx, &mut rbuf)) => match r {
-                Ok(n) => {
-                    let mut st = shared.lock();
-                    let now = Instant::now();
-                    st.core.handle_ip_packet(now, &rbuf[..n]);
-                    // Take whatever else is queued without waiting.
-                    let waker = futures::task::noop_waker();
-                    let mut cx = std::task::Context::from_waker(&waker);
-                    for _ in 0..64 {
-                        match shared.backend.poll_recv(&mut cx, &mut rbuf) {
-                            std::task::Poll::Ready(Ok(n)) => st.core.handle_ip_packet(now, &rbuf[..n]),
-                            _ => break,
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "rocev2 receive failed");
-                    if e.kind() == io::ErrorKind::BrokenPipe {
-                        // Memory link closed: keep serving timers only.
-                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-                    }
-                }
-            },
-            _ = sleep => {}
-            _ = shared.wake.notified() => {}
-        }
-    }
-}
-
-fn dispatch(st: &mut State) {
-    while let Some(ev) = st.core.poll_event() {
-        st.side.on_event(ev);
     }
 }
