@@ -27,11 +27,12 @@ fn bench_gets_a_figure_from_every_metaroce_measure() {
         serde_json::from_str(&std::fs::read_to_string(&json).expect("JSON report")).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let measures = doc["measures"].as_array().expect("measures");
-    let names: Vec<&str> = measures
-        .iter()
-        .filter_map(|m| m["name"].as_str())
-        .collect();
-    assert_eq!(names, ["metaroce_rate64_udp", "metaroce_rtt64_udp"], "{stdout}");
+    let names: Vec<&str> = measures.iter().filter_map(|m| m["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        ["metaroce_rate64_udp", "metaroce_rtt64_udp"],
+        "{stdout}"
+    );
     for m in measures {
         assert_eq!(m["errors"].as_array().map(Vec::len), Some(0), "{m}");
         let median = m["median"].as_f64().unwrap_or(0.0);
