@@ -3,7 +3,8 @@
 //! deliver is re-rolled to a new UDP source port at its **first** retransmission timeout,
 //! not after `path_reroll_timeouts` backed-off ones; the WRITE completes with the right
 //! data. With the option off (the default), the old rule holds (three timeouts before the
-//! first re-roll).
+//! first re-roll). With `TransportConfig::path_reroll_resets_backoff` too, a re-rolled
+//! path's timeout back-off restarts from its base RTO.
 //!
 //! Run with `cargo test -p metaroce --features sim --test sim_path_blackhole`.
 #![cfg(feature = "sim")]
@@ -16,11 +17,12 @@ const LEN: usize = 4 << 20;
 
 /// Per path of the writer's connection: (RTOs, re-rolls); and whether the WRITE completed
 /// with the right data.
-fn run(first_timeout: bool) -> (Vec<(u64, u64)>, bool, Duration) {
+fn run(first_timeout: bool, reset_backoff: bool) -> (Vec<(u64, u64)>, bool, Duration) {
     let mut sim = Sim::new(SimConfig::with_seed(5));
     sim.set_host_config(move |_, cfg| {
         cfg.transport.paths = 8;
         cfg.transport.path_reroll_on_first_timeout = first_timeout;
+        cfg.transport.path_reroll_resets_backoff = reset_backoff;
     });
     let link = LinkConfig::new(25 * GBPS, Duration::from_micros(1))
         .with_queue_limit(1 << 20)
@@ -75,7 +77,7 @@ fn run(first_timeout: bool) -> (Vec<(u64, u64)>, bool, Duration) {
 
 #[test]
 fn a_blackholed_path_is_rerolled_after_its_first_timeout() {
-    let (paths, ok, time) = run(true);
+    let (paths, ok, time) = run(true, false);
     println!("first-timeout re-roll: {time:?}, (RTOs, re-rolls) per path {paths:?}");
     assert!(ok, "the WRITE did not complete with the right data");
     let hit: Vec<_> = paths.iter().filter(|p| p.0 > 0).collect();
@@ -99,7 +101,7 @@ fn a_blackholed_path_is_rerolled_after_its_first_timeout() {
 
 #[test]
 fn without_the_option_a_blackholed_path_waits_for_three_timeouts() {
-    let (paths, ok, time) = run(false);
+    let (paths, ok, time) = run(false, false);
     println!("old rule: {time:?}, (RTOs, re-rolls) per path {paths:?}");
     assert!(ok, "the WRITE did not complete with the right data");
     let hit: Vec<_> = paths.iter().filter(|p| p.1 > 0).collect();
@@ -121,6 +123,38 @@ struct Fabric {
     seed: u64,
 }
 
+/// With `path_reroll_resets_backoff` as well, a path re-rolled at its first timeout onto
+/// a route that is dead too waits its base RTO again, not the doubled one it earned on the
+/// old route: the same timeouts and re-rolls per path, and the WRITE completes sooner in
+/// simulated time (deterministic; without the option the two runs are identical).
+#[test]
+fn a_rerolled_path_restarts_its_timeout_backoff() {
+    let (paths, ok, time) = run(true, false);
+    let (paths_reset, ok_reset, time_reset) = run(true, true);
+    println!(
+        "first-timeout re-roll: {time:?} {paths:?}; with back-off restart: {time_reset:?} \
+         {paths_reset:?}"
+    );
+    assert!(
+        ok && ok_reset,
+        "a WRITE did not complete with the right data"
+    );
+    assert_eq!(
+        paths, paths_reset,
+        "the same timeouts and re-rolls per path"
+    );
+    assert!(
+        paths
+            .iter()
+            .any(|&(rtos, rerolls)| rerolls >= 1 && rtos > rerolls),
+        "no re-rolled path timed out again (nothing to restart): {paths:?}"
+    );
+    assert!(
+        time_reset < time,
+        "the back-off restart changed nothing: {time_reset:?} against {time:?}"
+    );
+}
+
 /// Diagnosis of the ring all-reduce across a failed spine link (docs/RESULTS.md (f), "A
 /// failed spine link"): counts which packets die on the dead link (data or MR_ACK, per UDP
 /// flow, and when) and, per connection, the timeouts and re-rolls of the paths; with the
@@ -136,7 +170,13 @@ fn diagnose(f: Fabric) {
     use std::collections::{BTreeMap, BTreeSet};
     use std::rc::Rc;
 
-    for (first, retry) in [(false, false), (true, false), (false, true)] {
+    for (first, retry, reset) in [
+        (false, false, false),
+        (true, false, false),
+        (false, true, false),
+        (false, false, true),
+        (true, false, true),
+    ] {
         let mut sim = Sim::new(SimConfig {
             uplink_policy: UplinkPolicy::SourcePort,
             ..SimConfig::with_seed(f.seed)
@@ -145,6 +185,7 @@ fn diagnose(f: Fabric) {
             cfg.transport.paths = 2 * f.paths_per_plane;
             cfg.transport.planes = 2;
             cfg.transport.path_reroll_on_first_timeout = first;
+            cfg.transport.path_reroll_resets_backoff = reset;
             if retry {
                 // No plane found down is probed again within the run.
                 cfg.transport.plane_retry_interval = Duration::from_secs(10);
@@ -241,7 +282,7 @@ fn diagnose(f: Fabric) {
             }
         }
         println!(
-            "first_timeout={first} plane_retry_10s={retry}: {:?}, {} RTOs, {} retransmitted; dropped at the dead link: \
+            "first_timeout={first} plane_retry_10s={retry} reset_backoff={reset}: {:?}, {} RTOs, {} retransmitted; dropped at the dead link: \
              {data} data packets on {data_flows} flows, {acks} MR_ACKs on {ack_flows} flows \
              ({ack_flows_dead_only} of them never delivered anything)",
             r.time, r.rtos, r.retransmits
