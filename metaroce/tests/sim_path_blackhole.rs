@@ -158,9 +158,11 @@ fn a_rerolled_path_restarts_its_timeout_backoff() {
 /// Diagnosis of the ring all-reduce across a failed spine link (docs/RESULTS.md (f), "A
 /// failed spine link"): counts which packets die on the dead link (data or MR_ACK, per UDP
 /// flow, and when) and, per connection, the timeouts and re-rolls of the paths; with the
-/// default rules, with `path_reroll_on_first_timeout`, and with no plane probed again
-/// within the run (`plane_retry_interval` 10 s). Printed; the assertions only check that
-/// the run completes and that the dead link was crossed.
+/// default rules, with `path_reroll_on_first_timeout`, with no plane probed again within
+/// the run (`plane_retry_interval` 10 s), with `path_reroll_resets_backoff`, and with both
+/// re-roll options. Printed (the figures in RESULTS.md come from here); the assertions
+/// only check that every run completes with the right data and that the dead link was
+/// crossed.
 fn diagnose(f: Fabric) {
     use metaroce::sim::collective::{run_collective, Collective};
     use metaroce::sim::{DropReason, Location, TraceKind};
@@ -212,7 +214,8 @@ fn diagnose(f: Fabric) {
             .collect();
         let failed = mp.planes[0].fabric_links[0][0];
         let dead = failed.both();
-        // (src, dst, src port, is ACK) -> drops; same key -> packets delivered.
+        // (source address and UDP port, destination, is MR_ACK) -> packets dropped on the
+        // dead link; the same key -> packets delivered.
         type Key = (std::net::SocketAddrV4, std::net::SocketAddrV4, bool);
         let drops: Rc<RefCell<BTreeMap<Key, u64>>> = Rc::default();
         let delivered: Rc<RefCell<BTreeMap<Key, u64>>> = Rc::default();
