@@ -262,8 +262,20 @@ pub struct TransportConfig {
     /// connection with one path, or whose paths all went silent, keeps the
     /// `path_reroll_timeouts` rule. Default `false`: it cuts the time a single WRITE loses to
     /// a blackholed path by half (tests/sim_path_blackhole.rs), but on the 128-host ring
-    /// all-reduce with a failed spine link it did not help (docs/RESULTS.md (f)).
+    /// all-reduce with a failed spine link it did not help (docs/RESULTS.md (f)) unless
+    /// `path_reroll_resets_backoff` is on too (72.6 → 40.8 ms).
     pub path_reroll_on_first_timeout: bool,
+    /// When a path is re-rolled after timeouts while another path of the connection has
+    /// had a packet acknowledged that was sent after this path's newest outstanding one
+    /// (the network delivers, only this route is silent), restart its timeout back-off:
+    /// the next RTO on the new, untried route is the path's base RTO, not 2^n of it. The
+    /// count of timeouts in a row carries on (the path is still retired after
+    /// `retry_count`), and a connection whose paths all went silent keeps backing off.
+    /// Without it, the one packet a re-rolled path probes with (real data that other work
+    /// may wait for) is held 8, 16, 32 … RTOs whenever the new route is dead too, which a
+    /// re-roll is with the probability the failed link has in the ECMP hash. See
+    /// docs/RESULTS.md (f), "A failed spine link". Default false.
+    pub path_reroll_resets_backoff: bool,
     /// ECMP collision handling, in the spirit of PLB (Protective Load Balancing, SIGCOMM
     /// 2022): paths that hash onto one bottleneck link split it, so a connection whose
     /// ports leave a link unused runs slower, and every path sees queueing, so congestion
@@ -479,6 +491,7 @@ impl Default for TransportConfig {
             retry_count: 12,
             path_reroll_timeouts: 3,
             path_reroll_on_first_timeout: false,
+            path_reroll_resets_backoff: false,
             rebalance_ratio_permille: 750,
             rebalance_interval_rtts: 4,
             rebalance_min_packets: 64,

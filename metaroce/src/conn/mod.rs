@@ -1528,11 +1528,18 @@ impl Connection {
                     tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
                 } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
                     self.reroll(i, now);
+                    if self.cfg.path_reroll_resets_backoff && self.others_delivered_since(i, newest)
+                    {
+                        self.tx[i].reset_backoff();
+                    }
                 } else if timed_out
                     && self.cfg.path_reroll_on_first_timeout
                     && self.others_delivered_since(i, newest)
                 {
                     self.reroll_at_timeout(i);
+                    if self.cfg.path_reroll_resets_backoff {
+                        self.tx[i].reset_backoff();
+                    }
                 }
             }
         }

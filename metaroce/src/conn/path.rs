@@ -161,6 +161,10 @@ pub(crate) struct PathTx {
     pub cc: Box<dyn CongestionController>,
     last_ce_count: u32,
     pub consecutive_rtos: u32,
+    /// `consecutive_rtos` when the timeout back-off last restarted (a re-roll while the
+    /// connection's other paths deliver, `TransportConfig::path_reroll_resets_backoff`):
+    /// the RTO doubles once per timeout since then.
+    backoff_from: u32,
     /// Time of the last forward progress (or of the first send after idling); loss timers
     /// count from it.
     last_progress: Instant,
@@ -248,6 +252,7 @@ impl PathTx {
             cc,
             last_ce_count: 0,
             consecutive_rtos: 0,
+            backoff_from: 0,
             last_progress: now,
             newest_acked_sent: None,
             probe_sent: false,
@@ -557,6 +562,7 @@ impl PathTx {
             self.probe_psn = None;
             self.late_grace = None;
             self.consecutive_rtos = 0;
+            self.backoff_from = 0;
             self.cc.on_ack(now, na, &self.rtt);
         }
         if nl > 0 {
@@ -629,6 +635,7 @@ impl PathTx {
         let (seg, sent) = (p.seg, p.sent);
         self.outstanding -= 1;
         self.consecutive_rtos = 0;
+        self.backoff_from = 0;
         self.probe_sent = false;
         self.probe_psn = None;
         self.last_progress = now;
@@ -670,7 +677,8 @@ impl PathTx {
 
     fn rto(&self, min: Duration, max: Duration) -> Duration {
         let base = self.rtt.rto(min, max);
-        (base * (1u32 << self.consecutive_rtos.min(16))).min(max)
+        let doublings = self.consecutive_rtos.saturating_sub(self.backoff_from);
+        (base * (1u32 << doublings.min(16))).min(max)
     }
 
     /// When the loss timer of this path fires, if armed.
@@ -867,6 +875,15 @@ impl PathTx {
         self.generation = (self.generation + 1) & 0x0F;
         self.state = PathState::Probing;
         self.stats.rerolls += 1;
+    }
+
+    /// Restart the timeout back-off (the next RTO is the path's base RTO again) without
+    /// forgetting the count of timeouts in a row, which still retires the path after
+    /// `retry_count`. For a path just re-rolled while the connection's other paths deliver:
+    /// its new route is untried, and the back-off earned on the dead one would hold its one
+    /// probe packet (real data other work may wait for) for 2^n RTOs.
+    pub fn reset_backoff(&mut self) {
+        self.backoff_from = self.consecutive_rtos;
     }
 
     /// Move the path to a new source port (new ECMP entropy) while it works, once its
