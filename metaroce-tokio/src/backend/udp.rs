@@ -201,43 +201,7 @@ impl UdpBackend {
 
     /// [`bind`](Self::bind) with explicit socket options.
     pub fn bind_with(addr: SocketAddr, paths: usize, config: &UdpConfig) -> io::Result<Self> {
-        if paths == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "a UdpBackend needs at least one path socket",
-            ));
-        }
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(io::Error::other(
-                "UdpBackend must be bound from within a tokio runtime",
-            ));
-        }
-        let main = Sock::bind(
-            addr,
-            Some(config.recv_buffer_bytes),
-            config.send_buffer_bytes,
-        )?;
-        let local_addr = main.io.local_addr()?;
-        let mut path_addr = addr;
-        path_addr.set_port(0);
-        let paths = (0..paths)
-            .map(|_| Sock::bind(path_addr, None, config.send_buffer_bytes))
-            .collect::<io::Result<Vec<_>>>()?;
-        let ports = paths.iter().map(|p| p.port).collect();
-        tracing::debug!(
-            %local_addr,
-            ?ports,
-            gso = main.state.max_gso_segments(),
-            gro = main.state.gro_segments(),
-            "UdpBackend bound"
-        );
-        Ok(Self {
-            main,
-            paths,
-            ports,
-            local_addr,
-            resume: Mutex::new(None),
-        })
+        Self::bind_member(addr, paths, config, false)
     }
 
     /// `shards` backends for the shards of one endpoint ([`Config::shards`](crate::Config::shards)):
@@ -285,26 +249,30 @@ impl UdpBackend {
         Ok(all)
     }
 
+    /// The one binding body: [`bind_with`](Self::bind_with), and a shard's member whose main
+    /// socket shares its port (`reuse_port`, `SO_REUSEPORT`).
     fn bind_member(
         addr: SocketAddr,
         paths: usize,
         config: &UdpConfig,
         reuse_port: bool,
     ) -> io::Result<Self> {
-        if !reuse_port {
-            return Self::bind_with(addr, paths, config);
-        }
         if paths == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 "a UdpBackend needs at least one path socket",
             ));
         }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(io::Error::other(
+                "UdpBackend must be bound from within a tokio runtime",
+            ));
+        }
         let main = Sock::bind_opt(
             addr,
             Some(config.recv_buffer_bytes),
             config.send_buffer_bytes,
-            true,
+            reuse_port,
         )?;
         let local_addr = main.io.local_addr()?;
         let mut path_addr = addr;
@@ -313,6 +281,13 @@ impl UdpBackend {
             .map(|_| Sock::bind(path_addr, None, config.send_buffer_bytes))
             .collect::<io::Result<Vec<_>>>()?;
         let ports = paths.iter().map(|p| p.port).collect();
+        tracing::debug!(
+            %local_addr,
+            ?ports,
+            gso = main.state.max_gso_segments(),
+            gro = main.state.gro_segments(),
+            "UdpBackend bound"
+        );
         Ok(Self {
             main,
             paths,
