@@ -194,6 +194,8 @@ pub(crate) struct Connection {
     /// The endpoint's index entry for this connection (its keys in the endpoint's timer
     /// and fair-share sets); only the endpoint reads or writes it.
     pub(crate) ix: crate::endpoint::ConnIndex,
+    /// `(now, ts32(epoch, now))` as last computed (see `ts_at`).
+    ts_cache: Option<(Instant, u32)>,
     /// [`conn_window`](Self::conn_window) as last computed (issue #13: it walks every path,
     /// and was computed for every data packet sent). Cleared by everything its inputs
     /// depend on: ACKs (RTT samples, rate hint, first ACK), the handshake (paths, PMTU,
@@ -447,6 +449,7 @@ impl Connection {
             tx_ip: None,
             ack_scratch: Vec::new(),
             ix: Default::default(),
+            ts_cache: None,
             window_cache: None,
             half_open: None,
             confirm_pending: false,
@@ -845,10 +848,11 @@ impl Connection {
     fn apply_ack(&mut self, now: Instant, cum: u32, a: &AckEth) -> bool {
         self.window_cache = None;
         let _span = self.path_span(a.path_id as usize).entered();
+        let ts = self.ts_at(now);
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return false;
         };
-        let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
+        let elapsed = ts.wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
         let extra_before = p.pto_extra;
         let mut out = p.on_ack(
@@ -1757,6 +1761,21 @@ impl Connection {
         (bth, hdrs)
     }
 
+    /// [`ts32`]`(self.epoch, now)`, remembered for the last `now` asked (issue #13: every
+    /// block of an ACK bundle and every batch sent at one `now` need it, and the
+    /// `Instant` subtraction is the costly part).
+    #[inline]
+    fn ts_at(&mut self, now: Instant) -> u32 {
+        match self.ts_cache {
+            Some((at, ts)) if at == now => ts,
+            _ => {
+                let ts = ts32(self.epoch, now);
+                self.ts_cache = Some((now, ts));
+                ts
+            }
+        }
+    }
+
     fn conn_window(&mut self) -> u32 {
         if let Some(w) = self.window_cache {
             return w;
@@ -1990,7 +2009,7 @@ impl Connection {
         let conn_window = window.unwrap_or_else(|| self.conn_window());
         // Data packets carry the transmit timestamp (ACKs and NAKs do not need it): read
         // once per batch, only when data goes out.
-        let ts = ts32(self.epoch, now);
+        let ts = self.ts_at(now);
         let mut in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
         let mut seg_size = None;
         let mut count = 0;
