@@ -1815,8 +1815,17 @@ impl Connection {
         // further due paths of the same plane (docs/PROTOCOL.md, "ACK bundles"); the
         // datagram leaves from the first path's answer port.
         let nrx = self.rx.len();
+        // Paths in turn from `next_ack_path`, wrapping without a division per step.
+        if nrx == 0 {
+            return None;
+        }
+        let start = self.next_ack_path % nrx;
         for k in 0..nrx {
-            let i = (self.next_ack_path + k) % nrx;
+            let i = if start + k < nrx {
+                start + k
+            } else {
+                start + k - nrx
+            };
             if !self.rx[i].ack_pending {
                 continue;
             }
@@ -1835,7 +1844,11 @@ impl Connection {
                 if n >= max {
                     break;
                 }
-                let j = (self.next_ack_path + k2) % nrx;
+                let j = if start + k2 < nrx {
+                    start + k2
+                } else {
+                    start + k2 - nrx
+                };
                 let rx = &mut self.rx[j];
                 if !rx.ack_pending || rx.plane != plane {
                     continue;
@@ -1981,10 +1994,14 @@ impl Connection {
             return None;
         }
         let n = self.tx.len();
-        let i = (0..n)
-            .map(|k| (self.next_path + k) % n)
+        if n == 0 {
+            return None;
+        }
+        let start = self.next_path % n;
+        let i = (start..n)
+            .chain(0..start)
             .find(|&i| self.tx[i].can_send())?;
-        self.next_path = (i + 1) % n;
+        self.next_path = if i + 1 == n { 0 } else { i + 1 };
         self.send_data(now, buf, mrs, i, None, Some(window))
     }
 

@@ -1261,6 +1261,9 @@ impl RecvState {
     /// Report the immediates the floor of finished op ids released, in op id order, as
     /// [`Event::WriteWithImm`].
     pub fn take_released(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        if self.released_imms.is_empty() {
+            return;
+        }
         if self.buf.explicit {
             self.unconsumed_imms = self
                 .unconsumed_imms
