@@ -1542,7 +1542,11 @@ impl Endpoint {
         }
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
         // `touched`, with the connection in hand (issue #13: one lookup per datagram).
-        let (stale, recent, at) = (&mut self.stale, &mut self.recent_rx, &mut self.fair_share_at);
+        let (stale, recent, at) = (
+            &mut self.stale,
+            &mut self.recent_rx,
+            &mut self.fair_share_at,
+        );
         Self::mark_conn(c, qpn, stale, recent, at);
         let closing = c.closing.is_some();
         self.ready.insert(qpn);
@@ -1898,7 +1902,13 @@ impl Endpoint {
         c.ix.stale = false;
         move_entry(&mut self.timers, q, &mut c.ix.deadline, next);
         let last = c.last_data_rx;
-        Self::index_data_rx(&mut c.ix, &mut self.recent_rx, &mut self.fair_share_at, q, last);
+        Self::index_data_rx(
+            &mut c.ix,
+            &mut self.recent_rx,
+            &mut self.fair_share_at,
+            q,
+            last,
+        );
     }
 
     /// The earliest deadline of the connections whose `timers` entry may be out of date.
@@ -2190,7 +2200,11 @@ impl Endpoint {
             };
             c.granted_rate_mbps = self.grant_mbps;
             let t = c.poll_transmit(now, buf, &self.mrs);
-            let (stale, recent, at) = (&mut self.stale, &mut self.recent_rx, &mut self.fair_share_at);
+            let (stale, recent, at) = (
+                &mut self.stale,
+                &mut self.recent_rx,
+                &mut self.fair_share_at,
+            );
             Self::mark_conn(c, q, stale, recent, at);
             match t {
                 Some(t) => {

@@ -87,9 +87,12 @@ fn replayed_one_packet_write_is_not_placed_again() {
         "a replayed WRITE packet of a finished operation was placed again"
     );
     let after = net.eps[1].connection_stats(s).unwrap().recv;
-    assert_eq!(after.write_bytes, before.write_bytes, "bytes placed by the replay");
+    assert_eq!(
+        after.write_bytes, before.write_bytes,
+        "bytes placed by the replay"
+    );
     assert!(
-        after.duplicates >= before.duplicates + 1,
+        after.duplicates > before.duplicates,
         "the replay is counted as a duplicate"
     );
     assert_eq!(after.tracked_ops, before.tracked_ops);
@@ -127,7 +130,11 @@ fn packet_of_a_removed_connection_or_for_another_qpn_reaches_nothing() {
     net.deliver(1, copy.from, &forged);
     let st1 = net.eps[1].stats();
     let b1 = net.eps[1].connection_stats(b_srv).unwrap();
-    assert_eq!(st1.bad_auth, st0.bad_auth + 1, "refused at the identity check");
+    assert_eq!(
+        st1.bad_auth,
+        st0.bad_auth + 1,
+        "refused at the identity check"
+    );
     assert_eq!(b1.data_packets_received, b0.data_packets_received);
     assert_eq!(b1.recv, b0.recv);
     assert!(net.eps[1]
@@ -161,7 +168,10 @@ fn packet_of_a_removed_connection_or_for_another_qpn_reaches_nothing() {
         .post_write(b, write(2, src.lkey, 256, dst.addr, dst.rkey))
         .unwrap();
     assert_eq!(complete(&mut net, b, 2), WcStatus::Success);
-    assert_eq!(net.eps[1].mr_read(dst.lkey, 0, 256).unwrap(), pattern(1, 256));
+    assert_eq!(
+        net.eps[1].mr_read(dst.lkey, 0, 256).unwrap(),
+        pattern(1, 256)
+    );
     // Only B's connection is left in the index: once B is closed too, nothing is.
     net.eps[0].close(net.now, b);
     net.run_until(net.elapsed() + Duration::from_secs(2), |n| {
@@ -179,7 +189,9 @@ fn writes_copied_from_the_region_arrive_whole() {
     let src = net.eps[0].register_mr(pattern(7, total), Access::LOCAL_WRITE);
     let dst = net.eps[1].register_mr(vec![0; total], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     // Lengths with every remainder mod 4 (pad bytes), one packet, a path MTU and more.
-    let lens = [1u32, 2, 3, 5, 63, 64, 1023, 1024, 1025, 4095, 4096, 4097, 9001, 30_000];
+    let lens = [
+        1u32, 2, 3, 5, 63, 64, 1023, 1024, 1025, 4095, 4096, 4097, 9001, 30_000,
+    ];
     let mut off = 0u64;
     for (k, &len) in lens.iter().enumerate() {
         let mut w = write(k as u64, src.lkey, len, dst.addr + off, dst.rkey);
