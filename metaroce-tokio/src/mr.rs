@@ -79,6 +79,14 @@ impl RegionMemory for Shared {
             dst.copy_from_slice(s);
         }
     }
+    fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
+        // One copy under the lock, no zero fill first (the sender's WRITE packets).
+        let g = lock(&self.0);
+        match g.bytes().get(offset..offset.saturating_add(len)) {
+            Some(s) => out.extend_from_slice(s),
+            None => out.resize(out.len() + len, 0),
+        }
+    }
     fn write_at(&mut self, offset: usize, src: &[u8]) {
         let mut g = lock(&self.0);
         if let Some(d) = g

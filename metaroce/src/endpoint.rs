@@ -285,9 +285,11 @@ impl std::ops::AddAssign for EndpointStats {
 }
 
 /// What the endpoint remembers about one connection to find the work due without walking
-/// every connection: its entries in [`Endpoint`]'s `timers` and `recent_rx` sets.
+/// every connection: its entries in [`Endpoint`]'s `timers` and `recent_rx` sets. Kept in
+/// the connection itself (`Connection::ix`), so the one lookup of a datagram's QPN reaches
+/// it too (issue #13: no second map keyed by QPN), and it cannot outlive the connection.
 #[derive(Debug, Clone, Copy, Default)]
-struct ConnIndex {
+pub(crate) struct ConnIndex {
     /// The connection's `next_timeout()` when last looked at (its key in `timers`).
     deadline: Option<Instant>,
     /// The connection's `last_data_rx` when last looked at.
@@ -341,8 +343,6 @@ pub struct Endpoint {
     /// The grant computed at `fair_share_at` (Mbit/s), handed to each connection as it is
     /// polled.
     grant_mbps: u32,
-    /// Per-connection keys in `timers` and `recent_rx`.
-    index: HashMap<u32, ConnIndex>,
     /// (deadline, QPN) of every connection with a timer armed, as last read; the entries
     /// of connections in `stale` may be out of date.
     timers: BTreeSet<(Instant, u32)>,
@@ -468,7 +468,6 @@ impl Endpoint {
             fair_share_at: None,
             fair_share_latest: None,
             grant_mbps: 0,
-            index: HashMap::default(),
             timers: BTreeSet::new(),
             stale: Vec::new(),
             ready: BTreeSet::new(),
@@ -1180,7 +1179,7 @@ impl Endpoint {
         TableSizes {
             connections: self.conns.len(),
             nonces: self.by_nonce.len(),
-            index: self.index.len(),
+            index: self.timers.len() + self.recent_rx.len(),
             timers: self
                 .timers
                 .iter()
@@ -1379,7 +1378,7 @@ impl Endpoint {
 
     fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
         if let Some(mut c) = self.conns.remove(&conn.0) {
-            self.forget(conn.0);
+            self.forget(conn.0, c.ix);
             c.flush(first, &mut self.events);
             if self.by_nonce.get(&c.nonce) == Some(&conn.0) {
                 self.by_nonce.remove(&c.nonce);
@@ -1542,9 +1541,19 @@ impl Endpoint {
             self.half_open.remove(&qpn);
         }
         let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
-        self.touched(qpn);
+        // `touched`, with the connection in hand (issue #13: one lookup per datagram).
+        let (stale, recent, at) = (
+            &mut self.stale,
+            &mut self.recent_rx,
+            &mut self.fair_share_at,
+        );
+        Self::mark_conn(c, qpn, stale, recent, at);
+        let closing = c.closing.is_some();
+        self.ready.insert(qpn);
         self.apply(ConnectionHandle(qpn), out);
-        self.progress_close(now, qpn);
+        if closing {
+            self.progress_close(now, qpn);
+        }
     }
 
     /// Queue an endpoint-generated packet (Retry, Reject, CLOSE), bounded by
@@ -1794,17 +1803,6 @@ impl Endpoint {
     /// Re-read connection `q`'s deadline and last data arrival into the indexes, after any
     /// call that may have changed them; `false` if there is no such connection.
     /// O(paths + log n).
-    fn refresh(&mut self, q: u32) -> bool {
-        let Some(c) = self.conns.get(&q) else {
-            return false;
-        };
-        let ix = self.index.entry(q).or_default();
-        ix.stale = false;
-        move_entry(&mut self.timers, q, &mut ix.deadline, c.next_timeout());
-        Self::index_data_rx(ix, &mut self.recent_rx, &mut self.fair_share_at, q, c);
-        true
-    }
-
     /// Connection `q` was handed input, a post or a timer: refresh its indexes and ask it
     /// in the next `poll_transmit`.
     fn touched(&mut self, q: u32) {
@@ -1813,21 +1811,40 @@ impl Endpoint {
         }
     }
 
-    /// Like [`refresh`](Self::refresh), but the deadline is only marked stale (read later
+    /// Like [`refresh_if_stale`](Self::refresh_if_stale), but the deadline is only marked stale (read later
     /// by `flush_stale`); the last data arrival, which the fair share reads, is refreshed
-    /// now. `false` if there is no such connection. O(1), plus O(log n) when the
-    /// connection's last data arrival changed.
+    /// now. `false` if there is no such connection. O(log n) for the lookup, plus O(log n)
+    /// when the connection's last data arrival changed.
     fn mark(&mut self, q: u32) -> bool {
-        let Some(c) = self.conns.get(&q) else {
+        let Some(c) = self.conns.get_mut(&q) else {
             return false;
         };
-        let ix = self.index.entry(q).or_default();
-        if !ix.stale {
-            ix.stale = true;
-            self.stale.push(q);
-        }
-        Self::index_data_rx(ix, &mut self.recent_rx, &mut self.fair_share_at, q, c);
+        Self::mark_conn(
+            c,
+            q,
+            &mut self.stale,
+            &mut self.recent_rx,
+            &mut self.fair_share_at,
+        );
         true
+    }
+
+    /// [`mark`](Self::mark) for connection `q` = `c`, already looked up (the datagram and
+    /// transmit paths hold it: issue #13, one lookup per datagram).
+    #[inline]
+    fn mark_conn(
+        c: &mut Connection,
+        q: u32,
+        stale: &mut Vec<u32>,
+        recent_rx: &mut BTreeSet<(Instant, u32)>,
+        fair_share_at: &mut Option<Instant>,
+    ) {
+        if !c.ix.stale {
+            c.ix.stale = true;
+            stale.push(q);
+        }
+        let last = c.last_data_rx;
+        Self::index_data_rx(&mut c.ix, recent_rx, fair_share_at, q, last);
     }
 
     /// Keep connection `q`'s entry in `recent_rx` (issue #13: lazily). A connection that
@@ -1836,19 +1853,20 @@ impl Endpoint {
     /// [`update_fair_share`](Self::update_fair_share) re-reads the real time before it
     /// drops an entry that looks old. Only a connection without an entry is inserted (a
     /// new sender: the next grant must count it even at the same `now`). O(1) per data
-    /// packet instead of a remove and an insert.
+    /// packet instead of a remove and an insert. `last`: the connection's `last_data_rx`.
+    #[inline]
     fn index_data_rx(
         ix: &mut ConnIndex,
         recent_rx: &mut BTreeSet<(Instant, u32)>,
         fair_share_at: &mut Option<Instant>,
         q: u32,
-        c: &Connection,
+        last: Option<Instant>,
     ) {
-        if c.last_data_rx == ix.data_rx {
+        if last == ix.data_rx {
             return;
         }
-        ix.data_rx = c.last_data_rx;
-        match (ix.in_recent, c.last_data_rx) {
+        ix.data_rx = last;
+        match (ix.in_recent, last) {
             (None, Some(new)) => {
                 recent_rx.insert((new, q));
                 ix.in_recent = Some(new);
@@ -1867,36 +1885,52 @@ impl Endpoint {
     fn flush_stale(&mut self) {
         let mut stale = std::mem::take(&mut self.stale);
         for q in stale.drain(..) {
-            if self.index.get(&q).is_some_and(|ix| ix.stale) {
-                self.refresh(q);
-            }
+            self.refresh_if_stale(q);
         }
         self.stale = stale;
+    }
+
+    /// Read connection `q`'s deadline into `timers` if it is marked stale (one lookup).
+    fn refresh_if_stale(&mut self, q: u32) {
+        let Some(c) = self.conns.get_mut(&q) else {
+            return;
+        };
+        if !c.ix.stale {
+            return;
+        }
+        let next = c.next_timeout();
+        c.ix.stale = false;
+        move_entry(&mut self.timers, q, &mut c.ix.deadline, next);
+        let last = c.last_data_rx;
+        Self::index_data_rx(
+            &mut c.ix,
+            &mut self.recent_rx,
+            &mut self.fair_share_at,
+            q,
+            last,
+        );
     }
 
     /// The earliest deadline of the connections whose `timers` entry may be out of date.
     fn stale_deadline(&self) -> Option<Instant> {
         self.stale
             .iter()
-            .filter(|q| self.index.get(q).is_some_and(|ix| ix.stale))
-            .filter_map(|q| self.conns.get(q)?.next_timeout())
+            .filter_map(|q| self.conns.get(q).filter(|c| c.ix.stale)?.next_timeout())
             .min()
     }
 
     /// Whether connection `q`'s `timers` entry may be out of date.
     fn is_stale(&self, q: u32) -> bool {
-        self.index.get(&q).is_some_and(|ix| ix.stale)
+        self.conns.get(&q).is_some_and(|c| c.ix.stale)
     }
 
-    /// Drop a removed connection from every index.
-    fn forget(&mut self, q: u32) {
-        if let Some(ix) = self.index.remove(&q) {
-            if let Some(t) = ix.deadline {
-                self.timers.remove(&(t, q));
-            }
-            if let Some(t) = ix.in_recent {
-                self.recent_rx.remove(&(t, q));
-            }
+    /// Drop connection `q`, removed with index entry `ix`, from every index.
+    fn forget(&mut self, q: u32, ix: ConnIndex) {
+        if let Some(t) = ix.deadline {
+            self.timers.remove(&(t, q));
+        }
+        if let Some(t) = ix.in_recent {
+            self.recent_rx.remove(&(t, q));
         }
         self.ready.remove(&q);
     }
@@ -1908,7 +1942,7 @@ impl Endpoint {
                 if self.is_stale(*q) {
                     continue;
                 }
-                let cached = self.index.get(q).and_then(|ix| ix.deadline);
+                let cached = c.ix.deadline;
                 debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
             }
             debug_assert_eq!(
@@ -1936,8 +1970,8 @@ impl Endpoint {
                 break;
             }
             self.timers.pop_first();
-            if let Some(ix) = self.index.get_mut(&q) {
-                ix.deadline = None;
+            if let Some(c) = self.conns.get_mut(&q) {
+                c.ix.deadline = None;
             }
             due.push(q);
         }
@@ -2025,8 +2059,9 @@ impl Endpoint {
                         break;
                     }
                     self.recent_rx.pop_first();
-                    let real = self.conns.get(&q).and_then(|c| c.last_data_rx);
-                    let ix = self.index.get_mut(&q);
+                    let c = self.conns.get_mut(&q);
+                    let real = c.as_ref().and_then(|c| c.last_data_rx);
+                    let ix = c.map(|c| &mut c.ix);
                     match (real, ix) {
                         (Some(t), Some(ix)) if t > at && recent(t) => {
                             self.recent_rx.insert((t, q));
@@ -2165,7 +2200,12 @@ impl Endpoint {
             };
             c.granted_rate_mbps = self.grant_mbps;
             let t = c.poll_transmit(now, buf, &self.mrs);
-            self.mark(q);
+            let (stale, recent, at) = (
+                &mut self.stale,
+                &mut self.recent_rx,
+                &mut self.fair_share_at,
+            );
+            Self::mark_conn(c, q, stale, recent, at);
             match t {
                 Some(t) => {
                     self.rr_cursor = q.wrapping_add(1);

@@ -134,6 +134,18 @@ pub trait RegionMemory: Send + 'static {
     /// Copy `src` into the region at `offset` (bounds checked by the core).
     fn write_at(&mut self, offset: usize, src: &[u8]);
 
+    /// Append the `len` bytes starting at `offset` to `out` (bounds checked by the core):
+    /// `out` grows by exactly `len` bytes. The sender builds WRITE packets with it, copying
+    /// the source bytes straight into the datagram. The default zero-fills the new bytes
+    /// and then [`read_at`](Self::read_at)s into them; an implementation that can hand out
+    /// its bytes as a slice should override it with `out.extend_from_slice` (one copy, no
+    /// fill; issue #13).
+    fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
+        let start = out.len();
+        out.resize(start + len, 0);
+        self.read_at(offset, &mut out[start..]);
+    }
+
     /// Replace the little-endian `u64` at `offset` with `f(old)` and return `old`, as one
     /// indivisible step with respect to local accesses (IBA 9.4.5 atomics). The default
     /// reads then writes; an implementation with interior locking overrides it to hold its
@@ -158,6 +170,12 @@ impl RegionMemory for Vec<u8> {
     fn read_at(&self, offset: usize, dst: &mut [u8]) {
         if let Some(s) = self.get(offset..offset.saturating_add(dst.len())) {
             dst.copy_from_slice(s);
+        }
+    }
+    fn append_to(&self, offset: usize, len: usize, out: &mut Vec<u8>) {
+        match self.get(offset..offset.saturating_add(len)) {
+            Some(s) => out.extend_from_slice(s),
+            None => out.resize(out.len() + len, 0),
         }
     }
     fn write_at(&mut self, offset: usize, src: &[u8]) {
@@ -420,12 +438,18 @@ impl MrTable {
         span(offset, len, r.keys.len).map(|_| ())
     }
 
-    /// Copy local bytes `[offset, offset + dst.len())` of the region named by `lkey` into
-    /// `dst`.
-    pub(crate) fn local_read(&self, lkey: u32, offset: u64, dst: &mut [u8]) -> Result<(), MrError> {
+    /// Append local bytes `[offset, offset + len)` of the region named by `lkey` to `out`
+    /// (see [`RegionMemory::append_to`]); on an error `out` is unchanged.
+    pub(crate) fn local_append(
+        &self,
+        lkey: u32,
+        offset: u64,
+        len: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), MrError> {
         let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
-        let (o, _) = span(offset, dst.len() as u64, r.keys.len)?;
-        r.data.read_at(o, dst);
+        let (o, _) = span(offset, len as u64, r.keys.len)?;
+        r.data.append_to(o, len, out);
         Ok(())
     }
 

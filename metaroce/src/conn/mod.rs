@@ -189,10 +189,13 @@ pub(crate) struct Connection {
     /// The ICRC's IP header for packets to the peer, with the `(local_ip, peer IP)` it was
     /// synthesized from (issue #13: built once, not per packet).
     tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
-    /// `send_data`'s copy buffer for WRITE segments, kept across calls.
-    tx_scratch: Vec<u8>,
     /// The further ACK blocks of the bundled `MR_ACK` being built (reused).
     ack_scratch: Vec<u8>,
+    /// The endpoint's index entry for this connection (its keys in the endpoint's timer
+    /// and fair-share sets); only the endpoint reads or writes it.
+    pub(crate) ix: crate::endpoint::ConnIndex,
+    /// `(now, ts32(epoch, now))` as last computed (see `ts_at`).
+    ts_cache: Option<(Instant, u32)>,
     /// [`conn_window`](Self::conn_window) as last computed (issue #13: it walks every path,
     /// and was computed for every data packet sent). Cleared by everything its inputs
     /// depend on: ACKs (RTT samples, rate hint, first ACK), the handshake (paths, PMTU,
@@ -444,8 +447,9 @@ impl Connection {
             tx_token: 0,
             confirmed: true,
             tx_ip: None,
-            tx_scratch: Vec::new(),
             ack_scratch: Vec::new(),
+            ix: Default::default(),
+            ts_cache: None,
             window_cache: None,
             half_open: None,
             confirm_pending: false,
@@ -844,10 +848,11 @@ impl Connection {
     fn apply_ack(&mut self, now: Instant, cum: u32, a: &AckEth) -> bool {
         self.window_cache = None;
         let _span = self.path_span(a.path_id as usize).entered();
+        let ts = self.ts_at(now);
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return false;
         };
-        let elapsed = ts32(self.epoch, now).wrapping_sub(a.echo_ts);
+        let elapsed = ts.wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
         let extra_before = p.pto_extra;
         let mut out = p.on_ack(
@@ -1616,12 +1621,38 @@ impl Connection {
         hdrs: &Headers,
         payload: &[u8],
     ) -> Option<usize> {
+        self.emit_with(buf, src_port, bth, hdrs, payload.len(), |b| {
+            b.extend_from_slice(payload);
+            true
+        })
+    }
+
+    /// [`emit`](Self::emit) with the payload appended by `fill`: it is handed `buf` ending
+    /// right after the headers and must append exactly `payload_len` bytes (or return
+    /// `false`: nothing is emitted, `buf` is as before). The payload is written once, by
+    /// `fill` (a WRITE's source region copies its bytes straight in), and never zero-filled
+    /// first (issue #13, P1).
+    pub fn emit_with(
+        &mut self,
+        buf: &mut Vec<u8>,
+        src_port: u16,
+        bth: &Bth,
+        hdrs: &Headers,
+        payload_len: usize,
+        fill: impl FnOnce(&mut Vec<u8>) -> bool,
+    ) -> Option<usize> {
         let start = buf.len();
         let trailer = self.trailer_for(bth.opcode);
-        let len = wire::packet_len_with(hdrs, payload.len(), &trailer);
+        let len = wire::packet_len_with(hdrs, payload_len, &trailer);
+        let head = wire::BTH_LEN + hdrs.len();
+        buf.resize(start + head, 0);
+        if !fill(buf) || buf.len() != start + head + payload_len {
+            buf.truncate(start);
+            return None;
+        }
         buf.resize(start + len, 0);
         let out = &mut buf[start..];
-        if wire::emit_packet_with(bth, hdrs, payload, &trailer, out).is_err() {
+        if wire::emit_packet_in_place(bth, hdrs, payload_len, &trailer, out).is_err() {
             buf.truncate(start);
             return None;
         }
@@ -1730,6 +1761,21 @@ impl Connection {
         (bth, hdrs)
     }
 
+    /// [`ts32`]`(self.epoch, now)`, remembered for the last `now` asked (issue #13: every
+    /// block of an ACK bundle and every batch sent at one `now` need it, and the
+    /// `Instant` subtraction is the costly part).
+    #[inline]
+    fn ts_at(&mut self, now: Instant) -> u32 {
+        match self.ts_cache {
+            Some((at, ts)) if at == now => ts,
+            _ => {
+                let ts = ts32(self.epoch, now);
+                self.ts_cache = Some((now, ts));
+                ts
+            }
+        }
+    }
+
     fn conn_window(&mut self) -> u32 {
         if let Some(w) = self.window_cache {
             return w;
@@ -1769,8 +1815,17 @@ impl Connection {
         // further due paths of the same plane (docs/PROTOCOL.md, "ACK bundles"); the
         // datagram leaves from the first path's answer port.
         let nrx = self.rx.len();
+        // Paths in turn from `next_ack_path`, wrapping without a division per step.
+        if nrx == 0 {
+            return None;
+        }
+        let start = self.next_ack_path % nrx;
         for k in 0..nrx {
-            let i = (self.next_ack_path + k) % nrx;
+            let i = if start + k < nrx {
+                start + k
+            } else {
+                start + k - nrx
+            };
             if !self.rx[i].ack_pending {
                 continue;
             }
@@ -1789,7 +1844,11 @@ impl Connection {
                 if n >= max {
                     break;
                 }
-                let j = (self.next_ack_path + k2) % nrx;
+                let j = if start + k2 < nrx {
+                    start + k2
+                } else {
+                    start + k2 - nrx
+                };
                 let rx = &mut self.rx[j];
                 if !rx.ack_pending || rx.plane != plane {
                     continue;
@@ -1915,13 +1974,11 @@ impl Connection {
         if let Some(t) = self.poll_ack(buf) {
             return Some(t);
         }
-        // (Data packets carry the transmit timestamp; ACKs and NAKs above do not need it.)
-        let ts = ts32(self.epoch, now);
         // 4. Tail-loss probes, ahead of the window.
         for i in 0..self.tx.len() {
             if let Some(seg) = self.tx[i].probe.take() {
                 if self.sq.is_live(seg) && self.tx[i].can_probe() {
-                    return self.send_data(now, ts, buf, mrs, i, Some(seg), None);
+                    return self.send_data(now, buf, mrs, i, Some(seg), None);
                 }
             }
         }
@@ -1937,11 +1994,15 @@ impl Connection {
             return None;
         }
         let n = self.tx.len();
-        let i = (0..n)
-            .map(|k| (self.next_path + k) % n)
+        if n == 0 {
+            return None;
+        }
+        let start = self.next_path % n;
+        let i = (start..n)
+            .chain(0..start)
             .find(|&i| self.tx[i].can_send())?;
-        self.next_path = (i + 1) % n;
-        self.send_data(now, ts, buf, mrs, i, None, Some(window))
+        self.next_path = if i + 1 == n { 0 } else { i + 1 };
+        self.send_data(now, buf, mrs, i, None, Some(window))
     }
 
     /// Build a batch of data packets on path `i`: one probe segment, or up to the GSO limit
@@ -1951,7 +2012,6 @@ impl Connection {
     fn send_data(
         &mut self,
         now: Instant,
-        ts: u32,
         buf: &mut Vec<u8>,
         mrs: &MrTable,
         i: usize,
@@ -1964,13 +2024,13 @@ impl Connection {
             self.cfg.max_gso_segments.max(1)
         };
         let conn_window = window.unwrap_or_else(|| self.conn_window());
+        // Data packets carry the transmit timestamp (ACKs and NAKs do not need it): read
+        // once per batch, only when data goes out.
+        let ts = self.ts_at(now);
         let mut in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
         let mut seg_size = None;
         let mut count = 0;
         let port = self.tx[i].src_port;
-        // Bytes of WRITE segments, copied out of the source region (one region lock per
-        // packet); reused across the batch.
-        let mut scratch: Vec<u8> = std::mem::take(&mut self.tx_scratch);
         while count < max {
             let (seg, retx) = match probe {
                 Some(s) => (s, true),
@@ -2149,29 +2209,24 @@ impl Connection {
                     Src::Bytes(bytes::Bytes::new()),
                 ),
             };
-            let bytes;
-            let payload: &[u8] = match src {
-                Src::Bytes(b) => {
-                    bytes = b;
-                    &bytes
-                }
+            // The payload's source: bytes held by the operation, or a span of a local
+            // region, copied straight into the datagram by `emit_with` (issue #13, P1).
+            // A region that went away under the operation fails it (checked first, so
+            // nothing is taken from the queue for it).
+            let payload_len = match &src {
+                Src::Bytes(b) => b.len(),
                 Src::Mr(lkey, off) => {
-                    scratch.clear();
-                    scratch.resize(len as usize, 0);
-                    match mrs.local_read(lkey, off, &mut scratch) {
-                        Ok(()) => &scratch,
-                        Err(_) => {
-                            // The source region went away under the operation.
-                            if probe.is_none() {
-                                self.sq.take(seg);
-                            }
-                            self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
-                            break;
+                    if mrs.check_local(*lkey, *off, len as u64).is_err() {
+                        if probe.is_none() {
+                            self.sq.take(seg);
                         }
+                        self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
+                        break;
                     }
+                    len as usize
                 }
             };
-            let size = wire::packet_len_with(&hdrs, payload.len(), &self.trailer_for(opcode));
+            let size = wire::packet_len_with(&hdrs, payload_len, &self.trailer_for(opcode));
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.
             if seg_size.is_some_and(|s| size > s) {
                 break;
@@ -2198,7 +2253,14 @@ impl Connection {
                     path.flags |= 1;
                 }
             }
-            let Some(n) = self.emit(buf, port, &bth, &hdrs, payload) else {
+            let emitted = self.emit_with(buf, port, &bth, &hdrs, payload_len, |b| match &src {
+                Src::Bytes(d) => {
+                    b.extend_from_slice(d);
+                    true
+                }
+                Src::Mr(lkey, off) => mrs.local_append(*lkey, *off, payload_len, b).is_ok(),
+            });
+            let Some(n) = emitted else {
                 break;
             };
             self.tx[i].on_sent(seg, now, retransmit);
@@ -2229,7 +2291,6 @@ impl Connection {
                 break;
             }
         }
-        self.tx_scratch = scratch;
         if count == 0 {
             return None;
         }

@@ -417,11 +417,11 @@ impl PathTx {
         let mut words = [0u64; 4];
         let mut unsent = [0u64; 4];
         for (w, (word, extra)) in words.iter_mut().zip(unsent.iter_mut()).enumerate() {
+            // Wire bytes MSB first: read big-endian and reverse the word (bit 0 = the MSB
+            // of the first byte), one reversal per word (issue #13).
             let mut b = [0u8; 8];
-            for (d, s) in b.iter_mut().zip(&sack[8 * w..8 * w + 8]) {
-                *d = s.reverse_bits();
-            }
-            let all = u64::from_le_bytes(b);
+            b.copy_from_slice(&sack[8 * w..8 * w + 8]);
+            let all = u64::from_be_bytes(b).reverse_bits();
             let first = 64 * w as u32;
             let keep = match sent_bits.saturating_sub(first) {
                 0 => 0,
@@ -470,6 +470,7 @@ impl PathTx {
         let mut probe_spurious = false;
         // Send times of the packets this ACK newly acknowledges (oldest, newest).
         let mut span: Option<(Instant, Instant)> = None;
+        let mut rack_moved = false;
         for p in self.sent.iter_mut() {
             if p.state != PktState::Outstanding {
                 continue;
@@ -492,9 +493,13 @@ impl PathTx {
                 if self.rack_sent.is_none_or(|t| p.sent >= t) {
                     self.rack_sent = Some(p.sent);
                     self.rack_psn = p.psn;
-                    self.rack_rtt = now.saturating_duration_since(p.sent);
+                    rack_moved = true;
                 }
             }
+        }
+        // RACK.rtt of the packet RACK now points at (read once, not per packet).
+        if let Some(t) = self.rack_sent.filter(|_| rack_moved) {
+            self.rack_rtt = now.saturating_duration_since(t);
         }
         // The probe timeout in force when a pending probe fired, before this ACK's RTT
         // sample (which includes the stall the probe fell into) moves it.
@@ -1151,11 +1156,11 @@ impl PathRx {
     pub fn sack_bytes(&self) -> [u8; 32] {
         // Bit i is bit i % 64 of word i / 64 (LSB first): byte k of the little-endian word
         // holds indices 8k..8k+7 LSB first, the wire wants them MSB first.
+        // Reversing the whole word puts index 0 in bit 63, which big-endian order puts in
+        // the MSB of the first byte: one reversal per word, not one per byte (issue #13).
         let mut out = [0u8; 32];
         for (chunk, w) in out.chunks_exact_mut(8).zip(self.bits) {
-            for (o, b) in chunk.iter_mut().zip(w.to_le_bytes()) {
-                *o = b.reverse_bits();
-            }
+            chunk.copy_from_slice(&w.reverse_bits().to_be_bytes());
         }
         out
     }
@@ -1175,6 +1180,49 @@ mod tests {
             super::super::cc::new_controller(&cfg, 4096),
             now,
         )
+    }
+
+    /// The SACK bitmap in wire order, both ways (issue #13 turned the per-byte bit
+    /// reversals into one per word): bit i is bit 7 - i % 8 of byte i / 8
+    /// (`AckEth::sack_get`), for the receiver's `sack_bytes` and for the sender's reading
+    /// of it in `on_ack` (each SACKed packet acknowledged, the others not).
+    #[test]
+    fn sack_bit_order_matches_the_wire() {
+        let now = Instant::now();
+        let set = [0u32, 1, 7, 8, 9, 63, 64, 65, 127, 128, 200, 254];
+        let mut rx = PathRx::new(0);
+        let cum0 = rx.cum;
+        for &i in &set {
+            // PSN cum + 2 + i: SACK bit i + 1 (bit 0 stays clear, so `cum` does not move).
+            rx.mark(psn_add(cum0, i + 2));
+        }
+        assert_eq!(rx.cum, cum0);
+        let sack = rx.sack_bytes();
+        let a = crate::wire::AckEth {
+            path_id: 0,
+            flags: 0,
+            echo_ts: 0,
+            ce_count: 0,
+            rate_hint: 0,
+            sack,
+        };
+        for i in 0..256usize {
+            let want = set.iter().any(|&k| k as usize + 1 == i);
+            assert_eq!(a.sack_get(i), want, "bit {i}");
+        }
+        // The sender: 256 packets from PSN 0; an ACK with cum = PSN 0 and these bits.
+        let mut p = tx(0, 1, now);
+        for k in 0..255 {
+            p.on_sent(SegRef { op: 0, seg: k }, now, false);
+        }
+        let out = p.on_ack(now, 0, &sack, None, 0, 1000);
+        let mut acked: Vec<u32> = out.acked.iter().map(|s| s.seg).collect();
+        acked.sort_unstable();
+        let mut want: Vec<u32> = std::iter::once(0)
+            .chain(set.iter().map(|&k| k + 2).filter(|&s| s < 255))
+            .collect();
+        want.sort_unstable();
+        assert_eq!(acked, want);
     }
 
     /// Ack `n` packets sent now on `p`, 100 µs later.

@@ -920,7 +920,12 @@ impl RecvState {
 
     /// What is known of an operation id.
     fn op_state(&self, id: u32) -> OpState {
-        if let Some(&syndrome) = self.refused_ops.get(&id) {
+        let refused = if self.refused_ops.is_empty() {
+            None
+        } else {
+            self.refused_ops.get(&id).copied()
+        };
+        if let Some(syndrome) = refused {
             OpState::Refused(syndrome)
         } else if seq_before(id, self.write_floor) || self.writes_done.contains(&id) {
             OpState::Executed
@@ -1147,12 +1152,42 @@ impl RecvState {
             }
         }
         let nsegs = reth.dma_len.div_ceil(lim.pmtu).max(1);
-        if !self.writes.contains_key(&id) {
+        if self.writes.is_empty() || !self.writes.contains_key(&id) {
             let words = nsegs.div_ceil(64) as usize;
             let room = self.write_words + words <= lim.max_tracked_ops as usize * 64;
             if !self.can_track(id, lim) || !(room || id == self.write_floor) {
                 self.stats.no_buffer_drops += 1;
                 return RxOutcome::Drop;
+            }
+            if nsegs == 1 && imm.is_none() {
+                // A one-packet WRITE without immediate (issue #13): placed and finished
+                // here, never entered in `writes` (the general path below would insert it
+                // and remove it again at once; no immediate means neither immediate check
+                // below applies).
+                if !payload.is_empty() {
+                    let va = reth.va.wrapping_add(hdr.offset as u64);
+                    if mrs.remote_write(reth.rkey, va, payload).is_err() {
+                        // As the general path leaves it: the segment seen, not finished.
+                        let mut got = super::segbits::SegBits::zeroed(1);
+                        test_set(&mut got, 0);
+                        self.write_words += words;
+                        self.writes.insert(
+                            id,
+                            WriteTrack {
+                                params,
+                                got,
+                                got_segs: 0,
+                                nsegs,
+                            },
+                        );
+                        return RxOutcome::Nak(NAK_REMOTE_ACCESS);
+                    }
+                    self.stats.write_bytes += payload.len() as u64;
+                }
+                self.finish_write(id);
+                self.record_executed(id, params, lim);
+                self.take_released(conn, events);
+                return RxOutcome::Accepted;
             }
             self.write_words += words;
         }
@@ -1226,6 +1261,9 @@ impl RecvState {
     /// Report the immediates the floor of finished op ids released, in op id order, as
     /// [`Event::WriteWithImm`].
     pub fn take_released(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
+        if self.released_imms.is_empty() {
+            return;
+        }
         if self.buf.explicit {
             self.unconsumed_imms = self
                 .unconsumed_imms
@@ -1272,19 +1310,34 @@ impl RecvState {
     }
 
     /// Record operation `id` as finished (executed or refused).
+    ///
+    /// `write_floor` is never in `writes_done` (each call moves every finished id at the
+    /// floor below it), so an id other than the floor only joins `writes_done`, and the
+    /// floor itself moves on without entering it (issue #13: in-order completions, the
+    /// common case, touch no set but an empty one).
     fn finish_write(&mut self, id: u32) {
-        if let Some(t) = self.writes.remove(&id) {
-            self.write_words -= t.got.len();
+        if !self.writes.is_empty() {
+            if let Some(t) = self.writes.remove(&id) {
+                self.write_words -= t.got.len();
+            }
         }
         if seq_before(id, self.write_floor) {
             return;
         }
-        self.writes_done.insert(id);
-        while self.writes_done.remove(&self.write_floor) {
-            if let Some(r) = self.held_imms.remove(&self.write_floor) {
-                self.released_imms.push_back(r);
+        if id != self.write_floor {
+            self.writes_done.insert(id);
+            return;
+        }
+        loop {
+            if !self.held_imms.is_empty() {
+                if let Some(r) = self.held_imms.remove(&self.write_floor) {
+                    self.released_imms.push_back(r);
+                }
             }
             self.write_floor = self.write_floor.wrapping_add(1);
+            if !self.writes_done.remove(&self.write_floor) {
+                break;
+            }
         }
     }
 

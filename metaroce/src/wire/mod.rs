@@ -284,10 +284,41 @@ pub fn emit_packet_with(
     }
     let total = packet_len_with(headers, payload.len(), trailer);
     let got = out.len();
+    let at = BTH_LEN + headers.len();
+    if total <= got {
+        if let Some(p) = out.get_mut(at..at + payload.len()) {
+            p.copy_from_slice(payload);
+        }
+    }
+    emit_packet_in_place(bth, headers, payload.len(), trailer, out)
+}
+
+/// Like [`emit_packet_with`], for a packet whose `payload_len` payload bytes are already in
+/// place in `out` (at offset 12 + `headers.len()`, right after the BTH and the headers):
+/// writes everything else (BTH, headers, pad, trailer, zero ICRC) and leaves the payload
+/// bytes untouched. The sender uses it to copy a WRITE's bytes from the source region
+/// straight into the datagram (issue #13, P1: no intermediate copy, no zero fill of the
+/// payload). Same errors and return value as [`emit_packet_with`].
+pub fn emit_packet_in_place(
+    bth: &Bth,
+    headers: &Headers,
+    payload_len: usize,
+    trailer: &Trailer,
+    out: &mut [u8],
+) -> Result<usize, Error> {
+    header_len(bth.opcode)?;
+    if !headers.matches_opcode(bth.opcode) {
+        return Err(Error::BadField("headers do not match opcode"));
+    }
+    if !trailer.is_empty() && !bth.opcode.is_metaroce() {
+        return Err(Error::BadField("trailer on a RoCEv2 opcode"));
+    }
+    let total = packet_len_with(headers, payload_len, trailer);
+    let got = out.len();
     let out = out
         .get_mut(..total)
         .ok_or(Error::BufferTooSmall { needed: total, got })?;
-    let pad = pad_for(payload.len());
+    let pad = pad_for(payload_len);
     let mut b = *bth;
     // pad_for() is at most 3, so this cannot truncate.
     b.pad_count = pad as u8;
@@ -301,14 +332,14 @@ pub fn emit_packet_with(
         .get_mut(n..)
         .ok_or(Error::BufferTooSmall { needed: total, got })?;
     let tlen = trailer.len();
-    let body = payload.len() + pad;
+    let body = payload_len + pad;
     let rest = rest
         .get_mut(..body + tlen + ICRC_LEN)
         .ok_or(Error::BufferTooSmall { needed: total, got })?;
     let (body_bytes, tail) = rest.split_at_mut(body);
-    let mut w = cursor::Writer::with_len(body_bytes, body)?;
-    w.bytes(payload)?;
-    w.zeros(pad)?;
+    if let Some(p) = body_bytes.get_mut(payload_len..) {
+        p.fill(0);
+    }
     let (tr, icrc) = tail.split_at_mut(tlen);
     trailer.emit(tr)?;
     icrc.fill(0);
