@@ -798,12 +798,20 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Ask the peer to stop sending on `stream` with an application `code` (like QUIC
-    /// STOP_SENDING), as its receiver: the peer reports [`Event::StreamStopped`] with
-    /// `code`, flushes its pending SENDs on the stream and resets it with the same code, so
-    /// this side then reports [`Event::StreamReset`] after the messages delivered before
-    /// the reset point. Messages that arrive meanwhile are still delivered. Only the first
-    /// call per stream sends anything; a peer that never sent on the stream ignores it.
+    /// Ask the peer to stop sending on `stream` with an application `code` (QUIC
+    /// STOP_SENDING, RFC 9000 §3.5), as its receiver. Delivery on the stream ends at once:
+    /// no [`Event::Message`] for it is reported after this call, and whatever arrives
+    /// later is discarded (never acknowledged: it gets a flow-control RNR NAK until the
+    /// STOP lands). The peer reports [`Event::StreamStopped`] with `code`, flushes every
+    /// SEND on the stream this side did not deliver (`WrFlushError`) and resets the stream
+    /// with the same code, so this side then reports [`Event::StreamReset`].
+    ///
+    /// The promise both ends keep: a SEND completes `Success` at the peer if and only if
+    /// its message was reported here as [`Event::Message`] (or completed a posted
+    /// receive); a SEND flushed by the STOP was never handed to this side's application.
+    /// This holds when the STOP crosses messages in flight, is duplicated or reordered,
+    /// or follows the peer's FIN. Only the first call per stream sends anything; a peer
+    /// that never sent on the stream ignores it.
     ///
     /// # Errors
     /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
