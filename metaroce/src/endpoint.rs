@@ -341,6 +341,12 @@ pub struct Endpoint {
     /// The grant computed at `fair_share_at` (Mbit/s), handed to each connection as it is
     /// polled.
     grant_mbps: u32,
+    /// Active senders of the fair share counted at `fair_share_at` on this endpoint alone.
+    fair_share_local: u32,
+    /// Active senders on the other endpoints that share this one's receive capacity
+    /// (the other shards of a sharded endpoint), as told by
+    /// [`set_other_shard_senders`](Self::set_other_shard_senders).
+    fair_share_others: u32,
     /// Per-connection keys in `timers` and `recent_rx`.
     index: HashMap<u32, ConnIndex>,
     /// (deadline, QPN) of every connection with a timer armed, as last read; the entries
@@ -468,6 +474,8 @@ impl Endpoint {
             fair_share_at: None,
             fair_share_latest: None,
             grant_mbps: 0,
+            fair_share_local: 0,
+            fair_share_others: 0,
             index: HashMap::default(),
             timers: BTreeSet::new(),
             stale: Vec::new(),
@@ -579,6 +587,32 @@ impl Endpoint {
             .get(&conn.0)
             .filter(|c| c.state == State::Established)
             .map(|c| c.tokens())
+    }
+
+    /// Active senders this endpoint counts for its receiver-driven fair share
+    /// (`TransportConfig::recv_capacity_mbps`) as of `now`: connections that delivered
+    /// data or were established within `fair_share_window`. 0 when the fair share is off.
+    /// A sharded driver publishes it to the other shards, which pass the sum of theirs
+    /// to [`set_other_shard_senders`](Self::set_other_shard_senders).
+    pub fn fair_share_senders(&mut self, now: Instant) -> u32 {
+        self.update_fair_share(now);
+        if self.cfg.transport.recv_capacity_mbps > 0 {
+            self.fair_share_local
+        } else {
+            0
+        }
+    }
+
+    /// Active senders on other endpoints that share this endpoint's receive capacity
+    /// (the other shards of one sharded endpoint, each a separate core behind one
+    /// address and NIC). The fair-share grant divides `recv_capacity_mbps` by this
+    /// endpoint's own active senders plus `n`, so the shards together grant no more than
+    /// the configured capacity. Default 0; takes effect at the next grant computed.
+    pub fn set_other_shard_senders(&mut self, n: u32) {
+        if self.fair_share_others != n {
+            self.fair_share_others = n;
+            self.fair_share_at = None;
+        }
     }
 
     /// Counters and path state of a connection.
@@ -2055,7 +2089,9 @@ impl Endpoint {
                 );
                 self.recent_rx.len()
             };
-            (t.recv_capacity_mbps / active.max(1) as u32).max(1)
+            self.fair_share_local = active as u32;
+            let all = (active as u32).saturating_add(self.fair_share_others);
+            (t.recv_capacity_mbps / all.max(1)).max(1)
         } else {
             t.advertised_rate_mbps
         };
