@@ -845,7 +845,9 @@ impl Endpoint {
     /// receive); a SEND flushed by the STOP was never handed to this side's application.
     /// This holds when the STOP crosses messages in flight, is duplicated or reordered,
     /// or follows the peer's FIN. Only the first call per stream sends anything; a peer
-    /// that never sent on the stream ignores it.
+    /// that has not sent on the stream yet resets it all the same (a later post there
+    /// fails with [`PostError::StreamReset`]), as long as it tracks fewer than
+    /// `max_streams` streams.
     ///
     /// # Errors
     /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],

@@ -145,10 +145,16 @@ fn stop_makes_the_sender_flush_and_reset() {
         p.eps[0].post_send(a, 4, 3, Bytes::from_static(b"x")),
         Err(PostError::StreamReset { stream: 4 })
     );
-    // A stop for a stream the peer never sent on is ignored there.
+    // A stop for a stream the peer never sent on resets it there too (it used to be
+    // ignored, and a later SEND on it would then be refused by the stopped receiver
+    // forever; see stop_before_the_peer_sent_on_the_stream_…).
     p.eps[1].stop_stream(p.now, b, 40, 1).unwrap();
     run_for(&mut p, Duration::from_secs(4));
-    assert!(trace(&p, 0, 40).is_empty());
+    assert_eq!(trace(&p, 0, 40), vec!["stopped 1"]);
+    assert_eq!(
+        p.eps[0].post_send(a, 40, 4, Bytes::from_static(b"x")),
+        Err(PostError::StreamReset { stream: 40 })
+    );
 }
 
 #[test]
@@ -458,4 +464,24 @@ fn stop_after_fin_agrees_with_what_was_delivered() {
             );
         }
     }
+}
+
+/// A STOP for a stream the peer has not sent on yet (a reader that gave up on a reply
+/// before it was sent): the peer must not send into the stopped stream later — the
+/// receiver would refuse those packets forever. It resets the stream at once, so a later
+/// post on it fails (`StreamReset`), and the receiver sees the reset.
+#[test]
+fn stop_before_the_peer_sent_on_the_stream_makes_later_sends_fail_not_stall() {
+    let mut p = Pair::impaired(29, Impair::default());
+    let (a, b) = p.connect();
+    p.eps[1].stop_stream(p.now, b, 40, 9).unwrap();
+    run_for(&mut p, Duration::from_millis(50));
+    assert_eq!(trace(&p, 0, 40), vec!["stopped 9"]);
+    assert_eq!(trace(&p, 1, 40), vec!["reset 9"]);
+    assert_eq!(
+        p.eps[0].post_send(a, 40, 1, Bytes::from_static(b"late reply")),
+        Err(PostError::StreamReset { stream: 40 })
+    );
+    run_for(&mut p, Duration::from_secs(2));
+    assert!(delivered_ids(&p, 40).is_empty());
 }

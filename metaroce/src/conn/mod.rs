@@ -958,11 +958,15 @@ impl Connection {
         let outcome = match data {
             Data::Send(s) if ctrl == send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN => {
                 // STOP: the peer, receiving on this stream, asks us to stop sending on it.
-                // Only for a stream we send on, and once: we reset it with the peer's code.
+                // Once per stream: we reset it with the peer's code.
                 // msg_seq is where the peer's delivery ended: the messages before it
                 // complete from their own ACK or NAK, the rest are flushed (the peer never
                 // delivers them).
-                let known = self.sq.knows_stream(s.stream_id);
+                // A stream this side has not sent on yet is reset too (room permitting:
+                // at most `max_streams` tracked streams), or a later SEND on it would be
+                // refused by the stopped receiver forever.
+                let known = self.sq.knows_stream(s.stream_id)
+                    || self.sq.tracked_streams() < self.cfg.max_streams as usize;
                 if known
                     && self
                         .sq

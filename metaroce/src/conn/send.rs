@@ -1063,6 +1063,11 @@ impl SendQueue {
         self.stream_seq.contains_key(&stream)
     }
 
+    /// An upper bound of the streams this side keeps state for (sent on, or ended).
+    pub fn tracked_streams(&self) -> usize {
+        self.stream_seq.len() + self.ended_streams.len()
+    }
+
     /// Bytes of SENDs posted on `stream` and not yet completed.
     pub fn stream_pending(&self, stream: u32) -> u64 {
         self.stream_bytes.get(&stream).copied().unwrap_or(0)
