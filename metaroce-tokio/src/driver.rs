@@ -95,6 +95,7 @@ impl Driven for Shared {
         st.core.poll_rc_transmit(now, payload)
     }
     fn dispatch(&self, st: &mut State) {
+        self.sync_fair_share(st);
         dispatch(st, self);
         // Wake `wait_idle` when the last connection and pending CLOSE are gone.
         let t = st.core.table_sizes();

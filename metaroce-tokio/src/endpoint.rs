@@ -78,7 +78,10 @@ pub struct Config {
     /// opcodes to shard 0, which hosts the RC QPs), and each shard's core allocates QPNs
     /// in its residue class. Memory regions are registered on every shard with the same
     /// keys. A connection lives on one shard (round-robin at [`Endpoint::connect`]).
-    /// If the program cannot be attached the endpoint runs with one shard and logs a
+    /// The receiver-driven fair share (`transport.recv_capacity_mbps`) counts the active
+    /// senders of every shard: each shard's driver publishes its count and divides the
+    /// capacity by the sum, so the shards together grant at most the capacity (a count
+    /// not refreshed for 10 ms, or `fair_share_window` if longer, counts as 0). If the program cannot be attached the endpoint runs with one shard and logs a
     /// warning; [`Endpoint::shards`] tells. Endpoints from
     /// [`with_backend`](Endpoint::with_backend) / [`with_rocev2`](Endpoint::with_rocev2)
     /// always have one shard. In `1..=64`. Default 1 (one driver, as before), or the value
@@ -257,13 +260,87 @@ pub(crate) struct Shared {
     pub shard: usize,
     /// Every shard of the endpoint, this one included, in order (set once at start).
     pub siblings: std::sync::OnceLock<Vec<std::sync::Weak<Shared>>>,
+    /// The shards' active-sender counts for the receiver-driven fair share (one table per
+    /// endpoint, shared by its shards).
+    pub fair: Arc<FairShare>,
     pub cfg: Config,
     /// The driver task returned.
     pub stopped: std::sync::atomic::AtomicBool,
     pub span: tracing::Span,
 }
 
+/// The receiver-driven fair share of a sharded endpoint (`transport.recv_capacity_mbps`):
+/// the shards are separate cores behind one address and one NIC, so each must divide the
+/// capacity among the active senders of *all* shards, or together they grant up to
+/// `shards` times the capacity. Each shard's driver publishes its own count (with the time
+/// it counted) on every turn and hands its core the sum of the others'
+/// ([`metaroce::Endpoint::set_other_shard_senders`]). A count not refreshed for
+/// [`FAIR_SHARE_STALE`] (or `fair_share_window`, if longer) is taken as 0: a shard whose
+/// driver has not run for that long received no data in that time, so none of its
+/// senders is active any more.
+pub(crate) struct FairShare {
+    epoch: std::time::Instant,
+    counts: Vec<std::sync::atomic::AtomicU32>,
+    /// When each count was published: microseconds since `epoch`, plus 1 (0: never).
+    stamps: Vec<AtomicU64>,
+}
+
+/// How long a shard's published fair-share count stays valid without a refresh (at least
+/// `fair_share_window`): a little longer than a busy driver's turn under load.
+pub(crate) const FAIR_SHARE_STALE: std::time::Duration = std::time::Duration::from_millis(10);
+
+impl FairShare {
+    pub fn new(shards: usize) -> FairShare {
+        FairShare {
+            epoch: std::time::Instant::now(),
+            counts: (0..shards).map(|_| Default::default()).collect(),
+            stamps: (0..shards).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn micros(&self, now: std::time::Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_micros() as u64 + 1
+    }
+
+    /// Publish shard `me`'s count and return the sum of the other shards' valid counts.
+    pub fn exchange(
+        &self,
+        me: usize,
+        mine: u32,
+        now: std::time::Instant,
+        window: std::time::Duration,
+    ) -> u32 {
+        let at = self.micros(now);
+        if let (Some(c), Some(t)) = (self.counts.get(me), self.stamps.get(me)) {
+            c.store(mine, Ordering::Relaxed);
+            t.store(at, Ordering::Release);
+        }
+        let stale = window.max(FAIR_SHARE_STALE).as_micros() as u64;
+        let mut others = 0u32;
+        for (i, (c, t)) in self.counts.iter().zip(&self.stamps).enumerate() {
+            let t = t.load(Ordering::Acquire);
+            if i != me && t != 0 && at.saturating_sub(t) <= stale {
+                others = others.saturating_add(c.load(Ordering::Relaxed));
+            }
+        }
+        others
+    }
+}
+
 impl Shared {
+    /// Sharded endpoints with the fair share on: publish this shard's active senders and
+    /// tell the core the other shards' (see [`FairShare`]). Called on every driver turn.
+    pub fn sync_fair_share(&self, st: &mut State) {
+        let window = self.cfg.transport.fair_share_window;
+        if self.fair.counts.len() < 2 || self.cfg.transport.recv_capacity_mbps == 0 {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let mine = st.core.fair_share_senders(now);
+        let others = self.fair.exchange(self.shard, mine, now, window);
+        st.core.set_other_shard_senders(others);
+    }
+
     pub fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock would be a bug in this crate; keep going with the
         // state as it was rather than poisoning every handle.
@@ -472,9 +549,12 @@ impl Endpoint {
         let (tx, rx) = mpsc::channel(config.max_pending_incoming);
         let id = NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed);
         let mut shards = Vec::with_capacity(n);
+        let fair = Arc::new(FairShare::new(n));
         for (i, backend) in backends.into_iter().enumerate() {
             let ip = if i == 0 { ip_backend.take() } else { None };
-            shards.push(Self::new_shard(backend, ip, &config, id, i, n, tx.clone())?);
+            let shard =
+                Self::new_shard(backend, ip, &config, id, (i, n), fair.clone(), tx.clone())?;
+            shards.push(shard);
         }
         drop(tx);
         let weak: Vec<_> = shards.iter().map(Arc::downgrade).collect();
@@ -499,8 +579,8 @@ impl Endpoint {
         ip_backend: Option<Arc<dyn crate::rocev2::IpBackend>>,
         config: &Config,
         id: u64,
-        shard: usize,
-        shards: usize,
+        (shard, shards): (usize, usize),
+        fair: Arc<FairShare>,
         tx: mpsc::Sender<(usize, ConnectionHandle)>,
     ) -> std::io::Result<Arc<Shared>> {
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
@@ -554,6 +634,7 @@ impl Endpoint {
             id,
             shard,
             siblings: std::sync::OnceLock::new(),
+            fair,
             cfg: config.clone(),
             stopped: std::sync::atomic::AtomicBool::new(false),
             span,

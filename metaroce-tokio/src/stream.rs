@@ -236,9 +236,17 @@ impl MessageStream {
     }
 
     /// Ask the peer to stop sending on this stream with an application `code` (QUIC
-    /// STOP_SENDING): its sink fails with [`Error::StreamStopped`], it resets the stream
-    /// with the same code, and this side's reader then yields [`Error::StreamReset`] after
-    /// the messages that arrived before.
+    /// STOP_SENDING, RFC 9000 §3.5): its sink fails with [`Error::StreamStopped`], it
+    /// resets the stream with the same code, and this side's reader then yields
+    /// [`Error::StreamReset`] after the messages received before the call (those already
+    /// buffered here; nothing that arrives after the call is yielded — it is discarded).
+    ///
+    /// Both ends agree on what was delivered: every message the reader yields, before or
+    /// after the call, counts as delivered at the peer (its SEND completes `Success`, so
+    /// its `send`/`poll_flush` succeeds), and every SEND the peer reports as failed by the
+    /// stop ([`Error::StreamStopped`], or `WrFlushError` from `Connection::send`) was never
+    /// yielded here. So a peer may safely retry exactly the messages that failed. Only the
+    /// first call has an effect. Non-blocking; no cancel-safety concerns.
     pub fn stop(&mut self, code: u32) {
         let shared = &self.conn.shared;
         stop(&mut shared.lock(), self.handle(), self.id, code);

@@ -140,6 +140,60 @@ async fn eight_connections_over_two_shards_write_and_read() {
     assert_eq!(server.driver_maps().connections, 0);
 }
 
+/// Receiver-driven fair share on a sharded endpoint: the shards are separate cores behind
+/// one address and NIC, so the grants they hand out together must not exceed the
+/// configured `recv_capacity_mbps`. Eight connections, four on each of two shards, all
+/// active (each sent a message within `fair_share_window`): each must be granted
+/// 1000 / 8, not 1000 / 4. Before the fix each shard divided the capacity among its own
+/// four senders only, and the grants summed to 2000 Mbit/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_share_over_two_shards_grants_no_more_than_the_capacity() {
+    const CONNS: usize = 8;
+    const CAPACITY: u32 = 1000;
+    let mut scfg = cfg(2, 41);
+    scfg.transport.recv_capacity_mbps = CAPACITY;
+    // Every connection stays an active sender for the whole test.
+    scfg.transport.fair_share_window = Duration::from_secs(30);
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
+        .await
+        .unwrap();
+    assert_eq!(server.shards(), 2, "the steering program was not attached");
+    let client = bind(2, 42).await;
+    let pairs = connect_n(&client, &server, CONNS).await;
+    assert_eq!(server.shard_connections(), vec![4, 4]);
+    // Data on every connection: ACKs carry the grant back.
+    for round in 0..3u8 {
+        for (c, _) in &pairs {
+            c.send(round as u32, bytes::Bytes::from(vec![round; 4000]))
+                .await
+                .unwrap();
+        }
+    }
+    let granted: Vec<u32> = pairs
+        .iter()
+        .map(|(_, s)| s.stats().unwrap().granted_rate_mbps)
+        .collect();
+    let hinted: Vec<u32> = pairs
+        .iter()
+        .map(|(c, _)| c.stats().unwrap().peer_rate_hint_mbps)
+        .collect();
+    println!("granted by the server's shards: {granted:?}; seen by the senders: {hinted:?}");
+    let total: u32 = granted.iter().sum();
+    assert!(
+        total <= CAPACITY,
+        "the shards grant {total} Mbit/s together, capacity {CAPACITY}: {granted:?}"
+    );
+    assert!(
+        granted.iter().all(|&g| g == CAPACITY / CONNS as u32),
+        "each active sender gets an equal share of the whole capacity: {granted:?}"
+    );
+    let seen: u32 = hinted.iter().sum();
+    assert!(
+        seen <= CAPACITY,
+        "the senders were granted {seen} Mbit/s together: {hinted:?}"
+    );
+}
+
 /// A well-formed MR_ACK (valid ICRC) without the connection's token: a forgery.
 fn forged_ack(from: SocketAddr, to: SocketAddr, dest_qp: u32) -> Vec<u8> {
     let h = Headers::Ack(AckEth::default());

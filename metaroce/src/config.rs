@@ -435,7 +435,8 @@ pub struct TransportConfig {
     /// Receiver-driven fair share: this endpoint's inbound capacity in Mbit/s. When non-zero,
     /// every ACK grants its sender `recv_capacity_mbps / n`, where n is the number of
     /// connections that delivered data or were established within the last
-    /// `fair_share_window`, and the handshake (Request / Accept) carries the same grant;
+    /// `fair_share_window` (plus the active senders of the endpoints sharing the capacity,
+    /// `Endpoint::set_other_shard_senders`: the other shards of a sharded host), and the handshake (Request / Accept) carries the same grant;
     /// senders cap their connection window to the grant × their minimum RTT (see
     /// `conn::cc::connection_window`), their blind first window included. So an incast
     /// whose senders the receiver knows, or which opens new connections, settles in one or

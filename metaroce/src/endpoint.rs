@@ -343,6 +343,12 @@ pub struct Endpoint {
     /// The grant computed at `fair_share_at` (Mbit/s), handed to each connection as it is
     /// polled.
     grant_mbps: u32,
+    /// Active senders of the fair share counted at `fair_share_at` on this endpoint alone.
+    fair_share_local: u32,
+    /// Active senders on the other endpoints that share this one's receive capacity
+    /// (the other shards of a sharded endpoint), as told by
+    /// [`set_other_shard_senders`](Self::set_other_shard_senders).
+    fair_share_others: u32,
     /// (deadline, QPN) of every connection with a timer armed, as last read; the entries
     /// of connections in `stale` may be out of date.
     timers: BTreeSet<(Instant, u32)>,
@@ -468,6 +474,8 @@ impl Endpoint {
             fair_share_at: None,
             fair_share_latest: None,
             grant_mbps: 0,
+            fair_share_local: 0,
+            fair_share_others: 0,
             timers: BTreeSet::new(),
             stale: Vec::new(),
             ready: BTreeSet::new(),
@@ -578,6 +586,32 @@ impl Endpoint {
             .get(&conn.0)
             .filter(|c| c.state == State::Established)
             .map(|c| c.tokens())
+    }
+
+    /// Active senders this endpoint counts for its receiver-driven fair share
+    /// (`TransportConfig::recv_capacity_mbps`) as of `now`: connections that delivered
+    /// data or were established within `fair_share_window`. 0 when the fair share is off.
+    /// A sharded driver publishes it to the other shards, which pass the sum of theirs
+    /// to [`set_other_shard_senders`](Self::set_other_shard_senders).
+    pub fn fair_share_senders(&mut self, now: Instant) -> u32 {
+        self.update_fair_share(now);
+        if self.cfg.transport.recv_capacity_mbps > 0 {
+            self.fair_share_local
+        } else {
+            0
+        }
+    }
+
+    /// Active senders on other endpoints that share this endpoint's receive capacity
+    /// (the other shards of one sharded endpoint, each a separate core behind one
+    /// address and NIC). The fair-share grant divides `recv_capacity_mbps` by this
+    /// endpoint's own active senders plus `n`, so the shards together grant no more than
+    /// the configured capacity. Default 0; takes effect at the next grant computed.
+    pub fn set_other_shard_senders(&mut self, n: u32) {
+        if self.fair_share_others != n {
+            self.fair_share_others = n;
+            self.fair_share_at = None;
+        }
     }
 
     /// Counters and path state of a connection.
@@ -797,12 +831,22 @@ impl Endpoint {
         Ok(())
     }
 
-    /// Ask the peer to stop sending on `stream` with an application `code` (like QUIC
-    /// STOP_SENDING), as its receiver: the peer reports [`Event::StreamStopped`] with
-    /// `code`, flushes its pending SENDs on the stream and resets it with the same code, so
-    /// this side then reports [`Event::StreamReset`] after the messages delivered before
-    /// the reset point. Messages that arrive meanwhile are still delivered. Only the first
-    /// call per stream sends anything; a peer that never sent on the stream ignores it.
+    /// Ask the peer to stop sending on `stream` with an application `code` (QUIC
+    /// STOP_SENDING, RFC 9000 §3.5), as its receiver. Delivery on the stream ends at once:
+    /// no [`Event::Message`] for it is reported after this call, and whatever arrives
+    /// later is discarded (never acknowledged: it gets a flow-control RNR NAK until the
+    /// STOP lands). The peer reports [`Event::StreamStopped`] with `code`, flushes every
+    /// SEND on the stream this side did not deliver (`WrFlushError`) and resets the stream
+    /// with the same code, so this side then reports [`Event::StreamReset`].
+    ///
+    /// The promise both ends keep: a SEND completes `Success` at the peer if and only if
+    /// its message was reported here as [`Event::Message`] (or completed a posted
+    /// receive); a SEND flushed by the STOP was never handed to this side's application.
+    /// This holds when the STOP crosses messages in flight, is duplicated or reordered,
+    /// or follows the peer's FIN. Only the first call per stream sends anything; a peer
+    /// that has not sent on the stream yet resets it all the same (a later post there
+    /// fails with [`PostError::StreamReset`]), as long as it tracks fewer than
+    /// `max_streams` streams.
     ///
     /// # Errors
     /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
@@ -2082,7 +2126,9 @@ impl Endpoint {
                 );
                 self.recent_rx.len()
             };
-            (t.recv_capacity_mbps / active.max(1) as u32).max(1)
+            self.fair_share_local = active as u32;
+            let all = (active as u32).saturating_add(self.fair_share_others);
+            (t.recv_capacity_mbps / all.max(1)).max(1)
         } else {
             t.advertised_rate_mbps
         };

@@ -558,3 +558,39 @@ fn receiver_fair_share_caps_the_sender() {
         "sender far below the grant: {mbps:.0} Mbit/s"
     );
 }
+
+/// A sharded receiver: the other shards' active senders (`set_other_shard_senders`) count
+/// in this endpoint's fair share, so the shards together grant no more than the capacity;
+/// `fair_share_senders` reports this endpoint's own count, which a driver publishes.
+#[test]
+fn fair_share_counts_the_other_shards_senders() {
+    let a = metaroce::testing::pair_config(0, 31);
+    let mut b = metaroce::testing::pair_config(1, 31);
+    b.transport.recv_capacity_mbps = 400;
+    b.transport.fair_share_window = Duration::from_secs(10);
+    let mut p = Pair::impaired_with_configs(31, Impair::default(), a, b);
+    let (c, s) = p.connect();
+    assert_eq!(p.eps[1].fair_share_senders(p.now), 1);
+    p.eps[1].set_other_shard_senders(3);
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from(vec![1u8; 10_000]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| !p.completions(0, c).is_empty()));
+    assert_eq!(p.eps[1].fair_share_senders(p.now), 1, "its own count only");
+    assert_eq!(p.eps[1].connection_stats(s).unwrap().granted_rate_mbps, 100);
+    assert_eq!(
+        p.eps[0].connection_stats(c).unwrap().peer_rate_hint_mbps,
+        100
+    );
+    // The other shards' senders went idle: the whole capacity again.
+    p.eps[1].set_other_shard_senders(0);
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from(vec![2u8; 10_000]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(10), |p| p.completions(0, c).len() == 2));
+    assert_eq!(p.eps[1].connection_stats(s).unwrap().granted_rate_mbps, 400);
+    assert_eq!(
+        p.eps[0].connection_stats(c).unwrap().peer_rate_hint_mbps,
+        400
+    );
+}

@@ -145,10 +145,16 @@ fn stop_makes_the_sender_flush_and_reset() {
         p.eps[0].post_send(a, 4, 3, Bytes::from_static(b"x")),
         Err(PostError::StreamReset { stream: 4 })
     );
-    // A stop for a stream the peer never sent on is ignored there.
+    // A stop for a stream the peer never sent on resets it there too (it used to be
+    // ignored, and a later SEND on it would then be refused by the stopped receiver
+    // forever; see stop_before_the_peer_sent_on_the_stream_…).
     p.eps[1].stop_stream(p.now, b, 40, 1).unwrap();
     run_for(&mut p, Duration::from_secs(4));
-    assert!(trace(&p, 0, 40).is_empty());
+    assert_eq!(trace(&p, 0, 40), vec!["stopped 1"]);
+    assert_eq!(
+        p.eps[0].post_send(a, 40, 4, Bytes::from_static(b"x")),
+        Err(PostError::StreamReset { stream: 40 })
+    );
 }
 
 #[test]
@@ -283,4 +289,199 @@ fn stop_overtaking_a_nak_never_completes_the_refused_message_success() {
         WcStatus::Success,
         "a refused message was not delivered: {st:?}"
     );
+}
+
+/// Messages of `stream` the receiver (side 1) handed to the application, by first byte
+/// (each test message is filled with its wr_id).
+fn delivered_ids(p: &Pair, stream: u32) -> Vec<u64> {
+    p.events[1]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Message {
+                stream: s, data, ..
+            } if *s == stream => Some(data[0] as u64),
+            _ => None,
+        })
+        .collect()
+}
+
+/// STOP semantics (QUIC STOP_SENDING, RFC 9000 §3.5): whatever the receiver handed the
+/// application completes `Success` at the sender, and whatever the sender reports as not
+/// delivered (`WrFlushError`, the SEND flushed by the STOP) the receiver never handed over.
+fn assert_stop_agrees(p: &Pair, a: metaroce::ConnectionHandle, stream: u32, posted: u64) {
+    let got = delivered_ids(p, stream);
+    let mut dedup = got.clone();
+    dedup.dedup();
+    assert_eq!(got, dedup, "a message was delivered twice");
+    let wcs = p.completions(0, a);
+    assert_eq!(wcs.len() as u64, posted, "every SEND completes: {wcs:?}");
+    for wc in &wcs {
+        let delivered = got.contains(&wc.wr_id);
+        match wc.status {
+            WcStatus::Success => assert!(
+                delivered,
+                "SEND {} completed Success but was never delivered (delivered {got:?})",
+                wc.wr_id
+            ),
+            s => assert!(
+                !delivered,
+                "SEND {} completed {s:?} but the receiver delivered it (delivered {got:?})",
+                wc.wr_id
+            ),
+        }
+    }
+}
+
+/// The reported bug: a message that reaches the receiver after its STOP left, while the
+/// STOP reaches the sender before that message's acknowledgement. Before the fix the
+/// receiver delivered it and the sender flushed it (`StreamStopped`): a service retrying
+/// on StreamStopped did the work twice.
+#[test]
+fn a_message_arriving_after_the_stop_is_not_delivered_when_the_sender_flushes_it() {
+    use metaroce::testing::{Action, Filter, Kind, Net, Rule};
+    let mut p = Net::new(28);
+    let (a, b) = p.connect();
+    p.eps[0]
+        .post_send(a, 4, 1, Bytes::from(vec![1; 3000]))
+        .unwrap();
+    p.run_until(p.now - p.start + Duration::from_secs(1), |n| {
+        n.completions(0, a).len() == 1
+    });
+    assert_eq!(delivered_ids(&p, 4), vec![1]);
+    // Hold back everything the receiver sends (its STOP, ACKs, NAKs) while message 2
+    // arrives after the STOP was sent.
+    let hold = p.add_rule(Rule::always(Filter::any().from(1), Action::Blackhole));
+    let _ = hold;
+    p.eps[1].stop_stream(p.now, b, 4, 13).unwrap();
+    p.eps[0]
+        .post_send(a, 4, 2, Bytes::from(vec![2; 3000]))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(50));
+    // Let the STOP through before any acknowledgement of message 2.
+    p.clear_rules();
+    p.add_rule(Rule::always(
+        Filter::any().from(1).kind(Kind::Ack),
+        Action::Blackhole,
+    ));
+    p.run_until(p.now - p.start + Duration::from_secs(2), |n| {
+        !trace(n, 0, 4).is_empty()
+    });
+    assert_eq!(trace(&p, 0, 4), vec!["stopped 13"]);
+    p.clear_rules();
+    run_for(&mut p, Duration::from_secs(3));
+    assert_stop_agrees(&p, a, 4, 2);
+    assert_eq!(trace(&p, 1, 4).last().map(String::as_str), Some("reset 13"));
+}
+
+/// The same promise under random loss, duplication (a duplicated STOP) and reordering (a
+/// STOP crossing messages in flight, overtaking their ACKs or overtaken by them), with
+/// the receiver stopping after a seed-chosen number of deliveries, for many seeds.
+#[test]
+fn stop_crossing_in_flight_messages_under_impairment_never_disagrees() {
+    for seed in 0..40u64 {
+        let mut p = Pair::impaired(
+            100 + seed,
+            Impair {
+                loss: 0.05,
+                dup: 0.2,
+                reorder: 0.3,
+                ..Impair::default()
+            },
+        );
+        let (a, b) = p.connect();
+        let n = 24u64;
+        for i in 1..=n {
+            let len = 200 + ((i * 977 + seed * 131) % 5000) as usize;
+            p.eps[0]
+                .post_send(a, 4, i, Bytes::from(vec![i as u8; len]))
+                .unwrap();
+        }
+        let k = (seed % 12) as usize;
+        p.run_until(p.now - p.start + Duration::from_secs(2), |n| {
+            delivered_ids(n, 4).len() >= k
+        });
+        p.eps[1].stop_stream(p.now, b, 4, 13).unwrap();
+        // More sends after the STOP left: they race it too.
+        for i in n + 1..=n + 4 {
+            let _ = p.eps[0].post_send(a, 4, i, Bytes::from(vec![i as u8; 1500]));
+        }
+        run_for(&mut p, Duration::from_secs(5));
+        let posted = p.completions(0, a).len() as u64;
+        assert!(posted >= n, "seed {seed}: {posted} completions");
+        assert_stop_agrees(&p, a, 4, posted);
+        let ok = p
+            .completions(0, a)
+            .iter()
+            .filter(|wc| wc.status == WcStatus::Success)
+            .count();
+        eprintln!("seed {seed}: stop after {k}, {ok} of {posted} SENDs delivered");
+        assert!(
+            p.completions(0, a)
+                .iter()
+                .all(|wc| matches!(wc.status, WcStatus::Success | WcStatus::WrFlushError)),
+            "seed {seed}: {:?}",
+            p.completions(0, a)
+        );
+    }
+}
+
+/// A STOP after the sender finished the stream (FIN) and before everything was delivered:
+/// the messages delivered complete Success, the rest are flushed, and nothing the sender
+/// flushed reaches the reader; a STOP after the whole stream was delivered changes no
+/// completion.
+#[test]
+fn stop_after_fin_agrees_with_what_was_delivered() {
+    for (seed, k) in [(40u64, 3usize), (41, 0), (42, 100)] {
+        let mut p = Pair::impaired(
+            seed,
+            Impair {
+                reorder: 0.3,
+                dup: 0.2,
+                ..Impair::default()
+            },
+        );
+        let (a, b) = p.connect();
+        for i in 1..=10u64 {
+            p.eps[0]
+                .post_send(a, 6, i, Bytes::from(vec![i as u8; 2500]))
+                .unwrap();
+        }
+        p.eps[0].finish_stream(p.now, a, 6).unwrap();
+        p.run_until(p.now - p.start + Duration::from_secs(2), |n| {
+            delivered_ids(n, 6).len() >= k.min(10)
+                && (k < 10 || trace(n, 1, 6).contains(&"fin".into()))
+        });
+        p.eps[1].stop_stream(p.now, b, 6, 5).unwrap();
+        run_for(&mut p, Duration::from_secs(4));
+        assert_stop_agrees(&p, a, 6, 10);
+        if k >= 10 {
+            assert!(
+                p.completions(0, a)
+                    .iter()
+                    .all(|wc| wc.status == WcStatus::Success),
+                "{:?}",
+                p.completions(0, a)
+            );
+        }
+    }
+}
+
+/// A STOP for a stream the peer has not sent on yet (a reader that gave up on a reply
+/// before it was sent): the peer must not send into the stopped stream later — the
+/// receiver would refuse those packets forever. It resets the stream at once, so a later
+/// post on it fails (`StreamReset`), and the receiver sees the reset.
+#[test]
+fn stop_before_the_peer_sent_on_the_stream_makes_later_sends_fail_not_stall() {
+    let mut p = Pair::impaired(29, Impair::default());
+    let (a, b) = p.connect();
+    p.eps[1].stop_stream(p.now, b, 40, 9).unwrap();
+    run_for(&mut p, Duration::from_millis(50));
+    assert_eq!(trace(&p, 0, 40), vec!["stopped 9"]);
+    assert_eq!(trace(&p, 1, 40), vec!["reset 9"]);
+    assert_eq!(
+        p.eps[0].post_send(a, 40, 1, Bytes::from_static(b"late reply")),
+        Err(PostError::StreamReset { stream: 40 })
+    );
+    run_for(&mut p, Duration::from_secs(2));
+    assert!(delivered_ids(&p, 40).is_empty());
 }

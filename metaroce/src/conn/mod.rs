@@ -963,10 +963,15 @@ impl Connection {
         let outcome = match data {
             Data::Send(s) if ctrl == send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN => {
                 // STOP: the peer, receiving on this stream, asks us to stop sending on it.
-                // Only for a stream we send on, and once: we reset it with the peer's code.
-                // msg_seq is the number of messages the peer had delivered: those
-                // complete Success even if the STOP overtook their acknowledgement.
-                let known = self.sq.knows_stream(s.stream_id);
+                // Once per stream: we reset it with the peer's code.
+                // msg_seq is where the peer's delivery ended: the messages before it
+                // complete from their own ACK or NAK, the rest are flushed (the peer never
+                // delivers them).
+                // A stream this side has not sent on yet is reset too (room permitting:
+                // at most `max_streams` tracked streams), or a later SEND on it would be
+                // refused by the stopped receiver forever.
+                let known = self.sq.knows_stream(s.stream_id)
+                    || self.sq.tracked_streams() < self.cfg.max_streams as usize;
                 if known
                     && self
                         .sq
@@ -1392,9 +1397,11 @@ impl Connection {
         self.sq.post_atomic(req);
     }
 
-    /// Ask the peer to stop sending on `stream` (a STOP after the messages delivered so far).
+    /// Stop `stream` as its receiver: delivery ends here (`RecvState::stop`) and a STOP
+    /// naming the stop point asks the peer to flush the rest.
     pub fn stop_stream(&mut self, stream: u32, code: u32) {
-        let delivered = self.rq.delivered_count(stream);
+        let lim = self.limits();
+        let delivered = self.rq.stop(stream, &lim);
         self.sq.stop_stream(stream, code, delivered);
     }
 

@@ -89,11 +89,6 @@ struct StreamRx {
     /// so a refused message leaves no permanent gap in its stream. At most
     /// `max_stream_window` entries.
     refused: BTreeSet<u32>,
-    /// The first message delivery skipped because the receiver refused it (a NAK, e.g. a
-    /// length error). A STOP reports the messages delivered before it only
-    /// ([`RecvState::delivered_count`]): the refused message must not complete `Success` at
-    /// a sender whose NAK the STOP overtook.
-    first_skipped: Option<u32>,
     /// The stream is in the error state from this message on (the sender gave up on it
     /// with `RnrRetryExceeded` and sent a stream abort): its packets and every later
     /// message's are acknowledged and discarded, and once delivery reaches it every posted
@@ -103,6 +98,12 @@ struct StreamRx {
     /// `MAX_LEN_ERRORS`): every later packet of one is refused again, so a re-sent packet
     /// (its NAK lost or overtaken) is not acknowledged as a duplicate.
     len_errors: VecDeque<u32>,
+    /// This side stopped the stream (its application called `stop_stream`, QUIC
+    /// STOP_SENDING) when delivery had reached this message: nothing from it on is ever
+    /// delivered. What was buffered of those messages was dropped, and their packets get a
+    /// flow-control RNR NAK (never an acknowledgement), so none of them can complete
+    /// `Success` at the sender before the STOP reaches it and flushes them.
+    stopped_at: Option<u32>,
     /// The sender finished the stream after this many messages (its FIN).
     fin_at: Option<u32>,
     /// The stream's end (`Event::StreamFinished` or `Event::StreamReset`) was reported.
@@ -347,6 +348,10 @@ pub struct RecvStats {
     /// Streams that entered the error state because the sender aborted them (a SEND on
     /// them failed with `RnrRetryExceeded`).
     pub dead_streams: u64,
+    /// SEND packets of messages at or after a stream's stop point (this side stopped the
+    /// stream, `stop_stream`): answered with a flow-control RNR NAK, never placed nor
+    /// acknowledged, until the peer's reset for the STOP arrives.
+    pub stopped_naks: u64,
     /// Gauge, at the time of the snapshot: one-sided op ids the responder tracks (WRITEs
     /// in progress, finished ids above the floor, refusal records, records of what executed
     /// ids did). At most about 3 × `max_tracked_ops`.
@@ -472,15 +477,33 @@ impl RecvState {
         }
     }
 
-    /// Number of `stream`'s messages delivered in order so far (the next message due);
-    /// 0 for a stream never received on. Once delivery has skipped a message the receiver
-    /// refused, the count stops before it: a STOP must never let a refused message complete
-    /// `Success` at the sender (later delivered messages then complete as flushed, the
-    /// conservative side, as a STOP did before it carried a count).
-    pub fn delivered_count(&self, stream: u32) -> u32 {
-        self.streams
-            .get(&stream)
-            .map_or(0, |st| st.first_skipped.unwrap_or(st.next_deliver))
+    /// This side stops `stream` (its application no longer reads it, QUIC STOP_SENDING,
+    /// RFC 9000 §3.5): delivery ends at the next undelivered message `N`, which is
+    /// returned for the STOP. Every message before `N` was delivered or refused (and
+    /// answered so: a retransmitted packet of one is acknowledged as a duplicate or refused
+    /// again), and nothing from `N` on will ever be delivered: what was buffered of it is
+    /// dropped now, and later packets get a flow-control RNR NAK, so none completes
+    /// `Success` at the sender. A second call returns the first point. A stream this side
+    /// has no state for gets some (if `max_streams` allows; otherwise the peer's packets on
+    /// it are refused anyway) and stops at 0.
+    pub fn stop(&mut self, stream: u32, lim: &RecvLimits) -> u32 {
+        self.buf.explicit = lim.explicit_consume;
+        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            return 0;
+        }
+        let st = self.streams.entry(stream).or_default();
+        if let Some(n) = st.stopped_at {
+            return n;
+        }
+        let n = st.next_deliver;
+        st.stopped_at = Some(n);
+        let dropped: Vec<u32> = st.msgs.keys().copied().collect();
+        for m in dropped {
+            if let Some(msg) = st.msgs.remove(&m) {
+                self.buf.release_msg(st, &msg);
+            }
+        }
+        n
     }
 
     /// The sender aborted `stream` from message `first` on (an `MR_SEND` with the
@@ -504,11 +527,15 @@ impl RecvState {
             return RxOutcome::Accepted;
         }
         let st = self.streams.entry(stream).or_default();
-        let from = if seq_before(first, st.next_deliver) {
+        let mut from = if seq_before(first, st.next_deliver) {
             st.next_deliver
         } else {
             first
         };
+        if let Some(n) = st.stopped_at.filter(|&n| seq_before(n, from)) {
+            // Nothing from the stop point on is delivered: the stream ends there.
+            from = n;
+        }
         if st.end_reported {
             // Already ended (finished or reset) and reported: late or duplicate.
             return RxOutcome::Accepted;
@@ -635,6 +662,13 @@ impl RecvState {
             // A message of a dead stream (a copy sent before the abort, or overtaken by
             // it): its SEND is already flushed at the sender.
             return RxOutcome::Accepted;
+        }
+        if st.stopped_at.is_some_and(|n| !seq_before(hdr.msg_seq, n)) {
+            // This side stopped the stream before this message: it is never delivered,
+            // and never acknowledged (that would complete it Success at the sender); the
+            // sender waits (flow-control RNR) until the STOP flushes it.
+            self.stats.stopped_naks += 1;
+            return RxOutcome::FlowRnr;
         }
         if !valid {
             // Refuse the whole message (every packet of it gets this NAK) and let delivery
@@ -876,9 +910,16 @@ impl RecvState {
                 }
                 break;
             }
+            if st
+                .stopped_at
+                .is_some_and(|n| !seq_before(st.next_deliver, n))
+            {
+                // Stopped by this side: nothing more is delivered (the reset for the STOP
+                // ends the stream above).
+                break;
+            }
             if st.refused.remove(&st.next_deliver) {
                 buf.refused -= 1;
-                st.first_skipped.get_or_insert(st.next_deliver);
                 st.next_deliver = st.next_deliver.wrapping_add(1);
                 continue;
             }

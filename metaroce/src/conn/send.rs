@@ -1063,6 +1063,11 @@ impl SendQueue {
         self.stream_seq.contains_key(&stream)
     }
 
+    /// An upper bound of the streams this side keeps state for (sent on, or ended).
+    pub fn tracked_streams(&self) -> usize {
+        self.stream_seq.len() + self.ended_streams.len()
+    }
+
     /// Bytes of SENDs posted on `stream` and not yet completed.
     pub fn stream_pending(&self, stream: u32) -> u64 {
         self.stream_bytes.get(&stream).copied().unwrap_or(0)
@@ -1089,18 +1094,31 @@ impl SendQueue {
         self.reset_stream_after(stream, code, None)
     }
 
-    /// [`Self::reset_stream`] for a STOP from the peer that had delivered the stream's
-    /// messages before `delivered` (message sequence numbers, wrapping): those complete
-    /// `Success` even if their acknowledgement has not arrived (the STOP overtook it; they
-    /// were delivered), and the reset starts at the first later message not completed.
-    /// `None`: no message counts as delivered beyond what was acknowledged.
+    /// [`Self::reset_stream`] for a STOP from the peer whose delivery on the stream ended
+    /// at message `delivered` (message sequence numbers, wrapping): every message before
+    /// it was delivered or refused there and is left to complete from its own
+    /// acknowledgement or NAK (a STOP never completes anything `Success`, so a forged or
+    /// confused one cannot make up a delivery), and nothing from it on will be delivered:
+    /// those SENDs are flushed (`WrFlushError`, also one whose acknowledgements all came
+    /// before it was due to be reported) and the stream abort names `delivered` (or the
+    /// stream's next message, if the STOP names one not sent yet) as the first dead message.
+    /// `None`: the reset starts at the first message not completed.
     pub fn reset_stream_after(&mut self, stream: u32, code: u32, delivered: Option<u32>) -> bool {
         if self.ended_streams.get(&stream) == Some(&StreamEnd::Reset) {
             return false;
         }
         self.ended_streams.insert(stream, StreamEnd::Reset);
         self.flow_release(stream as u64);
-        let mut first = None;
+        let next = self.stream_seq.get(&stream).copied().unwrap_or(0);
+        // A STOP naming a message not sent yet: nothing sent is cut.
+        let stop_at = delivered.map(|d| {
+            if (next.wrapping_sub(d) as i32) < 0 {
+                next
+            } else {
+                d
+            }
+        });
+        let mut first = stop_at;
         for i in 0..self.ops.len() {
             let OpKind::Send {
                 stream: s, msg_seq, ..
@@ -1111,9 +1129,18 @@ impl SendQueue {
             if s != stream {
                 continue;
             }
-            if delivered.is_some_and(|d| (msg_seq.wrapping_sub(d) as i32) < 0) {
-                // Delivered at the peer (it said so in its STOP): the truth is Success.
-                self.finish(self.base_id + i as u64, WcStatus::Success);
+            if let Some(d) = stop_at {
+                if (msg_seq.wrapping_sub(d) as i32) < 0 {
+                    // Delivered or refused at the peer: its own ACK or NAK decides.
+                    continue;
+                }
+                match self.ops[i].status {
+                    None => self.finish(self.base_id + i as u64, WcStatus::WrFlushError),
+                    Some(WcStatus::Success) => {
+                        self.ops[i].status = Some(WcStatus::WrFlushError);
+                    }
+                    Some(_) => {}
+                }
                 continue;
             }
             if first.is_none() && self.ops[i].status.is_none() {
@@ -1127,7 +1154,7 @@ impl SendQueue {
                 }
             }
         }
-        let msg_seq = first.unwrap_or_else(|| self.stream_seq.get(&stream).copied().unwrap_or(0));
+        let msg_seq = first.unwrap_or(next);
         self.dead_streams.entry(stream).or_insert(msg_seq);
         self.push(
             0,
@@ -1141,8 +1168,8 @@ impl SendQueue {
         true
     }
 
-    /// Ask the peer to stop sending on `stream` with `code` (once per stream), after the
-    /// `delivered` messages this side delivered on it in order.
+    /// Ask the peer to stop sending on `stream` with `code` (once per stream): this side's
+    /// delivery on it ended at message `delivered` (`RecvState::stop`).
     pub fn stop_stream(&mut self, stream: u32, code: u32, delivered: u32) -> bool {
         if !self.stopped_streams.insert(stream) {
             return false;
