@@ -5,17 +5,16 @@ use crate::mr::{MrInner, PdInner};
 use crate::{verbs_err, Access, Error, Mr, Pd, RemoteRegion, Result, WcOpcode, WcStatus};
 use bytes::Bytes;
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::Ipv6Addr;
 use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context as TaskCx, Poll};
+use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 
 /// How the task awaiting a completion ([`RcQp::send`], [`RcQp::recv`], ...) learns of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -40,7 +39,8 @@ pub enum CqPoll {
     },
 }
 
-/// Configuration of an [`RcQp`]. Defaults follow `ibv_rc_pingpong` where it has one.
+/// Configuration of an [`RcQp`]. Defaults follow `ibv_rc_pingpong` where it has one,
+/// except [`QpConfig::retry_cnt`] and [`QpConfig::rnr_retry`] (finite here).
 #[derive(Debug, Clone)]
 pub struct QpConfig {
     /// Port number (1-based). Default 1.
@@ -63,9 +63,19 @@ pub struct QpConfig {
     pub max_rdma_wr: u32,
     /// Local ACK timeout exponent (4.096 µs × 2^timeout; IBA 9.7.6.1.3). Default 14.
     pub timeout: u8,
-    /// Transport retries (0..7). Default 7.
+    /// Transport retries after a local ACK timeout (0..7; IBA 9.7.6.1.3 counts 7 as 7
+    /// retries, but rdma_rxe treats 7 as "retry forever", as for `rnr_retry`: its
+    /// completer never decrements a count of 7). Default 6, so a SEND to a peer whose QP
+    /// is gone (destroyed, or in ERR and silent) fails with `RetryExceeded` after
+    /// 7 × the local ACK timeout (about 0.5 s with the default `timeout` 14) on every
+    /// provider. (`ibv_rc_pingpong` uses 7.)
     pub retry_cnt: u8,
-    /// RNR retries (0..7, 7 = forever). Default 7.
+    /// RNR retries (IBA 9.7.5.2.8: 0..6 is that many retries after an RNR NAK, each after
+    /// the responder's RNR timer; 7 retries forever). Default 6: a SEND to a peer QP that
+    /// posts no receive (its owner stopped reading, or never started) fails with
+    /// `RnrRetryExceeded` after 6 waits of the peer's [`QpConfig::min_rnr_timer`], rather
+    /// than hanging. `ibv_rc_pingpong` uses 7; choose it only where something else
+    /// bounds a dead peer (e.g. a control channel that moves the QP to ERR).
     pub rnr_retry: u8,
     /// Minimal RNR NAK timer code advertised (IBA table 45). Default 12 (0.64 ms).
     pub min_rnr_timer: u8,
@@ -105,8 +115,8 @@ impl Default for QpConfig {
             slot_size: 64 * 1024,
             max_rdma_wr: 128,
             timeout: 14,
-            retry_cnt: 7,
-            rnr_retry: 7,
+            retry_cnt: 6,
+            rnr_retry: 6,
             min_rnr_timer: 12,
             max_rd_atomic: 16,
             flow_label: 0,
@@ -227,14 +237,92 @@ const IBV_WR_RDMA_READ: u32 = 4;
 const IBV_WR_ATOMIC_CMP_AND_SWP: u32 = 5;
 const IBV_WR_ATOMIC_FETCH_AND_ADD: u32 = 6;
 
-struct Pending {
-    tx: Option<oneshot::Sender<Wc>>,
+/// A send-queue work request posted and not yet completed (an [`OpTable`] entry).
+struct Posted {
     opcode: WcOpcode,
     /// Keeps the MR (and its buffer) registered until the completion is polled.
     _hold: Option<Arc<MrInner>>,
-    _permit: OwnedSemaphorePermit,
+    /// The RDMA permit (WRITE/READ/atomics); SENDs are bounded by the send slots.
+    _permit: Option<OwnedSemaphorePermit>,
     send_slot: Option<u32>,
     atomic_slot: Option<u32>,
+    /// The waker of the [`OpFuture`] awaiting it, once that future has been polled.
+    waker: Option<Waker>,
+    /// The [`OpFuture`] still exists (when it does not, the entry is freed at completion).
+    awaited: bool,
+}
+
+enum Entry {
+    Free,
+    Posted(Posted),
+    /// Completed; the [`Wc`] waits for its [`OpFuture`].
+    Done(Wc),
+}
+
+/// The send queue's bookkeeping, under one lock: an entry per posted work request,
+/// indexed by the low 32 bits of its `wr_id` (the high bits hold the entry's generation,
+/// so a stale or forged `wr_id` matches nothing), plus the free send and atomic slots.
+/// Posting takes the lock once, a completion once, an [`OpFuture`] once per poll: no map,
+/// no channel, no allocation per work request (the entry vector only grows while more
+/// [`OpFuture`]s of completed requests are held than ever before).
+struct OpTable {
+    entries: Vec<(u32, Entry)>,
+    free: Vec<u32>,
+    send_free: Vec<u32>,
+    atomic_free: Vec<u32>,
+    /// Entries in [`Entry::Posted`] (work requests the device still owns).
+    posted: usize,
+    /// Set when the CQ task has ended: no completion is dispatched any more, so an
+    /// awaiting [`OpFuture`] resolves to [`Error::Closed`] (the entry keeps its MR hold
+    /// until the QP is destroyed).
+    closed: bool,
+}
+
+impl OpTable {
+    fn wr_id(idx: u32, gen: u32) -> u64 {
+        (u64::from(gen) << 32) | u64::from(idx)
+    }
+
+    /// Store `p`; returns its `wr_id`.
+    fn insert(&mut self, p: Posted) -> (u32, u32) {
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.entries.push((0, Entry::Free));
+                (self.entries.len() - 1) as u32
+            }
+        };
+        let e = &mut self.entries[idx as usize];
+        // Bit 31 stays clear: bit 63 of a wr_id marks receives.
+        e.0 = e.0.wrapping_add(1) & 0x7FFF_FFFF;
+        e.1 = Entry::Posted(p);
+        self.posted += 1;
+        (idx, e.0)
+    }
+
+    /// The posted entry named by `wr_id`, taken out (the entry becomes free or, if its
+    /// future still exists, is left for the [`Wc`]).
+    fn take_posted(&mut self, wr_id: u64) -> Option<(u32, Posted)> {
+        let (idx, gen) = ((wr_id & 0xFFFF_FFFF) as u32, (wr_id >> 32) as u32);
+        let e = self.entries.get_mut(idx as usize)?;
+        if e.0 != gen || !matches!(e.1, Entry::Posted(_)) {
+            return None;
+        }
+        let Entry::Posted(p) = std::mem::replace(&mut e.1, Entry::Free) else {
+            return None;
+        };
+        self.posted -= 1;
+        if let Some(sl) = p.send_slot {
+            self.send_free.push(sl);
+        }
+        if let Some(sl) = p.atomic_slot {
+            self.atomic_free.push(sl);
+        }
+        if !p.awaited {
+            self.free.push(idx);
+        }
+        Some((idx, p))
+    }
 }
 
 /// Shared state of a QP: owned by its handles and its completion task; destroys the verbs
@@ -251,15 +339,14 @@ pub(crate) struct QpShared {
     gid_index: u8,
     cfg: QpConfig,
     state: Mutex<QpState>,
-    pending: Mutex<HashMap<u64, Pending>>,
-    next_wr: AtomicU64,
+    ops: Mutex<OpTable>,
     posted_recvs: AtomicUsize,
     closing: AtomicBool,
     close_notify: Notify,
-    send_sem: Arc<Semaphore>,
+    /// Signalled when a send slot is freed while `send_waiters` > 0 ([`RcQp::send`]).
+    send_space: Notify,
+    send_waiters: AtomicUsize,
     rdma_sem: Arc<Semaphore>,
-    send_free: Mutex<Vec<u32>>,
-    atomic_free: Mutex<Vec<u32>>,
     send_pool: Arc<MrInner>,
     recv_pool: Option<Arc<MrInner>>,
     atomic_pool: Arc<MrInner>,
@@ -268,7 +355,7 @@ pub(crate) struct QpShared {
     unknown_wcs: AtomicU64,
     /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
     /// completions are dispatched (and receives queued) in CQ order.
-    poll_lock: Mutex<()>,
+    poll_lock: Mutex<[ibv_wc; POLL_BATCH]>,
     /// Busy-polling waiters ([`CqPoll::BusySpin`]) currently spinning: while any is, the
     /// CQ task does not arm the CQ (no completion event, no system calls per completion).
     spinners: AtomicUsize,
@@ -283,7 +370,7 @@ impl Drop for QpShared {
         if let Err(e) = ffi::destroy_qp(self.qp) {
             tracing::error!(error = %e, "ibv_destroy_qp failed; leaking QP resources");
             // The device may still reference the pools and held MRs: leak them.
-            std::mem::forget(std::mem::take(&mut *self.pending.lock()));
+            std::mem::forget(std::mem::take(&mut self.ops.lock().entries));
             std::mem::forget(self.send_pool.clone());
             std::mem::forget(self.atomic_pool.clone());
             std::mem::forget(self.recv_pool.clone());
@@ -305,7 +392,34 @@ struct TaskState {
     shared: Arc<QpShared>,
 }
 
+impl Drop for TaskState {
+    /// The task ended (or the runtime dropped it): nothing dispatches completions any
+    /// more, so awaiting operations resolve to [`Error::Closed`] and `recv` ends.
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::Release);
+        self.shared.close_ops();
+    }
+}
+
+/// Which pool slot a work request takes ([`RcQp::post`]).
+#[derive(Clone, Copy)]
+enum Slot {
+    None,
+    Send,
+    Atomic,
+}
+
 impl QpShared {
+    /// Copy `data` into send slot `slot` (taken from the op table's free list by the
+    /// caller) and return the SGE naming it (`None` for an empty message).
+    fn fill_send_slot(&self, slot: u32, data: &[u8]) -> Result<Option<ffi::ibv_sge>> {
+        let off = slot as usize * self.cfg.slot_size as usize;
+        self.send_pool.buf().write(off, data);
+        (!data.is_empty())
+            .then(|| self.send_pool.sge(off as u64, data.len() as u64))
+            .transpose()
+    }
+
     fn modify(&self, attr: &mut ibv_qp_attr, mask: i32, op: &'static str) -> Result<()> {
         ffi::modify_qp(self.qp, attr, mask).map_err(verbs_err(op))
     }
@@ -321,7 +435,7 @@ impl QpShared {
     }
 
     fn outstanding(&self) -> usize {
-        self.pending.lock().len() + self.posted_recvs.load(Ordering::Acquire)
+        self.ops.lock().posted + self.posted_recvs.load(Ordering::Acquire)
     }
 
     fn post_recv_slot(&self, slot: u32) -> Result<()> {
@@ -361,7 +475,9 @@ impl QpShared {
             let _ = self.recv_tx_id.send((wc, w.wr_id & !RECV_BIT));
             return;
         }
-        let Some(p) = self.pending.lock().remove(&w.wr_id) else {
+        let mut t = self.ops.lock();
+        let Some((idx, mut p)) = t.take_posted(w.wr_id) else {
+            drop(t);
             self.unknown_wcs.fetch_add(1, Ordering::Relaxed);
             return;
         };
@@ -369,39 +485,56 @@ impl QpShared {
         if w.status != 0 {
             wc.opcode = p.opcode;
         }
-        if let Some(s) = p.send_slot {
-            self.send_free.lock().push(s);
-        }
         if let Some(s) = p.atomic_slot {
-            if let Some(tx) = p.tx {
-                // The old value (host order, as the device wrote it) goes to atomic()
-                // as (byte_len << 32) | imm; the slot is free again right after.
-                let mut b = [0u8; 8];
-                self.atomic_pool.buf().read(s as usize * 8, &mut b);
-                let v = u64::from_ne_bytes(b);
-                let wc2 = Wc {
-                    imm: Some(v as u32),
-                    byte_len: (v >> 32) as u32,
-                    ..wc
-                };
-                self.atomic_free.lock().push(s);
-                let _ = tx.send(wc2);
-                return;
-            }
-            self.atomic_free.lock().push(s);
-            return;
+            // The old value (host order, as the device wrote it) goes to atomic() as
+            // (byte_len << 32) | imm. The slot went back to the free list above, but
+            // nobody can take it before this lock is released.
+            let mut b = [0u8; 8];
+            self.atomic_pool.buf().read(s as usize * 8, &mut b);
+            let v = u64::from_ne_bytes(b);
+            wc.imm = Some(v as u32);
+            wc.byte_len = (v >> 32) as u32;
         }
-        if let Some(tx) = p.tx {
-            let _ = tx.send(wc);
+        if p.awaited {
+            t.entries[idx as usize].1 = Entry::Done(wc);
+        }
+        drop(t);
+        if p.send_slot.is_some() && self.send_waiters.load(Ordering::SeqCst) > 0 {
+            self.send_space.notify_waiters();
+        }
+        // Wake (and release the permit and the MR hold) outside the lock.
+        if let Some(w) = p.waker.take() {
+            w.wake();
         }
     }
 
+    /// Mark the table closed and wake every awaiting [`OpFuture`] (they resolve to
+    /// [`Error::Closed`]): called when the CQ task ends, after which nothing dispatches.
+    fn close_ops(&self) {
+        let wakers: Vec<Waker> = {
+            let mut t = self.ops.lock();
+            t.closed = true;
+            t.entries
+                .iter_mut()
+                .filter_map(|e| match &mut e.1 {
+                    Entry::Posted(p) => p.waker.take(),
+                    _ => None,
+                })
+                .collect()
+        };
+        for w in wakers {
+            w.wake();
+        }
+        self.send_space.notify_waiters();
+    }
+
     fn poll_all(&self) -> Result<usize> {
-        let _g = self.poll_lock.lock();
-        let mut wcs = [ibv_wc::default(); POLL_BATCH];
+        // The buffer lives under the lock: a spinning waiter polls many times per
+        // completion, and zeroing 32 entries per poll is not free under emulation.
+        let mut wcs = self.poll_lock.lock();
         let mut total = 0;
         loop {
-            let n = ffi::poll_cq(self.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?;
+            let n = ffi::poll_cq(self.cq, &mut wcs[..]).map_err(verbs_err("ibv_poll_cq"))?;
             for w in &wcs[..n] {
                 self.dispatch(w);
             }
@@ -522,6 +655,10 @@ const POLL_BATCH: usize = 32;
 /// on separate threads, as separate processes would be).
 pub const SPIN_BURST: u32 = 128;
 
+/// A spinning waiter looks for its result after every poll that dispatched completions
+/// and, in case another thread dispatched it, once every this many polls.
+const RECHECK: u32 = 16;
+
 struct Handle(Arc<QpShared>);
 
 impl Drop for Handle {
@@ -557,12 +694,106 @@ impl std::fmt::Debug for RcQp {
 }
 
 /// The completion of one posted work request. Resolves to the [`Wc`] (any status; use
-/// [`Wc::ok`]), or [`Error::Closed`] if the QP was destroyed first. Dropping it does not
-/// cancel the work request.
-#[derive(Debug)]
+/// [`Wc::ok`]), or [`Error::Closed`] if the QP's completion task ended first. Dropping it
+/// does not cancel the work request (its memory stays held until it completes).
+///
+/// Under [`CqPoll::BusySpin`] the future polls the CQ itself from its first poll on; a
+/// future that is dropped unpolled (a fire-and-forget [`RcQp::post_send`]) costs no spin.
 pub struct OpFuture {
-    rx: oneshot::Receiver<Wc>,
-    spin: Option<Spin>,
+    shared: Arc<QpShared>,
+    /// Entry index in the op table; `u32::MAX` once the result was taken.
+    idx: u32,
+    gen: u32,
+    spin: SpinPhase,
+}
+
+enum SpinPhase {
+    Off,
+    NotStarted(Duration),
+    On(Spin),
+}
+
+impl std::fmt::Debug for OpFuture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpFuture")
+            .field("qpn", &self.shared.qpn)
+            .field("wr_id", &OpTable::wr_id(self.idx, self.gen))
+            .finish()
+    }
+}
+
+impl OpFuture {
+    /// The result if the work request completed (or can no longer complete); otherwise
+    /// registers `waker` (if any) and returns `None`.
+    fn try_take(
+        shared: &QpShared,
+        this_idx: &mut u32,
+        gen: u32,
+        waker: Option<&Waker>,
+    ) -> Option<Result<Wc>> {
+        let mut t = shared.ops.lock();
+        let closed = t.closed;
+        let idx = *this_idx as usize;
+        let Some(e) = t.entries.get_mut(idx).filter(|e| e.0 == gen) else {
+            *this_idx = u32::MAX;
+            return Some(Err(Error::Closed));
+        };
+        match &mut e.1 {
+            Entry::Done(wc) => {
+                let wc = *wc;
+                e.1 = Entry::Free;
+                t.free.push(*this_idx);
+                *this_idx = u32::MAX;
+                Some(Ok(wc))
+            }
+            Entry::Posted(p) if closed => {
+                // Nothing will dispatch it; the entry (and its hold) stays until the QP
+                // is destroyed.
+                p.awaited = false;
+                p.waker = None;
+                *this_idx = u32::MAX;
+                Some(Err(Error::Closed))
+            }
+            Entry::Posted(p) => {
+                if let Some(w) = waker {
+                    match &p.waker {
+                        Some(old) if old.will_wake(w) => {}
+                        _ => p.waker = Some(w.clone()),
+                    }
+                }
+                None
+            }
+            Entry::Free => {
+                *this_idx = u32::MAX;
+                Some(Err(Error::Closed))
+            }
+        }
+    }
+}
+
+impl Drop for OpFuture {
+    fn drop(&mut self) {
+        if self.idx == u32::MAX {
+            return;
+        }
+        let mut t = self.shared.ops.lock();
+        let idx = self.idx as usize;
+        let Some(e) = t.entries.get_mut(idx).filter(|e| e.0 == self.gen) else {
+            return;
+        };
+        match &mut e.1 {
+            Entry::Done(_) => {
+                e.1 = Entry::Free;
+                t.free.push(self.idx);
+            }
+            Entry::Posted(p) => {
+                // The completion frees the entry.
+                p.awaited = false;
+                p.waker = None;
+            }
+            Entry::Free => {}
+        }
+    }
 }
 
 /// The busy-poll state of one wait under [`CqPoll::BusySpin`].
@@ -574,9 +805,15 @@ struct Spin {
     polls: u32,
 }
 
-impl std::fmt::Debug for Spin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Spin").field("max", &self.max).finish()
+impl Spin {
+    fn new(shared: &Arc<QpShared>, max: Duration) -> Spin {
+        shared.spinners.fetch_add(1, Ordering::AcqRel);
+        Spin {
+            shared: shared.clone(),
+            deadline: None,
+            max,
+            polls: 0,
+        }
     }
 }
 
@@ -589,23 +826,34 @@ impl Drop for Spin {
 }
 
 impl Spin {
-    /// Poll the CQ once (dispatching whatever completed). Returns false once the spin's
-    /// time is up (or polling failed): the caller then waits for the CQ task instead.
-    fn poll_once(&mut self) -> bool {
-        if self.polls % SPIN_BURST == 0 {
-            // The clock is read once per burst: in a guest whose clocksource is the
-            // emulated HPET, reading it costs more than the poll.
+    /// Poll the CQ once (dispatching whatever completed). Returns how many completions
+    /// it dispatched, or `None` once the spin's time is up (or polling failed): the
+    /// caller then waits for the CQ task instead.
+    fn poll_once(&mut self) -> Option<usize> {
+        if self.polls % SPIN_BURST == 0 && self.polls != 0 {
+            // The clock is read once per burst, and not before the first: in a guest whose
+            // clocksource is the emulated HPET a read costs more than a poll, and most
+            // waits of a busy QP end within the first burst. A wait thus spins at least
+            // one burst, and `max` counts from the end of the first.
             let now = std::time::Instant::now();
             let d = *self.deadline.get_or_insert(now + self.max);
             if now >= d {
-                return false;
+                return None;
             }
         }
         self.polls = self.polls.wrapping_add(1);
         if self.shared.closing.load(Ordering::Acquire) {
-            return false;
+            return None;
         }
-        self.shared.poll_all().is_ok()
+        self.shared.poll_all().ok()
+    }
+
+    /// Whether a waiter should look for its result after a poll that dispatched `n`
+    /// completions: when this poll dispatched some, and every [`RECHECK`] polls (another
+    /// waiter or the CQ task may have dispatched it), so that the empty polls of a spin
+    /// stay a CQ poll and nothing more.
+    fn recheck(&self, n: usize) -> bool {
+        n > 0 || self.polls % RECHECK == 1
     }
 }
 
@@ -613,21 +861,25 @@ impl Future for OpFuture {
     type Output = Result<Wc>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
         let this = &mut *self;
-        if let Some(spin) = &mut this.spin {
+        if this.idx == u32::MAX {
+            return Poll::Ready(Err(Error::Closed));
+        }
+        if let SpinPhase::NotStarted(max) = this.spin {
+            this.spin = SpinPhase::On(Spin::new(&this.shared, max));
+        }
+        if let SpinPhase::On(spin) = &mut this.spin {
             let mut live = true;
             for _ in 0..SPIN_BURST {
-                if !spin.poll_once() {
+                let Some(n) = spin.poll_once() else {
                     live = false;
                     break;
-                }
-                match this.rx.try_recv() {
-                    Ok(wc) => return Poll::Ready(Ok(wc)),
-                    Err(oneshot::error::TryRecvError::Closed) => {
-                        return Poll::Ready(Err(Error::Closed))
+                };
+                // No `spin_loop()` hint: QEMU's TCG turns PAUSE into an exit from its
+                // translated-code loop, costlier than the poll.
+                if spin.recheck(n) {
+                    if let Some(r) = Self::try_take(&this.shared, &mut this.idx, this.gen, None) {
+                        return Poll::Ready(r);
                     }
-                    // No `spin_loop()` hint: QEMU's TCG turns PAUSE into an exit from its
-                    // translated-code loop, costlier than the poll.
-                    Err(oneshot::error::TryRecvError::Empty) => {}
                 }
             }
             if live {
@@ -635,11 +887,12 @@ impl Future for OpFuture {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            this.spin = None;
+            this.spin = SpinPhase::Off;
         }
-        Pin::new(&mut this.rx)
-            .poll(cx)
-            .map(|r| r.map_err(|_| Error::Closed))
+        match Self::try_take(&this.shared, &mut this.idx, this.gen, Some(cx.waker())) {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        }
     }
 }
 
@@ -766,22 +1019,27 @@ impl RcQp {
             gid: gid_e.gid,
             gid_index: gid_e.index,
             state: Mutex::new(QpState::Init),
-            pending: Mutex::new(HashMap::new()),
-            next_wr: AtomicU64::new(1),
+            ops: Mutex::new(OpTable {
+                entries: Vec::with_capacity((cfg.send_slots + cfg.max_rdma_wr) as usize),
+                free: Vec::new(),
+                send_free: (0..cfg.send_slots).rev().collect(),
+                atomic_free: (0..cfg.max_rdma_wr).rev().collect(),
+                posted: 0,
+                closed: false,
+            }),
             posted_recvs: AtomicUsize::new(0),
             closing: AtomicBool::new(false),
             close_notify: Notify::new(),
-            send_sem: Arc::new(Semaphore::new(cfg.send_slots as usize)),
+            send_space: Notify::new(),
+            send_waiters: AtomicUsize::new(0),
             rdma_sem: Arc::new(Semaphore::new(cfg.max_rdma_wr as usize)),
-            send_free: Mutex::new((0..cfg.send_slots).rev().collect()),
-            atomic_free: Mutex::new((0..cfg.max_rdma_wr).rev().collect()),
             send_pool: send_pool.0,
             recv_pool: recv_pool.map(|m| m.0),
             atomic_pool: atomic_pool.0,
             recv_rx: tokio::sync::Mutex::new(recv_rx),
             recv_tx_id,
             unknown_wcs: AtomicU64::new(0),
-            poll_lock: Mutex::new(()),
+            poll_lock: Mutex::new([ibv_wc::default(); POLL_BATCH]),
             spinners: AtomicUsize::new(0),
             spin_notify: Notify::new(),
             _pd: pd.0.clone(),
@@ -916,70 +1174,84 @@ impl RcQp {
         self.s().to_error()
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Post `wr` as a signaled work request with a new op-table entry (holding `permit`,
+    /// `hold` and, per `slot`, a send or atomic slot, whose index `sge` gets to name the
+    /// local memory). One op-table lock, one `ibv_post_send`, no allocation.
+    /// [`Error::SendQueueFull`] if `slot` is [`Slot::Send`] and every send slot is taken.
     fn post(
         &self,
-        permit: OwnedSemaphorePermit,
+        permit: Option<OwnedSemaphorePermit>,
         mut wr: ibv_send_wr,
-        sge: Option<ffi::ibv_sge>,
         opcode: WcOpcode,
         hold: Option<Arc<MrInner>>,
-        send_slot: Option<u32>,
-        atomic_slot: Option<u32>,
+        slot: Slot,
+        sge: impl FnOnce(Option<u32>) -> Result<Option<ffi::ibv_sge>>,
     ) -> Result<OpFuture> {
         let s = self.s();
-        let id = s.next_wr.fetch_add(1, Ordering::Relaxed) & !RECV_BIT;
-        let (tx, rx) = oneshot::channel();
-        s.pending.lock().insert(
-            id,
-            Pending {
-                tx: Some(tx),
+        let (idx, gen, sl) = {
+            let mut t = s.ops.lock();
+            let sl = match slot {
+                Slot::None => None,
+                Slot::Send => match t.send_free.pop() {
+                    Some(sl) => Some(sl),
+                    None => return Err(Error::SendQueueFull),
+                },
+                Slot::Atomic => Some(
+                    t.atomic_free
+                        .pop()
+                        .expect("an RDMA permit guarantees an atomic slot"),
+                ),
+            };
+            let (idx, gen) = t.insert(Posted {
                 opcode,
                 _hold: hold,
                 _permit: permit,
-                send_slot,
-                atomic_slot,
-            },
-        );
+                send_slot: sl.filter(|_| matches!(slot, Slot::Send)),
+                atomic_slot: sl.filter(|_| matches!(slot, Slot::Atomic)),
+                waker: None,
+                awaited: true,
+            });
+            (idx, gen, sl)
+        };
+        let id = OpTable::wr_id(idx, gen);
+        let undo = |e: Error| {
+            let p = {
+                let mut t = s.ops.lock();
+                let p = t.take_posted(id);
+                t.free.push(idx);
+                p
+            };
+            drop(p);
+            e
+        };
+        let mut sge = sge(sl).map_err(undo)?;
         wr.wr_id = id;
         wr.send_flags |= IBV_SEND_SIGNALED;
-        let mut sge = sge;
-        // SAFETY: the memory named by the SGE belongs to an MR held by the Pending entry
+        // SAFETY: the memory named by the SGE belongs to an MR held by the op-table entry
         // just inserted (or to a pool of QpShared), released only when the completion is
         // dispatched or after the QP is destroyed.
         let r = unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) };
         if let Err(e) = r {
-            if let Some(p) = s.pending.lock().remove(&id) {
-                if let Some(sl) = p.send_slot {
-                    s.send_free.lock().push(sl);
-                }
-                if let Some(sl) = p.atomic_slot {
-                    s.atomic_free.lock().push(sl);
-                }
-            }
-            return Err(Error::Verbs {
+            return Err(undo(Error::Verbs {
                 op: "ibv_post_send",
                 source: e,
-            });
+            }));
         }
         Ok(OpFuture {
-            rx,
-            spin: self.spinner(),
+            shared: self.h.0.clone(),
+            idx,
+            gen,
+            spin: match s.cfg.poll {
+                CqPoll::Events => SpinPhase::Off,
+                CqPoll::BusySpin { max } => SpinPhase::NotStarted(max),
+            },
         })
     }
 
     fn spinner(&self) -> Option<Spin> {
         match self.s().cfg.poll {
             CqPoll::Events => None,
-            CqPoll::BusySpin { max } => Some(Spin {
-                shared: {
-                    self.h.0.spinners.fetch_add(1, Ordering::AcqRel);
-                    self.h.0.clone()
-                },
-                deadline: None,
-                max,
-                polls: 0,
-            }),
+            CqPoll::BusySpin { max } => Some(Spin::new(&self.h.0, max)),
         }
     }
 
@@ -1005,12 +1277,13 @@ impl RcQp {
         }
     }
 
-    fn post_send_with(
-        &self,
-        permit: OwnedSemaphorePermit,
-        data: &[u8],
-        imm: Option<u32>,
-    ) -> Result<OpFuture> {
+    /// Post a SEND of `data` (copied into a send slot) without waiting for a slot.
+    ///
+    /// # Errors
+    /// [`Error::SendQueueFull`] if every send slot is in flight; [`Error::InvalidArgument`]
+    /// if `data` exceeds `slot_size`; [`Error::Verbs`] if the post fails (e.g. QP in RESET).
+    pub fn post_send(&self, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
+        self.check_open()?;
         let s = self.s();
         if data.len() > s.cfg.slot_size as usize {
             return Err(Error::InvalidArgument(format!(
@@ -1019,16 +1292,6 @@ impl RcQp {
                 s.cfg.slot_size
             )));
         }
-        let slot = s
-            .send_free
-            .lock()
-            .pop()
-            .expect("a send permit guarantees a free slot");
-        let off = slot as usize * s.cfg.slot_size as usize;
-        s.send_pool.buf().write(off, data);
-        let sge = (!data.is_empty())
-            .then(|| s.send_pool.sge(off as u64, data.len() as u64))
-            .transpose()?;
         let mut wr = Self::blank_wr(if imm.is_some() {
             IBV_WR_SEND_WITH_IMM
         } else {
@@ -1038,23 +1301,9 @@ impl RcQp {
         if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
             wr.send_flags = IBV_SEND_INLINE;
         }
-        self.post(permit, wr, sge, WcOpcode::Send, None, Some(slot), None)
-    }
-
-    /// Post a SEND of `data` (copied into a send slot) without waiting for a slot.
-    ///
-    /// # Errors
-    /// [`Error::SendQueueFull`] if every send slot is in flight; [`Error::InvalidArgument`]
-    /// if `data` exceeds `slot_size`; [`Error::Verbs`] if the post fails (e.g. QP in RESET).
-    pub fn post_send(&self, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
-        self.check_open()?;
-        let p = self
-            .s()
-            .send_sem
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::SendQueueFull)?;
-        self.post_send_with(p, data, imm)
+        self.post(None, wr, WcOpcode::Send, None, Slot::Send, |sl| {
+            s.fill_send_slot(sl.expect("Slot::Send"), data)
+        })
     }
 
     /// SEND `data` (optionally with immediate data) and wait for its completion. Waits for
@@ -1063,15 +1312,26 @@ impl RcQp {
     /// # Errors
     /// As [`RcQp::post_send`] (never `SendQueueFull`), or [`Error::Completion`].
     pub async fn send(&self, data: &[u8], imm: Option<u32>) -> Result<Wc> {
-        self.check_open()?;
-        let p = self
-            .s()
-            .send_sem
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| Error::Closed)?;
-        self.post_send_with(p, data, imm)?.await?.ok()
+        let s = self.s();
+        let op = match self.post_send(data, imm) {
+            Err(Error::SendQueueFull) => loop {
+                // Count ourselves as a waiter before the retry: a slot freed after the
+                // retry then notifies (see OpTable::take_posted's caller, dispatch).
+                let space = s.send_space.notified();
+                tokio::pin!(space);
+                space.as_mut().enable();
+                s.send_waiters.fetch_add(1, Ordering::SeqCst);
+                let r = self.post_send(data, imm);
+                if !matches!(r, Err(Error::SendQueueFull)) {
+                    s.send_waiters.fetch_sub(1, Ordering::SeqCst);
+                    break r?;
+                }
+                space.await;
+                s.send_waiters.fetch_sub(1, Ordering::SeqCst);
+            },
+            r => r?,
+        };
+        op.await?.ok()
     }
 
     /// The next received message, in order. Reposts its receive slot.
@@ -1093,15 +1353,20 @@ impl RcQp {
             if let Some(sp) = &mut spin {
                 let mut live = true;
                 let mut got = None;
+                // Something else (the CQ task, another waiter) may have dispatched it.
+                if let Ok(m) = rx.try_recv() {
+                    break m;
+                }
                 for _ in 0..SPIN_BURST {
-                    // Something else (the CQ task, another waiter) may have dispatched it.
-                    if let Ok(m) = rx.try_recv() {
-                        got = Some(m);
-                        break;
-                    }
-                    if !sp.poll_once() {
+                    let Some(n) = sp.poll_once() else {
                         live = false;
                         break;
+                    };
+                    if sp.recheck(n) {
+                        if let Ok(m) = rx.try_recv() {
+                            got = Some(m);
+                            break;
+                        }
                     }
                 }
                 if let Some(m) = got {
@@ -1175,18 +1440,14 @@ impl RcQp {
                 "probe: data exceeds slot_size, or recv_slots is 0".into(),
             ));
         }
-        let _permit = s
-            .send_sem
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::SendQueueFull)?;
-        let slot = s
-            .send_free
-            .lock()
-            .pop()
-            .expect("a send permit guarantees a free slot");
-        let off = slot as usize * s.cfg.slot_size as usize;
-        s.send_pool.buf().write(off, data);
+        let slot = s.ops.lock().send_free.pop().ok_or(Error::SendQueueFull)?;
+        let sge0 = match s.fill_send_slot(slot, data) {
+            Ok(g) => g,
+            Err(e) => {
+                s.ops.lock().send_free.push(slot);
+                return Err(e);
+            }
+        };
         let max_out = s.cfg.send_slots as usize;
         let mut sends_out = 0usize;
         let post = |sends_out: &mut usize| -> Result<()> {
@@ -1196,9 +1457,7 @@ impl RcQp {
             if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
                 wr.send_flags |= IBV_SEND_INLINE;
             }
-            let mut sge = (!data.is_empty())
-                .then(|| s.send_pool.sge(off as u64, data.len() as u64))
-                .transpose()?;
+            let mut sge = sge0;
             // SAFETY: the SGE lies in send_pool, registered until after the QP is destroyed.
             unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) }
                 .map_err(verbs_err("ibv_post_send"))?;
@@ -1275,7 +1534,7 @@ impl RcQp {
             Ok(())
         })();
         if r.is_ok() {
-            s.send_free.lock().push(slot);
+            s.ops.lock().send_free.push(slot);
         }
         r.map(|()| rtts)
     }
@@ -1361,7 +1620,14 @@ impl RcQp {
             _ => WcOpcode::RdmaWrite,
         };
         let sge = (len > 0).then_some(sge);
-        self.post(permit, wr, sge, op, Some(local.0.clone()), None, None)
+        self.post(
+            Some(permit),
+            wr,
+            op,
+            Some(local.0.clone()),
+            Slot::None,
+            |_| Ok(sge),
+        )
     }
 
     /// Post an RDMA WRITE of `local[loff..loff+len]` to `remote` at `roff` (with
@@ -1478,12 +1744,6 @@ impl RcQp {
         }
         let p = self.rdma_permit().await?;
         let s = self.s();
-        let slot = s
-            .atomic_free
-            .lock()
-            .pop()
-            .expect("an RDMA permit guarantees a free atomic slot");
-        let sge = s.atomic_pool.sge(u64::from(slot) * 8, 8)?;
         let mut wr = Self::blank_wr(opcode);
         wr.wr.remote_addr = raddr;
         wr.wr.word1 = compare_add;
@@ -1495,7 +1755,10 @@ impl RcQp {
             WcOpcode::FetchAdd
         };
         let wc = self
-            .post(p, wr, Some(sge), op, None, None, Some(slot))?
+            .post(Some(p), wr, op, None, Slot::Atomic, |sl| {
+                let slot = sl.expect("Slot::Atomic");
+                s.atomic_pool.sge(u64::from(slot) * 8, 8).map(Some)
+            })?
             .await?
             .ok()?;
         // dispatch() hands the old value over as (byte_len << 32) | imm.
