@@ -5,6 +5,7 @@ use crate::mr::{MrInner, PdInner};
 use crate::{verbs_err, Access, Error, Mr, Pd, RemoteRegion, Result, WcOpcode, WcStatus};
 use bytes::Bytes;
 use parking_lot::Mutex;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::Ipv6Addr;
 use std::os::fd::RawFd;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// How the task awaiting a completion ([`RcQp::send`], [`RcQp::recv`], ...) learns of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -350,8 +351,12 @@ pub(crate) struct QpShared {
     send_pool: Arc<MrInner>,
     recv_pool: Option<Arc<MrInner>>,
     atomic_pool: Arc<MrInner>,
-    recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Wc, u64)>>,
-    recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
+    /// Receive completions (with their slot) in CQ order, waiting for [`RcQp::recv`]. At
+    /// most `recv_slots` (one per posted receive).
+    recvd: Mutex<VecDeque<(Wc, u32)>>,
+    /// Signalled on a push to `recvd` while `recv_waiters` > 0, and when the CQ task ends.
+    recv_notify: Notify,
+    recv_waiters: AtomicUsize,
     unknown_wcs: AtomicU64,
     /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
     /// completions are dispatched (and receives queued) in CQ order.
@@ -472,7 +477,11 @@ impl QpShared {
             if w.status != 0 {
                 wc.opcode = WcOpcode::Recv;
             }
-            let _ = self.recv_tx_id.send((wc, w.wr_id & !RECV_BIT));
+            let slot = (w.wr_id & !RECV_BIT) as u32;
+            self.recvd.lock().push_back((wc, slot));
+            if self.recv_waiters.load(Ordering::SeqCst) > 0 {
+                self.recv_notify.notify_waiters();
+            }
             return;
         }
         let mut t = self.ops.lock();
@@ -526,6 +535,7 @@ impl QpShared {
             w.wake();
         }
         self.send_space.notify_waiters();
+        self.recv_notify.notify_waiters();
     }
 
     fn poll_all(&self) -> Result<usize> {
@@ -658,6 +668,15 @@ pub const SPIN_BURST: u32 = 128;
 /// A spinning waiter looks for its result after every poll that dispatched completions
 /// and, in case another thread dispatched it, once every this many polls.
 const RECHECK: u32 = 16;
+
+/// Counts a waiter while it exists (cancel safe: a dropped wait uncounts itself).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 struct Handle(Arc<QpShared>);
 
@@ -896,6 +915,24 @@ impl Future for OpFuture {
     }
 }
 
+/// The remote address of `remote[roff..roff + len]`. `remote` may come from a peer, so
+/// every sum is checked: an [`Error::InvalidArgument`], never an overflow. Shared by
+/// [`RcQp`] and [`crate::MpConnection`].
+pub(crate) fn remote_range(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
+    let bad = || {
+        Error::InvalidArgument(format!(
+            "remote range {roff}+{len} outside the {}-byte region at {:#x}",
+            remote.len, remote.addr
+        ))
+    };
+    if roff.checked_add(len).is_none_or(|e| e > remote.len) {
+        return Err(bad());
+    }
+    let raddr = remote.addr.checked_add(roff).ok_or_else(bad)?;
+    raddr.checked_add(len).ok_or_else(bad)?;
+    Ok(raddr)
+}
+
 fn mtu_enum(bytes: u32) -> Result<u32> {
     Ok(match bytes {
         256 => 1,
@@ -1007,7 +1044,6 @@ impl RcQp {
                 });
             }
         };
-        let (recv_tx_id, recv_rx) = mpsc::unbounded_channel();
         let psn = cfg.psn.unwrap_or_else(random_psn) & 0xFF_FFFF;
         let shared = Arc::new(QpShared {
             qp,
@@ -1036,8 +1072,9 @@ impl RcQp {
             send_pool: send_pool.0,
             recv_pool: recv_pool.map(|m| m.0),
             atomic_pool: atomic_pool.0,
-            recv_rx: tokio::sync::Mutex::new(recv_rx),
-            recv_tx_id,
+            recvd: Mutex::new(VecDeque::with_capacity(cfg.recv_slots as usize)),
+            recv_notify: Notify::new(),
+            recv_waiters: AtomicUsize::new(0),
             unknown_wcs: AtomicU64::new(0),
             poll_lock: Mutex::new([ibv_wc::default(); POLL_BATCH]),
             spinners: AtomicUsize::new(0),
@@ -1347,23 +1384,23 @@ impl RcQp {
         if s.recv_pool.is_none() {
             return Err(Error::InvalidArgument("QP has recv_slots 0".into()));
         }
-        let mut rx = s.recv_rx.lock().await;
+        let take = || s.recvd.lock().pop_front();
         let mut spin = self.spinner();
         let (wc, slot) = loop {
+            // Something else (the CQ task, another waiter) may have dispatched it.
+            if let Some(m) = take() {
+                break m;
+            }
             if let Some(sp) = &mut spin {
                 let mut live = true;
                 let mut got = None;
-                // Something else (the CQ task, another waiter) may have dispatched it.
-                if let Ok(m) = rx.try_recv() {
-                    break m;
-                }
                 for _ in 0..SPIN_BURST {
                     let Some(n) = sp.poll_once() else {
                         live = false;
                         break;
                     };
                     if sp.recheck(n) {
-                        if let Ok(m) = rx.try_recv() {
+                        if let Some(m) = take() {
                             got = Some(m);
                             break;
                         }
@@ -1378,18 +1415,28 @@ impl RcQp {
                 }
                 spin = None;
             }
-            // The receive channel's sender lives in QpShared, so it never closes while we
-            // hold the handle; wake up on close instead.
+            // Count ourselves as a waiter before looking again: a push after that look
+            // then notifies (see dispatch).
+            let pushed = s.recv_notify.notified();
+            tokio::pin!(pushed);
+            pushed.as_mut().enable();
+            s.recv_waiters.fetch_add(1, Ordering::SeqCst);
+            let _waiting = Waiting(&s.recv_waiters);
+            if let Some(m) = take() {
+                break m;
+            }
+            // Receives are flushed (queued) before the CQ task ends; wake up on close.
             tokio::select! {
-                m = rx.recv() => break m.ok_or(Error::Closed)?,
+                _ = pushed => {}
                 _ = tokio::time::sleep(Duration::from_millis(200)), if s.closing.load(Ordering::Acquire) => {
-                    if s.outstanding() == 0 { return Err(Error::Closed); }
+                    let ended = s.ops.lock().closed;
+                    if s.recvd.lock().is_empty() && (ended || s.outstanding() == 0) {
+                        return Err(Error::Closed);
+                    }
                 }
             }
         };
-        drop(rx);
         let wc = wc.ok()?;
-        let slot = slot as u32;
         let msg = if wc.opcode == WcOpcode::RdmaWriteWithImm {
             Message {
                 data: Bytes::new(),
@@ -1558,23 +1605,6 @@ impl RcQp {
             .map_err(|_| Error::Closed)
     }
 
-    /// The remote address of `remote[roff..roff + len]`. `remote` may come from a peer, so
-    /// every sum is checked: an error, never an overflow.
-    fn remote_check(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
-        let bad = || {
-            Error::InvalidArgument(format!(
-                "remote range {roff}+{len} outside the {}-byte region at {:#x}",
-                remote.len, remote.addr
-            ))
-        };
-        if roff.checked_add(len).is_none_or(|e| e > remote.len) {
-            return Err(bad());
-        }
-        let raddr = remote.addr.checked_add(roff).ok_or_else(bad)?;
-        raddr.checked_add(len).ok_or_else(bad)?;
-        Ok(raddr)
-    }
-
     /// Validate an RDMA WRITE/READ before it waits for a send-queue slot: the remote
     /// range, the local range (within the MR and at most 2^32 - 1 bytes, one SGE), and that
     /// the MR is of this QP's PD (otherwise the device would fail the work request with a
@@ -1592,7 +1622,7 @@ impl RcQp {
                 "the MR belongs to another protection domain than the QP".into(),
             ));
         }
-        let raddr = Self::remote_check(remote, roff, len)?;
+        let raddr = remote_range(remote, roff, len)?;
         let sge = local.0.sge(loff, len)?;
         Ok((raddr, sge))
     }
@@ -1736,7 +1766,7 @@ impl RcQp {
         compare_add: u64,
         swap: u64,
     ) -> Result<u64> {
-        let raddr = Self::remote_check(remote, roff, 8)?;
+        let raddr = remote_range(remote, roff, 8)?;
         if raddr % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "atomic target {raddr:#x} is not 8-byte aligned"
@@ -1783,5 +1813,78 @@ impl RcQp {
     pub async fn fetch_add(&self, remote: &RemoteRegion, roff: u64, add: u64) -> Result<u64> {
         self.atomic(IBV_WR_ATOMIC_FETCH_AND_ADD, remote, roff, add, 0)
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_and_local_ranges_are_checked_without_overflow() {
+        let r = RemoteRegion {
+            addr: 0x1000,
+            len: 100,
+            rkey: 7,
+        };
+        assert_eq!(remote_range(&r, 0, 100).unwrap(), 0x1000);
+        assert_eq!(remote_range(&r, 60, 40).unwrap(), 0x1000 + 60);
+        assert!(remote_range(&r, 60, 41).is_err());
+        assert!(remote_range(&r, u64::MAX, 2).is_err());
+        // A peer's region that wraps the address space.
+        let wrap = RemoteRegion {
+            addr: u64::MAX - 10,
+            len: 100,
+            rkey: 7,
+        };
+        assert!(remote_range(&wrap, 5, 20).is_err());
+        assert!(remote_range(&wrap, 20, 0).is_err());
+        assert!(crate::mr::local_range(100, 99, 1).is_ok());
+        assert!(crate::mr::local_range(100, 99, 2).is_err());
+        assert!(crate::mr::local_range(100, u64::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn op_table_matches_generation_and_frees_unawaited_entries() {
+        let mut t = OpTable {
+            entries: Vec::new(),
+            free: Vec::new(),
+            send_free: vec![0],
+            atomic_free: Vec::new(),
+            posted: 0,
+            closed: false,
+        };
+        let sem = Arc::new(Semaphore::new(1));
+        let posted = |awaited| Posted {
+            opcode: WcOpcode::Send,
+            _hold: None,
+            _permit: sem.clone().try_acquire_owned().ok(),
+            send_slot: None,
+            atomic_slot: None,
+            waker: None,
+            awaited,
+        };
+        let (i, g) = t.insert(posted(false));
+        let id = OpTable::wr_id(i, g);
+        // A stale or forged wr_id (other generation, other index, receive bit) matches nothing.
+        assert!(t.take_posted(id ^ (1 << 32)).is_none());
+        assert!(t.take_posted(id + 1).is_none());
+        assert!(t.take_posted(id | RECV_BIT).is_none());
+        assert_eq!(t.posted, 1);
+        assert!(t.take_posted(id).is_some());
+        assert_eq!(
+            (t.posted, t.free.len()),
+            (0, 1),
+            "unawaited: freed at completion"
+        );
+        // Replayed completion of the same wr_id: nothing.
+        assert!(t.take_posted(id).is_none());
+        // The entry is reused with a new generation; the old wr_id stays dead.
+        let (i2, g2) = t.insert(posted(true));
+        assert_eq!(i2, i);
+        assert_ne!(g2, g);
+        assert!(t.take_posted(id).is_none());
+        assert!(t.take_posted(OpTable::wr_id(i2, g2)).is_some());
+        assert!(t.free.is_empty(), "awaited: left for its OpFuture");
     }
 }
