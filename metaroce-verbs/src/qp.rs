@@ -1358,13 +1358,13 @@ impl RcQp {
                 tokio::pin!(space);
                 space.as_mut().enable();
                 s.send_waiters.fetch_add(1, Ordering::SeqCst);
+                // Uncounts on every exit, also when this future is dropped mid-wait.
+                let _waiting = Waiting(&s.send_waiters);
                 let r = self.post_send(data, imm);
                 if !matches!(r, Err(Error::SendQueueFull)) {
-                    s.send_waiters.fetch_sub(1, Ordering::SeqCst);
                     break r?;
                 }
                 space.await;
-                s.send_waiters.fetch_sub(1, Ordering::SeqCst);
             },
             r => r?,
         };

@@ -434,6 +434,51 @@ async fn send_to_dropped_peer_fails_in_bounded_time() {
     assert_eq!(st, WcStatus::WrFlushError);
 }
 
+/// With every send slot in flight, `post_send` says `SendQueueFull` and `send` waits
+/// (a waiter dropped mid-wait leaves nothing behind); once the QP enters ERR the stuck SEND
+/// is flushed, which frees its slot, and the waiting `send` is posted and flushed too.
+#[tokio::test]
+async fn send_waits_for_a_free_slot_and_is_flushed_on_error() {
+    let Some((_ctx, pd)) = device() else { return };
+    // The peer posts no receive and the sender retries RNR forever: the first SEND stays
+    // in flight, holding the only send slot.
+    let a = QpConfig {
+        send_slots: 1,
+        rnr_retry: 7,
+        ..QpConfig::default()
+    };
+    let b = QpConfig {
+        recv_slots: 0,
+        min_rnr_timer: 1,
+        ..QpConfig::default()
+    };
+    let (qa, _qb) = pair(&pd, a, b);
+    let stuck = qa.post_send(b"first", None).unwrap();
+    assert!(matches!(
+        qa.post_send(b"no slot", None),
+        Err(Error::SendQueueFull)
+    ));
+    // A waiter that gives up (dropped mid-wait) ...
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), qa.send(b"cancelled", None));
+    assert!(
+        gave_up.await.is_err(),
+        "send() must wait while no slot is free"
+    );
+    // ... and one that keeps waiting.
+    let qa2 = qa.clone();
+    let waiting = tokio::spawn(async move { qa2.send(b"second", None).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "send() must wait while no slot is free"
+    );
+    qa.set_error().unwrap();
+    let wc = timeout(stuck).await.unwrap();
+    assert_eq!(wc.status, WcStatus::WrFlushError);
+    let st = status_of(timeout(waiting).await.unwrap());
+    assert_eq!(st, WcStatus::WrFlushError);
+}
+
 #[tokio::test]
 async fn set_error_flushes_posted_receives() {
     let Some((_ctx, pd)) = device() else { return };
