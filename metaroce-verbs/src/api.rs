@@ -9,8 +9,11 @@
 //!   delivers in order, so each stream stays ordered.
 //! * Each stream's receive queue holds at most `recv_slots` messages; when one is full the
 //!   connection's receive loop waits, so the QP's receives are not reposted and the peer
-//!   meets RNR NAKs (retried forever with the default `rnr_retry` 7): backpressure instead
-//!   of unbounded buffering. A reader that waits on one stream while another's queue is full
+//!   meets RNR NAKs: backpressure instead of unbounded buffering. With the default
+//!   [`QpConfig::rnr_retry`] (6) a queue left full for longer than 6 of the reader's RNR
+//!   timers ([`QpConfig::min_rnr_timer`]) fails the writer's SEND with
+//!   `RnrRetryExceeded`; set `rnr_retry` 7 (retry forever, IBA 9.7.5.2.8) for unbounded
+//!   backpressure; a dead peer is then still caught by the TCP control channel. A reader that waits on one stream while another's queue is full
 //!   blocks both (one SEND queue, as in any RC stream multiplexing).
 //! * At most [`QpConfig::max_streams`] streams are open at once; a peer that opens more
 //!   gets the connection closed with [`CLOSE_STREAM_LIMIT`].

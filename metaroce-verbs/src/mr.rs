@@ -107,11 +107,10 @@ impl MrInner {
     }
     /// The SGE for `[off, off + len)`, or an error if out of range.
     pub(crate) fn sge(&self, off: u64, len: u64) -> Result<ffi::ibv_sge> {
-        let end = off.checked_add(len);
-        if end.is_none_or(|e| e > self.len() as u64) || len > u64::from(u32::MAX) {
+        local_range(self.len(), off, len)?;
+        if len > u64::from(u32::MAX) {
             return Err(Error::InvalidArgument(format!(
-                "local range {off}+{len} outside the {}-byte MR",
-                self.len()
+                "local range {off}+{len}: one SGE holds at most 2^32 - 1 bytes"
             )));
         }
         Ok(ffi::ibv_sge {
@@ -234,4 +233,15 @@ impl Mr {
             Err(a) => Err(Mr(a)),
         }
     }
+}
+
+/// Checks that `off..off + len` lies within an MR of `mr_len` bytes (every sum checked):
+/// [`Error::InvalidArgument`] otherwise. Shared by SGEs and [`crate::MpConnection`].
+pub(crate) fn local_range(mr_len: usize, off: u64, len: u64) -> Result<()> {
+    if off.checked_add(len).is_none_or(|e| e > mr_len as u64) {
+        return Err(Error::InvalidArgument(format!(
+            "local range {off}+{len} outside the {mr_len}-byte MR"
+        )));
+    }
+    Ok(())
 }

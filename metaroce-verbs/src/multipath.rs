@@ -400,21 +400,8 @@ impl MpConnection {
                 "the MR belongs to another protection domain than the connection".into(),
             ));
         }
-        if loff.checked_add(len).is_none_or(|e| e > local.len() as u64) {
-            return Err(Error::InvalidArgument(format!(
-                "local range {loff}+{len} outside the {}-byte MR",
-                local.len()
-            )));
-        }
-        if roff
-            .checked_add(len)
-            .is_none_or(|e| e > remote.len || remote.addr.checked_add(e).is_none())
-        {
-            return Err(Error::InvalidArgument(format!(
-                "remote range {roff}+{len} outside the {}-byte region",
-                remote.len
-            )));
-        }
+        crate::mr::local_range(local.len(), loff, len)?;
+        crate::qp::remote_range(remote, roff, len)?;
         let target = Target::Rdma {
             local: local.clone(),
             loff,

@@ -5,17 +5,17 @@ use crate::mr::{MrInner, PdInner};
 use crate::{verbs_err, Access, Error, Mr, Pd, RemoteRegion, Result, WcOpcode, WcStatus};
 use bytes::Bytes;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::Ipv6Addr;
 use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context as TaskCx, Poll};
+use std::task::{Context as TaskCx, Poll, Waker};
 use std::time::Duration;
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// How the task awaiting a completion ([`RcQp::send`], [`RcQp::recv`], ...) learns of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -40,7 +40,8 @@ pub enum CqPoll {
     },
 }
 
-/// Configuration of an [`RcQp`]. Defaults follow `ibv_rc_pingpong` where it has one.
+/// Configuration of an [`RcQp`]. Defaults follow `ibv_rc_pingpong` where it has one,
+/// except [`QpConfig::retry_cnt`] and [`QpConfig::rnr_retry`] (finite here).
 #[derive(Debug, Clone)]
 pub struct QpConfig {
     /// Port number (1-based). Default 1.
@@ -63,9 +64,19 @@ pub struct QpConfig {
     pub max_rdma_wr: u32,
     /// Local ACK timeout exponent (4.096 µs × 2^timeout; IBA 9.7.6.1.3). Default 14.
     pub timeout: u8,
-    /// Transport retries (0..7). Default 7.
+    /// Transport retries after a local ACK timeout (0..7; IBA 9.7.6.1.3 counts 7 as 7
+    /// retries, but rdma_rxe treats 7 as "retry forever", as for `rnr_retry`: its
+    /// completer never decrements a count of 7). Default 6, so a SEND to a peer whose QP
+    /// is gone (destroyed, or in ERR and silent) fails with `RetryExceeded` after
+    /// 7 × the local ACK timeout (about 0.5 s with the default `timeout` 14) on every
+    /// provider. (`ibv_rc_pingpong` uses 7.)
     pub retry_cnt: u8,
-    /// RNR retries (0..7, 7 = forever). Default 7.
+    /// RNR retries (IBA 9.7.5.2.8: 0..6 is that many retries after an RNR NAK, each after
+    /// the responder's RNR timer; 7 retries forever). Default 6: a SEND to a peer QP that
+    /// posts no receive (its owner stopped reading, or never started) fails with
+    /// `RnrRetryExceeded` after 6 waits of the peer's [`QpConfig::min_rnr_timer`], rather
+    /// than hanging. `ibv_rc_pingpong` uses 7; choose it only where something else
+    /// bounds a dead peer (e.g. a control channel that moves the QP to ERR).
     pub rnr_retry: u8,
     /// Minimal RNR NAK timer code advertised (IBA table 45). Default 12 (0.64 ms).
     pub min_rnr_timer: u8,
@@ -105,8 +116,8 @@ impl Default for QpConfig {
             slot_size: 64 * 1024,
             max_rdma_wr: 128,
             timeout: 14,
-            retry_cnt: 7,
-            rnr_retry: 7,
+            retry_cnt: 6,
+            rnr_retry: 6,
             min_rnr_timer: 12,
             max_rd_atomic: 16,
             flow_label: 0,
@@ -227,14 +238,92 @@ const IBV_WR_RDMA_READ: u32 = 4;
 const IBV_WR_ATOMIC_CMP_AND_SWP: u32 = 5;
 const IBV_WR_ATOMIC_FETCH_AND_ADD: u32 = 6;
 
-struct Pending {
-    tx: Option<oneshot::Sender<Wc>>,
+/// A send-queue work request posted and not yet completed (an [`OpTable`] entry).
+struct Posted {
     opcode: WcOpcode,
     /// Keeps the MR (and its buffer) registered until the completion is polled.
     _hold: Option<Arc<MrInner>>,
-    _permit: OwnedSemaphorePermit,
+    /// The RDMA permit (WRITE/READ/atomics); SENDs are bounded by the send slots.
+    _permit: Option<OwnedSemaphorePermit>,
     send_slot: Option<u32>,
     atomic_slot: Option<u32>,
+    /// The waker of the [`OpFuture`] awaiting it, once that future has been polled.
+    waker: Option<Waker>,
+    /// The [`OpFuture`] still exists (when it does not, the entry is freed at completion).
+    awaited: bool,
+}
+
+enum Entry {
+    Free,
+    Posted(Posted),
+    /// Completed; the [`Wc`] waits for its [`OpFuture`].
+    Done(Wc),
+}
+
+/// The send queue's bookkeeping, under one lock: an entry per posted work request,
+/// indexed by the low 32 bits of its `wr_id` (the high bits hold the entry's generation,
+/// so a stale or forged `wr_id` matches nothing), plus the free send and atomic slots.
+/// Posting takes the lock once, a completion once, an [`OpFuture`] once per poll: no map,
+/// no channel, no allocation per work request (the entry vector only grows while more
+/// [`OpFuture`]s of completed requests are held than ever before).
+struct OpTable {
+    entries: Vec<(u32, Entry)>,
+    free: Vec<u32>,
+    send_free: Vec<u32>,
+    atomic_free: Vec<u32>,
+    /// Entries in [`Entry::Posted`] (work requests the device still owns).
+    posted: usize,
+    /// Set when the CQ task has ended: no completion is dispatched any more, so an
+    /// awaiting [`OpFuture`] resolves to [`Error::Closed`] (the entry keeps its MR hold
+    /// until the QP is destroyed).
+    closed: bool,
+}
+
+impl OpTable {
+    fn wr_id(idx: u32, gen: u32) -> u64 {
+        (u64::from(gen) << 32) | u64::from(idx)
+    }
+
+    /// Store `p`; returns its `wr_id`.
+    fn insert(&mut self, p: Posted) -> (u32, u32) {
+        let idx = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.entries.push((0, Entry::Free));
+                (self.entries.len() - 1) as u32
+            }
+        };
+        let e = &mut self.entries[idx as usize];
+        // Bit 31 stays clear: bit 63 of a wr_id marks receives.
+        e.0 = e.0.wrapping_add(1) & 0x7FFF_FFFF;
+        e.1 = Entry::Posted(p);
+        self.posted += 1;
+        (idx, e.0)
+    }
+
+    /// The posted entry named by `wr_id`, taken out (the entry becomes free or, if its
+    /// future still exists, is left for the [`Wc`]).
+    fn take_posted(&mut self, wr_id: u64) -> Option<(u32, Posted)> {
+        let (idx, gen) = ((wr_id & 0xFFFF_FFFF) as u32, (wr_id >> 32) as u32);
+        let e = self.entries.get_mut(idx as usize)?;
+        if e.0 != gen || !matches!(e.1, Entry::Posted(_)) {
+            return None;
+        }
+        let Entry::Posted(p) = std::mem::replace(&mut e.1, Entry::Free) else {
+            return None;
+        };
+        self.posted -= 1;
+        if let Some(sl) = p.send_slot {
+            self.send_free.push(sl);
+        }
+        if let Some(sl) = p.atomic_slot {
+            self.atomic_free.push(sl);
+        }
+        if !p.awaited {
+            self.free.push(idx);
+        }
+        Some((idx, p))
+    }
 }
 
 /// Shared state of a QP: owned by its handles and its completion task; destroys the verbs
@@ -251,24 +340,27 @@ pub(crate) struct QpShared {
     gid_index: u8,
     cfg: QpConfig,
     state: Mutex<QpState>,
-    pending: Mutex<HashMap<u64, Pending>>,
-    next_wr: AtomicU64,
+    ops: Mutex<OpTable>,
     posted_recvs: AtomicUsize,
     closing: AtomicBool,
     close_notify: Notify,
-    send_sem: Arc<Semaphore>,
+    /// Signalled when a send slot is freed while `send_waiters` > 0 ([`RcQp::send`]).
+    send_space: Notify,
+    send_waiters: AtomicUsize,
     rdma_sem: Arc<Semaphore>,
-    send_free: Mutex<Vec<u32>>,
-    atomic_free: Mutex<Vec<u32>>,
     send_pool: Arc<MrInner>,
     recv_pool: Option<Arc<MrInner>>,
     atomic_pool: Arc<MrInner>,
-    recv_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<(Wc, u64)>>,
-    recv_tx_id: mpsc::UnboundedSender<(Wc, u64)>,
+    /// Receive completions (with their slot) in CQ order, waiting for [`RcQp::recv`]. At
+    /// most `recv_slots` (one per posted receive).
+    recvd: Mutex<VecDeque<(Wc, u32)>>,
+    /// Signalled on a push to `recvd` while `recv_waiters` > 0, and when the CQ task ends.
+    recv_notify: Notify,
+    recv_waiters: AtomicUsize,
     unknown_wcs: AtomicU64,
     /// Serializes poll + dispatch between the CQ task and busy-polling waiters, so
     /// completions are dispatched (and receives queued) in CQ order.
-    poll_lock: Mutex<()>,
+    poll_lock: Mutex<[ibv_wc; POLL_BATCH]>,
     /// Busy-polling waiters ([`CqPoll::BusySpin`]) currently spinning: while any is, the
     /// CQ task does not arm the CQ (no completion event, no system calls per completion).
     spinners: AtomicUsize,
@@ -283,7 +375,7 @@ impl Drop for QpShared {
         if let Err(e) = ffi::destroy_qp(self.qp) {
             tracing::error!(error = %e, "ibv_destroy_qp failed; leaking QP resources");
             // The device may still reference the pools and held MRs: leak them.
-            std::mem::forget(std::mem::take(&mut *self.pending.lock()));
+            std::mem::forget(std::mem::take(&mut self.ops.lock().entries));
             std::mem::forget(self.send_pool.clone());
             std::mem::forget(self.atomic_pool.clone());
             std::mem::forget(self.recv_pool.clone());
@@ -305,7 +397,34 @@ struct TaskState {
     shared: Arc<QpShared>,
 }
 
+impl Drop for TaskState {
+    /// The task ended (or the runtime dropped it): nothing dispatches completions any
+    /// more, so awaiting operations resolve to [`Error::Closed`] and `recv` ends.
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::Release);
+        self.shared.close_ops();
+    }
+}
+
+/// Which pool slot a work request takes ([`RcQp::post`]).
+#[derive(Clone, Copy)]
+enum Slot {
+    None,
+    Send,
+    Atomic,
+}
+
 impl QpShared {
+    /// Copy `data` into send slot `slot` (taken from the op table's free list by the
+    /// caller) and return the SGE naming it (`None` for an empty message).
+    fn fill_send_slot(&self, slot: u32, data: &[u8]) -> Result<Option<ffi::ibv_sge>> {
+        let off = slot as usize * self.cfg.slot_size as usize;
+        self.send_pool.buf().write(off, data);
+        (!data.is_empty())
+            .then(|| self.send_pool.sge(off as u64, data.len() as u64))
+            .transpose()
+    }
+
     fn modify(&self, attr: &mut ibv_qp_attr, mask: i32, op: &'static str) -> Result<()> {
         ffi::modify_qp(self.qp, attr, mask).map_err(verbs_err(op))
     }
@@ -321,7 +440,7 @@ impl QpShared {
     }
 
     fn outstanding(&self) -> usize {
-        self.pending.lock().len() + self.posted_recvs.load(Ordering::Acquire)
+        self.ops.lock().posted + self.posted_recvs.load(Ordering::Acquire)
     }
 
     fn post_recv_slot(&self, slot: u32) -> Result<()> {
@@ -358,10 +477,16 @@ impl QpShared {
             if w.status != 0 {
                 wc.opcode = WcOpcode::Recv;
             }
-            let _ = self.recv_tx_id.send((wc, w.wr_id & !RECV_BIT));
+            let slot = (w.wr_id & !RECV_BIT) as u32;
+            self.recvd.lock().push_back((wc, slot));
+            if self.recv_waiters.load(Ordering::SeqCst) > 0 {
+                self.recv_notify.notify_waiters();
+            }
             return;
         }
-        let Some(p) = self.pending.lock().remove(&w.wr_id) else {
+        let mut t = self.ops.lock();
+        let Some((idx, mut p)) = t.take_posted(w.wr_id) else {
+            drop(t);
             self.unknown_wcs.fetch_add(1, Ordering::Relaxed);
             return;
         };
@@ -369,39 +494,57 @@ impl QpShared {
         if w.status != 0 {
             wc.opcode = p.opcode;
         }
-        if let Some(s) = p.send_slot {
-            self.send_free.lock().push(s);
-        }
         if let Some(s) = p.atomic_slot {
-            if let Some(tx) = p.tx {
-                // The old value (host order, as the device wrote it) goes to atomic()
-                // as (byte_len << 32) | imm; the slot is free again right after.
-                let mut b = [0u8; 8];
-                self.atomic_pool.buf().read(s as usize * 8, &mut b);
-                let v = u64::from_ne_bytes(b);
-                let wc2 = Wc {
-                    imm: Some(v as u32),
-                    byte_len: (v >> 32) as u32,
-                    ..wc
-                };
-                self.atomic_free.lock().push(s);
-                let _ = tx.send(wc2);
-                return;
-            }
-            self.atomic_free.lock().push(s);
-            return;
+            // The old value (host order, as the device wrote it) goes to atomic() as
+            // (byte_len << 32) | imm. The slot went back to the free list above, but
+            // nobody can take it before this lock is released.
+            let mut b = [0u8; 8];
+            self.atomic_pool.buf().read(s as usize * 8, &mut b);
+            let v = u64::from_ne_bytes(b);
+            wc.imm = Some(v as u32);
+            wc.byte_len = (v >> 32) as u32;
         }
-        if let Some(tx) = p.tx {
-            let _ = tx.send(wc);
+        if p.awaited {
+            t.entries[idx as usize].1 = Entry::Done(wc);
+        }
+        drop(t);
+        if p.send_slot.is_some() && self.send_waiters.load(Ordering::SeqCst) > 0 {
+            self.send_space.notify_waiters();
+        }
+        // Wake (and release the permit and the MR hold) outside the lock.
+        if let Some(w) = p.waker.take() {
+            w.wake();
         }
     }
 
+    /// Mark the table closed and wake every awaiting [`OpFuture`] (they resolve to
+    /// [`Error::Closed`]): called when the CQ task ends, after which nothing dispatches.
+    fn close_ops(&self) {
+        let wakers: Vec<Waker> = {
+            let mut t = self.ops.lock();
+            t.closed = true;
+            t.entries
+                .iter_mut()
+                .filter_map(|e| match &mut e.1 {
+                    Entry::Posted(p) => p.waker.take(),
+                    _ => None,
+                })
+                .collect()
+        };
+        for w in wakers {
+            w.wake();
+        }
+        self.send_space.notify_waiters();
+        self.recv_notify.notify_waiters();
+    }
+
     fn poll_all(&self) -> Result<usize> {
-        let _g = self.poll_lock.lock();
-        let mut wcs = [ibv_wc::default(); POLL_BATCH];
+        // The buffer lives under the lock: a spinning waiter polls many times per
+        // completion, and zeroing 32 entries per poll is not free under emulation.
+        let mut wcs = self.poll_lock.lock();
         let mut total = 0;
         loop {
-            let n = ffi::poll_cq(self.cq, &mut wcs).map_err(verbs_err("ibv_poll_cq"))?;
+            let n = ffi::poll_cq(self.cq, &mut wcs[..]).map_err(verbs_err("ibv_poll_cq"))?;
             for w in &wcs[..n] {
                 self.dispatch(w);
             }
@@ -522,6 +665,19 @@ const POLL_BATCH: usize = 32;
 /// on separate threads, as separate processes would be).
 pub const SPIN_BURST: u32 = 128;
 
+/// A spinning waiter looks for its result after every poll that dispatched completions
+/// and, in case another thread dispatched it, once every this many polls.
+const RECHECK: u32 = 16;
+
+/// Counts a waiter while it exists (cancel safe: a dropped wait uncounts itself).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 struct Handle(Arc<QpShared>);
 
 impl Drop for Handle {
@@ -557,12 +713,106 @@ impl std::fmt::Debug for RcQp {
 }
 
 /// The completion of one posted work request. Resolves to the [`Wc`] (any status; use
-/// [`Wc::ok`]), or [`Error::Closed`] if the QP was destroyed first. Dropping it does not
-/// cancel the work request.
-#[derive(Debug)]
+/// [`Wc::ok`]), or [`Error::Closed`] if the QP's completion task ended first. Dropping it
+/// does not cancel the work request (its memory stays held until it completes).
+///
+/// Under [`CqPoll::BusySpin`] the future polls the CQ itself from its first poll on; a
+/// future that is dropped unpolled (a fire-and-forget [`RcQp::post_send`]) costs no spin.
 pub struct OpFuture {
-    rx: oneshot::Receiver<Wc>,
-    spin: Option<Spin>,
+    shared: Arc<QpShared>,
+    /// Entry index in the op table; `u32::MAX` once the result was taken.
+    idx: u32,
+    gen: u32,
+    spin: SpinPhase,
+}
+
+enum SpinPhase {
+    Off,
+    NotStarted(Duration),
+    On(Spin),
+}
+
+impl std::fmt::Debug for OpFuture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpFuture")
+            .field("qpn", &self.shared.qpn)
+            .field("wr_id", &OpTable::wr_id(self.idx, self.gen))
+            .finish()
+    }
+}
+
+impl OpFuture {
+    /// The result if the work request completed (or can no longer complete); otherwise
+    /// registers `waker` (if any) and returns `None`.
+    fn try_take(
+        shared: &QpShared,
+        this_idx: &mut u32,
+        gen: u32,
+        waker: Option<&Waker>,
+    ) -> Option<Result<Wc>> {
+        let mut t = shared.ops.lock();
+        let closed = t.closed;
+        let idx = *this_idx as usize;
+        let Some(e) = t.entries.get_mut(idx).filter(|e| e.0 == gen) else {
+            *this_idx = u32::MAX;
+            return Some(Err(Error::Closed));
+        };
+        match &mut e.1 {
+            Entry::Done(wc) => {
+                let wc = *wc;
+                e.1 = Entry::Free;
+                t.free.push(*this_idx);
+                *this_idx = u32::MAX;
+                Some(Ok(wc))
+            }
+            Entry::Posted(p) if closed => {
+                // Nothing will dispatch it; the entry (and its hold) stays until the QP
+                // is destroyed.
+                p.awaited = false;
+                p.waker = None;
+                *this_idx = u32::MAX;
+                Some(Err(Error::Closed))
+            }
+            Entry::Posted(p) => {
+                if let Some(w) = waker {
+                    match &p.waker {
+                        Some(old) if old.will_wake(w) => {}
+                        _ => p.waker = Some(w.clone()),
+                    }
+                }
+                None
+            }
+            Entry::Free => {
+                *this_idx = u32::MAX;
+                Some(Err(Error::Closed))
+            }
+        }
+    }
+}
+
+impl Drop for OpFuture {
+    fn drop(&mut self) {
+        if self.idx == u32::MAX {
+            return;
+        }
+        let mut t = self.shared.ops.lock();
+        let idx = self.idx as usize;
+        let Some(e) = t.entries.get_mut(idx).filter(|e| e.0 == self.gen) else {
+            return;
+        };
+        match &mut e.1 {
+            Entry::Done(_) => {
+                e.1 = Entry::Free;
+                t.free.push(self.idx);
+            }
+            Entry::Posted(p) => {
+                // The completion frees the entry.
+                p.awaited = false;
+                p.waker = None;
+            }
+            Entry::Free => {}
+        }
+    }
 }
 
 /// The busy-poll state of one wait under [`CqPoll::BusySpin`].
@@ -574,9 +824,15 @@ struct Spin {
     polls: u32,
 }
 
-impl std::fmt::Debug for Spin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Spin").field("max", &self.max).finish()
+impl Spin {
+    fn new(shared: &Arc<QpShared>, max: Duration) -> Spin {
+        shared.spinners.fetch_add(1, Ordering::AcqRel);
+        Spin {
+            shared: shared.clone(),
+            deadline: None,
+            max,
+            polls: 0,
+        }
     }
 }
 
@@ -589,23 +845,34 @@ impl Drop for Spin {
 }
 
 impl Spin {
-    /// Poll the CQ once (dispatching whatever completed). Returns false once the spin's
-    /// time is up (or polling failed): the caller then waits for the CQ task instead.
-    fn poll_once(&mut self) -> bool {
-        if self.polls % SPIN_BURST == 0 {
-            // The clock is read once per burst: in a guest whose clocksource is the
-            // emulated HPET, reading it costs more than the poll.
+    /// Poll the CQ once (dispatching whatever completed). Returns how many completions
+    /// it dispatched, or `None` once the spin's time is up (or polling failed): the
+    /// caller then waits for the CQ task instead.
+    fn poll_once(&mut self) -> Option<usize> {
+        if self.polls % SPIN_BURST == 0 && self.polls != 0 {
+            // The clock is read once per burst, and not before the first: in a guest whose
+            // clocksource is the emulated HPET a read costs more than a poll, and most
+            // waits of a busy QP end within the first burst. A wait thus spins at least
+            // one burst, and `max` counts from the end of the first.
             let now = std::time::Instant::now();
             let d = *self.deadline.get_or_insert(now + self.max);
             if now >= d {
-                return false;
+                return None;
             }
         }
         self.polls = self.polls.wrapping_add(1);
         if self.shared.closing.load(Ordering::Acquire) {
-            return false;
+            return None;
         }
-        self.shared.poll_all().is_ok()
+        self.shared.poll_all().ok()
+    }
+
+    /// Whether a waiter should look for its result after a poll that dispatched `n`
+    /// completions: when this poll dispatched some, and every [`RECHECK`] polls (another
+    /// waiter or the CQ task may have dispatched it), so that the empty polls of a spin
+    /// stay a CQ poll and nothing more.
+    fn recheck(&self, n: usize) -> bool {
+        n > 0 || self.polls % RECHECK == 1
     }
 }
 
@@ -613,21 +880,25 @@ impl Future for OpFuture {
     type Output = Result<Wc>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskCx<'_>) -> Poll<Result<Wc>> {
         let this = &mut *self;
-        if let Some(spin) = &mut this.spin {
+        if this.idx == u32::MAX {
+            return Poll::Ready(Err(Error::Closed));
+        }
+        if let SpinPhase::NotStarted(max) = this.spin {
+            this.spin = SpinPhase::On(Spin::new(&this.shared, max));
+        }
+        if let SpinPhase::On(spin) = &mut this.spin {
             let mut live = true;
             for _ in 0..SPIN_BURST {
-                if !spin.poll_once() {
+                let Some(n) = spin.poll_once() else {
                     live = false;
                     break;
-                }
-                match this.rx.try_recv() {
-                    Ok(wc) => return Poll::Ready(Ok(wc)),
-                    Err(oneshot::error::TryRecvError::Closed) => {
-                        return Poll::Ready(Err(Error::Closed))
+                };
+                // No `spin_loop()` hint: QEMU's TCG turns PAUSE into an exit from its
+                // translated-code loop, costlier than the poll.
+                if spin.recheck(n) {
+                    if let Some(r) = Self::try_take(&this.shared, &mut this.idx, this.gen, None) {
+                        return Poll::Ready(r);
                     }
-                    // No `spin_loop()` hint: QEMU's TCG turns PAUSE into an exit from its
-                    // translated-code loop, costlier than the poll.
-                    Err(oneshot::error::TryRecvError::Empty) => {}
                 }
             }
             if live {
@@ -635,12 +906,31 @@ impl Future for OpFuture {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            this.spin = None;
+            this.spin = SpinPhase::Off;
         }
-        Pin::new(&mut this.rx)
-            .poll(cx)
-            .map(|r| r.map_err(|_| Error::Closed))
+        match Self::try_take(&this.shared, &mut this.idx, this.gen, Some(cx.waker())) {
+            Some(r) => Poll::Ready(r),
+            None => Poll::Pending,
+        }
     }
+}
+
+/// The remote address of `remote[roff..roff + len]`. `remote` may come from a peer, so
+/// every sum is checked: an [`Error::InvalidArgument`], never an overflow. Shared by
+/// [`RcQp`] and [`crate::MpConnection`].
+pub(crate) fn remote_range(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
+    let bad = || {
+        Error::InvalidArgument(format!(
+            "remote range {roff}+{len} outside the {}-byte region at {:#x}",
+            remote.len, remote.addr
+        ))
+    };
+    if roff.checked_add(len).is_none_or(|e| e > remote.len) {
+        return Err(bad());
+    }
+    let raddr = remote.addr.checked_add(roff).ok_or_else(bad)?;
+    raddr.checked_add(len).ok_or_else(bad)?;
+    Ok(raddr)
 }
 
 fn mtu_enum(bytes: u32) -> Result<u32> {
@@ -754,7 +1044,6 @@ impl RcQp {
                 });
             }
         };
-        let (recv_tx_id, recv_rx) = mpsc::unbounded_channel();
         let psn = cfg.psn.unwrap_or_else(random_psn) & 0xFF_FFFF;
         let shared = Arc::new(QpShared {
             qp,
@@ -766,22 +1055,28 @@ impl RcQp {
             gid: gid_e.gid,
             gid_index: gid_e.index,
             state: Mutex::new(QpState::Init),
-            pending: Mutex::new(HashMap::new()),
-            next_wr: AtomicU64::new(1),
+            ops: Mutex::new(OpTable {
+                entries: Vec::with_capacity((cfg.send_slots + cfg.max_rdma_wr) as usize),
+                free: Vec::new(),
+                send_free: (0..cfg.send_slots).rev().collect(),
+                atomic_free: (0..cfg.max_rdma_wr).rev().collect(),
+                posted: 0,
+                closed: false,
+            }),
             posted_recvs: AtomicUsize::new(0),
             closing: AtomicBool::new(false),
             close_notify: Notify::new(),
-            send_sem: Arc::new(Semaphore::new(cfg.send_slots as usize)),
+            send_space: Notify::new(),
+            send_waiters: AtomicUsize::new(0),
             rdma_sem: Arc::new(Semaphore::new(cfg.max_rdma_wr as usize)),
-            send_free: Mutex::new((0..cfg.send_slots).rev().collect()),
-            atomic_free: Mutex::new((0..cfg.max_rdma_wr).rev().collect()),
             send_pool: send_pool.0,
             recv_pool: recv_pool.map(|m| m.0),
             atomic_pool: atomic_pool.0,
-            recv_rx: tokio::sync::Mutex::new(recv_rx),
-            recv_tx_id,
+            recvd: Mutex::new(VecDeque::with_capacity(cfg.recv_slots as usize)),
+            recv_notify: Notify::new(),
+            recv_waiters: AtomicUsize::new(0),
             unknown_wcs: AtomicU64::new(0),
-            poll_lock: Mutex::new(()),
+            poll_lock: Mutex::new([ibv_wc::default(); POLL_BATCH]),
             spinners: AtomicUsize::new(0),
             spin_notify: Notify::new(),
             _pd: pd.0.clone(),
@@ -916,70 +1211,84 @@ impl RcQp {
         self.s().to_error()
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Post `wr` as a signaled work request with a new op-table entry (holding `permit`,
+    /// `hold` and, per `slot`, a send or atomic slot, whose index `sge` gets to name the
+    /// local memory). One op-table lock, one `ibv_post_send`, no allocation.
+    /// [`Error::SendQueueFull`] if `slot` is [`Slot::Send`] and every send slot is taken.
     fn post(
         &self,
-        permit: OwnedSemaphorePermit,
+        permit: Option<OwnedSemaphorePermit>,
         mut wr: ibv_send_wr,
-        sge: Option<ffi::ibv_sge>,
         opcode: WcOpcode,
         hold: Option<Arc<MrInner>>,
-        send_slot: Option<u32>,
-        atomic_slot: Option<u32>,
+        slot: Slot,
+        sge: impl FnOnce(Option<u32>) -> Result<Option<ffi::ibv_sge>>,
     ) -> Result<OpFuture> {
         let s = self.s();
-        let id = s.next_wr.fetch_add(1, Ordering::Relaxed) & !RECV_BIT;
-        let (tx, rx) = oneshot::channel();
-        s.pending.lock().insert(
-            id,
-            Pending {
-                tx: Some(tx),
+        let (idx, gen, sl) = {
+            let mut t = s.ops.lock();
+            let sl = match slot {
+                Slot::None => None,
+                Slot::Send => match t.send_free.pop() {
+                    Some(sl) => Some(sl),
+                    None => return Err(Error::SendQueueFull),
+                },
+                Slot::Atomic => Some(
+                    t.atomic_free
+                        .pop()
+                        .expect("an RDMA permit guarantees an atomic slot"),
+                ),
+            };
+            let (idx, gen) = t.insert(Posted {
                 opcode,
                 _hold: hold,
                 _permit: permit,
-                send_slot,
-                atomic_slot,
-            },
-        );
+                send_slot: sl.filter(|_| matches!(slot, Slot::Send)),
+                atomic_slot: sl.filter(|_| matches!(slot, Slot::Atomic)),
+                waker: None,
+                awaited: true,
+            });
+            (idx, gen, sl)
+        };
+        let id = OpTable::wr_id(idx, gen);
+        let undo = |e: Error| {
+            let p = {
+                let mut t = s.ops.lock();
+                let p = t.take_posted(id);
+                t.free.push(idx);
+                p
+            };
+            drop(p);
+            e
+        };
+        let mut sge = sge(sl).map_err(undo)?;
         wr.wr_id = id;
         wr.send_flags |= IBV_SEND_SIGNALED;
-        let mut sge = sge;
-        // SAFETY: the memory named by the SGE belongs to an MR held by the Pending entry
+        // SAFETY: the memory named by the SGE belongs to an MR held by the op-table entry
         // just inserted (or to a pool of QpShared), released only when the completion is
         // dispatched or after the QP is destroyed.
         let r = unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) };
         if let Err(e) = r {
-            if let Some(p) = s.pending.lock().remove(&id) {
-                if let Some(sl) = p.send_slot {
-                    s.send_free.lock().push(sl);
-                }
-                if let Some(sl) = p.atomic_slot {
-                    s.atomic_free.lock().push(sl);
-                }
-            }
-            return Err(Error::Verbs {
+            return Err(undo(Error::Verbs {
                 op: "ibv_post_send",
                 source: e,
-            });
+            }));
         }
         Ok(OpFuture {
-            rx,
-            spin: self.spinner(),
+            shared: self.h.0.clone(),
+            idx,
+            gen,
+            spin: match s.cfg.poll {
+                CqPoll::Events => SpinPhase::Off,
+                CqPoll::BusySpin { max } => SpinPhase::NotStarted(max),
+            },
         })
     }
 
     fn spinner(&self) -> Option<Spin> {
         match self.s().cfg.poll {
             CqPoll::Events => None,
-            CqPoll::BusySpin { max } => Some(Spin {
-                shared: {
-                    self.h.0.spinners.fetch_add(1, Ordering::AcqRel);
-                    self.h.0.clone()
-                },
-                deadline: None,
-                max,
-                polls: 0,
-            }),
+            CqPoll::BusySpin { max } => Some(Spin::new(&self.h.0, max)),
         }
     }
 
@@ -1005,12 +1314,13 @@ impl RcQp {
         }
     }
 
-    fn post_send_with(
-        &self,
-        permit: OwnedSemaphorePermit,
-        data: &[u8],
-        imm: Option<u32>,
-    ) -> Result<OpFuture> {
+    /// Post a SEND of `data` (copied into a send slot) without waiting for a slot.
+    ///
+    /// # Errors
+    /// [`Error::SendQueueFull`] if every send slot is in flight; [`Error::InvalidArgument`]
+    /// if `data` exceeds `slot_size`; [`Error::Verbs`] if the post fails (e.g. QP in RESET).
+    pub fn post_send(&self, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
+        self.check_open()?;
         let s = self.s();
         if data.len() > s.cfg.slot_size as usize {
             return Err(Error::InvalidArgument(format!(
@@ -1019,16 +1329,6 @@ impl RcQp {
                 s.cfg.slot_size
             )));
         }
-        let slot = s
-            .send_free
-            .lock()
-            .pop()
-            .expect("a send permit guarantees a free slot");
-        let off = slot as usize * s.cfg.slot_size as usize;
-        s.send_pool.buf().write(off, data);
-        let sge = (!data.is_empty())
-            .then(|| s.send_pool.sge(off as u64, data.len() as u64))
-            .transpose()?;
         let mut wr = Self::blank_wr(if imm.is_some() {
             IBV_WR_SEND_WITH_IMM
         } else {
@@ -1038,23 +1338,9 @@ impl RcQp {
         if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
             wr.send_flags = IBV_SEND_INLINE;
         }
-        self.post(permit, wr, sge, WcOpcode::Send, None, Some(slot), None)
-    }
-
-    /// Post a SEND of `data` (copied into a send slot) without waiting for a slot.
-    ///
-    /// # Errors
-    /// [`Error::SendQueueFull`] if every send slot is in flight; [`Error::InvalidArgument`]
-    /// if `data` exceeds `slot_size`; [`Error::Verbs`] if the post fails (e.g. QP in RESET).
-    pub fn post_send(&self, data: &[u8], imm: Option<u32>) -> Result<OpFuture> {
-        self.check_open()?;
-        let p = self
-            .s()
-            .send_sem
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::SendQueueFull)?;
-        self.post_send_with(p, data, imm)
+        self.post(None, wr, WcOpcode::Send, None, Slot::Send, |sl| {
+            s.fill_send_slot(sl.expect("Slot::Send"), data)
+        })
     }
 
     /// SEND `data` (optionally with immediate data) and wait for its completion. Waits for
@@ -1063,15 +1349,26 @@ impl RcQp {
     /// # Errors
     /// As [`RcQp::post_send`] (never `SendQueueFull`), or [`Error::Completion`].
     pub async fn send(&self, data: &[u8], imm: Option<u32>) -> Result<Wc> {
-        self.check_open()?;
-        let p = self
-            .s()
-            .send_sem
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| Error::Closed)?;
-        self.post_send_with(p, data, imm)?.await?.ok()
+        let s = self.s();
+        let op = match self.post_send(data, imm) {
+            Err(Error::SendQueueFull) => loop {
+                // Count ourselves as a waiter before the retry: a slot freed after the
+                // retry then notifies (see OpTable::take_posted's caller, dispatch).
+                let space = s.send_space.notified();
+                tokio::pin!(space);
+                space.as_mut().enable();
+                s.send_waiters.fetch_add(1, Ordering::SeqCst);
+                // Uncounts on every exit, also when this future is dropped mid-wait.
+                let _waiting = Waiting(&s.send_waiters);
+                let r = self.post_send(data, imm);
+                if !matches!(r, Err(Error::SendQueueFull)) {
+                    break r?;
+                }
+                space.await;
+            },
+            r => r?,
+        };
+        op.await?.ok()
     }
 
     /// The next received message, in order. Reposts its receive slot.
@@ -1087,21 +1384,26 @@ impl RcQp {
         if s.recv_pool.is_none() {
             return Err(Error::InvalidArgument("QP has recv_slots 0".into()));
         }
-        let mut rx = s.recv_rx.lock().await;
+        let take = || s.recvd.lock().pop_front();
         let mut spin = self.spinner();
         let (wc, slot) = loop {
+            // Something else (the CQ task, another waiter) may have dispatched it.
+            if let Some(m) = take() {
+                break m;
+            }
             if let Some(sp) = &mut spin {
                 let mut live = true;
                 let mut got = None;
                 for _ in 0..SPIN_BURST {
-                    // Something else (the CQ task, another waiter) may have dispatched it.
-                    if let Ok(m) = rx.try_recv() {
-                        got = Some(m);
-                        break;
-                    }
-                    if !sp.poll_once() {
+                    let Some(n) = sp.poll_once() else {
                         live = false;
                         break;
+                    };
+                    if sp.recheck(n) {
+                        if let Some(m) = take() {
+                            got = Some(m);
+                            break;
+                        }
                     }
                 }
                 if let Some(m) = got {
@@ -1113,18 +1415,28 @@ impl RcQp {
                 }
                 spin = None;
             }
-            // The receive channel's sender lives in QpShared, so it never closes while we
-            // hold the handle; wake up on close instead.
+            // Count ourselves as a waiter before looking again: a push after that look
+            // then notifies (see dispatch).
+            let pushed = s.recv_notify.notified();
+            tokio::pin!(pushed);
+            pushed.as_mut().enable();
+            s.recv_waiters.fetch_add(1, Ordering::SeqCst);
+            let _waiting = Waiting(&s.recv_waiters);
+            if let Some(m) = take() {
+                break m;
+            }
+            // Receives are flushed (queued) before the CQ task ends; wake up on close.
             tokio::select! {
-                m = rx.recv() => break m.ok_or(Error::Closed)?,
+                _ = pushed => {}
                 _ = tokio::time::sleep(Duration::from_millis(200)), if s.closing.load(Ordering::Acquire) => {
-                    if s.outstanding() == 0 { return Err(Error::Closed); }
+                    let ended = s.ops.lock().closed;
+                    if s.recvd.lock().is_empty() && (ended || s.outstanding() == 0) {
+                        return Err(Error::Closed);
+                    }
                 }
             }
         };
-        drop(rx);
         let wc = wc.ok()?;
-        let slot = slot as u32;
         let msg = if wc.opcode == WcOpcode::RdmaWriteWithImm {
             Message {
                 data: Bytes::new(),
@@ -1175,18 +1487,14 @@ impl RcQp {
                 "probe: data exceeds slot_size, or recv_slots is 0".into(),
             ));
         }
-        let _permit = s
-            .send_sem
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| Error::SendQueueFull)?;
-        let slot = s
-            .send_free
-            .lock()
-            .pop()
-            .expect("a send permit guarantees a free slot");
-        let off = slot as usize * s.cfg.slot_size as usize;
-        s.send_pool.buf().write(off, data);
+        let slot = s.ops.lock().send_free.pop().ok_or(Error::SendQueueFull)?;
+        let sge0 = match s.fill_send_slot(slot, data) {
+            Ok(g) => g,
+            Err(e) => {
+                s.ops.lock().send_free.push(slot);
+                return Err(e);
+            }
+        };
         let max_out = s.cfg.send_slots as usize;
         let mut sends_out = 0usize;
         let post = |sends_out: &mut usize| -> Result<()> {
@@ -1196,9 +1504,7 @@ impl RcQp {
             if !data.is_empty() && data.len() <= s.cfg.max_inline_data as usize {
                 wr.send_flags |= IBV_SEND_INLINE;
             }
-            let mut sge = (!data.is_empty())
-                .then(|| s.send_pool.sge(off as u64, data.len() as u64))
-                .transpose()?;
+            let mut sge = sge0;
             // SAFETY: the SGE lies in send_pool, registered until after the QP is destroyed.
             unsafe { ffi::post_send(s.qp, &mut wr, sge.as_mut()) }
                 .map_err(verbs_err("ibv_post_send"))?;
@@ -1275,7 +1581,7 @@ impl RcQp {
             Ok(())
         })();
         if r.is_ok() {
-            s.send_free.lock().push(slot);
+            s.ops.lock().send_free.push(slot);
         }
         r.map(|()| rtts)
     }
@@ -1299,23 +1605,6 @@ impl RcQp {
             .map_err(|_| Error::Closed)
     }
 
-    /// The remote address of `remote[roff..roff + len]`. `remote` may come from a peer, so
-    /// every sum is checked: an error, never an overflow.
-    fn remote_check(remote: &RemoteRegion, roff: u64, len: u64) -> Result<u64> {
-        let bad = || {
-            Error::InvalidArgument(format!(
-                "remote range {roff}+{len} outside the {}-byte region at {:#x}",
-                remote.len, remote.addr
-            ))
-        };
-        if roff.checked_add(len).is_none_or(|e| e > remote.len) {
-            return Err(bad());
-        }
-        let raddr = remote.addr.checked_add(roff).ok_or_else(bad)?;
-        raddr.checked_add(len).ok_or_else(bad)?;
-        Ok(raddr)
-    }
-
     /// Validate an RDMA WRITE/READ before it waits for a send-queue slot: the remote
     /// range, the local range (within the MR and at most 2^32 - 1 bytes, one SGE), and that
     /// the MR is of this QP's PD (otherwise the device would fail the work request with a
@@ -1333,7 +1622,7 @@ impl RcQp {
                 "the MR belongs to another protection domain than the QP".into(),
             ));
         }
-        let raddr = Self::remote_check(remote, roff, len)?;
+        let raddr = remote_range(remote, roff, len)?;
         let sge = local.0.sge(loff, len)?;
         Ok((raddr, sge))
     }
@@ -1361,7 +1650,14 @@ impl RcQp {
             _ => WcOpcode::RdmaWrite,
         };
         let sge = (len > 0).then_some(sge);
-        self.post(permit, wr, sge, op, Some(local.0.clone()), None, None)
+        self.post(
+            Some(permit),
+            wr,
+            op,
+            Some(local.0.clone()),
+            Slot::None,
+            |_| Ok(sge),
+        )
     }
 
     /// Post an RDMA WRITE of `local[loff..loff+len]` to `remote` at `roff` (with
@@ -1470,7 +1766,7 @@ impl RcQp {
         compare_add: u64,
         swap: u64,
     ) -> Result<u64> {
-        let raddr = Self::remote_check(remote, roff, 8)?;
+        let raddr = remote_range(remote, roff, 8)?;
         if raddr % 8 != 0 {
             return Err(Error::InvalidArgument(format!(
                 "atomic target {raddr:#x} is not 8-byte aligned"
@@ -1478,12 +1774,6 @@ impl RcQp {
         }
         let p = self.rdma_permit().await?;
         let s = self.s();
-        let slot = s
-            .atomic_free
-            .lock()
-            .pop()
-            .expect("an RDMA permit guarantees a free atomic slot");
-        let sge = s.atomic_pool.sge(u64::from(slot) * 8, 8)?;
         let mut wr = Self::blank_wr(opcode);
         wr.wr.remote_addr = raddr;
         wr.wr.word1 = compare_add;
@@ -1495,7 +1785,10 @@ impl RcQp {
             WcOpcode::FetchAdd
         };
         let wc = self
-            .post(p, wr, Some(sge), op, None, None, Some(slot))?
+            .post(Some(p), wr, op, None, Slot::Atomic, |sl| {
+                let slot = sl.expect("Slot::Atomic");
+                s.atomic_pool.sge(u64::from(slot) * 8, 8).map(Some)
+            })?
             .await?
             .ok()?;
         // dispatch() hands the old value over as (byte_len << 32) | imm.
@@ -1520,5 +1813,78 @@ impl RcQp {
     pub async fn fetch_add(&self, remote: &RemoteRegion, roff: u64, add: u64) -> Result<u64> {
         self.atomic(IBV_WR_ATOMIC_FETCH_AND_ADD, remote, roff, add, 0)
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_and_local_ranges_are_checked_without_overflow() {
+        let r = RemoteRegion {
+            addr: 0x1000,
+            len: 100,
+            rkey: 7,
+        };
+        assert_eq!(remote_range(&r, 0, 100).unwrap(), 0x1000);
+        assert_eq!(remote_range(&r, 60, 40).unwrap(), 0x1000 + 60);
+        assert!(remote_range(&r, 60, 41).is_err());
+        assert!(remote_range(&r, u64::MAX, 2).is_err());
+        // A peer's region that wraps the address space.
+        let wrap = RemoteRegion {
+            addr: u64::MAX - 10,
+            len: 100,
+            rkey: 7,
+        };
+        assert!(remote_range(&wrap, 5, 20).is_err());
+        assert!(remote_range(&wrap, 20, 0).is_err());
+        assert!(crate::mr::local_range(100, 99, 1).is_ok());
+        assert!(crate::mr::local_range(100, 99, 2).is_err());
+        assert!(crate::mr::local_range(100, u64::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn op_table_matches_generation_and_frees_unawaited_entries() {
+        let mut t = OpTable {
+            entries: Vec::new(),
+            free: Vec::new(),
+            send_free: vec![0],
+            atomic_free: Vec::new(),
+            posted: 0,
+            closed: false,
+        };
+        let sem = Arc::new(Semaphore::new(1));
+        let posted = |awaited| Posted {
+            opcode: WcOpcode::Send,
+            _hold: None,
+            _permit: sem.clone().try_acquire_owned().ok(),
+            send_slot: None,
+            atomic_slot: None,
+            waker: None,
+            awaited,
+        };
+        let (i, g) = t.insert(posted(false));
+        let id = OpTable::wr_id(i, g);
+        // A stale or forged wr_id (other generation, other index, receive bit) matches nothing.
+        assert!(t.take_posted(id ^ (1 << 32)).is_none());
+        assert!(t.take_posted(id + 1).is_none());
+        assert!(t.take_posted(id | RECV_BIT).is_none());
+        assert_eq!(t.posted, 1);
+        assert!(t.take_posted(id).is_some());
+        assert_eq!(
+            (t.posted, t.free.len()),
+            (0, 1),
+            "unawaited: freed at completion"
+        );
+        // Replayed completion of the same wr_id: nothing.
+        assert!(t.take_posted(id).is_none());
+        // The entry is reused with a new generation; the old wr_id stays dead.
+        let (i2, g2) = t.insert(posted(true));
+        assert_eq!(i2, i);
+        assert_ne!(g2, g);
+        assert!(t.take_posted(id).is_none());
+        assert!(t.take_posted(OpTable::wr_id(i2, g2)).is_some());
+        assert!(t.free.is_empty(), "awaited: left for its OpFuture");
     }
 }

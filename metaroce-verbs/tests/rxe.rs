@@ -391,6 +391,94 @@ async fn rnr_retry_exceeded_when_peer_posts_no_receive() {
     assert_eq!(st, WcStatus::WrFlushError);
 }
 
+/// With the default configuration (a finite `rnr_retry`), a SEND to a peer that never
+/// posts a receive fails with RNR_RETRY_EXC_ERR instead of being retried forever (as it
+/// was with `rnr_retry` 7, IBA 9.7.5.2.8). The peer keeps its QP open and in RTS.
+#[tokio::test]
+async fn default_config_send_to_peer_without_receives_fails_rnr_retry_exceeded() {
+    let Some((_ctx, pd)) = device() else { return };
+    assert!(
+        QpConfig::default().rnr_retry < 7,
+        "the default must be finite"
+    );
+    let b = QpConfig {
+        recv_slots: 0,
+        ..QpConfig::default()
+    };
+    let (qa, qb) = pair(&pd, QpConfig::default(), b);
+    let st = status_of(timeout(qa.send(b"nobody posts a receive", None)).await);
+    assert_eq!(st, WcStatus::RnrRetryExceeded);
+    assert_eq!(qb.state(), metaroce_verbs::QpState::Rts);
+}
+
+/// A SEND to a peer QP whose owner dropped it (QP moved to ERR, then destroyed) fails
+/// with a transport error in bounded time, with the default configuration: the peer's
+/// device no longer answers, so the local ACK timeout and `retry_cnt` end it
+/// (RETRY_EXC_ERR), or an RNR NAK seen before the peer's QP left RTS does
+/// (RNR_RETRY_EXC_ERR). The later SEND is flushed. With the former default `retry_cnt` 7
+/// this hung (rdma_rxe retries a count of 7 forever): the test timed out after 60 s.
+#[tokio::test]
+async fn send_to_dropped_peer_fails_in_bounded_time() {
+    let Some((_ctx, pd)) = device() else { return };
+    let (qa, qb) = pair(&pd, QpConfig::default(), QpConfig::default());
+    let wc = timeout(qa.send(b"peer alive", None)).await.unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    drop(qb);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let st = status_of(timeout(qa.send(b"peer gone", None)).await);
+    assert!(
+        matches!(st, WcStatus::RetryExceeded | WcStatus::RnrRetryExceeded),
+        "{st:?}"
+    );
+    let st = status_of(timeout(qa.send(b"after the error", None)).await);
+    assert_eq!(st, WcStatus::WrFlushError);
+}
+
+/// With every send slot in flight, `post_send` says `SendQueueFull` and `send` waits
+/// (a waiter dropped mid-wait leaves nothing behind); once the QP enters ERR the stuck SEND
+/// is flushed, which frees its slot, and the waiting `send` is posted and flushed too.
+#[tokio::test]
+async fn send_waits_for_a_free_slot_and_is_flushed_on_error() {
+    let Some((_ctx, pd)) = device() else { return };
+    // The peer posts no receive and the sender retries RNR forever: the first SEND stays
+    // in flight, holding the only send slot.
+    let a = QpConfig {
+        send_slots: 1,
+        rnr_retry: 7,
+        ..QpConfig::default()
+    };
+    let b = QpConfig {
+        recv_slots: 0,
+        min_rnr_timer: 1,
+        ..QpConfig::default()
+    };
+    let (qa, _qb) = pair(&pd, a, b);
+    let stuck = qa.post_send(b"first", None).unwrap();
+    assert!(matches!(
+        qa.post_send(b"no slot", None),
+        Err(Error::SendQueueFull)
+    ));
+    // A waiter that gives up (dropped mid-wait) ...
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), qa.send(b"cancelled", None));
+    assert!(
+        gave_up.await.is_err(),
+        "send() must wait while no slot is free"
+    );
+    // ... and one that keeps waiting.
+    let qa2 = qa.clone();
+    let waiting = tokio::spawn(async move { qa2.send(b"second", None).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiting.is_finished(),
+        "send() must wait while no slot is free"
+    );
+    qa.set_error().unwrap();
+    let wc = timeout(stuck).await.unwrap();
+    assert_eq!(wc.status, WcStatus::WrFlushError);
+    let st = status_of(timeout(waiting).await.unwrap());
+    assert_eq!(st, WcStatus::WrFlushError);
+}
+
 #[tokio::test]
 async fn set_error_flushes_posted_receives() {
     let Some((_ctx, pd)) = device() else { return };
