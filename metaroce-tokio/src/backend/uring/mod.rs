@@ -118,7 +118,8 @@ impl Sock {
 struct Queued {
     /// Index of the path socket.
     path: usize,
-    /// Queue order, to keep each path's datagrams in order when the queue is sorted by path.
+    /// Queue order, to keep each (path, destination)'s datagrams in order when the queue is
+    /// sorted by them.
     seq: u64,
     dest: SocketAddr,
     ecn: Option<metaroce::EcnCodepoint>,
@@ -760,12 +761,13 @@ impl UringBackend {
             .max_gso_segments()
             .clamp(1, MAX_GSO_SEGMENTS);
         let single = transmit.segment_size.is_none() || len <= segment;
-        let per_call = if segment >= MAX_UDP_PAYLOAD || max_segments <= 1 {
+        // (`segment` is 0 only for a zero-length single datagram.)
+        let per_call = if single || segment >= MAX_UDP_PAYLOAD || max_segments <= 1 {
             1
         } else {
             max_segments.min(MAX_UDP_PAYLOAD / segment).max(1)
         };
-        let chunk_bytes = per_call * segment;
+        let chunk_bytes = (per_call * segment).max(1);
         let entries = if single {
             1
         } else {
@@ -868,7 +870,8 @@ impl UringBackend {
     }
 
     /// Turns queued datagrams into `sendmsg` SQEs while slots are free: the queue is sorted
-    /// by path socket (each path's datagrams keep their order), and each run of datagrams
+    /// by path socket and destination (the datagrams of each pair keep their order), and
+    /// each run of datagrams
     /// to one destination with one ECN codepoint and one size (the last may be shorter), at
     /// most 64 and 65 507 bytes, becomes one GSO send. `poll_send` keeps the queue within the
     /// free slots, so everything fits (what would not stays queued). Does not submit.
@@ -877,11 +880,13 @@ impl UringBackend {
             return;
         }
         let join = self.coalesce && !inner.gso_off;
-        if join && self.paths.len() > 1 {
+        if join && inner.queue.len() > 2 {
+            // Unique keys: the unstable sort is deterministic and keeps each (path,
+            // destination)'s order, the only order a peer can see.
             inner
                 .queue
                 .make_contiguous()
-                .sort_unstable_by_key(|q| (q.path, q.seq));
+                .sort_unstable_by_key(|q| (q.path, q.dest, q.seq));
         }
         while !inner.queue.is_empty() {
             if inner.ring.free_slots() == 0 {
