@@ -447,3 +447,57 @@ async fn exhausted_receive_buffers_are_counted_and_receiving_resumes() {
         assert_eq!(got, [bytes.to_vec()], "datagram {i} after the flood");
     }
 }
+
+/// Counts wake-ups.
+struct CountWake(std::sync::atomic::AtomicUsize);
+
+impl futures::task::ArcWake for CountWake {
+    fn wake_by_ref(arc_self: &std::sync::Arc<Self>) {
+        arc_self
+            .0
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[tokio::test]
+async fn send_completions_do_not_wake_the_receive_side() {
+    // The task waiting in poll_recv (the driver) must not be woken by the completions of
+    // its own sends: 200 sends, no datagram received, no wake-up.
+    let a = uring(2, UringConfig::default());
+    let sink = UdpBackend::bind(loopback(), 1).unwrap();
+    let count = std::sync::Arc::new(CountWake(Default::default()));
+    let waker = futures::task::waker(count.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut buf = [0u8; 64];
+    let mut meta = [RecvMeta::default(); 1];
+    // Each round: register the waker (poll until Pending; tokio wakers are one-shot),
+    // send 20 datagrams and flush, and see whether the receive side was woken.
+    let mut woken_rounds = 0;
+    for round in 0..10 {
+        for _ in 0..10 {
+            if a.poll_recv(&mut cx, &mut [IoSliceMut::new(&mut buf)], &mut meta)
+                .is_pending()
+            {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let before = count.0.load(std::sync::atomic::Ordering::Relaxed);
+        for i in 0..20usize {
+            let bytes = vec![round as u8; 100 + i];
+            let t = transmit(sink.local_addr(), a.source_ports()[i % 2], bytes.len(), None);
+            poll_fn(|cx| a.poll_send(cx, &t, &bytes)).await.unwrap();
+        }
+        a.flush();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if count.0.load(std::sync::atomic::Ordering::Relaxed) > before {
+            woken_rounds += 1;
+        }
+    }
+    assert_eq!(recv_all(&sink, 200).await.len(), 200);
+    assert_eq!(
+        woken_rounds, 0,
+        "the receive side was woken by send completions in {woken_rounds} of 10 rounds"
+    );
+
+}

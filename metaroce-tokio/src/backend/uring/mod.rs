@@ -132,7 +132,10 @@ struct Queued {
 /// out.
 #[derive(Debug)]
 struct Inner {
+    /// The receive ring (multishot recvmsg, provided buffers).
     ring: Ring,
+    /// The send ring (send slots).
+    tx: Ring,
     /// Datagrams accepted by `poll_send`, not yet in a `sendmsg`.
     queue: std::collections::VecDeque<Queued>,
     next_seq: u64,
@@ -256,12 +259,12 @@ impl UringBackend {
                 "UringConfig::send_slots and send_queue must be at least 1",
             ));
         }
-        let ring = Ring::new(
-            config.sq_entries.max(8),
-            config.recv_buffers,
-            1 << 16,
-            config.send_slots,
-        )?;
+        // Two rings: completions of sends (one per sendmsg, most of them posted during the
+        // driver's own flush) must not wake the task waiting for receives; each ring's fd
+        // is registered with the reactor on its own. (The send ring's buffer ring is a
+        // placeholder of one small buffer, never used.)
+        let ring = Ring::new(config.sq_entries.max(8), config.recv_buffers, 1 << 16, 0)?;
+        let tx = Ring::new(config.sq_entries.max(8), 1, 0, config.send_slots)?;
         let main = Sock::bind(
             addr,
             Some(config.udp.recv_buffer_bytes),
@@ -282,13 +285,14 @@ impl UringBackend {
         // woken for every received datagram. The driver task's worker thread is awake.
         // (Multishot recvmsg came with IORING_OP_SEND_ZC in 6.0, checked by `Ring::new`.)
         let recv_fd = ring.reactor_fd()?;
-        let send_fd = ring.reactor_fd()?;
-        tracing::debug!(%local_addr, ?ports, zc = ring.zc_supported(), "UringBackend bound");
+        let send_fd = tx.reactor_fd()?;
+        tracing::debug!(%local_addr, ?ports, zc = tx.zc_supported(), "UringBackend bound");
         let backend = Self {
             recv_fd,
             send_fd,
             inner: Mutex::new(Inner {
                 ring,
+                tx,
                 queue: std::collections::VecDeque::with_capacity(config.send_queue),
                 next_seq: 0,
                 gso_off: false,
@@ -338,7 +342,7 @@ impl UringBackend {
     /// Whether the kernel offers `IORING_OP_SENDMSG_ZC` (used for batches of at least
     /// [`UringConfig::zero_copy_min_bytes`]).
     pub fn zero_copy_supported(&self) -> bool {
-        self.lock().ring.zc_supported()
+        self.lock().tx.zc_supported()
     }
 
     /// Sends whose completion reported an error (each a lost packet to the transport).
@@ -355,7 +359,7 @@ impl UringBackend {
     pub fn stats(&self) -> UringStats {
         let inner = self.lock();
         UringStats {
-            submits: inner.ring.submits(),
+            submits: inner.ring.submits() + inner.tx.submits(),
             sendmsgs: self.sendmsgs.load(Ordering::Relaxed),
             datagrams_sent: self.datagrams_sent.load(Ordering::Relaxed),
             send_errors: self.send_errors.load(Ordering::Relaxed),
@@ -370,13 +374,14 @@ impl UringBackend {
     fn reap(&self, inner: &mut Inner) {
         let Inner {
             ring,
+            tx,
             ready,
             starved,
             error,
             gso_off,
             ..
         } = inner;
-        ring.reap(&mut |d| match d {
+        let mut on = |d| match d {
             Done::Recv { bid, len } => ready.push_back((bid, len)),
             Done::RecvError(errno) => {
                 if errno == libc::ENOBUFS {
@@ -404,7 +409,9 @@ impl UringBackend {
                     *gso_off = true;
                 }
             }
-        });
+        };
+        ring.reap(&mut on);
+        tx.reap(&mut on);
         // Re-arm when the kernel ended the multishot receive (an error, or ENOBUFS once
         // buffers are back), unless receive completions still hold every buffer.
         if !ring.recv_armed() && (!*starved || ready.is_empty()) {
@@ -464,7 +471,7 @@ impl UringBackend {
                 // left queued for want of a slot, once completions free slots).
                 self.reap(&mut inner);
                 self.drain_queue(&mut inner);
-                let _ = inner.ring.submit();
+                let _ = inner.tx.submit();
                 let n = self.deliver(&mut inner, max, f);
                 if n > 0 {
                     return Poll::Ready(Ok(n));
@@ -721,7 +728,7 @@ impl DatagramBackend for UringBackend {
         let mut inner = self.lock();
         self.reap(&mut inner);
         self.drain_queue(&mut inner);
-        if let Err(e) = inner.ring.submit() {
+        if let Err(e) = inner.tx.submit() {
             tracing::debug!(error = %e, "io_uring submit failed");
         }
     }
@@ -789,7 +796,7 @@ impl UringBackend {
         // always hand the whole queue to the kernel without waiting.
         let fits = |inner: &Inner| {
             let queued = inner.queue.len() + entries;
-            queued <= self.send_queue && queued <= inner.ring.free_slots()
+            queued <= self.send_queue && queued <= inner.tx.free_slots()
         };
         loop {
             let mut inner = self.lock();
@@ -797,7 +804,7 @@ impl UringBackend {
                 self.reap(&mut inner);
                 if !fits(&inner) {
                     self.drain_queue(&mut inner);
-                    if let Err(e) = inner.ring.submit() {
+                    if let Err(e) = inner.tx.submit() {
                         return Poll::Ready(Err(e));
                     }
                     self.reap(&mut inner);
@@ -808,7 +815,7 @@ impl UringBackend {
                 let ecn = transmit.ecn;
                 match &mut src {
                     Src::Owned(buf) if single => {
-                        let spare = inner.ring.take_spare().unwrap_or_default();
+                        let spare = inner.tx.take_spare().unwrap_or_default();
                         let mut data = std::mem::replace(*buf, spare);
                         data.truncate(len);
                         let seg = (len > segment).then_some(segment as u16);
@@ -821,21 +828,21 @@ impl UringBackend {
                         };
                         if single {
                             let seg = (contents.len() > segment).then_some(segment as u16);
-                            let data = copy_into(inner.ring.take_spare(), contents);
+                            let data = copy_into(inner.tx.take_spare(), contents);
                             self.enqueue(&mut inner, path, dest, ecn, seg, data);
                         } else {
                             for chunk in contents.chunks(chunk_bytes) {
                                 let seg = (chunk.len() > segment).then_some(segment as u16);
-                                let data = copy_into(inner.ring.take_spare(), chunk);
+                                let data = copy_into(inner.tx.take_spare(), chunk);
                                 self.enqueue(&mut inner, path, dest, ecn, seg, data);
                             }
                         }
                     }
                 }
-                if inner.queue.len() >= self.send_queue.min(inner.ring.free_slots()) {
+                if inner.queue.len() >= self.send_queue.min(inner.tx.free_slots()) {
                     // A full queue goes to the kernel now rather than at the next flush.
                     self.drain_queue(&mut inner);
-                    if let Err(e) = inner.ring.submit() {
+                    if let Err(e) = inner.tx.submit() {
                         tracing::debug!(error = %e, "io_uring submit failed");
                     }
                 }
@@ -889,9 +896,9 @@ impl UringBackend {
                 .sort_unstable_by_key(|q| (q.path, q.dest, q.seq));
         }
         while !inner.queue.is_empty() {
-            if inner.ring.free_slots() == 0 {
+            if inner.tx.free_slots() == 0 {
                 self.reap(inner);
-                if inner.ring.free_slots() == 0 {
+                if inner.tx.free_slots() == 0 {
                     return;
                 }
             }
@@ -943,9 +950,9 @@ impl UringBackend {
             let control = send_control(dest, ecn, segment);
             let zc = self.zero_copy_min.is_some_and(|m| bytes >= m);
             let fd = self.paths[path].socket.as_raw_fd();
-            let Inner { ring, queue, .. } = &mut *inner;
+            let Inner { tx, queue, .. } = &mut *inner;
             let bufs = queue.drain(..run).map(|q| q.data);
-            if let Err(e) = ring.push_send(fd, dest, control.bytes(), segment.is_some(), bufs, zc)
+            if let Err(e) = tx.push_send(fd, dest, control.bytes(), segment.is_some(), bufs, zc)
             {
                 // Only a submission failure gets here (the slot was free): the datagrams are
                 // lost, as a failed sendmsg's would be.
