@@ -229,7 +229,9 @@ macro_rules! suite {
                         size,
                         segment_size: None,
                     };
-                    poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf)).await.unwrap();
+                    poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+                        .await
+                        .unwrap();
                 }
                 a.flush();
                 let got = recv_datagrams(&b, sizes.len()).await;

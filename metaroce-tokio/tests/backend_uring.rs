@@ -330,7 +330,12 @@ async fn joining_keeps_each_paths_order_and_never_mixes_destinations_or_ecn() {
                 for d in m.datagrams(buf) {
                     // Only datagram 45 was marked; a GSO send joining it with others
                     // would mark them too.
-                    assert_eq!(marked, d[..4] == 45u32.to_be_bytes(), "ECN of {:?}", &d[..4]);
+                    assert_eq!(
+                        marked,
+                        d[..4] == 45u32.to_be_bytes(),
+                        "ECN of {:?}",
+                        &d[..4]
+                    );
                     got.push((m.from.port(), d.to_vec()));
                 }
             }
@@ -345,7 +350,10 @@ async fn joining_keeps_each_paths_order_and_never_mixes_destinations_or_ecn() {
     }
     let st = a.stats();
     assert_eq!(st.datagrams_sent, 90);
-    assert!(st.sendmsgs < 90, "runs per path and destination were joined: {st:?}");
+    assert!(
+        st.sendmsgs < 90,
+        "runs per path and destination were joined: {st:?}"
+    );
 }
 
 #[tokio::test]
@@ -403,7 +411,11 @@ async fn owned_sends_move_the_buffer_and_hand_back_completed_ones() {
         a.flush();
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert_eq!(back, Some(0), "the completed send's buffer came back, emptied");
+    assert_eq!(
+        back,
+        Some(0),
+        "the completed send's buffer came back, emptied"
+    );
 }
 
 #[tokio::test]
@@ -485,7 +497,12 @@ async fn send_completions_do_not_wake_the_receive_side() {
         let before = count.0.load(std::sync::atomic::Ordering::Relaxed);
         for i in 0..20usize {
             let bytes = vec![round as u8; 100 + i];
-            let t = transmit(sink.local_addr(), a.source_ports()[i % 2], bytes.len(), None);
+            let t = transmit(
+                sink.local_addr(),
+                a.source_ports()[i % 2],
+                bytes.len(),
+                None,
+            );
             poll_fn(|cx| a.poll_send(cx, &t, &bytes)).await.unwrap();
         }
         a.flush();
@@ -499,5 +516,4 @@ async fn send_completions_do_not_wake_the_receive_side() {
         woken_rounds, 0,
         "the receive side was woken by send completions in {woken_rounds} of 10 rounds"
     );
-
 }

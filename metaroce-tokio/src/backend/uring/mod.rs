@@ -786,8 +786,7 @@ impl UringBackend {
                 format!(
                     "transmit of {len} bytes needs {entries} sends; the backend has {} send \
                      slots and a send queue of {}",
-                    self.send_slots,
-                    self.send_queue
+                    self.send_slots, self.send_queue
                 ),
             )));
         }
@@ -952,8 +951,7 @@ impl UringBackend {
             let fd = self.paths[path].socket.as_raw_fd();
             let Inner { tx, queue, .. } = &mut *inner;
             let bufs = queue.drain(..run).map(|q| q.data);
-            if let Err(e) = tx.push_send(fd, dest, control.bytes(), segment.is_some(), bufs, zc)
-            {
+            if let Err(e) = tx.push_send(fd, dest, control.bytes(), segment.is_some(), bufs, zc) {
                 // Only a submission failure gets here (the slot was free): the datagrams are
                 // lost, as a failed sendmsg's would be.
                 tracing::debug!(error = %e, "io_uring send could not be queued");
