@@ -517,3 +517,53 @@ async fn send_completions_do_not_wake_the_receive_side() {
         "the receive side was woken by send completions in {woken_rounds} of 10 rounds"
     );
 }
+
+#[tokio::test]
+async fn an_owned_transmit_larger_than_one_sendmsg_is_sent_in_chunks_without_a_copy() {
+    // 100 × 1200 B (a core GSO batch larger than 64 KiB): two sendmsgs sharing the
+    // caller's buffer; everything arrives in order; the buffer comes back once both
+    // completed.
+    let a = uring(1, UringConfig::default());
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    let contents: Vec<u8> = (0..100 * 1200).map(|i| (i / 1200 * 7 + i) as u8).collect();
+    let mut buf = contents.clone();
+    let first = buf.as_ptr();
+    let t = transmit(
+        b.local_addr(),
+        a.source_ports()[0],
+        contents.len(),
+        Some(1200),
+    );
+    poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+        .await
+        .unwrap();
+    assert_ne!(buf.as_ptr(), first, "the buffer was taken");
+    a.flush();
+    let got = recv_all(&b, 100).await;
+    assert_eq!(got.concat(), contents);
+    let st = a.stats();
+    if a.max_gso_segments() > 1 {
+        assert_eq!(st.sendmsgs, 2, "{st:?}");
+    }
+    assert_eq!(st.datagrams_sent, 100, "{st:?}");
+    // Both chunks completed: the shared buffer is spare and comes back.
+    let small = transmit(b.local_addr(), a.source_ports()[0], 1, None);
+    let mut back = false;
+    for _ in 0..100 {
+        buf.clear();
+        buf.push(1);
+        poll_fn(|cx| a.poll_send_owned(cx, &small, &mut buf))
+            .await
+            .unwrap();
+        if buf.as_ptr() == first {
+            back = true;
+            break;
+        }
+        a.flush();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        back,
+        "the shared buffer came back after its last chunk completed"
+    );
+}

@@ -125,7 +125,29 @@ struct Queued {
     ecn: Option<metaroce::EcnCodepoint>,
     /// `UDP_SEGMENT` of a caller-segmented batch (never joined with others).
     segment: Option<u16>,
-    data: Vec<u8>,
+    data: QData,
+}
+
+/// The bytes of a queued entry.
+#[derive(Debug)]
+enum QData {
+    /// A buffer of its own (joinable with neighbours into one GSO send).
+    Own(Vec<u8>),
+    /// One chunk of a transmit too large for one `sendmsg`: a range of a buffer in the send
+    /// ring's shared table (`Ring::share`), sent alone.
+    Shared {
+        id: usize,
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl QData {
+    fn len(&self) -> usize {
+        match self {
+            QData::Own(v) => v.len(),
+            QData::Shared { range, .. } => range.end - range.start,
+        }
+    }
 }
 
 /// The mutable part: the ring, the send queue and the receive completions not yet handed
@@ -818,7 +840,27 @@ impl UringBackend {
                         let mut data = std::mem::replace(*buf, spare);
                         data.truncate(len);
                         let seg = (len > segment).then_some(segment as u16);
-                        self.enqueue(&mut inner, path, dest, ecn, seg, data);
+                        self.enqueue(&mut inner, path, dest, ecn, seg, QData::Own(data));
+                    }
+                    Src::Owned(buf) => {
+                        // Larger than one sendmsg: the chunks' sends share the buffer.
+                        let spare = inner.tx.take_spare().unwrap_or_default();
+                        let mut data = std::mem::replace(*buf, spare);
+                        data.truncate(len);
+                        let id = inner.tx.share(data, entries);
+                        for start in (0..len).step_by(chunk_bytes) {
+                            let end = (start + chunk_bytes).min(len);
+                            let seg = (end - start > segment).then_some(segment as u16);
+                            let range = start..end;
+                            self.enqueue(
+                                &mut inner,
+                                path,
+                                dest,
+                                ecn,
+                                seg,
+                                QData::Shared { id, range },
+                            );
+                        }
                     }
                     _ => {
                         let contents: &[u8] = match &src {
@@ -828,12 +870,12 @@ impl UringBackend {
                         if single {
                             let seg = (contents.len() > segment).then_some(segment as u16);
                             let data = copy_into(inner.tx.take_spare(), contents);
-                            self.enqueue(&mut inner, path, dest, ecn, seg, data);
+                            self.enqueue(&mut inner, path, dest, ecn, seg, QData::Own(data));
                         } else {
                             for chunk in contents.chunks(chunk_bytes) {
                                 let seg = (chunk.len() > segment).then_some(segment as u16);
                                 let data = copy_into(inner.tx.take_spare(), chunk);
-                                self.enqueue(&mut inner, path, dest, ecn, seg, data);
+                                self.enqueue(&mut inner, path, dest, ecn, seg, QData::Own(data));
                             }
                         }
                     }
@@ -861,7 +903,7 @@ impl UringBackend {
         dest: SocketAddr,
         ecn: Option<metaroce::EcnCodepoint>,
         segment: Option<u16>,
-        data: Vec<u8>,
+        data: QData,
     ) {
         let seq = inner.next_seq;
         inner.next_seq += 1;
@@ -910,7 +952,8 @@ impl UringBackend {
             let size = first.data.len();
             let mut run = 1;
             let mut bytes = size;
-            let max_segments = if join && first.segment.is_none() && size > 0 {
+            let own = matches!(first.data, QData::Own(_));
+            let max_segments = if join && own && first.segment.is_none() && size > 0 {
                 self.paths[path]
                     .state
                     .max_gso_segments()
@@ -925,7 +968,8 @@ impl UringBackend {
                     || q.dest != dest
                     || q.ecn != ecn
                     || q.segment.is_some()
-                    || q.data.is_empty()
+                    || !matches!(q.data, QData::Own(_))
+                    || q.data.len() == 0
                     || q.data.len() > size
                     || bytes + q.data.len() > MAX_UDP_PAYLOAD
                 {
@@ -950,8 +994,22 @@ impl UringBackend {
             let zc = self.zero_copy_min.is_some_and(|m| bytes >= m);
             let fd = self.paths[path].socket.as_raw_fd();
             let Inner { tx, queue, .. } = &mut *inner;
-            let bufs = queue.drain(..run).map(|q| q.data);
-            if let Err(e) = tx.push_send(fd, dest, control.bytes(), segment.is_some(), bufs, zc) {
+            let gso = segment.is_some();
+            let res = if own {
+                let bufs = queue.drain(..run).filter_map(|q| match q.data {
+                    QData::Own(v) => Some(v),
+                    QData::Shared { .. } => None,
+                });
+                tx.push_send(fd, dest, control.bytes(), gso, bufs, zc)
+            } else {
+                match queue.pop_front().map(|q| q.data) {
+                    Some(QData::Shared { id, range }) => {
+                        tx.push_send_shared(fd, dest, control.bytes(), gso, id, range, zc)
+                    }
+                    _ => Ok(()),
+                }
+            };
+            if let Err(e) = res {
                 // Only a submission failure gets here (the slot was free): the datagrams are
                 // lost, as a failed sendmsg's would be.
                 tracing::debug!(error = %e, "io_uring send could not be queued");

@@ -64,6 +64,9 @@ pub(super) enum Done {
 struct SendSlot {
     /// The datagrams, owned by the slot until the send's last completion.
     bufs: Vec<Vec<u8>>,
+    /// Instead of `bufs`: a range of shared buffer `shared` (one chunk of a transmit
+    /// larger than one `sendmsg`), referenced until the send's last completion.
+    shared: Option<(usize, std::ops::Range<usize>)>,
     /// One iovec per buffer; capacity fixed at creation (`MAX_IOVS`), so it never moves.
     iovs: Vec<libc::iovec>,
     name: socket2::SockAddr,
@@ -198,6 +201,10 @@ pub(super) struct Ring {
     free: Vec<usize>,
     /// Datagram buffers of completed sends, emptied, for reuse (at most `MAX_SPARE`).
     spare: Vec<Vec<u8>>,
+    /// Buffers shared by the sends of several chunks, with their reference counts; `None`
+    /// entries are free (their indices in `shared_free`).
+    shared: Vec<Option<(Vec<u8>, usize)>>,
+    shared_free: Vec<usize>,
     /// `io_uring_enter` calls made to submit.
     submits: u64,
     /// SQEs pushed but not yet submitted.
@@ -290,6 +297,7 @@ impl Ring {
             .map(|_| {
                 Box::new(SendSlot {
                     bufs: Vec::with_capacity(MAX_IOVS),
+                    shared: None,
                     iovs: Vec::with_capacity(MAX_IOVS),
                     name: socket2::SockAddr::from(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
                     control: [0; 8],
@@ -308,6 +316,8 @@ impl Ring {
             slots,
             free: (0..send_slots).rev().collect(),
             spare: Vec::with_capacity(MAX_SPARE),
+            shared: Vec::new(),
+            shared_free: Vec::new(),
             submits: 0,
             unsubmitted: 0,
             sends_in_flight: 0,
@@ -389,12 +399,29 @@ impl Ring {
         bufs: impl Iterator<Item = Vec<u8>>,
         zero_copy: bool,
     ) -> io::Result<()> {
+        self.push_send_inner(fd, dest, control, gso, bufs, None, zero_copy)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push_send_inner(
+        &mut self,
+        fd: RawFd,
+        dest: std::net::SocketAddr,
+        control: &[u8],
+        gso: bool,
+        bufs: impl Iterator<Item = Vec<u8>>,
+        shared: Option<(usize, std::ops::Range<usize>)>,
+        zero_copy: bool,
+    ) -> io::Result<()> {
         let Some(idx) = self.free.pop() else {
+            if let Some((id, _)) = shared {
+                self.unshare(id);
+            }
             return Err(io::Error::from(io::ErrorKind::WouldBlock));
         };
         let zero_copy = zero_copy && self.zc_supported;
         let slot = &mut *self.slots[idx];
-        debug_assert!(slot.bufs.is_empty());
+        debug_assert!(slot.bufs.is_empty() && slot.shared.is_none());
         slot.bufs.clear();
         slot.iovs.clear();
         for b in bufs.take(MAX_IOVS) {
@@ -406,6 +433,21 @@ impl Ring {
                 iov_base: b.as_mut_ptr().cast(),
                 iov_len: b.len(),
             });
+        }
+        if let Some((id, range)) = shared {
+            // Checked by the caller: `id` is live and `range` inside its buffer, whose heap
+            // memory does not move while the table entry holds it (the `Vec` header may
+            // move when `self.shared` grows; its buffer does not).
+            if let Some((b, _)) = self.shared.get_mut(id).and_then(Option::as_mut) {
+                // SAFETY: `range.start <= b.len()` (checked by `push_send_shared`), so the
+                // pointer stays within (or one past the end of) the allocation.
+                let base = unsafe { b.as_mut_ptr().add(range.start) };
+                slot.iovs.push(libc::iovec {
+                    iov_base: base.cast(),
+                    iov_len: range.end - range.start,
+                });
+            }
+            slot.shared = Some((id, range));
         }
         slot.name = socket2::SockAddr::from(dest);
         let mut ctl = [0u8; 64];
@@ -443,8 +485,73 @@ impl Ring {
 
     /// Frees slot `idx`: its buffers become spare, the slot becomes free.
     fn release(&mut self, idx: usize) {
-        release_slot(&mut self.slots[idx], &mut self.spare);
+        release_slot(
+            &mut self.slots[idx],
+            &mut self.spare,
+            &mut self.shared,
+            &mut self.shared_free,
+        );
         self.free.push(idx);
+    }
+
+    /// Takes `buf` to be sent in `refs` chunks ([`push_send_shared`](Self::push_send_shared)
+    /// once per chunk): returns its id. Once every chunk's send completed (or failed to be
+    /// queued, see [`unshare`](Self::unshare)), the buffer becomes spare.
+    pub(super) fn share(&mut self, buf: Vec<u8>, refs: usize) -> usize {
+        let entry = Some((buf, refs.max(1)));
+        match self.shared_free.pop() {
+            Some(id) => {
+                self.shared[id] = entry;
+                id
+            }
+            None => {
+                self.shared.push(entry);
+                self.shared.len() - 1
+            }
+        }
+    }
+
+    /// Drops one reference of shared buffer `id` without sending (a chunk that will never
+    /// be queued).
+    pub(super) fn unshare(&mut self, id: usize) {
+        unref_shared(id, &mut self.shared, &mut self.shared_free, &mut self.spare);
+    }
+
+    /// Queues one `sendmsg` of `range` of shared buffer `id` (no copy), as
+    /// [`push_send`](Self::push_send) otherwise. Consumes one reference: on an error it is
+    /// dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_send_shared(
+        &mut self,
+        fd: RawFd,
+        dest: std::net::SocketAddr,
+        control: &[u8],
+        gso: bool,
+        id: usize,
+        range: std::ops::Range<usize>,
+        zero_copy: bool,
+    ) -> io::Result<()> {
+        let ok = self
+            .shared
+            .get(id)
+            .and_then(Option::as_ref)
+            .is_some_and(|(b, _)| range.start <= range.end && range.end <= b.len());
+        if !ok {
+            self.unshare(id);
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "shared send range out of bounds",
+            ));
+        }
+        self.push_send_inner(
+            fd,
+            dest,
+            control,
+            gso,
+            std::iter::empty(),
+            Some((id, range)),
+            zero_copy,
+        )
     }
 
     /// `io_uring_enter` calls made to submit so far.
@@ -499,7 +606,7 @@ impl Ring {
                         out(Done::SendError {
                             errno: -res,
                             gso: slot.gso,
-                            datagrams: slot.bufs.len(),
+                            datagrams: slot.bufs.len().max(usize::from(slot.shared.is_some())),
                         });
                     }
                     if !cqueue::more(flags) {
@@ -508,7 +615,12 @@ impl Ring {
                     }
                 }
                 if !slot.awaiting_notif {
-                    release_slot(slot, &mut self.spare);
+                    release_slot(
+                        slot,
+                        &mut self.spare,
+                        &mut self.shared,
+                        &mut self.shared_free,
+                    );
                     self.free.push(idx);
                     self.sends_in_flight -= 1;
                 }
@@ -540,14 +652,51 @@ impl Ring {
     }
 }
 
-/// Empties a completed slot: its buffers become spare (up to `MAX_SPARE`, the rest are freed).
-fn release_slot(slot: &mut SendSlot, spare: &mut Vec<Vec<u8>>) {
+/// Empties a completed slot: its buffers become spare (up to `MAX_SPARE`, the rest are
+/// freed), its reference to a shared buffer is dropped.
+fn release_slot(
+    slot: &mut SendSlot,
+    spare: &mut Vec<Vec<u8>>,
+    shared: &mut [Option<(Vec<u8>, usize)>],
+    shared_free: &mut Vec<usize>,
+) {
     slot.iovs.clear();
     for mut b in slot.bufs.drain(..) {
         if spare.len() < MAX_SPARE {
             b.clear();
             spare.push(b);
         }
+    }
+    if let Some((id, _)) = slot.shared.take() {
+        unref_shared(id, shared, shared_free, spare);
+    }
+}
+
+/// Drops one reference of shared buffer `id`; the last one makes the buffer spare.
+fn unref_shared(
+    id: usize,
+    shared: &mut [Option<(Vec<u8>, usize)>],
+    shared_free: &mut Vec<usize>,
+    spare: &mut Vec<Vec<u8>>,
+) {
+    let Some(entry) = shared.get_mut(id) else {
+        return;
+    };
+    let last = match entry {
+        Some((_, refs)) => {
+            *refs -= 1;
+            *refs == 0
+        }
+        None => false,
+    };
+    if last {
+        if let Some((mut b, _)) = entry.take() {
+            if spare.len() < MAX_SPARE {
+                b.clear();
+                spare.push(b);
+            }
+        }
+        shared_free.push(id);
     }
 }
 
@@ -576,6 +725,7 @@ impl Drop for Ring {
                 "io_uring operations still in flight at drop: leaking their memory"
             );
             std::mem::forget(std::mem::take(&mut self.slots));
+            std::mem::forget(std::mem::take(&mut self.shared));
             // SAFETY: all-zero is a valid `msghdr` (integers and raw pointers).
             let hdr =
                 std::mem::replace(&mut self.recv_hdr, Box::new(unsafe { std::mem::zeroed() }));
