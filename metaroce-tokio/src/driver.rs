@@ -200,8 +200,9 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                 }
             }
             if let Some(dgb) = shared.datagrams() {
-                for (t, buf) in out.drain(..) {
-                    if let Err(e) = poll_fn(|cx| dgb.poll_send(cx, &t, &buf[..t.size])).await {
+                for (t, mut buf) in out.drain(..) {
+                    // The backend may keep `buf` (no copy) and hand back another buffer.
+                    if let Err(e) = poll_fn(|cx| dgb.poll_send_owned(cx, &t, &mut buf)).await {
                         // A failed send is a lost packet: the transport recovers.
                         tracing::debug!(error = %e, dest = %t.destination, "send failed");
                     }

@@ -231,3 +231,339 @@ async fn in_place_receive_lends_the_provided_buffers_without_a_copy() {
     let mut cx = std::task::Context::from_waker(&waker);
     assert!(a.poll_recv_in_place(&mut cx, 4, &mut |_, _| {}).is_none());
 }
+
+/// Queues `sizes` (one datagram each, contents depending on the index) on path `path` of `a`
+/// to `to` with `poll_send_owned`, then flushes.
+async fn send_owned(a: &UringBackend, to: SocketAddr, path: usize, sizes: &[usize], tag: u8) {
+    let mut buf = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        buf.clear();
+        buf.extend((0..size).map(|j| (i * 13 + j) as u8 ^ tag));
+        let t = transmit(to, a.source_ports()[path], size, None);
+        poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+            .await
+            .unwrap();
+    }
+}
+
+fn expected(sizes: &[usize], tag: u8) -> Vec<Vec<u8>> {
+    sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &size)| (0..size).map(|j| (i * 13 + j) as u8 ^ tag).collect())
+        .collect()
+}
+
+#[tokio::test]
+async fn equal_size_datagrams_are_joined_into_gso_sends_at_the_run_boundaries() {
+    // Each case: the datagram sizes queued before one flush, and the sendmsgs they must
+    // make. A run ends at a shorter datagram (included), before a longer one, at 64
+    // datagrams and before 65 507 bytes.
+    let cases: [(Vec<usize>, u64); 5] = [
+        (vec![100; 40], 1),
+        (vec![100, 100, 100, 50, 100, 100], 2),
+        (vec![100, 200, 200], 2),
+        (vec![10; 100], 2),
+        (vec![4000; 20], 2),
+    ];
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    for (sizes, sendmsgs) in cases {
+        let a = uring(1, UringConfig::default());
+        if a.max_gso_segments() <= 1 {
+            eprintln!("no UDP GSO on this kernel: joining is off");
+            return;
+        }
+        send_owned(&a, b.local_addr(), 0, &sizes, 0).await;
+        a.flush();
+        let got = recv_all(&b, sizes.len()).await;
+        assert_eq!(got, expected(&sizes, 0), "sizes {sizes:?}");
+        let st = a.stats();
+        assert_eq!(st.datagrams_sent, sizes.len() as u64, "{st:?}");
+        assert_eq!(st.sendmsgs, sendmsgs, "sizes {sizes:?}: {st:?}");
+        assert_eq!((st.send_errors, st.datagrams_lost), (0, 0));
+    }
+}
+
+#[tokio::test]
+async fn joining_keeps_each_paths_order_and_never_mixes_destinations_or_ecn() {
+    let a = uring(3, UringConfig::default());
+    let b1 = UdpBackend::bind(loopback(), 1).unwrap();
+    let b2 = UdpBackend::bind(loopback(), 1).unwrap();
+    // Interleaved over 3 paths and 2 destinations, one ECN-marked datagram in the middle.
+    let mut want1: Vec<(u16, Vec<u8>)> = Vec::new();
+    let mut want2 = Vec::new();
+    let mut buf = Vec::new();
+    for i in 0..90usize {
+        let path = i % 3;
+        let to = if i % 2 == 0 { &b1 } else { &b2 };
+        buf.clear();
+        buf.extend_from_slice(&(i as u32).to_be_bytes().repeat(60));
+        let mut t = transmit(to.local_addr(), a.source_ports()[path], buf.len(), None);
+        if i == 45 {
+            t.ecn = Some(metaroce::EcnCodepoint::Ect0);
+        }
+        let want = if i % 2 == 0 { &mut want1 } else { &mut want2 };
+        want.push((a.source_ports()[path], buf.clone()));
+        poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+            .await
+            .unwrap();
+    }
+    a.flush();
+    for (b, want) in [(&b1, want1), (&b2, want2)] {
+        let mut bufs = vec![vec![0u8; 65_536]; 4];
+        let mut meta = [RecvMeta::default(); 4];
+        let mut got: Vec<(u16, Vec<u8>)> = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while got.len() < want.len() {
+            let r = tokio::time::timeout_at(
+                deadline,
+                poll_fn(|cx| {
+                    let mut s: Vec<IoSliceMut<'_>> =
+                        bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                    b.poll_recv(cx, &mut s, &mut meta)
+                }),
+            )
+            .await;
+            let Ok(r) = r else { break };
+            for (m, buf) in meta[..r.unwrap()].iter().zip(&bufs) {
+                let marked = m.ecn.is_some();
+                for d in m.datagrams(buf) {
+                    // Only datagram 45 was marked; a GSO send joining it with others
+                    // would mark them too.
+                    assert_eq!(
+                        marked,
+                        d[..4] == 45u32.to_be_bytes(),
+                        "ECN of {:?}",
+                        &d[..4]
+                    );
+                    got.push((m.from.port(), d.to_vec()));
+                }
+            }
+        }
+        assert_eq!(got.len(), want.len());
+        // Per path (source port) and destination, the order sent is the order received.
+        for port in a.source_ports() {
+            let g: Vec<_> = got.iter().filter(|(p, _)| *p == port).collect();
+            let w: Vec<_> = want.iter().filter(|(p, _)| *p == port).collect();
+            assert_eq!(g, w, "path port {port}");
+        }
+    }
+    let st = a.stats();
+    assert_eq!(st.datagrams_sent, 90);
+    assert!(
+        st.sendmsgs < 90,
+        "runs per path and destination were joined: {st:?}"
+    );
+}
+
+#[tokio::test]
+async fn coalesce_off_sends_one_datagram_per_sendmsg() {
+    let a = uring(
+        1,
+        UringConfig {
+            coalesce: false,
+            ..UringConfig::default()
+        },
+    );
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    // The first flush arms the multishot receive (one submit of its own).
+    a.flush();
+    let before = a.stats().submits;
+    let sizes = [100usize; 20];
+    send_owned(&a, b.local_addr(), 0, &sizes, 5).await;
+    a.flush();
+    assert_eq!(recv_all(&b, 20).await, expected(&sizes, 5));
+    let st = a.stats();
+    assert_eq!((st.sendmsgs, st.datagrams_sent), (20, 20));
+    // One io_uring_enter for the whole flush, none for the sends themselves.
+    assert_eq!(st.submits - before, 1, "{st:?}");
+}
+
+#[tokio::test]
+async fn owned_sends_move_the_buffer_and_hand_back_completed_ones() {
+    let a = uring(1, UringConfig::default());
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    let mut buf = vec![7u8; 1000];
+    let first = buf.as_ptr();
+    let t = transmit(b.local_addr(), a.source_ports()[0], 1000, None);
+    poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+        .await
+        .unwrap();
+    // Taken, not copied: the caller holds another (here new, empty) buffer.
+    assert_ne!(buf.as_ptr(), first);
+    a.flush();
+    assert_eq!(recv_all(&b, 1).await, [vec![7u8; 1000]]);
+    // Once that send completed, the next owned send hands the first buffer back, emptied.
+    buf.clear();
+    buf.resize(10, 1);
+    let t = transmit(b.local_addr(), a.source_ports()[0], 10, None);
+    let mut back = None;
+    for _ in 0..100 {
+        poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+            .await
+            .unwrap();
+        if buf.as_ptr() == first {
+            back = Some(buf.len());
+            break;
+        }
+        buf.clear();
+        buf.resize(10, 1);
+        a.flush();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        back,
+        Some(0),
+        "the completed send's buffer came back, emptied"
+    );
+}
+
+#[tokio::test]
+async fn exhausted_receive_buffers_are_counted_and_receiving_resumes() {
+    // 2 provided buffers and 300 datagrams sent before anyone receives: the multishot
+    // receive runs out of buffers (ENOBUFS, counted), the kernel keeps what fits in the
+    // socket buffer, and receiving resumes once buffers are recycled: later datagrams all
+    // arrive.
+    let b = uring(
+        1,
+        UringConfig {
+            recv_buffers: 2,
+            ..UringConfig::default()
+        },
+    );
+    let a = UdpBackend::bind(loopback(), 1).unwrap();
+    let to = b.local_addr();
+    let port = a.source_ports()[0];
+    // Arm the receive (the first poll does), then flood it.
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let _ = b.poll_recv_in_place(&mut cx, 1, &mut |_, _| {});
+    for i in 0..300u32 {
+        let bytes = i.to_be_bytes();
+        let t = transmit(to, port, 4, None);
+        poll_fn(|cx| a.poll_send(cx, &t, &bytes)).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let flood = recv_all(&b, 300).await;
+    assert!(!flood.is_empty());
+    let st = b.stats();
+    eprintln!("{} of 300 flooded datagrams received; {st:?}", flood.len());
+    assert!(st.recv_buffers_exhausted > 0, "{st:?}");
+    assert_eq!(st.recv_errors, 0);
+    // Liveness: the receive was re-armed, later datagrams arrive.
+    for i in 0..50u32 {
+        let bytes = (1000 + i).to_be_bytes();
+        let t = transmit(to, port, 4, None);
+        poll_fn(|cx| a.poll_send(cx, &t, &bytes)).await.unwrap();
+        let got = recv_all(&b, 1).await;
+        assert_eq!(got, [bytes.to_vec()], "datagram {i} after the flood");
+    }
+}
+
+/// Counts wake-ups.
+struct CountWake(std::sync::atomic::AtomicUsize);
+
+impl futures::task::ArcWake for CountWake {
+    fn wake_by_ref(arc_self: &std::sync::Arc<Self>) {
+        arc_self
+            .0
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[tokio::test]
+async fn send_completions_do_not_wake_the_receive_side() {
+    // The task waiting in poll_recv (the driver) must not be woken by the completions of
+    // its own sends: 200 sends, no datagram received, no wake-up.
+    let a = uring(2, UringConfig::default());
+    let sink = UdpBackend::bind(loopback(), 1).unwrap();
+    let count = std::sync::Arc::new(CountWake(Default::default()));
+    let waker = futures::task::waker(count.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut buf = [0u8; 64];
+    let mut meta = [RecvMeta::default(); 1];
+    // Each round: register the waker (poll until Pending; tokio wakers are one-shot),
+    // send 20 datagrams and flush, and see whether the receive side was woken.
+    let mut woken_rounds = 0;
+    for round in 0..10 {
+        for _ in 0..10 {
+            if a.poll_recv(&mut cx, &mut [IoSliceMut::new(&mut buf)], &mut meta)
+                .is_pending()
+            {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let before = count.0.load(std::sync::atomic::Ordering::Relaxed);
+        for i in 0..20usize {
+            let bytes = vec![round as u8; 100 + i];
+            let t = transmit(
+                sink.local_addr(),
+                a.source_ports()[i % 2],
+                bytes.len(),
+                None,
+            );
+            poll_fn(|cx| a.poll_send(cx, &t, &bytes)).await.unwrap();
+        }
+        a.flush();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if count.0.load(std::sync::atomic::Ordering::Relaxed) > before {
+            woken_rounds += 1;
+        }
+    }
+    assert_eq!(recv_all(&sink, 200).await.len(), 200);
+    assert_eq!(
+        woken_rounds, 0,
+        "the receive side was woken by send completions in {woken_rounds} of 10 rounds"
+    );
+}
+
+#[tokio::test]
+async fn an_owned_transmit_larger_than_one_sendmsg_is_sent_in_chunks_without_a_copy() {
+    // 100 × 1200 B (a core GSO batch larger than 64 KiB): two sendmsgs sharing the
+    // caller's buffer; everything arrives in order; the buffer comes back once both
+    // completed.
+    let a = uring(1, UringConfig::default());
+    let b = UdpBackend::bind(loopback(), 1).unwrap();
+    let contents: Vec<u8> = (0..100 * 1200).map(|i| (i / 1200 * 7 + i) as u8).collect();
+    let mut buf = contents.clone();
+    let first = buf.as_ptr();
+    let t = transmit(
+        b.local_addr(),
+        a.source_ports()[0],
+        contents.len(),
+        Some(1200),
+    );
+    poll_fn(|cx| a.poll_send_owned(cx, &t, &mut buf))
+        .await
+        .unwrap();
+    assert_ne!(buf.as_ptr(), first, "the buffer was taken");
+    a.flush();
+    let got = recv_all(&b, 100).await;
+    assert_eq!(got.concat(), contents);
+    let st = a.stats();
+    if a.max_gso_segments() > 1 {
+        assert_eq!(st.sendmsgs, 2, "{st:?}");
+    }
+    assert_eq!(st.datagrams_sent, 100, "{st:?}");
+    // Both chunks completed: the shared buffer is spare and comes back.
+    let small = transmit(b.local_addr(), a.source_ports()[0], 1, None);
+    let mut back = false;
+    for _ in 0..100 {
+        buf.clear();
+        buf.push(1);
+        poll_fn(|cx| a.poll_send_owned(cx, &small, &mut buf))
+            .await
+            .unwrap();
+        if buf.as_ptr() == first {
+            back = true;
+            break;
+        }
+        a.flush();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        back,
+        "the shared buffer came back after its last chunk completed"
+    );
+}

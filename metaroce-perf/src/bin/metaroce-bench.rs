@@ -13,6 +13,8 @@
 //! |---|---|
 //! | `metaroce_bulk_{udp,uring}` | `metaroce-perf write_bw -s 1048576 -n 1024 --paths 8 --backend B`: Gbit/s |
 //! | `metaroce_rate64_{udp,uring}` | `metaroce-perf write_bw -s 64 -n 200000 --paths 8 --backend B`: 64 B WRITEs (one data packet each) per second |
+//! | `metaroce_rate64_{udp,uring}_cpu` | the run of `metaroce_rate64_*` with `-n 1000000`: 64 B WRITEs per CPU-second of the `metaroce-perf` process (user + system time of both endpoints, setup included) |
+//! | `metaroce_bulk_{udp,uring}_cpu` | the same run as `metaroce_bulk_*`, again: Gbit per CPU-second of the process |
 //! | `metaroce_rtt64_{udp,uring}` | `metaroce-perf send_lat -s 64 -n 10000 --backend B`: RTT = 2 × typical one-way, µs |
 //! | `tcp_bulk` | kernel TCP, one stream: `iperf3 -c` for 3 s when iperf3 is installed, else an in-tree tokio blaster (1 GiB in 1 MiB writes): Gbit/s |
 //! | `tcp_rtt64` | tokio TCP ping-pong (`TCP_NODELAY`), 64 B, 10,000 round trips: median RTT, µs |
@@ -20,11 +22,13 @@
 //! | `udp_rtt64` | tokio UDP ping-pong, 64 B, 10,000 round trips: median RTT, µs |
 //! | `udp_rate64` | raw UDP blaster, 64 B datagrams (GSO batches of 64): received datagrams/s |
 //! | `metaroce_conns8_shards{1,2}` | in process: 8 connections, bulk 1 MiB WRITEs (4 in flight each, 1 GiB in all), both endpoints with `Config::shards` = 1 or 2, the client on the 2-worker runtime, the server on its own 2-worker runtime: aggregate Gbit/s |
+//! | `backend_rate{64,4096}_{udp,uring,uring_nojoin}[_cpu]` | the backends alone, in process, no transport: 8 path sockets send 64 B (or 4096 B) datagrams in driver-like batches of 32 (`poll_send_owned` each, then `flush`), at most 2 MiB ahead of the receiver (`uring_nojoin`: `UringConfig::coalesce = false`, one `sendmsg` per datagram), which takes them with `poll_recv_in_place` (io_uring) or `poll_recv` (UDP); 2,000,000 (500,000) datagrams: received datagrams/s, and per CPU-second of this process (`_cpu`) |
 //! | `core_rate_{64,4096}` | `cargo bench -p metaroce --bench core_rate -- --json` when that bench exists in the source tree: datagrams/s of CPU time |
 //!
 //! The tokio peers use a 2-worker multi-thread runtime, as `metaroce-perf` does. Printed
 //! ratios: P1 = metaroce bulk / TCP bulk, P2 = metaroce RTT / UDP RTT, io_uring / UDP backend
-//! at 64 B and in bulk. Figures are measurements of a shared machine: the load average at
+//! at 64 B and in bulk, per second and per CPU-second (the fair one when the end-to-end
+//! figure is bound by the core's CPU or by a neighbour's load). Figures are measurements of a shared machine: the load average at
 //! start and end is printed and stored in the JSON.
 
 use std::collections::BTreeMap;
@@ -218,6 +222,42 @@ fn perf_run(
     })
 }
 
+/// User + system CPU seconds of this process's waited-for children so far (`cutime` +
+/// `cstime` of `/proc/self/stat`, in USER_HZ = 100 ticks per second, the unit Linux uses
+/// there whatever the kernel's HZ); 0 where unreadable.
+fn children_cpu_s() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name's closing parenthesis start at field 3 (state).
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // Field 16 (cutime) is index 13 here, 17 (cstime) index 14.
+    (tick(13) + tick(14)) as f64 / 100.0
+}
+
+/// [`perf_run`], with the figure divided by the child's CPU seconds: `per(doc)` is the
+/// amount (packets, Gbit) the run moved.
+fn perf_run_per_cpu(
+    ctx: &Ctx,
+    args: &[String],
+    per: impl Fn(&serde_json::Value) -> Option<(f64, u64)>,
+) -> Result<Sample, String> {
+    let before = children_cpu_s();
+    let s = perf_run(ctx, args, per)?;
+    let cpu = children_cpu_s() - before;
+    if cpu <= 0.0 {
+        return Err("no CPU time recorded for the child".into());
+    }
+    Ok(Sample {
+        value: s.value / cpu,
+        ..s
+    })
+}
+
 fn rand_suffix() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -236,6 +276,7 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             "write_bw -s 1048576 -n {} --paths 8 --backend {be}",
             1024 / scale
         );
+        let bulk_cpu = bulk.clone();
         v.push(Measure {
             name: if be == "udp" {
                 "metaroce_bulk_udp"
@@ -258,6 +299,12 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             "write_bw -s 64 -n {} --paths 8 --backend {be}",
             200_000 / scale
         );
+        // Five times the iterations, so that the process's setup (runtime, sockets, regions)
+        // weighs little in its CPU time.
+        let rate_cpu = format!(
+            "write_bw -s 64 -n {} --paths 8 --backend {be}",
+            1_000_000 / scale
+        );
         v.push(Measure {
             name: if be == "udp" {
                 "metaroce_rate64_udp"
@@ -273,6 +320,37 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
                         r["msg_rate_mpps"].as_f64()? * 1e6,
                         r["iterations"].as_u64()?,
                     ))
+                })
+            }),
+        });
+        v.push(Measure {
+            name: if be == "udp" {
+                "metaroce_bulk_udp_cpu"
+            } else {
+                "metaroce_bulk_uring_cpu"
+            },
+            unit: "Gbit/CPU-s",
+            command: format!("metaroce-perf {bulk_cpu}"),
+            run: Box::new(move |ctx| {
+                perf_run_per_cpu(ctx, &strings(&bulk_cpu), |d| {
+                    let r = &d["bw"][0];
+                    let it = r["iterations"].as_u64()?;
+                    Some((it as f64 * 1048576.0 * 8.0 / 1e9, it * 256))
+                })
+            }),
+        });
+        v.push(Measure {
+            name: if be == "udp" {
+                "metaroce_rate64_udp_cpu"
+            } else {
+                "metaroce_rate64_uring_cpu"
+            },
+            unit: "packets/CPU-s",
+            command: format!("metaroce-perf {rate_cpu}"),
+            run: Box::new(move |ctx| {
+                perf_run_per_cpu(ctx, &strings(&rate_cpu), |d| {
+                    let it = d["bw"][0]["iterations"].as_u64()?;
+                    Some((it as f64, it))
                 })
             }),
         });
@@ -725,6 +803,191 @@ fn peer_measures(scale: u64, iperf: bool) -> Vec<Measure> {
     ]
 }
 
+/// The datagram backends alone (no transport): see the crate docs, `backend_rate*`.
+fn backend_measures(scale: u64) -> Vec<Measure> {
+    let mut v = Vec::new();
+    for (size, n, base) in [
+        (64usize, 2_000_000 / scale, "backend_rate64"),
+        (4096, 500_000 / scale, "backend_rate4096"),
+    ] {
+        for be in ["udp", "uring", "uring_nojoin"] {
+            for per_cpu in [false, true] {
+                let name: &'static str =
+                    Box::leak(format!("{base}_{be}{}", if per_cpu { "_cpu" } else { "" }).into());
+                v.push(Measure {
+                    name,
+                    unit: if per_cpu {
+                        "datagrams/CPU-s"
+                    } else {
+                        "datagrams/s"
+                    },
+                    command: format!(
+                        "in-process {be} backend to {be} backend, 8 paths, {n} x {size} B, batches of 32"
+                    ),
+                    run: Box::new(move |ctx| {
+                        let kind = if be == "udp" {
+                            metaroce_tokio::backend::BackendKind::Udp
+                        } else {
+                            metaroce_tokio::backend::BackendKind::Uring
+                        };
+                        let join = be != "uring_nojoin";
+                        ctx.rt
+                            .block_on(backend_blast(kind, size, n, join, per_cpu))
+                            .map_err(|e| e.to_string())
+                    }),
+                });
+            }
+        }
+    }
+    v
+}
+
+/// User + system CPU seconds of this process so far (`utime` + `stime` of
+/// `/proc/self/stat`, USER_HZ = 100); 0 where unreadable.
+fn self_cpu_s() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // Field 14 (utime) is index 11 here, 15 (stime) index 12.
+    (tick(11) + tick(12)) as f64 / 100.0
+}
+
+/// One backend sending `n` datagrams of `size` bytes to another of the same kind over 8
+/// paths (the driver's pattern: 32 `poll_send_owned`, then `flush`), at most 2 MiB (64 to
+/// 4096 datagrams) ahead of what was received (`join`: `UringConfig::coalesce`); returns received datagrams per second (or per CPU-second of the
+/// process) and, as `retransmits`, the datagrams lost.
+async fn backend_blast(
+    kind: metaroce_tokio::backend::BackendKind,
+    size: usize,
+    n: u64,
+    join: bool,
+    per_cpu: bool,
+) -> std::io::Result<Sample> {
+    use metaroce_tokio::backend::{bind_backend, DatagramBackend, RecvMeta, UringConfig};
+    use std::future::poll_fn;
+    use std::sync::atomic::AtomicU64;
+    let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let cfg = UringConfig {
+        coalesce: join,
+        ..UringConfig::default()
+    };
+    // At most 2 MiB in flight (the receive buffer the backends ask for), 64 to 4096 datagrams.
+    let window = ((2u64 << 20) / size as u64).clamp(64, 4096);
+    let tx = bind_backend(kind, lo, 8, &cfg)?;
+    let rx = bind_backend(kind, lo, 1, &cfg)?;
+    if tx.kind != kind || rx.kind != kind {
+        return Err(std::io::Error::other(format!(
+            "backend fell back: {:?}",
+            tx.fallback_reason.or(rx.fallback_reason)
+        )));
+    }
+    let (tx, rx): (Arc<dyn DatagramBackend>, Arc<dyn DatagramBackend>) =
+        (tx.backend.into(), rx.backend.into());
+    let got = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicBool::new(false));
+    let dest = rx.local_addr();
+    let ports = tx.source_ports();
+    let cpu0 = self_cpu_s();
+    let start = Instant::now();
+    let receiver = {
+        let (rx, got, done) = (rx.clone(), got.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut bufs = vec![vec![0u8; 1 << 16]; 8];
+            let mut meta = [RecvMeta::EMPTY; 8];
+            while !done.load(Ordering::Relaxed) {
+                let r = tokio::time::timeout(
+                    Duration::from_millis(200),
+                    poll_fn(|cx| {
+                        let mut c = 0u64;
+                        if let Some(p) = rx.poll_recv_in_place(cx, 8, &mut |m, b| {
+                            c += m.datagrams(b).count() as u64;
+                        }) {
+                            return p.map(|r| r.map(|_| c));
+                        }
+                        let mut s: Vec<IoSliceMut<'_>> =
+                            bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                        rx.poll_recv(cx, &mut s, &mut meta).map(|r| {
+                            r.map(|k| {
+                                meta[..k]
+                                    .iter()
+                                    .zip(&bufs)
+                                    .map(|(m, b)| m.datagrams(b).count() as u64)
+                                    .sum()
+                            })
+                        })
+                    }),
+                )
+                .await;
+                match r {
+                    Ok(Ok(c)) => {
+                        got.fetch_add(c, Ordering::Relaxed);
+                    }
+                    Ok(Err(_)) => {}
+                    // Nothing for 200 ms: the rest was lost.
+                    Err(_) => break,
+                }
+            }
+        })
+    };
+    let mut sent = 0u64;
+    let mut buf = Vec::with_capacity(size);
+    let mut idle_since = None;
+    // Datagrams written off as lost (the receiver made no progress for 200 ms).
+    let mut lost = 0u64;
+    while sent < n {
+        let ahead = sent.saturating_sub(got.load(Ordering::Relaxed) + lost);
+        if ahead > window {
+            // Wait for the receiver; write off what was lost after 200 ms of no progress.
+            let t0 = *idle_since.get_or_insert_with(Instant::now);
+            if t0.elapsed() > Duration::from_millis(200) {
+                lost += ahead;
+                idle_since = None;
+            }
+            tokio::task::yield_now().await;
+            continue;
+        }
+        idle_since = None;
+        for i in 0..32u64.min(n - sent) {
+            buf.clear();
+            buf.resize(size, (sent + i) as u8);
+            let t = metaroce::Transmit {
+                destination: dest,
+                src_port: ports[((sent + i) % 8) as usize],
+                ecn: None,
+                size,
+                segment_size: None,
+            };
+            poll_fn(|cx| tx.poll_send_owned(cx, &t, &mut buf)).await?;
+        }
+        tx.flush();
+        sent += 32u64.min(n - sent);
+    }
+    // Let the last ones arrive (the receiver stops after 200 ms without any).
+    while got.load(Ordering::Relaxed) + lost < n && !receiver.is_finished() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let cpu = self_cpu_s() - cpu0;
+    done.store(true, Ordering::Relaxed);
+    let _ = receiver.await;
+    let received = got.load(Ordering::Relaxed).min(n);
+    let value = if per_cpu {
+        received as f64 / cpu.max(0.01)
+    } else {
+        received as f64 / secs
+    };
+    Ok(Sample {
+        value,
+        retransmits: n - received,
+        packets: received,
+    })
+}
+
 /// The source tree this binary was built from (for `cargo bench` and the commit).
 fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -829,6 +1092,7 @@ fn main() {
     measures.extend(peer_measures(scale, iperf));
     measures.extend(shard_measures(scale));
     measures.extend(core_measures());
+    measures.extend(backend_measures(scale));
     if !args.only.is_empty() {
         measures.retain(|m| args.only.iter().any(|o| m.name.contains(o.as_str())));
     }
@@ -935,6 +1199,48 @@ fn main() {
             "metaroce_bulk_uring",
             "metaroce_bulk_udp",
             ">= 1.0",
+        ),
+        ratio(
+            "io_uring / UDP backend, 64 B packets per CPU-second",
+            "metaroce_rate64_uring_cpu",
+            "metaroce_rate64_udp_cpu",
+            ">= 1.2",
+        ),
+        ratio(
+            "io_uring / UDP backend, bulk per CPU-second",
+            "metaroce_bulk_uring_cpu",
+            "metaroce_bulk_udp_cpu",
+            ">= 1.0",
+        ),
+        ratio(
+            "io_uring / UDP, backends alone, 64 B datagrams/s",
+            "backend_rate64_uring",
+            "backend_rate64_udp",
+            "-",
+        ),
+        ratio(
+            "io_uring / UDP, backends alone, 64 B per CPU-second",
+            "backend_rate64_uring_cpu",
+            "backend_rate64_udp_cpu",
+            "-",
+        ),
+        ratio(
+            "io_uring without GSO joining / UDP, alone, 64 B per CPU-s",
+            "backend_rate64_uring_nojoin_cpu",
+            "backend_rate64_udp_cpu",
+            "-",
+        ),
+        ratio(
+            "io_uring / UDP, backends alone, 4096 B datagrams/s",
+            "backend_rate4096_uring",
+            "backend_rate4096_udp",
+            "-",
+        ),
+        ratio(
+            "io_uring / UDP, backends alone, 4096 B per CPU-second",
+            "backend_rate4096_uring_cpu",
+            "backend_rate4096_udp_cpu",
+            "-",
         ),
         ratio(
             "bulk vs raw UDP GSO/GRO (udp backend)",

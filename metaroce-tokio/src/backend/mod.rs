@@ -32,7 +32,7 @@ mod uring;
 pub use impair::{GilbertElliott, ImpairError, ImpairStats, Impaired, Impairment};
 pub use udp::{UdpBackend, UdpConfig};
 #[cfg(target_os = "linux")]
-pub use uring::{UringBackend, UringConfig, DISABLE_ENV};
+pub use uring::{UringBackend, UringConfig, UringStats, DISABLE_ENV};
 
 /// Which socket backend [`bind_backend`] should use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -201,6 +201,30 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
         contents: &[u8],
     ) -> Poll<io::Result<()>>;
 
+    /// Sends one transmit whose bytes are `buf[..transmit.size]`, like
+    /// [`poll_send`](Self::poll_send), but lets the backend keep the buffer instead of
+    /// copying it: on `Ready` (`Ok` or `Err`) `buf` may have been swapped for another buffer
+    /// (empty, or holding stale bytes the caller overwrites) that the caller reuses for its
+    /// next transmit; on `Pending` `buf` is unchanged and the next call must be for the same
+    /// transmit. Errors as `poll_send`, plus [`io::ErrorKind::InvalidInput`] when `buf` is
+    /// shorter than `transmit.size`.
+    ///
+    /// The default sends `&buf[..transmit.size]` through `poll_send` (one copy, by the
+    /// kernel or the backend). `UringBackend` moves the buffer into the `sendmsg` it queues
+    /// and hands back the emptied buffer of an earlier, completed send: no copy in user
+    /// space, and no allocation once the buffers circulate.
+    fn poll_send_owned(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        buf: &mut Vec<u8>,
+    ) -> Poll<io::Result<()>> {
+        match buf.get(..transmit.size) {
+            Some(contents) => self.poll_send(cx, transmit, contents),
+            None => Poll::Ready(Err(short_buffer(transmit.size, buf.len()))),
+        }
+    }
+
     /// Receives like [`poll_recv`](Self::poll_recv), but lends the backend's own buffers
     /// instead of copying into the caller's: `f(meta, bytes)` is called for each of up to
     /// `max` received buffers (`bytes` = `meta.len` bytes, split with
@@ -234,7 +258,9 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 /// The first argument, in brackets, is what follows `self` to reach the inner backend: a
 /// field (`[.inner]`) or a method call (`[.as_ref()]`). Then the method names, any of
 /// `local_addr`, `source_ports`, `max_gso_segments`, `max_gro_segments`, `poll_recv`,
-/// `poll_send`, `poll_recv_in_place`, `flush`.
+/// `poll_send`, `poll_send_owned`, `poll_recv_in_place`, `flush`. A wrapper that writes its
+/// own `poll_send` and does not name `poll_send_owned` gets the trait's default, which
+/// calls the wrapper's `poll_send`.
 ///
 /// ```
 /// use metaroce_tokio::backend::{DatagramBackend, UdpBackend};
@@ -307,6 +333,16 @@ macro_rules! forward_datagram_backend {
             self $($to)+ .poll_send(cx, transmit, contents)
         }
     };
+    (@one [$($to:tt)+] poll_send_owned) => {
+        fn poll_send_owned(
+            &self,
+            cx: &mut ::std::task::Context<'_>,
+            transmit: &$crate::metaroce::Transmit,
+            buf: &mut ::std::vec::Vec<u8>,
+        ) -> ::std::task::Poll<::std::io::Result<()>> {
+            self $($to)+ .poll_send_owned(cx, transmit, buf)
+        }
+    };
     (@one [$($to:tt)+] poll_recv_in_place) => {
         fn poll_recv_in_place(
             &self,
@@ -329,12 +365,12 @@ macro_rules! forward_datagram_backend {
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_send, poll_recv_in_place, flush);
+        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush);
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_send, poll_recv_in_place, flush);
+        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush);
 }
 
 /// Checks a transmit's shape and returns its datagram size (`segment_size`, or the whole
@@ -358,6 +394,14 @@ pub(crate) fn check_transmit(transmit: &metaroce::Transmit, contents: &[u8]) -> 
         Some(s) => Ok(s),
         None => Ok(contents.len()),
     }
+}
+
+/// The error for a buffer shorter than its transmit's `size`.
+pub(crate) fn short_buffer(size: usize, len: usize) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("transmit size {size} is larger than its {len}-byte buffer"),
+    )
 }
 
 /// The error for a `src_port` that is not one of the backend's path ports.

@@ -55,9 +55,20 @@ pub struct UringConfig {
     /// Provided receive buffers (a power of two, at most 32 768), each holding one GRO batch
     /// of up to 64 KiB. Default 64 (about 4.2 MiB).
     pub recv_buffers: u16,
-    /// Send slots: most `sendmsg` operations in flight at once, each with a 64 KiB copy of
-    /// its bytes. Default 128 (8 MiB). `poll_send` is `Pending` while all are in use.
+    /// Send slots: most `sendmsg` operations in flight at once, each holding up to 64
+    /// datagram buffers. Default 128. `poll_send` is `Pending` while all are in use and the
+    /// send queue is full.
     pub send_slots: usize,
+    /// Datagrams queued in user space by `poll_send` before they become `sendmsg`s (at the
+    /// next [`flush`](DatagramBackend::flush), receive poll, or when this many are queued).
+    /// Queued datagrams to the same destination from the same path socket, with the same
+    /// ECN codepoint and size (the last of a run may be shorter), go out as one `sendmsg`
+    /// with `UDP_SEGMENT` (GSO). Default 256; at least 1.
+    pub send_queue: usize,
+    /// Join queued datagrams into GSO sends as described at
+    /// [`send_queue`](Self::send_queue). Default `true`; off, each datagram is one `sendmsg`
+    /// (as the UDP backend sends).
+    pub coalesce: bool,
     /// Smallest GSO batch, in bytes, sent with `SENDMSG_ZC` (zero copy) where the kernel
     /// has it; `None` never uses zero copy. Default `None`: on loopback, and for datagrams
     /// of a few KiB, the zero-copy notification costs more than the copy it saves
@@ -74,6 +85,8 @@ impl Default for UringConfig {
             sq_entries: 256,
             recv_buffers: 64,
             send_slots: 128,
+            send_queue: 256,
+            coalesce: true,
             zero_copy_min_bytes: None,
             disabled: false,
         }
@@ -99,10 +112,58 @@ impl Sock {
     }
 }
 
-/// The mutable part: the ring and the receive completions not yet handed out.
+/// One datagram (or, for a transmit the caller segmented itself, one GSO batch) queued for
+/// sending.
+#[derive(Debug)]
+struct Queued {
+    /// Index of the path socket.
+    path: usize,
+    /// Queue order, to keep each (path, destination)'s datagrams in order when the queue is
+    /// sorted by them.
+    seq: u64,
+    dest: SocketAddr,
+    ecn: Option<metaroce::EcnCodepoint>,
+    /// `UDP_SEGMENT` of a caller-segmented batch (never joined with others).
+    segment: Option<u16>,
+    data: QData,
+}
+
+/// The bytes of a queued entry.
+#[derive(Debug)]
+enum QData {
+    /// A buffer of its own (joinable with neighbours into one GSO send).
+    Own(Vec<u8>),
+    /// One chunk of a transmit too large for one `sendmsg`: a range of a buffer in the send
+    /// ring's shared table (`Ring::share`), sent alone.
+    Shared {
+        id: usize,
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl QData {
+    fn len(&self) -> usize {
+        match self {
+            QData::Own(v) => v.len(),
+            QData::Shared { range, .. } => range.end - range.start,
+        }
+    }
+}
+
+/// The mutable part: the ring, the send queue and the receive completions not yet handed
+/// out.
 #[derive(Debug)]
 struct Inner {
+    /// The receive ring (multishot recvmsg, provided buffers).
     ring: Ring,
+    /// The send ring (send slots).
+    tx: Ring,
+    /// Datagrams accepted by `poll_send`, not yet in a `sendmsg`.
+    queue: std::collections::VecDeque<Queued>,
+    next_seq: u64,
+    /// GSO joining turned off (a `UDP_SEGMENT` send failed with EIO: no segmentation
+    /// offload on the route's device).
+    gso_off: bool,
     /// Receive completions (buffer id, bytes) in arrival order.
     ready: std::collections::VecDeque<(u16, usize)>,
     /// The multishot receive stopped with ENOBUFS (every buffer taken): re-arm once a
@@ -128,8 +189,38 @@ pub struct UringBackend {
     local_addr: SocketAddr,
     zero_copy_min: Option<usize>,
     send_slots: usize,
+    send_queue: usize,
+    coalesce: bool,
     send_errors: AtomicU64,
     recv_errors: AtomicU64,
+    sendmsgs: AtomicU64,
+    datagrams_sent: AtomicU64,
+    datagrams_lost: AtomicU64,
+    recv_exhausted: AtomicU64,
+}
+
+/// Counters of a [`UringBackend`] ([`UringBackend::stats`]), since it was bound.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UringStats {
+    /// `io_uring_enter` calls made to submit (sends, receive re-arms).
+    pub submits: u64,
+    /// `sendmsg` operations queued to the kernel.
+    pub sendmsgs: u64,
+    /// Datagrams in those `sendmsg`s (> `sendmsgs` when datagrams were joined with GSO).
+    pub datagrams_sent: u64,
+    /// `sendmsg`s whose completion reported an error ([`UringBackend::send_errors`]).
+    pub send_errors: u64,
+    /// Datagrams in the failed `sendmsg`s (lost, as far as the transport knows).
+    pub datagrams_lost: u64,
+    /// Receive completions that reported an error, or a malformed record
+    /// ([`UringBackend::recv_errors`]).
+    pub recv_errors: u64,
+    /// Times the multishot receive stopped because every provided buffer was held (ENOBUFS;
+    /// the kernel drops datagrams meanwhile, once the socket buffer is full); it is
+    /// re-armed as soon as a buffer is recycled.
+    pub recv_buffers_exhausted: u64,
+    /// Whether GSO joining was turned off after an EIO.
+    pub gso_off: bool,
 }
 
 impl fmt::Debug for UringBackend {
@@ -184,19 +275,18 @@ impl UringBackend {
                 "UringBackend must be bound from within a tokio runtime",
             ));
         }
-        if config.send_slots == 0 {
+        if config.send_slots == 0 || config.send_queue == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                "UringConfig::send_slots must be at least 1",
+                "UringConfig::send_slots and send_queue must be at least 1",
             ));
         }
-        let ring = Ring::new(
-            config.sq_entries.max(8),
-            config.recv_buffers,
-            1 << 16,
-            config.send_slots,
-            MAX_UDP_PAYLOAD,
-        )?;
+        // Two rings: completions of sends (one per sendmsg, most of them posted during the
+        // driver's own flush) must not wake the task waiting for receives; each ring's fd
+        // is registered with the reactor on its own. (The send ring's buffer ring is a
+        // placeholder of one small buffer, never used.)
+        let ring = Ring::new(config.sq_entries.max(8), config.recv_buffers, 1 << 16, 0)?;
+        let tx = Ring::new(config.sq_entries.max(8), 1, 0, config.send_slots)?;
         let main = Sock::bind(
             addr,
             Some(config.udp.recv_buffer_bytes),
@@ -217,13 +307,17 @@ impl UringBackend {
         // woken for every received datagram. The driver task's worker thread is awake.
         // (Multishot recvmsg came with IORING_OP_SEND_ZC in 6.0, checked by `Ring::new`.)
         let recv_fd = ring.reactor_fd()?;
-        let send_fd = ring.reactor_fd()?;
-        tracing::debug!(%local_addr, ?ports, zc = ring.zc_supported(), "UringBackend bound");
+        let send_fd = tx.reactor_fd()?;
+        tracing::debug!(%local_addr, ?ports, zc = tx.zc_supported(), "UringBackend bound");
         let backend = Self {
             recv_fd,
             send_fd,
             inner: Mutex::new(Inner {
                 ring,
+                tx,
+                queue: std::collections::VecDeque::with_capacity(config.send_queue),
+                next_seq: 0,
+                gso_off: false,
                 ready: Default::default(),
                 starved: false,
                 error: None,
@@ -234,8 +328,14 @@ impl UringBackend {
             local_addr,
             zero_copy_min: config.zero_copy_min_bytes,
             send_slots: config.send_slots,
+            send_queue: config.send_queue,
+            coalesce: config.coalesce,
             send_errors: AtomicU64::new(0),
             recv_errors: AtomicU64::new(0),
+            sendmsgs: AtomicU64::new(0),
+            datagrams_sent: AtomicU64::new(0),
+            datagrams_lost: AtomicU64::new(0),
+            recv_exhausted: AtomicU64::new(0),
         };
         Ok(backend)
     }
@@ -264,7 +364,7 @@ impl UringBackend {
     /// Whether the kernel offers `IORING_OP_SENDMSG_ZC` (used for batches of at least
     /// [`UringConfig::zero_copy_min_bytes`]).
     pub fn zero_copy_supported(&self) -> bool {
-        self.lock().ring.zc_supported()
+        self.lock().tx.zc_supported()
     }
 
     /// Sends whose completion reported an error (each a lost packet to the transport).
@@ -277,18 +377,37 @@ impl UringBackend {
         self.recv_errors.load(Ordering::Relaxed)
     }
 
+    /// The backend's counters.
+    pub fn stats(&self) -> UringStats {
+        let inner = self.lock();
+        UringStats {
+            submits: inner.ring.submits() + inner.tx.submits(),
+            sendmsgs: self.sendmsgs.load(Ordering::Relaxed),
+            datagrams_sent: self.datagrams_sent.load(Ordering::Relaxed),
+            send_errors: self.send_errors.load(Ordering::Relaxed),
+            datagrams_lost: self.datagrams_lost.load(Ordering::Relaxed),
+            recv_errors: self.recv_errors.load(Ordering::Relaxed),
+            recv_buffers_exhausted: self.recv_exhausted.load(Ordering::Relaxed),
+            gso_off: inner.gso_off,
+        }
+    }
+
     /// Takes the completions and re-arms the multishot receive when it stopped.
     fn reap(&self, inner: &mut Inner) {
         let Inner {
             ring,
+            tx,
             ready,
             starved,
             error,
+            gso_off,
+            ..
         } = inner;
-        ring.reap(&mut |d| match d {
+        let mut on = |d| match d {
             Done::Recv { bid, len } => ready.push_back((bid, len)),
             Done::RecvError(errno) => {
                 if errno == libc::ENOBUFS {
+                    self.recv_exhausted.fetch_add(1, Ordering::Relaxed);
                     *starved = true;
                 } else if errno != libc::ECANCELED {
                     tracing::debug!(errno, "io_uring multishot recvmsg failed");
@@ -296,11 +415,25 @@ impl UringBackend {
                     *error = Some(errno);
                 }
             }
-            Done::SendError(errno) => {
-                tracing::debug!(errno, "io_uring sendmsg failed");
+            Done::SendError {
+                errno,
+                gso,
+                datagrams,
+            } => {
+                tracing::debug!(errno, gso, datagrams, "io_uring sendmsg failed");
                 self.send_errors.fetch_add(1, Ordering::Relaxed);
+                self.datagrams_lost
+                    .fetch_add(datagrams as u64, Ordering::Relaxed);
+                if gso && errno == libc::EIO && !*gso_off {
+                    // As quinn-udp does: EIO from a UDP_SEGMENT send means the device
+                    // cannot segment; send datagrams one by one from now on.
+                    tracing::warn!("UDP GSO refused (EIO): joining datagrams turned off");
+                    *gso_off = true;
+                }
             }
-        });
+        };
+        ring.reap(&mut on);
+        tx.reap(&mut on);
         // Re-arm when the kernel ended the multishot receive (an error, or ENOBUFS once
         // buffers are back), unless receive completions still hold every buffer.
         if !ring.recv_armed() && (!*starved || ready.is_empty()) {
@@ -356,9 +489,11 @@ impl UringBackend {
         loop {
             {
                 let mut inner = self.lock();
-                // Sends queued by callers that never flush go out before we wait.
-                let _ = inner.ring.submit();
+                // Sends queued by callers that never flush go out before we wait (and those
+                // left queued for want of a slot, once completions free slots).
                 self.reap(&mut inner);
+                self.drain_queue(&mut inner);
+                let _ = inner.tx.submit();
                 let n = self.deliver(&mut inner, max, f);
                 if n > 0 {
                     return Poll::Ready(Ok(n));
@@ -588,79 +723,314 @@ impl DatagramBackend for UringBackend {
         Some(self.poll_recv_with(cx, max, f))
     }
 
+    /// Copies `contents` into a spare buffer and queues it (see [`UringConfig::send_queue`]).
     fn poll_send(
         &self,
         cx: &mut Context<'_>,
         transmit: &metaroce::Transmit,
         contents: &[u8],
     ) -> Poll<io::Result<()>> {
+        self.poll_send_impl(cx, transmit, Src::Borrowed(contents))
+    }
+
+    /// Queues the caller's buffer itself and hands back a spare one: no copy.
+    fn poll_send_owned(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        buf: &mut Vec<u8>,
+    ) -> Poll<io::Result<()>> {
+        if buf.len() < transmit.size {
+            return Poll::Ready(Err(super::short_buffer(transmit.size, buf.len())));
+        }
+        self.poll_send_impl(cx, transmit, Src::Owned(buf))
+    }
+
+    fn flush(&self) {
+        let mut inner = self.lock();
+        self.reap(&mut inner);
+        self.drain_queue(&mut inner);
+        if let Err(e) = inner.tx.submit() {
+            tracing::debug!(error = %e, "io_uring submit failed");
+        }
+    }
+}
+
+/// Where a transmit's bytes come from.
+enum Src<'a> {
+    /// Copied into a spare buffer.
+    Borrowed(&'a [u8]),
+    /// Taken (swapped for a spare buffer).
+    Owned(&'a mut Vec<u8>),
+}
+
+impl UringBackend {
+    fn poll_send_impl(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        mut src: Src<'_>,
+    ) -> Poll<io::Result<()>> {
+        let contents: &[u8] = match &src {
+            Src::Borrowed(c) => c,
+            Src::Owned(b) => &b[..transmit.size],
+        };
+        let len = contents.len();
         let segment = match check_transmit(transmit, contents) {
             Ok(s) => s,
             Err(e) => return Poll::Ready(Err(e)),
         };
-        let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
+        let Some(path) = self.paths.iter().position(|p| p.port == transmit.src_port) else {
             return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
         };
-        let max_segments = path.state.max_gso_segments().clamp(1, MAX_GSO_SEGMENTS);
-        let per_call = if segment >= MAX_UDP_PAYLOAD || max_segments <= 1 {
+        // A caller-segmented transmit larger than one GSO send is cut into several queue
+        // entries (copied); a single datagram, or a batch that fits, is one entry.
+        let max_segments = self.paths[path]
+            .state
+            .max_gso_segments()
+            .clamp(1, MAX_GSO_SEGMENTS);
+        let single = transmit.segment_size.is_none() || len <= segment;
+        // (`segment` is 0 only for a zero-length single datagram.)
+        let per_call = if single || segment >= MAX_UDP_PAYLOAD || max_segments <= 1 {
             1
         } else {
             max_segments.min(MAX_UDP_PAYLOAD / segment).max(1)
         };
-        let chunk_bytes = per_call * segment;
-        let chunks = contents.len().div_ceil(chunk_bytes).max(1);
-        if chunks > self.send_slots {
+        let chunk_bytes = (per_call * segment).max(1);
+        let entries = if single {
+            1
+        } else {
+            len.div_ceil(chunk_bytes).max(1)
+        };
+        if entries > self.send_slots.min(self.send_queue).max(1) && !single {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
-                    "transmit of {} bytes needs {chunks} send slots; the backend has {}",
-                    contents.len(),
-                    self.send_slots
+                    "transmit of {len} bytes needs {entries} sends; the backend has {} send \
+                     slots and a send queue of {}",
+                    self.send_slots, self.send_queue
                 ),
             )));
         }
+        // Room for `entries` more: the queue stays within `send_queue` and within the free
+        // slots (each queued entry could need a slot of its own), so that `flush` can
+        // always hand the whole queue to the kernel without waiting.
+        let fits = |inner: &Inner| {
+            let queued = inner.queue.len() + entries;
+            queued <= self.send_queue && queued <= inner.tx.free_slots()
+        };
         loop {
             let mut inner = self.lock();
-            self.reap(&mut inner);
-            if inner.ring.free_slots() >= chunks {
-                let fd = path.socket.as_raw_fd();
-                let mut offset = 0;
-                let mut first = true;
-                while offset < contents.len() || first {
-                    first = false;
-                    let len = chunk_bytes.min(contents.len() - offset);
-                    let seg = (len > segment).then_some(segment as u16);
-                    let control = send_control(transmit.destination, transmit.ecn, seg);
-                    let zc = self.zero_copy_min.is_some_and(|m| len >= m);
-                    if let Err(e) = inner.ring.push_send(
-                        fd,
-                        transmit.destination,
-                        control.bytes(),
-                        &contents[offset..offset + len],
-                        zc,
-                    ) {
+            if !fits(&inner) {
+                self.reap(&mut inner);
+                if !fits(&inner) {
+                    self.drain_queue(&mut inner);
+                    if let Err(e) = inner.tx.submit() {
                         return Poll::Ready(Err(e));
                     }
-                    offset += len;
+                    self.reap(&mut inner);
+                }
+            }
+            if fits(&inner) {
+                let dest = transmit.destination;
+                let ecn = transmit.ecn;
+                match &mut src {
+                    Src::Owned(buf) if single => {
+                        let spare = inner.tx.take_spare().unwrap_or_default();
+                        let mut data = std::mem::replace(*buf, spare);
+                        data.truncate(len);
+                        let seg = (len > segment).then_some(segment as u16);
+                        self.enqueue(&mut inner, path, dest, ecn, seg, QData::Own(data));
+                    }
+                    Src::Owned(buf) => {
+                        // Larger than one sendmsg: the chunks' sends share the buffer.
+                        let spare = inner.tx.take_spare().unwrap_or_default();
+                        let mut data = std::mem::replace(*buf, spare);
+                        data.truncate(len);
+                        let id = inner.tx.share(data, entries);
+                        for start in (0..len).step_by(chunk_bytes) {
+                            let end = (start + chunk_bytes).min(len);
+                            let seg = (end - start > segment).then_some(segment as u16);
+                            let range = start..end;
+                            self.enqueue(
+                                &mut inner,
+                                path,
+                                dest,
+                                ecn,
+                                seg,
+                                QData::Shared { id, range },
+                            );
+                        }
+                    }
+                    _ => {
+                        let contents: &[u8] = match &src {
+                            Src::Borrowed(c) => c,
+                            Src::Owned(b) => &b[..transmit.size],
+                        };
+                        if single {
+                            let seg = (contents.len() > segment).then_some(segment as u16);
+                            let data = copy_into(inner.tx.take_spare(), contents);
+                            self.enqueue(&mut inner, path, dest, ecn, seg, QData::Own(data));
+                        } else {
+                            for chunk in contents.chunks(chunk_bytes) {
+                                let seg = (chunk.len() > segment).then_some(segment as u16);
+                                let data = copy_into(inner.tx.take_spare(), chunk);
+                                self.enqueue(&mut inner, path, dest, ecn, seg, QData::Own(data));
+                            }
+                        }
+                    }
+                }
+                if inner.queue.len() >= self.send_queue.min(inner.tx.free_slots()) {
+                    // A full queue goes to the kernel now rather than at the next flush.
+                    self.drain_queue(&mut inner);
+                    if let Err(e) = inner.tx.submit() {
+                        tracing::debug!(error = %e, "io_uring submit failed");
+                    }
                 }
                 return Poll::Ready(Ok(()));
             }
-            // Every slot is in flight: push them out and wait for completions.
-            if let Err(e) = inner.ring.submit() {
-                return Poll::Ready(Err(e));
-            }
+            // The queue is full and every slot is in flight: wait for completions.
             drop(inner);
             let mut guard = ready!(self.send_fd.poll_read_ready(cx))?;
             guard.clear_ready();
         }
     }
 
-    fn flush(&self) {
-        let mut inner = self.lock();
-        if let Err(e) = inner.ring.submit() {
-            tracing::debug!(error = %e, "io_uring submit failed");
+    fn enqueue(
+        &self,
+        inner: &mut Inner,
+        path: usize,
+        dest: SocketAddr,
+        ecn: Option<metaroce::EcnCodepoint>,
+        segment: Option<u16>,
+        data: QData,
+    ) {
+        let seq = inner.next_seq;
+        inner.next_seq += 1;
+        inner.queue.push_back(Queued {
+            path,
+            seq,
+            dest,
+            ecn,
+            segment,
+            data,
+        });
+    }
+
+    /// Turns queued datagrams into `sendmsg` SQEs while slots are free: the queue is sorted
+    /// by path socket and destination (the datagrams of each pair keep their order), and
+    /// each run of datagrams
+    /// to one destination with one ECN codepoint and one size (the last may be shorter), at
+    /// most 64 and 65 507 bytes, becomes one GSO send. `poll_send` keeps the queue within the
+    /// free slots, so everything fits (what would not stays queued). Does not submit.
+    fn drain_queue(&self, inner: &mut Inner) {
+        if inner.queue.is_empty() {
+            return;
+        }
+        let join = self.coalesce && !inner.gso_off;
+        if join && inner.queue.len() > 2 {
+            // Unique keys: the unstable sort is deterministic and keeps each (path,
+            // destination)'s order, the only order a peer can see.
+            inner
+                .queue
+                .make_contiguous()
+                .sort_unstable_by_key(|q| (q.path, q.dest, q.seq));
+        }
+        while !inner.queue.is_empty() {
+            if inner.tx.free_slots() == 0 {
+                self.reap(inner);
+                if inner.tx.free_slots() == 0 {
+                    return;
+                }
+            }
+            let Some(first) = inner.queue.front() else {
+                return;
+            };
+            let path = first.path;
+            let dest = first.dest;
+            let ecn = first.ecn;
+            let size = first.data.len();
+            let mut run = 1;
+            let mut bytes = size;
+            let own = matches!(first.data, QData::Own(_));
+            let max_segments = if join && own && first.segment.is_none() && size > 0 {
+                self.paths[path]
+                    .state
+                    .max_gso_segments()
+                    .clamp(1, MAX_GSO_SEGMENTS)
+                    .min(ring::MAX_IOVS)
+            } else {
+                1
+            };
+            for q in inner.queue.iter().skip(1) {
+                if run >= max_segments
+                    || q.path != path
+                    || q.dest != dest
+                    || q.ecn != ecn
+                    || q.segment.is_some()
+                    || !matches!(q.data, QData::Own(_))
+                    || q.data.len() == 0
+                    || q.data.len() > size
+                    || bytes + q.data.len() > MAX_UDP_PAYLOAD
+                {
+                    break;
+                }
+                run += 1;
+                bytes += q.data.len();
+                if q.data.len() < size {
+                    break;
+                }
+            }
+            let segment = if run > 1 {
+                Some(size as u16)
+            } else {
+                first.segment
+            };
+            let datagrams = match first.segment {
+                Some(s) if run == 1 => size.div_ceil(usize::from(s).max(1)),
+                _ => run,
+            };
+            let control = send_control(dest, ecn, segment);
+            let zc = self.zero_copy_min.is_some_and(|m| bytes >= m);
+            let fd = self.paths[path].socket.as_raw_fd();
+            let Inner { tx, queue, .. } = &mut *inner;
+            let gso = segment.is_some();
+            let res = if own {
+                let bufs = queue.drain(..run).filter_map(|q| match q.data {
+                    QData::Own(v) => Some(v),
+                    QData::Shared { .. } => None,
+                });
+                tx.push_send(fd, dest, control.bytes(), gso, bufs, zc)
+            } else {
+                match queue.pop_front().map(|q| q.data) {
+                    Some(QData::Shared { id, range }) => {
+                        tx.push_send_shared(fd, dest, control.bytes(), gso, id, range, zc)
+                    }
+                    _ => Ok(()),
+                }
+            };
+            if let Err(e) = res {
+                // Only a submission failure gets here (the slot was free): the datagrams are
+                // lost, as a failed sendmsg's would be.
+                tracing::debug!(error = %e, "io_uring send could not be queued");
+                self.send_errors.fetch_add(1, Ordering::Relaxed);
+                self.datagrams_lost
+                    .fetch_add(datagrams as u64, Ordering::Relaxed);
+                return;
+            }
+            self.sendmsgs.fetch_add(1, Ordering::Relaxed);
+            self.datagrams_sent
+                .fetch_add(datagrams as u64, Ordering::Relaxed);
         }
     }
+}
+
+/// `contents` in a buffer: the spare one `spare` if given (its capacity reused), else a new one.
+fn copy_into(spare: Option<Vec<u8>>, contents: &[u8]) -> Vec<u8> {
+    let mut v = spare.unwrap_or_default();
+    v.clear();
+    v.extend_from_slice(contents);
+    v
 }
 
 #[cfg(test)]

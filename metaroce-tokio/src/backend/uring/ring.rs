@@ -9,9 +9,11 @@
 //!   A buffer is the kernel's from the moment its id is published in the buffer ring until a
 //!   completion names it (`IORING_CQE_F_BUFFER`); only then does [`Ring::recv_buf`] read it,
 //!   and [`Ring::recycle`] hands it back.
-//! * **Send slots** are boxed (stable addresses). A slot's bytes, `msghdr`, `iovec`, address
-//!   and control message are written before its SQE is pushed and not touched again until its
-//!   last completion (for `SEND_ZC`, the notification `IORING_CQE_F_NOTIF`) frees it.
+//! * **Send slots** are boxed (stable addresses). A slot owns the datagram buffers it sends
+//!   (moved in, never copied: their heap memory does not move when the `Vec` headers do);
+//!   its buffers, `msghdr`, `iovec`s, address and control message are written before its SQE
+//!   is pushed and not touched again until its last completion (for `SEND_ZC`, the
+//!   notification `IORING_CQE_F_NOTIF`) frees it and its buffers become spare.
 //! * **The multishot receive's `msghdr`** is boxed and lives as long as the ring.
 //! * `Drop` cancels everything in flight and waits (bounded) for the completions before
 //!   freeing; whatever the kernel still holds after that wait is leaked, never freed.
@@ -47,24 +49,42 @@ pub(super) enum Done {
     Recv { bid: u16, len: usize },
     /// The multishot receive failed with this errno (no buffer consumed).
     RecvError(i32),
-    /// A send completed with this errno (0 = success); its slot may still await a
-    /// zero-copy notification.
-    SendError(i32),
+    /// A send failed with this errno; `gso` when it carried `UDP_SEGMENT`, `datagrams` how
+    /// many datagrams it held (all lost).
+    SendError {
+        errno: i32,
+        gso: bool,
+        datagrams: usize,
+    },
 }
 
-/// One send's memory: bytes, destination, control messages and the `msghdr` pointing at them.
+/// One `sendmsg`'s memory: the datagram buffers it sends (one iovec each, concatenated by
+/// the kernel and cut every `UDP_SEGMENT` bytes when there are several), destination,
+/// control messages and the `msghdr` pointing at them.
 struct SendSlot {
-    data: Vec<u8>,
+    /// The datagrams, owned by the slot until the send's last completion.
+    bufs: Vec<Vec<u8>>,
+    /// Instead of `bufs`: a range of shared buffer `shared` (one chunk of a transmit
+    /// larger than one `sendmsg`), referenced until the send's last completion.
+    shared: Option<(usize, std::ops::Range<usize>)>,
+    /// One iovec per buffer; capacity fixed at creation (`MAX_IOVS`), so it never moves.
+    iovs: Vec<libc::iovec>,
     name: socket2::SockAddr,
     control: [u64; 8],
-    iov: libc::iovec,
     hdr: libc::msghdr,
     /// Awaiting the `IORING_CQE_F_NOTIF` completion of a `SEND_ZC`.
     awaiting_notif: bool,
+    /// The send carries a `UDP_SEGMENT` control message.
+    gso: bool,
 }
 
-// SAFETY: the raw pointers in `iov` and `hdr` point into the slot's own heap data (the boxed
-// slot, its `data` Vec, its `name`); they are only dereferenced by the kernel, and the slot
+/// Most buffers (iovecs) one send slot holds: the kernel's GSO limit.
+pub(super) const MAX_IOVS: usize = 64;
+/// Most spare datagram buffers kept for reuse after their sends completed.
+const MAX_SPARE: usize = 1024;
+
+// SAFETY: the raw pointers in `iovs` and `hdr` point into the slot's own heap data (the
+// boxed slot, its `bufs` Vecs and `iovs` Vec, its `name`); they are only dereferenced by the kernel, and the slot
 // is only accessed through `&mut Ring`, itself behind the backend's mutex.
 unsafe impl Send for SendSlot {}
 
@@ -179,6 +199,14 @@ pub(super) struct Ring {
     #[allow(clippy::vec_box)]
     slots: Vec<Box<SendSlot>>,
     free: Vec<usize>,
+    /// Datagram buffers of completed sends, emptied, for reuse (at most `MAX_SPARE`).
+    spare: Vec<Vec<u8>>,
+    /// Buffers shared by the sends of several chunks, with their reference counts; `None`
+    /// entries are free (their indices in `shared_free`).
+    shared: Vec<Option<(Vec<u8>, usize)>>,
+    shared_free: Vec<usize>,
+    /// `io_uring_enter` calls made to submit.
+    submits: u64,
     /// SQEs pushed but not yet submitted.
     unsubmitted: usize,
     /// Send slots whose completions are outstanding.
@@ -214,7 +242,8 @@ pub(super) fn setup_error(what: &str, e: io::Error) -> io::Error {
 
 impl Ring {
     /// A ring with `sq_entries` submission entries, `recv_buffers` receive buffers of
-    /// `payload_len` bytes of payload each and `send_slots` send slots of `slot_len` bytes.
+    /// `payload_len` bytes of payload each and `send_slots` send slots (each one `sendmsg` of up
+    /// to [`MAX_IOVS`] datagram buffers).
     ///
     /// Errors ([`io::ErrorKind::Unsupported`]): `io_uring_setup` refused (ENOSYS: no
     /// io_uring; EPERM: seccomp or `kernel.io_uring_disabled`), or a kernel older than 6.0
@@ -225,7 +254,6 @@ impl Ring {
         recv_buffers: u16,
         payload_len: usize,
         send_slots: usize,
-        slot_len: usize,
     ) -> io::Result<Ring> {
         let cq = sq_entries
             .saturating_mul(2)
@@ -268,16 +296,15 @@ impl Ring {
         let slots = (0..send_slots)
             .map(|_| {
                 Box::new(SendSlot {
-                    data: Vec::with_capacity(slot_len),
+                    bufs: Vec::with_capacity(MAX_IOVS),
+                    shared: None,
+                    iovs: Vec::with_capacity(MAX_IOVS),
                     name: socket2::SockAddr::from(std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
                     control: [0; 8],
-                    iov: libc::iovec {
-                        iov_base: std::ptr::null_mut(),
-                        iov_len: 0,
-                    },
                     // SAFETY: as for `recv_hdr`.
                     hdr: unsafe { std::mem::zeroed() },
                     awaiting_notif: false,
+                    gso: false,
                 })
             })
             .collect();
@@ -288,6 +315,10 @@ impl Ring {
             recv_armed: false,
             slots,
             free: (0..send_slots).rev().collect(),
+            spare: Vec::with_capacity(MAX_SPARE),
+            shared: Vec::new(),
+            shared_free: Vec::new(),
+            submits: 0,
             unsubmitted: 0,
             sends_in_flight: 0,
             zc_supported,
@@ -347,24 +378,77 @@ impl Ring {
         Ok(())
     }
 
-    /// Queues one `sendmsg` (or `sendmsg` zero-copy) of `data` to `dest` on `fd`, with the
-    /// control messages `control` (already encoded, at most 64 bytes). Needs a free slot
-    /// ([`free_slots`](Self::free_slots)); `data` is copied into it.
+    /// An emptied datagram buffer of a completed send, if one is spare (for the caller to
+    /// fill and hand back through [`push_send`](Self::push_send)).
+    pub(super) fn take_spare(&mut self) -> Option<Vec<u8>> {
+        self.spare.pop()
+    }
+
+    /// Queues one `sendmsg` (or `sendmsg` zero-copy) to `dest` on `fd` of the datagram
+    /// buffers `bufs` (taken: the slot owns them until the send completes, then they become
+    /// spare), concatenated, with the control messages `control` (already encoded, at most
+    /// 64 bytes); `gso` says `control` holds `UDP_SEGMENT`. Needs a free slot
+    /// ([`free_slots`](Self::free_slots)) and at most [`MAX_IOVS`] buffers; on an error the
+    /// buffers are dropped (the send is lost).
     pub(super) fn push_send(
         &mut self,
         fd: RawFd,
         dest: std::net::SocketAddr,
         control: &[u8],
-        data: &[u8],
+        gso: bool,
+        bufs: impl Iterator<Item = Vec<u8>>,
+        zero_copy: bool,
+    ) -> io::Result<()> {
+        self.push_send_inner(fd, dest, control, gso, bufs, None, zero_copy)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push_send_inner(
+        &mut self,
+        fd: RawFd,
+        dest: std::net::SocketAddr,
+        control: &[u8],
+        gso: bool,
+        bufs: impl Iterator<Item = Vec<u8>>,
+        shared: Option<(usize, std::ops::Range<usize>)>,
         zero_copy: bool,
     ) -> io::Result<()> {
         let Some(idx) = self.free.pop() else {
+            if let Some((id, _)) = shared {
+                self.unshare(id);
+            }
             return Err(io::Error::from(io::ErrorKind::WouldBlock));
         };
         let zero_copy = zero_copy && self.zc_supported;
         let slot = &mut *self.slots[idx];
-        slot.data.clear();
-        slot.data.extend_from_slice(data);
+        debug_assert!(slot.bufs.is_empty() && slot.shared.is_none());
+        slot.bufs.clear();
+        slot.iovs.clear();
+        for b in bufs.take(MAX_IOVS) {
+            slot.bufs.push(b);
+        }
+        for b in &mut slot.bufs {
+            // Within the capacity reserved at creation: `iovs` never reallocates.
+            slot.iovs.push(libc::iovec {
+                iov_base: b.as_mut_ptr().cast(),
+                iov_len: b.len(),
+            });
+        }
+        if let Some((id, range)) = shared {
+            // Checked by the caller: `id` is live and `range` inside its buffer, whose heap
+            // memory does not move while the table entry holds it (the `Vec` header may
+            // move when `self.shared` grows; its buffer does not).
+            if let Some((b, _)) = self.shared.get_mut(id).and_then(Option::as_mut) {
+                // SAFETY: `range.start <= b.len()` (checked by `push_send_shared`), so the
+                // pointer stays within (or one past the end of) the allocation.
+                let base = unsafe { b.as_mut_ptr().add(range.start) };
+                slot.iovs.push(libc::iovec {
+                    iov_base: base.cast(),
+                    iov_len: range.end - range.start,
+                });
+            }
+            slot.shared = Some((id, range));
+        }
         slot.name = socket2::SockAddr::from(dest);
         let mut ctl = [0u8; 64];
         let clen = control.len().min(64);
@@ -372,14 +456,10 @@ impl Ring {
         for (w, c) in slot.control.iter_mut().zip(ctl.chunks_exact(8)) {
             *w = u64::from_ne_bytes(c.try_into().unwrap_or([0; 8]));
         }
-        slot.iov = libc::iovec {
-            iov_base: slot.data.as_mut_ptr().cast(),
-            iov_len: slot.data.len(),
-        };
         slot.hdr.msg_name = slot.name.as_ptr() as *mut libc::c_void;
         slot.hdr.msg_namelen = slot.name.len();
-        slot.hdr.msg_iov = &mut slot.iov;
-        slot.hdr.msg_iovlen = 1;
+        slot.hdr.msg_iov = slot.iovs.as_mut_ptr();
+        slot.hdr.msg_iovlen = slot.iovs.len() as _;
         slot.hdr.msg_control = if clen == 0 {
             std::ptr::null_mut()
         } else {
@@ -387,6 +467,7 @@ impl Ring {
         };
         slot.hdr.msg_controllen = clen as _;
         slot.awaiting_notif = zero_copy;
+        slot.gso = gso;
         let hdr: *const libc::msghdr = &slot.hdr;
         let entry = if zero_copy {
             opcode::SendMsgZc::new(types::Fd(fd), hdr).build()
@@ -395,11 +476,87 @@ impl Ring {
         }
         .user_data(idx as u64);
         if let Err(e) = self.push(&entry) {
-            self.free.push(idx);
+            self.release(idx);
             return Err(e);
         }
         self.sends_in_flight += 1;
         Ok(())
+    }
+
+    /// Frees slot `idx`: its buffers become spare, the slot becomes free.
+    fn release(&mut self, idx: usize) {
+        release_slot(
+            &mut self.slots[idx],
+            &mut self.spare,
+            &mut self.shared,
+            &mut self.shared_free,
+        );
+        self.free.push(idx);
+    }
+
+    /// Takes `buf` to be sent in `refs` chunks ([`push_send_shared`](Self::push_send_shared)
+    /// once per chunk): returns its id. Once every chunk's send completed (or failed to be
+    /// queued, see [`unshare`](Self::unshare)), the buffer becomes spare.
+    pub(super) fn share(&mut self, buf: Vec<u8>, refs: usize) -> usize {
+        let entry = Some((buf, refs.max(1)));
+        match self.shared_free.pop() {
+            Some(id) => {
+                self.shared[id] = entry;
+                id
+            }
+            None => {
+                self.shared.push(entry);
+                self.shared.len() - 1
+            }
+        }
+    }
+
+    /// Drops one reference of shared buffer `id` without sending (a chunk that will never
+    /// be queued).
+    pub(super) fn unshare(&mut self, id: usize) {
+        unref_shared(id, &mut self.shared, &mut self.shared_free, &mut self.spare);
+    }
+
+    /// Queues one `sendmsg` of `range` of shared buffer `id` (no copy), as
+    /// [`push_send`](Self::push_send) otherwise. Consumes one reference: on an error it is
+    /// dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn push_send_shared(
+        &mut self,
+        fd: RawFd,
+        dest: std::net::SocketAddr,
+        control: &[u8],
+        gso: bool,
+        id: usize,
+        range: std::ops::Range<usize>,
+        zero_copy: bool,
+    ) -> io::Result<()> {
+        let ok = self
+            .shared
+            .get(id)
+            .and_then(Option::as_ref)
+            .is_some_and(|(b, _)| range.start <= range.end && range.end <= b.len());
+        if !ok {
+            self.unshare(id);
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "shared send range out of bounds",
+            ));
+        }
+        self.push_send_inner(
+            fd,
+            dest,
+            control,
+            gso,
+            std::iter::empty(),
+            Some((id, range)),
+            zero_copy,
+        )
+    }
+
+    /// `io_uring_enter` calls made to submit so far.
+    pub(super) fn submits(&self) -> u64 {
+        self.submits
     }
 
     /// Submits the queued SQEs (no waiting).
@@ -407,6 +564,7 @@ impl Ring {
         if self.unsubmitted == 0 {
             return Ok(());
         }
+        self.submits += 1;
         match self.ring.submit() {
             Ok(_) => {
                 self.unsubmitted = 0;
@@ -445,7 +603,11 @@ impl Ring {
                     slot.awaiting_notif = false;
                 } else {
                     if res < 0 {
-                        out(Done::SendError(-res));
+                        out(Done::SendError {
+                            errno: -res,
+                            gso: slot.gso,
+                            datagrams: slot.bufs.len().max(usize::from(slot.shared.is_some())),
+                        });
                     }
                     if !cqueue::more(flags) {
                         // No notification will follow (the kernel copied, or it failed).
@@ -453,6 +615,12 @@ impl Ring {
                     }
                 }
                 if !slot.awaiting_notif {
+                    release_slot(
+                        slot,
+                        &mut self.spare,
+                        &mut self.shared,
+                        &mut self.shared_free,
+                    );
                     self.free.push(idx);
                     self.sends_in_flight -= 1;
                 }
@@ -484,6 +652,54 @@ impl Ring {
     }
 }
 
+/// Empties a completed slot: its buffers become spare (up to `MAX_SPARE`, the rest are
+/// freed), its reference to a shared buffer is dropped.
+fn release_slot(
+    slot: &mut SendSlot,
+    spare: &mut Vec<Vec<u8>>,
+    shared: &mut [Option<(Vec<u8>, usize)>],
+    shared_free: &mut Vec<usize>,
+) {
+    slot.iovs.clear();
+    for mut b in slot.bufs.drain(..) {
+        if spare.len() < MAX_SPARE {
+            b.clear();
+            spare.push(b);
+        }
+    }
+    if let Some((id, _)) = slot.shared.take() {
+        unref_shared(id, shared, shared_free, spare);
+    }
+}
+
+/// Drops one reference of shared buffer `id`; the last one makes the buffer spare.
+fn unref_shared(
+    id: usize,
+    shared: &mut [Option<(Vec<u8>, usize)>],
+    shared_free: &mut Vec<usize>,
+    spare: &mut Vec<Vec<u8>>,
+) {
+    let Some(entry) = shared.get_mut(id) else {
+        return;
+    };
+    let last = match entry {
+        Some((_, refs)) => {
+            *refs -= 1;
+            *refs == 0
+        }
+        None => false,
+    };
+    if last {
+        if let Some((mut b, _)) = entry.take() {
+            if spare.len() < MAX_SPARE {
+                b.clear();
+                spare.push(b);
+            }
+        }
+        shared_free.push(id);
+    }
+}
+
 impl Drop for Ring {
     fn drop(&mut self) {
         // Cancel everything, then wait (bounded) until no completion is outstanding.
@@ -509,6 +725,7 @@ impl Drop for Ring {
                 "io_uring operations still in flight at drop: leaking their memory"
             );
             std::mem::forget(std::mem::take(&mut self.slots));
+            std::mem::forget(std::mem::take(&mut self.shared));
             // SAFETY: all-zero is a valid `msghdr` (integers and raw pointers).
             let hdr =
                 std::mem::replace(&mut self.recv_hdr, Box::new(unsafe { std::mem::zeroed() }));
