@@ -181,6 +181,9 @@ pub(crate) struct PathTx {
     /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
     /// needed. Shared by the paths of a connection (`learn_stall`).
     pub pto_extra: Duration,
+    /// How long the peer may hold an ACK of this path (its `max_ack_delay`, taken to be
+    /// this side's: RFC 9002 §6.2.1 adds it to the probe timeout). Zero by default.
+    pub peer_ack_delay: Duration,
     /// The `acked` list of the last ACK, handed back by the connection for the next one.
     pub spare_acked: Vec<SegRef>,
     /// RACK state (RFC 8985 §6): send time, PSN and RTT of the most recently sent packet
@@ -259,6 +262,7 @@ impl PathTx {
             probe_psn: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
+            peer_ack_delay: Duration::ZERO,
             spare_acked: Vec::new(),
             rack_sent: None,
             rack_psn: init_psn,
@@ -400,6 +404,32 @@ impl PathTx {
         ce_count: u32,
         reorder_threshold: u32,
     ) -> AckOutcome {
+        self.on_ack_delayed(
+            now,
+            cum,
+            sack,
+            rtt_sample,
+            Duration::ZERO,
+            ce_count,
+            reorder_threshold,
+        )
+    }
+
+    /// [`on_ack`](Self::on_ack) of an ACK the peer held for `ack_delay` (its AckEth ACK
+    /// delay, already bounded by `max_ack_delay`): once the sample passed the send-time
+    /// check, the delay is subtracted from it where the result stays at or above the
+    /// path's minimum RTT (RFC 9002 §5.3), so a forged delay cannot shrink the RTT.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_ack_delayed(
+        &mut self,
+        now: Instant,
+        cum: u32,
+        sack: &[u8; 32],
+        rtt_sample: Option<Duration>,
+        ack_delay: Duration,
+        ce_count: u32,
+        reorder_threshold: u32,
+    ) -> AckOutcome {
         let mut out = AckOutcome {
             acked: std::mem::take(&mut self.spare_acked),
             ..AckOutcome::default()
@@ -507,6 +537,11 @@ impl PathTx {
                 now.saturating_duration_since(oldest),
             );
             if s >= lo && s <= hi {
+                let s = match self.rtt.min() {
+                    Some(min) if s >= min + ack_delay => s - ack_delay,
+                    None if s >= ack_delay => s - ack_delay,
+                    _ => s,
+                };
                 self.rtt.update(s);
                 out.rtt_sampled = true;
             }
@@ -672,7 +707,7 @@ impl PathTx {
 
     /// The probe timeout plus what spurious probes taught (`pto_extra`).
     fn tlp_delay(&self) -> Duration {
-        self.tlp_base() + self.pto_extra
+        self.tlp_base() + self.pto_extra + self.peer_ack_delay
     }
 
     fn rto(&self, min: Duration, max: Duration) -> Duration {
@@ -966,6 +1001,9 @@ pub(crate) struct PathRx {
     pub ce_count: u32,
     pub ce_since_ack: bool,
     pub echo_ts: u32,
+    /// When the packet whose timestamp `echo_ts` is arrived (the ACK reports the time
+    /// since as its ACK delay).
+    pub echo_at: Option<Instant>,
     pub ack_pending: bool,
     /// The sender's re-roll generation of this path (PathEth flags 7:4): ACKs move to a new
     /// source port with it, so a re-rolled path gets new entropy in both directions.
@@ -990,10 +1028,22 @@ impl PathRx {
     }
 
     /// The AckEth describing this path's state (cumulative PSN in the BTH or ACK block).
-    pub fn ack_eth(&self, path_id: u8, flags: u8, rate_hint: u32) -> crate::wire::AckEth {
+    /// `now`: when the ACK is sent; its ACK delay is the time since `echo_at`, in µs
+    /// (saturating).
+    pub fn ack_eth(
+        &self,
+        path_id: u8,
+        flags: u8,
+        rate_hint: u32,
+        now: Instant,
+    ) -> crate::wire::AckEth {
+        let held = self
+            .echo_at
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         crate::wire::AckEth {
             path_id,
             flags,
+            ack_delay: u16::try_from(held.as_micros()).unwrap_or(u16::MAX),
             echo_ts: self.echo_ts,
             ce_count: self.ce_count,
             rate_hint,
@@ -1008,12 +1058,18 @@ impl PathRx {
             ce_count: 0,
             ce_since_ack: false,
             echo_ts: 0,
+            echo_at: None,
             ack_pending: false,
             generation: 0,
             plane: 0,
             last_new: None,
             resync: None,
         }
+    }
+
+    /// No PSN beyond `cum` was received: the path has no gap.
+    pub fn in_order(&self) -> bool {
+        self.bits == [0; 4]
     }
 
     fn bit(&self, i: u32) -> bool {
