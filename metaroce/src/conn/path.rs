@@ -394,6 +394,7 @@ impl PathTx {
     /// acknowledges (RFC 6298 §3 / Karn: every transmission has its own PSN, so a newly
     /// acknowledged PSN names one transmission; a duplicate ACK, a late ACK or a replayed
     /// packet's stale timestamp takes no sample).
+    #[cfg(test)]
     #[allow(clippy::too_many_arguments)]
     pub fn on_ack(
         &mut self,
