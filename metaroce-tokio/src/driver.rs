@@ -534,7 +534,12 @@ const INLINE_TX: usize = 4;
 /// one it sleeps until, when more than [`INLINE_TX`] transmits were due, or when events
 /// or deferred work wait. Never blocks: one non-blocking send per transmit.
 pub(crate) fn transmit_inline(shared: &Shared, mut st: MutexGuard<'_, State>) {
-    if !shared.cfg.inline_transmit || st.tx_busy || !st.unsent.is_empty() || st.closed {
+    if !shared.cfg.inline_transmit
+        || !shared.backend.send_from_any_task()
+        || st.tx_busy
+        || !st.unsent.is_empty()
+        || st.closed
+    {
         drop(st);
         shared.wake_driver.notify_one();
         return;
