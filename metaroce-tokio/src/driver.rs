@@ -545,7 +545,9 @@ pub(crate) fn transmit_inline(shared: &Shared, mut st: MutexGuard<'_, State>) {
         return;
     }
     let now = Instant::now();
-    let mut out: Vec<(Transmit, Vec<u8>)> = Vec::new();
+    // (Kept in the state between calls, with the buffers: no allocation per message once
+    // warm.)
+    let mut out = std::mem::take(&mut st.tx_out);
     while out.len() < INLINE_TX {
         let mut buf = st.tx_pool.pop().unwrap_or_default();
         match st.core.poll_transmit(now, &mut buf) {
@@ -566,6 +568,7 @@ pub(crate) fn transmit_inline(shared: &Shared, mut st: MutexGuard<'_, State>) {
     };
     let mut wake = more || timer_moved || !st.dereg_later.is_empty();
     if out.is_empty() {
+        st.tx_out = out;
         drop(st);
         if wake {
             shared.wake_driver.notify_one();
@@ -577,38 +580,34 @@ pub(crate) fn transmit_inline(shared: &Shared, mut st: MutexGuard<'_, State>) {
     let dgb = &*shared.backend;
     let waker = futures::task::noop_waker();
     let mut cx = std::task::Context::from_waker(&waker);
-    let mut left = Vec::new();
-    let mut done = Vec::with_capacity(out.len());
-    let mut it = out.into_iter();
-    for (t, buf) in it.by_ref() {
-        match dgb.poll_send(&mut cx, &t, &buf[..t.size]) {
+    // Sent: `out[..sent]`; the rest (from a `Pending` one on) is the driver's.
+    let mut sent = 0;
+    for (t, buf) in &out {
+        match dgb.poll_send(&mut cx, t, &buf[..t.size]) {
             std::task::Poll::Ready(r) => {
                 if let Err(e) = r {
                     // A failed send is a lost packet: the transport recovers.
                     tracing::debug!(error = %e, dest = %t.destination, "send failed");
                 }
-                done.push(buf);
+                sent += 1;
             }
-            std::task::Poll::Pending => {
-                left.push((t, buf));
-                break;
-            }
+            std::task::Poll::Pending => break,
         }
     }
-    left.extend(it);
     dgb.flush();
     let mut st = shared.lock();
     st.tx_busy = false;
-    if !left.is_empty() {
-        st.unsent.extend(left);
+    if sent < out.len() {
+        st.unsent.extend(out.drain(sent..));
         wake = true;
     }
-    for mut b in done {
+    for (_, mut b) in out.drain(..) {
         if st.tx_pool.len() < INLINE_TX {
             b.clear();
             st.tx_pool.push(b);
         }
     }
+    st.tx_out = out;
     drop(st);
     if wake {
         shared.wake_driver.notify_one();

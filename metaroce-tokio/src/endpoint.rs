@@ -196,6 +196,8 @@ pub(crate) struct State {
     pub unsent: std::collections::VecDeque<(metaroce::Transmit, Vec<u8>)>,
     /// Spare transmit buffers of `transmit_inline`.
     pub tx_pool: Vec<Vec<u8>>,
+    /// `transmit_inline`'s batch (empty between calls; kept for its capacity).
+    pub tx_out: Vec<(metaroce::Transmit, Vec<u8>)>,
     /// The timer the driver will sleep until, as it last computed it under this lock
     /// (`Some(None)`: no timer); `None` until it first did.
     pub driver_deadline: Option<Option<std::time::Instant>>,
@@ -567,6 +569,7 @@ impl Endpoint {
                 tx_busy: false,
                 unsent: std::collections::VecDeque::new(),
                 tx_pool: Vec::new(),
+                tx_out: Vec::new(),
                 driver_deadline: None,
                 closed: false,
                 rc: crate::rocev2::RcSide::new(),
