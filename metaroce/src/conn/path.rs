@@ -1483,6 +1483,36 @@ mod tests {
     }
 
     #[test]
+    fn the_ack_delay_comes_off_the_sample_but_never_below_the_minimum() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        let us = Duration::from_micros;
+        for k in 0..3u32 {
+            p.on_sent(SegRef { op: 0, seg: k }, t0 + us(100 * u64::from(k)), false);
+        }
+        // 50 µs measured, 30 of them held by the peer: a 20 µs sample.
+        let out = p.on_ack_delayed(t0 + us(50), 0, &[0; 32], Some(us(50)), us(30), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(20)));
+        // A (forged) delay that would take the sample below the minimum RTT (20 µs) is
+        // not subtracted at all.
+        let out = p.on_ack_delayed(t0 + us(130), 1, &[0; 32], Some(us(30)), us(25), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(30)));
+        assert_eq!(p.rtt.min(), Some(us(20)));
+        // 40 µs measured, 15 held: 25 µs, above the minimum.
+        let out = p.on_ack_delayed(t0 + us(240), 2, &[0; 32], Some(us(40)), us(15), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(25)));
+        // The delay is applied after the send-time check: an echo outside the packet's
+        // send times takes no sample, whatever delay it reports.
+        p.on_sent(SegRef { op: 0, seg: 3 }, t0 + us(300), false);
+        let out = p.on_ack_delayed(t0 + us(320), 3, &[0; 32], Some(us(900)), us(880), 0, 0);
+        assert!(!out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(25)));
+    }
+
+    #[test]
     fn rtt_sample_only_from_newly_acked_packets_within_their_send_times() {
         let t0 = Instant::now();
         let mut p = tx(0, 1000, t0);
