@@ -854,6 +854,7 @@ impl World {
                 let h = Headers::Ack(AckEth {
                     path_id: path,
                     flags,
+                    ack_delay: 0,
                     echo_ts,
                     ce_count,
                     rate_hint,

@@ -198,6 +198,7 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
     let mut ack = AckEth {
         path_id: 3,
         flags: 0,
+        ack_delay: 42,
         echo_ts: 777,
         ce_count: 5,
         rate_hint: 25_000,
@@ -306,6 +307,7 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
                 ("metaroce.bth.opcode", s("0xc1")),
                 ("metaroce.bth.psn", s("1000")),
                 ("metaroce.ack.path_id", s("3")),
+                ("metaroce.ack.ack_delay", s("42")),
                 ("metaroce.ack.echo_ts", s("777")),
                 ("metaroce.ack.ce_count", s("5")),
                 ("metaroce.ack.rate_hint", s("25000")),

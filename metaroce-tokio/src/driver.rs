@@ -59,6 +59,16 @@ pub(crate) trait Driven: Send + Sync + 'static {
     fn run_deferred(&self, _lkeys: &mut Vec<u32>) {}
     /// The driver returned.
     fn on_stop(&self) {}
+    /// Transmits an application task left for the driver (`transmit_inline`), moved to
+    /// `out` ahead of the core's; and marks the backend's send side taken by the driver
+    /// when `out` is not empty.
+    fn take_unsent(_st: &mut Self::State, _out: &mut Vec<(Transmit, Vec<u8>)>) {}
+    /// The driver is about to hand `out` to the backend: its send side is taken.
+    fn mark_sending(_st: &mut Self::State) {}
+    /// The driver computed the timer it will sleep until.
+    fn set_deadline(_st: &mut Self::State, _deadline: Option<Instant>) {}
+    /// The driver finished handing its batch to the backend.
+    fn sent_batch(&self) {}
 }
 
 impl Driven for Shared {
@@ -116,6 +126,18 @@ impl Driven for Shared {
             self.deregister_everywhere(lkey);
         }
     }
+    fn take_unsent(st: &mut State, out: &mut Vec<(Transmit, Vec<u8>)>) {
+        out.extend(st.unsent.drain(..));
+    }
+    fn set_deadline(st: &mut State, deadline: Option<Instant>) {
+        st.driver_deadline = Some(deadline);
+    }
+    fn mark_sending(st: &mut State) {
+        st.tx_busy = true;
+    }
+    fn sent_batch(&self) {
+        self.lock().tx_busy = false;
+    }
     fn on_stop(&self) {
         self.stopped
             .store(true, std::sync::atomic::Ordering::Release);
@@ -158,6 +180,9 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                 if D::poll_timeout(&st).is_some_and(|t| t <= now) {
                     D::handle_timeout(&mut st, now);
                 }
+                // What an application task could not send goes first (it left the core
+                // before anything polled now).
+                D::take_unsent(&mut st, &mut out);
                 while has_dgram && out.len() < TX_BATCH {
                     let mut buf = pool
                         .pop()
@@ -188,6 +213,10 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                     return;
                 }
                 deadline = D::poll_timeout(&st);
+                D::set_deadline(&mut st, deadline);
+                if !out.is_empty() {
+                    D::mark_sending(&mut st);
+                }
                 deferred = D::take_deferred(&mut st);
             }
             shared.run_deferred(&mut deferred);
@@ -199,6 +228,7 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                     }
                 }
             }
+            let sent_some = !out.is_empty();
             if let Some(dgb) = shared.datagrams() {
                 for (t, mut buf) in out.drain(..) {
                     // The backend may keep `buf` (no copy) and hand back another buffer.
@@ -211,6 +241,9 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                 // Backends that batch submissions (io_uring) hand the batch to the kernel
                 // here.
                 dgb.flush();
+            }
+            if sent_some {
+                shared.sent_batch();
             }
             if !full {
                 // Wait for input, a timer or new work.
@@ -484,4 +517,101 @@ fn stream_entry(
         c.signals.queued.notify_waiters();
         StreamEntry::new(true).0
     }))
+}
+
+/// Most transmits an application task sends itself per call of [`transmit_inline`]; more
+/// are left to the driver (which is then woken).
+const INLINE_TX: usize = 4;
+
+/// Send what the core has to send now from the calling (application) task, instead of
+/// waking the driver for it (`Config::inline_transmit`, issue #13 P2: one task hop fewer
+/// per message). Takes the locked state `st` of `shared` and releases it.
+///
+/// Only while no one else is sending (`State::tx_busy`; the backend's send side has one
+/// user at a time) and nothing is left over from an earlier call. Each transmit is handed
+/// to the backend with a no-op waker: a `Pending` one and those after it go to
+/// `State::unsent` for the driver, which is woken and sends them first (the backend's
+/// "the next call is for the same transmit" rule holds: the driver's next send is that
+/// transmit). The driver is also woken when the core's next timer is earlier than the
+/// one it sleeps until, when more than [`INLINE_TX`] transmits were due, or when events
+/// or deferred work wait. Never blocks: one non-blocking send per transmit.
+pub(crate) fn transmit_inline(shared: &Shared, mut st: MutexGuard<'_, State>) {
+    if !shared.cfg.inline_transmit
+        || !shared.backend.send_from_any_task()
+        || st.tx_busy
+        || !st.unsent.is_empty()
+        || st.closed
+    {
+        drop(st);
+        shared.wake_driver.notify_one();
+        return;
+    }
+    let now = Instant::now();
+    // (Kept in the state between calls, with the buffers: no allocation per message once
+    // warm.)
+    let mut out = std::mem::take(&mut st.tx_out);
+    while out.len() < INLINE_TX {
+        let mut buf = st.tx_pool.pop().unwrap_or_default();
+        match st.core.poll_transmit(now, &mut buf) {
+            Some(t) => out.push((t, buf)),
+            None => {
+                st.tx_pool.push(buf);
+                break;
+            }
+        }
+    }
+    let more = out.len() == INLINE_TX;
+    // Events (completions) the transmits produced go to their handles now.
+    Driven::dispatch(shared, &mut st);
+    let timer_moved = match (st.core.poll_timeout(), st.driver_deadline) {
+        (Some(t), Some(Some(d))) => t < d,
+        (Some(_), _) => true,
+        (None, _) => false,
+    };
+    let mut wake = more || timer_moved || !st.dereg_later.is_empty();
+    if out.is_empty() {
+        st.tx_out = out;
+        drop(st);
+        if wake {
+            shared.wake_driver.notify_one();
+        }
+        return;
+    }
+    st.tx_busy = true;
+    drop(st);
+    let dgb = &*shared.backend;
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    // Sent: `out[..sent]`; the rest (from a `Pending` one on) is the driver's.
+    let mut sent = 0;
+    for (t, buf) in &out {
+        match dgb.poll_send(&mut cx, t, &buf[..t.size]) {
+            std::task::Poll::Ready(r) => {
+                if let Err(e) = r {
+                    // A failed send is a lost packet: the transport recovers.
+                    tracing::debug!(error = %e, dest = %t.destination, "send failed");
+                }
+                sent += 1;
+            }
+            std::task::Poll::Pending => break,
+        }
+    }
+    dgb.flush();
+    let mut st = shared.lock();
+    st.tx_busy = false;
+    if sent < out.len() {
+        st.unsent.extend(out.drain(sent..));
+        wake = true;
+    }
+    for (_, mut b) in out.drain(..) {
+        if st.tx_pool.len() < INLINE_TX {
+            b.clear();
+            st.tx_pool.push(b);
+        }
+    }
+    st.tx_out = out;
+    drop(st);
+    if wake {
+        shared.wake_driver.notify_one();
+    }
 }

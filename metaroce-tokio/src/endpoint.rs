@@ -88,6 +88,15 @@ pub struct Config {
     /// of the environment variable `METAROCE_TOKIO_SHARDS` when set (to run a test suite
     /// sharded). See docs/ARCHITECTURE.md, "Shards".
     pub shards: usize,
+    /// Send from the application task (issue #13 P2): a [`MessageStream`](crate::MessageStream)
+    /// that posted a message, or read one, asks the core for its transmits itself and hands
+    /// them to the backend without blocking, instead of waking the driver task to do it —
+    /// one task hop fewer per message. It does so only while the driver is not sending
+    /// (the backend's send side has one user at a time); a transmit the backend cannot take
+    /// at once goes to the driver, which sends it first. The driver is still woken when the
+    /// core's next timer moved ahead of the one it sleeps until, or when more is left to
+    /// send. `false`: every transmit leaves from the driver task, as before. Default `true`.
+    pub inline_transmit: bool,
 }
 
 /// Most shards of one endpoint ([`Config::shards`]).
@@ -124,6 +133,7 @@ impl Default for Config {
             max_stream_in_flight: 256,
             stream_send_buffer: 16 << 20,
             shards: default_shards(),
+            inline_transmit: true,
         }
     }
 }
@@ -181,6 +191,19 @@ pub(crate) struct State {
     /// lkeys of regions the core is done with, to deregister from every shard once this
     /// shard's lock is released (`Shared::deregister_everywhere`).
     pub dereg_later: Vec<u32>,
+    /// Someone (the driver, or an application task in `driver::transmit_inline`) is
+    /// handing transmits to the backend: the backend's send side is taken.
+    pub tx_busy: bool,
+    /// Transmits an application task took from the core and the backend did not take
+    /// (`Pending`): the driver sends them first, in order.
+    pub unsent: std::collections::VecDeque<(metaroce::Transmit, Vec<u8>)>,
+    /// Spare transmit buffers of `transmit_inline`.
+    pub tx_pool: Vec<Vec<u8>>,
+    /// `transmit_inline`'s batch (empty between calls; kept for its capacity).
+    pub tx_out: Vec<(metaroce::Transmit, Vec<u8>)>,
+    /// The timer the driver will sleep until, as it last computed it under this lock
+    /// (`Some(None)`: no timer); `None` until it first did.
+    pub driver_deadline: Option<Option<std::time::Instant>>,
     pub closed: bool,
     /// Completion routing of the RC queue pairs (`Endpoint::create_rc_qp`).
     pub rc: crate::rocev2::RcSide,
@@ -623,6 +646,11 @@ impl Endpoint {
                 next_wr_id: 0,
                 incoming: Some(tx),
                 dereg_later: Vec::new(),
+                tx_busy: false,
+                unsent: std::collections::VecDeque::new(),
+                tx_pool: Vec::new(),
+                tx_out: Vec::new(),
+                driver_deadline: None,
                 closed: false,
                 rc: crate::rocev2::RcSide::new(),
             }),

@@ -318,11 +318,12 @@ impl Stream for MessageStream {
             // The bytes leave the core's receive budget: a sender held back by flow
             // control may go on.
             let shared = &self.conn.shared;
-            shared
-                .lock()
-                .core
+            let mut st = shared.lock();
+            st.core
                 .stream_consumed(self.handle(), self.id, m.len() as u64);
-            shared.wake_driver.notify_one();
+            // Whatever that lets the core send (a credit update, a held ACK whose timer
+            // is due) leaves from here, or the driver is woken for it.
+            crate::driver::transmit_inline(shared, st);
             return Poll::Ready(Some(Ok(m)));
         }
         match q.end.replace(RxEnd::Done) {
@@ -355,8 +356,8 @@ impl Sink<Bytes> for MessageStream {
             return Err(Error::StreamClosed(self.id));
         }
         let shared = &self.conn.shared;
+        let mut st = shared.lock();
         {
-            let mut st = shared.lock();
             let wr_id = st.wr_id();
             if let Err(e) = st.core.post_send(self.handle(), self.id, wr_id, item) {
                 return Err(post_error(e, self.id, || self.lost(&st)));
@@ -373,7 +374,9 @@ impl Sink<Bytes> for MessageStream {
                 entry.send_pending = pending;
             }
         }
-        shared.wake_driver.notify_one();
+        // The message's packets leave from this task when the backend can take them now
+        // (`Config::inline_transmit`); else the driver sends them.
+        crate::driver::transmit_inline(shared, st);
         Ok(())
     }
 

@@ -86,6 +86,7 @@ fn forged(rng: &mut Rng, t: &Target, from_port: u16, k: u64) -> (Vec<u8>, Socket
         let hdrs = Headers::Ack(AckEth {
             path_id: (r >> 33) as u8 % 4,
             flags: 0,
+            ack_delay: 0,
             echo_ts: rng.next() as u32,
             ce_count: rng.next() as u32,
             rate_hint: 1,

@@ -326,6 +326,20 @@ pub struct TransportConfig {
     /// path per ACK, as peers without bundles expect; at most 28 (the datagram then stays
     /// under 1,500 bytes). Default 8.
     pub max_ack_bundle: usize,
+    /// Longest time a receiver holds the ACK of a lone SEND packet (delayed ACK, as QUIC's
+    /// `max_ack_delay`, RFC 9000 §13.2.1): when an `MR_SEND` packet arrives in order, with no
+    /// CE mark, as the only packet the connection has not acknowledged yet, its ACK waits up
+    /// to this long for data going back to the same peer (a reply) and then leaves right
+    /// behind that data packet, in the same transmit batch; otherwise it leaves when the
+    /// time is up. Any further packet, a gap, a CE mark, a WRITE, READ or atomic packet makes
+    /// every ACK due at once, so bulk transfers and one-sided operations are not delayed.
+    /// The ACK reports how long it was held (AckEth bytes 2–3, docs/PROTOCOL.md
+    /// "AckEth"), and the receiver of the ACK subtracts that from its RTT sample
+    /// (RFC 9002 §5.3); this side adds its own `max_ack_delay` to its tail-loss probe
+    /// timeout, so both ends should use the same value. A SEND's completion (Success) comes
+    /// at most this much later for a message nobody answers. `Duration::ZERO` = never hold
+    /// an ACK (as before). Default 100 µs; at most 10 ms.
+    pub max_ack_delay: Duration,
     /// Verify the ICRC of received packets when the addresses it covers are known.
     /// Default `true`.
     pub verify_icrc: bool,
@@ -504,6 +518,7 @@ impl Default for TransportConfig {
             reorder_threshold: 0,
             max_gso_segments: 1,
             max_ack_bundle: 8,
+            max_ack_delay: Duration::from_micros(100),
             verify_icrc: true,
             idle_timeout: Some(Duration::from_secs(10)),
             keepalive_interval: Some(Duration::from_secs(3)),
@@ -566,6 +581,12 @@ impl TransportConfig {
             return bad(
                 "max_ack_bundle",
                 format!("must be in 1..=28 paths, got {}", self.max_ack_bundle),
+            );
+        }
+        if self.max_ack_delay > Duration::from_millis(10) {
+            return bad(
+                "max_ack_delay",
+                format!("must be at most 10 ms, got {:?}", self.max_ack_delay),
             );
         }
         if self.min_rto > self.max_rto {

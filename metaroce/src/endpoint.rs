@@ -1156,7 +1156,7 @@ impl Endpoint {
         };
         if c.state == State::Established {
             let mut b = Vec::new();
-            while let Some(t) = c.poll_ack(&mut b) {
+            while let Some(t) = c.poll_ack(now, &mut b) {
                 if self.sealed_control.len() >= self.cfg.max_control_queue {
                     self.stats.control_dropped += 1;
                     continue;

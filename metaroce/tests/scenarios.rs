@@ -2171,6 +2171,10 @@ fn scenarios() -> Vec<Scenario> {
                 a.transport.rnr_retry = 0;
                 b.transport.require_posted_receives = true;
                 b.transport.min_rnr_timer = 1;
+                // Timed for ACKs sent at once and a probe timeout without the delayed-ACK
+                // allowance (both shift the race this scenario stages by 100 µs).
+                a.transport.max_ack_delay = Duration::ZERO;
+                b.transport.max_ack_delay = Duration::ZERO;
             },
             impair: |_| {
                 vec![Rule::always(
@@ -2259,6 +2263,10 @@ fn scenarios() -> Vec<Scenario> {
                 a.transport.rnr_retry = 0;
                 b.transport.require_posted_receives = true;
                 b.transport.min_rnr_timer = 1;
+                // Timed for ACKs sent at once and a probe timeout without the delayed-ACK
+                // allowance (both shift the race this scenario stages by 100 µs).
+                a.transport.max_ack_delay = Duration::ZERO;
+                b.transport.max_ack_delay = Duration::ZERO;
             },
             impair: |_| {
                 vec![Rule::always(
@@ -2334,6 +2342,10 @@ fn scenarios() -> Vec<Scenario> {
                 a.transport.rnr_retry = 2;
                 b.transport.require_posted_receives = true;
                 b.transport.min_rnr_timer = 17;
+                // The probe timeout (2 x the initial RTT) is timed against the NAK held
+                // 1 ms: without the delayed-ACK allowance, which would add 100 µs.
+                a.transport.max_ack_delay = Duration::ZERO;
+                b.transport.max_ack_delay = Duration::ZERO;
             },
             impair: |_| {
                 vec![Rule::always(

@@ -176,6 +176,7 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
     let mut ack = AckEth {
         path_id: 2,
         flags: AckEth::FLAG_ECE,
+        ack_delay: 0,
         echo_ts: 0xDEAD_BEEF,
         ce_count: 3,
         rate_hint: 10_000,

@@ -196,6 +196,7 @@ fn ack() -> impl Strategy<Value = AckEth> {
             |(path_id, flags, [echo_ts, ce_count, rate_hint], sack)| AckEth {
                 path_id,
                 flags,
+                ack_delay: echo_ts as u16,
                 echo_ts,
                 ce_count,
                 rate_hint,

@@ -121,6 +121,7 @@ local f = {
     ack_bundle = ProtoField.bool("metaroce.ack.bundle", "BUNDLE (ACK blocks follow)", 8, nil, 0x04),
     ack_blocks = ProtoField.uint16("metaroce.ack.blocks", "Further ACK blocks (paths)", base.DEC),
     ack_block_cum = ProtoField.uint24("metaroce.ack.block_cum", "Cumulative PSN of the block's path", base.DEC),
+    ack_delay = ProtoField.uint16("metaroce.ack.ack_delay", "ACK delay (us)", base.DEC),
     ack_echo = ProtoField.uint32("metaroce.ack.echo_ts", "Echoed timestamp", base.DEC),
     ack_ce = ProtoField.uint32("metaroce.ack.ce_count", "CE count", base.DEC),
     ack_rate = ProtoField.uint32("metaroce.ack.rate_hint", "Rate hint (Mbit/s, 0 = no limit)", base.DEC),
@@ -280,6 +281,7 @@ function H.ack(r, t, cum)
     fl:add(f.ack_ece, r(1, 1))
     fl:add(f.ack_ka, r(1, 1))
     fl:add(f.ack_bundle, r(1, 1))
+    t:add(f.ack_delay, r(2, 2))
     t:add(f.ack_echo, r(4, 4))
     t:add(f.ack_ce, r(8, 4))
     t:add(f.ack_rate, r(12, 4))

@@ -342,6 +342,17 @@ pub struct Args {
     #[arg(long = "no-rebalance")]
     pub no_rebalance: bool,
 
+    /// Delayed ACK: longest time a receiver holds the ACK of a lone SEND for a reply to
+    /// ride behind (`TransportConfig::max_ack_delay`, microseconds; 0 = acknowledge at
+    /// once). Both sides should agree. Default: the transport's (100 µs).
+    #[arg(long = "max-ack-delay", value_name = "USEC")]
+    pub max_ack_delay: Option<u64>,
+
+    /// Send every transmit from the driver task, never from the application task
+    /// (`metaroce_tokio::Config::inline_transmit` = false), to measure without it.
+    #[arg(long = "no-inline-transmit")]
+    pub no_inline_transmit: bool,
+
     /// AES-GCM packet protection of every MetaRoCE packet (metaroce mode; both sides must
     /// agree). The key is the hex value of METAROCE_PERF_KEY (32 or 64 hex digits:
     /// AES-128-GCM or AES-256-GCM) or, without it, a fixed test key (AES-128-GCM); never use
@@ -590,6 +601,10 @@ pub struct Settings {
     pub mtu: u32,
     /// ECMP collision handling on (not `--no-rebalance`).
     pub rebalance: bool,
+    /// `--max-ack-delay`, if given.
+    pub max_ack_delay: Option<std::time::Duration>,
+    /// Transmit from the application task (not `--no-inline-transmit`).
+    pub inline_transmit: bool,
     /// `--encrypt`: the packet protection key (16 or 32 bytes).
     pub encrypt: Option<Vec<u8>>,
     /// Impairments.
@@ -957,6 +972,8 @@ impl Args {
             paths,
             mtu: self.mtu,
             rebalance: !self.no_rebalance,
+            max_ack_delay: self.max_ack_delay.map(std::time::Duration::from_micros),
+            inline_transmit: !self.no_inline_transmit,
             encrypt: if self.encrypt {
                 Some(perf_key()?)
             } else {

@@ -99,6 +99,10 @@ impl Node {
         if !s.rebalance {
             config.transport.rebalance_ratio_permille = 0;
         }
+        if let Some(d) = s.max_ack_delay {
+            config.transport.max_ack_delay = d;
+        }
+        config.inline_transmit = s.inline_transmit;
         if let Some(k) = &s.encrypt {
             let key = metaroce::crypto::PacketProtectionKey::new(k)
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;

@@ -249,6 +249,16 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     /// after each batch of transmits. The default does nothing (the send already happened).
     /// Never blocks.
     fn flush(&self) {}
+
+    /// Whether a task other than the driver may call [`poll_send`](Self::poll_send) (and
+    /// [`flush`](Self::flush)) cheaply, one at a time: metaroce-tokio's application tasks
+    /// then send their messages' packets themselves (`Config::inline_transmit`, issue #13
+    /// P2). Default `true`. `UringBackend` says `false`: its submissions and the
+    /// completion work they cause belong on the driver's thread (sent from application
+    /// tasks, the 64 B round trip took 1.8–3.9× as long). Wrappers forward it.
+    fn send_from_any_task(&self) -> bool {
+        true
+    }
 }
 
 /// Implements the named [`DatagramBackend`] methods of a wrapper backend by handing each
@@ -258,9 +268,9 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 /// The first argument, in brackets, is what follows `self` to reach the inner backend: a
 /// field (`[.inner]`) or a method call (`[.as_ref()]`). Then the method names, any of
 /// `local_addr`, `source_ports`, `max_gso_segments`, `max_gro_segments`, `poll_recv`,
-/// `poll_send`, `poll_send_owned`, `poll_recv_in_place`, `flush`. A wrapper that writes its
-/// own `poll_send` and does not name `poll_send_owned` gets the trait's default, which
-/// calls the wrapper's `poll_send`.
+/// `poll_send`, `poll_send_owned`, `poll_recv_in_place`, `flush`, `send_from_any_task`. A
+/// wrapper that writes its own `poll_send` and does not name `poll_send_owned` gets the
+/// trait's default, which calls the wrapper's `poll_send`.
 ///
 /// ```
 /// use metaroce_tokio::backend::{DatagramBackend, UdpBackend};
@@ -358,6 +368,11 @@ macro_rules! forward_datagram_backend {
             self $($to)+ .flush()
         }
     };
+    (@one [$($to:tt)+] send_from_any_task) => {
+        fn send_from_any_task(&self) -> bool {
+            self $($to)+ .send_from_any_task()
+        }
+    };
     ($to:tt $($method:ident),+ $(,)?) => {
         $( $crate::forward_datagram_backend!(@one $to $method); )+
     };
@@ -365,12 +380,14 @@ macro_rules! forward_datagram_backend {
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush);
+        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush,
+        send_from_any_task);
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush);
+        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush,
+        send_from_any_task);
 }
 
 /// Checks a transmit's shape and returns its datagram size (`segment_size`, or the whole

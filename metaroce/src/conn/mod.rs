@@ -210,6 +210,11 @@ pub(crate) struct Connection {
     rq: RecvState,
     next_path: usize,
     next_ack_path: usize,
+    /// Delayed ACK (`TransportConfig::max_ack_delay`): while set, the ACKs due may wait
+    /// until this time or until a data packet goes to the peer, whichever comes first.
+    ack_hold: Option<Instant>,
+    /// Packets that made an ACK due since every path's ACK was last sent.
+    unacked_pkts: u32,
     naks: VecDeque<PendingNak>,
     pub accept_pending: bool,
     /// An incoming connection the application has not accepted yet
@@ -463,6 +468,8 @@ impl Connection {
             rq: RecvState::default(),
             next_path: 0,
             next_ack_path: 0,
+            ack_hold: None,
+            unacked_pkts: 0,
             naks: VecDeque::new(),
             accept_pending: false,
             held: false,
@@ -510,14 +517,16 @@ impl Connection {
         self.planes = path::Planes::new(self.cfg.planes);
         self.tx = (0..paths)
             .map(|i| {
-                PathTx::new(
+                let mut p = PathTx::new(
                     i as u8,
                     ports[i],
                     self.init_psn,
                     RttEstimator::new(self.cfg.initial_rtt),
                     cc::new_controller(&self.cfg.congestion, pmtu),
                     now,
-                )
+                );
+                p.peer_ack_delay = self.cfg.max_ack_delay;
+                p
             })
             .collect();
         self.rx = (0..paths).map(|_| PathRx::new(peer_init_psn)).collect();
@@ -709,7 +718,9 @@ impl Connection {
                 // honest RTT sample for the peer). Nothing else moves.
                 if let Some(rx) = self.rx.get_mut(a.path_id as usize) {
                     rx.echo_ts = a.echo_ts;
+                    rx.echo_at = Some(now);
                     rx.ack_pending = true;
+                    self.ack_due(now, false);
                 }
             }
             Headers::Ack(a) if a.flags & AckEth::FLAG_BUNDLE != 0 => {
@@ -854,12 +865,16 @@ impl Connection {
         };
         let elapsed = ts.wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
+        // The time the peer held this ACK (AckEth ACK delay) is not network time: the path
+        // subtracts it, at most `max_ack_delay` (RFC 9002 §5.3).
+        let held = Duration::from_micros(u64::from(a.ack_delay)).min(self.cfg.max_ack_delay);
         let extra_before = p.pto_extra;
-        let mut out = p.on_ack(
+        let mut out = p.on_ack_delayed(
             now,
             cum,
             &a.sack,
             sample,
+            held,
             a.ce_count,
             self.cfg.reorder_threshold,
         );
@@ -1046,6 +1061,7 @@ impl Connection {
                 // echoed: it advanced no PSN, and an old timestamp echoed back would
                 // inflate the sender's RTT estimate.
                 rx.ack_pending = true;
+                self.ack_due(self.last_heard, false);
             }
             RxOutcome::Accepted => {
                 rx.mark(psn);
@@ -1057,7 +1073,17 @@ impl Connection {
                     self.ce_in += 1;
                 }
                 rx.echo_ts = path.timestamp;
+                rx.echo_at = Some(self.last_heard);
                 rx.ack_pending = true;
+                // Only a lone, in-order, unmarked first copy of a SEND packet may wait for
+                // a reply to ride on (a retransmission answers a sender already waiting,
+                // perhaps racing a NAK: it is acknowledged at once).
+                let lone_send = matches!(data, Data::Send(_))
+                    && ctrl == 0
+                    && !path.is_retransmit()
+                    && ecn != Some(EcnCodepoint::Ce)
+                    && rx.in_order();
+                self.ack_due(self.last_heard, lone_send);
             }
             RxOutcome::Drop if !dup => {}
             RxOutcome::Drop | RxOutcome::Nak(_) | RxOutcome::Rnr | RxOutcome::FlowRnr => {
@@ -1089,6 +1115,16 @@ impl Connection {
                 }
             }
         }
+    }
+
+    /// A received packet made an ACK due at `now`. `lone_send`: it is an in-order, unmarked
+    /// `MR_SEND` packet; if it is also the only packet not yet acknowledged, its ACK may be
+    /// held (`TransportConfig::max_ack_delay`). Anything else makes every ACK due at once.
+    fn ack_due(&mut self, now: Instant, lone_send: bool) {
+        self.unacked_pkts = self.unacked_pkts.saturating_add(1);
+        let delay = self.cfg.max_ack_delay;
+        self.ack_hold =
+            (lone_send && self.unacked_pkts == 1 && !delay.is_zero()).then(|| now + delay);
     }
 
     /// Path `i` timed out while other paths deliver ([`Self::others_delivered_since`],
@@ -1458,6 +1494,7 @@ impl Connection {
             consider(p.loss_deadline(self.cfg.min_rto, self.cfg.max_rto));
         }
         consider(self.sq.wait_deadline());
+        consider(self.ack_hold);
         if let Some(cl) = &self.closing {
             consider(Some(cl.deadline));
         }
@@ -1479,6 +1516,10 @@ impl Connection {
 
     pub fn handle_timeout(&mut self, now: Instant, events: &mut VecDeque<Event>) -> Outcome {
         self.window_cache = None;
+        if self.ack_hold.is_some_and(|t| now >= t) {
+            // Nothing went back to the peer in time: the held ACK leaves alone.
+            self.ack_hold = None;
+        }
         if let Some(hs) = &mut self.handshake {
             if now >= hs.next_at {
                 if hs.attempts >= self.cfg.handshake_attempts {
@@ -1816,7 +1857,7 @@ impl Connection {
     /// the endpoint to flush the ACKs still owed ahead of the MR_CLOSE (so a message this
     /// side received is never reported lost by the sender merely because the close
     /// overtook its ACK).
-    pub fn poll_ack(&mut self, buf: &mut Vec<u8>) -> Option<Transmit> {
+    pub fn poll_ack(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         // The next path in turn with an ACK due, bundled with up to `max_ack_bundle - 1`
         // further due paths of the same plane (docs/PROTOCOL.md, "ACK bundles"); the
@@ -1841,7 +1882,7 @@ impl Connection {
             let rate_hint = self.granted_rate_mbps;
             let mut flags = self.rx[i].take_ack_flags();
             let first = &self.rx[i];
-            let (cum, first_ack) = (first.cum, first.ack_eth(i as u8, flags, rate_hint));
+            let (cum, first_ack) = (first.cum, first.ack_eth(i as u8, flags, rate_hint, now));
             let mut last = i;
             let mut blocks = std::mem::take(&mut self.ack_scratch);
             blocks.clear();
@@ -1864,7 +1905,7 @@ impl Connection {
                 let at = blocks.len();
                 blocks.resize(at + AckEth::BLOCK_LEN, 0);
                 let _ = rx
-                    .ack_eth(j as u8, f, rate_hint)
+                    .ack_eth(j as u8, f, rate_hint, now)
                     .emit_block(rx.cum, &mut blocks[at..]);
                 last = j;
                 n += 1;
@@ -1880,6 +1921,10 @@ impl Connection {
             let n_bytes = emitted?;
             self.acks_sent += n as u64;
             self.ack_datagrams_sent += 1;
+            if !self.rx.iter().any(|r| r.ack_pending) {
+                self.unacked_pkts = 0;
+                self.ack_hold = None;
+            }
             return Some(self.transmit(port, None, n_bytes, None));
         }
         None
@@ -1943,6 +1988,7 @@ impl Connection {
                 let hdrs = Headers::Ack(AckEth {
                     path_id: i as u8,
                     flags: AckEth::FLAG_KEEPALIVE,
+                    ack_delay: 0,
                     echo_ts: ts32(self.epoch, now),
                     ce_count: 0,
                     rate_hint: 0,
@@ -1977,15 +2023,23 @@ impl Connection {
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
-        // 3. ACKs (bundled, see `poll_ack`).
-        if let Some(t) = self.poll_ack(buf) {
-            return Some(t);
+        // 3. ACKs (bundled, see `poll_ack`), unless held for a reply (delayed ACK,
+        //    `ack_due`): then they leave right behind the next data packet.
+        let held = self.ack_hold.is_some_and(|t| now < t);
+        if !held {
+            if let Some(t) = self.poll_ack(now, buf) {
+                return Some(t);
+            }
         }
         // 4. Tail-loss probes, ahead of the window.
         for i in 0..self.tx.len() {
             if let Some(seg) = self.tx[i].probe.take() {
                 if self.sq.is_live(seg) && self.tx[i].can_probe() {
-                    return self.send_data(now, buf, mrs, i, Some(seg), None);
+                    let t = self.send_data(now, buf, mrs, i, Some(seg), None);
+                    if t.is_some() {
+                        self.ack_hold = None;
+                    }
+                    return t;
                 }
             }
         }
@@ -2009,7 +2063,12 @@ impl Connection {
             .chain(0..start)
             .find(|&i| self.tx[i].can_send())?;
         self.next_path = if i + 1 == n { 0 } else { i + 1 };
-        self.send_data(now, buf, mrs, i, None, Some(window))
+        let t = self.send_data(now, buf, mrs, i, None, Some(window));
+        if t.is_some() {
+            // A held ACK rides behind this packet: the next call sends it.
+            self.ack_hold = None;
+        }
+        t
     }
 
     /// Build a batch of data packets on path `i`: one probe segment, or up to the GSO limit

@@ -181,6 +181,9 @@ pub(crate) struct PathTx {
     /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
     /// needed. Shared by the paths of a connection (`learn_stall`).
     pub pto_extra: Duration,
+    /// How long the peer may hold an ACK of this path (its `max_ack_delay`, taken to be
+    /// this side's: RFC 9002 §6.2.1 adds it to the probe timeout). Zero by default.
+    pub peer_ack_delay: Duration,
     /// The `acked` list of the last ACK, handed back by the connection for the next one.
     pub spare_acked: Vec<SegRef>,
     /// RACK state (RFC 8985 §6): send time, PSN and RTT of the most recently sent packet
@@ -259,6 +262,7 @@ impl PathTx {
             probe_psn: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
+            peer_ack_delay: Duration::ZERO,
             spare_acked: Vec::new(),
             rack_sent: None,
             rack_psn: init_psn,
@@ -390,6 +394,7 @@ impl PathTx {
     /// acknowledges (RFC 6298 §3 / Karn: every transmission has its own PSN, so a newly
     /// acknowledged PSN names one transmission; a duplicate ACK, a late ACK or a replayed
     /// packet's stale timestamp takes no sample).
+    #[cfg(test)]
     #[allow(clippy::too_many_arguments)]
     pub fn on_ack(
         &mut self,
@@ -397,6 +402,32 @@ impl PathTx {
         cum: u32,
         sack: &[u8; 32],
         rtt_sample: Option<Duration>,
+        ce_count: u32,
+        reorder_threshold: u32,
+    ) -> AckOutcome {
+        self.on_ack_delayed(
+            now,
+            cum,
+            sack,
+            rtt_sample,
+            Duration::ZERO,
+            ce_count,
+            reorder_threshold,
+        )
+    }
+
+    /// [`on_ack`](Self::on_ack) of an ACK the peer held for `ack_delay` (its AckEth ACK
+    /// delay, already bounded by `max_ack_delay`): once the sample passed the send-time
+    /// check, the delay is subtracted from it where the result stays at or above the
+    /// path's minimum RTT (RFC 9002 §5.3), so a forged delay cannot shrink the RTT.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_ack_delayed(
+        &mut self,
+        now: Instant,
+        cum: u32,
+        sack: &[u8; 32],
+        rtt_sample: Option<Duration>,
+        ack_delay: Duration,
         ce_count: u32,
         reorder_threshold: u32,
     ) -> AckOutcome {
@@ -512,6 +543,11 @@ impl PathTx {
                 now.saturating_duration_since(oldest),
             );
             if s >= lo && s <= hi {
+                let s = match self.rtt.min() {
+                    Some(min) if s >= min + ack_delay => s - ack_delay,
+                    None if s >= ack_delay => s - ack_delay,
+                    _ => s,
+                };
                 self.rtt.update(s);
                 out.rtt_sampled = true;
             }
@@ -677,7 +713,7 @@ impl PathTx {
 
     /// The probe timeout plus what spurious probes taught (`pto_extra`).
     fn tlp_delay(&self) -> Duration {
-        self.tlp_base() + self.pto_extra
+        self.tlp_base() + self.pto_extra + self.peer_ack_delay
     }
 
     fn rto(&self, min: Duration, max: Duration) -> Duration {
@@ -971,6 +1007,9 @@ pub(crate) struct PathRx {
     pub ce_count: u32,
     pub ce_since_ack: bool,
     pub echo_ts: u32,
+    /// When the packet whose timestamp `echo_ts` is arrived (the ACK reports the time
+    /// since as its ACK delay).
+    pub echo_at: Option<Instant>,
     pub ack_pending: bool,
     /// The sender's re-roll generation of this path (PathEth flags 7:4): ACKs move to a new
     /// source port with it, so a re-rolled path gets new entropy in both directions.
@@ -995,10 +1034,22 @@ impl PathRx {
     }
 
     /// The AckEth describing this path's state (cumulative PSN in the BTH or ACK block).
-    pub fn ack_eth(&self, path_id: u8, flags: u8, rate_hint: u32) -> crate::wire::AckEth {
+    /// `now`: when the ACK is sent; its ACK delay is the time since `echo_at`, in µs
+    /// (saturating).
+    pub fn ack_eth(
+        &self,
+        path_id: u8,
+        flags: u8,
+        rate_hint: u32,
+        now: Instant,
+    ) -> crate::wire::AckEth {
+        let held = self
+            .echo_at
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         crate::wire::AckEth {
             path_id,
             flags,
+            ack_delay: u16::try_from(held.as_micros()).unwrap_or(u16::MAX),
             echo_ts: self.echo_ts,
             ce_count: self.ce_count,
             rate_hint,
@@ -1013,12 +1064,18 @@ impl PathRx {
             ce_count: 0,
             ce_since_ack: false,
             echo_ts: 0,
+            echo_at: None,
             ack_pending: false,
             generation: 0,
             plane: 0,
             last_new: None,
             resync: None,
         }
+    }
+
+    /// No PSN beyond `cum` was received: the path has no gap.
+    pub fn in_order(&self) -> bool {
+        self.bits == [0; 4]
     }
 
     fn bit(&self, i: u32) -> bool {
@@ -1201,6 +1258,7 @@ mod tests {
         let a = crate::wire::AckEth {
             path_id: 0,
             flags: 0,
+            ack_delay: 0,
             echo_ts: 0,
             ce_count: 0,
             rate_hint: 0,
@@ -1471,6 +1529,36 @@ mod tests {
         assert_eq!(rx.check(5000, 1000, t1, quiet), RxCheck::OutOfWindow);
         assert_eq!(rx.check(5001, 1000, t1, quiet), RxCheck::OutOfWindow);
         assert!(rx.recent(0) && !rx.recent(0xFF_FFFF - 300));
+    }
+
+    #[test]
+    fn the_ack_delay_comes_off_the_sample_but_never_below_the_minimum() {
+        let t0 = Instant::now();
+        let mut p = tx(0, 1000, t0);
+        let us = Duration::from_micros;
+        for k in 0..3u32 {
+            p.on_sent(SegRef { op: 0, seg: k }, t0 + us(100 * u64::from(k)), false);
+        }
+        // 50 µs measured, 30 of them held by the peer: a 20 µs sample.
+        let out = p.on_ack_delayed(t0 + us(50), 0, &[0; 32], Some(us(50)), us(30), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(20)));
+        // A (forged) delay that would take the sample below the minimum RTT (20 µs) is
+        // not subtracted at all.
+        let out = p.on_ack_delayed(t0 + us(130), 1, &[0; 32], Some(us(30)), us(25), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(30)));
+        assert_eq!(p.rtt.min(), Some(us(20)));
+        // 40 µs measured, 15 held: 25 µs, above the minimum.
+        let out = p.on_ack_delayed(t0 + us(240), 2, &[0; 32], Some(us(40)), us(15), 0, 0);
+        assert!(out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(25)));
+        // The delay is applied after the send-time check: an echo outside the packet's
+        // send times takes no sample, whatever delay it reports.
+        p.on_sent(SegRef { op: 0, seg: 3 }, t0 + us(300), false);
+        let out = p.on_ack_delayed(t0 + us(320), 3, &[0; 32], Some(us(900)), us(880), 0, 0);
+        assert!(!out.rtt_sampled);
+        assert_eq!(p.rtt.latest(), Some(us(25)));
     }
 
     #[test]

@@ -198,7 +198,7 @@ impl WriteEth {
 /// |---|---|
 /// | 0 | path id (8 bits) |
 /// | 1 | flags (8 bits): bit 0 = [`AckEth::FLAG_ECE`]; bit 1 = [`AckEth::FLAG_KEEPALIVE`] |
-/// | 2–3 | reserved, 0 |
+/// | 2–3 | ACK delay in µs, saturating at 65,535 (reserved 0 before issue #13; see [`AckEth::ack_delay`]) |
 /// | 4–7 | echoed timestamp (the [`PathEth::timestamp`] of the newest packet that triggered this ACK) |
 /// | 8–11 | CE count: cumulative number of CE-marked packets received on this path |
 /// | 12–15 | rate hint in Mbit/s granted to this sender (0 = no limit) |
@@ -210,6 +210,11 @@ pub struct AckEth {
     /// Flag bits (8 bits): [`AckEth::FLAG_ECE`], [`AckEth::FLAG_KEEPALIVE`]. Carried
     /// verbatim.
     pub flags: u8,
+    /// ACK delay (16 bits, µs, saturating): how long the receiver held this ACK after the
+    /// packet whose timestamp it echoes arrived. The ACK's receiver subtracts it from its
+    /// RTT sample (RFC 9002 §5.3). Bytes 2–3, reserved 0 before; a peer that does not set
+    /// it sends 0 (no delay).
+    pub ack_delay: u16,
     /// Echoed transmit timestamp (32 bits, ns modulo 2^32, sender's clock).
     pub echo_ts: u32,
     /// Cumulative count (32 bits) of CE-marked packets received on this path.
@@ -248,10 +253,11 @@ impl AckEth {
         let mut r = Reader::with_len(b, Self::LEN)?;
         let path_id = r.u8()?;
         let flags = r.u8()?;
-        r.skip(2)?;
+        let ack_delay = r.u16()?;
         Ok(AckEth {
             path_id,
             flags,
+            ack_delay,
             echo_ts: r.u32()?,
             ce_count: r.u32()?,
             rate_hint: r.u32()?,
@@ -264,7 +270,7 @@ impl AckEth {
         let mut w = Writer::with_len(out, Self::LEN)?;
         w.u8(self.path_id)?;
         w.u8(self.flags)?;
-        w.zeros(2)?;
+        w.u16(self.ack_delay)?;
         w.u32(self.echo_ts)?;
         w.u32(self.ce_count)?;
         w.u32(self.rate_hint)?;

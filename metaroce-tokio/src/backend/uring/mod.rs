@@ -678,6 +678,11 @@ impl DatagramBackend for UringBackend {
         self.local_addr
     }
 
+    /// `false`: sends stay on the driver's task (see the trait method).
+    fn send_from_any_task(&self) -> bool {
+        false
+    }
+
     fn source_ports(&self) -> Vec<u16> {
         self.ports.clone()
     }
