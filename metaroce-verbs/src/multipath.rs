@@ -1245,9 +1245,9 @@ mod tests {
         let mut futs: Vec<_> = (0..n)
             .map(|i| {
                 let q = q.clone();
-                Some(futures::future::maybe_done(Box::pin(
-                    async move { q.send(i).await },
-                )))
+                Some(futures::future::maybe_done(Box::pin(async move {
+                    q.send(i).await
+                })))
             })
             .collect();
         let mut got = Vec::new();

@@ -301,9 +301,7 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
         let mut futs: Vec<_> = (0..n)
             .map(|i| {
                 let c = c.clone();
-                futures::future::maybe_done(Box::pin(
-                    async move { c.send(0, &message(i)).await },
-                ))
+                futures::future::maybe_done(Box::pin(async move { c.send(0, &message(i)).await }))
             })
             .collect();
         for f in futs.iter_mut() {
@@ -311,7 +309,11 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
         }
         futures::future::join_all(futs.iter_mut()).await;
         futs.into_iter()
-            .map(|mut f| std::pin::Pin::new(&mut f).take_output().expect("send resolved"))
+            .map(|mut f| {
+                std::pin::Pin::new(&mut f)
+                    .take_output()
+                    .expect("send resolved")
+            })
             .collect::<Vec<_>>()
     });
     let s = server.clone();
