@@ -317,10 +317,20 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
             .collect::<Vec<_>>()
     });
     let s = server.clone();
+    let cl = client.clone();
     let receiver = tokio::spawn(async move {
         let mut got = Vec::new();
-        for _ in 0..n {
-            got.push(within(120, s.recv(0)).await.expect("recv"));
+        for i in 0..n {
+            match tokio::time::timeout(Duration::from_secs(120), s.recv(0)).await {
+                Ok(m) => got.push(m.expect("recv")),
+                // A stuck stream: say where, and what both ends counted (bad_frames are
+                // frames the receiver refused, e.g. beyond its reorder window).
+                Err(_) => panic!(
+                    "recv of position {i} timed out;\nserver {:?}\nclient {:?}",
+                    s.stats(),
+                    cl.stats()
+                ),
+            }
         }
         got
     });
