@@ -459,8 +459,8 @@ impl MpConnection {
         let (comp_tx, comp_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_ctrl(rd, ctrl_tx));
         let shared = Arc::new(Mutex::new(SharedView::default()));
-        let (frame_tx, frame_rx) = mpsc::channel(64);
-        let reorder = Reorderer::new(cfg.multipath.channel_window, cfg.multipath.max_channels);
+        let (frame_tx, frame_rx) = mpsc::channel(FRAME_QUEUE);
+        let reorder = Reorderer::new(rx_window(&cfg, k), cfg.multipath.max_channels);
         let d = Driver {
             pd: pd.clone(),
             cfg,
@@ -695,6 +695,30 @@ impl MpConnection {
     pub fn stats(&self) -> MpStats {
         self.shared.lock().stats.clone()
     }
+}
+
+/// Frames between the QPs' receive tasks and the driver, at most.
+const FRAME_QUEUE: usize = 64;
+
+/// The receiver's reorder window per channel, in frames: the sender's `channel_window`
+/// plus every frame that can sit between the receiving device and the driver.
+///
+/// The sender's window moves on its own completions, i.e. once the receiving *device* holds
+/// a frame (RC ACK), not once this driver has taken it. Frames the device holds but the
+/// driver has not yet seen sit in each QP's receive completions (`qp.recv_slots` at most,
+/// one per posted receive), one in each receive task's hand, and in the frame queue
+/// ([`FRAME_QUEUE`]). With only `channel_window`, a frame that overtook that pipeline on a
+/// faster QP was refused *after its ACK*: the sender saw success, the message was lost and
+/// the channel stalled behind the hole (seen in the rxe guest under host load:
+/// `bad_frames` 337, stuck at position 204). Counted for K QPs plus K being replaced.
+/// Memory: at most this many frames of `qp.slot_size` bytes buffered per channel.
+fn rx_window(cfg: &MpConfig, k: usize) -> u32 {
+    let per_qp = cfg.qp.recv_slots.saturating_add(1);
+    let qps = u32::try_from(2 * k).unwrap_or(u32::MAX);
+    cfg.multipath
+        .channel_window
+        .saturating_add(qps.saturating_mul(per_qp))
+        .saturating_add(FRAME_QUEUE as u32)
 }
 
 fn bad(msg: &str) -> std::io::Error {
