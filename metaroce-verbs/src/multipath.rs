@@ -65,7 +65,11 @@
 //! big-endian; [`FRAME_HEADER`] = 13 bytes). Every QP keeps `qp.recv_slots` receives posted;
 //! a task per QP hands what arrives to the driver, whose
 //! [`Reorderer`] delivers each channel in sequence order and
-//! drops the duplicates that re-issue after a QP failure can create. Malformed or
+//! drops the duplicates that re-issue after a QP failure can create. The sequence number is
+//! assigned when the driver takes the operation from the connection's command queue, and
+//! the queue is entered in the order the submitting futures were first polled (a ticket
+//! taken in the first poll; see [`MpConnection::send`]), so concurrent sends keep the order
+//! in which they were started, not the order in which they found queue space. Malformed or
 //! out-of-window frames are counted ([`MpStats::bad_frames`]) and dropped. At most
 //! `INBOX_LIMIT` (1024) delivered items wait for [`MpConnection::recv`]; beyond that the
 //! receive tasks stop taking (and so reposting) receives and the peer's SENDs meet RNR NAKs.
@@ -227,11 +231,118 @@ enum Ctrl {
     },
 }
 
+/// The connection's bounded command queue to its driver task, entered in the order in which
+/// the submitting futures were *first polled*.
+///
+/// A bare bounded `mpsc::Sender::send` does not give that order: a waiter granted space
+/// pushes its value only when it is polled again, so a later future whose first poll finds
+/// spare room can overtake it (and tokio's cooperative budget can make a first poll return
+/// `Pending` before it even queues as a waiter). Here a ticket is taken synchronously, in the
+/// first poll, and only the holder of the oldest live ticket may enter the channel; the ticket
+/// is released once its value is queued, or when its future is dropped before that (which
+/// cancels the submission and hands the turn on).
+struct CmdQueue<T> {
+    tx: mpsc::Sender<T>,
+    turns: Arc<Mutex<Turns>>,
+}
+
+/// Ticket bookkeeping of a [`CmdQueue`]. Memory: one waker per live waiting future, one
+/// entry per future dropped while waiting behind the head.
+#[derive(Default)]
+struct Turns {
+    /// Next ticket to hand out.
+    next: u64,
+    /// Ticket whose holder may enter the channel now.
+    serving: u64,
+    /// Wakers of waiting tickets.
+    wakers: HashMap<u64, std::task::Waker>,
+    /// Tickets dropped before their turn: skipped when reached.
+    abandoned: std::collections::HashSet<u64>,
+}
+
+impl Turns {
+    /// The turn passes from `serving` to the next live ticket, which is woken.
+    fn advance(&mut self) {
+        self.serving += 1;
+        while self.abandoned.remove(&self.serving) {
+            self.serving += 1;
+        }
+        if let Some(w) = self.wakers.remove(&self.serving) {
+            w.wake();
+        }
+    }
+}
+
+/// A place in a [`CmdQueue`]'s order; releases it on drop.
+struct Ticket<'a> {
+    turns: &'a Mutex<Turns>,
+    n: u64,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        let mut t = self.turns.lock();
+        t.wakers.remove(&self.n);
+        if t.serving == self.n {
+            t.advance();
+        } else if self.n > t.serving {
+            t.abandoned.insert(self.n);
+        }
+    }
+}
+
+impl<T> Clone for CmdQueue<T> {
+    fn clone(&self) -> Self {
+        CmdQueue {
+            tx: self.tx.clone(),
+            turns: self.turns.clone(),
+        }
+    }
+}
+
+impl<T> CmdQueue<T> {
+    fn new(tx: mpsc::Sender<T>) -> Self {
+        CmdQueue {
+            tx,
+            turns: Arc::default(),
+        }
+    }
+
+    /// Queues `v` after every value whose `send` was first polled earlier; `Err(v)` if the
+    /// driver is gone. Its place is taken in the first poll (synchronously, before any
+    /// await). Cancel safety: dropped before it resolves, `v` is not queued and the place
+    /// is given up; once it has resolved, `v` is queued.
+    async fn send(&self, v: T) -> std::result::Result<(), T> {
+        let ticket = {
+            let mut t = self.turns.lock();
+            let n = t.next;
+            t.next += 1;
+            Ticket {
+                turns: &self.turns,
+                n,
+            }
+        };
+        std::future::poll_fn(|cx| {
+            let mut t = self.turns.lock();
+            if t.serving == ticket.n {
+                std::task::Poll::Ready(())
+            } else {
+                t.wakers.insert(ticket.n, cx.waker().clone());
+                std::task::Poll::Pending
+            }
+        })
+        .await;
+        let r = self.tx.send(v).await.map_err(|e| e.0);
+        drop(ticket);
+        r
+    }
+}
+
 /// One connection over K RC QPs. Cheap to clone; the QPs are moved to ERR and destroyed
 /// when the last clone is dropped and the operations outstanding have completed.
 #[derive(Clone)]
 pub struct MpConnection {
-    cmd: mpsc::Sender<Cmd>,
+    cmd: CmdQueue<Cmd>,
     shared: Arc<Mutex<SharedView>>,
     arrived: Arc<tokio::sync::Notify>,
     slot_size: u32,
@@ -348,8 +459,8 @@ impl MpConnection {
         let (comp_tx, comp_rx) = mpsc::unbounded_channel();
         tokio::spawn(read_ctrl(rd, ctrl_tx));
         let shared = Arc::new(Mutex::new(SharedView::default()));
-        let (frame_tx, frame_rx) = mpsc::channel(64);
-        let reorder = Reorderer::new(cfg.multipath.channel_window, cfg.multipath.max_channels);
+        let (frame_tx, frame_rx) = mpsc::channel(FRAME_QUEUE);
+        let reorder = Reorderer::new(rx_window(&cfg, k), cfg.multipath.max_channels);
         let d = Driver {
             pd: pd.clone(),
             cfg,
@@ -378,7 +489,7 @@ impl MpConnection {
         let arrived = d.arrived.clone();
         tokio::spawn(d.run(cmd_rx, ctrl_rx, comp_rx, frame_rx));
         Ok(MpConnection {
-            cmd: cmd_tx,
+            cmd: CmdQueue::new(cmd_tx),
             shared,
             arrived,
             slot_size,
@@ -446,8 +557,10 @@ impl MpConnection {
     /// chunk met (never a path failure that a re-issue recovered from); [`Error::Closed`].
     ///
     /// # Cancel safety
-    /// Dropping the future does not cancel the WRITE; `local` stays registered until it
-    /// has completed.
+    /// Ordered by first poll with the connection's other operations, as
+    /// [`MpConnection::send`]. Dropped while it waits for its turn, the WRITE is not
+    /// issued; dropped after the connection accepted it, the WRITE is not cancelled and
+    /// `local` stays registered until it has completed.
     pub async fn write(
         &self,
         local: &Mr,
@@ -505,18 +618,30 @@ impl MpConnection {
     }
 
     /// Sends `data` as one message on stream `channel`. Messages of one channel are
-    /// delivered in the order of their `send` calls (submission order), exactly once,
-    /// whichever QPs carry them and whatever QP fails; resolves when the peer's device has
-    /// received it and every earlier message of the channel.
+    /// delivered in submission order, exactly once, whichever QPs carry them and whatever
+    /// QP fails; resolves when the peer's device has received it and every earlier message
+    /// of the channel.
+    ///
+    /// # Submission order
+    /// A message's place is fixed when its future is **first polled** (the first poll takes a
+    /// ticket synchronously, before anything can wait), across every operation of the
+    /// connection and all its clones. Futures first polled in the order A, B are delivered
+    /// A, B, even if B finds queue space before A (the connection queues at most 64
+    /// submissions; later ones wait their turn, oldest first). For many concurrent sends
+    /// the order is therefore the order in which the executor or combinator first polls
+    /// them: sequential `.await`s, or poll each future once in the intended order before
+    /// awaiting them together; `join!`/`join_all` make no documented promise about it.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `data` is longer than `qp.slot_size` −
-    /// [`FRAME_HEADER`]; [`Error::Completion`] (`WrFlushError` once the channel is in the
-    /// error state); [`Error::Closed`].
+    /// [`FRAME_HEADER`] (returned in the first poll, without taking a place);
+    /// [`Error::Completion`] (`WrFlushError` once the channel is in the error state);
+    /// [`Error::Closed`].
     ///
     /// # Cancel safety
-    /// Dropping the future does not cancel the SEND; its place in the channel's order is
-    /// taken when the call is first polled.
+    /// Dropped while it still waits for its turn, the message is not sent and its place is
+    /// given up (later messages move up). Dropped after the connection accepted it, the
+    /// SEND is not cancelled and keeps its place.
     pub async fn send(&self, channel: u32, data: &[u8]) -> Result<()> {
         let max = self.slot_size as usize - FRAME_HEADER.min(self.slot_size as usize);
         if data.len() > max {
@@ -570,6 +695,30 @@ impl MpConnection {
     pub fn stats(&self) -> MpStats {
         self.shared.lock().stats.clone()
     }
+}
+
+/// Frames between the QPs' receive tasks and the driver, at most.
+const FRAME_QUEUE: usize = 64;
+
+/// The receiver's reorder window per channel, in frames: the sender's `channel_window`
+/// plus every frame that can sit between the receiving device and the driver.
+///
+/// The sender's window moves on its own completions, i.e. once the receiving *device* holds
+/// a frame (RC ACK), not once this driver has taken it. Frames the device holds but the
+/// driver has not yet seen sit in each QP's receive completions (`qp.recv_slots` at most,
+/// one per posted receive), one in each receive task's hand, and in the frame queue
+/// ([`FRAME_QUEUE`]). With only `channel_window`, a frame that overtook that pipeline on a
+/// faster QP was refused *after its ACK*: the sender saw success, the message was lost and
+/// the channel stalled behind the hole (seen in the rxe guest under host load:
+/// `bad_frames` 337, stuck at position 204). Counted for K QPs plus K being replaced.
+/// Memory: at most this many frames of `qp.slot_size` bytes buffered per channel.
+fn rx_window(cfg: &MpConfig, k: usize) -> u32 {
+    let per_qp = cfg.qp.recv_slots.saturating_add(1);
+    let qps = u32::try_from(2 * k).unwrap_or(u32::MAX);
+    cfg.multipath
+        .channel_window
+        .saturating_add(qps.saturating_mul(per_qp))
+        .saturating_add(FRAME_QUEUE as u32)
 }
 
 fn bad(msg: &str) -> std::io::Error {
@@ -1061,6 +1210,108 @@ impl Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Collects what the queue's consumer has so far, without waiting.
+    fn drain(rx: &mut mpsc::Receiver<u32>, n: usize) -> Vec<u32> {
+        (0..n).map_while(|_| rx.try_recv().ok()).collect()
+    }
+
+    /// A submission's place is fixed when its future is first polled: a later future that
+    /// finds queue space on its first poll does not overtake earlier ones that are still
+    /// waiting, even if those were already granted space but not yet polled again. (Plain
+    /// `mpsc::Sender::send` lets future 6 below overtake 4 and 5.)
+    #[tokio::test]
+    async fn first_poll_fixes_the_place_in_the_queue() {
+        let (tx, mut rx) = mpsc::channel::<u32>(4);
+        let q = CmdQueue::new(tx);
+        let mut futs: Vec<_> = (0..8u32)
+            .map(|i| {
+                let q = q.clone();
+                futures::future::maybe_done(Box::pin(async move { q.send(i).await }))
+            })
+            .collect();
+        // 0..=3 fill the queue, 4 and 5 wait for space.
+        for f in futs[..6].iter_mut() {
+            let _ = futures::poll!(&mut *f);
+        }
+        // Three places free up: two for the waiters, one spare.
+        assert_eq!(drain(&mut rx, 3), vec![0, 1, 2]);
+        // 6 and 7 are first polled before 4 and 5 are polled again.
+        for f in futs[6..].iter_mut() {
+            let _ = futures::poll!(&mut *f);
+        }
+        let mut got = vec![0, 1, 2];
+        {
+            let mut all = futures::future::join_all(futs.iter_mut());
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut all => break,
+                    Some(v) = rx.recv() => got.push(v),
+                }
+            }
+        }
+        for f in futs.iter_mut() {
+            assert_eq!(std::pin::Pin::new(f).take_output(), Some(Ok(())));
+        }
+        got.extend(drain(&mut rx, 8));
+        assert_eq!(got, (0..8).collect::<Vec<_>>());
+    }
+
+    /// Many concurrent submissions through a small queue whose consumer takes a few items
+    /// between first polls, with every seventh submission dropped while it waits: the
+    /// consumer sees exactly the submissions not dropped, in first-poll order.
+    #[tokio::test]
+    async fn concurrent_submissions_keep_first_poll_order() {
+        let (tx, mut rx) = mpsc::channel::<u32>(4);
+        let q = CmdQueue::new(tx);
+        let n = 600u32;
+        let mut futs: Vec<_> = (0..n)
+            .map(|i| {
+                let q = q.clone();
+                Some(futures::future::maybe_done(Box::pin(async move {
+                    q.send(i).await
+                })))
+            })
+            .collect();
+        let mut got = Vec::new();
+        let mut want = Vec::new();
+        for i in 0..n as usize {
+            let f = futs[i].as_mut().unwrap();
+            let ready = futures::poll!(&mut *f).is_ready();
+            if i % 7 == 3 && !ready {
+                futs[i] = None; // cancelled before it was queued
+            } else {
+                want.push(i as u32);
+            }
+            if i % 5 == 4 {
+                got.extend(drain(&mut rx, 3));
+                // Waiters granted room run (or not) before the next first poll.
+                for f in futs[..i].iter_mut().rev().take(3).flatten() {
+                    let _ = futures::poll!(&mut *f);
+                }
+            }
+        }
+        let mut rest: Vec<_> = futs.into_iter().flatten().collect();
+        {
+            let mut all = futures::future::join_all(rest.iter_mut());
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut all => break,
+                    Some(v) = rx.recv() => got.push(v),
+                }
+            }
+        }
+        for f in rest.iter_mut() {
+            assert_eq!(std::pin::Pin::new(f).take_output(), Some(Ok(())));
+        }
+        drop(q);
+        while let Some(v) = rx.recv().await {
+            got.push(v);
+        }
+        assert_eq!(got, want);
+    }
 
     /// The port arithmetic matches the kernel's (`ib_verbs.h`), values worked by hand.
     #[test]

@@ -294,18 +294,43 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
     let (server, client) = pair(&pd, 4, 16 * 1024).await;
     let n = 600u32;
     let c = client.clone();
+    // 600 sends in flight at once. `send` fixes a message's place in the channel when its
+    // future is first polled, so poll each once, in index order, before awaiting them all:
+    // index order is then the channel's order, whatever order they later get queue space in.
     let sender = tokio::spawn(async move {
-        let futs = (0..n).map(|i| {
-            let c = c.clone();
-            async move { c.send(0, &message(i)).await }
-        });
-        futures::future::join_all(futs).await
+        let mut futs: Vec<_> = (0..n)
+            .map(|i| {
+                let c = c.clone();
+                futures::future::maybe_done(Box::pin(async move { c.send(0, &message(i)).await }))
+            })
+            .collect();
+        for f in futs.iter_mut() {
+            let _ = futures::poll!(&mut *f);
+        }
+        futures::future::join_all(futs.iter_mut()).await;
+        futs.into_iter()
+            .map(|mut f| {
+                std::pin::Pin::new(&mut f)
+                    .take_output()
+                    .expect("send resolved")
+            })
+            .collect::<Vec<_>>()
     });
     let s = server.clone();
+    let cl = client.clone();
     let receiver = tokio::spawn(async move {
         let mut got = Vec::new();
-        for _ in 0..n {
-            got.push(within(120, s.recv(0)).await.expect("recv"));
+        for i in 0..n {
+            match tokio::time::timeout(Duration::from_secs(120), s.recv(0)).await {
+                Ok(m) => got.push(m.expect("recv")),
+                // A stuck stream: say where, and what both ends counted (bad_frames are
+                // frames the receiver refused, e.g. beyond its reorder window).
+                Err(_) => panic!(
+                    "recv of position {i} timed out;\nserver {:?}\nclient {:?}",
+                    s.stats(),
+                    cl.stats()
+                ),
+            }
         }
         got
     });
@@ -331,9 +356,8 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
     let data = pattern(64 * 1024, 1);
     let src = pd.register(data.clone(), Access::LOCAL_WRITE).unwrap();
     let dst_remote = dst.remote();
-    // One after the other: the connection orders operations by submission, and three
-    // futures polled together by `join!` have no defined submission order once the first
-    // one waits for queue space before it submits.
+    // One after the other: each operation's place is fixed when it is first polled, and
+    // sequential awaits make that order explicit without relying on how a combinator polls.
     client.send(1, b"before").await.unwrap();
     client
         .write_with_imm(&src, 0, 64 * 1024, &dst_remote, 0, 1, 0xfeed)
