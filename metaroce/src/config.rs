@@ -183,7 +183,9 @@ pub struct TransportConfig {
     pub max_message_size: u64,
     /// Receive memory budget per connection in bytes: library-owned buffers of SEND
     /// messages being reassembled or waiting for in-order delivery. A packet of a new
-    /// message that would exceed it is dropped unacknowledged (the sender retries later),
+    /// message that would exceed it is refused with a flow-control RNR NAK (the sender
+    /// waits the RNR timer and retries, without limit; docs/PROTOCOL.md, "Receive flow
+    /// control"),
     /// except for the next message due on its stream, so that every stream can always make
     /// progress: such messages share a second reserve of the same size, and one of them may
     /// always come in when that reserve is empty. Each message counts 128 bytes of

@@ -297,3 +297,62 @@ fn a_late_duplicate_flow_rnr_nak_does_not_lose_the_probe() {
         );
     }
 }
+
+/// Without `explicit_consume`, a receive budget far below one message (`max_recv_buffer_bytes`
+/// = 1: one next-due message at a time, through the reserve) and messages of several streams
+/// in flight under jitter: every message arrives and the connection stays up. The receiver
+/// used to drop the packets of the messages it had no room for silently, so while a long
+/// message reassembled, the paths carrying the others took retransmission timeouts until
+/// every path failed (RetryExceeded, prop_ops regression); now they get flow-control RNR NAKs.
+/// With those, a segment refused while another copy of it was in flight and then taken
+/// through that copy used to hold its stream's flow-control wait forever.
+#[test]
+fn a_tiny_library_buffer_refuses_with_rnr_and_every_stream_completes() {
+    use metaroce::testing::{config as net_config, Action, Filter, Net, Rule};
+    let mut naks = 0;
+    for seed in 0..12u64 {
+        let mut a = net_config(0, 700 + seed);
+        let mut b = net_config(1, 700 + seed);
+        for c in [&mut a, &mut b] {
+            c.transport.pmtu = 256;
+            c.transport.max_recv_buffer_bytes = 1;
+        }
+        let mut p = Net::with_configs(700 + seed, a, b);
+        let (a, b) = p.connect();
+        p.add_rule(Rule::always(
+            Filter::any(),
+            Action::Jitter {
+                prob: 0.4,
+                max: Duration::from_millis(2),
+            },
+        ));
+        let lens = [16882usize, 56, 7654, 1027, 16622, 2048, 1001, 0];
+        for (i, &len) in lens.iter().enumerate() {
+            p.eps[0]
+                .post_send(a, i as u32 % 5, i as u64, Bytes::from(vec![i as u8; len]))
+                .unwrap();
+        }
+        let limit = p.elapsed() + Duration::from_secs(30);
+        let n = lens.len();
+        let done = p.run_until(limit, |n2| n2.completions(0, a).len() == n);
+        let wcs = p.completions(0, a);
+        let got = p.events[1]
+            .iter()
+            .filter(|e| matches!(e, Event::Message { .. }))
+            .count();
+        assert!(
+            done && wcs.iter().all(|w| w.status == WcStatus::Success),
+            "seed {seed}: {} of {n} SENDs completed ({:?}), {got} messages delivered, lost {:?}",
+            wcs.len(),
+            wcs.iter().map(|w| w.status).collect::<Vec<_>>(),
+            p.lost(0, a)
+        );
+        assert_eq!(got, n, "seed {seed}");
+        naks += p.eps[1].connection_stats(b).unwrap().recv.no_buffer_drops;
+    }
+    println!("refusals for lack of buffer over 12 seeds: {naks}");
+    assert!(
+        naks > 0,
+        "the budget never refused anything: the test tests nothing"
+    );
+}

@@ -1122,7 +1122,8 @@ impl PathRx {
     /// "Delivery", receiver checks): its floor must not be ahead of its own PSN (a sender's
     /// floor is the oldest PSN it still awaits, and the packet itself is awaited), and its
     /// own PSN must be in the SACK window as it stands (`cum + 1 ..= cum + 256`, the floor
-    /// not applied yet). Only then may [`apply_floor`](Self::apply_floor) run, moving the
+    /// not applied yet), or be brought into it by a consistent floor (`floor <= psn <
+    /// floor + 256`) that slides the window by at most 256 (`floor <= cum + 257`). Only then may [`apply_floor`](Self::apply_floor) run, moving the
     /// window at most up to the packet's own PSN; a floor behind `cum` is stale and moves
     /// nothing.
     ///
@@ -1146,6 +1147,14 @@ impl PathRx {
             return RxCheck::Ok;
         }
         let consistent = (psn_diff(psn, floor) as u32) < SACK_BITS;
+        // A consistent floor that slides the window by at most its width (to `floor - 1 <=
+        // cum + 256`) brings the packet into it: the sender's floor jumped (it gave up on
+        // the packet at the floor) and the first packets carrying the new floor were lost.
+        // Such a floor moves the window no further than an in-window packet's could.
+        let fd = psn_diff(floor, self.cum);
+        if consistent && fd > 0 && fd as u32 <= SACK_BITS + 1 {
+            return RxCheck::Ok;
+        }
         let is_quiet = self
             .last_new
             .is_none_or(|t| now.saturating_duration_since(t) >= quiet);
@@ -1529,6 +1538,29 @@ mod tests {
         assert_eq!(rx.check(5000, 1000, t1, quiet), RxCheck::OutOfWindow);
         assert_eq!(rx.check(5001, 1000, t1, quiet), RxCheck::OutOfWindow);
         assert!(rx.recent(0) && !rx.recent(0xFF_FFFF - 300));
+    }
+
+    /// The sender gave up on the packet at its floor and the ones after were acknowledged:
+    /// its floor jumped by up to 255 PSNs, and if the first packets carrying the new floor
+    /// were lost, the next ones arrive beyond `cum + 256` during traffic (no resync). A
+    /// consistent floor that moves the window by at most 256 takes them in; one further
+    /// ahead, or a PSN a window past its floor, still does not.
+    #[test]
+    fn rx_takes_a_packet_its_floor_brings_into_the_window() {
+        let t0 = Instant::now();
+        let quiet = Duration::from_millis(1);
+        let mut rx = PathRx::new(1);
+        rx.mark(1);
+        rx.on_new(t0);
+        assert_eq!(rx.cum, 1);
+        assert_eq!(rx.check(259, 258, t0, quiet), RxCheck::Ok);
+        assert_eq!(rx.check(512, 258, t0, quiet), RxCheck::Ok);
+        assert_eq!(rx.check(260, 259, t0, quiet), RxCheck::OutOfWindow);
+        assert_eq!(rx.check(514, 258, t0, quiet), RxCheck::OutOfWindow);
+        assert_eq!(rx.cum, 1, "check moves nothing");
+        rx.apply_floor(258);
+        assert_eq!(rx.cum, 257);
+        assert_eq!(rx.classify(512), RxClass::New);
     }
 
     #[test]

@@ -324,7 +324,8 @@ pub struct RecvStats {
     pub write_bytes: u64,
     /// Packets whose data had already been placed (retransmissions that crossed).
     pub duplicates: u64,
-    /// Packets dropped for lack of receive buffer or stream window.
+    /// Packets refused for lack of receive buffer (with a flow-control RNR NAK) or dropped
+    /// for lack of stream window, without `explicit_consume`.
     pub no_buffer_drops: u64,
     /// NAKs sent.
     pub naks: u64,
@@ -811,14 +812,17 @@ impl RecvState {
                         && (self.buf.over == 0
                             || self.buf.over + charge <= lim.max_recv_buffer_bytes);
                     if !over {
+                        // Wait, do not drop: a drop costs the sender timeouts, and a
+                        // message held out for longer than `retry_count` timeouts (behind
+                        // a long next-due message filling the reserve) failed every path
+                        // and the connection with RetryExceeded — with or without flow
+                        // control.
                         if explicit {
-                            // Wait, do not drop: a drop costs the sender timeouts and,
-                            // for long enough, the connection.
                             self.stats.flow_rnr_naks += 1;
-                            return RxOutcome::FlowRnr;
+                        } else {
+                            self.stats.no_buffer_drops += 1;
                         }
-                        self.stats.no_buffer_drops += 1;
-                        return RxOutcome::Drop;
+                        return RxOutcome::FlowRnr;
                     }
                     self.buf.over += charge;
                 }

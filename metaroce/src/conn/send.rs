@@ -713,8 +713,12 @@ impl SendQueue {
         op.acked[(s.seg / 64) as usize] |= 1 << (s.seg % 64);
         op.acked_segs += 1;
         if let Some(stream) = flow_key(&op.kind) {
-            if self.flow_probe.get(&stream) == Some(&s) {
-                // The receiver took the probe: it has room again.
+            if self.flow_probe.get(&stream) == Some(&s)
+                || (self.flow_wait.contains(&stream) && !self.flow_probe.contains_key(&stream))
+            {
+                // The receiver took the probe, or a segment of the waiting stream before a
+                // probe was chosen: it has room again (a segment refused again only puts
+                // the stream back into the wait).
                 self.flow_release(stream);
             }
         }
@@ -884,6 +888,18 @@ impl SendQueue {
         while let Some((t, s)) = self.rnr_wait.pop_front() {
             if t <= now {
                 if let Some(stream) = self.send_stream(s).filter(|st| self.flow_wait.contains(st)) {
+                    if self
+                        .op(s.op)
+                        .is_none_or(|o| o.status.is_some() || o.is_acked(s.seg))
+                    {
+                        // Another copy of it (a tail-loss probe or loss retransmission in
+                        // flight when the NAK came) was taken while this one waited: the
+                        // receiver had room. As a probe it would never be sent (it is
+                        // acknowledged) nor acknowledged again, and the stream would wait
+                        // forever: end the wait instead.
+                        self.flow_release(stream);
+                        continue;
+                    }
                     // Park it; unless another segment of the stream already probes, the
                     // earliest parked segment (of the earliest refused message, the one the
                     // receiver admits first) becomes the probe.

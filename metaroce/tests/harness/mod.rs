@@ -1753,8 +1753,10 @@ impl Workload {
                 ));
             }
             // Every data packet carries its path's floor, at most 254 PSNs behind it, and
-            // the receiver applies the floor before classifying: a conforming sender never
-            // lands beyond the 256-packet window.
+            // the receiver takes a packet its consistent floor brings into the window
+            // (docs/PROTOCOL.md, "Delivery", check 2): a conforming sender never lands
+            // beyond the 256-packet window unless every packet with the floor it last
+            // learned was lost (a blackhole: resynchronization).
             if let Some(st) = self.stats(i) {
                 if st.out_of_window_packets != self.forged_beyond_window[i] {
                     return Err(format!(
