@@ -29,7 +29,13 @@
 //!   elsewhere either loses or duplicates messages and breaks the order with the SENDs that
 //!   follow on the new QP. Sequence numbers make re-issue safe, and let one stream use every
 //!   QP. The sender keeps at most [`MultipathConfig::channel_window`] notifications of a
-//!   channel outstanding, so the receiver's reorder buffer is bounded by the same number.
+//!   channel outstanding. That window moves on the sender's own completions, which an RC QP
+//!   reports once the responder's device has the frame, not once the receiving application
+//!   has taken it; so a receiver whose receive path queues frames of its own must give its
+//!   reorder buffer more room than `channel_window` (metaroce-verbs adds its receive
+//!   pipeline: `channel_window + 2K·(recv_slots + 1) + 64`). Even then the bound holds only
+//!   while every QP's receive path keeps draining; a strict bound needs receiver credits,
+//!   which are not built (docs/ARCHITECTURE.md).
 //! * **Placement before notification.** QPs do not order against each other, so the
 //!   immediate of a WRITE_WITH_IMM is posted only after every data chunk of the WRITE has
 //!   completed successfully (an RC WRITE completes at the requester once the responder has
@@ -1077,8 +1083,9 @@ pub enum Accepted {
 }
 
 impl<T> Reorderer<T> {
-    /// A reorderer with `window` (use the sender's [`MultipathConfig::channel_window`]) and
-    /// at most `max_channels` channels.
+    /// A reorderer with `window` (at least the sender's [`MultipathConfig::channel_window`],
+    /// plus whatever the receive path can hold before frames reach it; see the module docs)
+    /// and at most `max_channels` channels.
     pub fn new(window: u32, max_channels: usize) -> Self {
         Reorderer {
             window: u64::from(window.max(1)),
