@@ -275,13 +275,7 @@ pub fn emit_packet_with(
     trailer: &Trailer,
     out: &mut [u8],
 ) -> Result<usize, Error> {
-    header_len(bth.opcode)?;
-    if !headers.matches_opcode(bth.opcode) {
-        return Err(Error::BadField("headers do not match opcode"));
-    }
-    if !trailer.is_empty() && !bth.opcode.is_metaroce() {
-        return Err(Error::BadField("trailer on a RoCEv2 opcode"));
-    }
+    check_emit(bth, headers, trailer)?;
     let total = packet_len_with(headers, payload.len(), trailer);
     let got = out.len();
     let at = BTH_LEN + headers.len();
@@ -290,7 +284,7 @@ pub fn emit_packet_with(
             p.copy_from_slice(payload);
         }
     }
-    emit_packet_in_place(bth, headers, payload.len(), trailer, out)
+    emit_around_payload(bth, headers, payload.len(), trailer, out)
 }
 
 /// Like [`emit_packet_with`], for a packet whose `payload_len` payload bytes are already in
@@ -306,6 +300,13 @@ pub fn emit_packet_in_place(
     trailer: &Trailer,
     out: &mut [u8],
 ) -> Result<usize, Error> {
+    check_emit(bth, headers, trailer)?;
+    emit_around_payload(bth, headers, payload_len, trailer, out)
+}
+
+/// The checks both emitters make before writing anything: a known opcode, headers that
+/// match it, and a trailer only on a MetaRoCE opcode.
+fn check_emit(bth: &Bth, headers: &Headers, trailer: &Trailer) -> Result<(), Error> {
     header_len(bth.opcode)?;
     if !headers.matches_opcode(bth.opcode) {
         return Err(Error::BadField("headers do not match opcode"));
@@ -313,6 +314,17 @@ pub fn emit_packet_in_place(
     if !trailer.is_empty() && !bth.opcode.is_metaroce() {
         return Err(Error::BadField("trailer on a RoCEv2 opcode"));
     }
+    Ok(())
+}
+
+/// [`emit_packet_in_place`] after [`check_emit`]: everything but the payload bytes.
+fn emit_around_payload(
+    bth: &Bth,
+    headers: &Headers,
+    payload_len: usize,
+    trailer: &Trailer,
+    out: &mut [u8],
+) -> Result<usize, Error> {
     let total = packet_len_with(headers, payload_len, trailer);
     let got = out.len();
     let out = out
