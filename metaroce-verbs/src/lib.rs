@@ -50,7 +50,9 @@ pub use metaroce::RemoteRegion;
 pub use metaroce::{Access, WcOpcode, WcStatus};
 pub use mr::{Mr, Pd};
 pub use multipath::{Incoming, MpConfig, MpConnection, MpStats};
-pub use qp::{CqPoll, Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, Wc, SPIN_BURST};
+pub use qp::{
+    CqPoll, Message, OpFuture, QpConfig, QpEndpoint, QpState, RcQp, RecvInfo, Wc, SPIN_BURST,
+};
 pub use stream::MessageStream;
 
 /// Errors of this crate.

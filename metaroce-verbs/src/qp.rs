@@ -214,6 +214,29 @@ fn map_opcode(op: u32) -> WcOpcode {
     }
 }
 
+/// What [`RcQp::recv_into`] received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvInfo {
+    /// Bytes copied into the caller's buffer: the message's length, or the buffer's if
+    /// that is shorter. 0 for a WRITE_WITH_IMM.
+    pub len: usize,
+    /// The message's length in bytes: the SEND's, or the WRITE_WITH_IMM's (whose bytes
+    /// landed in the MR).
+    pub byte_len: u32,
+    /// Immediate data (SEND_WITH_IMM, WRITE_WITH_IMM).
+    pub imm: Option<u32>,
+    /// True for RECV_RDMA_WITH_IMM (a WRITE_WITH_IMM).
+    pub is_write_imm: bool,
+}
+
+impl RecvInfo {
+    /// Whether the SEND was longer than the buffer, so that `byte_len - len` bytes were
+    /// not copied.
+    pub fn truncated(&self) -> bool {
+        !self.is_write_imm && self.len < self.byte_len as usize
+    }
+}
+
 /// A received message (or the notice of a WRITE_WITH_IMM).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
@@ -364,7 +387,12 @@ pub(crate) struct QpShared {
     /// Busy-polling waiters ([`CqPoll::BusySpin`]) currently spinning: while any is, the
     /// CQ task does not arm the CQ (no completion event, no system calls per completion).
     spinners: AtomicUsize,
-    /// Signalled when `spinners` drops to 0.
+    /// Waiters that sleep until a completion is dispatched for them (a receive, an
+    /// operation or a free slot), not spinning: under [`CqPoll::BusySpin`] the CQ task is
+    /// needed only for them (see [`QpShared::sleep_begin`]).
+    sleepers: AtomicUsize,
+    /// Wakes the CQ task off its wait during spinning: signalled when the last spinner
+    /// ends while somebody sleeps, and when somebody starts to sleep while nobody spins.
     spin_notify: Notify,
     _pd: Arc<PdInner>,
     pd: Arc<PdInner>,
@@ -538,6 +566,27 @@ impl QpShared {
         self.recv_notify.notify_waiters();
     }
 
+    /// A waiter starts to sleep (until a dispatch wakes it): make sure somebody polls the
+    /// CQ. While a spinner polls, the spinner does (and wakes the CQ task when it ends,
+    /// seeing this count); otherwise wake the CQ task now. Pair with [`Self::sleep_end`].
+    /// Under [`CqPoll::Events`] nobody spins and the CQ task never waits for spinners, so
+    /// this counts nothing.
+    fn sleep_begin(&self) {
+        if matches!(self.cfg.poll, CqPoll::Events) {
+            return;
+        }
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        if self.spinners.load(Ordering::SeqCst) == 0 {
+            self.spin_notify.notify_one();
+        }
+    }
+
+    fn sleep_end(&self) {
+        if !matches!(self.cfg.poll, CqPoll::Events) {
+            self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     fn poll_all(&self) -> Result<usize> {
         // The buffer lives under the lock: a spinning waiter polls many times per
         // completion, and zeroing 32 entries per poll is not free under emulation.
@@ -609,9 +658,11 @@ async fn cq_task(st: TaskState) {
             // Busy-polling waiters drain the CQ themselves: stay off the completion
             // channel until the last of them is done. No timer here: arming one per wait
             // reads the clock, and the runtime then reads it at every yield of the
-            // spinning waiter (costly where the clocksource is an emulated HPET). No
-            // wake-up is lost: a Spin dropped after the load above leaves a permit in
-            // `spin_notify`.
+            // spinning waiter (costly where the clocksource is an emulated HPET). Woken
+            // only when needed: by the last spinner leaving while somebody sleeps, or by
+            // somebody starting to sleep while nobody spins (`sleep_begin`); a completion
+            // nobody waits for stays in the CQ until the next waiter polls it. No wake-up
+            // is lost: a notify before this wait leaves a permit in `spin_notify`.
             tokio::select! {
                 _ = shared.spin_notify.notified() => {}
                 _ = shared.close_notify.notified() => {}
@@ -678,6 +729,22 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// A sleeping waiter while it exists ([`QpShared::sleep_begin`]); cancel safe.
+struct Sleeping<'a>(&'a QpShared);
+
+impl<'a> Sleeping<'a> {
+    fn new(s: &'a QpShared) -> Self {
+        s.sleep_begin();
+        Sleeping(s)
+    }
+}
+
+impl Drop for Sleeping<'_> {
+    fn drop(&mut self) {
+        self.0.sleep_end();
+    }
+}
+
 struct Handle(Arc<QpShared>);
 
 impl Drop for Handle {
@@ -724,6 +791,8 @@ pub struct OpFuture {
     idx: u32,
     gen: u32,
     spin: SpinPhase,
+    /// Counted in `sleepers` (waiting for the dispatch, not spinning).
+    sleeping: bool,
 }
 
 enum SpinPhase {
@@ -792,6 +861,9 @@ impl OpFuture {
 
 impl Drop for OpFuture {
     fn drop(&mut self) {
+        if std::mem::take(&mut self.sleeping) {
+            self.shared.sleep_end();
+        }
         if self.idx == u32::MAX {
             return;
         }
@@ -826,7 +898,7 @@ struct Spin {
 
 impl Spin {
     fn new(shared: &Arc<QpShared>, max: Duration) -> Spin {
-        shared.spinners.fetch_add(1, Ordering::AcqRel);
+        shared.spinners.fetch_add(1, Ordering::SeqCst);
         Spin {
             shared: shared.clone(),
             deadline: None,
@@ -838,7 +910,14 @@ impl Spin {
 
 impl Drop for Spin {
     fn drop(&mut self) {
-        if self.shared.spinners.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // The CQ task is woken only if somebody sleeps: a completion nobody waits for (a
+        // fire-and-forget SEND's) waits in the CQ for the next waiter, who polls it (a
+        // spinner) or wakes the CQ task (a sleeper). A busy QP's spinners thus come and go
+        // without a task wake-up per wait. SeqCst against `sleep_begin`: one of the two
+        // sees the other.
+        if self.shared.spinners.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.shared.sleepers.load(Ordering::SeqCst) > 0
+        {
             self.shared.spin_notify.notify_one();
         }
     }
@@ -909,8 +988,21 @@ impl Future for OpFuture {
             this.spin = SpinPhase::Off;
         }
         match Self::try_take(&this.shared, &mut this.idx, this.gen, Some(cx.waker())) {
-            Some(r) => Poll::Ready(r),
-            None => Poll::Pending,
+            Some(r) => {
+                if std::mem::take(&mut this.sleeping) {
+                    this.shared.sleep_end();
+                }
+                Poll::Ready(r)
+            }
+            None => {
+                if !this.sleeping {
+                    this.sleeping = true;
+                    this.shared.sleep_begin();
+                    // A dispatch between the look above and the count is not lost: the
+                    // waker is registered, and the dispatcher wakes it.
+                }
+                Poll::Pending
+            }
         }
     }
 }
@@ -1078,6 +1170,7 @@ impl RcQp {
             unknown_wcs: AtomicU64::new(0),
             poll_lock: Mutex::new([ibv_wc::default(); POLL_BATCH]),
             spinners: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
             spin_notify: Notify::new(),
             _pd: pd.0.clone(),
             pd: pd.0.clone(),
@@ -1282,6 +1375,7 @@ impl RcQp {
                 CqPoll::Events => SpinPhase::Off,
                 CqPoll::BusySpin { max } => SpinPhase::NotStarted(max),
             },
+            sleeping: false,
         })
     }
 
@@ -1360,6 +1454,7 @@ impl RcQp {
                 s.send_waiters.fetch_add(1, Ordering::SeqCst);
                 // Uncounts on every exit, also when this future is dropped mid-wait.
                 let _waiting = Waiting(&s.send_waiters);
+                let _sleeping = Sleeping::new(s);
                 let r = self.post_send(data, imm);
                 if !matches!(r, Err(Error::SendQueueFull)) {
                     break r?;
@@ -1380,6 +1475,82 @@ impl RcQp {
     /// # Cancel safety
     /// Cancel safe: a message is taken only when this returns.
     pub async fn recv(&self) -> Result<Message> {
+        let (wc, slot) = self.next_recv().await?;
+        let s = self.s();
+        let msg = if wc.opcode == WcOpcode::RdmaWriteWithImm {
+            Message {
+                data: Bytes::new(),
+                imm: wc.imm,
+                is_write_imm: true,
+                write_len: wc.byte_len,
+            }
+        } else {
+            let n = (wc.byte_len as usize).min(s.cfg.slot_size as usize);
+            let mut v = vec![0u8; n];
+            self.read_recv_slot(slot, &mut v);
+            Message {
+                data: v.into(),
+                imm: wc.imm,
+                is_write_imm: false,
+                write_len: 0,
+            }
+        };
+        self.repost_recv(slot)?;
+        Ok(msg)
+    }
+
+    /// The next received message, in order, copied into `buf` (no allocation: what a
+    /// latency-bound loop or a caller with its own buffers wants). Copies
+    /// `min(message length, buf.len())` bytes, like `recv` on a UDP socket: a
+    /// [`RecvInfo::truncated`] message lost its tail. Reposts its receive slot.
+    ///
+    /// # Errors
+    /// As [`RcQp::recv`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a message is taken only when this returns.
+    pub async fn recv_into(&self, buf: &mut [u8]) -> Result<RecvInfo> {
+        let (wc, slot) = self.next_recv().await?;
+        let info = if wc.opcode == WcOpcode::RdmaWriteWithImm {
+            RecvInfo {
+                len: 0,
+                byte_len: wc.byte_len,
+                imm: wc.imm,
+                is_write_imm: true,
+            }
+        } else {
+            let n = (wc.byte_len as usize)
+                .min(self.s().cfg.slot_size as usize)
+                .min(buf.len());
+            self.read_recv_slot(slot, &mut buf[..n]);
+            RecvInfo {
+                len: n,
+                byte_len: wc.byte_len,
+                imm: wc.imm,
+                is_write_imm: false,
+            }
+        };
+        self.repost_recv(slot)?;
+        Ok(info)
+    }
+
+    fn read_recv_slot(&self, slot: u32, out: &mut [u8]) {
+        let s = self.s();
+        let pool = s.recv_pool.as_ref().expect("next_recv checked recv_slots");
+        pool.buf()
+            .read(slot as usize * s.cfg.slot_size as usize, out);
+    }
+
+    fn repost_recv(&self, slot: u32) -> Result<()> {
+        if self.state() != QpState::Error {
+            self.s().post_recv_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Wait for the next receive completion (successful) and its slot; shared by
+    /// [`RcQp::recv`] and [`RcQp::recv_into`], which must repost the slot.
+    async fn next_recv(&self) -> Result<(Wc, u32)> {
         let s = self.s();
         if s.recv_pool.is_none() {
             return Err(Error::InvalidArgument("QP has recv_slots 0".into()));
@@ -1422,6 +1593,7 @@ impl RcQp {
             pushed.as_mut().enable();
             s.recv_waiters.fetch_add(1, Ordering::SeqCst);
             let _waiting = Waiting(&s.recv_waiters);
+            let _sleeping = Sleeping::new(s);
             if let Some(m) = take() {
                 break m;
             }
@@ -1436,31 +1608,9 @@ impl RcQp {
                 }
             }
         };
-        let wc = wc.ok()?;
-        let msg = if wc.opcode == WcOpcode::RdmaWriteWithImm {
-            Message {
-                data: Bytes::new(),
-                imm: wc.imm,
-                is_write_imm: true,
-                write_len: wc.byte_len,
-            }
-        } else {
-            let n = (wc.byte_len as usize).min(s.cfg.slot_size as usize);
-            let mut v = vec![0u8; n];
-            let pool = s.recv_pool.as_ref().expect("checked above");
-            pool.buf()
-                .read(slot as usize * s.cfg.slot_size as usize, &mut v);
-            Message {
-                data: v.into(),
-                imm: wc.imm,
-                is_write_imm: false,
-                write_len: 0,
-            }
-        };
-        if self.state() != QpState::Error {
-            s.post_recv_slot(slot)?;
-        }
-        Ok(msg)
+        // A receive completed in error is not reposted (the QP is in ERR, where a new
+        // receive would only be flushed again).
+        Ok((wc.ok()?, slot))
     }
 
     /// Latency probe at the verbs floor (a measurement tool, not a stable API): `iters`
@@ -1596,7 +1746,12 @@ impl RcQp {
     }
 
     async fn rdma_permit(&self) -> Result<OwnedSemaphorePermit> {
-        self.check_open()?;
+        match self.rdma_permit_try() {
+            Err(Error::SendQueueFull) => {}
+            r => return r,
+        }
+        // Permits come back when completions are dispatched: count as a sleeper.
+        let _sleeping = Sleeping::new(self.s());
         self.s()
             .rdma_sem
             .clone()

@@ -228,6 +228,105 @@ async fn busy_spin_echo_on_its_own_runtime() {
     }
 }
 
+/// Under BusySpin the CQ task stays off the CQ while waiters spin, and is woken only
+/// when the last spinner leaves while somebody sleeps (or somebody starts to sleep while
+/// nobody spins). This waiter sleeps (a `send` waiting for the only send slot, held by a
+/// SEND the peer answers with RNR) while another task spins in `recv`; the spinner then
+/// gets a message and leaves. The flush that frees the slot must then reach the sleeper
+/// through the CQ task: a lost wake-up hangs here (the 60 s timeout). Fire-and-forget
+/// completions meanwhile wait in the CQ for the next waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_spin_a_sleeper_is_served_after_the_last_spinner_leaves() {
+    let Some((_ctx, pd)) = device() else { return };
+    let a = QpConfig {
+        send_slots: 1,
+        rnr_retry: 7,
+        poll: CqPoll::BusySpin {
+            max: Duration::from_secs(30),
+        },
+        ..QpConfig::default()
+    };
+    let b = QpConfig {
+        recv_slots: 0,
+        min_rnr_timer: 1,
+        ..QpConfig::default()
+    };
+    let (qa, qb) = pair(&pd, a, b);
+    let stuck = qa.post_send(b"first", None).unwrap();
+    let qa_spin = qa.clone();
+    let spinner = tokio::spawn(async move { qa_spin.recv().await.map(|m| m.data) });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let qa_sleep = qa.clone();
+    let sleeper = tokio::spawn(async move { qa_sleep.send(b"second", None).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !sleeper.is_finished(),
+        "send() must wait while no slot is free"
+    );
+    assert!(!spinner.is_finished());
+    // The spinner gets its message and leaves; the sleeper still waits.
+    timeout(qb.send(b"wake", None)).await.unwrap();
+    assert_eq!(timeout(spinner).await.unwrap().unwrap(), &b"wake"[..]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!sleeper.is_finished());
+    // Nobody spins now: the flush must reach the sleeper through the CQ task.
+    qa.set_error().unwrap();
+    let st = status_of(timeout(sleeper).await.unwrap());
+    assert_eq!(st, WcStatus::WrFlushError);
+    assert_eq!(timeout(stuck).await.unwrap().status, WcStatus::WrFlushError);
+    assert_eq!(qa.unknown_completions(), 0);
+}
+
+/// `recv_into` copies into the caller's buffer without allocating: whole messages,
+/// a truncated one (its length reported, the tail not copied), empty ones, a
+/// WRITE_WITH_IMM's notice, in order with `recv`, and every slot is reposted.
+#[tokio::test]
+async fn recv_into_copies_truncates_and_reposts() {
+    let Some((_ctx, pd)) = device() else { return };
+    let cfg = QpConfig {
+        slot_size: 256,
+        recv_slots: 4,
+        ..QpConfig::default()
+    };
+    let (qa, qb) = pair(&pd, cfg.clone(), cfg);
+    let mut buf = [0u8; 100];
+    // More messages than receive slots: each recv_into must repost its slot.
+    for i in 0..12usize {
+        let msg = pattern([0, 1, 99, 100, 101, 256][i % 6], i as u8);
+        timeout(qa.send(&msg, Some(i as u32))).await.unwrap();
+        let r = timeout(qb.recv_into(&mut buf)).await.unwrap();
+        assert_eq!(r.byte_len as usize, msg.len(), "message {i}");
+        assert_eq!(r.len, msg.len().min(100));
+        assert_eq!(&buf[..r.len], &msg[..r.len]);
+        assert_eq!(r.truncated(), msg.len() > 100);
+        assert_eq!(r.imm, Some(i as u32));
+        assert!(!r.is_write_imm);
+    }
+    // A WRITE_WITH_IMM reports its length; its bytes are in the MR, not in `buf`.
+    let mr = pd
+        .register(vec![0u8; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .unwrap();
+    let src = pd.register(pattern(300, 7), Access::LOCAL_WRITE).unwrap();
+    buf.fill(0xEE);
+    timeout(qa.write_with_imm(&src, 0, 300, &mr.remote(), 0, 42))
+        .await
+        .unwrap();
+    let r = timeout(qb.recv_into(&mut buf)).await.unwrap();
+    assert!(r.is_write_imm && !r.truncated());
+    assert_eq!((r.len, r.byte_len, r.imm), (0, 300, Some(42)));
+    assert!(
+        buf.iter().all(|&b| b == 0xEE),
+        "nothing copied for a WRITE_WITH_IMM"
+    );
+    assert_eq!(mr.read(0, 300).unwrap(), pattern(300, 7));
+    // recv and recv_into share one queue, in order.
+    timeout(qa.send(b"one", None)).await.unwrap();
+    timeout(qa.send(b"two", None)).await.unwrap();
+    assert_eq!(timeout(qb.recv()).await.unwrap().data, &b"one"[..]);
+    let r = timeout(qb.recv_into(&mut buf)).await.unwrap();
+    assert_eq!(&buf[..r.len], b"two");
+}
+
 /// `RcQp::probe_pingpong` (the verbs-floor probe of `metaroce-perf send_lat --verbs-layer
 /// raw`): two threads, one per QP, drive SEND ping-pongs straight through the verbs; every
 /// round trip is measured, no completion is lost or unknown, and afterwards both QPs work

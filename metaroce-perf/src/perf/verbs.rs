@@ -293,10 +293,11 @@ fn send_lat_cfg(args: &Args, size: u64) -> QpConfig {
 /// The echo side of send_lat over the RcQp API: `iters` times, receive and send back.
 async fn echo_loop(qb: &RcQp, expect: usize, iters: u64) -> Result<(), String> {
     let echo_msg = vec![0x5au8; expect];
+    let mut buf = vec![0u8; expect.max(1)];
     for _ in 0..iters {
-        let m = qb.recv().await.map_err(|e| e.to_string())?;
-        if m.data.len() != expect {
-            return Err(format!("echo got {} bytes", m.data.len()));
+        let m = qb.recv_into(&mut buf).await.map_err(|e| e.to_string())?;
+        if m.byte_len as usize != expect {
+            return Err(format!("echo got {} bytes", m.byte_len));
         }
         qb.post_send(&echo_msg, None).map_err(|e| e.to_string())?;
     }
@@ -310,13 +311,14 @@ async fn ping_loop(qa: &RcQp, msg: &[u8], iters: u64) -> Result<Vec<f64>, String
     // read costs about 1 us.
     let mut rtts = Vec::with_capacity(iters as usize);
     let mut t = Instant::now();
+    let mut buf = vec![0u8; msg.len().max(1)];
     for _ in 0..iters {
         qa.post_send(msg, None).map_err(|e| e.to_string())?;
-        let m = qa.recv().await.map_err(|e| e.to_string())?;
+        let m = qa.recv_into(&mut buf).await.map_err(|e| e.to_string())?;
         let now = Instant::now();
         rtts.push((now - t).as_secs_f64() * 1e6);
         t = now;
-        if m.data != msg {
+        if m.byte_len as usize != msg.len() || buf[..m.len] != *msg {
             return Err("echo differs".into());
         }
     }
