@@ -29,13 +29,16 @@
 //!   elsewhere either loses or duplicates messages and breaks the order with the SENDs that
 //!   follow on the new QP. Sequence numbers make re-issue safe, and let one stream use every
 //!   QP. The sender keeps at most [`MultipathConfig::channel_window`] notifications of a
-//!   channel outstanding. That window moves on the sender's own completions, which an RC QP
-//!   reports once the responder's device has the frame, not once the receiving application
-//!   has taken it; so a receiver whose receive path queues frames of its own must give its
-//!   reorder buffer more room than `channel_window` (metaroce-verbs adds its receive
-//!   pipeline: `channel_window + 2K·(recv_slots + 1) + 64`). Even then the bound holds only
-//!   while every QP's receive path keeps draining; a strict bound needs receiver credits,
-//!   which are not built (docs/ARCHITECTURE.md).
+//!   channel outstanding. On completions alone that window moves once the responder's
+//!   *device* has a frame (an RC completion), not once the receiver's reorderer has it, so a
+//!   receive path that lags on one QP (its receive completions and task queue frames)
+//!   lets the sender run past the reorderer's window, and a frame is refused after its SEND
+//!   completed Success. [`MultipathConfig::receiver_credits`] closes that: the reorderer
+//!   reports each channel's next expected number every quarter window
+//!   ([`Reorderer::with_credits`], [`Reorderer::poll_credit`]), the sender's window moves
+//!   on the lower of its completions and those credits ([`Scheduler::on_credit`]), and the
+//!   reorderer's window is exactly `channel_window`, whatever the receive path holds.
+//!   metaroce-verbs sends the credits on its TCP control connection.
 //! * **Placement before notification.** QPs do not order against each other, so the
 //!   immediate of a WRITE_WITH_IMM is posted only after every data chunk of the WRITE has
 //!   completed successfully (an RC WRITE completes at the requester once the responder has
@@ -100,6 +103,17 @@ pub struct MultipathConfig {
     pub channel_window: u32,
     /// Channels (message streams plus the WRITE_WITH_IMM channel) at most (default 1024).
     pub max_channels: usize,
+    /// Move a channel's window on the receiver's *credits* as well as on completions
+    /// (default false). With it, a notification of sequence number `s` is posted only while
+    /// `s < min(released, credit) + channel_window`, where `credit` is the highest next
+    /// expected sequence number the receiver's [`Reorderer`] reported
+    /// ([`Reorderer::poll_credit`], fed back through [`Scheduler::on_credit`]). An RC
+    /// completion says the responder's device has a frame, not that the receiver's
+    /// reorderer has it, so only credits bound what the receive path holds, whatever it
+    /// queues and however slowly one QP's receive path drains. Both ends must agree: a
+    /// sender with credits whose receiver sends none stalls after `channel_window`
+    /// notifications per channel.
+    pub receiver_credits: bool,
 }
 
 impl Default for MultipathConfig {
@@ -112,6 +126,7 @@ impl Default for MultipathConfig {
             max_ops: 4096,
             channel_window: 64,
             max_channels: 1024,
+            receiver_credits: false,
         }
     }
 }
@@ -314,6 +329,9 @@ pub struct SchedulerStats {
     /// Completions ignored: of a QP already declared failed (its chunks were queued for
     /// re-issue when it was), or with a `wr_id` that is not outstanding.
     pub ignored_completions: u64,
+    /// Credits ignored ([`Scheduler::on_credit`]): beyond every notification submitted on
+    /// their channel, or for an unknown channel.
+    pub bad_credits: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -399,6 +417,9 @@ struct ChannelTx {
     next_seq: u64,
     /// Every sequence number below this one is released.
     next_release: u64,
+    /// The receiver's next expected sequence number, as last reported
+    /// ([`Scheduler::on_credit`]; used with [`MultipathConfig::receiver_credits`]).
+    credit: u64,
     /// Resolved, not released: seq → (op, whether its notification succeeded).
     resolved: BTreeMap<u64, (OpId, bool)>,
     /// A notification of the channel failed: the channel is in the error state.
@@ -780,6 +801,20 @@ impl Scheduler {
         })
     }
 
+    /// The receiver reports that its [`Reorderer`] expects `next_expected` next on
+    /// `channel` (every notification below it delivered): with
+    /// [`MultipathConfig::receiver_credits`], the channel's window may move up to there.
+    /// Credits only grow; one beyond what was ever posted on the channel, or for a channel
+    /// that does not exist here, is ignored and counted in
+    /// [`SchedulerStats::bad_credits`] (a peer bug or a forgery: it must not open the window
+    /// for notifications the receiver has not seen).
+    pub fn on_credit(&mut self, channel: u32, next_expected: u64) {
+        match self.channels.get_mut(&channel) {
+            Some(c) if next_expected <= c.next_seq => c.credit = c.credit.max(next_expected),
+            _ => self.stats.bad_credits += 1,
+        }
+    }
+
     /// Scheduler-wide counters.
     pub fn stats(&self) -> SchedulerStats {
         self.stats
@@ -796,9 +831,12 @@ impl Scheduler {
             return true;
         };
         self.channels.get(&channel).is_none_or(|c| {
-            seq < c
-                .next_release
-                .saturating_add(u64::from(self.config.channel_window))
+            let floor = if self.config.receiver_credits {
+                c.next_release.min(c.credit)
+            } else {
+                c.next_release
+            };
+            seq < floor.saturating_add(u64::from(self.config.channel_window))
         })
     }
 
@@ -1062,12 +1100,21 @@ pub struct Reorderer<T> {
     ready: VecDeque<(u32, u64, T)>,
     duplicates: u64,
     refused: u64,
+    /// Report a channel's credit once its next expected number moved this far past the
+    /// last report (0: no credits).
+    credit_step: u64,
+    /// Channels whose credit is due, in the order they became due (each at most once).
+    credits_due: VecDeque<u32>,
 }
 
 #[derive(Debug)]
 struct ChannelRx<T> {
     next: u64,
     buffered: BTreeMap<u64, T>,
+    /// The next expected number last reported as a credit.
+    reported: u64,
+    /// Queued in `credits_due`.
+    due: bool,
 }
 
 /// What [`Reorderer::accept`] did with an item.
@@ -1094,7 +1141,34 @@ impl<T> Reorderer<T> {
             ready: VecDeque::new(),
             duplicates: 0,
             refused: 0,
+            credit_step: 0,
+            credits_due: VecDeque::new(),
         }
+    }
+
+    /// A reorderer for a sender with [`MultipathConfig::receiver_credits`]: `window` is
+    /// the sender's `channel_window` exactly (the credits keep the sender within it), and a
+    /// channel's credit is due ([`Reorderer::poll_credit`]) each time its next expected
+    /// number has moved a quarter of the window past the last report. A quarter keeps the
+    /// sender streaming (it always has three quarters of its window open) at one credit per
+    /// `window / 4` notifications; the sender never stalls on a credit that is not sent,
+    /// since a sender stopped at the window's end has all of it delivered, which is a full
+    /// window past the last report.
+    pub fn with_credits(window: u32, max_channels: usize) -> Self {
+        let mut r = Self::new(window, max_channels);
+        r.credit_step = (r.window / 4).max(1);
+        r
+    }
+
+    /// A credit that is due: `(channel, next expected sequence number)`, for the sender's
+    /// [`Scheduler::on_credit`]. Call until `None` after [`Reorderer::accept`]; always
+    /// `None` without [`Reorderer::with_credits`].
+    pub fn poll_credit(&mut self) -> Option<(u32, u64)> {
+        let channel = self.credits_due.pop_front()?;
+        let ch = self.channels.get_mut(&channel)?;
+        ch.due = false;
+        ch.reported = ch.next;
+        Some((channel, ch.next))
     }
 
     /// Takes notification `seq` of `channel`; whatever becomes deliverable in order is
@@ -1107,6 +1181,8 @@ impl<T> Reorderer<T> {
         let ch = self.channels.entry(channel).or_insert(ChannelRx {
             next: 0,
             buffered: BTreeMap::new(),
+            reported: 0,
+            due: false,
         });
         if seq < ch.next || ch.buffered.contains_key(&seq) {
             self.duplicates += 1;
@@ -1120,6 +1196,10 @@ impl<T> Reorderer<T> {
         while let Some(item) = ch.buffered.remove(&ch.next) {
             self.ready.push_back((channel, ch.next, item));
             ch.next += 1;
+        }
+        if self.credit_step > 0 && !ch.due && ch.next - ch.reported >= self.credit_step {
+            ch.due = true;
+            self.credits_due.push_back(channel);
         }
         Accepted::Taken
     }

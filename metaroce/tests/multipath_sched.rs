@@ -18,7 +18,14 @@
 //!   peer teardown), nothing outside its bytes, no work request on a QP that is down, no QP
 //!   over its depth;
 //! * per channel the receiver delivers each successful notification exactly once, in
-//!   submission order, and never one whose operation failed.
+//!   submission order, and never one whose operation failed;
+//! * the receiver's reorderer never refuses a notification as beyond its window.
+//!
+//! A notification that lands goes first into its QP's *receive pipeline* (the receive
+//! completions and the receive task of a real receiver), which drains into the reorderer only
+//! on a `Deliver` action: one QP's pipeline can lag the others', as when its receive task is
+//! not scheduled. The sender's window then holds only with receiver credits
+//! (`MultipathConfig::receiver_credits`), which the model feeds back at once.
 
 use metaroce::multipath::{
     ChunkKind, Event, MultipathConfig, MultipathError, OpId, OpKind, OpRequest, Post, QpId,
@@ -43,8 +50,13 @@ struct OpSpec {
 enum Action {
     Submit,
     Complete(u8),
-    Fail { qp: u8, landed: u8 },
+    Fail {
+        qp: u8,
+        landed: u8,
+    },
     LateLand(u8),
+    /// Move the oldest notification of one QP's receive pipeline into the reorderer.
+    Deliver(u8),
     TearDown(u8),
     Replace,
     Tick(u8),
@@ -63,6 +75,8 @@ struct Model {
     completed: HashMap<OpId, WcStatus>,
     placed: HashMap<OpId, Vec<u32>>,
     rx: Reorderer<OpId>,
+    /// Landed notifications not yet handed to `rx`, per QP (the receive pipeline).
+    pipes: BTreeMap<QpId, VecDeque<(u32, u64, OpId)>>,
     delivered: Vec<(u32, u64, OpId)>,
     violations: Vec<String>,
 }
@@ -71,6 +85,7 @@ impl Model {
     fn new(config: MultipathConfig, specs: Vec<OpSpec>) -> Model {
         let depth = config.qp_depth as usize;
         let window = config.channel_window;
+        let credits = config.receiver_credits;
         let mut sched = Scheduler::new(config).unwrap();
         let mut qps = BTreeMap::new();
         while let Ok(id) = sched.add_qp() {
@@ -88,7 +103,12 @@ impl Model {
             ops: HashMap::new(),
             completed: HashMap::new(),
             placed: HashMap::new(),
-            rx: Reorderer::new(window, 64),
+            rx: if credits {
+                Reorderer::with_credits(window, 64)
+            } else {
+                Reorderer::new(window, 64)
+            },
+            pipes: BTreeMap::new(),
             delivered: Vec::new(),
             violations: Vec::new(),
         }
@@ -150,12 +170,26 @@ impl Model {
                     *b += 1;
                 }
             }
-            ChunkKind::Notify { channel, seq, .. } => {
-                self.rx.accept(channel, seq, post.op);
-                while let Some(d) = self.rx.poll() {
-                    self.delivered.push(d);
-                }
-            }
+            ChunkKind::Notify { channel, seq, .. } => self
+                .pipes
+                .entry(post.qp)
+                .or_default()
+                .push_back((channel, seq, post.op)),
+        }
+    }
+
+    /// The receive path of one QP hands its oldest landed notification to the reorderer;
+    /// the credits that fall due go back to the sender at once.
+    fn deliver(&mut self, qp: QpId) {
+        let Some((channel, seq, op)) = self.pipes.get_mut(&qp).and_then(|p| p.pop_front()) else {
+            return;
+        };
+        self.rx.accept(channel, seq, op);
+        while let Some(d) = self.rx.poll() {
+            self.delivered.push(d);
+        }
+        while let Some((c, next)) = self.rx.poll_credit() {
+            self.sched.on_credit(c, next);
         }
     }
 
@@ -271,6 +305,17 @@ impl Model {
                     self.place(&p);
                 }
             }
+            Action::Deliver(k) => {
+                let busy: Vec<QpId> = self
+                    .pipes
+                    .iter()
+                    .filter(|(_, p)| !p.is_empty())
+                    .map(|(q, _)| *q)
+                    .collect();
+                if !busy.is_empty() {
+                    self.deliver(busy[usize::from(k) % busy.len()]);
+                }
+            }
             Action::TearDown(k) => {
                 if !self.failed.is_empty() {
                     let qp = self.failed[usize::from(k) % self.failed.len()];
@@ -296,6 +341,12 @@ impl Model {
             for qp in ids {
                 self.complete(qp);
             }
+            let piped: Vec<QpId> = self.pipes.keys().copied().collect();
+            for qp in piped {
+                while self.pipes.get(&qp).is_some_and(|p| !p.is_empty()) {
+                    self.deliver(qp);
+                }
+            }
             self.now += Duration::from_micros(3);
             self.pump();
             if self.next_spec == self.specs.len()
@@ -312,6 +363,18 @@ impl Model {
     }
 
     fn check(&mut self) {
+        if self.rx.refused() > 0 {
+            self.violations.push(format!(
+                "the receiver refused {} notifications beyond its window",
+                self.rx.refused()
+            ));
+        }
+        if self.sched.stats().bad_credits > 0 {
+            self.violations.push(format!(
+                "{} credits ignored",
+                self.sched.stats().bad_credits
+            ));
+        }
         let mut bad_notify: HashMap<u32, u64> = HashMap::new();
         let mut seq_of: HashMap<OpId, (u32, u64)> = HashMap::new();
         let mut next_seq: HashMap<u32, u64> = HashMap::new();
@@ -395,6 +458,17 @@ impl Model {
     }
 }
 
+/// A SEND or a WRITE_WITH_IMM on channel 0 or 1 (never bad).
+fn notify_spec() -> impl Strategy<Value = OpSpec> {
+    (2u8..4, 0u16..40, 0u8..2).prop_map(|(kind, len, channel)| OpSpec {
+        kind,
+        len,
+        channel,
+        fence: false,
+        bad: false,
+    })
+}
+
 fn op_spec(allow_bad: bool) -> impl Strategy<Value = OpSpec> {
     (
         0u8..4,
@@ -418,6 +492,7 @@ fn action() -> impl Strategy<Value = Action> {
         8 => any::<u8>().prop_map(Action::Complete),
         1 => (any::<u8>(), 0u8..6).prop_map(|(qp, landed)| Action::Fail { qp, landed }),
         2 => any::<u8>().prop_map(Action::LateLand),
+        6 => any::<u8>().prop_map(Action::Deliver),
         1 => any::<u8>().prop_map(Action::TearDown),
         1 => Just(Action::Replace),
         1 => any::<u8>().prop_map(Action::Tick),
@@ -432,6 +507,7 @@ fn config() -> impl Strategy<Value = MultipathConfig> {
             qp_depth,
             max_attempts: 1_000,
             channel_window: window,
+            receiver_credits: true,
             ..MultipathConfig::default()
         }
     })
@@ -455,6 +531,20 @@ proptest! {
         ))),
         ..ProptestConfig::default()
     })]
+
+    /// Receive paths that lag (one QP's notifications wait while the others' are
+    /// delivered), with QP failures and re-issue: with receiver credits the reorderer
+    /// never refuses one, and every SEND that completed Success was delivered.
+    #[test]
+    fn lagging_receive_paths_keep_every_message_with_credits(
+        config in config(),
+        specs in prop::collection::vec(notify_spec(), 0..64),
+        actions in prop::collection::vec(action(), 0..400),
+    ) {
+        // Many notifications on two channels: the receive pipelines lag by whole windows.
+        let v = run(config, specs, actions);
+        prop_assert!(v.is_empty(), "{:#?}", v);
+    }
 
     /// Random QP failures, late and duplicated packets, bad operations: every operation
     /// completes exactly once with the right status, bytes placed, notifications in order
@@ -724,6 +814,130 @@ fn immediate_follows_all_data_chunks() {
         }
     );
     assert_eq!(imm.len, 0);
+}
+
+/// One QP's receive path stalls while the other's delivers. Without receiver credits the
+/// sender's window moves on completions alone (an RC completion says the responder's device
+/// has the frame), runs past the reorderer's window, and a notification is refused after
+/// its SEND completed Success: a lost message. With credits the sender waits for the
+/// stalled path, and everything arrives once it drains.
+#[test]
+fn a_stalled_receive_path_needs_receiver_credits() {
+    for credits in [false, true] {
+        let config = MultipathConfig {
+            qps: 2,
+            chunk_size: 64,
+            qp_depth: 4,
+            max_attempts: 1_000,
+            channel_window: 4,
+            receiver_credits: credits,
+            ..MultipathConfig::default()
+        };
+        let specs = (0..40)
+            .map(|_| OpSpec {
+                kind: 3,
+                len: 8,
+                channel: 0,
+                fence: false,
+                bad: false,
+            })
+            .collect();
+        let mut m = Model::new(config, specs);
+        let stalled = *m.qps.keys().next().unwrap();
+        for _ in 0..200 {
+            // Submissions outpace completions, so both QPs get work.
+            for _ in 0..3 {
+                m.act(&Action::Submit);
+            }
+            let ids: Vec<QpId> = m.qps.keys().copied().collect();
+            for qp in ids {
+                m.complete(qp);
+                if qp != stalled {
+                    while m.pipes.get(&qp).is_some_and(|p| !p.is_empty()) {
+                        m.deliver(qp);
+                    }
+                }
+            }
+            m.pump();
+        }
+        let held = m.pipes.get(&stalled).map_or(0, |p| p.len());
+        m.drain();
+        m.check();
+        if credits {
+            assert!(m.violations.is_empty(), "{:#?}", m.violations);
+            assert!(held <= 4, "the stalled path held {held} > channel_window");
+        } else {
+            assert!(
+                m.violations.iter().any(|v| v.contains("refused"))
+                    && m.violations.iter().any(|v| v.contains("never delivered")),
+                "without credits the window must break here: {:#?}",
+                m.violations
+            );
+        }
+    }
+}
+
+/// Credits: due every quarter window of progress, only growing, and a credit beyond what
+/// was submitted (or for an unknown channel) is ignored and counted, not trusted.
+#[test]
+fn credits_are_due_every_quarter_window_and_forged_ones_are_ignored() {
+    let mut r: Reorderer<u64> = Reorderer::with_credits(8, 4);
+    for seq in 0..5 {
+        assert_eq!(r.accept(3, seq, seq), metaroce::multipath::Accepted::Taken);
+    }
+    // Due at 2 (a quarter of 8) and again at 4; taken once, with the latest number.
+    assert_eq!(r.poll_credit(), Some((3, 5)));
+    assert_eq!(r.poll_credit(), None);
+    r.accept(3, 5, 5);
+    assert_eq!(r.poll_credit(), None, "one past the report, a quarter is 2");
+    r.accept(3, 6, 6);
+    assert_eq!(r.poll_credit(), Some((3, 7)));
+    assert_eq!(Reorderer::<u8>::new(8, 4).poll_credit(), None);
+
+    let mut s = Scheduler::new(MultipathConfig {
+        qps: 1,
+        channel_window: 2,
+        receiver_credits: true,
+        ..MultipathConfig::default()
+    })
+    .unwrap();
+    s.add_qp().unwrap();
+    let send = || OpRequest {
+        kind: OpKind::Send { channel: 0 },
+        len: 1,
+        fence: false,
+    };
+    for _ in 0..6 {
+        s.submit(send()).unwrap();
+    }
+    let now = Instant::now();
+    let mut posted = Vec::new();
+    let drain = |s: &mut Scheduler, posted: &mut Vec<u64>| {
+        while let Some(p) = s.poll_post(now) {
+            if let ChunkKind::Notify { seq, .. } = p.kind {
+                posted.push(seq);
+            }
+            s.on_completion(p.wr_id, WcStatus::Success, now);
+        }
+    };
+    drain(&mut s, &mut posted);
+    assert_eq!(
+        posted,
+        vec![0, 1],
+        "completions alone do not move the window"
+    );
+    s.on_credit(0, 7); // beyond the 6 submitted: a forgery
+    s.on_credit(9, 1); // no such channel
+    drain(&mut s, &mut posted);
+    assert_eq!(posted, vec![0, 1]);
+    assert_eq!(s.stats().bad_credits, 2);
+    s.on_credit(0, 2);
+    s.on_credit(0, 1); // older: credits only grow
+    drain(&mut s, &mut posted);
+    assert_eq!(posted, vec![0, 1, 2, 3]);
+    s.on_credit(0, 6);
+    drain(&mut s, &mut posted);
+    assert_eq!(posted, vec![0, 1, 2, 3, 4, 5]);
 }
 
 /// The receiver drops duplicates and refuses what is beyond the window.
