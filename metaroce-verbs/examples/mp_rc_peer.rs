@@ -50,9 +50,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         mr.addr, mr.rkey, mr.len
     );
     let (mut tcp, from) = listener.accept().await?;
-    let mut hello = [0u8; 7];
+    // Hello v2: "MRMP", 2, K u16, channel window u32; echoed (this peer has no reorderer:
+    // it serves WRITEs and READs only, so it sends no credits).
+    let mut hello = [0u8; 11];
     tcp.read_exact(&mut hello).await?;
-    if &hello[..5] != b"MRMP\x01" {
+    if &hello[..5] != b"MRMP\x02" {
         return Err("not a multipath hello".into());
     }
     let k = usize::from(u16::from_be_bytes([hello[5], hello[6]]));

@@ -37,8 +37,9 @@
 //! A TCP connection, kept for the life of the connection, carries the setup and the QP
 //! replacements. All integers big-endian:
 //!
-//! * hello, client → server and back: `b"MRMP"`, version `1u8`, `K: u16`. The server takes
-//!   the client's K.
+//! * hello, client → server and back: `b"MRMP"`, version `2u8`, `K: u16`, channel window
+//!   `u32`. The server takes the client's K, answers the smaller of the two windows, and
+//!   both ends use that.
 //! * setup, for each slot 0..K: the client's 52-byte `ibv_rc_pingpong` record
 //!   ([`exchange::to_record`]), then the server's; both connect (INIT→RTR→RTS).
 //! * `REPLACE` (client → server) `1u8, slot: u16, generation: u32, record[52]`: the client
@@ -47,6 +48,10 @@
 //!   * `REPLACED` (server → client) `2u8, slot, generation, record[52]`.
 //! * `FAILED` (server → client) `3u8, slot, generation`: the server's QP of that generation
 //!   failed; the client starts a replacement.
+//! * `CREDIT` (both ways) `4u8, 0u16, channel: u32, next: u64`: the sender's reorderer has
+//!   delivered every frame of `channel` below `next` (receiver credits,
+//!   [`MultipathConfig::receiver_credits`]): the peer's window for that channel moves on the
+//!   lower of its own completions and this.
 //!
 //! The client drives every replacement, so the two ends never race to replace one slot.
 //! Generation `g` of a slot is the `g`-th QP both ends put there, so it names the same pair
@@ -69,8 +74,10 @@
 //! assigned when the driver takes the operation from the connection's command queue, and
 //! the queue is entered in the order the submitting futures were first polled (a ticket
 //! taken in the first poll; see [`MpConnection::send`]), so concurrent sends keep the order
-//! in which they were started, not the order in which they found queue space. Malformed or
-//! out-of-window frames are counted ([`MpStats::bad_frames`]) and dropped. At most
+//! in which they were started, not the order in which they found queue space. The sender
+//! keeps at most `channel_window` frames of a channel beyond the receiver's last `CREDIT`, so
+//! the reorder window is exactly `channel_window` however long one QP's receive path lags.
+//! Malformed or out-of-window frames are counted ([`MpStats::bad_frames`]) and dropped. At most
 //! `INBOX_LIMIT` (1024) delivered items wait for [`MpConnection::recv`]; beyond that the
 //! receive tasks stop taking (and so reposting) receives and the peer's SENDs meet RNR NAKs.
 
@@ -176,6 +183,14 @@ pub struct MpStats {
     pub duplicate_frames: u64,
     /// Stream frames dropped as malformed or out of window.
     pub bad_frames: u64,
+    /// `CREDIT`s sent (this end's reorderer) and taken (the peer's, for this end's
+    /// streams); credits ignored as beyond what this end submitted or for an unknown
+    /// channel (a peer bug or a forgery) are in `bad_credits`.
+    pub credits_sent: u64,
+    /// See `credits_sent`.
+    pub credits_received: u64,
+    /// See `credits_sent`.
+    pub bad_credits: u64,
 }
 
 enum Cmd {
@@ -228,6 +243,11 @@ enum Ctrl {
     Failed {
         slot: u16,
         generation: u32,
+    },
+    /// The peer's reorderer expects `next` next on `channel` (receiver credits).
+    Credit {
+        channel: u32,
+        next: u64,
     },
 }
 
@@ -405,27 +425,38 @@ impl MpConnection {
             ));
         }
         let io = |e| Error::Exchange(e);
-        let mut hello = [0u8; 7];
-        hello[..4].copy_from_slice(b"MRMP");
-        hello[4] = 1;
+        let mut hello = [0u8; HELLO_LEN];
+        hello[..5].copy_from_slice(HELLO_MAGIC);
         if client {
-            hello[5..].copy_from_slice(&(cfg.multipath.qps as u16).to_be_bytes());
+            hello[5..7].copy_from_slice(&(cfg.multipath.qps as u16).to_be_bytes());
+            hello[7..].copy_from_slice(&cfg.multipath.channel_window.to_be_bytes());
             tcp.write_all(&hello).await.map_err(io)?;
-            let mut back = [0u8; 7];
+            let mut back = [0u8; HELLO_LEN];
             tcp.read_exact(&mut back).await.map_err(io)?;
-            if back != hello {
+            let w = u32::from_be_bytes([back[7], back[8], back[9], back[10]]);
+            if back[..7] != hello[..7] || w == 0 || w > cfg.multipath.channel_window {
                 return Err(Error::Exchange(bad("peer refused the multipath hello")));
             }
+            cfg.multipath.channel_window = w;
         } else {
-            let mut got = [0u8; 7];
+            let mut got = [0u8; HELLO_LEN];
             tcp.read_exact(&mut got).await.map_err(io)?;
             let k = usize::from(u16::from_be_bytes([got[5], got[6]]));
-            if &got[..5] != b"MRMP\x01" || k == 0 || k > metaroce::multipath::MAX_QPS {
+            let w = u32::from_be_bytes([got[7], got[8], got[9], got[10]]);
+            if &got[..5] != HELLO_MAGIC || k == 0 || k > metaroce::multipath::MAX_QPS || w == 0 {
                 return Err(Error::Exchange(bad("not a multipath hello")));
             }
+            // Both ends use the smaller window: the sender's bound and the receiver's
+            // reorder buffer are the same number, and a client cannot make the server
+            // buffer more than its own configuration allows.
+            let w = w.min(cfg.multipath.channel_window);
             cfg.multipath.qps = k;
+            cfg.multipath.channel_window = w;
+            got[7..].copy_from_slice(&w.to_be_bytes());
             tcp.write_all(&got).await.map_err(io)?;
         }
+        // The window moves on the peer's credits (see `Driver::send_credits`).
+        cfg.multipath.receiver_credits = true;
         let k = cfg.multipath.qps;
         let mut sched = Scheduler::new(cfg.multipath.clone())
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
@@ -460,7 +491,8 @@ impl MpConnection {
         tokio::spawn(read_ctrl(rd, ctrl_tx));
         let shared = Arc::new(Mutex::new(SharedView::default()));
         let (frame_tx, frame_rx) = mpsc::channel(FRAME_QUEUE);
-        let reorder = Reorderer::new(rx_window(&cfg, k), cfg.multipath.max_channels);
+        let reorder =
+            Reorderer::with_credits(cfg.multipath.channel_window, cfg.multipath.max_channels);
         let d = Driver {
             pd: pd.clone(),
             cfg,
@@ -479,6 +511,8 @@ impl MpConnection {
             reorder,
             arrived: Arc::new(tokio::sync::Notify::new()),
             bad_frames: 0,
+            credits_sent: 0,
+            credits_received: 0,
         };
         let initial: Vec<RcQp> = d.qps.iter().flatten().map(|(_, qp)| qp.clone()).collect();
         for qp in initial {
@@ -700,26 +734,10 @@ impl MpConnection {
 /// Frames between the QPs' receive tasks and the driver, at most.
 const FRAME_QUEUE: usize = 64;
 
-/// The receiver's reorder window per channel, in frames: the sender's `channel_window`
-/// plus every frame that can sit between the receiving device and the driver.
-///
-/// The sender's window moves on its own completions, i.e. once the receiving *device* holds
-/// a frame (RC ACK), not once this driver has taken it. Frames the device holds but the
-/// driver has not yet seen sit in each QP's receive completions (`qp.recv_slots` at most,
-/// one per posted receive), one in each receive task's hand, and in the frame queue
-/// ([`FRAME_QUEUE`]). With only `channel_window`, a frame that overtook that pipeline on a
-/// faster QP was refused *after its ACK*: the sender saw success, the message was lost and
-/// the channel stalled behind the hole (seen in the rxe guest under host load:
-/// `bad_frames` 337, stuck at position 204). Counted for K QPs plus K being replaced.
-/// Memory: at most this many frames of `qp.slot_size` bytes buffered per channel.
-fn rx_window(cfg: &MpConfig, k: usize) -> u32 {
-    let per_qp = cfg.qp.recv_slots.saturating_add(1);
-    let qps = u32::try_from(2 * k).unwrap_or(u32::MAX);
-    cfg.multipath
-        .channel_window
-        .saturating_add(qps.saturating_mul(per_qp))
-        .saturating_add(FRAME_QUEUE as u32)
-}
+/// The hello's magic and version (2: K and the channel window).
+const HELLO_MAGIC: &[u8; 5] = b"MRMP\x02";
+/// Hello: magic and version (5), K `u16`, channel window `u32`.
+const HELLO_LEN: usize = 11;
 
 fn bad(msg: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_string())
@@ -760,6 +778,17 @@ async fn read_ctrl(mut rd: OwnedReadHalf, tx: mpsc::Sender<Ctrl>) {
                 }
             }
             3 => Ctrl::Failed { slot, generation },
+            4 => {
+                let mut next = [0u8; 8];
+                if rd.read_exact(&mut next).await.is_err() {
+                    return;
+                }
+                // The generation field carries the channel.
+                Ctrl::Credit {
+                    channel: generation,
+                    next: u64::from_be_bytes(next),
+                }
+            }
             _ => {
                 tracing::warn!(kind = t[0], "unknown multipath control message; closing");
                 return;
@@ -798,6 +827,8 @@ struct Driver {
     reorder: Reorderer<Incoming>,
     arrived: Arc<tokio::sync::Notify>,
     bad_frames: u64,
+    credits_sent: u64,
+    credits_received: u64,
 }
 
 /// Items delivered and not yet taken by the application, over all channels, at most; the
@@ -891,7 +922,10 @@ impl Driver {
                 Some((wr, status)) = comp_rx.recv() => {
                     self.sched.on_completion(wr, status, Instant::now());
                 }
-                Some(f) = frame_rx.recv(), if inbox_room => self.on_frame(f),
+                Some(f) = frame_rx.recv(), if inbox_room => {
+                    self.on_frame(f);
+                    self.send_credits().await;
+                }
                 _ = taken, if !inbox_room => {}
                 m = ctrl_rx.recv(), if !self.closed => match m {
                     Some(m) => self.on_ctrl(m).await,
@@ -941,6 +975,9 @@ impl Driver {
         v.stats.reissued_chunks = self.sched.stats().reissued_chunks;
         v.stats.duplicate_frames = self.reorder.duplicates();
         v.stats.bad_frames = self.bad_frames;
+        v.stats.credits_sent = self.credits_sent;
+        v.stats.credits_received = self.credits_received;
+        v.stats.bad_credits = self.sched.stats().bad_credits;
     }
 
     async fn pump(&mut self) {
@@ -1056,6 +1093,19 @@ impl Driver {
             .get(usize::from(slot))
             .and_then(|q| q.as_ref())
             .map(|(id, _)| *id)
+    }
+
+    /// Sends the credits the reorderer has due (`CREDIT`, 15 bytes each: a quarter window
+    /// of progress per channel, so a few bytes of TCP per `channel_window / 4` frames).
+    async fn send_credits(&mut self) {
+        while let Some((channel, next)) = self.reorder.poll_credit() {
+            let mut m = [0u8; 15];
+            m[0] = 4;
+            m[3..7].copy_from_slice(&channel.to_be_bytes());
+            m[7..].copy_from_slice(&next.to_be_bytes());
+            self.credits_sent += 1;
+            self.send_ctrl(&m).await;
+        }
     }
 
     async fn send_ctrl(&mut self, buf: &[u8]) {
@@ -1201,6 +1251,10 @@ impl Driver {
                     self.qps[usize::from(slot)] = Some((id, qp));
                     self.replacements += 1;
                 }
+            }
+            Ctrl::Credit { channel, next } => {
+                self.credits_received += 1;
+                self.sched.on_credit(channel, next);
             }
             _ => tracing::warn!("multipath control message in the wrong direction; ignored"),
         }

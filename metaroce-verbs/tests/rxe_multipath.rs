@@ -417,5 +417,12 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
     assert_eq!(st.slots[2].failures, 1);
     assert!(st.reissued_chunks > 0);
     assert_eq!(sst.bad_frames, 0);
+    // The client's window moved on the server's credits (a quarter window of 64 each).
+    println!(
+        "credits: server sent {}, client took {}, bad {}",
+        sst.credits_sent, st.credits_received, st.bad_credits
+    );
+    assert!(st.credits_received > 0 && st.credits_received <= sst.credits_sent);
+    assert_eq!(st.bad_credits, 0);
     assert!(st.slots.iter().all(|s| s.posted_chunks > 0));
 }
