@@ -538,3 +538,40 @@ pub(crate) fn into_vec(m: Box<dyn RegionMemory>) -> Vec<u8> {
         Err(_) => copy,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot `check_remote` handed out names its region only while that region is
+    /// registered: after a deregistration, and after another region took the slot, a write
+    /// through it fails like an unknown rkey and changes no byte of either region.
+    #[test]
+    fn remote_write_in_rejects_a_stale_slot() {
+        let mut t = MrTable::default();
+        let a = t.register(Box::new(vec![0u8; 64]), Access::REMOTE_WRITE);
+        let slot = t
+            .check_remote(a.rkey, a.addr, 64, Access::REMOTE_WRITE)
+            .unwrap();
+        assert!(t.remote_write_in(slot, a.addr, &[1; 8]).is_ok());
+        // Bounds and access are checked again through the slot.
+        assert_eq!(
+            t.remote_write_in(slot, a.addr + 60, &[1; 8]),
+            Err(MrError::OutOfBounds)
+        );
+        let old = into_vec(t.deregister(a.lkey).unwrap());
+        assert_eq!(&old[..9], &[1, 1, 1, 1, 1, 1, 1, 1, 0]);
+        assert_eq!(
+            t.remote_write_in(slot, a.addr, &[2; 8]),
+            Err(MrError::InvalidKey)
+        );
+        // A new region in the same slot has another rkey: the old slot does not reach it.
+        let b = t.register(Box::new(vec![0u8; 64]), Access::REMOTE_WRITE);
+        assert_eq!(b.lkey >> 8, a.lkey >> 8);
+        assert_eq!(
+            t.remote_write_in(slot, b.addr, &[2; 8]),
+            Err(MrError::InvalidKey)
+        );
+        assert_eq!(into_vec(t.deregister(b.lkey).unwrap()), vec![0u8; 64]);
+    }
+}
