@@ -533,8 +533,9 @@ impl PathTx {
             self.rack_rtt = now.saturating_duration_since(t);
         }
         // The probe timeout in force when a pending probe fired, before this ACK's RTT
-        // sample (which includes the stall the probe fell into) moves it.
-        let base_before = self.tlp_base();
+        // sample (which includes the stall the probe fell into) moves it. Only read with a
+        // probe pending (`probe_spurious` needs one): most ACKs have none (issue #13).
+        let base_before = probe_psn.map(|_| self.tlp_base());
         // RTT sample: only when this ACK newly acknowledges packets and its echoed
         // timestamp lies within their send times (Karn; a stale or forged echo takes none).
         if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
@@ -559,7 +560,7 @@ impl PathTx {
             // (Against the timeout that fired: measured after this ACK's sample raised
             // SRTT, the need came out as zero and nothing was learnt, issue #13.)
             let gap = now.saturating_duration_since(self.probe_since);
-            let need = gap.saturating_sub(base_before);
+            let need = gap.saturating_sub(base_before.unwrap_or_default());
             self.pto_extra = (self.pto_extra.max(need + need / 4)).min(PTO_EXTRA_MAX);
         } else if probe_psn.is_some() && !out.acked.is_empty() {
             // The probe was needed (only it, or packets after it, came back): a real tail
