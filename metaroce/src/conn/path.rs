@@ -539,10 +539,17 @@ impl PathTx {
         // RTT sample: only when this ACK newly acknowledges packets and its echoed
         // timestamp lies within their send times (Karn; a stale or forged echo takes none).
         if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
-            let (lo, hi) = (
-                now.saturating_duration_since(newest),
-                now.saturating_duration_since(oldest),
-            );
+            // (RACK.rtt, just read, is `now - newest` when RACK moved to the newest packet
+            // acknowledged here; one packet makes both bounds one: no time read again.)
+            let lo = match self.rack_sent {
+                Some(t) if rack_moved && t == newest => self.rack_rtt,
+                _ => now.saturating_duration_since(newest),
+            };
+            let hi = if oldest == newest {
+                lo
+            } else {
+                now.saturating_duration_since(oldest)
+            };
             if s >= lo && s <= hi {
                 let s = match self.rtt.min() {
                     Some(min) if s >= min + ack_delay => s - ack_delay,
