@@ -1601,6 +1601,30 @@ mod tests {
         assert_eq!(p.rtt.latest(), Some(us(25)));
     }
 
+    /// The send-time bounds of an ACK that newly acknowledges several packets are exactly
+    /// `now` minus the newest and the oldest send time (the lower one is read through
+    /// RACK.rtt, which this ACK moved to the newest packet).
+    #[test]
+    fn rtt_sample_bounds_of_a_multi_packet_ack() {
+        let us = Duration::from_micros;
+        let run = |sample: u64| {
+            let t0 = Instant::now();
+            let mut p = tx(0, 1000, t0);
+            for k in 0..3u32 {
+                p.on_sent(SegRef { op: 0, seg: k }, t0 + us(10 * u64::from(k)), false);
+            }
+            // PSNs 0 to 2 (sent at +0, +10, +20) acknowledged at +100: bounds 80..=100 µs.
+            let out = p.on_ack(t0 + us(100), 2, &[0; 32], Some(us(sample)), 0, 0);
+            assert_eq!(out.acked.len(), 3);
+            assert_eq!(p.rack_rtt, us(80));
+            out.rtt_sampled
+        };
+        assert!(!run(79), "below now - newest");
+        assert!(run(80), "at now - newest");
+        assert!(run(100), "at now - oldest");
+        assert!(!run(101), "above now - oldest");
+    }
+
     #[test]
     fn rtt_sample_only_from_newly_acked_packets_within_their_send_times() {
         let t0 = Instant::now();
