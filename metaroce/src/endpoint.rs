@@ -300,6 +300,9 @@ pub(crate) struct ConnIndex {
     /// The connection was touched since `deadline` was read: it is listed in
     /// `Endpoint::stale` and its `timers` entry may be out of date.
     stale: bool,
+    /// The connection is in `Endpoint::ready` (issue #13: a touch of a connection already
+    /// there costs no tree search).
+    ready: bool,
 }
 
 /// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
@@ -1593,7 +1596,10 @@ impl Endpoint {
         );
         Self::mark_conn(c, qpn, stale, recent, at);
         let closing = c.closing.is_some();
-        self.ready.insert(qpn);
+        if !c.ix.ready {
+            c.ix.ready = true;
+            self.ready.insert(qpn);
+        }
         self.apply(ConnectionHandle(qpn), out);
         if closing {
             self.progress_close(now, qpn);
@@ -1857,8 +1863,9 @@ impl Endpoint {
 
     /// Like [`refresh_if_stale`](Self::refresh_if_stale), but the deadline is only marked stale (read later
     /// by `flush_stale`); the last data arrival, which the fair share reads, is refreshed
-    /// now. `false` if there is no such connection. O(log n) for the lookup, plus O(log n)
-    /// when the connection's last data arrival changed.
+    /// now. Whether the caller must insert it into `ready`: `false` if there is no such
+    /// connection or it is there already. O(log n) for the lookup, plus O(log n) when the
+    /// connection's last data arrival changed.
     fn mark(&mut self, q: u32) -> bool {
         let Some(c) = self.conns.get_mut(&q) else {
             return false;
@@ -1870,7 +1877,8 @@ impl Endpoint {
             &mut self.recent_rx,
             &mut self.fair_share_at,
         );
-        true
+        // `true` only when it is not in `ready` yet (then the caller inserts it).
+        !std::mem::replace(&mut c.ix.ready, true)
     }
 
     /// [`mark`](Self::mark) for connection `q` = `c`, already looked up (the datagram and
@@ -1983,6 +1991,7 @@ impl Endpoint {
     fn check_index(&self) {
         if cfg!(debug_assertions) && self.conns.len() <= 64 {
             for (q, c) in &self.conns {
+                debug_assert_eq!(c.ix.ready, self.ready.contains(q), "ready flag of {q:#x}");
                 if self.is_stale(*q) {
                     continue;
                 }
@@ -2252,6 +2261,9 @@ impl Endpoint {
                 &mut self.fair_share_at,
             );
             Self::mark_conn(c, q, stale, recent, at);
+            if t.is_none() {
+                c.ix.ready = false;
+            }
             match t {
                 Some(t) => {
                     self.rr_cursor = q.wrapping_add(1);

@@ -188,6 +188,13 @@ impl RegionMemory for Vec<u8> {
     }
 }
 
+/// A region found by [`MrTable::check_remote`]: its slot and the rkey it was found under.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RemoteSlot {
+    idx: usize,
+    rkey: u32,
+}
+
 struct Region {
     keys: MrKeys,
     data: Box<dyn RegionMemory>,
@@ -384,21 +391,49 @@ impl MrTable {
         span(off, len, region.keys.len).map(|(o, _)| o)
     }
 
-    /// Validate a remote access to a whole message `[va, va+len)`.
+    /// Validate a remote access to a whole message `[va, va+len)`. Returns the region's
+    /// slot, for [`remote_write_in`](Self::remote_write_in).
     pub(crate) fn check_remote(
         &self,
         rkey: u32,
         va: u64,
         len: u64,
         need: Access,
-    ) -> Result<(), MrError> {
-        let r = self.remote_slot(rkey).ok_or(MrError::InvalidKey)?;
-        Self::check(r, va, len, need).map(|_| ())
+    ) -> Result<RemoteSlot, MrError> {
+        let idx = *self.by_rkey.get(&rkey).ok_or(MrError::InvalidKey)?;
+        let r = self
+            .slots
+            .get(idx)
+            .and_then(|s| s.as_ref())
+            .filter(|r| r.keys.rkey == rkey)
+            .ok_or(MrError::InvalidKey)?;
+        Self::check(r, va, len, need).map(|_| RemoteSlot { idx, rkey })
     }
 
     /// Write `data` at `va` in the region named by `rkey` (checked).
     pub(crate) fn remote_write(&mut self, rkey: u32, va: u64, data: &[u8]) -> Result<(), MrError> {
         let r = self.remote_slot_mut(rkey).ok_or(MrError::InvalidKey)?;
+        let off = Self::check(r, va, data.len() as u64, Access::REMOTE_WRITE)?;
+        r.data.write_at(off, data);
+        Ok(())
+    }
+
+    /// [`remote_write`](Self::remote_write) into the region `check_remote` just found,
+    /// without a second key lookup (issue #13: one rkey lookup per one-packet WRITE). The
+    /// slot is checked again (same rkey, bounds, REMOTE_WRITE), so a stale slot fails with
+    /// [`MrError::InvalidKey`] like an unknown rkey.
+    pub(crate) fn remote_write_in(
+        &mut self,
+        slot: RemoteSlot,
+        va: u64,
+        data: &[u8],
+    ) -> Result<(), MrError> {
+        let r = self
+            .slots
+            .get_mut(slot.idx)
+            .and_then(|s| s.as_mut())
+            .filter(|r| r.keys.rkey == slot.rkey)
+            .ok_or(MrError::InvalidKey)?;
         let off = Self::check(r, va, data.len() as u64, Access::REMOTE_WRITE)?;
         r.data.write_at(off, data);
         Ok(())
@@ -501,5 +536,42 @@ pub(crate) fn into_vec(m: Box<dyn RegionMemory>) -> Vec<u8> {
     match m.into_any().downcast::<Vec<u8>>() {
         Ok(v) => *v,
         Err(_) => copy,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot `check_remote` handed out names its region only while that region is
+    /// registered: after a deregistration, and after another region took the slot, a write
+    /// through it fails like an unknown rkey and changes no byte of either region.
+    #[test]
+    fn remote_write_in_rejects_a_stale_slot() {
+        let mut t = MrTable::default();
+        let a = t.register(Box::new(vec![0u8; 64]), Access::REMOTE_WRITE);
+        let slot = t
+            .check_remote(a.rkey, a.addr, 64, Access::REMOTE_WRITE)
+            .unwrap();
+        assert!(t.remote_write_in(slot, a.addr, &[1; 8]).is_ok());
+        // Bounds and access are checked again through the slot.
+        assert_eq!(
+            t.remote_write_in(slot, a.addr + 60, &[1; 8]),
+            Err(MrError::OutOfBounds)
+        );
+        let old = into_vec(t.deregister(a.lkey).unwrap());
+        assert_eq!(&old[..9], &[1, 1, 1, 1, 1, 1, 1, 1, 0]);
+        assert_eq!(
+            t.remote_write_in(slot, a.addr, &[2; 8]),
+            Err(MrError::InvalidKey)
+        );
+        // A new region in the same slot has another rkey: the old slot does not reach it.
+        let b = t.register(Box::new(vec![0u8; 64]), Access::REMOTE_WRITE);
+        assert_eq!(b.lkey >> 8, a.lkey >> 8);
+        assert_eq!(
+            t.remote_write_in(slot, b.addr, &[2; 8]),
+            Err(MrError::InvalidKey)
+        );
+        assert_eq!(into_vec(t.deregister(b.lkey).unwrap()), vec![0u8; 64]);
     }
 }

@@ -1863,8 +1863,12 @@ impl Connection {
         // further due paths of the same plane (docs/PROTOCOL.md, "ACK bundles"); the
         // datagram leaves from the first path's answer port.
         let nrx = self.rx.len();
-        // Paths in turn from `next_ack_path`, wrapping without a division per step.
-        if nrx == 0 {
+        // Paths in turn from `next_ack_path`, wrapping without a division per step. No
+        // path owes an ACK while `unacked_pkts` is 0: every `ack_pending = true` goes with
+        // an `ack_due`, which counts it, and the count goes back to 0 only when no path
+        // owes one (below). Most calls end here (issue #13: one scan of every path per
+        // data packet sent).
+        if nrx == 0 || self.unacked_pkts == 0 {
             return None;
         }
         let start = self.next_ack_path % nrx;
@@ -2049,11 +2053,11 @@ impl Connection {
         if in_flight >= window {
             return None;
         }
-        if self.sq.peek().is_none() {
+        let Some(next) = self.sq.peek() else {
             // Out of data with a window open: rates measured now say nothing about paths.
             self.rebalance.app_limited = true;
             return None;
-        }
+        };
         let n = self.tx.len();
         if n == 0 {
             return None;
@@ -2063,7 +2067,7 @@ impl Connection {
             .chain(0..start)
             .find(|&i| self.tx[i].can_send())?;
         self.next_path = if i + 1 == n { 0 } else { i + 1 };
-        let t = self.send_data(now, buf, mrs, i, None, Some(window));
+        let t = self.send_data(now, buf, mrs, i, None, Some((window, in_flight, next)));
         if t.is_some() {
             // A held ACK rides behind this packet: the next call sends it.
             self.ack_hold = None;
@@ -2072,8 +2076,9 @@ impl Connection {
     }
 
     /// Build a batch of data packets on path `i`: one probe segment, or up to the GSO limit
-    /// of equal-size packets. `window`: the connection window, if the caller just computed
-    /// it.
+    /// of equal-size packets. `fresh`: the connection window and the packets in flight the
+    /// caller just computed, and the segment `sq.peek()` just returned (nothing moved the send queue since, so the
+    /// first packet need not peek again).
     #[allow(clippy::too_many_arguments)]
     fn send_data(
         &mut self,
@@ -2082,18 +2087,22 @@ impl Connection {
         mrs: &MrTable,
         i: usize,
         probe: Option<SegRef>,
-        window: Option<u32>,
+        fresh: Option<(u32, u32, SegRef)>,
     ) -> Option<Transmit> {
         let max = if probe.is_some() {
             1
         } else {
             self.cfg.max_gso_segments.max(1)
         };
-        let conn_window = window.unwrap_or_else(|| self.conn_window());
+        let conn_window = fresh.map_or_else(|| self.conn_window(), |(w, _, _)| w);
+        let mut peeked = fresh.map(|(_, _, s)| s);
         // Data packets carry the transmit timestamp (ACKs and NAKs do not need it): read
         // once per batch, only when data goes out.
         let ts = self.ts_at(now);
-        let mut in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
+        let mut in_flight: u32 = match fresh {
+            Some((_, f, _)) => f,
+            None => self.tx.iter().map(|p| p.outstanding).sum(),
+        };
         let mut seg_size = None;
         let mut count = 0;
         let port = self.tx[i].src_port;
@@ -2101,7 +2110,9 @@ impl Connection {
             let (seg, retx) = match probe {
                 Some(s) => (s, true),
                 None => {
-                    let Some(s) = self.sq.peek() else { break };
+                    let Some(s) = peeked.take().or_else(|| self.sq.peek()) else {
+                        break;
+                    };
                     (s, false)
                 }
             };

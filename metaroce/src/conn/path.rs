@@ -533,15 +533,23 @@ impl PathTx {
             self.rack_rtt = now.saturating_duration_since(t);
         }
         // The probe timeout in force when a pending probe fired, before this ACK's RTT
-        // sample (which includes the stall the probe fell into) moves it.
-        let base_before = self.tlp_base();
+        // sample (which includes the stall the probe fell into) moves it. Only read with a
+        // probe pending (`probe_spurious` needs one): most ACKs have none (issue #13).
+        let base_before = probe_psn.map(|_| self.tlp_base());
         // RTT sample: only when this ACK newly acknowledges packets and its echoed
         // timestamp lies within their send times (Karn; a stale or forged echo takes none).
         if let (Some(s), Some((oldest, newest))) = (rtt_sample, span) {
-            let (lo, hi) = (
-                now.saturating_duration_since(newest),
-                now.saturating_duration_since(oldest),
-            );
+            // (RACK.rtt, just read, is `now - newest` when RACK moved to the newest packet
+            // acknowledged here; one packet makes both bounds one: no time read again.)
+            let lo = match self.rack_sent {
+                Some(t) if rack_moved && t == newest => self.rack_rtt,
+                _ => now.saturating_duration_since(newest),
+            };
+            let hi = if oldest == newest {
+                lo
+            } else {
+                now.saturating_duration_since(oldest)
+            };
             if s >= lo && s <= hi {
                 let s = match self.rtt.min() {
                     Some(min) if s >= min + ack_delay => s - ack_delay,
@@ -559,7 +567,7 @@ impl PathTx {
             // (Against the timeout that fired: measured after this ACK's sample raised
             // SRTT, the need came out as zero and nothing was learnt, issue #13.)
             let gap = now.saturating_duration_since(self.probe_since);
-            let need = gap.saturating_sub(base_before);
+            let need = gap.saturating_sub(base_before.unwrap_or_default());
             self.pto_extra = (self.pto_extra.max(need + need / 4)).min(PTO_EXTRA_MAX);
         } else if probe_psn.is_some() && !out.acked.is_empty() {
             // The probe was needed (only it, or packets after it, came back): a real tail
@@ -1591,6 +1599,30 @@ mod tests {
         let out = p.on_ack_delayed(t0 + us(320), 3, &[0; 32], Some(us(900)), us(880), 0, 0);
         assert!(!out.rtt_sampled);
         assert_eq!(p.rtt.latest(), Some(us(25)));
+    }
+
+    /// The send-time bounds of an ACK that newly acknowledges several packets are exactly
+    /// `now` minus the newest and the oldest send time (the lower one is read through
+    /// RACK.rtt, which this ACK moved to the newest packet).
+    #[test]
+    fn rtt_sample_bounds_of_a_multi_packet_ack() {
+        let us = Duration::from_micros;
+        let run = |sample: u64| {
+            let t0 = Instant::now();
+            let mut p = tx(0, 1000, t0);
+            for k in 0..3u32 {
+                p.on_sent(SegRef { op: 0, seg: k }, t0 + us(10 * u64::from(k)), false);
+            }
+            // PSNs 0 to 2 (sent at +0, +10, +20) acknowledged at +100: bounds 80..=100 µs.
+            let out = p.on_ack(t0 + us(100), 2, &[0; 32], Some(us(sample)), 0, 0);
+            assert_eq!(out.acked.len(), 3);
+            assert_eq!(p.rack_rtt, us(80));
+            out.rtt_sampled
+        };
+        assert!(!run(79), "below now - newest");
+        assert!(run(80), "at now - newest");
+        assert!(run(100), "at now - oldest");
+        assert!(!run(101), "above now - oldest");
     }
 
     #[test]

@@ -1134,7 +1134,7 @@ impl RecvState {
         let (swap_add, compare) = (at.swap_add, at.compare);
         let res = mrs
             .check_remote(at.rkey, at.va, 8, Access::REMOTE_ATOMIC)
-            .and_then(|()| {
+            .and_then(|_| {
                 mrs.remote_atomic(at.rkey, at.va, |old| {
                     if fetch_add {
                         old.wrapping_add(swap_add)
@@ -1191,11 +1191,14 @@ impl RecvState {
         }
         // The access check covers the whole message, so every packet of a bad WRITE is
         // refused and none of its bytes land. Zero-length WRITEs are not checked (IBA).
-        if total > 0 {
-            if let Err(_e) = mrs.check_remote(reth.rkey, reth.va, total, Access::REMOTE_WRITE) {
-                return self.refuse_op(id, NAK_REMOTE_ACCESS, lim);
+        let slot = if total > 0 {
+            match mrs.check_remote(reth.rkey, reth.va, total, Access::REMOTE_WRITE) {
+                Ok(s) => Some(s),
+                Err(_) => return self.refuse_op(id, NAK_REMOTE_ACCESS, lim),
             }
-        }
+        } else {
+            None
+        };
         let nsegs = reth.dma_len.div_ceil(lim.pmtu).max(1);
         if self.writes.is_empty() || !self.writes.contains_key(&id) {
             let words = nsegs.div_ceil(64) as usize;
@@ -1211,7 +1214,11 @@ impl RecvState {
                 // below applies).
                 if !payload.is_empty() {
                     let va = reth.va.wrapping_add(hdr.offset as u64);
-                    if mrs.remote_write(reth.rkey, va, payload).is_err() {
+                    let placed = match slot {
+                        Some(s) => mrs.remote_write_in(s, va, payload),
+                        None => mrs.remote_write(reth.rkey, va, payload),
+                    };
+                    if placed.is_err() {
                         // As the general path leaves it: the segment seen, not finished.
                         let mut got = super::segbits::SegBits::zeroed(1);
                         test_set(&mut got, 0);
