@@ -98,6 +98,9 @@ async fn program() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     }
     client.wait_idle().await;
     server.wait_idle().await;
-    assert!(conn.open_stream().is_err(), "a closed connection opens no stream");
+    assert!(
+        conn.open_stream().is_err(),
+        "a closed connection opens no stream"
+    );
     Ok(())
 }
