@@ -340,9 +340,11 @@ pub struct Endpoint {
     /// (the bucket it was accepted in and the next) and at most `max_connections +
     /// max_half_open` of them: a replay of such a Request after its connection ended is
     /// recognised by nonce ([`EndpointStats::replayed_requests`]). `cookie_nonces` is the
-    /// same set, for the lookup.
+    /// same set, for the lookup (nonce → bucket). A connection the application refused
+    /// (or that ended still held) leaves it at once: its client re-sends the Request when
+    /// the Reject is lost and must be refused again, not met with silence.
     cookie_requests: VecDeque<(u64, u64)>,
-    cookie_nonces: HashMap<u64, ()>,
+    cookie_nonces: HashMap<u64, u64>,
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<ControlPacket>,
@@ -1445,6 +1447,11 @@ impl Endpoint {
             c.flush(first, &mut self.events);
             if self.by_nonce.get(&c.nonce) == Some(&conn.0) {
                 self.by_nonce.remove(&c.nonce);
+                if c.held {
+                    // Refused, or ended before the application decided: its Request may
+                    // come again (the Reject was lost) and is decided again.
+                    self.cookie_nonces.remove(&c.nonce);
+                }
             }
             if self.by_peer_qpn.get(&(c.peer, c.peer_qpn)) == Some(&conn.0) {
                 self.by_peer_qpn.remove(&(c.peer, c.peer_qpn));
@@ -1683,6 +1690,14 @@ impl Endpoint {
                 break;
             }
             self.cookie_requests.pop_front();
+            self.forget_cookie_nonce(nonce, b);
+        }
+    }
+
+    /// Removes `nonce` from `cookie_nonces` if it is there for `bucket` (not for a later
+    /// Request that reused a nonce forgotten early, see `remove`).
+    fn forget_cookie_nonce(&mut self, nonce: u64, bucket: u64) {
+        if self.cookie_nonces.get(&nonce) == Some(&bucket) {
             self.cookie_nonces.remove(&nonce);
         }
     }
@@ -1814,12 +1829,12 @@ impl Endpoint {
         if need_cookie {
             let cap = self.cfg.max_connections + self.cfg.max_half_open;
             while self.cookie_requests.len() >= cap {
-                if let Some((_, old)) = self.cookie_requests.pop_front() {
-                    self.cookie_nonces.remove(&old);
+                if let Some((b, old)) = self.cookie_requests.pop_front() {
+                    self.forget_cookie_nonce(old, b);
                 }
             }
             self.cookie_requests.push_back((bucket, msg.nonce));
-            self.cookie_nonces.insert(msg.nonce, ());
+            self.cookie_nonces.insert(msg.nonce, bucket);
         }
         self.by_peer_qpn.insert((peer, msg.src_qpn), qpn);
         self.half_open.insert(qpn);

@@ -768,3 +768,50 @@ fn replayed_request_of_a_closed_connection_creates_nothing() {
     // The client connects again at once, with a new nonce.
     connect(&mut net, 0, 1);
 }
+
+/// The other side of `replayed_request_of_a_closed_connection_creates_nothing`: a Request
+/// the application refused is decided again when it comes back (its Reject was lost and
+/// the client re-sent it), so the client still learns the refusal instead of timing out.
+#[test]
+fn refused_request_resent_after_a_lost_reject_is_refused_again() {
+    let mut server = cfg(1, 2, 2);
+    server.manual_accept = true;
+    let mut net = net_of(vec![cfg(0, 1, 1), server]);
+    let h = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| incoming(
+        n, 1
+    )
+    .len()
+        == 1));
+    let mut done = false;
+    net.drop_hook = Some(Box::new(move |i, d| {
+        let reject = wire::Packet::parse(d).is_ok_and(
+            |p| matches!(p.headers, Headers::Connect(m) if m.kind == ConnectKind::Reject),
+        );
+        if i == 1 && reject && !done {
+            done = true;
+            return true;
+        }
+        false
+    }));
+    let first = incoming(&net, 1)[0];
+    net.eps[1].refuse_incoming(first, 7, b"no").unwrap();
+    assert!(
+        run_within(&mut net, Duration::from_secs(2), |n| incoming(n, 1).len()
+            == 2),
+        "the re-sent Request was not decided again"
+    );
+    assert_eq!(net.eps[1].stats().replayed_requests, 0);
+    let again = incoming(&net, 1)[1];
+    net.eps[1].refuse_incoming(again, 7, b"no").unwrap();
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| n
+        .lost(0, h)
+        .is_some()));
+    assert_eq!(
+        net.lost(0, h),
+        Some(ConnectionError::Rejected {
+            code: 7,
+            reason: Bytes::from_static(b"no")
+        })
+    );
+}
