@@ -12,7 +12,9 @@
 mod common;
 
 use common::CONNECT_LIMIT;
-use metaroce::wire::{self, icrc, Bth, CloseEth, Headers, Opcode, Packet, Trailer};
+use metaroce::wire::{
+    self, icrc, Bth, CloseEth, ConnectEth, ConnectKind, Headers, Opcode, Packet, Trailer,
+};
 use metaroce_tokio::backend::{DatagramBackend, UdpBackend};
 use metaroce_tokio::futures::{SinkExt, StreamExt};
 use metaroce_tokio::{forward_datagram_backend, Access, Bytes, Config, Connection, Endpoint};
@@ -96,7 +98,7 @@ fn tapped(cfg: Config) -> (Endpoint, Arc<TapState>) {
     (ep, state)
 }
 
-async fn server() -> Endpoint {
+async fn bind_local() -> Endpoint {
     Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
         .await
         .unwrap()
@@ -144,7 +146,7 @@ async fn connect(server: &Endpoint, client: &Endpoint) -> (Connection, Connectio
 /// the WRITE they carry lands until the real client's retransmissions get through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn captured_packets_from_another_ip_land_nothing() {
-    let server = server().await;
+    let server = bind_local().await;
     let (client, tap) = tapped(Config::default());
     let (conn, _peer) = connect(&server, &client).await;
     let target = server.alloc(8192, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
@@ -216,7 +218,7 @@ async fn captured_packets_from_another_ip_land_nothing() {
 /// `Incoming`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_of_a_closed_connection_land_nowhere_on_its_successor() {
-    let server = server().await;
+    let server = bind_local().await;
     let (client, tap) = tapped(Config::default());
     let target = server.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
 
@@ -277,7 +279,7 @@ async fn replays_of_a_closed_connection_land_nowhere_on_its_successor() {
 /// MR_CLOSE.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_request_of_a_closed_connection_surfaces_no_incoming() {
-    let server = server().await;
+    let server = bind_local().await;
     let (client, tap) = tapped(Config::default());
     let (old, old_peer) = connect(&server, &client).await;
     old.close(0, b"bye");
@@ -287,9 +289,9 @@ async fn replayed_request_of_a_closed_connection_surfaces_no_incoming() {
         .take()
         .into_iter()
         .filter(|c| {
-            parsed(c).is_some_and(|p| {
-                matches!(p.headers, Headers::Connect(m) if m.kind == wire::ConnectKind::Request)
-            })
+            parsed(c).is_some_and(
+                |p| matches!(p.headers, Headers::Connect(m) if m.kind == ConnectKind::Request),
+            )
         })
         .collect();
     assert!(!requests.is_empty());
@@ -549,4 +551,101 @@ async fn futures_join(
     for r in metaroce_tokio::futures::future::join_all(ops).await {
         assert_eq!(r.unwrap().status, metaroce_tokio::WcStatus::Success);
     }
+}
+
+/// While a client waits for its Accept (the server's application has not decided yet), an
+/// attacker who knows the client's QPN and address, but not its nonce, sprays it with
+/// forged handshake answers from the server's IP: Rejects, Retries, Accepts and Confirms
+/// with guessed nonces. None of them ends or hijacks the attempt: once the server accepts,
+/// the connection comes up with the real server and carries traffic both ways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_handshake_answers_do_not_end_or_hijack_a_connect() {
+    let server = bind_local().await;
+    let client = bind_local().await;
+    let connecting = client.connect(server.local_addr()).unwrap();
+    let qpn = connecting.handle().expect("a connection attempt").0;
+    let incoming = tokio::time::timeout(CONNECT_LIMIT, server.accept())
+        .await
+        .unwrap()
+        .unwrap();
+    let attacker = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut x = 0x243F_6A88_85A3_08D3u64;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for k in 0..4000u32 {
+        let kind = [
+            ConnectKind::Reject,
+            ConnectKind::Retry,
+            ConnectKind::Accept,
+            ConnectKind::Confirm,
+        ][k as usize % 4];
+        let mut m = ConnectEth::new(kind);
+        m.src_qpn = (next() as u32) & wire::PSN_MASK;
+        m.dst_qpn = qpn;
+        m.paths = 4;
+        m.pmtu = 1024;
+        m.listen_port = server.local_addr().port();
+        m.init_psn = (next() as u32) & wire::PSN_MASK;
+        m.nonce = next();
+        m.server_nonce = next();
+        m.reason = 2;
+        m.cookie = (u128::from(next()) << 64 | u128::from(next())).to_be_bytes();
+        let hdrs = Headers::Connect(m);
+        let mut buf = vec![0; wire::packet_len(&hdrs, 0)];
+        wire::emit_packet(&Bth::new(Opcode::MR_CONNECT, qpn, 0), &hdrs, &[], &mut buf).unwrap();
+        resend(&attacker, client.local_addr(), &buf);
+    }
+    // Let the client's driver take them all in before the real Accept is sent.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let peer = incoming.accept().unwrap();
+    let conn = tokio::time::timeout(CONNECT_LIMIT, connecting)
+        .await
+        .expect("the handshake did not complete")
+        .expect("a forged answer ended the attempt");
+    assert_eq!(conn.remote_addr(), Some(server.local_addr()));
+    still_works(&conn, &peer, b"to the real server").await;
+    still_works(&peer, &conn, b"from the real server").await;
+}
+
+/// Junk at the shared main port of a sharded endpoint (its reuseport program reads the
+/// BTH DestQP to pick a shard): empty, shorter than a BTH, and every DestQP byte pattern;
+/// nothing is lost for the live connections, which keep working on both shards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn junk_at_a_sharded_main_port_changes_nothing() {
+    let cfg = Config {
+        shards: 2,
+        ..Config::default()
+    };
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let client = bind_local().await;
+    let pairs = [
+        connect(&server, &client).await,
+        connect(&server, &client).await,
+        connect(&server, &client).await,
+    ];
+    let attacker = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let to = server.local_addr();
+    let mut junk = [0u8; 64];
+    for len in 0..=16usize {
+        for b in 0..=255u8 {
+            junk.iter_mut().for_each(|x| *x = b);
+            let _ = attacker.send_to(&junk[..len], to);
+        }
+    }
+    for b in 0..=255u8 {
+        junk[4..8].copy_from_slice(&[0, b, b.wrapping_mul(7), b ^ 0x5A]);
+        let _ = attacker.send_to(&junk[..16], to);
+        let _ = attacker.send_to(&junk[..64], to);
+    }
+    for (c, s) in &pairs {
+        still_works(c, s, b"sharded").await;
+        still_works(s, c, b"sharded back").await;
+    }
+    assert!(server.stats().malformed > 0);
 }
