@@ -104,3 +104,18 @@ async fn program() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     );
     Ok(())
 }
+
+/// A user who builds the backend inside a runtime and starts the endpoint outside it gets
+/// an error that says what to do, not a panic from `tokio::spawn`.
+#[test]
+fn starting_an_endpoint_outside_a_runtime_is_an_error() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let backend = rt
+        .block_on(async {
+            metaroce_tokio::backend::UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 2)
+        })
+        .unwrap();
+    let err = Endpoint::with_backend(backend, Config::default()).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::Other);
+    assert!(err.to_string().contains("tokio runtime"), "{err}");
+}
