@@ -491,7 +491,7 @@ impl Endpoint {
     ///
     /// # Errors
     /// The configuration is invalid (`InvalidInput` whose inner error is the
-    /// [`ConfigError`]).
+    /// [`ConfigError`]); called outside a tokio runtime (`Other`, instead of a panic).
     pub fn with_backend(
         backend: impl DatagramBackend,
         config: Config,
@@ -543,7 +543,7 @@ impl Endpoint {
     ///
     /// # Errors
     /// The configuration is invalid (`InvalidInput` whose inner error is the
-    /// [`ConfigError`]).
+    /// [`ConfigError`]); called outside a tokio runtime (`Other`, instead of a panic).
     pub fn with_rocev2(
         backend: impl DatagramBackend,
         ip_backend: Arc<dyn crate::rocev2::IpBackend>,
@@ -568,6 +568,13 @@ impl Endpoint {
         config: Config,
     ) -> std::io::Result<Endpoint> {
         config.validate()?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            // `tokio::spawn` below would panic; say what to do instead.
+            return Err(std::io::Error::other(
+                "a metaroce-tokio Endpoint must be started from within a tokio runtime \
+                 (inside #[tokio::main], a Runtime::block_on or a task)",
+            ));
+        }
         let n = backends.len();
         let (tx, rx) = mpsc::channel(config.max_pending_incoming);
         let id = NEXT_ENDPOINT_ID.fetch_add(1, Ordering::Relaxed);

@@ -238,6 +238,13 @@ pub struct EndpointStats {
     /// Bytes of MR_CONNECT replies (Retry, Reject) sent by the endpoint itself before any
     /// connection exists (the amplification numerator).
     pub handshake_bytes_out: u64,
+    /// Requests with a valid retry cookie naming the client nonce of a connection this
+    /// endpoint created already (one that has ended, or lives at another address), dropped
+    /// without an answer: a replayed (or late duplicate) handshake of a closed connection,
+    /// which would otherwise create a new connection and an [`Event::Incoming`] its client
+    /// never asked for. Recognised while the replayed cookie is valid, the only time such a
+    /// Request can pass the cookie check.
+    pub replayed_requests: u64,
 }
 
 impl std::ops::AddAssign for EndpointStats {
@@ -263,6 +270,7 @@ impl std::ops::AddAssign for EndpointStats {
             control_dropped,
             handshake_bytes_in,
             handshake_bytes_out,
+            replayed_requests,
         } = o;
         self.datagrams_received += datagrams_received;
         self.malformed += malformed;
@@ -281,6 +289,7 @@ impl std::ops::AddAssign for EndpointStats {
         self.control_dropped += control_dropped;
         self.handshake_bytes_in += handshake_bytes_in;
         self.handshake_bytes_out += handshake_bytes_out;
+        self.replayed_requests += replayed_requests;
     }
 }
 
@@ -329,6 +338,16 @@ pub struct Endpoint {
     epoch: Option<Instant>,
     conns: BTreeMap<u32, Connection>,
     by_nonce: HashMap<u64, u32>,
+    /// (cookie bucket, client nonce) of every Request that created a connection after a
+    /// cookie round trip, oldest first, kept while that Request's cookie can still validate
+    /// (the bucket it was accepted in and the next) and at most `max_connections +
+    /// max_half_open` of them: a replay of such a Request after its connection ended is
+    /// recognised by nonce ([`EndpointStats::replayed_requests`]). `cookie_nonces` is the
+    /// same set, for the lookup (nonce → bucket). A connection the application refused
+    /// (or that ended still held) leaves it at once: its client re-sends the Request when
+    /// the Reject is lost and must be refused again, not met with silence.
+    cookie_requests: VecDeque<(u64, u64)>,
+    cookie_nonces: HashMap<u64, u64>,
     pub(crate) mrs: MrTable,
     events: VecDeque<Event>,
     control: VecDeque<ControlPacket>,
@@ -468,6 +487,8 @@ impl Endpoint {
             epoch: None,
             conns: BTreeMap::new(),
             by_nonce: HashMap::default(),
+            cookie_requests: VecDeque::new(),
+            cookie_nonces: HashMap::default(),
             mrs,
             events: VecDeque::new(),
             control: VecDeque::new(),
@@ -1429,6 +1450,11 @@ impl Endpoint {
             c.flush(first, &mut self.events);
             if self.by_nonce.get(&c.nonce) == Some(&conn.0) {
                 self.by_nonce.remove(&c.nonce);
+                if c.held {
+                    // Refused, or ended before the application decided: its Request may
+                    // come again (the Reject was lost) and is decided again.
+                    self.cookie_nonces.remove(&c.nonce);
+                }
             }
             if self.by_peer_qpn.get(&(c.peer, c.peer_qpn)) == Some(&conn.0) {
                 self.by_peer_qpn.remove(&(c.peer, c.peer_qpn));
@@ -1661,6 +1687,27 @@ impl Endpoint {
         })
     }
 
+    /// Forgets the Requests of `cookie_requests` whose cookies no longer
+    /// validate in `bucket`: a cookie accepted in bucket `b` was made in `b` or `b - 1` and
+    /// is good until the end of `b + 1` at the latest.
+    fn expire_cookie_requests(&mut self, bucket: u64) {
+        while let Some(&(b, nonce)) = self.cookie_requests.front() {
+            if b.saturating_add(1) >= bucket {
+                break;
+            }
+            self.cookie_requests.pop_front();
+            self.forget_cookie_nonce(nonce, b);
+        }
+    }
+
+    /// Removes `nonce` from `cookie_nonces` if it is there for `bucket` (not for a later
+    /// Request that reused a nonce forgotten early, see `remove`).
+    fn forget_cookie_nonce(&mut self, nonce: u64, bucket: u64) {
+        if self.cookie_nonces.get(&nonce) == Some(&bucket) {
+            self.cookie_nonces.remove(&nonce);
+        }
+    }
+
     fn handle_request(
         &mut self,
         now: Instant,
@@ -1715,6 +1762,15 @@ impl Endpoint {
             let (bth, hdrs) = reply(ConnectKind::Retry, 0, cookie);
             self.stats.retries_sent += 1;
             self.push_control(peer, bth, hdrs, Trailer::None, local_ip);
+            return;
+        }
+        // A validated Request whose nonce created a connection that has since ended (the
+        // live ones returned above): a replay of a captured handshake while its cookie is
+        // still good, or a late duplicate. Its client never asks twice with one nonce.
+        let bucket = self.cookie_bucket(now);
+        self.expire_cookie_requests(bucket);
+        if need_cookie && self.cookie_nonces.contains_key(&msg.nonce) {
+            self.stats.replayed_requests += 1;
             return;
         }
         // A validated Request with a new nonce from the address and QPN of a live
@@ -1776,6 +1832,16 @@ impl Endpoint {
         self.conns.insert(qpn, conn);
         self.touched(qpn);
         self.by_nonce.insert(msg.nonce, qpn);
+        if need_cookie {
+            let cap = self.cfg.max_connections + self.cfg.max_half_open;
+            while self.cookie_requests.len() >= cap {
+                if let Some((b, old)) = self.cookie_requests.pop_front() {
+                    self.forget_cookie_nonce(old, b);
+                }
+            }
+            self.cookie_requests.push_back((bucket, msg.nonce));
+            self.cookie_nonces.insert(msg.nonce, bucket);
+        }
         self.by_peer_qpn.insert((peer, msg.src_qpn), qpn);
         self.half_open.insert(qpn);
         tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");

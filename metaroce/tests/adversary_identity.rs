@@ -705,3 +705,113 @@ fn half_open_connections_are_bounded_and_expire() {
     // A real client still gets in.
     connect(&mut net, 0, 1);
 }
+
+/// Whether `d` is a connection Request that carries a retry cookie.
+fn is_cookie_request(d: &[u8]) -> bool {
+    wire::Packet::parse(d).is_ok_and(|p| {
+        matches!(p.headers, Headers::Connect(m)
+            if m.kind == ConnectKind::Request && m.cookie != [0; 16])
+    })
+}
+
+/// A captured Request with a valid cookie, replayed after its connection ended while the
+/// cookie is still good, creates nothing (no connection, no `Incoming`; counted as
+/// `replayed_requests`); once the cookie has expired it only earns a fresh Retry. Before
+/// the fix the replay created a new connection its client never asked for.
+#[test]
+fn replayed_request_of_a_closed_connection_creates_nothing() {
+    let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
+    // Capture (and hold back) the first Request with the cookie; the client re-sends it.
+    let mut done = false;
+    net.drop_hook = Some(Box::new(move |i, d| {
+        if i == 0 && !done && is_cookie_request(d) {
+            done = true;
+            return true;
+        }
+        false
+    }));
+    let (c, s) = connect(&mut net, 0, 1);
+    net.drop_hook = None;
+    let req = net
+        .held
+        .pop()
+        .expect("the Request with the cookie was captured");
+    net.eps[0].close(net.now, c);
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| n
+        .lost(1, s)
+        .is_some()));
+    run_within(&mut net, Duration::from_secs(2), |n| {
+        n.eps[0].connections().count() == 0
+    });
+    let n_in = incoming(&net, 1).len();
+    let before = net.eps[1].stats();
+
+    net.deliver(1, req.from, &req.data);
+    pump(&mut net);
+    let st = net.eps[1].stats();
+    assert_eq!(
+        incoming(&net, 1).len(),
+        n_in,
+        "the replay created a connection"
+    );
+    assert_eq!(net.eps[1].connections().count(), 0);
+    assert_eq!(st.replayed_requests - before.replayed_requests, 1);
+
+    // Two cookie lifetimes later the cookie itself is refused (a fresh Retry).
+    net.run_for(2 * EndpointConfig::new(addr(1), PORTS.to_vec()).retry_cookie_lifetime);
+    net.deliver(1, req.from, &req.data);
+    pump(&mut net);
+    let late = net.eps[1].stats();
+    assert_eq!(late.replayed_requests, st.replayed_requests);
+    assert_eq!(late.bad_cookie - st.bad_cookie, 1);
+    assert_eq!(incoming(&net, 1).len(), n_in);
+    // The client connects again at once, with a new nonce.
+    connect(&mut net, 0, 1);
+}
+
+/// The other side of `replayed_request_of_a_closed_connection_creates_nothing`: a Request
+/// the application refused is decided again when it comes back (its Reject was lost and
+/// the client re-sent it), so the client still learns the refusal instead of timing out.
+#[test]
+fn refused_request_resent_after_a_lost_reject_is_refused_again() {
+    let mut server = cfg(1, 2, 2);
+    server.manual_accept = true;
+    let mut net = net_of(vec![cfg(0, 1, 1), server]);
+    let h = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| incoming(
+        n, 1
+    )
+    .len()
+        == 1));
+    let mut done = false;
+    net.drop_hook = Some(Box::new(move |i, d| {
+        let reject = wire::Packet::parse(d).is_ok_and(
+            |p| matches!(p.headers, Headers::Connect(m) if m.kind == ConnectKind::Reject),
+        );
+        if i == 1 && reject && !done {
+            done = true;
+            return true;
+        }
+        false
+    }));
+    let first = incoming(&net, 1)[0];
+    net.eps[1].refuse_incoming(first, 7, b"no").unwrap();
+    assert!(
+        run_within(&mut net, Duration::from_secs(2), |n| incoming(n, 1).len()
+            == 2),
+        "the re-sent Request was not decided again"
+    );
+    assert_eq!(net.eps[1].stats().replayed_requests, 0);
+    let again = incoming(&net, 1)[1];
+    net.eps[1].refuse_incoming(again, 7, b"no").unwrap();
+    assert!(run_within(&mut net, Duration::from_secs(2), |n| n
+        .lost(0, h)
+        .is_some()));
+    assert_eq!(
+        net.lost(0, h),
+        Some(ConnectionError::Rejected {
+            code: 7,
+            reason: Bytes::from_static(b"no")
+        })
+    );
+}

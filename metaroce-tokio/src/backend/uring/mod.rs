@@ -1,25 +1,7 @@
 //! [`UringBackend`]: the same sockets as [`UdpBackend`](super::UdpBackend), driven through
 //! Linux io_uring.
 //!
-//! * **Receive**: one multishot `recvmsg` (`IORING_RECV_MULTISHOT`, Linux 6.0) on the main
-//!   socket, filling buffers from a provided buffer ring (`IORING_REGISTER_PBUF_RING`, 5.19):
-//!   the kernel posts one completion per datagram (or GRO batch) without a system call per
-//!   receive. The completion queue's fd is registered with tokio's reactor.
-//! * **Send**: each transmit becomes one `sendmsg` per GSO batch (`UDP_SEGMENT` control
-//!   message, up to 64 segments / 65 507 bytes), queued in the submission ring and submitted
-//!   in one `io_uring_enter` per driver flush ([`DatagramBackend::flush`]), or earlier when
-//!   the ring fills. Batches of at least [`UringConfig::zero_copy_min_bytes`] use
-//!   `IORING_OP_SENDMSG_ZC` (6.1) when the kernel has it.
-//! * **Fallback**: [`UringBackend::bind`] fails with [`io::ErrorKind::Unsupported`] and a
-//!   message naming the cause when io_uring is missing or forbidden (ENOSYS, EPERM from
-//!   seccomp or `kernel.io_uring_disabled`, kernels before 6.0), or when
-//!   [`UringConfig::disabled`] / `METAROCE_IO_URING=0` forces it off;
-//!   [`bind_backend`](super::bind_backend) then binds a [`UdpBackend`](super::UdpBackend).
-//!
-//! Copies: the kernel copies each sent datagram once (as with `sendmsg`) after the backend
-//! copied it into a send slot; received bytes are copied once from the provided buffer into
-//! the caller's buffer. Send errors are reported by completions after `poll_send` returned,
-//! so they are counted ([`UringBackend::send_errors`]) like lost packets.
+//! What it does and the kernels it needs are on [`UringBackend`] (this module is private).
 
 use std::fmt;
 use std::io::{self, IoSliceMut};
@@ -176,8 +158,27 @@ struct Inner {
 /// A set of UDP sockets (main socket plus per-path send sockets, as
 /// [`UdpBackend`](super::UdpBackend)) whose I/O goes through one io_uring instance.
 ///
-/// Must be created inside a tokio runtime. See the [module documentation](self) for the
-/// operations used and the kernels they need.
+/// Must be created inside a tokio runtime.
+///
+/// * **Receive**: one multishot `recvmsg` (`IORING_RECV_MULTISHOT`, Linux 6.0) on the main
+///   socket, filling buffers from a provided buffer ring (`IORING_REGISTER_PBUF_RING`, 5.19):
+///   the kernel posts one completion per datagram (or GRO batch) without a system call per
+///   receive. The completion queue's fd is registered with tokio's reactor.
+/// * **Send**: each transmit becomes one `sendmsg` per GSO batch (`UDP_SEGMENT` control
+///   message, up to 64 segments / 65 507 bytes), queued in the submission ring and submitted
+///   in one `io_uring_enter` per driver flush ([`DatagramBackend::flush`]), or earlier when
+///   the ring fills. Batches of at least [`UringConfig::zero_copy_min_bytes`] use
+///   `IORING_OP_SENDMSG_ZC` (6.1) when the kernel has it.
+/// * **Fallback**: [`UringBackend::bind`] fails with [`io::ErrorKind::Unsupported`] and a
+///   message naming the cause when io_uring is missing or forbidden (ENOSYS, EPERM from
+///   seccomp or `kernel.io_uring_disabled`, kernels before 6.0), or when
+///   [`UringConfig::disabled`] / `METAROCE_IO_URING=0` forces it off;
+///   [`bind_backend`](super::bind_backend) then binds a [`UdpBackend`](super::UdpBackend).
+///
+/// Copies: the kernel copies each sent datagram once (as with `sendmsg`) after the backend
+/// copied it into a send slot; received bytes are copied once from the provided buffer into
+/// the caller's buffer. Send errors are reported by completions after `poll_send` returned,
+/// so they are counted ([`UringBackend::send_errors`]) like lost packets.
 pub struct UringBackend {
     // Reactor registrations first: they are dropped (deregistered) before the ring closes.
     recv_fd: AsyncFd<OwnedFd>,
