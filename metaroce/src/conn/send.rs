@@ -900,6 +900,20 @@ impl SendQueue {
                         self.flow_release(stream);
                         continue;
                     }
+                    if self.flow_probe.get(&stream) == Some(&s) {
+                        // The probe itself, back from an RNR wait (the receiver refused it
+                        // again, e.g. with a plain RNR NAK: no receive posted yet). It
+                        // stays the probe and is sent again; parking it too would leave
+                        // the stream with nothing to wake it (a stall).
+                        if let Some(r) = self
+                            .op_mut(s.op)
+                            .and_then(|o| o.rnr.get_mut(s.seg as usize))
+                        {
+                            r.phase = RnrPhase::Resent;
+                        }
+                        self.on_lost(s);
+                        continue;
+                    }
                     // Park it; unless another segment of the stream already probes, the
                     // earliest parked segment (of the earliest refused message, the one the
                     // receiver admits first) becomes the probe.
