@@ -176,6 +176,59 @@ fn unconsumed_bytes_are_released_by_consumption() {
     assert_eq!(p.eps[1].connection_stats(b).unwrap().recv.buffered_bytes, 0);
 }
 
+/// The limits of the slow-reader tests: 4 KiB path MTU, `explicit_consume`, 256 KiB per
+/// stream.
+fn slow_reader_limits(c: &mut metaroce::EndpointConfig) {
+    c.transport.pmtu = 4096;
+    c.transport.explicit_consume = true;
+    c.transport.max_stream_recv_bytes = 256 << 10;
+}
+
+/// A posts `n` messages of 64 KiB on stream 1 of `(a, b)`; B reads like a slow reader,
+/// consuming what it got once every `every` of virtual time. Every message must arrive
+/// within 60 s of virtual time.
+fn slow_reader_receives_all(
+    p: &mut Pair,
+    (a, b): (metaroce::ConnectionHandle, metaroce::ConnectionHandle),
+    seed: u64,
+    n: usize,
+    every: Duration,
+) {
+    for i in 0..n {
+        p.eps[0]
+            .post_send(a, 1, i as u64, Bytes::from(vec![i as u8; 64 << 10]))
+            .unwrap();
+    }
+    let (mut seen, mut owed, mut got) = (0usize, 0u64, 0usize);
+    let mut next_consume = p.now;
+    let limit = p.now + Duration::from_secs(60);
+    while got < n && p.now < limit {
+        if !p.step() {
+            break;
+        }
+        for e in &p.events[1][seen..] {
+            if let Event::Message { data, .. } = e {
+                owed += data.len() as u64;
+                got += 1;
+            }
+        }
+        seen = p.events[1].len();
+        if p.now >= next_consume && owed > 0 {
+            p.eps[1].stream_consumed(b, 1, owed);
+            owed = 0;
+            next_consume = p.now + every;
+        }
+    }
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(
+        got,
+        n,
+        "seed {seed}: {got} of {n} messages after {:?} (flow RNR NAKs {})",
+        p.now - p.start,
+        st.flow_rnr_naks
+    );
+}
+
 /// Flow control under duplication and reordering (duplicate and late flow-control RNR
 /// NAKs, spurious copies of a probe): a slow reader that consumes every 2 ms of virtual
 /// time still receives every message; the sender's flow-control wait must never lose its
@@ -186,9 +239,7 @@ fn a_slow_reader_under_duplication_and_reordering_receives_everything() {
         let mut a = config(0, 300 + seed);
         let mut b = config(1, 300 + seed);
         for c in [&mut a, &mut b] {
-            c.transport.pmtu = 4096;
-            c.transport.explicit_consume = true;
-            c.transport.max_stream_recv_bytes = 256 << 10;
+            slow_reader_limits(c);
         }
         let impair = Impair {
             dup: 0.3,
@@ -198,40 +249,7 @@ fn a_slow_reader_under_duplication_and_reordering_receives_everything() {
         };
         let mut p = Pair::impaired_with_configs(300 + seed, impair, a, b);
         let (a, b) = p.connect();
-        let n = 64usize;
-        for i in 0..n {
-            p.eps[0]
-                .post_send(a, 1, i as u64, Bytes::from(vec![i as u8; 64 << 10]))
-                .unwrap();
-        }
-        let (mut seen, mut owed, mut got) = (0usize, 0u64, 0usize);
-        let mut next_consume = p.now;
-        let limit = p.now + Duration::from_secs(60);
-        while got < n && p.now < limit {
-            if !p.step() {
-                break;
-            }
-            for e in &p.events[1][seen..] {
-                if let Event::Message { data, .. } = e {
-                    owed += data.len() as u64;
-                    got += 1;
-                }
-            }
-            seen = p.events[1].len();
-            if p.now >= next_consume && owed > 0 {
-                p.eps[1].stream_consumed(b, 1, owed);
-                owed = 0;
-                next_consume = p.now + Duration::from_millis(2);
-            }
-        }
-        let st = p.eps[1].connection_stats(b).unwrap().recv;
-        assert_eq!(
-            got,
-            n,
-            "seed {seed}: {got} of {n} messages after {:?} (flow RNR NAKs {})",
-            p.now - p.start,
-            st.flow_rnr_naks
-        );
+        slow_reader_receives_all(&mut p, (a, b), seed, 64, Duration::from_millis(2));
     }
 }
 
@@ -248,9 +266,7 @@ fn a_late_duplicate_flow_rnr_nak_does_not_lose_the_probe() {
         let mut a = net_config(0, 400 + seed);
         let mut b = net_config(1, 400 + seed);
         for c in [&mut a, &mut b] {
-            c.transport.pmtu = 4096;
-            c.transport.explicit_consume = true;
-            c.transport.max_stream_recv_bytes = 256 << 10;
+            slow_reader_limits(c);
         }
         let mut p = Net::with_configs(400 + seed, a, b);
         let (a, b) = p.connect();
@@ -261,40 +277,7 @@ fn a_late_duplicate_flow_rnr_nak_does_not_lose_the_probe() {
                 after: Duration::from_millis(5),
             },
         ));
-        let n = 48usize;
-        for i in 0..n {
-            p.eps[0]
-                .post_send(a, 1, i as u64, Bytes::from(vec![i as u8; 64 << 10]))
-                .unwrap();
-        }
-        let (mut seen, mut owed, mut got) = (0usize, 0u64, 0usize);
-        let mut next_consume = p.now;
-        let limit = p.now + Duration::from_secs(60);
-        while got < n && p.now < limit {
-            if !p.step() {
-                break;
-            }
-            for e in &p.events[1][seen..] {
-                if let Event::Message { data, .. } = e {
-                    owed += data.len() as u64;
-                    got += 1;
-                }
-            }
-            seen = p.events[1].len();
-            if p.now >= next_consume && owed > 0 {
-                p.eps[1].stream_consumed(b, 1, owed);
-                owed = 0;
-                next_consume = p.now + Duration::from_millis(3);
-            }
-        }
-        let st = p.eps[1].connection_stats(b).unwrap().recv;
-        assert_eq!(
-            got,
-            n,
-            "seed {seed}: {got} of {n} messages after {:?} (flow RNR NAKs {})",
-            p.now - p.start,
-            st.flow_rnr_naks
-        );
+        slow_reader_receives_all(&mut p, (a, b), seed, 48, Duration::from_millis(3));
     }
 }
 
