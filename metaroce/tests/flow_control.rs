@@ -464,3 +464,50 @@ fn a_smaller_receiver_stream_window_refuses_with_rnr_and_every_message_completes
         "{most_sent} packets sent while the receiver waited"
     );
 }
+
+/// Figures of the stream-window refusal when the sender's pipeline is far deeper than the
+/// receiver's window (16 messages) and packets are reordered: every SEND completes Success
+/// and every message arrives in order; printed: the virtual time and the refusals (each a
+/// data packet re-sent and a NAK). A guard and a figure, it passes with the old silent drop
+/// too: there congestion control, taking the drops for loss, kept the pipeline shallow.
+#[test]
+fn a_deep_pipeline_into_a_small_stream_window_completes() {
+    for (n, len) in [(5000usize, 64usize), (3000, 3000)] {
+        let a = config(0, 5);
+        let mut b = config(1, 5);
+        b.transport.max_stream_window = 16;
+        let impair = Impair {
+            reorder: 0.3,
+            ..Impair::default()
+        };
+        let mut p = Pair::impaired_with_configs(5, impair, a, b);
+        let (a, b) = p.connect();
+        for i in 0..n {
+            let m = Bytes::from(metaroce::testing::pattern(i as u64, len));
+            p.eps[0].post_send(a, 1, i as u64, m).unwrap();
+        }
+        let t0 = p.now;
+        let limit = p.elapsed() + Duration::from_secs(60);
+        p.run_until(limit, |q| q.completions(0, a).len() == n);
+        let wcs = p.completions(0, a);
+        assert!(
+            wcs.len() == n && wcs.iter().all(|w| w.status == WcStatus::Success),
+            "{} of {n} SENDs completed, lost {:?}",
+            wcs.len(),
+            p.lost(0, a)
+        );
+        let got = p.messages(1, b).remove(&1).unwrap_or_default();
+        assert_eq!(got.len(), n);
+        assert!(got
+            .iter()
+            .enumerate()
+            .all(|(i, m)| m[..] == metaroce::testing::pattern(i as u64, len)[..]));
+        let st = p.eps[1].connection_stats(b).unwrap().recv;
+        println!(
+            "{n} x {len} B into a 16-message stream window, 30 % reordering: done in {:?} \
+             (virtual), {} stream-window refusals",
+            p.now - t0,
+            st.stream_window_naks
+        );
+    }
+}
