@@ -40,8 +40,12 @@ fn bench_gets_a_figure_from_every_metaroce_measure() {
     );
     for m in measures {
         assert_eq!(m["errors"].as_array().map(Vec::len), Some(0), "{m}");
-        let median = m["median"].as_f64().unwrap_or(0.0);
-        assert!(median > 0.0, "no figure: {m}");
+        // A figure, not a speed check: present, finite, not negative.
+        let median = m["median"].as_f64();
+        assert!(
+            median.is_some_and(|v| v.is_finite() && v >= 0.0),
+            "no figure: {m}"
+        );
         let samples = m["samples"].as_array().unwrap();
         assert_eq!(samples.len(), 1, "{m}");
         assert!(samples[0]["packets"].as_u64().unwrap_or(0) > 0, "{m}");

@@ -5,8 +5,8 @@
 mod common;
 
 use common::{
-    assert_usage_error, free_tcp_port, free_udp_port, perf, server_output, spawn_server, stderr,
-    stdout, temp_path, BW_HEADER,
+    assert_usage_error, figure, free_tcp_port, free_udp_port, perf, server_output, spawn_server,
+    stderr, stdout, temp_path, BW_HEADER,
 };
 
 const LAT_HEADER: &str = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec]";
@@ -71,11 +71,14 @@ fn run_verified(test: &str, mode: &str, extra: &[&str]) -> String {
     if bw {
         let r = &doc["bw"][0];
         assert_eq!(r["checksum_ok"], true);
-        assert!(r["bw_avg_mib_per_sec"].as_f64().unwrap() > 0.0);
+        assert!(r["bytes"].as_u64().is_some_and(|b| b > 0), "{r}");
+        assert!(r["iterations"].as_u64().is_some_and(|n| n > 0), "{r}");
+        figure(r["bw_avg_mib_per_sec"].as_f64(), "bw_avg_mib_per_sec");
     } else {
         let r = &doc["latency"][0];
         assert_eq!(r["ok"], true);
-        assert!(r["t_min_usec"].as_f64().unwrap() > 0.0);
+        let min = figure(r["t_min_usec"].as_f64(), "t_min_usec");
+        assert!(min <= figure(r["t_max_usec"].as_f64(), "t_max_usec"), "{r}");
     }
     if mode == "rocev2" {
         assert_eq!(doc["paths"], 1);
@@ -323,7 +326,7 @@ fn compare_modes_prints_six_rows() {
         assert_eq!((w[0], w[1]), (mode, loss), "{r}");
         assert_eq!(w[2], "4096", "{r}");
         assert_eq!(w[3], "40", "{r}");
-        assert!(w[4].parse::<f64>().unwrap() > 0.0, "{r}");
+        figure(w[4].parse().ok(), r);
         assert!(w[7].ends_with('%'), "goodput: {r}");
         assert_eq!(*w.last().unwrap(), "OK", "{r}");
     }

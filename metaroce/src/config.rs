@@ -222,8 +222,10 @@ pub struct TransportConfig {
     /// 100 Gbit/s over a 1 ms path, enough to keep one stream at line rate, small enough
     /// that 16 unread streams fill only the default 256 MiB connection budget.
     pub max_stream_recv_bytes: u64,
-    /// How far ahead of the next in-order message a stream accepts messages, in messages.
-    /// Default 1024.
+    /// How far ahead of the next in-order message a stream accepts messages, in messages
+    /// (0 acts as 1: the next message due is always accepted). A SEND packet of a message
+    /// further ahead is refused with a flow-control RNR NAK, never acknowledged: the
+    /// sender waits and re-sends it, so the peers' windows need not match. Default 1024.
     pub max_stream_window: u32,
     /// Most streams a peer may open on one connection. Default 65 536.
     pub max_streams: u32,

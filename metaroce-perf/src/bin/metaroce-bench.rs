@@ -222,21 +222,32 @@ fn perf_run(
     })
 }
 
-/// User + system CPU seconds of this process's waited-for children so far (`cutime` +
-/// `cstime` of `/proc/self/stat`, in USER_HZ = 100 ticks per second, the unit Linux uses
+/// CPU seconds in `/proc/self/stat`: the sum of the two tick fields at `index` and
+/// `index + 1`, counting from the field after the command name's closing parenthesis
+/// (field 3, state, is index 0), in USER_HZ = 100 ticks per second (the unit Linux uses
 /// there whatever the kernel's HZ); 0 where unreadable.
-fn children_cpu_s() -> f64 {
+fn proc_stat_cpu_s(index: usize) -> f64 {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return 0.0;
     };
-    // Fields after the command name's closing parenthesis start at field 3 (state).
     let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
         return 0.0;
     };
     let f: Vec<&str> = rest.split_whitespace().collect();
     let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    // Field 16 (cutime) is index 13 here, 17 (cstime) index 14.
-    (tick(13) + tick(14)) as f64 / 100.0
+    (tick(index) + tick(index + 1)) as f64 / 100.0
+}
+
+/// User + system CPU seconds of this process's waited-for children so far (fields 16
+/// and 17 of `/proc/self/stat`, `cutime` + `cstime`).
+fn children_cpu_s() -> f64 {
+    proc_stat_cpu_s(13)
+}
+
+/// User + system CPU seconds of this process so far (fields 14 and 15 of
+/// `/proc/self/stat`, `utime` + `stime`).
+fn self_cpu_s() -> f64 {
+    proc_stat_cpu_s(11)
 }
 
 /// [`perf_run`], with the figure divided by the child's CPU seconds: `per(doc)` is the
@@ -269,6 +280,32 @@ fn strings(s: &str) -> Vec<String> {
     s.split_whitespace().map(String::from).collect()
 }
 
+/// The figure a [`perf_run`] reads from `metaroce-perf`'s JSON report: (value, packets).
+type Pick = fn(&serde_json::Value) -> Option<(f64, u64)>;
+
+/// A measure of one `metaroce-perf` run with `args` (`per_cpu`: its figure divided by the
+/// child's CPU seconds, [`perf_run_per_cpu`]), the figure read by `pick`.
+fn perf_measure(
+    name: String,
+    unit: &'static str,
+    args: String,
+    per_cpu: bool,
+    pick: Pick,
+) -> Measure {
+    Measure {
+        name: Box::leak(name.into()),
+        unit,
+        command: format!("metaroce-perf {args}"),
+        run: Box::new(move |ctx| {
+            if per_cpu {
+                perf_run_per_cpu(ctx, &strings(&args), pick)
+            } else {
+                perf_run(ctx, &strings(&args), pick)
+            }
+        }),
+    }
+}
+
 fn metaroce_measures(scale: u64) -> Vec<Measure> {
     let mut v = Vec::new();
     for be in ["udp", "uring"] {
@@ -276,25 +313,6 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             "write_bw -s 1048576 -n {} --paths 8 --backend {be}",
             1024 / scale
         );
-        let bulk_cpu = bulk.clone();
-        v.push(Measure {
-            name: if be == "udp" {
-                "metaroce_bulk_udp"
-            } else {
-                "metaroce_bulk_uring"
-            },
-            unit: "Gbit/s",
-            command: format!("metaroce-perf {bulk}"),
-            run: Box::new(move |ctx| {
-                perf_run(ctx, &strings(&bulk), |d| {
-                    let r = &d["bw"][0];
-                    Some((
-                        r["bw_avg_gbit_per_sec"].as_f64()?,
-                        r["iterations"].as_u64()? * 256,
-                    ))
-                })
-            }),
-        });
         let rate = format!(
             "write_bw -s 64 -n {} --paths 8 --backend {be}",
             200_000 / scale
@@ -305,71 +323,63 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             "write_bw -s 64 -n {} --paths 8 --backend {be}",
             1_000_000 / scale
         );
-        v.push(Measure {
-            name: if be == "udp" {
-                "metaroce_rate64_udp"
-            } else {
-                "metaroce_rate64_uring"
-            },
-            unit: "packets/s",
-            command: format!("metaroce-perf {rate}"),
-            run: Box::new(move |ctx| {
-                perf_run(ctx, &strings(&rate), |d| {
-                    let r = &d["bw"][0];
-                    Some((
-                        r["msg_rate_mpps"].as_f64()? * 1e6,
-                        r["iterations"].as_u64()?,
-                    ))
-                })
-            }),
-        });
-        v.push(Measure {
-            name: if be == "udp" {
-                "metaroce_bulk_udp_cpu"
-            } else {
-                "metaroce_bulk_uring_cpu"
-            },
-            unit: "Gbit/CPU-s",
-            command: format!("metaroce-perf {bulk_cpu}"),
-            run: Box::new(move |ctx| {
-                perf_run_per_cpu(ctx, &strings(&bulk_cpu), |d| {
-                    let r = &d["bw"][0];
-                    let it = r["iterations"].as_u64()?;
-                    Some((it as f64 * 1048576.0 * 8.0 / 1e9, it * 256))
-                })
-            }),
-        });
-        v.push(Measure {
-            name: if be == "udp" {
-                "metaroce_rate64_udp_cpu"
-            } else {
-                "metaroce_rate64_uring_cpu"
-            },
-            unit: "packets/CPU-s",
-            command: format!("metaroce-perf {rate_cpu}"),
-            run: Box::new(move |ctx| {
-                perf_run_per_cpu(ctx, &strings(&rate_cpu), |d| {
-                    let it = d["bw"][0]["iterations"].as_u64()?;
-                    Some((it as f64, it))
-                })
-            }),
-        });
         let lat = format!("send_lat -s 64 -n {} --backend {be}", 10_000 / scale);
-        v.push(Measure {
-            name: if be == "udp" {
-                "metaroce_rtt64_udp"
-            } else {
-                "metaroce_rtt64_uring"
+        v.push(perf_measure(
+            format!("metaroce_bulk_{be}"),
+            "Gbit/s",
+            bulk.clone(),
+            false,
+            |d| {
+                let r = &d["bw"][0];
+                Some((
+                    r["bw_avg_gbit_per_sec"].as_f64()?,
+                    r["iterations"].as_u64()? * 256,
+                ))
             },
-            unit: "us RTT",
-            command: format!("metaroce-perf {lat}"),
-            run: Box::new(move |ctx| {
-                perf_run(ctx, &strings(&lat), |d| {
-                    let l = &d["latency"][0];
-                    Some((l["t_typical_usec"].as_f64()? * 2.0, l["samples"].as_u64()?))
-                })
-            }),
-        });
+        ));
+        v.push(perf_measure(
+            format!("metaroce_rate64_{be}"),
+            "packets/s",
+            rate,
+            false,
+            |d| {
+                let r = &d["bw"][0];
+                Some((
+                    r["msg_rate_mpps"].as_f64()? * 1e6,
+                    r["iterations"].as_u64()?,
+                ))
+            },
+        ));
+        v.push(perf_measure(
+            format!("metaroce_bulk_{be}_cpu"),
+            "Gbit/CPU-s",
+            bulk,
+            true,
+            |d| {
+                let it = d["bw"][0]["iterations"].as_u64()?;
+                Some((it as f64 * 1048576.0 * 8.0 / 1e9, it * 256))
+            },
+        ));
+        v.push(perf_measure(
+            format!("metaroce_rate64_{be}_cpu"),
+            "packets/CPU-s",
+            rate_cpu,
+            true,
+            |d| {
+                let it = d["bw"][0]["iterations"].as_u64()?;
+                Some((it as f64, it))
+            },
+        ));
+        v.push(perf_measure(
+            format!("metaroce_rtt64_{be}"),
+            "us RTT",
+            lat,
+            false,
+            |d| {
+                let l = &d["latency"][0];
+                Some((l["t_typical_usec"].as_f64()? * 2.0, l["samples"].as_u64()?))
+            },
+        ));
     }
     v
 }
@@ -840,21 +850,6 @@ fn backend_measures(scale: u64) -> Vec<Measure> {
         }
     }
     v
-}
-
-/// User + system CPU seconds of this process so far (`utime` + `stime` of
-/// `/proc/self/stat`, USER_HZ = 100); 0 where unreadable.
-fn self_cpu_s() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
-        return 0.0;
-    };
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-        return 0.0;
-    };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    // Field 14 (utime) is index 11 here, 15 (stime) index 12.
-    (tick(11) + tick(12)) as f64 / 100.0
 }
 
 /// One backend sending `n` datagrams of `size` bytes to another of the same kind over 8

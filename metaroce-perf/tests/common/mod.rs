@@ -36,6 +36,16 @@ pub fn temp_path(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("metaroce-perf-{}-{name}", std::process::id()))
 }
 
+/// A measured figure the tool printed or wrote (a bandwidth, a message rate, a time):
+/// present, finite and not negative; returns it. Not a speed check: on a loaded machine a
+/// rate printed with a few decimals rounds to 0, and asserting it positive asserted a
+/// wall-clock speed (the all-reduce test failed that way).
+pub fn figure(v: Option<f64>, what: &str) -> f64 {
+    let v = v.unwrap_or_else(|| panic!("{what}: not a number"));
+    assert!(v.is_finite() && v >= 0.0, "{what}: {v}");
+    v
+}
+
 pub const BW_HEADER: &str =
     " #bytes     #iterations    BW peak[MiB/sec]    BW average[MiB/sec]   MsgRate[Mpps]";
 

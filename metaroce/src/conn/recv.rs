@@ -324,9 +324,12 @@ pub struct RecvStats {
     pub write_bytes: u64,
     /// Packets whose data had already been placed (retransmissions that crossed).
     pub duplicates: u64,
-    /// Packets refused for lack of receive buffer (with a flow-control RNR NAK) or dropped
-    /// for lack of stream window, without `explicit_consume`.
+    /// Packets refused for lack of receive buffer (with a flow-control RNR NAK), without
+    /// `explicit_consume`, or dropped for lack of WRITE tracking room.
     pub no_buffer_drops: u64,
+    /// SEND packets refused with a flow-control RNR NAK because their message is
+    /// `max_stream_window` or more messages ahead of the next one due on its stream.
+    pub stream_window_naks: u64,
     /// NAKs sent.
     pub naks: u64,
     /// RNR NAKs sent (a SEND found no posted receive).
@@ -676,7 +679,10 @@ impl RecvState {
             // skip it, so later messages of the stream are not stuck behind it.
             let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
             let room = ahead == 0 || self.buf.refused < lim.max_tracked_ops as usize;
-            if ahead < lim.max_stream_window && room && st.refused.insert(hdr.msg_seq) {
+            if (ahead == 0 || ahead < lim.max_stream_window)
+                && room
+                && st.refused.insert(hdr.msg_seq)
+            {
                 self.buf.refused += 1;
                 if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
                     self.buf.release_msg(st, &msg);
@@ -703,9 +709,14 @@ impl RecvState {
             return RxOutcome::Accepted;
         }
         let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
-        if ahead >= lim.max_stream_window {
-            self.stats.no_buffer_drops += 1;
-            return RxOutcome::Drop;
+        if ahead != 0 && ahead >= lim.max_stream_window {
+            // Too far ahead of delivery (the peer's window may be larger than ours): refuse
+            // with a flow-control RNR NAK, never acknowledged, so the sender waits and
+            // re-sends it once delivery has moved on. A silent drop cost the sender its
+            // retry budget and the connection (RetryExceeded). The next message due is
+            // always admitted, so a window of 0 acts as 1.
+            self.stats.stream_window_naks += 1;
+            return RxOutcome::FlowRnr;
         }
         let nsegs = hdr.msg_len.div_ceil(lim.pmtu).max(1);
         if !st.msgs.contains_key(&hdr.msg_seq) {

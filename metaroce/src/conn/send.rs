@@ -605,18 +605,24 @@ impl SendQueue {
         }
     }
 
+    /// Segment `s`, done waiting out an RNR NAK, goes back to the retransmission queue; an
+    /// RNR NAK for a copy sent before now is stale (`RnrPhase::Resent`).
+    fn resend_after_rnr(&mut self, s: SegRef) {
+        if let Some(r) = self
+            .op_mut(s.op)
+            .and_then(|o| o.rnr.get_mut(s.seg as usize))
+        {
+            r.phase = RnrPhase::Resent;
+        }
+        self.on_lost(s);
+    }
+
     /// End the flow-control wait of `stream`: every parked segment is re-sent.
     fn flow_release(&mut self, stream: u64) {
         self.flow_wait.remove(&stream);
         self.flow_probe.remove(&stream);
         for p in self.flow_parked.remove(&stream).unwrap_or_default() {
-            if let Some(r) = self
-                .op_mut(p.op)
-                .and_then(|o| o.rnr.get_mut(p.seg as usize))
-            {
-                r.phase = RnrPhase::Resent;
-            }
-            self.on_lost(p);
+            self.resend_after_rnr(p);
         }
     }
 
@@ -665,6 +671,7 @@ impl SendQueue {
             return;
         }
         op.status = Some(status);
+        let flow = flow_key(&op.kind);
         let (rd, started, internal, response) = (
             op.kind.is_rd_atomic(),
             op.next_seg > 0,
@@ -694,6 +701,15 @@ impl SendQueue {
         }
         if response {
             self.internal_pending -= 1;
+        }
+        if let Some(key) = flow {
+            if self.flow_probe.get(&key).is_some_and(|p| p.op == id) {
+                // The probe's operation ended without the probe being acknowledged (a NAK
+                // failed it, e.g. a length error at the receive it reached): nothing else
+                // would wake the segments parked behind it. End the wait; any of them
+                // refused again starts a new one.
+                self.flow_release(key);
+            }
         }
     }
 
@@ -900,6 +916,14 @@ impl SendQueue {
                         self.flow_release(stream);
                         continue;
                     }
+                    if self.flow_probe.get(&stream) == Some(&s) {
+                        // The probe itself, back from an RNR wait (the receiver refused it
+                        // again, e.g. with a plain RNR NAK: no receive posted yet). It
+                        // stays the probe and is sent again; parking it too would leave
+                        // the stream with nothing to wake it (a stall).
+                        self.resend_after_rnr(s);
+                        continue;
+                    }
                     // Park it; unless another segment of the stream already probes, the
                     // earliest parked segment (of the earliest refused message, the one the
                     // receiver admits first) becomes the probe.
@@ -914,22 +938,10 @@ impl SendQueue {
                     };
                     let probe = parked.swap_remove(k);
                     self.flow_probe.insert(stream, probe);
-                    if let Some(r) = self
-                        .op_mut(probe.op)
-                        .and_then(|o| o.rnr.get_mut(probe.seg as usize))
-                    {
-                        r.phase = RnrPhase::Resent;
-                    }
-                    self.on_lost(probe);
+                    self.resend_after_rnr(probe);
                     continue;
                 }
-                if let Some(r) = self
-                    .op_mut(s.op)
-                    .and_then(|o| o.rnr.get_mut(s.seg as usize))
-                {
-                    r.phase = RnrPhase::Resent;
-                }
-                self.on_lost(s);
+                self.resend_after_rnr(s);
             } else {
                 keep.push_back((t, s));
             }
