@@ -35,6 +35,25 @@ fn pair(pd: &Pd, a: QpConfig, b: QpConfig) -> (RcQp, RcQp) {
     (qa, qb)
 }
 
+/// A QP pair whose first SEND (returned) stays in flight, holding `qa`'s only send slot:
+/// the peer posts no receive and the sender retries RNR forever.
+fn stuck_send(pd: &Pd, poll: CqPoll) -> (RcQp, RcQp, metaroce_verbs::OpFuture) {
+    let a = QpConfig {
+        send_slots: 1,
+        rnr_retry: 7,
+        poll,
+        ..QpConfig::default()
+    };
+    let b = QpConfig {
+        recv_slots: 0,
+        min_rnr_timer: 1,
+        ..QpConfig::default()
+    };
+    let (qa, qb) = pair(pd, a, b);
+    let stuck = qa.post_send(b"first", None).unwrap();
+    (qa, qb, stuck)
+}
+
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
     (0..n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -238,21 +257,12 @@ async fn busy_spin_echo_on_its_own_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn busy_spin_a_sleeper_is_served_after_the_last_spinner_leaves() {
     let Some((_ctx, pd)) = device() else { return };
-    let a = QpConfig {
-        send_slots: 1,
-        rnr_retry: 7,
-        poll: CqPoll::BusySpin {
+    let (qa, qb, stuck) = stuck_send(
+        &pd,
+        CqPoll::BusySpin {
             max: Duration::from_secs(30),
         },
-        ..QpConfig::default()
-    };
-    let b = QpConfig {
-        recv_slots: 0,
-        min_rnr_timer: 1,
-        ..QpConfig::default()
-    };
-    let (qa, qb) = pair(&pd, a, b);
-    let stuck = qa.post_send(b"first", None).unwrap();
+    );
     let qa_spin = qa.clone();
     let spinner = tokio::spawn(async move { qa_spin.recv().await.map(|m| m.data) });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -539,20 +549,7 @@ async fn send_to_dropped_peer_fails_in_bounded_time() {
 #[tokio::test]
 async fn send_waits_for_a_free_slot_and_is_flushed_on_error() {
     let Some((_ctx, pd)) = device() else { return };
-    // The peer posts no receive and the sender retries RNR forever: the first SEND stays
-    // in flight, holding the only send slot.
-    let a = QpConfig {
-        send_slots: 1,
-        rnr_retry: 7,
-        ..QpConfig::default()
-    };
-    let b = QpConfig {
-        recv_slots: 0,
-        min_rnr_timer: 1,
-        ..QpConfig::default()
-    };
-    let (qa, _qb) = pair(&pd, a, b);
-    let stuck = qa.post_send(b"first", None).unwrap();
+    let (qa, _qb, stuck) = stuck_send(&pd, CqPoll::Events);
     assert!(matches!(
         qa.post_send(b"no slot", None),
         Err(Error::SendQueueFull)
