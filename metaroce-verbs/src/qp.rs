@@ -1476,27 +1476,19 @@ impl RcQp {
     /// Cancel safe: a message is taken only when this returns.
     pub async fn recv(&self) -> Result<Message> {
         let (wc, slot) = self.next_recv().await?;
-        let s = self.s();
-        let msg = if wc.opcode == WcOpcode::RdmaWriteWithImm {
-            Message {
-                data: Bytes::new(),
-                imm: wc.imm,
-                is_write_imm: true,
-                write_len: wc.byte_len,
-            }
+        let n = if wc.opcode == WcOpcode::RdmaWriteWithImm {
+            0
         } else {
-            let n = (wc.byte_len as usize).min(s.cfg.slot_size as usize);
-            let mut v = vec![0u8; n];
-            self.read_recv_slot(slot, &mut v);
-            Message {
-                data: v.into(),
-                imm: wc.imm,
-                is_write_imm: false,
-                write_len: 0,
-            }
+            (wc.byte_len as usize).min(self.s().cfg.slot_size as usize)
         };
-        self.repost_recv(slot)?;
-        Ok(msg)
+        let mut v = vec![0u8; n];
+        let info = self.finish_recv(&wc, slot, &mut v)?;
+        Ok(Message {
+            data: v.into(),
+            imm: info.imm,
+            is_write_imm: info.is_write_imm,
+            write_len: if info.is_write_imm { info.byte_len } else { 0 },
+        })
     }
 
     /// The next received message, in order, copied into `buf` (no allocation: what a
@@ -1511,41 +1503,35 @@ impl RcQp {
     /// Cancel safe: a message is taken only when this returns.
     pub async fn recv_into(&self, buf: &mut [u8]) -> Result<RecvInfo> {
         let (wc, slot) = self.next_recv().await?;
-        let info = if wc.opcode == WcOpcode::RdmaWriteWithImm {
-            RecvInfo {
-                len: 0,
-                byte_len: wc.byte_len,
-                imm: wc.imm,
-                is_write_imm: true,
-            }
+        self.finish_recv(&wc, slot, buf)
+    }
+
+    /// Copies the message of receive `wc` (in `slot`) into `buf` (as much as fits; nothing
+    /// for a WRITE_WITH_IMM, whose bytes are in the MR) and reposts the slot. Shared by
+    /// [`RcQp::recv`] and [`RcQp::recv_into`].
+    fn finish_recv(&self, wc: &Wc, slot: u32, buf: &mut [u8]) -> Result<RecvInfo> {
+        let s = self.s();
+        let is_write_imm = wc.opcode == WcOpcode::RdmaWriteWithImm;
+        let len = if is_write_imm {
+            0
         } else {
             let n = (wc.byte_len as usize)
-                .min(self.s().cfg.slot_size as usize)
+                .min(s.cfg.slot_size as usize)
                 .min(buf.len());
-            self.read_recv_slot(slot, &mut buf[..n]);
-            RecvInfo {
-                len: n,
-                byte_len: wc.byte_len,
-                imm: wc.imm,
-                is_write_imm: false,
-            }
+            let pool = s.recv_pool.as_ref().expect("next_recv checked recv_slots");
+            pool.buf()
+                .read(slot as usize * s.cfg.slot_size as usize, &mut buf[..n]);
+            n
         };
-        self.repost_recv(slot)?;
-        Ok(info)
-    }
-
-    fn read_recv_slot(&self, slot: u32, out: &mut [u8]) {
-        let s = self.s();
-        let pool = s.recv_pool.as_ref().expect("next_recv checked recv_slots");
-        pool.buf()
-            .read(slot as usize * s.cfg.slot_size as usize, out);
-    }
-
-    fn repost_recv(&self, slot: u32) -> Result<()> {
         if self.state() != QpState::Error {
-            self.s().post_recv_slot(slot)?;
+            s.post_recv_slot(slot)?;
         }
-        Ok(())
+        Ok(RecvInfo {
+            len,
+            byte_len: wc.byte_len,
+            imm: wc.imm,
+            is_write_imm,
+        })
     }
 
     /// Wait for the next receive completion (successful) and its slot; shared by
