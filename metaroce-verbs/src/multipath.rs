@@ -433,7 +433,7 @@ impl MpConnection {
             tcp.write_all(&hello).await.map_err(io)?;
             let mut back = [0u8; HELLO_LEN];
             tcp.read_exact(&mut back).await.map_err(io)?;
-            let w = u32::from_be_bytes([back[7], back[8], back[9], back[10]]);
+            let w = hello_window(&back);
             if back[..7] != hello[..7] || w == 0 || w > cfg.multipath.channel_window {
                 return Err(Error::Exchange(bad("peer refused the multipath hello")));
             }
@@ -442,7 +442,7 @@ impl MpConnection {
             let mut got = [0u8; HELLO_LEN];
             tcp.read_exact(&mut got).await.map_err(io)?;
             let k = usize::from(u16::from_be_bytes([got[5], got[6]]));
-            let w = u32::from_be_bytes([got[7], got[8], got[9], got[10]]);
+            let w = hello_window(&got);
             if &got[..5] != HELLO_MAGIC || k == 0 || k > metaroce::multipath::MAX_QPS || w == 0 {
                 return Err(Error::Exchange(bad("not a multipath hello")));
             }
@@ -738,6 +738,21 @@ const FRAME_QUEUE: usize = 64;
 const HELLO_MAGIC: &[u8; 5] = b"MRMP\x02";
 /// Hello: magic and version (5), K `u16`, channel window `u32`.
 const HELLO_LEN: usize = 11;
+
+/// The channel window of a hello.
+fn hello_window(h: &[u8; HELLO_LEN]) -> u32 {
+    u32::from_be_bytes([h[7], h[8], h[9], h[10]])
+}
+
+/// A control message's header: kind, slot `u16`, generation `u32` (what [`read_ctrl`]
+/// reads first); the caller appends the body.
+fn ctrl_msg(kind: u8, slot: u16, generation: u32) -> Vec<u8> {
+    let mut m = Vec::with_capacity(7 + exchange::RECORD_LEN);
+    m.push(kind);
+    m.extend_from_slice(&slot.to_be_bytes());
+    m.extend_from_slice(&generation.to_be_bytes());
+    m
+}
 
 fn bad(msg: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg.to_string())
@@ -1099,10 +1114,9 @@ impl Driver {
     /// of progress per channel, so a few bytes of TCP per `channel_window / 4` frames).
     async fn send_credits(&mut self) {
         while let Some((channel, next)) = self.reorder.poll_credit() {
-            let mut m = [0u8; 15];
-            m[0] = 4;
-            m[3..7].copy_from_slice(&channel.to_be_bytes());
-            m[7..].copy_from_slice(&next.to_be_bytes());
+            // The generation field carries the channel.
+            let mut m = ctrl_msg(4, 0, channel);
+            m.extend_from_slice(&next.to_be_bytes());
             self.credits_sent += 1;
             self.send_ctrl(&m).await;
         }
@@ -1129,9 +1143,7 @@ impl Driver {
             .entry(failed.slot)
             .or_insert_with(|| Instant::now() + self.cfg.replace_timeout);
         if !self.client {
-            let mut m = vec![3u8];
-            m.extend_from_slice(&failed.slot.to_be_bytes());
-            m.extend_from_slice(&failed.generation.to_be_bytes());
+            let m = ctrl_msg(3, failed.slot, failed.generation);
             self.send_ctrl(&m).await;
             return;
         }
@@ -1147,9 +1159,7 @@ impl Driver {
             self.cfg.multipath.qps,
         ) {
             Ok(qp) => {
-                let mut m = vec![1u8];
-                m.extend_from_slice(&failed.slot.to_be_bytes());
-                m.extend_from_slice(&generation.to_be_bytes());
+                let mut m = ctrl_msg(1, failed.slot, generation);
                 m.extend_from_slice(&exchange::to_record(&qp.local()));
                 self.pending.insert(failed.slot, (generation, qp));
                 self.send_ctrl(&m).await;
@@ -1211,9 +1221,7 @@ impl Driver {
                         return;
                     }
                 };
-                let mut out = vec![2u8];
-                out.extend_from_slice(&slot.to_be_bytes());
-                out.extend_from_slice(&generation.to_be_bytes());
+                let mut out = ctrl_msg(2, slot, generation);
                 out.extend_from_slice(&exchange::to_record(&qp.local()));
                 if let Ok(id) = self.sched.add_qp_at(slot) {
                     self.spawn_recv(qp.clone());
