@@ -426,3 +426,54 @@ async fn streams_keep_order_across_a_qp_forced_to_error() {
     assert_eq!(st.bad_credits, 0);
     assert!(st.slots.iter().all(|s| s.posted_chunks > 0));
 }
+
+/// The hello fixes one channel window for both ends: the server answers the smaller of the
+/// client's and its own, so a client cannot make the server's reorderer buffer more than the
+/// server's configuration allows; a window of 0 and a version-1 hello are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hello_agrees_on_the_smaller_channel_window() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some((_ctx, pd)) = device() else { return };
+    let hello = |version: u8, window: u32| {
+        let mut h = b"MRMP".to_vec();
+        h.push(version);
+        h.extend_from_slice(&1u16.to_be_bytes());
+        if version == 2 {
+            h.extend_from_slice(&window.to_be_bytes());
+        }
+        h
+    };
+    for (sent, answer) in [
+        (hello(2, u32::MAX), Some(64u32)),
+        (hello(2, 16), Some(16)),
+        (hello(2, 0), None),
+        (hello(1, 0), None),
+    ] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let pd2 = pd.clone();
+        let server = tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            MpConnection::accept(&pd2, MpConfig::default(), tcp).await
+        });
+        let mut tcp = TcpStream::connect(addr).await.unwrap();
+        tcp.write_all(&sent).await.unwrap();
+        // A version-1 hello is 7 bytes: pad it to the 11 the server reads.
+        tcp.write_all(&[0u8; 11][..11 - sent.len()]).await.unwrap();
+        let mut back = [0u8; 11];
+        let got = within(30, tcp.read_exact(&mut back)).await;
+        match answer {
+            Some(w) => {
+                got.expect("the server answers the hello");
+                assert_eq!(&back[..7], &sent[..7]);
+                assert_eq!(u32::from_be_bytes([back[7], back[8], back[9], back[10]]), w);
+            }
+            None => assert!(got.is_err(), "hello {sent:?} must be refused"),
+        }
+        drop(tcp);
+        assert!(
+            matches!(within(30, server).await.unwrap(), Err(Error::Exchange(_))),
+            "the server gives up with an exchange error once the client leaves"
+        );
+    }
+}
