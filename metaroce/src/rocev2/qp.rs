@@ -1108,6 +1108,25 @@ impl Qp {
         self.out.push_back(item);
     }
 
+    /// An incoming SEND that cannot be placed in its receive WQE `wqe` (after `at` bytes
+    /// were): the WQE completes with `fail.0` (LocalLengthError when the message is longer
+    /// than the WQE, LocalProtectionError when its lkey does not allow the write), the
+    /// message is abandoned, and the QP answers the packet `psn` with the fatal NAK
+    /// `fail.1` and moves to ERROR (IBA §9.9.3, responder errors; see `nak_fatal`).
+    fn fail_send(
+        &mut self,
+        cfg: &RcConfig,
+        wqe: RecvWr,
+        at: u32,
+        fail: (WcStatus, u8),
+        psn: u32,
+        events: &mut VecDeque<RcEvent>,
+    ) {
+        self.in_msg = None;
+        events.push_back(self.recv_completion(wqe, fail.0, RcOpcode::Recv, at, None));
+        self.nak_fatal(cfg, fail.1, psn, events);
+    }
+
     /// A fatal responder error on the request with PSN `psn` (IBA §9.9.3 responder class
     /// B/C errors; §9.7.5 "responses in PSN order"): the responses still owed for earlier
     /// requests (READ responses, atomic ACKs, a coalesced ACK) go out first, then the NAK,
@@ -1219,33 +1238,21 @@ impl Qp {
                 };
                 let (wqe, at) = (*wqe, *received);
                 if u64::from(at) + u64::from(plen) > u64::from(wqe.len) {
-                    self.in_msg = None;
-                    events.push_back(self.recv_completion(
-                        wqe,
-                        WcStatus::LocalLengthError,
-                        RcOpcode::Recv,
-                        at,
-                        None,
-                    ));
-                    self.nak_fatal(cfg, Aeth::NAK_INVALID_REQUEST, p, events);
+                    let fail = (WcStatus::LocalLengthError, Aeth::NAK_INVALID_REQUEST);
+                    self.fail_send(cfg, wqe, at, fail, p, events);
                     return;
                 }
-                if plen > 0 {
-                    match mrs.local_write(wqe.lkey, wqe.offset + u64::from(at), payload) {
-                        Ok(()) => {}
-                        Err(_) => {
-                            self.in_msg = None;
-                            events.push_back(self.recv_completion(
-                                wqe,
-                                WcStatus::LocalProtectionError,
-                                RcOpcode::Recv,
-                                at,
-                                None,
-                            ));
-                            self.nak_fatal(cfg, Aeth::NAK_REMOTE_OPERATIONAL_ERROR, p, events);
-                            return;
-                        }
-                    }
+                if plen > 0
+                    && mrs
+                        .local_write(wqe.lkey, wqe.offset + u64::from(at), payload)
+                        .is_err()
+                {
+                    let fail = (
+                        WcStatus::LocalProtectionError,
+                        Aeth::NAK_REMOTE_OPERATIONAL_ERROR,
+                    );
+                    self.fail_send(cfg, wqe, at, fail, p, events);
+                    return;
                 }
                 if let Some(InMsg::Send { received, .. }) = self.in_msg.as_mut() {
                     *received += plen;
