@@ -521,6 +521,28 @@ impl Connection {
         })
     }
 
+    /// The length of `range` of a local region `mr` used by a work request of this
+    /// connection: [`Error::ForeignRegion`] if `mr` was registered on another endpoint,
+    /// [`Error::Memory`] (`OutOfBounds`) for a reversed range, [`Error::Post`]
+    /// (`MessageTooLarge`) beyond `u32::MAX` bytes (the core then applies
+    /// `TransportConfig::max_message_size`, at most 2^31 as in IBA). Bounds within the
+    /// region are the core's check (lkey and offset), made when the request is posted.
+    fn local_len(&self, mr: &MemoryRegion, range: &Range<u64>) -> Result<u32, Error> {
+        if !Arc::ptr_eq(mr.ep(), &self.inner.ep) {
+            return Err(Error::ForeignRegion);
+        }
+        let len = range
+            .end
+            .checked_sub(range.start)
+            .ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
+        u32::try_from(len).map_err(|_| {
+            Error::Post(PostError::MessageTooLarge {
+                len,
+                max: u32::MAX as u64,
+            })
+        })
+    }
+
     fn write_request(
         &self,
         src: &MemoryRegion,
@@ -529,19 +551,7 @@ impl Connection {
         dst_offset: u64,
         imm: Option<u32>,
     ) -> Result<WriteRequest, Error> {
-        if !Arc::ptr_eq(src.ep(), &self.inner.ep) {
-            return Err(Error::ForeignRegion);
-        }
-        let len = range
-            .end
-            .checked_sub(range.start)
-            .ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
-        let len = u32::try_from(len).map_err(|_| {
-            Error::Post(PostError::MessageTooLarge {
-                len,
-                max: u32::MAX as u64,
-            })
-        })?;
+        let len = self.local_len(src, &range)?;
         Ok(WriteRequest {
             wr_id: 0,
             lkey: src.keys().lkey,
@@ -771,19 +781,7 @@ impl Connection {
         dst: &MemoryRegion,
         range: Range<u64>,
     ) -> Result<WorkCompletion, Error> {
-        if !Arc::ptr_eq(dst.ep(), &self.inner.ep) {
-            return Err(Error::ForeignRegion);
-        }
-        let len = range
-            .end
-            .checked_sub(range.start)
-            .ok_or(Error::Memory(metaroce::MrError::OutOfBounds))?;
-        let len = u32::try_from(len).map_err(|_| {
-            Error::Post(PostError::MessageTooLarge {
-                len,
-                max: u32::MAX as u64,
-            })
-        })?;
+        let len = self.local_len(dst, &range)?;
         let (lkey, offset) = (dst.keys().lkey, range.start);
         let h = self.inner.handle;
         let target = RecvTarget {
