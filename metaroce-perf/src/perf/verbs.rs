@@ -144,18 +144,7 @@ async fn mp_write_bw(args: &Args, k: usize) -> Result<(), String> {
         ctx.name(),
         client.stats().ports.iter().map(|p| p.1).collect::<Vec<_>>()
     );
-    let src: Vec<u8> = (0..size)
-        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
-        .collect();
-    let src = pd
-        .register(src, Access::LOCAL_WRITE)
-        .map_err(|e| e.to_string())?;
-    let dst = pd
-        .register(
-            vec![0u8; size as usize],
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-        )
-        .map_err(|e| e.to_string())?;
+    let (src, dst) = bw_regions(&pd, size)?;
     let remote = dst.remote();
     let mut inflight = FuturesUnordered::new();
     let (mut posted, mut done) = (0u64, 0u64);
@@ -174,28 +163,13 @@ async fn mp_write_bw(args: &Args, k: usize) -> Result<(), String> {
             None => break,
         }
     }
-    let dt = t0.elapsed().as_secs_f64();
-    if dst.read(0, size as usize).map_err(|e| e.to_string())?
-        != src.read(0, size as usize).map_err(|e| e.to_string())?
-    {
-        return Err("destination differs from the source after the run".into());
-    }
-    let bytes = (size * iters) as f64;
-    println!(" #bytes     #iterations    BW average[Gb/sec]   BW average[MiB/sec]   MsgRate[Mpps]");
-    println!(
-        " {:<10} {:<14} {:<20.4} {:<21.2} {:.6}",
-        size,
-        iters,
-        bytes * 8.0 / dt / 1e9,
-        bytes / dt / (1 << 20) as f64,
-        iters as f64 / dt / 1e6
-    );
+    let gbps = report_bw(&src, &dst, size, iters, t0.elapsed())?;
     let st = client.stats();
     println!(
         "# chunks per QP {:?}",
         st.slots.iter().map(|s| s.posted_chunks).collect::<Vec<_>>()
     );
-    println!("write_bw_gbps={:.6}", bytes * 8.0 / dt / 1e9);
+    println!("write_bw_gbps={gbps:.6}");
     Ok(())
 }
 
@@ -218,18 +192,7 @@ async fn write_bw(args: &Args) -> Result<(), String> {
         ..QpConfig::default()
     };
     let (_ctx, pd, qa, _qb) = open(args, cfg)?;
-    let src: Vec<u8> = (0..size)
-        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
-        .collect();
-    let src = pd
-        .register(src, Access::LOCAL_WRITE)
-        .map_err(|e| e.to_string())?;
-    let dst = pd
-        .register(
-            vec![0u8; size as usize],
-            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
-        )
-        .map_err(|e| e.to_string())?;
+    let (src, dst) = bw_regions(&pd, size)?;
     let remote = dst.remote();
     let mut inflight = FuturesUnordered::new();
     let mut posted = 0u64;
@@ -251,24 +214,59 @@ async fn write_bw(args: &Args) -> Result<(), String> {
             None => break,
         }
     }
-    let dt = t0.elapsed().as_secs_f64();
+    let gbps = report_bw(&src, &dst, size, iters, t0.elapsed())?;
+    println!("write_bw_gbps={gbps:.6}");
+    Ok(())
+}
+
+/// The source (a fixed byte pattern, LOCAL_WRITE) and destination (zeroes, LOCAL_WRITE |
+/// REMOTE_WRITE) regions of a write_bw run, `size` bytes each.
+fn bw_regions(
+    pd: &metaroce_verbs::Pd,
+    size: u64,
+) -> Result<(metaroce_verbs::Mr, metaroce_verbs::Mr), String> {
+    let src: Vec<u8> = (0..size)
+        .map(|i| (i as u8).wrapping_mul(7).wrapping_add(3))
+        .collect();
+    let src = pd
+        .register(src, Access::LOCAL_WRITE)
+        .map_err(|e| e.to_string())?;
+    let dst = pd
+        .register(
+            vec![0u8; size as usize],
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .map_err(|e| e.to_string())?;
+    Ok((src, dst))
+}
+
+/// Checks that `dst` holds `src`'s bytes, prints perftest's bandwidth row for `iters`
+/// WRITEs of `size` bytes in `elapsed`, and returns the bandwidth in Gbit/s.
+fn report_bw(
+    src: &metaroce_verbs::Mr,
+    dst: &metaroce_verbs::Mr,
+    size: u64,
+    iters: u64,
+    elapsed: Duration,
+) -> Result<f64, String> {
+    let dt = elapsed.as_secs_f64();
     if dst.read(0, size as usize).map_err(|e| e.to_string())?
         != src.read(0, size as usize).map_err(|e| e.to_string())?
     {
         return Err("destination differs from the source after the run".into());
     }
     let bytes = (size * iters) as f64;
+    let gbps = bytes * 8.0 / dt / 1e9;
     println!(" #bytes     #iterations    BW average[Gb/sec]   BW average[MiB/sec]   MsgRate[Mpps]");
     println!(
         " {:<10} {:<14} {:<20.4} {:<21.2} {:.6}",
         size,
         iters,
-        bytes * 8.0 / dt / 1e9,
+        gbps,
         bytes / dt / (1 << 20) as f64,
         iters as f64 / dt / 1e6
     );
-    println!("write_bw_gbps={:.6}", bytes * 8.0 / dt / 1e9);
-    Ok(())
+    Ok(gbps)
 }
 
 fn send_lat_cfg(args: &Args, size: u64) -> QpConfig {
