@@ -3,6 +3,7 @@
 use std::fmt;
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::task::{ready, Context, Poll};
 
@@ -174,6 +175,8 @@ pub struct UdpBackend {
     ports: Vec<u16>,
     local_addr: SocketAddr,
     resume: Mutex<Option<Resume>>,
+    /// `recvmmsg` calls made on the main socket (see [`UdpBackend::recv_calls`]).
+    recv_calls: AtomicU64,
 }
 
 impl fmt::Debug for UdpBackend {
@@ -294,6 +297,7 @@ impl UdpBackend {
             ports,
             local_addr,
             resume: Mutex::new(None),
+            recv_calls: AtomicU64::new(0),
         })
     }
 
@@ -313,6 +317,13 @@ impl UdpBackend {
             min = min.min(p.state.send_buffer_size(UdpSockRef::from(&p.io))?);
         }
         Ok(min)
+    }
+
+    /// How many receive calls (`recvmmsg`, or `recvmsg` without it) this backend has made on
+    /// its main socket so far, including those that found nothing (`EAGAIN`). A diagnostic
+    /// for the receive path's system-call cost; it only grows.
+    pub fn recv_calls(&self) -> u64 {
+        self.recv_calls.load(Ordering::Relaxed)
     }
 
     /// Reads and discards whatever reached the path sockets, registering for wake-ups.
@@ -406,30 +417,43 @@ impl DatagramBackend for UdpBackend {
         let mut qmeta = [quinn_udp::RecvMeta::default(); quinn_udp::BATCH_SIZE];
         loop {
             ready!(self.main.io.poll_recv_ready(cx))?;
+            // A batch that came back with fewer datagrams than it had room for emptied the
+            // socket's queue: the closure then reports `WouldBlock` to `try_io`, which clears
+            // the readiness, so the next poll waits for the next datagram instead of paying
+            // one more `recvmmsg` that returns EAGAIN. tokio only clears the readiness if no
+            // new event arrived since it was observed, so a datagram that lands meanwhile is
+            // not missed. The datagrams already read travel in `got`.
+            let mut got = None;
             let res = self.main.io.try_io(Interest::READABLE, || {
-                self.main.state.recv(
+                self.recv_calls.fetch_add(1, Ordering::Relaxed);
+                let count = self.main.state.recv(
                     UdpSockRef::from(&self.main.io),
                     &mut bufs[..n],
                     &mut qmeta[..n],
-                )
-            });
-            match res {
-                Ok(count) => {
-                    let count = count.min(n);
-                    for (out, q) in meta.iter_mut().zip(&qmeta[..count]) {
-                        *out = RecvMeta {
-                            from: q.addr,
-                            local_ip: q.dst_ip,
-                            ecn: from_quinn_ecn(q.ecn),
-                            len: q.len,
-                            stride: q.stride,
-                        };
-                    }
-                    return Poll::Ready(Ok(count));
+                )?;
+                if count > 0 && count < n {
+                    got = Some(count);
+                    return Err(io::ErrorKind::WouldBlock.into());
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
+                Ok(count)
+            });
+            let count = match (res, got) {
+                (_, Some(count)) => count,
+                (Ok(count), None) => count,
+                (Err(e), None) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                (Err(e), None) => return Poll::Ready(Err(e)),
+            };
+            let count = count.min(n);
+            for (out, q) in meta.iter_mut().zip(&qmeta[..count]) {
+                *out = RecvMeta {
+                    from: q.addr,
+                    local_ip: q.dst_ip,
+                    ecn: from_quinn_ecn(q.ecn),
+                    len: q.len,
+                    stride: q.stride,
+                };
             }
+            return Poll::Ready(Ok(count));
         }
     }
 
@@ -530,5 +554,39 @@ mod tests {
         for p in &b.paths {
             assert_eq!(p.io.local_addr().unwrap().ip(), IpAddr::from([0, 0, 0, 0]));
         }
+    }
+
+    #[tokio::test]
+    async fn a_partial_batch_ends_the_readiness_without_an_eagain_receive() {
+        let b = UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 1).unwrap();
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        tx.send_to(b"one", b.local_addr()).unwrap();
+        tx.send_to(b"two", b.local_addr()).unwrap();
+        let mut storage = [[0u8; 64]; 4];
+        let mut meta = [RecvMeta::EMPTY; 4];
+        // Wait until both datagrams are queued, so one batch takes both.
+        let mut total = 0;
+        while total < 2 {
+            let mut bufs: Vec<IoSliceMut<'_>> =
+                storage.iter_mut().map(|s| IoSliceMut::new(s)).collect();
+            total += std::future::poll_fn(|cx| b.poll_recv(cx, &mut bufs, &mut meta))
+                .await
+                .unwrap();
+        }
+        let calls = b.recv_calls();
+        // The queue is empty: a poll now must wait without another receive call.
+        let mut bufs: Vec<IoSliceMut<'_>> =
+            storage.iter_mut().map(|s| IoSliceMut::new(s)).collect();
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(b.poll_recv(&mut cx, &mut bufs, &mut meta).is_pending());
+        assert_eq!(b.recv_calls(), calls, "an empty socket cost a receive call");
+        // A datagram that arrives later is still received.
+        tx.send_to(b"three", b.local_addr()).unwrap();
+        let got = std::future::poll_fn(|cx| b.poll_recv(cx, &mut bufs, &mut meta))
+            .await
+            .unwrap();
+        assert_eq!(got, 1);
+        assert_eq!(meta[0].len, 5);
     }
 }
