@@ -322,6 +322,76 @@ proptest! {
     }
 }
 
+/// The operations of a case `late_receives_wait_with_rnr` found (shrunk; seed
+/// `abec8dc7…` in the regressions file): on stream 2, message 0 is RNR-NAKed twice (no
+/// receive yet), message 1 (1,077 B, two packets) once, and message 2, beyond the stream
+/// window of 2, gets a flow-control RNR NAK, so the stream waits with one probe; message
+/// 1's wait ends first and it becomes the probe. `second_recv` is the length of the
+/// receive for message 1, posted `second_gap_us` after the others.
+fn probe_order_schedule(second_recv: u32, second_gap_us: u32) -> Schedule {
+    let at = |side, gap_us, op: OpSpec| OpSpec { side, gap_us, ..op };
+    let mut s = Schedule::new(
+        0,
+        vec![
+            at(0, 0, OpSpec::send(0, 2, 0)),
+            at(0, 328, OpSpec::send(0, 2, 1077)),
+            at(0, 64, OpSpec::send(0, 1, 39)),
+            at(0, 278, OpSpec::send(0, 1, 13)),
+            at(1, 0, OpSpec::recv(1, 2, 20000)),
+            at(0, 0, OpSpec::send(0, 2, 0)),
+            at(1, second_gap_us, OpSpec::recv(1, 2, second_recv)),
+        ],
+    );
+    s.tuning = Tuning {
+        recv_buffer: 24744,
+        stream_window: 2,
+        paths: [2, 8],
+        ..Tuning::default()
+    };
+    s.rdma.posted = [false, true];
+    s
+}
+
+/// A message whose receive is too short, arriving while an earlier message of its stream
+/// is still undelivered (waiting out an RNR NAK), waits for it with a flow-control RNR NAK:
+/// the length error is due only once the messages before it are delivered. The receiver
+/// used to drop it without an answer, so the sender timed it out until the connection
+/// failed (RetryExceeded) — on a clean network.
+#[test]
+fn a_too_long_message_behind_an_undelivered_one_waits_without_costing_retries() {
+    let w = run(&probe_order_schedule(1044, 0)).unwrap_or_else(|e| panic!("{e}"));
+    let st = w.stats(1).expect("connection stats");
+    assert!(
+        st.recv.stream_window_naks > 0,
+        "no flow-control RNR NAK: {st:?}"
+    );
+    // The run's own checks hold the rest: SEND 1 failed RemoteInvalidRequest, its receive
+    // LocalLengthError, the connection stayed up.
+}
+
+/// The probe of a stream waiting out a flow-control RNR NAK is its earliest refused
+/// segment: a message whose receive is posted is not held behind a later probe that
+/// keeps meeting plain RNR NAKs until its own receive comes (5 ms later here). It used to
+/// be, and with a finite `rnr_retry` it failed with the stream when the later one ran out
+/// of RNR retries.
+#[test]
+fn an_earlier_message_probes_before_a_later_one_still_without_a_receive() {
+    let gap = 5_000;
+    let w = run(&probe_order_schedule(2000, gap)).unwrap_or_else(|e| panic!("{e}"));
+    let done = completed_at(&w, 0, 0).expect("SEND 0 completed");
+    let second_recv = w.recvs[1]
+        .iter()
+        .filter(|r| r.stream == 2)
+        .nth(1)
+        .expect("second receive on stream 2")
+        .posted_at;
+    assert!(
+        done < second_recv,
+        "SEND 0 (its receive posted at the start) completed at {done:?}, only after the \
+         receive of SEND 1 was posted at {second_recv:?}"
+    );
+}
+
 /// When operation `i` of `side` completed (virtual time since the start).
 fn completed_at(w: &Workload, side: usize, i: usize) -> Option<Duration> {
     let (c, wr) = (w.conns[side], w.posted[side][i].wr_id);

@@ -328,7 +328,9 @@ pub struct RecvStats {
     /// `explicit_consume`, or dropped for lack of WRITE tracking room.
     pub no_buffer_drops: u64,
     /// SEND packets refused with a flow-control RNR NAK because their message is
-    /// `max_stream_window` or more messages ahead of the next one due on its stream.
+    /// `max_stream_window` or more messages ahead of the next one due on its stream, or
+    /// because its posted receive is too short while earlier messages of the stream are
+    /// undelivered (the length error waits until they are).
     pub stream_window_naks: u64,
     /// NAKs sent.
     pub naks: u64,
@@ -746,7 +748,14 @@ impl RecvState {
                 let r = st.posted[ahead as usize];
                 if hdr.msg_len > r.len {
                     if ahead != 0 {
-                        return RxOutcome::Drop;
+                        // Its receive is too short, but receives complete in order: the
+                        // length error waits until every message before it is delivered.
+                        // Refuse it for now with a flow-control RNR NAK (the sender waits
+                        // and re-sends it without limit); a silent drop cost the sender
+                        // its retry budget and the connection (RetryExceeded) while it
+                        // waited for the earlier messages.
+                        self.stats.stream_window_naks += 1;
+                        return RxOutcome::FlowRnr;
                     }
                     // Too long for the receive at the head: it completes in error and the
                     // sender gets "invalid request" (IBA length error).

@@ -919,9 +919,27 @@ impl SendQueue {
                     if self.flow_probe.get(&stream) == Some(&s) {
                         // The probe itself, back from an RNR wait (the receiver refused it
                         // again, e.g. with a plain RNR NAK: no receive posted yet). It
-                        // stays the probe and is sent again; parking it too would leave
-                        // the stream with nothing to wake it (a stall).
-                        self.resend_after_rnr(s);
+                        // stays the probe and is sent again (parking it too would leave
+                        // the stream with nothing to wake it: a stall) — unless a segment
+                        // of an earlier message parked while it waited. The receiver
+                        // admits a stream's messages in order (the next one due first;
+                        // with posted receives, message k takes receive k), so the earlier
+                        // one probes instead: behind a later probe refused until its own
+                        // receive is posted, a message whose receive is there waited for
+                        // that receive too, and failed with the stream if the later one
+                        // ran out of RNR retries.
+                        let mut probe = s;
+                        if let Some(parked) = self.flow_parked.get_mut(&stream) {
+                            let earlier = (0..parked.len())
+                                .filter(|&k| (parked[k].op, parked[k].seg) < (s.op, s.seg))
+                                .min_by_key(|&k| (parked[k].op, parked[k].seg));
+                            if let Some(k) = earlier {
+                                probe = parked.swap_remove(k);
+                                parked.push(s);
+                                self.flow_probe.insert(stream, probe);
+                            }
+                        }
+                        self.resend_after_rnr(probe);
                         continue;
                     }
                     // Park it; unless another segment of the stream already probes, the

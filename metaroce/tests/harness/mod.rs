@@ -2231,6 +2231,10 @@ impl Schedule {
 }
 
 /// Run a schedule and every check. Returns the workload for further checks.
+///
+/// Debugging aids: `HARNESS_TRACE=1` prints every datagram as delivered (virtual time,
+/// endpoint, source port, BTH and headers); `HARNESS_DUMP=1` prints the operations,
+/// receives and events of a run whose checks failed.
 pub fn run_schedule(s: &Schedule) -> Result<Workload, String> {
     let mut a = config(0, s.seed);
     let mut b = config(1, s.seed);
@@ -2241,6 +2245,24 @@ pub fn run_schedule(s: &Schedule) -> Result<Workload, String> {
     s.rdma.apply(0, &mut a);
     s.rdma.apply(1, &mut b);
     let mut net = Net::with_configs(s.seed, a, b);
+    if std::env::var_os("HARNESS_TRACE").is_some() {
+        // Debugging aid: every datagram as delivered (after the impairments), one line.
+        net.deliver_hook = Some(Box::new(|n: &mut Net, to, from: SocketAddr, d: &[u8]| {
+            let t = n.elapsed();
+            match Packet::parse(d) {
+                Ok(p) => eprintln!(
+                    "{t:>10.3?} to {to} from :{} {:?} psn {} ack_req {} {:?} payload {}",
+                    from.port(),
+                    p.bth.opcode,
+                    p.bth.psn,
+                    p.bth.ack_req,
+                    p.headers,
+                    p.payload.len()
+                ),
+                Err(e) => eprintln!("{t:>10.3?} to {to} from :{} unparsed: {e:?}", from.port()),
+            }
+        }));
+    }
     if s.impair_handshake {
         for p in &s.phases {
             for r in p.rules(Duration::ZERO) {
