@@ -17,9 +17,9 @@
 //! | `metaroce_bulk_{udp,uring}_cpu` | the same run as `metaroce_bulk_*`, again: Gbit per CPU-second of the process |
 //! | `metaroce_rtt64_{udp,uring}` | `metaroce-perf send_lat -s 64 -n 10000 --backend B`: RTT = 2 × typical one-way, µs |
 //! | `tcp_bulk` | kernel TCP, one stream: `iperf3 -c` for 3 s when iperf3 is installed, else an in-tree tokio blaster (1 GiB in 1 MiB writes): Gbit/s |
-//! | `tcp_rtt64` | tokio TCP ping-pong (`TCP_NODELAY`), 64 B, 10,000 round trips: median RTT, µs |
+//! | `tcp_rtt64` | tokio TCP ping-pong (`TCP_NODELAY`), 64 B, 10,000 round trips, both sides tasks on the 2-worker runtime (as in `metaroce-perf`): median RTT, µs |
 //! | `udp_gso_bulk` | raw UDP blaster, GSO sends of 15 × 4096 B, GRO receives (quinn-udp), at most 2 MiB ahead of the receiver, 1 GiB: received Gbit/s |
-//! | `udp_rtt64` | tokio UDP ping-pong, 64 B, 10,000 round trips: median RTT, µs |
+//! | `udp_rtt64` | tokio UDP ping-pong, 64 B, 10,000 round trips, both sides tasks on the 2-worker runtime: median RTT, µs |
 //! | `udp_rate64` | raw UDP blaster, 64 B datagrams (GSO batches of 64): received datagrams/s |
 //! | `metaroce_conns8_shards{1,2}` | in process: 8 connections, bulk 1 MiB WRITEs (4 in flight each, 1 GiB in all), both endpoints with `Config::shards` = 1 or 2, the client on the 2-worker runtime, the server on its own 2-worker runtime: aggregate Gbit/s |
 //! | `backend_rate{64,4096}_{udp,uring,uring_nojoin}[_cpu]` | the backends alone, in process, no transport: 8 path sockets send 64 B (or 4096 B) datagrams in driver-like batches of 32 (`poll_send_owned` each, then `flush`), at most 2 MiB ahead of the receiver (`uring_nojoin`: `UringConfig::coalesce = false`, one `sendmsg` per datagram), which takes them with `poll_recv_in_place` (io_uring) or `poll_recv` (UDP); 2,000,000 (500,000) datagrams: received datagrams/s, and per CPU-second of this process (`_cpu`) |
@@ -622,6 +622,20 @@ async fn tcp_rtt(n: usize) -> std::io::Result<Sample> {
     })
 }
 
+/// Run a ping-pong peer as a task on `rt`'s workers, as `metaroce-perf` runs its client and
+/// server: both sides of every round-trip measure are then tasks of one 2-worker runtime
+/// (the `block_on` future itself runs outside the workers, so a client there pays a
+/// thread wake-up per round trip that the other tasks do not).
+fn on_worker(
+    rt: &tokio::runtime::Runtime,
+    f: impl std::future::Future<Output = std::io::Result<Sample>> + Send + 'static,
+) -> Result<Sample, String> {
+    match rt.block_on(async { tokio::spawn(f).await }) {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("the ping-pong task failed: {e}")),
+    }
+}
+
 async fn udp_rtt(n: usize) -> std::io::Result<Sample> {
     let server = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
     let saddr = server.local_addr()?;
@@ -783,7 +797,7 @@ fn peer_measures(scale: u64, iperf: bool) -> Vec<Measure> {
             command: format!(
                 "in-tree tokio TCP ping-pong, 64 B, TCP_NODELAY, {rtts} round trips, median"
             ),
-            run: Box::new(move |ctx| ctx.rt.block_on(tcp_rtt(rtts)).map_err(|e| e.to_string())),
+            run: Box::new(move |ctx| on_worker(&ctx.rt, tcp_rtt(rtts))),
         },
         Measure {
             name: "udp_gso_bulk",
@@ -808,7 +822,7 @@ fn peer_measures(scale: u64, iperf: bool) -> Vec<Measure> {
             name: "udp_rtt64",
             unit: "us RTT",
             command: format!("in-tree tokio UDP ping-pong, 64 B, {rtts} round trips, median"),
-            run: Box::new(move |ctx| ctx.rt.block_on(udp_rtt(rtts)).map_err(|e| e.to_string())),
+            run: Box::new(move |ctx| on_worker(&ctx.rt, udp_rtt(rtts))),
         },
     ]
 }

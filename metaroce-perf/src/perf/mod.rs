@@ -76,10 +76,25 @@ pub fn main() -> i32 {
             return EXIT_FAILED;
         }
     };
-    let code = match runtime.block_on(run(settings)) {
-        Ok(code) => code,
-        Err(e) => {
+    // A latency test runs as a task on the runtime's workers, not as the `block_on` future:
+    // that future runs on this thread, outside the worker pool, so every completion the
+    // endpoints' driver tasks (on the workers) deliver to it is a wake-up of another thread
+    // — one more per round trip, tens of µs on an idle VM (issue #13 P2). A service that
+    // drives its connections from spawned tasks has the same advantage. Bandwidth tests
+    // keep the third thread: the client posting work beside the two workers' drivers.
+    let result = if !settings.test.is_bw() {
+        runtime.block_on(async { tokio::spawn(run(settings)).await })
+    } else {
+        Ok(runtime.block_on(run(settings)))
+    };
+    let code = match result {
+        Ok(Ok(code)) => code,
+        Ok(Err(e)) => {
             eprintln!("metaroce-perf: {e}");
+            EXIT_FAILED
+        }
+        Err(e) => {
+            eprintln!("metaroce-perf: the run's task failed: {e}");
             EXIT_FAILED
         }
     };
