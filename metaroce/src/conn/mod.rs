@@ -2,6 +2,7 @@
 //! control) under the semantic layer (streams, WRITE placement, completions).
 
 pub mod cc;
+mod executed;
 pub(crate) mod path;
 pub(crate) mod recv;
 pub use send::{rnr_timer, AtomicOp};

@@ -142,6 +142,23 @@ pub(crate) struct OpParams {
 }
 
 impl OpParams {
+    /// All zero: no operation (opcode 0 is none of the kinds below); an unused slot of
+    /// [`ExecutedOps`](super::executed::ExecutedOps).
+    pub const NONE: OpParams = OpParams {
+        opcode: 0,
+        rkey: 0,
+        len: 0,
+        va: 0,
+        x: 0,
+        y: 0,
+    };
+
+    /// Tests: parameters told apart by `va`.
+    #[cfg(test)]
+    pub fn set_va_for_test(&mut self, va: u64) {
+        self.va = va;
+    }
+
     /// An RDMA WRITE (with immediate when `imm` is set).
     pub fn write(reth: &Reth, imm: Option<u32>) -> Self {
         Self {
@@ -295,8 +312,7 @@ pub(crate) struct RecvState {
     /// What the most recently executed op ids were used for (at most `max_tracked_ops`,
     /// oldest evicted first): a packet reusing one of them with other parameters is refused
     /// instead of being acknowledged as a duplicate of an operation it is not part of.
-    executed: HashMap<u32, OpParams>,
-    executed_order: VecDeque<u32>,
+    executed: super::executed::ExecutedOps,
     /// Immediates of WRITEs with immediate whose data has fully landed but which wait for
     /// an earlier op id to finish (the WRITE_WITH_IMM fence): op id → (immediate, length).
     /// At most `max_held_immediates` entries (see [`RecvState::on_write`]).
@@ -1009,14 +1025,7 @@ impl RecvState {
 
     /// Remember what executed op id `id` did (bounded, oldest evicted first).
     fn record_executed(&mut self, id: u32, params: OpParams, lim: &RecvLimits) {
-        if self.executed.insert(id, params).is_none() {
-            self.executed_order.push_back(id);
-            while self.executed_order.len() > lim.max_tracked_ops as usize {
-                if let Some(old) = self.executed_order.pop_front() {
-                    self.executed.remove(&old);
-                }
-            }
-        }
+        self.executed.record(id, params, lim.max_tracked_ops);
     }
 
     /// A packet with op id `id` whose parameters differ from the operation that holds the
@@ -1055,7 +1064,11 @@ impl RecvState {
                 _ => None,
             },
             OpState::Executed => {
-                if self.executed.get(&id).is_some_and(|p| p != params) {
+                if self
+                    .executed
+                    .get(id, lim.max_tracked_ops)
+                    .is_some_and(|p| p != params)
+                {
                     return Some(self.mismatch());
                 }
                 self.stats.duplicates += 1;
