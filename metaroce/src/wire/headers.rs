@@ -116,7 +116,7 @@ pub enum Headers {
     Cnp,
 }
 
-fn rc_len(s: RcSet) -> usize {
+const fn rc_len(s: RcSet) -> usize {
     let mut n = 0;
     if s.reth {
         n += Reth::LEN;
@@ -139,7 +139,7 @@ fn rc_len(s: RcSet) -> usize {
     n
 }
 
-fn layout_len(l: Layout) -> usize {
+const fn layout_len(l: Layout) -> usize {
     match l {
         Layout::Rc(s) => rc_len(s),
         Layout::Ud { imm } => Deth::LEN + if imm { IMM_LEN } else { 0 },
@@ -166,11 +166,25 @@ fn layout_len(l: Layout) -> usize {
 /// Errors: [`Error::UnknownOpcode`] for reserved, undefined or unsupported opcodes (UC, RD,
 /// FLUSH, ATOMIC_WRITE, the undefined MetaRoCE opcodes `0xCC..=0xFF`, …).
 pub fn header_len(op: Opcode) -> Result<usize, Error> {
-    match layout(op) {
-        Some(l) => Ok(BTH_LEN + layout_len(l)),
+    match SHAPES[op.0 as usize] {
+        Some((_, n)) => Ok(BTH_LEN + n as usize),
         None => Err(Error::UnknownOpcode(op.0)),
     }
 }
+
+/// Every opcode's layout with the length of its extension headers (at most 48 bytes),
+/// looked up once per parse instead of matched (issue #13).
+static SHAPES: [Option<(Layout, u8)>; 256] = {
+    let mut t = [None; 256];
+    let mut i = 0;
+    while i < 256 {
+        if let Some(l) = super::opcode::layout_of(i as u8) {
+            t[i] = Some((l, layout_len(l) as u8));
+        }
+        i += 1;
+    }
+    t
+};
 
 /// Returns the slice of `b` from `off`, or an empty slice past the end (the next header
 /// parse then reports the truncation).
@@ -236,8 +250,8 @@ impl Headers {
     /// Errors: [`Error::UnknownOpcode`], [`Error::Truncated`] (sizes relative to `b`),
     /// [`Error::BadField`] from a header with an undefined enum value.
     pub fn parse(op: Opcode, b: &[u8]) -> Result<Headers, Error> {
-        let l = layout(op).ok_or(Error::UnknownOpcode(op.0))?;
-        let need = layout_len(l);
+        let (l, need) = SHAPES[op.0 as usize].ok_or(Error::UnknownOpcode(op.0))?;
+        let need = need as usize;
         if b.len() < need {
             return Err(Error::Truncated {
                 needed: need,

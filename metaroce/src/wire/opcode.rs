@@ -259,8 +259,28 @@ pub(crate) enum Layout {
     AtomicResponse,
 }
 
-/// The layout of a known opcode, `None` for everything this crate does not parse.
+/// The layout of a known opcode, `None` for everything this crate does not parse: one load
+/// from a table built at compile time (issue #13: the match below ran on every packet,
+/// several times).
+#[inline]
 pub(crate) fn layout(op: Opcode) -> Option<Layout> {
+    LAYOUTS[op.0 as usize]
+}
+
+/// [`layout`] of every byte value.
+static LAYOUTS: [Option<Layout>; 256] = {
+    let mut t = [None; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = layout_of(i as u8);
+        i += 1;
+    }
+    t
+};
+
+/// The opcode table itself (IBA Vol. 1 §9.2, RoCEv2 Annex A17, docs/PROTOCOL.md), from which
+/// [`LAYOUTS`] is built.
+pub(crate) const fn layout_of(op: u8) -> Option<Layout> {
     const NONE: RcSet = RcSet {
         reth: false,
         aeth: false,
@@ -269,41 +289,45 @@ pub(crate) fn layout(op: Opcode) -> Option<Layout> {
         imm: false,
         ieth: false,
     };
-    let rc = |s: RcSet| Some(Layout::Rc(s));
-    match op.0 {
-        0x00 | 0x01 | 0x02 | 0x04 | 0x07 | 0x08 | 0x0E => rc(NONE),
-        0x03 | 0x05 | 0x09 => rc(RcSet { imm: true, ..NONE }),
-        0x06 | 0x0A | 0x0C => rc(RcSet { reth: true, ..NONE }),
-        0x0B => rc(RcSet {
+    let rc = match op {
+        0x00 | 0x01 | 0x02 | 0x04 | 0x07 | 0x08 | 0x0E => NONE,
+        0x03 | 0x05 | 0x09 => RcSet { imm: true, ..NONE },
+        0x06 | 0x0A | 0x0C => RcSet { reth: true, ..NONE },
+        0x0B => RcSet {
             reth: true,
             imm: true,
             ..NONE
-        }),
-        0x0D | 0x0F | 0x10 | 0x11 => rc(RcSet { aeth: true, ..NONE }),
-        0x12 => rc(RcSet {
+        },
+        0x0D | 0x0F | 0x10 | 0x11 => RcSet { aeth: true, ..NONE },
+        0x12 => RcSet {
             aeth: true,
             atomic_ack: true,
             ..NONE
-        }),
-        0x13 | 0x14 => rc(RcSet {
+        },
+        0x13 | 0x14 => RcSet {
             atomic: true,
             ..NONE
-        }),
-        0x16 | 0x17 => rc(RcSet { ieth: true, ..NONE }),
-        0x64 => Some(Layout::Ud { imm: false }),
-        0x65 => Some(Layout::Ud { imm: true }),
-        0x81 => Some(Layout::Cnp),
-        0xC0 => Some(Layout::Connect),
-        0xC1 => Some(Layout::Ack),
-        0xC2 => Some(Layout::Send),
-        0xC3 => Some(Layout::Write { imm: false }),
-        0xC4 => Some(Layout::Write { imm: true }),
-        0xC5 => Some(Layout::Nak),
-        0xC6 => Some(Layout::Close),
-        0xC7 => Some(Layout::ReadRequest),
-        0xC8 => Some(Layout::ReadResponse),
-        0xC9 | 0xCA => Some(Layout::Atomic),
-        0xCB => Some(Layout::AtomicResponse),
-        _ => None,
-    }
+        },
+        0x16 | 0x17 => RcSet { ieth: true, ..NONE },
+        _ => {
+            return match op {
+                0x64 => Some(Layout::Ud { imm: false }),
+                0x65 => Some(Layout::Ud { imm: true }),
+                0x81 => Some(Layout::Cnp),
+                0xC0 => Some(Layout::Connect),
+                0xC1 => Some(Layout::Ack),
+                0xC2 => Some(Layout::Send),
+                0xC3 => Some(Layout::Write { imm: false }),
+                0xC4 => Some(Layout::Write { imm: true }),
+                0xC5 => Some(Layout::Nak),
+                0xC6 => Some(Layout::Close),
+                0xC7 => Some(Layout::ReadRequest),
+                0xC8 => Some(Layout::ReadResponse),
+                0xC9 | 0xCA => Some(Layout::Atomic),
+                0xCB => Some(Layout::AtomicResponse),
+                _ => None,
+            }
+        }
+    };
+    Some(Layout::Rc(rc))
 }
