@@ -938,19 +938,24 @@ impl Connection {
         let psn = pkt.bth.psn;
         // Nothing moves before the packet's own PSN is known to be in window and its floor
         // consistent with it (docs/PROTOCOL.md, "Delivery": receiver checks).
-        let (now, quiet) = (self.last_heard, self.cfg.min_rto);
-        match rx.check(psn, path.floor_psn, now, quiet) {
-            RxCheck::Ok => {}
-            RxCheck::OutOfWindow => {
-                self.oow_in += 1;
-                return;
+        // The next PSN on a path without a gap (the common case) passes every check and
+        // is new: `is_next` stands for `check`, `apply_floor` and `classify` (issue #13).
+        let next = rx.is_next(psn, path.floor_psn);
+        if !next {
+            let (now, quiet) = (self.last_heard, self.cfg.min_rto);
+            match rx.check(psn, path.floor_psn, now, quiet) {
+                RxCheck::Ok => {}
+                RxCheck::OutOfWindow => {
+                    self.oow_in += 1;
+                    return;
+                }
+                RxCheck::BadFloor => {
+                    self.bad_floor_in += 1;
+                    return;
+                }
             }
-            RxCheck::BadFloor => {
-                self.bad_floor_in += 1;
-                return;
-            }
+            rx.apply_floor(path.floor_psn);
         }
-        rx.apply_floor(path.floor_psn);
         rx.generation = path.flags >> 4;
         rx.plane = path.plane;
         // A PSN received before is still handed to the semantic layer, which is
@@ -958,7 +963,8 @@ impl Connection {
         // there as a duplicate and changes nothing, but if a forged or replayed packet
         // took this PSN first, the sender's real packet under it is still placed —
         // otherwise it would be acknowledged (the PSN is marked) and never placed.
-        let dup = match rx.classify(psn) {
+        let class = if next { RxClass::New } else { rx.classify(psn) };
+        let dup = match class {
             RxClass::OutOfWindow => {
                 self.oow_in += 1;
                 return;

@@ -1216,8 +1216,29 @@ impl PathRx {
         psn_diff(psn, self.cum) > -(SACK_BITS as i32)
     }
 
+    /// Whether a data packet with `psn` and `floor` is the common case: the next PSN
+    /// (`cum + 1`) on a path with no gap, its floor not ahead of it. Such a packet passes
+    /// [`check`](Self::check) (`Ok`), its floor moves nothing in
+    /// [`apply_floor`](Self::apply_floor) and it is [`classify`](Self::classify)'d `New`,
+    /// so those three may be skipped (issue #13: none of the SACK window machinery runs).
+    #[inline]
+    pub fn is_next(&self, psn: u32, floor: u32) -> bool {
+        psn == psn_add(self.cum, 1) && psn_diff(floor, psn) <= 0 && self.in_order()
+    }
+
     /// Record `psn` as received (it must have been classified `New`).
+    #[inline]
     pub fn mark(&mut self, psn: u32) {
+        if psn == psn_add(self.cum, 1) && self.in_order() {
+            // The next PSN with no gap: the window slides by one, nothing else to do.
+            self.cum = psn;
+            return;
+        }
+        self.mark_general(psn);
+    }
+
+    /// [`mark`](Self::mark) through the SACK bitmap, any PSN in the window.
+    fn mark_general(&mut self, psn: u32) {
         let d = psn_diff(psn, self.cum);
         if d > 0 && d as u32 <= SACK_BITS {
             let i = d as u32 - 1;
@@ -1243,6 +1264,62 @@ impl PathRx {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The in-order fast paths agree with the general code: whenever `is_next` holds,
+    /// `check` says `Ok`, `apply_floor` moves nothing and `classify` says `New`; `mark`
+    /// leaves the same state as `mark_general`, for in-order, reordered, duplicate and
+    /// lost PSNs and floors that jump, across the PSN wrap.
+    #[test]
+    fn in_order_fast_paths_match_the_general_code() {
+        let now = Instant::now();
+        let quiet = Duration::from_millis(1);
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        for start in [0, crate::wire::PSN_MASK - 40] {
+            let mut rx = PathRx::new(start);
+            let mut next = start;
+            let mut fast = 0;
+            for _ in 0..5000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                // Mostly the next PSN; sometimes one ahead (a gap), one behind (late or
+                // duplicate) or a floor jump.
+                let psn = match x % 16 {
+                    0 => psn_add(next, 1 + (x >> 8) as u32 % 5),
+                    1 => psn_add(next, crate::wire::PSN_MASK - (x >> 8) as u32 % 5),
+                    _ => next,
+                };
+                // The floor: usually a little behind; at the packet's PSN (which slides the
+                // window past a gap); now and then ahead of it (refused by `check`).
+                let k = (x >> 24) as u32 % 4;
+                let f = match (x >> 32) % 8 {
+                    0 => psn_add(psn, 1 + k),
+                    1 => psn,
+                    _ => psn_add(psn, crate::wire::PSN_MASK - k),
+                };
+                if rx.is_next(psn, f) {
+                    fast += 1;
+                    let mut r = rx.clone();
+                    assert_eq!(r.check(psn, f, now, quiet), RxCheck::Ok);
+                    r.apply_floor(f);
+                    assert_eq!((r.cum, r.bits), (rx.cum, rx.bits));
+                    assert_eq!(r.classify(psn), RxClass::New);
+                }
+                if rx.check(psn, f, now, quiet) != RxCheck::Ok {
+                    continue;
+                }
+                rx.apply_floor(f);
+                if rx.classify(psn) == RxClass::New {
+                    let mut general = rx.clone();
+                    general.mark_general(psn);
+                    rx.mark(psn);
+                    assert_eq!((rx.cum, rx.bits), (general.cum, general.bits));
+                }
+                next = psn_add(rx.cum, 1);
+            }
+            assert!(fast > 2000, "{fast}");
+        }
+    }
 
     fn tx(id: u8, port: u16, now: Instant) -> PathTx {
         let cfg = crate::CongestionConfig::default();
