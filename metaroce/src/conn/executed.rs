@@ -79,8 +79,29 @@ impl ExecutedOps {
     }
 
     /// Record that `id` executed with `params`, evicting the oldest record beyond `cap`.
+    #[inline]
     pub fn record(&mut self, id: u32, params: OpParams, cap: u32) {
         self.cap = cap;
+        let next = self.recorded + 1;
+        let mask = self.slots.len().wrapping_sub(1);
+        if let Some(s) = self.slots.get_mut(id as usize & mask) {
+            // The common case, consecutive ids: the slot holds nothing this record must keep
+            // (the id `size` before, evicted now or earlier): overwritten in place.
+            if s.seq == 0 || (s.id != id && next + 1 - s.seq > u64::from(cap)) {
+                *s = Slot {
+                    id,
+                    seq: next,
+                    params,
+                };
+                self.recorded = next;
+                return;
+            }
+        }
+        self.record_slow(id, params, cap);
+    }
+
+    /// [`ExecutedOps::record`] when the ring is empty, must grow, or holds `id` already.
+    fn record_slow(&mut self, id: u32, params: OpParams, cap: u32) {
         loop {
             let len = self.slots.len();
             if len == 0 {
