@@ -447,7 +447,13 @@ impl PathTx {
         // of sent PSNs and the rest (whole-word operations, not 256 bit tests per ACK).
         let mut words = [0u64; 4];
         let mut unsent = [0u64; 4];
+        // An ACK of an in-order path carries an empty bitmap (the common case): nothing to
+        // split then.
+        let empty = *sack == [0u8; 32];
         for (w, (word, extra)) in words.iter_mut().zip(unsent.iter_mut()).enumerate() {
+            if empty {
+                break;
+            }
             // Wire bytes MSB first: read big-endian and reverse the word (bit 0 = the MSB
             // of the first byte), one reversal per word (issue #13).
             let mut b = [0u8; 8];
@@ -476,14 +482,16 @@ impl PathTx {
         // Spurious loss declarations (the packet was delivered, only late): widen the
         // reorder window.
         let mut spurious = 0u32;
-        self.lost_log.retain(|r| {
-            let built_before_floor = r.floor_past.is_none_or(|f| psn_diff(highest, f) < 0);
-            if covers(r.psn) && built_before_floor {
-                spurious += 1;
-                return false;
-            }
-            built_before_floor
-        });
+        if !self.lost_log.is_empty() {
+            self.lost_log.retain(|r| {
+                let built_before_floor = r.floor_past.is_none_or(|f| psn_diff(highest, f) < 0);
+                if covers(r.psn) && built_before_floor {
+                    spurious += 1;
+                    return false;
+                }
+                built_before_floor
+            });
+        }
         if spurious > 0 {
             self.stats.spurious_losses += spurious as u64;
             self.reordering_seen = true;
