@@ -1,6 +1,6 @@
 //! Base Transport Header.
 
-use super::cursor::{Reader, Writer};
+use super::cursor::{fixed, Writer};
 use super::{Error, Opcode, BTH_LEN, DEFAULT_PKEY, PSN_MASK};
 
 /// Base Transport Header: 12 bytes, first in every RoCEv2 UDP payload. IBA Vol. 1 §9.2.
@@ -80,30 +80,23 @@ impl Bth {
     /// Errors: [`Error::Truncated`] if `b` is shorter than 12 bytes,
     /// [`Error::UnsupportedTver`] if TVer ≠ 0. The opcode is not checked here.
     pub fn parse(b: &[u8]) -> Result<Bth, Error> {
-        let mut r = Reader::with_len(b, BTH_LEN)?;
-        let opcode = Opcode(r.u8()?);
-        let b1 = r.u8()?;
+        let &[op, b1, p0, p1, b4, q0, q1, q2, b8, s0, s1, s2] = fixed::<BTH_LEN>(b)?;
         let tver = b1 & 0x0F;
         if tver != 0 {
             return Err(Error::UnsupportedTver(tver));
         }
-        let pkey = r.u16()?;
-        let b4 = r.u8()?;
-        let dest_qp = r.u24()?;
-        let b8 = r.u8()?;
-        let psn = r.u24()?;
         Ok(Bth {
-            opcode,
+            opcode: Opcode(op),
             solicited: b1 & 0x80 != 0,
             mig_req: b1 & 0x40 != 0,
             pad_count: (b1 >> 4) & 0x03,
             tver,
-            pkey,
+            pkey: u16::from_be_bytes([p0, p1]),
             fecn: b4 & 0x80 != 0,
             becn: b4 & 0x40 != 0,
-            dest_qp,
+            dest_qp: u32::from_be_bytes([0, q0, q1, q2]),
             ack_req: b8 & 0x80 != 0,
-            psn,
+            psn: u32::from_be_bytes([0, s0, s1, s2]),
         })
     }
 

@@ -5,6 +5,17 @@
 
 use super::Error;
 
+/// The first `N` bytes of `buf` as an array, for headers read at fixed offsets with no
+/// further bounds checks (issue #13: a [`Reader`] checks every field); [`Error::Truncated`]
+/// if `buf` is shorter.
+#[inline]
+pub(crate) fn fixed<const N: usize>(buf: &[u8]) -> Result<&[u8; N], Error> {
+    buf.first_chunk::<N>().ok_or(Error::Truncated {
+        needed: N,
+        got: buf.len(),
+    })
+}
+
 /// Sequential big-endian reader over a borrowed byte slice.
 pub(crate) struct Reader<'a> {
     buf: &'a [u8],

@@ -3,7 +3,7 @@
 //! ImmDt (4 B, opaque) and IETH (4 B, R_Key to invalidate) are single 32-bit big-endian
 //! fields and are carried as plain `u32` values in [`Headers`](super::Headers).
 
-use super::cursor::{Reader, Writer};
+use super::cursor::{fixed, Reader, Writer};
 use super::{Error, PSN_MASK};
 
 /// RDMA Extended Transport Header: 16 bytes. IBA Vol. 1 §9.3 (RETH).
@@ -32,11 +32,12 @@ impl Reth {
 
     /// Parse the first 16 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
-        let mut r = Reader::with_len(b, Self::LEN)?;
+        let &[v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, l0, l1, l2, l3] =
+            fixed::<{ Self::LEN }>(b)?;
         Ok(Reth {
-            va: r.u64()?,
-            rkey: r.u32()?,
-            dma_len: r.u32()?,
+            va: u64::from_be_bytes([v0, v1, v2, v3, v4, v5, v6, v7]),
+            rkey: u32::from_be_bytes([k0, k1, k2, k3]),
+            dma_len: u32::from_be_bytes([l0, l1, l2, l3]),
         })
     }
 

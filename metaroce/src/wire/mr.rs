@@ -3,7 +3,7 @@
 //! All fields are big-endian. Reserved bytes are written as zero and ignored on receive.
 //! 24-bit fields held in a `u32` are masked to their low 24 bits on emit and parse.
 
-use super::cursor::{Reader, Writer};
+use super::cursor::{fixed, Reader, Writer};
 use super::{Aeth, Error, PSN_MASK};
 
 /// Per-path header: 12 bytes, first after the BTH on every data packet (`MR_SEND`,
@@ -67,19 +67,13 @@ impl PathEth {
 
     /// Parse the first 12 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
-        let mut r = Reader::with_len(b, Self::LEN)?;
-        let path_id = r.u8()?;
-        let flags = r.u8()?;
-        r.skip(2)?;
-        let timestamp = r.u32()?;
-        let plane = r.u8()? & Self::PLANE_MASK;
-        let floor_psn = r.u24()?;
+        let &[path_id, flags, _, _, t0, t1, t2, t3, plane, f0, f1, f2] = fixed::<{ Self::LEN }>(b)?;
         Ok(PathEth {
             path_id,
             flags,
-            timestamp,
-            floor_psn,
-            plane,
+            timestamp: u32::from_be_bytes([t0, t1, t2, t3]),
+            floor_psn: u32::from_be_bytes([0, f0, f1, f2]),
+            plane: plane & Self::PLANE_MASK,
         })
     }
 
@@ -176,10 +170,10 @@ impl WriteEth {
 
     /// Parse the first 8 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
-        let mut r = Reader::with_len(b, Self::LEN)?;
+        let &[i0, i1, i2, i3, o0, o1, o2, o3] = fixed::<{ Self::LEN }>(b)?;
         Ok(WriteEth {
-            op_id: r.u32()?,
-            offset: r.u32()?,
+            op_id: u32::from_be_bytes([i0, i1, i2, i3]),
+            offset: u32::from_be_bytes([o0, o1, o2, o3]),
         })
     }
 
