@@ -402,7 +402,10 @@ async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun)
     // One source region serves every size: slot i of size z is bytes [i*z, (i+1)*z).
     let data = match &s.file {
         Some(f) => f.data.clone(),
-        None => random_bytes(derive_seed(s.seed, 100), largest_region(s, "source")?),
+        None => {
+            let len = largest_region(s, "source")?;
+            super::xport::off_worker(|| random_bytes(derive_seed(s.seed, 100), len))
+        }
     };
     let src = net.register(data, Access::LOCAL_WRITE);
     report::bw_header(s);

@@ -262,9 +262,11 @@ impl Mr {
 
     /// CRC-32 of `[off, off + len)`.
     pub fn crc(&self, off: u64, len: u64) -> Res<u32> {
-        let mut h = crc32fast::Hasher::new();
-        self.each_chunk(off, len, |b| h.update(b))?;
-        Ok(h.finalize())
+        off_worker(|| {
+            let mut h = crc32fast::Hasher::new();
+            self.each_chunk(off, len, |b| h.update(b))?;
+            Ok(h.finalize())
+        })
     }
 
     /// Feeds `[off, off + len)` into `h`.
@@ -312,6 +314,20 @@ impl Mr {
     }
 }
 
+/// Runs `f` — filling or checksumming a region, up to a second of CPU for 1 GiB — on a
+/// multi-thread runtime through [`tokio::task::block_in_place`], so that the tasks queued on
+/// this worker, the endpoints' drivers among them, move to another thread meanwhile.
+/// Without it a driver woken by this task waits in the worker's next-task slot, which no
+/// other worker steals from, and the peer's retransmission timer fires (spurious
+/// retransmissions, issue #13). On a current-thread runtime `f` just runs.
+pub fn off_worker<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
 /// Initial contents of a region from a [`Pool`].
 #[derive(Debug, Clone, Copy)]
 pub enum Fill {
@@ -324,10 +340,10 @@ pub enum Fill {
 impl Fill {
     fn build(self, len: u64) -> Res<Vec<u8>> {
         let n = usize::try_from(len).map_err(|_| "region too large for this host")?;
-        Ok(match self {
+        Ok(off_worker(|| match self {
             Fill::Byte(b) => vec![b; n],
             Fill::Random(seed) => super::data::random_bytes(seed, n),
-        })
+        }))
     }
 
     fn apply(self, mr: &Mr, len: u64) -> Res<()> {
@@ -675,5 +691,46 @@ impl LinkStats {
             LinkStats::Meta(c) => c.as_ref(),
             LinkStats::Rc { .. } => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::off_worker;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A task woken by a task that then does long CPU work must still run meanwhile, as the
+    /// endpoint's driver must to answer the peer (issue #13). Without `block_in_place` the
+    /// woken task waits in the worker's next-task slot, which the idle worker does not
+    /// steal, and the `recv_timeout` below runs out.
+    #[test]
+    fn a_task_woken_before_long_work_runs_during_it() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let ran = rt.block_on(async {
+            tokio::spawn(async {
+                let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+                let (done_tx, done_rx) = mpsc::channel::<()>();
+                let waiter = tokio::spawn(async move {
+                    let _ = go_rx.await;
+                    let _ = done_tx.send(());
+                });
+                // Let the waiter start and park on its channel.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Wakes the waiter from this worker: it goes to this worker's next-task slot.
+                let _ = go_tx.send(());
+                // The "long work": waits (at most 10 s) for the woken task to have run.
+                let ran = off_worker(|| done_rx.recv_timeout(Duration::from_secs(10)).is_ok());
+                let _ = waiter.await;
+                ran
+            })
+            .await
+            .unwrap()
+        });
+        assert!(ran, "the woken task did not run while this one was busy");
     }
 }
