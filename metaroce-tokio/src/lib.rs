@@ -71,6 +71,13 @@
 //! tests do so; on an idle 2-vCPU VM this took the 64 B one-way latency from about 50 µs
 //! to about 17 µs (docs/RESULTS.md, "Two regimes of the 64 B round trip").
 //!
+//! The other side of that slot: a task that wakes the driver and then computes for long
+//! (fills or checksums a large buffer, say) holds the driver on its worker, since tokio
+//! does not let another worker steal the task it woke last. The endpoint then answers no
+//! packet meanwhile, and the peer's retransmission timers fire (in `metaroce-perf`, a 1 GiB
+//! region fill cost about 200 spurious retransmissions per run). Run such work through
+//! `tokio::task::block_in_place` or `spawn_blocking`.
+//!
 //! # Tracing
 //!
 //! The driver task runs in an `endpoint` span (`id`, `addr`); each [`Connection`] has a
