@@ -1,6 +1,6 @@
 //! Handshake flood over real UDP on 127.0.0.1 (issue #9): 100,000 forged connection
 //! Requests from 1,000 source ports. The server keeps no per-peer state (resident memory
-//! grows by at most 1 MiB), answers with Retries no larger than the Requests (amplification
+//! grows by at most 2 MiB, under 21 bytes per Request), answers with Retries no larger than the Requests (amplification
 //! at most 1x in bytes), and a legitimate client connects and moves data during the flood.
 //! Also: two endpoints with default configuration never share QPN space or secrets (OS
 //! seeding).
@@ -78,6 +78,12 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
         st.send(Bytes::from_static(b"warm up")).await.unwrap();
         st.send(Bytes::from_static(b"x")).await.unwrap();
     }
+    // The legitimate client's endpoint (its sockets, receive batch buffers, driver) is
+    // bound before the baseline too: the bound is on what the flood costs, and the client
+    // alone is part of the noise the bound below must allow for.
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
     let rss0 = rss_kib();
 
@@ -129,9 +135,6 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
     while !half.load(Ordering::Relaxed) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
     let t = Instant::now();
     let c = client
         .connect(saddr)
@@ -168,7 +171,16 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
     assert!(back <= sent, "amplification above 1x");
     assert!(st.handshake_bytes_out <= st.handshake_bytes_in);
     assert!(st.retries_sent > 0);
-    assert!(rss1 <= rss0 + 1024, "RSS grew by more than 1 MiB");
+    // 2 MiB for 100,000 Requests: per-Request state of 21 bytes or more would exceed it (a
+    // half-open connection is hundreds). The growth that does not come from Requests (the
+    // client's connection and message, the attacker thread, allocator arenas) is about the
+    // same with 20,000 Requests as with 100,000 (+700..+780 against +584..+752 KiB on an
+    // idle machine) and measured +1,148 KiB once in CI: too close to 1 MiB for a bound.
+    assert!(
+        rss1 <= rss0 + 2048,
+        "RSS grew by more than 2 MiB (+{} KiB)",
+        rss1 as i64 - rss0 as i64
+    );
 }
 
 /// Two endpoints with the default configuration (seeds from the OS) draw different QPNs
