@@ -71,6 +71,13 @@ fn flow_key(kind: &OpKind) -> Option<u64> {
     }
 }
 
+/// Index in `parked` of the segment the receiver admits first among a stream's refused
+/// ones: the earliest operation's (a stream's messages are admitted in order), its earliest
+/// segment. `None` if `parked` is empty.
+fn earliest(parked: &[SegRef]) -> Option<usize> {
+    (0..parked.len()).min_by_key(|&k| (parked[k].op, parked[k].seg))
+}
+
 #[derive(Debug)]
 pub(crate) enum OpKind {
     Send {
@@ -930,9 +937,8 @@ impl SendQueue {
                         // ran out of RNR retries.
                         let mut probe = s;
                         if let Some(parked) = self.flow_parked.get_mut(&stream) {
-                            let earlier = (0..parked.len())
-                                .filter(|&k| (parked[k].op, parked[k].seg) < (s.op, s.seg))
-                                .min_by_key(|&k| (parked[k].op, parked[k].seg));
+                            let earlier = earliest(parked)
+                                .filter(|&k| (parked[k].op, parked[k].seg) < (s.op, s.seg));
                             if let Some(k) = earlier {
                                 probe = parked.swap_remove(k);
                                 parked.push(s);
@@ -950,8 +956,7 @@ impl SendQueue {
                     if self.flow_probe.contains_key(&stream) {
                         continue;
                     }
-                    let Some(k) = (0..parked.len()).min_by_key(|&k| (parked[k].op, parked[k].seg))
-                    else {
+                    let Some(k) = earliest(parked) else {
                         continue;
                     };
                     let probe = parked.swap_remove(k);
