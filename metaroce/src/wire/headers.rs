@@ -1,7 +1,7 @@
 //! The extension-header sequence that follows the BTH, selected by the opcode.
 
 use super::cursor::Writer;
-use super::opcode::{layout, Layout, RcSet};
+use super::opcode::{layout_of, Layout, RcSet};
 use super::{
     AckEth, Aeth, AtomicAckEth, AtomicEth, CloseEth, ConnectEth, Deth, Error, NakEth, Opcode,
     PathEth, Reth, SendEth, WriteEth, BTH_LEN,
@@ -173,12 +173,12 @@ pub fn header_len(op: Opcode) -> Result<usize, Error> {
 }
 
 /// Every opcode's layout with the length of its extension headers (at most 48 bytes),
-/// looked up once per parse instead of matched (issue #13).
+/// looked up once per parse instead of matched (issue #13); the one per-opcode table.
 static SHAPES: [Option<(Layout, u8)>; 256] = {
     let mut t = [None; 256];
     let mut i = 0;
     while i < 256 {
-        if let Some(l) = super::opcode::layout_of(i as u8) {
+        if let Some(l) = layout_of(i as u8) {
             t[i] = Some((l, layout_len(l) as u8));
         }
         i += 1;
@@ -372,7 +372,7 @@ impl Headers {
     /// optional headers present), i.e. a packet with this opcode and these headers is
     /// well-formed.
     pub fn matches_opcode(&self, op: Opcode) -> bool {
-        layout(op) == Some(self.shape())
+        SHAPES[op.0 as usize].map(|(l, _)| l) == Some(self.shape())
     }
 
     /// Bytes of extension headers after the BTH for this variant (0..=48).

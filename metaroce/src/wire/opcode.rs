@@ -143,7 +143,7 @@ impl Opcode {
     /// True when this crate knows the header layout of the opcode (every `RC_*`, `UD_*`,
     /// `CNP` and `MR_*` constant), i.e. [`header_len`](super::header_len) is `Ok`.
     pub fn is_known(self) -> bool {
-        layout(self).is_some()
+        super::header_len(self).is_ok()
     }
 
     /// Transport class from bits 7:5 (IBA Vol. 1 §9.2).
@@ -259,27 +259,10 @@ pub(crate) enum Layout {
     AtomicResponse,
 }
 
-/// The layout of a known opcode, `None` for everything this crate does not parse: one load
-/// from a table built at compile time (issue #13: the match below ran on every packet,
-/// several times).
-#[inline]
-pub(crate) fn layout(op: Opcode) -> Option<Layout> {
-    LAYOUTS[op.0 as usize]
-}
-
-/// [`layout`] of every byte value.
-static LAYOUTS: [Option<Layout>; 256] = {
-    let mut t = [None; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = layout_of(i as u8);
-        i += 1;
-    }
-    t
-};
-
-/// The opcode table itself (IBA Vol. 1 §9.2, RoCEv2 Annex A17, docs/PROTOCOL.md), from which
-/// [`LAYOUTS`] is built.
+/// The layout of a known opcode, `None` for everything this crate does not parse: the
+/// opcode table itself (IBA Vol. 1 §9.2, RoCEv2 Annex A17, docs/PROTOCOL.md), from which
+/// `wire::headers` builds its per-opcode table at compile time (issue #13: one load per
+/// packet instead of this match).
 pub(crate) const fn layout_of(op: u8) -> Option<Layout> {
     const NONE: RcSet = RcSet {
         reth: false,
