@@ -334,7 +334,9 @@ pub struct TransportConfig {
     /// `max_ack_delay`, RFC 9000 §13.2.1): when an `MR_SEND` packet arrives in order, with no
     /// CE mark, as the only packet the connection has not acknowledged yet, its ACK waits up
     /// to this long for data going back to the same peer (a reply) and then leaves right
-    /// behind that data packet, in the same transmit batch; otherwise it leaves when the
+    /// behind that data packet, in the same transmit batch (with GSO, in the same
+    /// [`Transmit`](crate::Transmit), the reply taking the path whose source port the ACK
+    /// leaves from: docs/PROTOCOL.md "Delayed ACK"); otherwise it leaves when the
     /// time is up. Any further packet, a gap, a CE mark, a WRITE, READ or atomic packet makes
     /// every ACK due at once, so bulk transfers and one-sided operations are not delayed.
     /// The ACK reports how long it was held (AckEth bytes 2–3, docs/PROTOCOL.md

@@ -56,6 +56,18 @@ fn ping_pong(
     rounds: usize,
     think: Duration,
 ) {
+    ping_pong_sized(net, a, b, rounds, think, 64);
+}
+
+/// [`ping_pong`] with echoes of `echo_len` bytes.
+fn ping_pong_sized(
+    net: &mut Net,
+    a: ConnectionHandle,
+    b: ConnectionHandle,
+    rounds: usize,
+    think: Duration,
+    echo_len: usize,
+) {
     for k in 0..rounds {
         net.eps[0]
             .post_send(a, 1, k as u64, Bytes::from(vec![k as u8; 64]))
@@ -63,7 +75,12 @@ fn ping_pong(
         assert!(net.run_until(LIMIT, |n| received(n, 1, b) > k), "ping {k}");
         net.run_for(think);
         net.eps[1]
-            .post_send(b, 1, 1000 + k as u64, Bytes::from(vec![!(k as u8); 64]))
+            .post_send(
+                b,
+                1,
+                1000 + k as u64,
+                Bytes::from(vec![!(k as u8); echo_len]),
+            )
             .unwrap();
         assert!(net.run_until(LIMIT, |n| received(n, 0, a) > k), "echo {k}");
     }
@@ -104,6 +121,110 @@ fn the_ack_of_a_ping_rides_behind_the_echo() {
     assert_eq!(net.completions(0, a).len(), 20);
 }
 
+/// The datagrams endpoint `from` sent, grouped by the transmit (GSO batch) that carried
+/// them, in sending order.
+fn batches(net: &Net, from: usize) -> Vec<Vec<&Sent>> {
+    let mut out: Vec<Vec<&Sent>> = Vec::new();
+    for s in net.wire.iter().filter(|s| s.from_ep == from) {
+        match out.last_mut() {
+            Some(b) if b[0].batch == s.batch => b.push(s),
+            _ => out.push(vec![s]),
+        }
+    }
+    out
+}
+
+/// With GSO (issue #13, P2), the held ACK of a ping joins the echo in one transmit: one
+/// datagram send instead of two, from the ACK's port (the path that carries the echo is
+/// the one whose port that is). The same holds for A's ACK of an echo and A's next ping,
+/// so a ping-pong costs one transmit per message. Fails on the code before the join,
+/// which sent the ACK as a transmit of its own.
+#[test]
+fn the_ack_of_a_ping_joins_the_echo_in_one_batch() {
+    let mut net = net(Duration::from_micros(100), Duration::from_micros(100));
+    let (a, b) = net.connect();
+    net.wire.clear();
+    ping_pong(&mut net, a, b, 20, Duration::ZERO);
+    assert!(net.run_until_idle(LIMIT));
+    for (side, expect_joined) in [(1, 20), (0, 19)] {
+        let mut joined = 0;
+        for batch in batches(&net, side) {
+            let ops: Vec<_> = batch.iter().map(|s| opcode(s)).collect();
+            if ops.contains(&Some(Opcode::MR_SEND)) && batch.len() > 1 {
+                assert_eq!(
+                    ops,
+                    [Some(Opcode::MR_SEND), Some(Opcode::MR_ACK)],
+                    "side {side}: a joined batch is the message, then its ACK"
+                );
+                assert_eq!(batch[0].from, batch[1].from, "one source port per batch");
+                joined += 1;
+            }
+        }
+        assert_eq!(joined, expect_joined, "side {side}: joined batches");
+    }
+    // Every ping and echo arrived intact, every SEND completed Success.
+    let got_b = &net.messages(1, b)[&1];
+    let got_a = &net.messages(0, a)[&1];
+    for k in 0..20 {
+        assert_eq!(got_b[k].as_ref(), &vec![k as u8; 64][..]);
+        assert_eq!(got_a[k].as_ref(), &vec![!(k as u8); 64][..]);
+    }
+    for (i, c) in [(0, a), (1, b)] {
+        let wcs = net.completions(i, c);
+        assert_eq!(wcs.len(), 20);
+        assert!(wcs.iter().all(|wc| wc.status == WcStatus::Success));
+        let st = net.eps[i].connection_stats(c).unwrap();
+        assert!(st.paths.iter().all(|p| p.stats.retransmits == 0));
+    }
+}
+
+/// An echo shorter than an ACK datagram (1 byte of payload) goes behind the ACK in the
+/// batch: GSO lets only the last segment be shorter than the others.
+#[test]
+fn an_echo_shorter_than_the_ack_follows_it_in_the_batch() {
+    let mut net = net(Duration::from_micros(100), Duration::from_micros(100));
+    let (a, b) = net.connect();
+    net.wire.clear();
+    ping_pong_sized(&mut net, a, b, 8, Duration::ZERO, 1);
+    assert!(net.run_until_idle(LIMIT));
+    let joined: Vec<_> = batches(&net, 1)
+        .into_iter()
+        .filter(|b| b.len() > 1)
+        .collect();
+    assert_eq!(joined.len(), 8);
+    for batch in joined {
+        assert_eq!(opcode(batch[0]), Some(Opcode::MR_ACK));
+        assert_eq!(opcode(batch[1]), Some(Opcode::MR_SEND));
+        assert!(batch[1].data.len() < batch[0].data.len());
+    }
+    assert_eq!(net.messages(0, a)[&1].len(), 8);
+    assert!(net.messages(0, a)[&1].iter().all(|m| m.len() == 1));
+    assert!(net
+        .completions(1, b)
+        .iter()
+        .all(|wc| wc.status == WcStatus::Success));
+}
+
+/// Without GSO (`max_gso_segments = 1`) the held ACK still rides right behind the echo,
+/// as a datagram of its own.
+#[test]
+fn without_gso_the_held_ack_is_a_datagram_of_its_own() {
+    let [ca, cb] = [0, 1].map(|i| {
+        let mut c = metaroce::testing::config(i, 7);
+        c.transport.max_ack_delay = Duration::from_micros(100);
+        c.transport.max_gso_segments = 1;
+        c
+    });
+    let mut net = Net::with_configs(7, ca, cb);
+    net.record = 100_000;
+    let (a, b) = net.connect();
+    net.wire.clear();
+    ping_pong(&mut net, a, b, 10, Duration::ZERO);
+    assert!(net.run_until_idle(LIMIT));
+    assert!(batches(&net, 1).iter().all(|b| b.len() == 1));
+    assert_eq!(acks(&net, 1).len(), 10);
+}
+
 /// B thinks 50 µs before it answers: the ACK waits for the echo and reports 50 µs of ACK
 /// delay; A's RTT estimate stays the network's 20 µs (it subtracts the delay).
 #[test]
@@ -116,7 +237,15 @@ fn a_held_ack_reports_its_delay_and_the_rtt_excludes_it() {
     assert_eq!(held.len(), 16, "{held:?}");
     assert!(held.iter().all(|&d| d == 50), "ACK delays {held:?}");
     let st = net.eps[0].connection_stats(a).unwrap();
-    for p in st.paths.iter().filter(|p| p.min_rtt.is_some()) {
+    // The pings and echoes join their ACKs, so they stay on the path pair they started
+    // on (`the_ack_of_a_ping_joins_the_echo_in_one_batch`): the paths that carried them.
+    let used: Vec<_> = st
+        .paths
+        .iter()
+        .filter(|p| p.stats.packets_acked > 0)
+        .collect();
+    assert!(!used.is_empty());
+    for p in used {
         let srtt = p.srtt;
         assert!(
             srtt <= Duration::from_micros(25),

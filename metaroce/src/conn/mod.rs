@@ -1866,6 +1866,37 @@ impl Connection {
     /// overtook its ACK).
     pub fn poll_ack(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
+        let (port, n_bytes) = self.append_ack(now, buf, None)?;
+        Some(self.transmit(port, None, n_bytes, None))
+    }
+
+    /// The source port of the ACK datagram [`poll_ack`](Self::poll_ack) would send next
+    /// and its length in bytes, when exactly one path owes an ACK (the delayed-ACK case,
+    /// `ack_due`); `None` otherwise.
+    fn lone_ack(&self) -> Option<(u16, usize)> {
+        if self.unacked_pkts != 1 {
+            return None;
+        }
+        let mut due = self.rx.iter().enumerate().filter(|(_, r)| r.ack_pending);
+        let (i, r) = due.next()?;
+        if due.next().is_some() {
+            return None;
+        }
+        let port = self.answer_port(i as u8, r.generation, r.plane);
+        let hdrs = Headers::Ack(AckEth::default());
+        let len = wire::packet_len_with(&hdrs, 0, &self.trailer_for(Opcode::MR_ACK));
+        Some((port, len))
+    }
+
+    /// Append the next pending MR_ACK datagram (see [`poll_ack`](Self::poll_ack)) to
+    /// `buf`; returns its source port and length. With `port` set, nothing is appended
+    /// (and nothing changes) unless the datagram would leave from that port.
+    fn append_ack(
+        &mut self,
+        now: Instant,
+        buf: &mut Vec<u8>,
+        port_wanted: Option<u16>,
+    ) -> Option<(u16, usize)> {
         // The next path in turn with an ACK due, bundled with up to `max_ack_bundle - 1`
         // further due paths of the same plane (docs/PROTOCOL.md, "ACK bundles"); the
         // datagram leaves from the first path's answer port.
@@ -1889,6 +1920,9 @@ impl Connection {
                 continue;
             }
             let port = self.answer_port(i as u8, self.rx[i].generation, self.rx[i].plane);
+            if port_wanted.is_some_and(|p| p != port) {
+                return None;
+            }
             let plane = self.rx[i].plane;
             let rate_hint = self.granted_rate_mbps;
             let mut flags = self.rx[i].take_ack_flags();
@@ -1936,7 +1970,7 @@ impl Connection {
                 self.unacked_pkts = 0;
                 self.ack_hold = None;
             }
-            return Some(self.transmit(port, None, n_bytes, None));
+            return Some((port, n_bytes));
         }
         None
     }
@@ -2069,17 +2103,69 @@ impl Connection {
         if n == 0 {
             return None;
         }
-        let start = self.next_path % n;
-        let i = (start..n)
-            .chain(0..start)
-            .find(|&i| self.tx[i].can_send())?;
-        self.next_path = if i + 1 == n { 0 } else { i + 1 };
-        let t = self.send_data(now, buf, mrs, i, None, Some((window, in_flight, next)));
-        if t.is_some() {
-            // A held ACK rides behind this packet: the next call sends it.
-            self.ack_hold = None;
+        // A held ACK joins the reply in one GSO batch (one datagram send, and the peer
+        // receives both at once) when a path sends from the port the ACK leaves from
+        // (docs/PROTOCOL.md, "Delayed ACK"); that path carries the reply, out of turn.
+        let join = if held && self.cfg.max_gso_segments > 1 {
+            self.lone_ack().and_then(|(port, len)| {
+                let j = self
+                    .tx
+                    .iter()
+                    .position(|p| p.src_port == port && p.can_send())?;
+                Some((j, len))
+            })
+        } else {
+            None
+        };
+        let i = match join {
+            Some((j, _)) => j,
+            None => {
+                let start = self.next_path % n;
+                let i = (start..n)
+                    .chain(0..start)
+                    .find(|&i| self.tx[i].can_send())?;
+                self.next_path = if i + 1 == n { 0 } else { i + 1 };
+                i
+            }
+        };
+        let mut t = self.send_data(now, buf, mrs, i, None, Some((window, in_flight, next)))?;
+        // A held ACK rides behind this packet: in the same batch when it joins, else the
+        // next call sends it.
+        self.ack_hold = None;
+        if let Some((_, ack_len)) = join {
+            self.join_ack(now, buf, &mut t, ack_len);
         }
-        t
+        Some(t)
+    }
+
+    /// Add the held ACK to the data batch `t` in `buf` (same source port, checked by the
+    /// caller) as one more GSO segment: behind the data when it is no longer than the data
+    /// segments (GSO's rule: only the last segment may be shorter), ahead of a lone data
+    /// packet shorter than the ACK. Leaves `t` as it was when neither fits (a batch at the
+    /// GSO limit, or ending in a shorter packet): the ACK then leaves on its own.
+    fn join_ack(&mut self, now: Instant, buf: &mut Vec<u8>, t: &mut Transmit, ack_len: usize) {
+        let seg = t.segment_size.unwrap_or(t.size);
+        let count = t.size.div_ceil(seg.max(1));
+        if seg == 0 || count >= self.cfg.max_gso_segments || t.size % seg != 0 {
+            return;
+        }
+        if ack_len > seg && count > 1 {
+            return;
+        }
+        let data_len = t.size;
+        let Some((_, n)) = self.append_ack(now, buf, Some(t.src_port)) else {
+            return;
+        };
+        // One path owed the ACK (`lone_ack`), so it is no bundle: the length was known.
+        debug_assert_eq!(n, ack_len);
+        t.size = data_len + n;
+        if n <= seg {
+            t.segment_size = Some(seg);
+        } else {
+            // [data][ACK] -> [ACK][data]: the longer datagram first.
+            buf[..t.size].rotate_left(data_len);
+            t.segment_size = Some(n);
+        }
     }
 
     /// Build a batch of data packets on path `i`: one probe segment, or up to the GSO limit

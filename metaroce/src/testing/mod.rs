@@ -425,6 +425,9 @@ pub struct Sent {
     pub from: SocketAddr,
     /// Receiving endpoint.
     pub to: usize,
+    /// Which `poll_transmit` result of the sender carried it (counted over the whole
+    /// net): the datagrams of one GSO batch share it.
+    pub batch: u64,
     pub data: Vec<u8>,
 }
 
@@ -545,6 +548,8 @@ pub struct Net {
     pub record: usize,
     /// The recorded datagrams, in sending order.
     pub wire: Vec<Sent>,
+    /// Transmits (`poll_transmit` results, a GSO batch counting once) the endpoints sent.
+    pub batches: u64,
     /// Called on every datagram sent, before any impairment; `true` drops it.
     pub drop_hook: Option<DropHook>,
     /// Keep the datagrams [`Net::drop_hook`] dropped in [`Net::held`] (default off).
@@ -635,6 +640,7 @@ impl Net {
             check_timers: false,
             record: 0,
             wire: Vec::new(),
+            batches: 0,
             drop_hook: None,
             deliver_hook: None,
             ecn_hook: None,
@@ -728,6 +734,7 @@ impl Net {
         let from = SocketAddr::new(self.addrs[from_idx].ip(), t.src_port);
         let path = self.path_of(from_idx, t.src_port);
         let seg = t.segment_size.unwrap_or(t.size).max(1);
+        self.batches += 1;
         let rel = self.elapsed();
         for chunk in data[..t.size].chunks(seg) {
             if self.check_emitted {
@@ -741,6 +748,7 @@ impl Net {
                     from_ep: from_idx,
                     from,
                     to,
+                    batch: self.batches,
                     data: chunk.to_vec(),
                 });
             }
@@ -752,6 +760,7 @@ impl Net {
                         from_ep: from_idx,
                         from,
                         to,
+                        batch: self.batches,
                         data: chunk.to_vec(),
                     });
                 }
