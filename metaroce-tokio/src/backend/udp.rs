@@ -595,4 +595,43 @@ mod tests {
         assert_eq!(got, 1);
         assert_eq!(meta[0].len, 5);
     }
+
+    /// Junk sent to a path port is discarded by the next receive on the main socket
+    /// (`drain_paths`, no waker on the path sockets) and never shows up as a datagram.
+    #[tokio::test]
+    async fn datagrams_sent_to_path_ports_are_drained_by_the_next_receive() {
+        let b = UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let path_addr = |p: &Sock| SocketAddr::new([127, 0, 0, 1].into(), p.port);
+        for p in &b.paths {
+            for _ in 0..3 {
+                tx.send_to(b"junk", path_addr(p)).unwrap();
+            }
+        }
+        // Let the reactor see the path sockets readable.
+        for p in &b.paths {
+            p.io.readable().await.unwrap();
+        }
+        tx.send_to(b"real", b.local_addr()).unwrap();
+        let mut storage = [[0u8; 64]; 4];
+        let mut meta = [RecvMeta::EMPTY; 4];
+        let mut bufs: Vec<IoSliceMut<'_>> =
+            storage.iter_mut().map(|s| IoSliceMut::new(s)).collect();
+        let got = std::future::poll_fn(|cx| b.poll_recv(cx, &mut bufs, &mut meta))
+            .await
+            .unwrap();
+        assert_eq!(got, 1);
+        assert_eq!(meta[0].len, 4);
+        assert_eq!(&storage[0][..4], b"real");
+        let mut scratch = [0u8; 16];
+        for p in &b.paths {
+            let e = p.io.try_recv_from(&mut scratch).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                io::ErrorKind::WouldBlock,
+                "path {} not drained",
+                p.port
+            );
+        }
+    }
 }
