@@ -567,3 +567,74 @@ async fn an_owned_transmit_larger_than_one_sendmsg_is_sent_in_chunks_without_a_c
         "the shared buffer came back after its last chunk completed"
     );
 }
+
+/// Ping-pong of `n` numbered datagrams from `a` to `b`, one at a time; returns what `b`
+/// received, in order.
+async fn one_at_a_time(a: &UringBackend, b: &UringBackend, n: u32) -> Vec<Vec<u8>> {
+    let mut got = Vec::new();
+    for i in 0..n {
+        let t = transmit(b.local_addr(), a.source_ports()[0], 4, None);
+        poll_fn(|cx| a.poll_send(cx, &t, &i.to_be_bytes()))
+            .await
+            .unwrap();
+        a.flush();
+        got.extend(recv_all(b, 1).await);
+    }
+    got
+}
+
+#[test]
+fn the_receive_is_re_armed_from_the_thread_that_keeps_polling_it() {
+    // The kernel completes a multishot receive in task work of the thread that armed it.
+    // Arm on this thread, then drive the same runtime from another thread: the receive
+    // must follow, once, without losing or reordering a datagram.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (a, b) = rt.block_on(async {
+        let a = uring(1, UringConfig::default());
+        let b = uring(1, UringConfig::default());
+        let first = one_at_a_time(&a, &b, 1).await;
+        assert_eq!(first, [0u32.to_be_bytes().to_vec()]);
+        (a, b)
+    });
+    assert_eq!(
+        b.stats().recv_moves,
+        0,
+        "polled only from the arming thread"
+    );
+    // SAFETY: gettid has no preconditions.
+    let arming = unsafe { libc::gettid() };
+    let wakeups = std::thread::spawn(move || {
+        rt.block_on(async {
+            let got = one_at_a_time(&a, &b, 200).await;
+            let want: Vec<Vec<u8>> = (0..200u32).map(|i| i.to_be_bytes().to_vec()).collect();
+            assert_eq!(got, want);
+            assert_eq!(b.stats().recv_moves, 1, "{:?}", b.stats());
+            assert_eq!(b.stats().recv_errors, 0);
+            // Once moved, datagrams no longer wake the arming thread (parked in `join`).
+            let before = voluntary_switches(arming);
+            let got = one_at_a_time(&a, &b, 200).await;
+            assert_eq!(got.len(), 200);
+            assert_eq!(b.stats().recv_moves, 1, "moved once, not back and forth");
+            voluntary_switches(arming) - before
+        })
+    })
+    .join()
+    .unwrap();
+    assert!(
+        wakeups < 20,
+        "the arming thread woke {wakeups} times for 200 datagrams"
+    );
+}
+
+/// `voluntary_ctxt_switches` of thread `tid` of this process (each sleep after a wake-up).
+fn voluntary_switches(tid: libc::pid_t) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("voluntary_ctxt_switches")
+}

@@ -1889,7 +1889,7 @@ impl Connection {
     }
 
     /// Append the next pending MR_ACK datagram (see [`poll_ack`](Self::poll_ack)) to
-    /// `buf`; returns its source port and length. With `port` set, nothing is appended
+    /// `buf`; returns its source port and length. With `port_wanted` set, nothing is appended
     /// (and nothing changes) unless the datagram would leave from that port.
     fn append_ack(
         &mut self,

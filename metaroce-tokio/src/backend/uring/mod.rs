@@ -174,6 +174,13 @@ struct Inner {
 ///   seccomp or `kernel.io_uring_disabled`, kernels before 6.0), or when
 ///   [`UringConfig::disabled`] / `METAROCE_IO_URING=0` forces it off;
 ///   [`bind_backend`](super::bind_backend) then binds a [`UdpBackend`](super::UdpBackend).
+/// * **Threads**: the kernel completes each received datagram in task work queued to the
+///   thread that armed the multishot receive. When another thread polls for datagrams (the
+///   driver task moved to another tokio worker), each datagram would first wake the arming
+///   thread, then the poller: two thread wake-ups instead of none on loopback. After 32
+///   consecutive receive polls from one other thread, the receive is cancelled and re-armed
+///   from that thread ([`UringStats::recv_moves`] counts these); datagrams arriving in
+///   between wait in the socket buffer.
 ///
 /// Copies: the kernel copies each sent datagram once (as with `sendmsg`) after the backend
 /// copied it into a send slot; received bytes are copied once from the provided buffer into
@@ -220,6 +227,10 @@ pub struct UringStats {
     /// the kernel drops datagrams meanwhile, once the socket buffer is full); it is
     /// re-armed as soon as a buffer is recycled.
     pub recv_buffers_exhausted: u64,
+    /// Times the multishot receive was cancelled and re-armed because another thread than
+    /// the one that armed it kept polling for datagrams (see [`UringBackend`]'s
+    /// "Threads").
+    pub recv_moves: u64,
     /// Whether GSO joining was turned off after an EIO.
     pub gso_off: bool,
 }
@@ -389,6 +400,7 @@ impl UringBackend {
             datagrams_lost: self.datagrams_lost.load(Ordering::Relaxed),
             recv_errors: self.recv_errors.load(Ordering::Relaxed),
             recv_buffers_exhausted: self.recv_exhausted.load(Ordering::Relaxed),
+            recv_moves: inner.ring.recv_moves(),
             gso_off: inner.gso_off,
         }
     }
@@ -490,6 +502,7 @@ impl UringBackend {
         loop {
             {
                 let mut inner = self.lock();
+                inner.ring.follow_poller();
                 // Sends queued by callers that never flush go out before we wait (and those
                 // left queued for want of a slot, once completions free slots).
                 self.reap(&mut inner);

@@ -33,6 +33,9 @@ use tokio::io::Interest;
 const RECV_UD: u64 = 1 << 63;
 /// `user_data` of cancellation requests (their completions are ignored).
 const CANCEL_UD: u64 = (1 << 63) | 1;
+/// Consecutive receive polls on a thread other than the one that armed the multishot
+/// receive after which it is cancelled, to be re-armed from the polling thread.
+pub(super) const RECV_FOLLOW_POLLS: u32 = 32;
 /// Buffer group id of the receive buffer ring.
 const BGID: u16 = 0x6d72;
 /// Room reserved in each receive buffer for the source address and control messages.
@@ -194,6 +197,16 @@ pub(super) struct Ring {
     bufs: BufRing,
     recv_hdr: Box<libc::msghdr>,
     recv_armed: bool,
+    /// The thread that armed the multishot receive. The kernel posts its completions from
+    /// task work queued to that thread, so when another thread waits for them, each
+    /// datagram costs a wake-up of the arming thread first.
+    recv_owner: Option<std::thread::ThreadId>,
+    /// Consecutive polls from another thread than `recv_owner`.
+    foreign_polls: u32,
+    /// A cancellation of the receive was submitted and its last completion is not reaped.
+    recv_cancelling: bool,
+    /// Times the receive was cancelled to follow the polling thread.
+    recv_moves: u64,
     // Boxed on purpose: the kernel holds pointers into each slot, whose address must not
     // depend on the Vec's buffer.
     #[allow(clippy::vec_box)]
@@ -313,6 +326,10 @@ impl Ring {
             bufs,
             recv_hdr,
             recv_armed: false,
+            recv_owner: None,
+            foreign_polls: 0,
+            recv_cancelling: false,
+            recv_moves: 0,
             slots,
             free: (0..send_slots).rev().collect(),
             spare: Vec::with_capacity(MAX_SPARE),
@@ -375,7 +392,43 @@ impl Ring {
             .user_data(RECV_UD);
         self.push(&entry)?;
         self.recv_armed = true;
+        self.recv_owner = Some(std::thread::current().id());
+        self.foreign_polls = 0;
         Ok(())
+    }
+
+    /// Called by the thread that waits for receive completions. After
+    /// [`RECV_FOLLOW_POLLS`] consecutive calls from a thread other than the one that armed
+    /// the multishot receive, cancels it (and submits); its last completion then lets the
+    /// caller re-arm it from the polling thread, so that the kernel's task work for each
+    /// datagram runs on the thread that is already awake for it instead of waking another
+    /// (a tokio driver task can move between worker threads). Datagrams arriving in
+    /// between wait in the socket's receive buffer.
+    pub(super) fn follow_poller(&mut self) {
+        if !self.recv_armed || self.recv_cancelling {
+            return;
+        }
+        if self.recv_owner == Some(std::thread::current().id()) {
+            self.foreign_polls = 0;
+            return;
+        }
+        self.foreign_polls += 1;
+        if self.foreign_polls < RECV_FOLLOW_POLLS {
+            return;
+        }
+        let cancel = opcode::AsyncCancel::new(RECV_UD)
+            .build()
+            .user_data(CANCEL_UD);
+        if self.push(&cancel).is_ok() {
+            self.recv_cancelling = true;
+            self.recv_moves += 1;
+            let _ = self.submit();
+        }
+    }
+
+    /// Times [`follow_poller`](Self::follow_poller) cancelled the receive.
+    pub(super) fn recv_moves(&self) -> u64 {
+        self.recv_moves
     }
 
     /// An emptied datagram buffer of a completed send, if one is spare (for the caller to
@@ -587,6 +640,7 @@ impl Ring {
             if ud == RECV_UD {
                 if !cqueue::more(flags) {
                     self.recv_armed = false;
+                    self.recv_cancelling = false;
                 }
                 match (res, cqueue::buffer_select(flags)) {
                     (n, Some(bid)) if n >= 0 && bid < self.bufs.count => out(Done::Recv {
