@@ -144,6 +144,49 @@ pub struct PathInfo {
     pub stats: PathStats,
 }
 
+/// A path's congestion controller and its window, read from the controller once per
+/// change instead of at every send decision (`PathTx::can_send` runs for every packet;
+/// issue #13: the window was a virtual call and a float conversion per packet). Every
+/// change of a [`CongestionController`]'s state goes through one of the four signals
+/// below, so the window read after each one is the controller's current window.
+#[derive(Debug)]
+pub(crate) struct PathCc {
+    ctl: Box<dyn CongestionController>,
+    window: u32,
+}
+
+impl PathCc {
+    fn new(ctl: Box<dyn CongestionController>) -> Self {
+        let window = ctl.window();
+        PathCc { ctl, window }
+    }
+
+    /// The controller's window in packets ([`CongestionController::window`]).
+    pub fn window(&self) -> u32 {
+        self.window
+    }
+
+    fn on_ack(&mut self, now: Instant, acked: u32, rtt: &RttEstimator) {
+        self.ctl.on_ack(now, acked, rtt);
+        self.window = self.ctl.window();
+    }
+
+    fn on_ecn(&mut self, now: Instant, marked: u32, acked: u32, rtt: &RttEstimator) {
+        self.ctl.on_ecn(now, marked, acked, rtt);
+        self.window = self.ctl.window();
+    }
+
+    fn on_loss(&mut self, now: Instant, lost: u32, rtt: &RttEstimator) {
+        self.ctl.on_loss(now, lost, rtt);
+        self.window = self.ctl.window();
+    }
+
+    fn on_timeout(&mut self, now: Instant) {
+        self.ctl.on_timeout(now);
+        self.window = self.ctl.window();
+    }
+}
+
 /// Sender side of a path.
 #[derive(Debug)]
 pub(crate) struct PathTx {
@@ -158,7 +201,7 @@ pub(crate) struct PathTx {
     sent: VecDeque<SentPacket>,
     pub outstanding: u32,
     pub rtt: RttEstimator,
-    pub cc: Box<dyn CongestionController>,
+    pub cc: PathCc,
     last_ce_count: u32,
     pub consecutive_rtos: u32,
     /// `consecutive_rtos` when the timeout back-off last restarted (a re-roll while the
@@ -252,7 +295,7 @@ impl PathTx {
             sent: VecDeque::new(),
             outstanding: 0,
             rtt,
-            cc,
+            cc: PathCc::new(cc),
             last_ce_count: 0,
             consecutive_rtos: 0,
             backoff_from: 0,
