@@ -731,11 +731,16 @@ impl Endpoint {
 
     // ---- posting ----
 
-    fn conn_for_post(
+    /// Check that connection `conn` takes an operation of `len` bytes now (known,
+    /// established, not closing, `len` within `max_message_size`, fewer than
+    /// `max_outstanding_ops` pending), hand the connection to `post`, and mark it touched
+    /// when `post` succeeds.
+    fn post_to(
         &mut self,
         conn: ConnectionHandle,
         len: u64,
-    ) -> Result<&mut Connection, PostError> {
+        post: impl FnOnce(&mut Connection) -> Result<(), PostError>,
+    ) -> Result<(), PostError> {
         let max = self.cfg.transport.max_message_size;
         let max_ops = self.cfg.transport.max_outstanding_ops;
         let c = self
@@ -754,7 +759,19 @@ impl Endpoint {
         if c.sq.len() >= max_ops {
             return Err(PostError::SendQueueFull);
         }
-        Ok(c)
+        post(c)?;
+        // `touched`, with the connection in hand (issue #13: one lookup per operation).
+        Self::mark_conn(
+            c,
+            conn.0,
+            &mut self.stale,
+            &mut self.recent_rx,
+            &mut self.fair_share_at,
+        );
+        if !std::mem::replace(&mut c.ix.ready, true) {
+            self.ready.insert(conn.0);
+        }
+        Ok(())
     }
 
     /// Post a SEND of `data` as one message on `stream`. The peer receives it once, in
@@ -773,19 +790,19 @@ impl Endpoint {
         wr_id: u64,
         data: Bytes,
     ) -> Result<(), PostError> {
-        let c = self.conn_for_post(conn, data.len() as u64)?;
-        match c.sq.stream_end(stream) {
-            Some(crate::conn::send::StreamEnd::Finished) => {
-                return Err(PostError::StreamFinished { stream })
+        self.post_to(conn, data.len() as u64, |c| {
+            match c.sq.stream_end(stream) {
+                Some(crate::conn::send::StreamEnd::Finished) => {
+                    return Err(PostError::StreamFinished { stream })
+                }
+                Some(crate::conn::send::StreamEnd::Reset) => {
+                    return Err(PostError::StreamReset { stream })
+                }
+                None => {}
             }
-            Some(crate::conn::send::StreamEnd::Reset) => {
-                return Err(PostError::StreamReset { stream })
-            }
-            None => {}
-        }
-        c.post_send(wr_id, stream, data);
-        self.touched(conn.0);
-        Ok(())
+            c.post_send(wr_id, stream, data);
+            Ok(())
+        })
     }
 
     /// Finish `stream` (like a QUIC stream FIN or TCP half-close): after every SEND posted
@@ -949,10 +966,10 @@ impl Endpoint {
         self.mrs
             .check_local(req.lkey, req.local_offset, req.len as u64)
             .map_err(PostError::LocalMemory)?;
-        let c = self.conn_for_post(conn, req.len as u64)?;
-        c.post_write(&req);
-        self.touched(conn.0);
-        Ok(())
+        self.post_to(conn, req.len as u64, |c| {
+            c.post_write(&req);
+            Ok(())
+        })
     }
 
     /// Post an RDMA READ. The peer's bytes land in the local region as response packets
@@ -963,10 +980,10 @@ impl Endpoint {
         self.mrs
             .check_local_write(req.lkey, req.local_offset, req.len as u64)
             .map_err(PostError::LocalMemory)?;
-        let c = self.conn_for_post(conn, req.len as u64)?;
-        c.post_read(&req);
-        self.touched(conn.0);
-        Ok(())
+        self.post_to(conn, req.len as u64, |c| {
+            c.post_read(&req);
+            Ok(())
+        })
     }
 
     /// Post an atomic compare-and-swap or fetch-and-add (IBA 9.4.5).
@@ -978,10 +995,10 @@ impl Endpoint {
         self.mrs
             .check_local_write(req.lkey, req.local_offset, 8)
             .map_err(PostError::LocalMemory)?;
-        let c = self.conn_for_post(conn, 8)?;
-        c.post_atomic(&req);
-        self.touched(conn.0);
-        Ok(())
+        self.post_to(conn, 8, |c| {
+            c.post_atomic(&req);
+            Ok(())
+        })
     }
 
     /// Post a receive buffer on `stream`. From then on the stream consumes posted receives
@@ -1493,7 +1510,10 @@ impl Endpoint {
     ) {
         self.epoch(now);
         self.stats.datagrams_received += 1;
-        let pkt = match wire::Packet::parse(data) {
+        // Borrowed from the parse result, not moved out of it (issue #13: a 184-byte copy
+        // per datagram).
+        let parsed = wire::Packet::parse(data);
+        let pkt = match &parsed {
             Ok(p) => p,
             Err(e) => {
                 self.stats.malformed += 1;
@@ -1613,7 +1633,7 @@ impl Endpoint {
             c.on_authenticated();
             self.half_open.remove(&qpn);
         }
-        let out = c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
+        let out = c.handle_packet(now, local_ip, ecn, pkt, &mut self.mrs, &mut self.events);
         // `touched`, with the connection in hand (issue #13: one lookup per datagram).
         let (stale, recent, at) = (
             &mut self.stale,
@@ -2295,7 +2315,7 @@ impl Endpoint {
         }
         // RC queue pairs and MetaRoCE connections take turns.
         self.rc_turn = !self.rc_turn;
-        if self.rc_turn {
+        if self.rc_turn && !self.rc.is_empty() {
             if let Some(t) = self
                 .rc
                 .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
@@ -2343,6 +2363,9 @@ impl Endpoint {
         }
         // Nothing more to send: the burst is over, read the touched connections' deadlines.
         self.flush_stale();
+        if self.rc.is_empty() {
+            return None;
+        }
         self.rc
             .poll_udp(now, buf, &self.mrs, self.cfg.source_ports[0])
     }

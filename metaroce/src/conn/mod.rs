@@ -1696,10 +1696,31 @@ impl Connection {
         payload_len: usize,
         fill: impl FnOnce(&mut Vec<u8>) -> bool,
     ) -> Option<usize> {
-        let start = buf.len();
         let trailer = self.trailer_for(bth.opcode);
         let len = wire::packet_len_with(hdrs, payload_len, &trailer);
-        let head = wire::BTH_LEN + hdrs.len();
+        self.emit_sized(buf, src_port, bth, hdrs, &trailer, len, payload_len, fill)
+    }
+
+    /// [`emit_with`](Self::emit_with) for a caller that already has the packet's trailer
+    /// (`trailer_for(bth.opcode)`) and its length `len` (`wire::packet_len_with`), so a
+    /// data packet computes neither twice (issue #13).
+    #[allow(clippy::too_many_arguments)]
+    fn emit_sized(
+        &mut self,
+        buf: &mut Vec<u8>,
+        src_port: u16,
+        bth: &Bth,
+        hdrs: &Headers,
+        trailer: &wire::Trailer,
+        len: usize,
+        payload_len: usize,
+        fill: impl FnOnce(&mut Vec<u8>) -> bool,
+    ) -> Option<usize> {
+        let start = buf.len();
+        // BTH and extension headers: what the length holds besides payload, pad, trailer
+        // and ICRC.
+        let head = len - payload_len - wire::pad_for(payload_len) - trailer.len() - wire::ICRC_LEN;
+        debug_assert_eq!(head, wire::BTH_LEN + hdrs.len());
         buf.resize(start + head, 0);
         if !fill(buf) || buf.len() != start + head + payload_len {
             buf.truncate(start);
@@ -1707,7 +1728,7 @@ impl Connection {
         }
         buf.resize(start + len, 0);
         let out = &mut buf[start..];
-        if wire::emit_packet_in_place(bth, hdrs, payload_len, &trailer, out).is_err() {
+        if wire::emit_packet_in_place(bth, hdrs, payload_len, trailer, out).is_err() {
             buf.truncate(start);
             return None;
         }
@@ -2120,9 +2141,16 @@ impl Connection {
         let i = match join {
             Some((j, _)) => j,
             None => {
+                // Paths in turn from `next_path`, wrapping without a division per step.
                 let start = self.next_path % n;
-                let i = (start..n)
-                    .chain(0..start)
+                let i = (0..n)
+                    .map(|k| {
+                        if start + k < n {
+                            start + k
+                        } else {
+                            start + k - n
+                        }
+                    })
                     .find(|&i| self.tx[i].can_send())?;
                 self.next_path = if i + 1 == n { 0 } else { i + 1 };
                 i
@@ -2396,7 +2424,8 @@ impl Connection {
                     len as usize
                 }
             };
-            let size = wire::packet_len_with(&hdrs, payload_len, &self.trailer_for(opcode));
+            let trailer = self.trailer_for(opcode);
+            let size = wire::packet_len_with(&hdrs, payload_len, &trailer);
             // GSO: every datagram of a batch has the first one's size, but the last may be shorter.
             if seg_size.is_some_and(|s| size > s) {
                 break;
@@ -2423,13 +2452,22 @@ impl Connection {
                     path.flags |= 1;
                 }
             }
-            let emitted = self.emit_with(buf, port, &bth, &hdrs, payload_len, |b| match &src {
-                Src::Bytes(d) => {
-                    b.extend_from_slice(d);
-                    true
-                }
-                Src::Mr(lkey, off) => mrs.local_append(*lkey, *off, payload_len, b).is_ok(),
-            });
+            let emitted = self.emit_sized(
+                buf,
+                port,
+                &bth,
+                &hdrs,
+                &trailer,
+                size,
+                payload_len,
+                |b| match &src {
+                    Src::Bytes(d) => {
+                        b.extend_from_slice(d);
+                        true
+                    }
+                    Src::Mr(lkey, off) => mrs.local_append(*lkey, *off, payload_len, b).is_ok(),
+                },
+            );
             let Some(n) = emitted else {
                 break;
             };
