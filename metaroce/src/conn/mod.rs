@@ -2142,16 +2142,15 @@ impl Connection {
             Some((j, _)) => j,
             None => {
                 // Paths in turn from `next_path`, wrapping without a division per step.
-                let start = self.next_path % n;
-                let i = (0..n)
-                    .map(|k| {
-                        if start + k < n {
-                            start + k
-                        } else {
-                            start + k - n
-                        }
-                    })
-                    .find(|&i| self.tx[i].can_send())?;
+                let mut i = self.next_path % n;
+                let mut tried = 0;
+                while !self.tx[i].can_send() {
+                    tried += 1;
+                    if tried == n {
+                        return None;
+                    }
+                    i = if i + 1 == n { 0 } else { i + 1 };
+                }
                 self.next_path = if i + 1 == n { 0 } else { i + 1 };
                 i
             }
