@@ -2099,6 +2099,11 @@ impl Connection {
         }
         // 4. Tail-loss probes, ahead of the window.
         for i in 0..self.tx.len() {
+            // Read before taking: most calls find no probe, and `take` would write every
+            // path's slot each time (issue #13).
+            if self.tx[i].probe.is_none() {
+                continue;
+            }
             if let Some(seg) = self.tx[i].probe.take() {
                 if self.sq.is_live(seg) && self.tx[i].can_probe() {
                     let t = self.send_data(now, buf, mrs, i, Some(seg), None);
@@ -2141,8 +2146,13 @@ impl Connection {
         let i = match join {
             Some((j, _)) => j,
             None => {
-                // Paths in turn from `next_path`, wrapping without a division per step.
-                let mut i = self.next_path % n;
+                // Paths in turn from `next_path` (below `n` unless the path set shrank),
+                // wrapping without a division.
+                let mut i = if self.next_path < n {
+                    self.next_path
+                } else {
+                    0
+                };
                 let mut tried = 0;
                 while !self.tx[i].can_send() {
                     tried += 1;

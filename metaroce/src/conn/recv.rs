@@ -2,6 +2,7 @@
 //! direct placement of RDMA WRITE packets into registered memory, and exactly-once
 //! reporting of messages and WRITE-with-immediate completions.
 
+use super::send::{seg_of, segs_of};
 use crate::event::{ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 use crate::fasthash::HashMap;
 use crate::mr::{Access, MrTable};
@@ -438,7 +439,9 @@ fn flush_wc(wr_id: u64) -> WorkCompletion {
 /// Check that a packet is the segment the path MTU implies at its offset.
 pub(crate) fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) -> bool {
     let off = offset as u64;
-    if off % pmtu as u64 != 0 || (off >= total && !(off == 0 && total == 0)) {
+    // `off % pmtu` (a power of two, see `send::segs_of`).
+    debug_assert!(pmtu.is_power_of_two());
+    if off & (pmtu as u64 - 1) != 0 || (off >= total && !(off == 0 && total == 0)) {
         return false;
     }
     payload as u64 == (total - off).min(pmtu as u64)
@@ -736,7 +739,7 @@ impl RecvState {
             self.stats.stream_window_naks += 1;
             return RxOutcome::FlowRnr;
         }
-        let nsegs = hdr.msg_len.div_ceil(lim.pmtu).max(1);
+        let nsegs = segs_of(hdr.msg_len, lim.pmtu).max(1);
         if !st.msgs.contains_key(&hdr.msg_seq) {
             let mut over = false;
             let mut charge = 0;
@@ -886,7 +889,7 @@ impl RecvState {
             // Same message sequence number, different length: a confused or hostile peer.
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
-        if !test_set(&mut msg.got, hdr.offset / lim.pmtu) {
+        if !test_set(&mut msg.got, seg_of(hdr.offset, lim.pmtu)) {
             self.stats.duplicates += 1;
             return RxOutcome::Accepted;
         }
@@ -1232,7 +1235,7 @@ impl RecvState {
         } else {
             None
         };
-        let nsegs = reth.dma_len.div_ceil(lim.pmtu).max(1);
+        let nsegs = segs_of(reth.dma_len, lim.pmtu).max(1);
         if self.writes.is_empty() || !self.writes.contains_key(&id) {
             let words = nsegs.div_ceil(64) as usize;
             let room = self.write_words + words <= lim.max_tracked_ops as usize * 64;
@@ -1285,7 +1288,7 @@ impl RecvState {
         if t.nsegs != nsegs {
             return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
-        let seg = hdr.offset / lim.pmtu;
+        let seg = seg_of(hdr.offset, lim.pmtu);
         let new_seg = t.got[(seg / 64) as usize] & (1 << (seg % 64)) == 0;
         // The WRITE_WITH_IMM fence: the packet that would complete a WRITE with immediate
         // whose immediate would have to be held (an earlier op id is not finished) while

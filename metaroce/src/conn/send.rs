@@ -259,6 +259,22 @@ struct RnrSeg {
     copies: Vec<(u8, u32)>,
 }
 
+/// Number of path-MTU segments of a `len`-byte message, `ceil(len / pmtu)` (0 for 0
+/// bytes). The path MTU is a power of two (256..=4096: checked in the configuration and in
+/// both handshake messages), so this is a shift: a division per packet was a measurable part
+/// of the per-packet cost (issue #13).
+pub(crate) fn segs_of(len: u32, pmtu: u32) -> u32 {
+    debug_assert!(pmtu.is_power_of_two());
+    ((u64::from(len) + u64::from(pmtu) - 1) >> pmtu.trailing_zeros()) as u32
+}
+
+/// Index of the segment holding byte `offset` of a message (`offset / pmtu`, a shift; see
+/// [`segs_of`]).
+pub(crate) fn seg_of(offset: u32, pmtu: u32) -> u32 {
+    debug_assert!(pmtu.is_power_of_two());
+    (u64::from(offset) >> pmtu.trailing_zeros()) as u32
+}
+
 /// Byte offset and length of segment `seg` of a `len`-byte message.
 pub(crate) fn seg_span(len: u32, pmtu: u32, seg: u32) -> (u32, u32) {
     let off = seg * pmtu;
@@ -375,7 +391,7 @@ impl SendQueue {
         if let OpKind::Send { stream, .. } = kind {
             *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
         }
-        let data_segs = len.div_ceil(self.pmtu).max(1);
+        let data_segs = segs_of(len, self.pmtu).max(1);
         let (nsegs, resp) = match kind {
             OpKind::Read { .. } => (
                 1,
@@ -1006,7 +1022,7 @@ impl SendQueue {
         if !super::recv::check_segment(offset, payload.len(), op.len as u64, pmtu) {
             return RespOutcome::Invalid;
         }
-        let seg = offset / pmtu;
+        let seg = seg_of(offset, pmtu);
         let (w, b) = ((seg / 64) as usize, seg % 64);
         if resp.got[w] >> b & 1 == 1 {
             return RespOutcome::Accepted;
