@@ -760,17 +760,14 @@ impl Endpoint {
             return Err(PostError::SendQueueFull);
         }
         post(c)?;
-        // `touched`, with the connection in hand (issue #13: one lookup per operation).
-        Self::mark_conn(
+        Self::touch_conn(
             c,
             conn.0,
             &mut self.stale,
             &mut self.recent_rx,
             &mut self.fair_share_at,
+            &mut self.ready,
         );
-        if !std::mem::replace(&mut c.ix.ready, true) {
-            self.ready.insert(conn.0);
-        }
         Ok(())
     }
 
@@ -1634,18 +1631,15 @@ impl Endpoint {
             self.half_open.remove(&qpn);
         }
         let out = c.handle_packet(now, local_ip, ecn, pkt, &mut self.mrs, &mut self.events);
-        // `touched`, with the connection in hand (issue #13: one lookup per datagram).
-        let (stale, recent, at) = (
+        Self::touch_conn(
+            c,
+            qpn,
             &mut self.stale,
             &mut self.recent_rx,
             &mut self.fair_share_at,
+            &mut self.ready,
         );
-        Self::mark_conn(c, qpn, stale, recent, at);
         let closing = c.closing.is_some();
-        if !c.ix.ready {
-            c.ix.ready = true;
-            self.ready.insert(qpn);
-        }
         self.apply(ConnectionHandle(qpn), out);
         if closing {
             self.progress_close(now, qpn);
@@ -1936,39 +1930,44 @@ impl Endpoint {
 
     // ---- per-connection indexes (timers, ready set, fair share) ----
 
-    /// Re-read connection `q`'s deadline and last data arrival into the indexes, after any
-    /// call that may have changed them; `false` if there is no such connection.
-    /// O(paths + log n).
-    /// Connection `q` was handed input, a post or a timer: refresh its indexes and ask it
-    /// in the next `poll_transmit`.
+    /// Connection `q` was handed input, a post or a timer: its deadline is marked stale
+    /// (re-read by `flush_stale`) and it is asked in the next `poll_transmit`. Nothing if
+    /// there is no such connection. O(log n).
     fn touched(&mut self, q: u32) {
-        if self.mark(q) {
-            self.ready.insert(q);
-        }
-    }
-
-    /// Like [`refresh_if_stale`](Self::refresh_if_stale), but the deadline is only marked stale (read later
-    /// by `flush_stale`); the last data arrival, which the fair share reads, is refreshed
-    /// now. Whether the caller must insert it into `ready`: `false` if there is no such
-    /// connection or it is there already. O(log n) for the lookup, plus O(log n) when the
-    /// connection's last data arrival changed.
-    fn mark(&mut self, q: u32) -> bool {
         let Some(c) = self.conns.get_mut(&q) else {
-            return false;
+            return;
         };
-        Self::mark_conn(
+        Self::touch_conn(
             c,
             q,
             &mut self.stale,
             &mut self.recent_rx,
             &mut self.fair_share_at,
+            &mut self.ready,
         );
-        // `true` only when it is not in `ready` yet (then the caller inserts it).
-        !std::mem::replace(&mut c.ix.ready, true)
     }
 
-    /// [`mark`](Self::mark) for connection `q` = `c`, already looked up (the datagram and
-    /// transmit paths hold it: issue #13, one lookup per datagram).
+    /// [`touched`](Self::touched) for connection `q` = `c`, already looked up (the
+    /// datagram and posting paths hold it: issue #13, one lookup per datagram or
+    /// operation): [`mark_conn`](Self::mark_conn), and into `ready` unless it is there.
+    #[inline]
+    fn touch_conn(
+        c: &mut Connection,
+        q: u32,
+        stale: &mut Vec<u32>,
+        recent_rx: &mut BTreeSet<(Instant, u32)>,
+        fair_share_at: &mut Option<Instant>,
+        ready: &mut BTreeSet<u32>,
+    ) {
+        Self::mark_conn(c, q, stale, recent_rx, fair_share_at);
+        if !std::mem::replace(&mut c.ix.ready, true) {
+            ready.insert(q);
+        }
+    }
+
+    /// Mark connection `q` = `c` touched: its deadline is stale (read later by
+    /// `flush_stale`), and its last data arrival, which the fair share reads, is indexed
+    /// now. O(log n) when the last data arrival changed.
     #[inline]
     fn mark_conn(
         c: &mut Connection,
