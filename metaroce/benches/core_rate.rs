@@ -25,10 +25,12 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 /// (payload size, datagrams/s, commit): this bench on the core of `d176bb7`, before the
-/// per-packet path work of issue #13, measured 2026-12-01 23:35 UTC interleaved with the
-/// new code (2 runs each of 3 s, load average 6 on 2 vCPUs; docs/RESULTS.md, "Core
-/// per-packet path"): 64 B 0.937 and 0.930 M/s, 4 KiB 0.686 and 0.734 M/s.
-const BASELINE: &[(u32, f64, &str)] = &[(64, 0.933e6, "d176bb7"), (4096, 0.710e6, "d176bb7")];
+/// per-packet path work of issue #13. Measured 2026-12-06 02:10 UTC with this harness built
+/// against `d176bb7`, in 5 runs of 3 s interleaved with the core of `3bd59c3` (load average
+/// 2.9 on 2 vCPUs; docs/RESULTS.md, "P3 against the old core itself"): medians 0.657 M data
+/// packets/s at 64 B, 0.495 M at 4 KiB, i.e. 0.986 and 0.743 M datagrams/s at the old core's
+/// 2/3 data share. (The first record, 2026-12-01 at load average 6: 0.933 and 0.710.)
+const BASELINE: &[(u32, f64, &str)] = &[(64, 0.986e6, "d176bb7"), (4096, 0.743e6, "d176bb7")];
 
 /// Data packets per datagram in the baseline runs: 2/3 (one ACK per path per round, 16
 /// packets over 8 paths: 16 data packets and 8 ACKs). Since ACK bundles (several paths per
@@ -277,7 +279,7 @@ fn main() {
         let base = BASELINE.iter().find(|b| b.0 == size);
         if o.json {
             println!(
-                "{{\"bench\":\"core_rate\",\"size\":{},\"inflight\":{},\"datagrams\":{},\"cpu_s\":{:.6},\"wall_s\":{:.6},\"datagrams_per_s\":{:.0},\"data_packets_per_s\":{:.0},\"data_packets\":{},\"retransmits\":{},\"baseline_per_s\":{},\"baseline_commit\":\"{}\"}}",
+                "{{\"bench\":\"core_rate\",\"size\":{},\"inflight\":{},\"datagrams\":{},\"cpu_s\":{:.6},\"wall_s\":{:.6},\"datagrams_per_s\":{:.0},\"data_packets_per_s\":{:.0},\"data_packets\":{},\"retransmits\":{},\"baseline_per_s\":{},\"baseline_data_packets_per_s\":{:.0},\"baseline_commit\":\"{}\"}}",
                 res.size,
                 o.inflight,
                 res.datagrams,
@@ -288,6 +290,7 @@ fn main() {
                 res.data_packets,
                 res.retransmits,
                 base.map_or(0.0, |b| b.1),
+                base.map_or(0.0, |b| b.1 * BASELINE_DATA_SHARE),
                 base.map_or("", |b| b.2),
             );
         } else {

@@ -23,10 +23,11 @@
 //! | `udp_rate64` | raw UDP blaster, 64 B datagrams (GSO batches of 64): received datagrams/s |
 //! | `metaroce_conns8_shards{1,2}` | in process: 8 connections, bulk 1 MiB WRITEs (4 in flight each, 1 GiB in all), both endpoints with `Config::shards` = 1 or 2, the client on the 2-worker runtime, the server on its own 2-worker runtime: aggregate Gbit/s |
 //! | `backend_rate{64,4096}_{udp,uring,uring_nojoin}[_cpu]` | the backends alone, in process, no transport: 8 path sockets send 64 B (or 4096 B) datagrams in driver-like batches of 32 (`poll_send_owned` each, then `flush`), at most 2 MiB ahead of the receiver (`uring_nojoin`: `UringConfig::coalesce = false`, one `sendmsg` per datagram), which takes them with `poll_recv_in_place` (io_uring) or `poll_recv` (UDP); 2,000,000 (500,000) datagrams: received datagrams/s, and per CPU-second of this process (`_cpu`) |
-//! | `core_rate_{64,4096}` | `cargo bench -p metaroce --bench core_rate -- --json` when that bench exists in the source tree: datagrams/s of CPU time |
+//! | `core_rate_{64,4096}` | `cargo bench -p metaroce --bench core_rate -- --json` when that bench exists in the source tree: data packets (WRITE packets, the work; ACKs are not counted) per second of CPU time, both endpoints in one thread; the bench's JSON also names the old core's figure (`baseline_data_packets_per_s`, commit `d176bb7`), the denominator of P3 |
 //!
 //! The tokio peers use a 2-worker multi-thread runtime, as `metaroce-perf` does. Printed
-//! ratios: P1 = metaroce bulk / TCP bulk, P2 = metaroce RTT / UDP RTT, io_uring / UDP backend
+//! ratios: P1 = metaroce bulk / TCP bulk, P2 = metaroce RTT / UDP RTT, P3 = core rate at 64 B /
+//! the old core's (recorded in `benches/core_rate.rs`), io_uring / UDP backend
 //! at 64 B and in bulk, per second and per CPU-second (the fair one when the end-to-end
 //! figure is bound by the core's CPU or by a neighbour's load). Figures are measurements of a shared machine: the load average at
 //! start and end is printed and stored in the JSON.
@@ -1005,7 +1006,12 @@ fn workspace() -> PathBuf {
         .unwrap_or_default()
 }
 
-/// `core_rate_64` / `core_rate_4096` from perf-core's bench, when it exists.
+/// The old core's rate per payload size, as the core_rate bench's JSON names it
+/// (`baseline_data_packets_per_s`): the denominator of P3.
+static CORE_BASELINE: std::sync::Mutex<BTreeMap<u32, f64>> = std::sync::Mutex::new(BTreeMap::new());
+
+/// `core_rate_64` / `core_rate_4096` from the core's bench, when it exists: data packets
+/// per CPU-second.
 fn core_measures() -> Vec<Measure> {
     let ws = workspace();
     if !ws.join("metaroce/benches/core_rate.rs").exists() {
@@ -1017,7 +1023,7 @@ fn core_measures() -> Vec<Measure> {
             let ws = ws.clone();
             Measure {
                 name,
-                unit: "datagrams/s",
+                unit: "data packets/s",
                 command: format!(
                     "cargo bench -p metaroce --bench core_rate -- --json --size={size} --secs=2"
                 ),
@@ -1047,10 +1053,17 @@ fn core_measures() -> Vec<Measure> {
                         .ok_or("cargo bench printed no core_rate line")?;
                     let v: serde_json::Value =
                         serde_json::from_str(line).map_err(|e| e.to_string())?;
+                    if let Some(b) = v["baseline_data_packets_per_s"].as_f64() {
+                        if let Ok(mut m) = CORE_BASELINE.lock() {
+                            m.insert(size, b);
+                        }
+                    }
                     Ok(Sample {
-                        value: v["datagrams_per_s"].as_f64().ok_or("no datagrams_per_s")?,
+                        value: v["data_packets_per_s"]
+                            .as_f64()
+                            .ok_or("no data_packets_per_s")?,
                         retransmits: v["retransmits"].as_u64().unwrap_or(0),
-                        packets: v["datagrams"].as_u64().unwrap_or(0),
+                        packets: v["data_packets"].as_u64().unwrap_or(0),
                     })
                 }),
             }
@@ -1161,10 +1174,14 @@ fn main() {
             errors: e,
         })
         .collect();
-    let by: BTreeMap<&str, f64> = outs
+    let mut by: BTreeMap<&str, f64> = outs
         .iter()
         .filter_map(|m| Some((m.name, m.median?)))
         .collect();
+    // P3's denominator: the old core's figure, recorded in the core_rate bench.
+    if let Some(b) = CORE_BASELINE.lock().ok().and_then(|m| m.get(&64).copied()) {
+        by.insert("core_rate_64_d176bb7", b);
+    }
     let ratio = |name, num, den, target| Ratio {
         name,
         numerator: num,
@@ -1196,6 +1213,12 @@ fn main() {
             "metaroce_rtt64_uring",
             "udp_rtt64",
             "<= 1.15",
+        ),
+        ratio(
+            "P3 core rate, 64 B data packets vs d176bb7",
+            "core_rate_64",
+            "core_rate_64_d176bb7",
+            ">= 3.0",
         ),
         ratio(
             "io_uring / UDP backend, 64 B packets/s",
