@@ -518,6 +518,64 @@ async fn send_completions_do_not_wake_the_receive_side() {
     );
 }
 
+#[test]
+fn send_completions_do_not_wake_a_parked_worker() {
+    // The send ring's completions are posted while its submitting `io_uring_enter` runs;
+    // nobody waits for them unless every send slot is busy. Were the send ring's fd in the
+    // reactor, each flush would wake the worker parked in `epoll_wait` (here the runtime's
+    // only worker, idle): 50 flushes, 50 wake-ups.
+    let worker = std::sync::Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let w = worker.clone();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .on_thread_start(move || {
+            // SAFETY: gettid has no preconditions.
+            let tid = unsafe { libc::gettid() };
+            let _ = w.compare_exchange(
+                0,
+                tid,
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+            );
+        })
+        .build()
+        .unwrap();
+    let a = {
+        let _rt = rt.enter();
+        uring(2, UringConfig::default())
+    };
+    let sink = std::net::UdpSocket::bind(loopback()).unwrap();
+    let to = sink.local_addr().unwrap();
+    // Let the worker park.
+    std::thread::sleep(Duration::from_millis(50));
+    let tid = worker.load(std::sync::atomic::Ordering::SeqCst);
+    assert_ne!(tid, 0, "the worker started");
+    let waker = futures::task::noop_waker();
+    let mut cx = std::task::Context::from_waker(&waker);
+    let before = voluntary_switches(tid);
+    for round in 0..50u32 {
+        for i in 0..4usize {
+            let bytes = round.to_be_bytes();
+            let t = transmit(to, a.source_ports()[i % 2], bytes.len(), None);
+            assert!(matches!(
+                a.poll_send(&mut cx, &t, &bytes),
+                std::task::Poll::Ready(Ok(()))
+            ));
+        }
+        a.flush();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let woke = voluntary_switches(tid) - before;
+    sink.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 16];
+    for _ in 0..200 {
+        sink.recv(&mut buf).expect("all 200 datagrams arrive");
+    }
+    assert!(woke < 10, "50 flushes woke the parked worker {woke} times");
+    drop(a);
+}
+
 #[tokio::test]
 async fn an_owned_transmit_larger_than_one_sendmsg_is_sent_in_chunks_without_a_copy() {
     // 100 × 1200 B (a core GSO batch larger than 64 KiB): two sendmsgs sharing the

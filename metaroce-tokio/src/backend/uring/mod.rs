@@ -136,6 +136,9 @@ impl QData {
 /// out.
 #[derive(Debug)]
 struct Inner {
+    /// `send_fd` registered with the reactor while a `poll_send` waits for a send slot
+    /// (first: deregistered before the rings close); `None` otherwise.
+    send_wait: Option<AsyncFd<OwnedFd>>,
     /// The receive ring (multishot recvmsg, provided buffers).
     ring: Ring,
     /// The send ring (send slots).
@@ -168,7 +171,10 @@ struct Inner {
 ///   message, up to 64 segments / 65 507 bytes), queued in the submission ring and submitted
 ///   in one `io_uring_enter` per driver flush ([`DatagramBackend::flush`]), or earlier when
 ///   the ring fills. Batches of at least [`UringConfig::zero_copy_min_bytes`] use
-///   `IORING_OP_SENDMSG_ZC` (6.1) when the kernel has it.
+///   `IORING_OP_SENDMSG_ZC` (6.1) when the kernel has it. The sends have a ring of their
+///   own, whose fd is registered with the reactor only while a `poll_send` waits for a
+///   free slot: otherwise the completions of each batch would wake a worker parked in
+///   `epoll_wait`, for nothing.
 /// * **Fallback**: [`UringBackend::bind`] fails with [`io::ErrorKind::Unsupported`] and a
 ///   message naming the cause when io_uring is missing or forbidden (ENOSYS, EPERM from
 ///   seccomp or `kernel.io_uring_disabled`, kernels before 6.0), or when
@@ -189,8 +195,12 @@ struct Inner {
 pub struct UringBackend {
     // Reactor registrations first: they are dropped (deregistered) before the ring closes.
     recv_fd: AsyncFd<OwnedFd>,
-    send_fd: AsyncFd<OwnedFd>,
     inner: Mutex<Inner>,
+    /// The send ring's fd (a duplicate), registered with the reactor only while a
+    /// `poll_send` waits for a free slot ([`Inner::send_wait`]).
+    send_fd: OwnedFd,
+    /// The runtime the backend was bound in, whose reactor `send_fd` is registered with.
+    runtime: tokio::runtime::Handle,
     main: Sock,
     paths: Vec<Sock>,
     ports: Vec<u16>,
@@ -319,12 +329,18 @@ impl UringBackend {
         // woken for every received datagram. The driver task's worker thread is awake.
         // (Multishot recvmsg came with IORING_OP_SEND_ZC in 6.0, checked by `Ring::new`.)
         let recv_fd = ring.reactor_fd()?;
-        let send_fd = tx.reactor_fd()?;
+        // The send ring's fd stays out of the reactor: its completions are posted during
+        // the submitting `io_uring_enter` itself, and were it registered, each batch's
+        // completions would wake a worker parked in `epoll_wait` for nothing. A sender
+        // that has to wait for a free slot registers it for that wait only.
+        let send_fd = tx.dup_fd()?;
         tracing::debug!(%local_addr, ?ports, zc = tx.zc_supported(), "UringBackend bound");
         let backend = Self {
             recv_fd,
             send_fd,
+            runtime: tokio::runtime::Handle::current(),
             inner: Mutex::new(Inner {
+                send_wait: None,
                 ring,
                 tx,
                 queue: std::collections::VecDeque::with_capacity(config.send_queue),
@@ -851,6 +867,8 @@ impl UringBackend {
                 }
             }
             if fits(&inner) {
+                // A wait for a slot is over: completions no longer need to wake anyone.
+                inner.send_wait = None;
                 let dest = transmit.destination;
                 let ecn = transmit.ecn;
                 match &mut src {
@@ -908,9 +926,17 @@ impl UringBackend {
                 }
                 return Poll::Ready(Ok(()));
             }
-            // The queue is full and every slot is in flight: wait for completions.
-            drop(inner);
-            let mut guard = ready!(self.send_fd.poll_read_ready(cx))?;
+            // The queue is full and every slot is in flight: wait for completions, through
+            // the send ring's fd, registered for this wait (registering reports the
+            // completions already posted, so none is missed).
+            if inner.send_wait.is_none() {
+                let _rt = self.runtime.enter();
+                inner.send_wait = Some(ring::register_readable(self.send_fd.try_clone()?)?);
+            }
+            let Some(wait) = &inner.send_wait else {
+                continue;
+            };
+            let mut guard = ready!(wait.poll_read_ready(cx))?;
             guard.clear_ready();
         }
     }

@@ -345,12 +345,14 @@ impl Ring {
     /// A duplicate of the ring's fd registered with tokio's reactor: readable when the
     /// completion queue has entries. Needs a tokio runtime.
     pub(super) fn reactor_fd(&self) -> io::Result<AsyncFd<OwnedFd>> {
+        register_readable(self.dup_fd()?)
+    }
+
+    /// A duplicate of the ring's fd, not registered anywhere (see [`register_readable`]).
+    pub(super) fn dup_fd(&self) -> io::Result<OwnedFd> {
         // SAFETY: the ring's fd is open for as long as `self.ring` lives, which outlasts
         // this borrow; the duplicate is an independent owned fd.
-        let dup = unsafe { BorrowedFd::borrow_raw(self.ring.as_raw_fd()) }.try_clone_to_owned()?;
-        // SAFETY: the `OwnedFd` moved into the `AsyncFd` keeps the descriptor open and
-        // unchanged for the `AsyncFd`'s whole life (nothing else can close it).
-        unsafe { AsyncFd::register_with_interest(dup, Interest::READABLE) }.map_err(io::Error::from)
+        unsafe { BorrowedFd::borrow_raw(self.ring.as_raw_fd()) }.try_clone_to_owned()
     }
 
     pub(super) fn zc_supported(&self) -> bool {
@@ -704,6 +706,14 @@ impl Ring {
             self.bufs.publish();
         }
     }
+}
+
+/// Registers a ring's fd (a duplicate, [`Ring::dup_fd`]) with tokio's reactor: readable
+/// when its completion queue has entries. Needs a tokio runtime.
+pub(super) fn register_readable(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: the `OwnedFd` moved into the `AsyncFd` keeps the descriptor open and
+    // unchanged for the `AsyncFd`'s whole life (nothing else can close it).
+    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(io::Error::from)
 }
 
 /// Empties a completed slot: its buffers become spare (up to `MAX_SPARE`, the rest are
