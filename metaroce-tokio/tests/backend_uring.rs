@@ -687,6 +687,47 @@ fn the_receive_is_re_armed_from_the_thread_that_keeps_polling_it() {
     );
 }
 
+#[test]
+fn sending_never_arms_the_receive_on_the_senders_thread() {
+    // The kernel completes the multishot receive in task work of the thread that armed
+    // it. A thread that only sends (an application task's, with inline sends) must not be
+    // the one: sends and flushes here, receive polls on another thread, and the receive
+    // never has to move to the polling thread.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (a, b) = rt.block_on(async {
+        let a = uring(1, UringConfig::default());
+        let b = uring(1, UringConfig::default());
+        let sink = UdpBackend::bind(loopback(), 1).unwrap();
+        for i in 0..50u32 {
+            let t = transmit(sink.local_addr(), b.source_ports()[0], 4, None);
+            poll_fn(|cx| b.poll_send(cx, &t, &i.to_be_bytes()))
+                .await
+                .unwrap();
+            b.flush();
+        }
+        assert_eq!(recv_all(&sink, 50).await.len(), 50);
+        (a, b)
+    });
+    std::thread::spawn(move || {
+        rt.block_on(async {
+            let got = one_at_a_time(&a, &b, 100).await;
+            let want: Vec<Vec<u8>> = (0..100u32).map(|i| i.to_be_bytes().to_vec()).collect();
+            assert_eq!(got, want);
+            assert_eq!(
+                b.stats().recv_moves,
+                0,
+                "the receive was armed on the sending thread: {:?}",
+                b.stats()
+            );
+        })
+    })
+    .join()
+    .unwrap();
+}
+
 /// `voluntary_ctxt_switches` of thread `tid` of this process (each sleep after a wake-up).
 fn voluntary_switches(tid: libc::pid_t) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();

@@ -421,7 +421,9 @@ impl UringBackend {
         }
     }
 
-    /// Takes the completions and re-arms the multishot receive when it stopped.
+    /// Takes the completions of both rings (receive completions are kept for `deliver`).
+    /// Does not re-arm the receive: that is [`rearm_recv`](Self::rearm_recv)'s, called
+    /// from the receive side only.
     fn reap(&self, inner: &mut Inner) {
         let Inner {
             ring,
@@ -463,8 +465,23 @@ impl UringBackend {
         };
         ring.reap(&mut on);
         tx.reap(&mut on);
-        // Re-arm when the kernel ended the multishot receive (an error, or ENOBUFS once
-        // buffers are back), unless receive completions still hold every buffer.
+    }
+
+    /// Re-arms the multishot receive when the kernel ended it (an error, ENOBUFS once
+    /// buffers are back, or a move to the polling thread), unless receive completions
+    /// still hold every buffer.
+    ///
+    /// Only the receive side calls this (`poll_recv`, `poll_recv_in_place`): the kernel
+    /// completes the receive in task work of the thread that armed it, so a sender that
+    /// re-armed it (reaping in `flush` or `poll_send`, on an application task's thread,
+    /// say) would make that thread wake for every received datagram.
+    fn rearm_recv(&self, inner: &mut Inner) {
+        let Inner {
+            ring,
+            ready,
+            starved,
+            ..
+        } = inner;
         if !ring.recv_armed() && (!*starved || ready.is_empty()) {
             *starved = false;
             if ring.arm_recv(self.main.socket.as_raw_fd()).is_ok() {
@@ -501,6 +518,7 @@ impl UringBackend {
         if filled > 0 && !inner.ring.recv_armed() {
             // Buffers came back: a receive stopped by ENOBUFS can resume.
             self.reap(inner);
+            self.rearm_recv(inner);
         }
         filled
     }
@@ -522,6 +540,7 @@ impl UringBackend {
                 // Sends queued by callers that never flush go out before we wait (and those
                 // left queued for want of a slot, once completions free slots).
                 self.reap(&mut inner);
+                self.rearm_recv(&mut inner);
                 self.drain_queue(&mut inner);
                 let _ = inner.tx.submit();
                 let n = self.deliver(&mut inner, max, f);
