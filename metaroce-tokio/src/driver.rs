@@ -601,8 +601,10 @@ pub(crate) fn transmit_inline(shared: &Shared, mut st: MutexGuard<'_, State>) {
     let mut cx = std::task::Context::from_waker(&waker);
     // Sent: `out[..sent]`; the rest (from a `Pending` one on) is the driver's.
     let mut sent = 0;
-    for (t, buf) in &out {
-        match dgb.poll_send(&mut cx, t, &buf[..t.size]) {
+    for (t, buf) in &mut out {
+        // Owned: a backend that can keep the buffer (io_uring) swaps it for a spare one
+        // instead of copying; the others send `buf[..t.size]` as `poll_send` does.
+        match dgb.poll_send_owned(&mut cx, t, buf) {
             std::task::Poll::Ready(r) => {
                 if let Err(e) = r {
                     // A failed send is a lost packet: the transport recovers.

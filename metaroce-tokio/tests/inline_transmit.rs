@@ -250,3 +250,85 @@ async fn a_lost_inline_send_is_recovered_by_the_driver_timer() {
     let rtx: u64 = st.paths.iter().map(|p| p.stats.retransmits).sum();
     assert!(rtx >= 1, "no retransmission");
 }
+
+/// A `UringBackend` that records which tokio tasks handed it transmits.
+#[cfg(target_os = "linux")]
+#[derive(Debug)]
+struct WatchedUring {
+    inner: metaroce_tokio::backend::UringBackend,
+    tasks: Mutex<HashSet<tokio::task::Id>>,
+}
+
+#[cfg(target_os = "linux")]
+impl DatagramBackend for WatchedUring {
+    forward_datagram_backend!([.inner] local_addr, source_ports, max_gso_segments,
+        max_gro_segments, poll_recv, poll_recv_in_place, poll_send, flush, send_from_any_task);
+
+    fn poll_send_owned(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &Transmit,
+        buf: &mut Vec<u8>,
+    ) -> Poll<std::io::Result<()>> {
+        if let Some(id) = tokio::task::try_id() {
+            self.tasks.lock().unwrap().insert(id);
+        }
+        self.inner.poll_send_owned(cx, transmit, buf)
+    }
+}
+
+/// Over io_uring too, the application task sends its packets itself, handing the backend
+/// its buffers, and the ping-pong and a burst of 2,000 messages arrive complete and in
+/// order (`UringBackend::send_from_any_task` used to be `false`: only the driver sent).
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uring_sends_leave_from_the_application_task() {
+    let bind = || metaroce_tokio::backend::UringBackend::bind("127.0.0.1:0".parse().unwrap(), 8);
+    let client_backend = Arc::new(WatchedUring {
+        inner: bind().expect("io_uring backend"),
+        tasks: Mutex::new(HashSet::new()),
+    });
+    let server = Endpoint::with_backend(bind().unwrap(), config(true)).unwrap();
+    let client = Endpoint::with_backend(client_backend.clone(), config(true)).unwrap();
+    let s2 = server.clone();
+    let accept = tokio::spawn(async move { s2.accept().await.and_then(|i| i.accept().ok()) });
+    let c = tokio::time::timeout(T, client.connect(server.local_addr()).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let s = accept.await.unwrap().unwrap();
+    client_backend.tasks.lock().unwrap().clear();
+    let app = tokio::spawn(async move {
+        ping_pong(&c, &s, 200).await;
+        let mut tx = c.open_stream().unwrap();
+        let sender = tokio::spawn(async move {
+            for k in 0..2000u32 {
+                tx.feed(bytes::Bytes::from(k.to_be_bytes().to_vec()))
+                    .await
+                    .unwrap();
+            }
+            tx.close().await.unwrap();
+        });
+        let mut rx = tokio::time::timeout(T, s.accept_stream())
+            .await
+            .unwrap()
+            .unwrap();
+        for k in 0..2000u32 {
+            let m = tokio::time::timeout(T, rx.next())
+                .await
+                .expect("message within the guard time")
+                .unwrap()
+                .unwrap();
+            assert_eq!(&m[..], &k.to_be_bytes()[..], "message {k} out of order");
+        }
+        tokio::time::timeout(T, sender).await.unwrap().unwrap();
+    });
+    let app_id = app.id();
+    app.await.unwrap();
+    let tasks = client_backend.tasks.lock().unwrap().clone();
+    assert!(
+        tasks.contains(&app_id),
+        "the application task never sent: {} other task(s) did",
+        tasks.len()
+    );
+}

@@ -250,12 +250,12 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     /// Never blocks.
     fn flush(&self) {}
 
-    /// Whether a task other than the driver may call [`poll_send`](Self::poll_send) (and
-    /// [`flush`](Self::flush)) cheaply, one at a time: metaroce-tokio's application tasks
-    /// then send their messages' packets themselves (`Config::inline_transmit`, issue #13
-    /// P2). Default `true`. `UringBackend` says `false`: its submissions and the
-    /// completion work they cause belong on the driver's thread (sent from application
-    /// tasks, the 64 B round trip took 1.8–3.9× as long). Wrappers forward it.
+    /// Whether a task other than the driver may call [`poll_send_owned`](Self::poll_send_owned)
+    /// (and [`flush`](Self::flush)) cheaply, one at a time: metaroce-tokio's application
+    /// tasks then send their messages' packets themselves (`Config::inline_transmit`, issue
+    /// #13 P2). Default `true`, and both in-tree backends keep it (`UringBackend` once said
+    /// `false`, while a flush from another thread could re-arm its receive there; only the
+    /// receive side arms it now). Wrappers forward it.
     fn send_from_any_task(&self) -> bool {
         true
     }

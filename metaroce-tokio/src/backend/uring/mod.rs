@@ -186,7 +186,10 @@ struct Inner {
 ///   thread, then the poller: two thread wake-ups instead of none on loopback. After 32
 ///   consecutive receive polls from one other thread, the receive is cancelled and re-armed
 ///   from that thread ([`UringStats::recv_moves`] counts these); datagrams arriving in
-///   between wait in the socket buffer.
+///   between wait in the socket buffer. Only receive polls arm it, never `poll_send` or
+///   `flush`: sends may come from any thread (metaroce-tokio's application tasks send
+///   their packets themselves, `Config::inline_transmit`) without that thread becoming the
+///   one received datagrams wake.
 ///
 /// Copies: the kernel copies each sent datagram once (as with `sendmsg`) after the backend
 /// copied it into a send slot; received bytes are copied once from the provided buffer into
@@ -725,11 +728,6 @@ fn send_control(
 impl DatagramBackend for UringBackend {
     fn local_addr(&self) -> SocketAddr {
         self.local_addr
-    }
-
-    /// `false`: sends stay on the driver's task (see the trait method).
-    fn send_from_any_task(&self) -> bool {
-        false
     }
 
     fn source_ports(&self) -> Vec<u16> {
