@@ -1,6 +1,6 @@
 //! Base Transport Header.
 
-use super::cursor::{fixed, Writer};
+use super::cursor::fixed;
 use super::{Error, Opcode, BTH_LEN, DEFAULT_PKEY, PSN_MASK};
 
 /// Base Transport Header: 12 bytes, first in every RoCEv2 UDP payload. IBA Vol. 1 §9.2.
@@ -105,18 +105,35 @@ impl Bth {
     ///
     /// Errors: [`Error::BufferTooSmall`] if `out` is shorter than 12 bytes.
     pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
-        let mut w = Writer::with_len(out, BTH_LEN)?;
-        w.u8(self.opcode.0)?;
+        let got = out.len();
+        let out = out.get_mut(..BTH_LEN).ok_or(Error::BufferTooSmall {
+            needed: BTH_LEN,
+            got,
+        })?;
         let b1 = (u8::from(self.solicited) << 7)
             | (u8::from(self.mig_req) << 6)
             | ((self.pad_count & 0x03) << 4)
             | (self.tver & 0x0F);
-        w.u8(b1)?;
-        w.u16(self.pkey)?;
-        w.u8((u8::from(self.fecn) << 7) | (u8::from(self.becn) << 6))?;
-        w.u24(self.dest_qp)?;
-        w.u8(u8::from(self.ack_req) << 7)?;
-        w.u24(self.psn)?;
+        let [p0, p1] = self.pkey.to_be_bytes();
+        let b4 = (u8::from(self.fecn) << 7) | (u8::from(self.becn) << 6);
+        // The low three bytes: `dest_qp` and `psn` masked to 24 bits.
+        let [_, q0, q1, q2] = self.dest_qp.to_be_bytes();
+        let [_, s0, s1, s2] = self.psn.to_be_bytes();
+        // One 12-byte store, not twelve checked writes (issue #13: every packet has one).
+        out.copy_from_slice(&[
+            self.opcode.0,
+            b1,
+            p0,
+            p1,
+            b4,
+            q0,
+            q1,
+            q2,
+            u8::from(self.ack_req) << 7,
+            s0,
+            s1,
+            s2,
+        ]);
         Ok(())
     }
 }

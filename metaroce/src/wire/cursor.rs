@@ -108,9 +108,23 @@ impl<'a> Writer<'a> {
             .buf
             .get_mut(self.pos..end)
             .ok_or(Error::BufferTooSmall { needed: end, got })?;
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = *s;
-        }
+        dst.copy_from_slice(src);
+        self.pos = end;
+        Ok(())
+    }
+
+    /// `N` bytes of a fixed-size field: one store of known size (issue #13: the field
+    /// writers of every header of every packet went through a byte loop).
+    #[inline]
+    fn array<const N: usize>(&mut self, src: [u8; N]) -> Result<(), Error> {
+        let end = self.pos.checked_add(N).ok_or(Error::BadLength)?;
+        let got = self.buf.len();
+        let dst: &mut [u8; N] = self
+            .buf
+            .get_mut(self.pos..end)
+            .and_then(|d| d.try_into().ok())
+            .ok_or(Error::BufferTooSmall { needed: end, got })?;
+        *dst = src;
         self.pos = end;
         Ok(())
     }
@@ -129,24 +143,24 @@ impl<'a> Writer<'a> {
     }
 
     pub(crate) fn u8(&mut self, v: u8) -> Result<(), Error> {
-        self.bytes(&[v])
+        self.array([v])
     }
 
     pub(crate) fn u16(&mut self, v: u16) -> Result<(), Error> {
-        self.bytes(&v.to_be_bytes())
+        self.array(v.to_be_bytes())
     }
 
     /// The low 24 bits of `v`, big-endian; the upper byte is dropped.
     pub(crate) fn u24(&mut self, v: u32) -> Result<(), Error> {
         let [_, a, b, c] = v.to_be_bytes();
-        self.bytes(&[a, b, c])
+        self.array([a, b, c])
     }
 
     pub(crate) fn u32(&mut self, v: u32) -> Result<(), Error> {
-        self.bytes(&v.to_be_bytes())
+        self.array(v.to_be_bytes())
     }
 
     pub(crate) fn u64(&mut self, v: u64) -> Result<(), Error> {
-        self.bytes(&v.to_be_bytes())
+        self.array(v.to_be_bytes())
     }
 }
