@@ -210,6 +210,9 @@ pub(crate) struct Connection {
     pub sq: SendQueue,
     rq: RecvState,
     next_path: usize,
+    /// A loss timer scheduled a tail-loss probe on some path (`PathTx::probe`) that
+    /// `poll_transmit` has not taken yet; `false` only when no path holds one.
+    probe_pending: bool,
     next_ack_path: usize,
     /// Delayed ACK (`TransportConfig::max_ack_delay`): while set, the ACKs due may wait
     /// until this time or until a data packet goes to the peer, whichever comes first.
@@ -468,6 +471,7 @@ impl Connection {
             sq: SendQueue::new(cfg.pmtu, cfg.max_rd_atomic),
             rq: RecvState::default(),
             next_path: 0,
+            probe_pending: false,
             next_ack_path: 0,
             ack_hold: None,
             unacked_pkts: 0,
@@ -1581,6 +1585,7 @@ impl Connection {
                 }
                 let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
                 let segs = p.on_loss_timer(now, retry);
+                self.probe_pending |= p.probe.is_some();
                 probing |= p.probe_unanswered_since(heard);
                 lost.extend(segs);
                 let timed_out = p.stats.rtos > rtos;
@@ -2097,22 +2102,22 @@ impl Connection {
                 return Some(t);
             }
         }
-        // 4. Tail-loss probes, ahead of the window.
-        for i in 0..self.tx.len() {
-            // Read before taking: most calls find no probe, and `take` would write every
-            // path's slot each time (issue #13).
-            if self.tx[i].probe.is_none() {
-                continue;
-            }
-            if let Some(seg) = self.tx[i].probe.take() {
-                if self.sq.is_live(seg) && self.tx[i].can_probe() {
-                    let t = self.send_data(now, buf, mrs, i, Some(seg), None);
-                    if t.is_some() {
-                        self.ack_hold = None;
+        // 4. Tail-loss probes, ahead of the window. Only looked for when a loss timer
+        //    scheduled one since the last look (issue #13: the look reads every path).
+        if self.probe_pending {
+            for i in 0..self.tx.len() {
+                if let Some(seg) = self.tx[i].probe.take() {
+                    if self.sq.is_live(seg) && self.tx[i].can_probe() {
+                        let t = self.send_data(now, buf, mrs, i, Some(seg), None);
+                        if t.is_some() {
+                            self.ack_hold = None;
+                        }
+                        // Later paths may hold probes too: looked for on the next call.
+                        return t;
                     }
-                    return t;
                 }
             }
+            self.probe_pending = false;
         }
         // 5. Data, sprayed: the next path in turn that has window.
         let in_flight: u32 = self.tx.iter().map(|p| p.outstanding).sum();
