@@ -788,15 +788,7 @@ impl Endpoint {
         data: Bytes,
     ) -> Result<(), PostError> {
         self.post_to(conn, data.len() as u64, |c| {
-            match c.sq.stream_end(stream) {
-                Some(crate::conn::send::StreamEnd::Finished) => {
-                    return Err(PostError::StreamFinished { stream })
-                }
-                Some(crate::conn::send::StreamEnd::Reset) => {
-                    return Err(PostError::StreamReset { stream })
-                }
-                None => {}
-            }
+            stream_open(c, stream)?;
             c.post_send(wr_id, stream, data);
             Ok(())
         })
@@ -821,15 +813,7 @@ impl Endpoint {
         stream: u32,
     ) -> Result<(), PostError> {
         let c = self.conn_for_stream(conn)?;
-        match c.sq.stream_end(stream) {
-            Some(crate::conn::send::StreamEnd::Finished) => {
-                return Err(PostError::StreamFinished { stream })
-            }
-            Some(crate::conn::send::StreamEnd::Reset) => {
-                return Err(PostError::StreamReset { stream })
-            }
-            None => {}
-        }
+        stream_open(c, stream)?;
         c.sq.finish_stream(stream);
         self.touched(conn.0);
         Ok(())
@@ -2374,6 +2358,17 @@ impl Endpoint {
         self.events
             .pop_front()
             .or_else(|| self.rc.poll_event().map(Event::Rc))
+    }
+}
+
+/// `Ok` unless this side already ended `stream` as its sender:
+/// [`PostError::StreamFinished`] after `finish_stream`, [`PostError::StreamReset`] after a
+/// reset (or the peer's STOP).
+fn stream_open(c: &Connection, stream: u32) -> Result<(), PostError> {
+    match c.sq.stream_end(stream) {
+        Some(crate::conn::send::StreamEnd::Finished) => Err(PostError::StreamFinished { stream }),
+        Some(crate::conn::send::StreamEnd::Reset) => Err(PostError::StreamReset { stream }),
+        None => Ok(()),
     }
 }
 
