@@ -115,6 +115,33 @@ async fn pair(
 }
 
 /// Ping-pong of `n` messages (the server echoes each); returns when the last echo is in.
+/// A burst of `n` 4-byte messages from `c` to `s` on a new stream, fed without waiting for
+/// each: every one arrives, once, in order.
+async fn burst(c: &metaroce_tokio::Connection, s: &metaroce_tokio::Connection, n: u32) {
+    let mut tx = c.open_stream().unwrap();
+    let sender = tokio::spawn(async move {
+        for k in 0..n {
+            tx.feed(bytes::Bytes::from(k.to_be_bytes().to_vec()))
+                .await
+                .unwrap();
+        }
+        tx.close().await.unwrap();
+    });
+    let mut rx = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    for k in 0..n {
+        let m = tokio::time::timeout(T, rx.next())
+            .await
+            .expect("message within the guard time")
+            .unwrap()
+            .unwrap();
+        assert_eq!(&m[..], &k.to_be_bytes()[..], "message {k} out of order");
+    }
+    tokio::time::timeout(T, sender).await.unwrap().unwrap();
+}
+
 async fn ping_pong(c: &metaroce_tokio::Connection, s: &metaroce_tokio::Connection, n: u32) {
     let mut tx = c.open_stream().unwrap();
     tx.feed(bytes::Bytes::from_static(b"hello")).await.unwrap();
@@ -186,28 +213,7 @@ async fn a_pending_backend_hands_over_to_the_driver_in_order() {
     let w = Watched::new(3);
     let (_client, _server, c, s) = pair(w.clone(), true).await;
     ping_pong(&c, &s, 300).await;
-    let mut tx = c.open_stream().unwrap();
-    let sender = tokio::spawn(async move {
-        for k in 0..2000u32 {
-            tx.feed(bytes::Bytes::from(k.to_be_bytes().to_vec()))
-                .await
-                .unwrap();
-        }
-        tx.close().await.unwrap();
-    });
-    let mut rx = tokio::time::timeout(T, s.accept_stream())
-        .await
-        .unwrap()
-        .unwrap();
-    for k in 0..2000u32 {
-        let m = tokio::time::timeout(T, rx.next())
-            .await
-            .expect("message within the guard time")
-            .unwrap()
-            .unwrap();
-        assert_eq!(&m[..], &k.to_be_bytes()[..], "message {k} out of order");
-    }
-    tokio::time::timeout(T, sender).await.unwrap().unwrap();
+    burst(&c, &s, 2000).await;
     assert!(w.pendings.load(Ordering::SeqCst) > 100);
     let st = c.stats().unwrap();
     let rtx: u64 = st.paths.iter().map(|p| p.stats.retransmits).sum();
@@ -300,28 +306,7 @@ async fn uring_sends_leave_from_the_application_task() {
     client_backend.tasks.lock().unwrap().clear();
     let app = tokio::spawn(async move {
         ping_pong(&c, &s, 200).await;
-        let mut tx = c.open_stream().unwrap();
-        let sender = tokio::spawn(async move {
-            for k in 0..2000u32 {
-                tx.feed(bytes::Bytes::from(k.to_be_bytes().to_vec()))
-                    .await
-                    .unwrap();
-            }
-            tx.close().await.unwrap();
-        });
-        let mut rx = tokio::time::timeout(T, s.accept_stream())
-            .await
-            .unwrap()
-            .unwrap();
-        for k in 0..2000u32 {
-            let m = tokio::time::timeout(T, rx.next())
-                .await
-                .expect("message within the guard time")
-                .unwrap()
-                .unwrap();
-            assert_eq!(&m[..], &k.to_be_bytes()[..], "message {k} out of order");
-        }
-        tokio::time::timeout(T, sender).await.unwrap().unwrap();
+        burst(&c, &s, 2000).await;
     });
     let app_id = app.id();
     app.await.unwrap();
