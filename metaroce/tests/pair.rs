@@ -594,3 +594,32 @@ fn fair_share_counts_the_other_shards_senders() {
         400
     );
 }
+
+/// `Endpoint::transport_config_mut` changes the transport defaults without validating
+/// them. A server whose path MTU was set to 1000 bytes that way runs its connections at
+/// 512, the largest IBA path MTU below it, and the client agrees to 512; messages of several
+/// segments arrive intact both ways (the core's segment arithmetic needs a power of two:
+/// with 1000 it counted 636 segments for 4 KiB).
+#[test]
+fn a_path_mtu_set_after_binding_is_rounded_down_to_an_iba_value() {
+    let mut p = Pair::new(41);
+    p.eps[1].transport_config_mut().pmtu = 1000;
+    let (c, s) = p.connect();
+    assert_eq!(p.eps[0].connection_stats(c).unwrap().pmtu, 512);
+    assert_eq!(p.eps[1].connection_stats(s).unwrap().pmtu, 512);
+    let (a, b) = (pattern(1, 4096), pattern(2, 3001));
+    p.eps[0].post_send(c, 0, 1, Bytes::from(a.clone())).unwrap();
+    p.eps[1].post_send(s, 0, 2, Bytes::from(b.clone())).unwrap();
+    let done = |p: &Pair| {
+        [0, 1].iter().all(|&i| {
+            p.events[i].iter().any(
+                |e| matches!(e, Event::Completion { wc, .. } if wc.status == WcStatus::Success),
+            ) && p.events[i]
+                .iter()
+                .any(|e| matches!(e, Event::Message { .. }))
+        })
+    };
+    assert!(p.run_until(Duration::from_secs(10), done));
+    assert_eq!(p.messages(1, s)[&0], vec![Bytes::from(a)]);
+    assert_eq!(p.messages(0, c)[&0], vec![Bytes::from(b)]);
+}

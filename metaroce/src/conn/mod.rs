@@ -464,7 +464,7 @@ impl Connection {
             confirm_pending: false,
             local_ip,
             local_port,
-            pmtu: cfg.pmtu,
+            pmtu: send::valid_pmtu(cfg.pmtu),
             init_psn,
             tx: Vec::new(),
             rx: Vec::new(),
@@ -516,6 +516,7 @@ impl Connection {
     ) {
         self.window_cache = None;
         self.peer_qpn = peer_qpn;
+        let pmtu = send::valid_pmtu(pmtu);
         self.pmtu = pmtu;
         self.sq.set_pmtu(pmtu);
         let ports = path::assign_ports(&self.source_ports, paths, self.cfg.planes);

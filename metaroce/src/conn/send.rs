@@ -259,10 +259,19 @@ struct RnrSeg {
     copies: Vec<(u8, u32)>,
 }
 
+/// The path MTU a connection uses for `pmtu`: the largest power of two in 256..=4096 not
+/// above it (256 below that). Configurations and both handshake messages are checked to
+/// hold such a value already; this keeps the rule for a transport configuration changed
+/// after the endpoint was made (`Endpoint::transport_config_mut`), so that the shifts of
+/// [`segs_of`] and [`seg_of`] always hold. IBA path MTUs: 256, 512, 1024, 2048, 4096.
+pub(crate) fn valid_pmtu(pmtu: u32) -> u32 {
+    let p = pmtu.clamp(256, 4096);
+    1 << (31 - p.leading_zeros())
+}
+
 /// Number of path-MTU segments of a `len`-byte message, `ceil(len / pmtu)` (0 for 0
-/// bytes). The path MTU is a power of two (256..=4096: checked in the configuration and in
-/// both handshake messages), so this is a shift: a division per packet was a measurable part
-/// of the per-packet cost (issue #13).
+/// bytes). The path MTU is a power of two ([`valid_pmtu`]), so this is a shift: a division
+/// per packet was a measurable part of the per-packet cost (issue #13).
 pub(crate) fn segs_of(len: u32, pmtu: u32) -> u32 {
     debug_assert!(pmtu.is_power_of_two());
     ((u64::from(len) + u64::from(pmtu) - 1) >> pmtu.trailing_zeros()) as u32
@@ -351,14 +360,14 @@ pub(crate) struct SendQueue {
 impl SendQueue {
     pub fn new(pmtu: u32, max_rd_atomic: u32) -> Self {
         Self {
-            pmtu,
+            pmtu: valid_pmtu(pmtu),
             max_rd_atomic,
             ..Default::default()
         }
     }
 
     pub fn set_pmtu(&mut self, pmtu: u32) {
-        self.pmtu = pmtu;
+        self.pmtu = valid_pmtu(pmtu);
     }
 
     /// Operations posted by the application and not yet reported.
@@ -1384,5 +1393,38 @@ impl SendQueue {
     /// Whether anything is posted and not yet completed.
     pub fn has_pending(&self) -> bool {
         self.ops.iter().any(|o| o.status.is_none())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_mtus_are_iba_values_and_segments_are_counted_by_shift() {
+        for (asked, used) in [
+            (0, 256),
+            (255, 256),
+            (256, 256),
+            (300, 256),
+            (1000, 512),
+            (1024, 1024),
+            (4095, 2048),
+            (4096, 4096),
+            (9000, 4096),
+            (u32::MAX, 4096),
+        ] {
+            assert_eq!(valid_pmtu(asked), used, "asked {asked}");
+        }
+        for pmtu in [256, 512, 1024, 2048, 4096] {
+            for len in [0, 1, pmtu - 1, pmtu, pmtu + 1, 3 * pmtu, u32::MAX] {
+                assert_eq!(
+                    segs_of(len, pmtu),
+                    len.div_ceil(pmtu),
+                    "len {len} pmtu {pmtu}"
+                );
+                assert_eq!(seg_of(len, pmtu), len / pmtu, "offset {len} pmtu {pmtu}");
+            }
+        }
     }
 }
