@@ -268,8 +268,11 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                     let mut handle = |meta: &RecvMeta, buf: &[u8]| {
                         handle_lent(&*shared, &mut held, meta, buf);
                     };
-                    if let Some(p) = dgb.poll_recv_in_place(cx, RECV_BUFS, &mut handle) {
-                        drop(held);
+                    let lent = dgb.poll_recv_in_place(cx, RECV_BUFS, &mut handle);
+                    // The core's lock is released before any other backend call (the order
+                    // is backend, then core), whatever the backend answered.
+                    drop(held);
+                    if let Some(p) = lent {
                         return p.map(|r| r.map(|n| (n, true)));
                     }
                     dgb.poll_recv(cx, &mut iovs, &mut metas)
