@@ -177,7 +177,10 @@ pub struct TransportConfig {
     /// `min(this, peer's, source ports available)`. Default 8.
     pub paths: u16,
     /// Path MTU: payload bytes per data packet, a power of two in 256..=4096 (IBA path
-    /// MTU values). Negotiated down to the peer's. Default 4096.
+    /// MTU values). Negotiated down to the peer's. Default 4096. [`validate`](Self::validate)
+    /// refuses other values; one set later through `Endpoint::transport_config_mut`, which
+    /// does not validate, is rounded down to the largest IBA value not above it (256 at
+    /// least).
     pub pmtu: u32,
     /// Largest message (SEND) or WRITE accepted, in bytes; at most 2^31 (IBA). Default 2^31.
     pub max_message_size: u64,

@@ -517,7 +517,8 @@ impl Endpoint {
     }
 
     /// Mutable transport defaults for connections made from now on (e.g. the backend's
-    /// GSO limit).
+    /// GSO limit). Not validated again: see [`TransportConfig::validate`] for the rules
+    /// (a path MTU that is not an IBA value is rounded down, `TransportConfig::pmtu`).
     pub fn transport_config_mut(&mut self) -> &mut TransportConfig {
         &mut self.cfg.transport
     }
