@@ -104,6 +104,15 @@ async fn pair(
         .await
         .unwrap();
     let client = Endpoint::with_backend(Shared(backend), config(inline)).unwrap();
+    let (c, s) = connect(&client, &server).await;
+    (client, server, c, s)
+}
+
+/// `client` connects to `server`, which accepts: the two ends of the connection.
+async fn connect(
+    client: &Endpoint,
+    server: &Endpoint,
+) -> (metaroce_tokio::Connection, metaroce_tokio::Connection) {
     let s2 = server.clone();
     let accept = tokio::spawn(async move { s2.accept().await.and_then(|i| i.accept().ok()) });
     let c = tokio::time::timeout(T, client.connect(server.local_addr()).unwrap())
@@ -111,7 +120,7 @@ async fn pair(
         .unwrap()
         .unwrap();
     let s = accept.await.unwrap().unwrap();
-    (client, server, c, s)
+    (c, s)
 }
 
 /// Ping-pong of `n` messages (the server echoes each); returns when the last echo is in.
@@ -296,13 +305,7 @@ async fn uring_sends_leave_from_the_application_task() {
     });
     let server = Endpoint::with_backend(bind().unwrap(), config(true)).unwrap();
     let client = Endpoint::with_backend(client_backend.clone(), config(true)).unwrap();
-    let s2 = server.clone();
-    let accept = tokio::spawn(async move { s2.accept().await.and_then(|i| i.accept().ok()) });
-    let c = tokio::time::timeout(T, client.connect(server.local_addr()).unwrap())
-        .await
-        .unwrap()
-        .unwrap();
-    let s = accept.await.unwrap().unwrap();
+    let (c, s) = connect(&client, &server).await;
     client_backend.tasks.lock().unwrap().clear();
     let app = tokio::spawn(async move {
         ping_pong(&c, &s, 200).await;
