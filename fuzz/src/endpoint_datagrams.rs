@@ -214,6 +214,7 @@ pub enum Forged {
         flags: u8,
         echo_ts: u32,
         ce_count: u32,
+        window_grant: u8,
         rate_hint: u32,
         sack: [u8; 32],
     },
@@ -848,6 +849,7 @@ impl World {
                 flags,
                 echo_ts,
                 ce_count,
+                window_grant,
                 rate_hint,
                 sack,
             } => {
@@ -857,6 +859,7 @@ impl World {
                     ack_delay: 0,
                     echo_ts,
                     ce_count,
+                    window_grant,
                     rate_hint,
                     sack,
                 });

@@ -201,6 +201,7 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
         ack_delay: 42,
         echo_ts: 777,
         ce_count: 5,
+        window_grant: 16,
         rate_hint: 25_000,
         sack: [0; 32],
     };
@@ -310,6 +311,7 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
                 ("metaroce.ack.ack_delay", s("42")),
                 ("metaroce.ack.echo_ts", s("777")),
                 ("metaroce.ack.ce_count", s("5")),
+                ("metaroce.ack.window_grant", s("16")),
                 ("metaroce.ack.rate_hint", s("25000")),
                 ("metaroce.ack.sack_count", s("2")),
                 ("metaroce.ack.sack_highest", s("1010")),

@@ -32,6 +32,13 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
 /// `write_with_imm` waits. Nothing is dropped.
 ///
+/// The kernel's receive buffer of the endpoint's socket is shared the same way: every ACK
+/// grants its sender a share of it (`transport.socket_recv_buffer`, which the endpoint
+/// fills in from the socket's `SO_RCVBUF` when left at 0), so the senders together do not
+/// put more in flight than the socket holds while this host is not reading it. A value set
+/// in the config is used as it is (`u64::MAX` grants every sender the most the ACK field
+/// carries, 2,040 packets: in effect no cap).
+///
 /// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
 /// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
 /// closed, and a dead peer is reported within 10 s on every handle (pending operations
@@ -616,6 +623,11 @@ impl Endpoint {
         let mut ecfg = EndpointConfig::new(backend.local_addr(), backend.source_ports());
         ecfg.transport = config.transport.clone();
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
+        // The window grant divides the socket's real buffer among the senders, unless the
+        // application set one itself.
+        if ecfg.transport.socket_recv_buffer == 0 {
+            ecfg.transport.socket_recv_buffer = backend.socket_recv_buffer().unwrap_or(0);
+        }
         // Delivered bytes stay charged until the reader takes them (MessageStream::poll_next
         // reports them consumed): the receive buffers are bounded by the core's limits.
         ecfg.transport.explicit_consume = true;

@@ -89,6 +89,7 @@ fn forged(rng: &mut Rng, t: &Target, from_port: u16, k: u64) -> (Vec<u8>, Socket
             ack_delay: 0,
             echo_ts: rng.next() as u32,
             ce_count: rng.next() as u32,
+            window_grant: 0,
             rate_hint: 1,
             sack,
         });

@@ -194,6 +194,51 @@ async fn fair_share_over_two_shards_grants_no_more_than_the_capacity() {
     );
 }
 
+/// The receiver window grant on a sharded endpoint: each shard has its own socket, so it
+/// divides its own buffer among its own active senders. `socket_recv_buffer` 4 MiB, four
+/// active connections per shard: each is granted 4 MiB / 2 / 4 = 512 KiB, 128 packets of
+/// 4096 bytes (dividing among all eight would give 64), and its sender hears that in the
+/// ACKs. Left at 0, the endpoint takes the size of its socket's receive buffer instead,
+/// and still grants something.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn window_grant_divides_each_shards_own_socket_buffer() {
+    for (buffer, want) in [(4u64 << 20, Some(128u32)), (0, None)] {
+        let mut scfg = cfg(2, 43);
+        scfg.transport.socket_recv_buffer = buffer;
+        scfg.transport.fair_share_window = Duration::from_secs(30);
+        let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
+            .await
+            .unwrap();
+        assert_eq!(server.shards(), 2, "the steering program was not attached");
+        let client = bind(2, 44).await;
+        let pairs = connect_n(&client, &server, 8).await;
+        assert_eq!(server.shard_connections(), vec![4, 4]);
+        for round in 0..3u8 {
+            for (c, _) in &pairs {
+                c.send(round as u32, bytes::Bytes::from(vec![round; 4000]))
+                    .await
+                    .unwrap();
+            }
+        }
+        let granted: Vec<u32> = pairs
+            .iter()
+            .map(|(_, s)| s.stats().unwrap().granted_window)
+            .collect();
+        let heard: Vec<u32> = pairs
+            .iter()
+            .map(|(c, _)| c.stats().unwrap().peer_window_grant)
+            .collect();
+        assert_eq!(granted, heard, "the senders heard what was granted");
+        match want {
+            Some(w) => assert!(granted.iter().all(|&g| g == w), "{granted:?}, want {w}"),
+            None => assert!(
+                granted.iter().all(|&g| g > 0 && g == granted[0]),
+                "the socket's buffer, shared equally: {granted:?}"
+            ),
+        }
+    }
+}
+
 /// A well-formed MR_ACK (valid ICRC) without the connection's token: a forgery.
 fn forged_ack(from: SocketAddr, to: SocketAddr, dest_qp: u32) -> Vec<u8> {
     let h = Headers::Ack(AckEth::default());

@@ -453,6 +453,7 @@ pub struct TransportConfig {
     pub require_posted_receives: bool,
     /// Rate this endpoint grants each sender, returned in every ACK (MetaRoCE receiver
     /// rate hint), in Mbit/s; 0 means no limit. Used when `recv_capacity_mbps` is 0.
+    /// ACKs carry it in 24 bits: above 16,777,215 (about 16.8 Tbit/s) it is sent as that.
     /// Default 0.
     pub advertised_rate_mbps: u32,
     /// Receiver-driven fair share: this endpoint's inbound capacity in Mbit/s. When non-zero,
@@ -471,6 +472,20 @@ pub struct TransportConfig {
     /// count as an active sender for the fair share (so an idle new connection takes a
     /// share for at most this long). Default 1 ms.
     pub fair_share_window: Duration,
+    /// Bytes of receive socket buffer that the datagrams of every connection of this
+    /// endpoint share (Linux: `SO_RCVBUF` as `getsockopt` reports it, the kernel's limit on
+    /// queued skb truesize). When non-zero, every ACK grants its sender a window
+    /// ([`AckEth::window_grant`](crate::wire::AckEth::window_grant)) of half of it divided
+    /// by the active senders (counted as for `recv_capacity_mbps`, over
+    /// `fair_share_window`, this endpoint's own connections only: each shard of a sharded
+    /// host has its own socket), in whole packets of the connection's path MTU, at least
+    /// 8 packets and at most 2,040. Senders cap their connection window to it. Half,
+    /// because a datagram costs the buffer more than its payload (a 4 KiB datagram is
+    /// charged about 8 KiB of skb). So senders together never have more in flight than
+    /// the receiver's socket holds, whether or not its host runs it at the time: what TCP
+    /// does with its receive window (RFC 9293 §3.8.6), for the one buffer all connections
+    /// share. 0 disables it. Default 0; `metaroce-tokio` sets it from its socket.
+    pub socket_recv_buffer: u64,
     /// Planes of a multi-plane fabric this endpoint is attached to, 1..=8 (MetaRoCE "paths
     /// grouped by plane"). The plane of a local UDP source port is `port mod planes`: a
     /// deployment makes that true by sending each source port through the matching local
@@ -536,6 +551,7 @@ impl Default for TransportConfig {
             advertised_rate_mbps: 0,
             recv_capacity_mbps: 0,
             fair_share_window: Duration::from_millis(1),
+            socket_recv_buffer: 0,
             max_rd_atomic: 16,
             max_tracked_ops: 65_536,
             max_held_immediates: 4096,

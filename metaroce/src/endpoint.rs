@@ -365,6 +365,9 @@ pub struct Endpoint {
     /// The grant computed at `fair_share_at` (Mbit/s), handed to each connection as it is
     /// polled.
     grant_mbps: u32,
+    /// The window grant computed at `fair_share_at` (`TransportConfig::socket_recv_buffer`),
+    /// in bytes; each connection turns it into packets of its path MTU. 0 = none.
+    grant_window_bytes: u64,
     /// Active senders of the fair share counted at `fair_share_at` on this endpoint alone.
     fair_share_local: u32,
     /// Active senders on the other endpoints that share this one's receive capacity
@@ -498,6 +501,7 @@ impl Endpoint {
             fair_share_at: None,
             fair_share_latest: None,
             grant_mbps: 0,
+            grant_window_bytes: 0,
             fair_share_local: 0,
             fair_share_others: 0,
             timers: BTreeSet::new(),
@@ -647,6 +651,7 @@ impl Endpoint {
             // in force (as of the last `poll_transmit`).
             if self.fair_share_at.is_some() {
                 s.granted_rate_mbps = self.grant_mbps;
+                s.granted_window = c.window_grant_packets(self.grant_window_bytes);
             }
             s
         })
@@ -2165,7 +2170,10 @@ impl Endpoint {
         }
         self.fair_share_at = Some(now);
         let t = &self.cfg.transport;
-        self.grant_mbps = if t.recv_capacity_mbps > 0 {
+        let (capacity, budget) = (t.recv_capacity_mbps, t.socket_recv_buffer);
+        self.grant_mbps = t.advertised_rate_mbps;
+        self.grant_window_bytes = 0;
+        if capacity > 0 || budget > 0 {
             let window = t.fair_share_window;
             let recent = |at: Instant| now.saturating_duration_since(at) <= window;
             let active = if self.fair_share_latest.is_some_and(|l| now < l) {
@@ -2206,11 +2214,13 @@ impl Endpoint {
                 self.recent_rx.len()
             };
             self.fair_share_local = active as u32;
-            let all = (active as u32).saturating_add(self.fair_share_others);
-            (t.recv_capacity_mbps / all.max(1)).max(1)
-        } else {
-            t.advertised_rate_mbps
-        };
+            if capacity > 0 {
+                let all = (active as u32).saturating_add(self.fair_share_others);
+                self.grant_mbps = (capacity / all.max(1)).max(1);
+            }
+            // This endpoint's socket only: the other shards have their own.
+            self.grant_window_bytes = budget / 2 / (active as u64).max(1);
+        }
     }
 
     /// The next datagram (or GSO batch) to send, written into `buf` (cleared first).
@@ -2324,6 +2334,7 @@ impl Endpoint {
                 continue;
             };
             c.granted_rate_mbps = self.grant_mbps;
+            c.granted_window_bytes = self.grant_window_bytes;
             let t = c.poll_transmit(now, buf, &self.mrs);
             let (stale, recent, at) = (
                 &mut self.stale,

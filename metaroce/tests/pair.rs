@@ -559,6 +559,74 @@ fn receiver_fair_share_caps_the_sender() {
     );
 }
 
+/// Most packets connection `c` of endpoint 0 has in flight (over all paths) while `n`
+/// messages of 200 KB each go to endpoint 1 (`SEND`s, one per stream turn), with its
+/// window grant as the sender last heard it.
+fn most_in_flight(p: &mut Pair, conns: &[metaroce::ConnectionHandle], n: u64) -> (u32, Vec<u32>) {
+    for i in 0..n {
+        for &c in conns {
+            p.eps[0]
+                .post_send(c, 0, i, Bytes::from(vec![5u8; 200_000]))
+                .unwrap();
+        }
+    }
+    let want = conns.len() * n as usize;
+    let mut most = 0;
+    let done = p.run_until(Duration::from_secs(30), |p| {
+        for &c in conns {
+            let st = p.eps[0].connection_stats(c).unwrap();
+            most = most.max(st.paths.iter().map(|x| x.in_flight).sum::<u32>());
+        }
+        p.events[1].len() >= want
+    });
+    assert!(done, "the messages were not delivered");
+    let grants = conns
+        .iter()
+        .map(|&c| p.eps[0].connection_stats(c).unwrap().peer_window_grant)
+        .collect();
+    (most, grants)
+}
+
+/// The receiver window grant (`socket_recv_buffer`): a receiver with 256 KiB of socket
+/// buffer grants its one active sender half of it, 128 packets of 1 KiB, and the sender
+/// never has more in flight; two active senders get 64 each. Without it the same transfer
+/// has far more in flight (the control, so this test can fail).
+#[test]
+fn receiver_window_grant_caps_packets_in_flight() {
+    let run = |buffer: u64, conns: usize| {
+        let a = metaroce::testing::pair_config(0, 32);
+        let mut b = metaroce::testing::pair_config(1, 32);
+        b.transport.socket_recv_buffer = buffer;
+        b.transport.fair_share_window = Duration::from_secs(10);
+        let mut p = Pair::impaired_with_configs(32, Impair::default(), a, b);
+        p.delay = Duration::from_micros(50);
+        let mut hs = Vec::new();
+        for _ in 0..conns {
+            let (c, s) = p.connect();
+            hs.push((c, s));
+        }
+        let cs: Vec<_> = hs.iter().map(|&(c, _)| c).collect();
+        let (most, grants) = most_in_flight(&mut p, &cs, 20);
+        let granted: Vec<u32> = hs
+            .iter()
+            .map(|&(_, s)| p.eps[1].connection_stats(s).unwrap().granted_window)
+            .collect();
+        (most, grants, granted)
+    };
+    let (free, grants, granted) = run(0, 1);
+    assert_eq!((grants, granted), (vec![0], vec![0]), "no buffer, no grant");
+    assert!(free > 256, "the control never had much in flight: {free}");
+
+    let (most, grants, granted) = run(256 << 10, 1);
+    assert_eq!((grants, granted), (vec![128], vec![128]));
+    assert!(most <= 128, "{most} packets in flight under a grant of 128");
+    assert!(most >= 96, "the sender stayed far below its grant: {most}");
+
+    let (most, grants, granted) = run(256 << 10, 2);
+    assert_eq!((grants, granted), (vec![64, 64], vec![64, 64]));
+    assert!(most <= 64, "{most} packets in flight under a grant of 64");
+}
+
 /// A sharded receiver: the other shards' active senders (`set_other_shard_senders`) count
 /// in this endpoint's fair share, so the shards together grant no more than the capacity;
 /// `fair_share_senders` reports this endpoint's own count, which a driver publishes.

@@ -179,6 +179,7 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
         ack_delay: 0,
         echo_ts: 0xDEAD_BEEF,
         ce_count: 3,
+        window_grant: 0,
         rate_hint: 10_000,
         sack: [0; 32],
     };

@@ -186,24 +186,52 @@ fn write() -> impl Strategy<Value = WriteEth> {
     any::<[u32; 2]>().prop_map(|[op_id, offset]| WriteEth { op_id, offset })
 }
 fn ack() -> impl Strategy<Value = AckEth> {
-    (
-        any::<u8>(),
-        any::<u8>(),
-        any::<[u32; 3]>(),
-        any::<[u8; 32]>(),
+    (any::<[u8; 3]>(), any::<[u32; 3]>(), any::<[u8; 32]>()).prop_map(
+        |([path_id, flags, window_grant], [echo_ts, ce_count, rate_hint], sack)| AckEth {
+            path_id,
+            flags,
+            ack_delay: echo_ts as u16,
+            echo_ts,
+            ce_count,
+            window_grant,
+            // 24 bits on the wire.
+            rate_hint: rate_hint & AckEth::MAX_RATE_HINT,
+            sack,
+        },
     )
-        .prop_map(
-            |(path_id, flags, [echo_ts, ce_count, rate_hint], sack)| AckEth {
-                path_id,
-                flags,
-                ack_delay: echo_ts as u16,
-                echo_ts,
-                ce_count,
-                rate_hint,
-                sack,
-            },
-        )
 }
+/// Bytes 12–15 of an AckEth were one 32-bit rate hint before the window grant took byte
+/// 12: an older peer's rate below 2^24 Mbit/s reads the same, with no grant; a grant and a
+/// 24-bit rate come back as written; a rate too large for 24 bits is sent saturated.
+#[test]
+fn ack_window_grant_shares_the_old_rate_hint_word() {
+    let mut b = [0u8; AckEth::LEN];
+    b[12..16].copy_from_slice(&400_000u32.to_be_bytes());
+    let a = AckEth::parse(&b).unwrap();
+    assert_eq!((a.window_grant, a.rate_hint), (0, 400_000));
+
+    let a = AckEth {
+        window_grant: 16,
+        rate_hint: 25_000,
+        ..AckEth::default()
+    };
+    let mut out = [0u8; AckEth::LEN];
+    a.emit(&mut out).unwrap();
+    assert_eq!(&out[12..16], &[16, 0x00, 0x61, 0xA8]);
+    assert_eq!(AckEth::parse(&out).unwrap(), a);
+
+    let big = AckEth {
+        rate_hint: u32::MAX,
+        ..AckEth::default()
+    };
+    big.emit(&mut out).unwrap();
+    let back = AckEth::parse(&out).unwrap();
+    assert_eq!(
+        (back.window_grant, back.rate_hint),
+        (0, AckEth::MAX_RATE_HINT)
+    );
+}
+
 fn nak() -> impl Strategy<Value = NakEth> {
     (any::<u8>(), any::<u32>()).prop_map(|(syndrome, op_id)| NakEth { syndrome, op_id })
 }

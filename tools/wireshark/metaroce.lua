@@ -124,7 +124,8 @@ local f = {
     ack_delay = ProtoField.uint16("metaroce.ack.ack_delay", "ACK delay (us)", base.DEC),
     ack_echo = ProtoField.uint32("metaroce.ack.echo_ts", "Echoed timestamp", base.DEC),
     ack_ce = ProtoField.uint32("metaroce.ack.ce_count", "CE count", base.DEC),
-    ack_rate = ProtoField.uint32("metaroce.ack.rate_hint", "Rate hint (Mbit/s, 0 = no limit)", base.DEC),
+    ack_grant = ProtoField.uint8("metaroce.ack.window_grant", "Window grant (units of 8 packets, 0 = none)", base.DEC),
+    ack_rate = ProtoField.uint24("metaroce.ack.rate_hint", "Rate hint (Mbit/s, 0 = no limit)", base.DEC),
     ack_sack = ProtoField.bytes("metaroce.ack.sack", "SACK bitmap (bit i = PSN cum+1+i)"),
     ack_sack_n = ProtoField.uint16("metaroce.ack.sack_count", "PSNs selectively acknowledged", base.DEC),
     ack_sack_hi = ProtoField.uint24("metaroce.ack.sack_highest", "Highest PSN selectively acknowledged", base.DEC),
@@ -284,7 +285,8 @@ function H.ack(r, t, cum)
     t:add(f.ack_delay, r(2, 2))
     t:add(f.ack_echo, r(4, 4))
     t:add(f.ack_ce, r(8, 4))
-    t:add(f.ack_rate, r(12, 4))
+    t:add(f.ack_grant, r(12, 1))
+    t:add(f.ack_rate, r(13, 3))
     local sack = r(16, 32)
     local st = t:add(f.ack_sack, sack)
     local n, hi = 0, nil

@@ -244,8 +244,8 @@ pub fn route_source(dst: IpAddr) -> IpAddr {
 impl DatagramBackend for PcapBackend {
     // Everything but sending is the inner backend's, unchanged.
     metaroce_tokio::forward_datagram_backend!([.inner] local_addr, source_ports,
-        max_gso_segments, max_gro_segments, poll_recv, poll_recv_in_place, flush,
-        send_from_any_task);
+        max_gso_segments, max_gro_segments, socket_recv_buffer, poll_recv, poll_recv_in_place,
+        flush, send_from_any_task);
 
     fn poll_send(
         &self,

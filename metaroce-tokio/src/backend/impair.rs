@@ -1029,7 +1029,7 @@ impl<B: DatagramBackend> DatagramBackend for Impaired<B> {
     // batches as it would without impairment (the surviving datagrams of a batch are
     // re-batched here).
     crate::forward_datagram_backend!([.inner] local_addr, max_gso_segments, max_gro_segments,
-        poll_recv, poll_recv_in_place, flush, send_from_any_task);
+        socket_recv_buffer, poll_recv, poll_recv_in_place, flush, send_from_any_task);
 
     fn source_ports(&self) -> Vec<u16> {
         self.ports.clone()

@@ -177,6 +177,16 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     /// is truncated by the kernel.
     fn max_gro_segments(&self) -> usize;
 
+    /// Bytes of receive buffer the kernel keeps for the socket every peer sends to (Linux:
+    /// `SO_RCVBUF` as `getsockopt` reports it, twice what was asked for, capped by
+    /// `net.core.rmem_max`), if known. The endpoint gives it to its core as
+    /// `TransportConfig::socket_recv_buffer`, which every ACK grants the active senders a
+    /// share of (the window grant), so that together they never have more in flight than
+    /// the socket holds. Default `None`: no grant. Wrappers forward it.
+    fn socket_recv_buffer(&self) -> Option<u64> {
+        None
+    }
+
     /// Receives into up to `min(bufs.len(), meta.len())` buffers; returns how many were
     /// filled, with their metadata in `meta[..n]`. Returns `Ready(Ok(0))` only when given no
     /// buffer or no metadata slot.
@@ -267,7 +277,8 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 ///
 /// The first argument, in brackets, is what follows `self` to reach the inner backend: a
 /// field (`[.inner]`) or a method call (`[.as_ref()]`). Then the method names, any of
-/// `local_addr`, `source_ports`, `max_gso_segments`, `max_gro_segments`, `poll_recv`,
+/// `local_addr`, `source_ports`, `max_gso_segments`, `max_gro_segments`,
+/// `socket_recv_buffer`, `poll_recv`,
 /// `poll_send`, `poll_send_owned`, `poll_recv_in_place`, `flush`, `send_from_any_task`. A
 /// wrapper that writes its own `poll_send` and does not name `poll_send_owned` gets the
 /// trait's default, which calls the wrapper's `poll_send`.
@@ -321,6 +332,11 @@ macro_rules! forward_datagram_backend {
     (@one [$($to:tt)+] max_gro_segments) => {
         fn max_gro_segments(&self) -> usize {
             self $($to)+ .max_gro_segments()
+        }
+    };
+    (@one [$($to:tt)+] socket_recv_buffer) => {
+        fn socket_recv_buffer(&self) -> ::std::option::Option<u64> {
+            self $($to)+ .socket_recv_buffer()
         }
     };
     (@one [$($to:tt)+] poll_recv) => {
@@ -380,14 +396,14 @@ macro_rules! forward_datagram_backend {
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush,
-        send_from_any_task);
+        max_gro_segments, socket_recv_buffer, poll_recv, poll_send, poll_send_owned,
+        poll_recv_in_place, flush, send_from_any_task);
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_send, poll_send_owned, poll_recv_in_place, flush,
-        send_from_any_task);
+        max_gro_segments, socket_recv_buffer, poll_recv, poll_send, poll_send_owned,
+        poll_recv_in_place, flush, send_from_any_task);
 }
 
 /// Checks a transmit's shape and returns its datagram size (`segment_size`, or the whole

@@ -113,13 +113,17 @@ impl CongestionController for Aimd {
 ///   up to whole packets (at least 1). The minimum RTT is the fabric's base RTT as far as
 ///   this connection has seen it; sizing by the smoothed RTT instead would let the window
 ///   grow with the very queue the grant is meant to drain. Before any RTT sample,
-///   `srtt` (the configured initial RTT) stands in.
+///   `srtt` (the configured initial RTT) stands in;
+/// * when the peer grants a window (`peer_window > 0` packets, its share of its receive
+///   socket buffer from its latest ACK, `TransportConfig::socket_recv_buffer`), at most
+///   that.
 ///
 /// `pmtu` is the payload bytes per packet.
 pub fn connection_window(
     cfg: &CongestionConfig,
     pmtu: u32,
     peer_rate_mbps: u32,
+    peer_window: u32,
     acked: bool,
     min_rtt: Option<Duration>,
     srtt: Duration,
@@ -132,6 +136,9 @@ pub fn connection_window(
         let rtt = min_rtt.unwrap_or(srtt);
         let bytes = f64::from(peer_rate_mbps) * 1e6 / 8.0 * rtt.as_secs_f64();
         w = w.min(((bytes / f64::from(pmtu.max(1))).ceil() as u32).max(1));
+    }
+    if peer_window > 0 {
+        w = w.min(peer_window);
     }
     w.max(1)
 }
@@ -399,21 +406,21 @@ mod tests {
         let us = Duration::from_micros;
         // Blind first round trip.
         assert_eq!(
-            connection_window(&cfg, 4096, 0, false, None, us(500)),
+            connection_window(&cfg, 4096, 0, 0, false, None, us(500)),
             cfg.initial_connection_window
         );
         assert_eq!(
-            connection_window(&cfg, 4096, 0, true, Some(us(10)), us(10)),
+            connection_window(&cfg, 4096, 0, 0, true, Some(us(10)), us(10)),
             cfg.max_connection_window
         );
         // 100 Gbit/s × 10 µs = 125 000 B = 31 packets of 4096 B (rounded up).
         assert_eq!(
-            connection_window(&cfg, 4096, 100_000, true, Some(us(10)), us(400)),
+            connection_window(&cfg, 4096, 100_000, 0, true, Some(us(10)), us(400)),
             31
         );
         // A grant below one packet per RTT still lets one packet fly.
         assert_eq!(
-            connection_window(&cfg, 4096, 100, true, Some(us(10)), us(400)),
+            connection_window(&cfg, 4096, 100, 0, true, Some(us(10)), us(400)),
             1
         );
         // Before the first ACK a grant from the handshake caps the blind window too, sized by
@@ -424,6 +431,7 @@ mod tests {
                 &cfg,
                 4096,
                 100_000,
+                0,
                 false,
                 Some(Duration::from_nanos(8_500)),
                 us(500)
@@ -435,6 +443,7 @@ mod tests {
                 &cfg,
                 4096,
                 100_000 / 64,
+                0,
                 false,
                 Some(Duration::from_nanos(8_500)),
                 us(500)
@@ -443,8 +452,31 @@ mod tests {
         );
         // Without an RTT sample the smoothed (initial) RTT stands in.
         assert_eq!(
-            connection_window(&cfg, 4096, 1_000, true, None, us(500)),
+            connection_window(&cfg, 4096, 1_000, 0, true, None, us(500)),
             16
+        );
+        // The peer's window grant caps the window, alone or beside a rate grant (the
+        // smaller wins); 0 is no grant.
+        assert_eq!(
+            connection_window(&cfg, 4096, 0, 128, true, Some(us(10)), us(10)),
+            128
+        );
+        assert_eq!(
+            connection_window(&cfg, 4096, 100_000, 8, true, Some(us(10)), us(400)),
+            8
+        );
+        assert_eq!(
+            connection_window(&cfg, 4096, 100_000, 2040, true, Some(us(10)), us(400)),
+            31
+        );
+        assert_eq!(
+            connection_window(&cfg, 4096, 0, 4096, true, Some(us(10)), us(10)),
+            cfg.max_connection_window
+        );
+        // Before the first ACK the blind window still applies under a larger grant.
+        assert_eq!(
+            connection_window(&cfg, 4096, 0, 128, false, None, us(500)),
+            cfg.initial_connection_window
         );
     }
 

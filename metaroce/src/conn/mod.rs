@@ -138,6 +138,13 @@ pub struct ConnectionStats {
     pub peer_rate_hint_mbps: u32,
     /// The rate we grant the peer in our ACKs (Mbit/s, 0 = no limit).
     pub granted_rate_mbps: u32,
+    /// The window the peer grants us in its latest ACK, in packets over all paths
+    /// ([`AckEth::window_grant`](crate::wire::AckEth::window_grant) × 8; 0 = no grant): a
+    /// cap on [`send_window`](Self::send_window).
+    pub peer_window_grant: u32,
+    /// The window we grant the peer in our ACKs, in packets (0 = no grant): our share of
+    /// `TransportConfig::socket_recv_buffer` for it.
+    pub granted_window: u32,
     /// Packets the connection may have in flight now, over all paths: the smaller of the
     /// sum of the path windows and the connection-wide cap (see
     /// [`connection_window`](cc::connection_window)).
@@ -232,6 +239,12 @@ pub(crate) struct Connection {
     peer_rate_mbps: u32,
     /// Rate granted to the peer in our ACKs (Mbit/s, 0 = no limit); set by the endpoint.
     pub granted_rate_mbps: u32,
+    /// The peer's window grant from its latest ACK, in [`AckEth::WINDOW_GRANT_UNIT`]s
+    /// (0 = none).
+    peer_window_grant: u8,
+    /// Bytes of the endpoint's receive socket buffer granted to the peer (0 = no grant);
+    /// set by the endpoint, turned into packets of our path MTU in every ACK.
+    pub granted_window_bytes: u64,
     /// When the peer last delivered new data, or when the connection was established,
     /// whichever is later: the receiver's fair share counts the connection as an active
     /// sender for `fair_share_window` from then. Counting from establishment announces a
@@ -484,6 +497,8 @@ impl Connection {
             last_heard: now,
             peer_rate_mbps: 0,
             granted_rate_mbps: 0,
+            peer_window_grant: 0,
+            granted_window_bytes: 0,
             last_data_rx: None,
             cfg,
             acks_sent: 0,
@@ -578,6 +593,8 @@ impl Connection {
             ce_received: self.ce_in,
             peer_rate_hint_mbps: self.peer_rate_mbps,
             granted_rate_mbps: self.granted_rate_mbps,
+            peer_window_grant: u32::from(self.peer_window_grant) * AckEth::WINDOW_GRANT_UNIT,
+            granted_window: self.window_grant_packets(self.granted_window_bytes),
             send_window: self
                 .tx
                 .iter()
@@ -895,6 +912,7 @@ impl Connection {
         }
         self.acks_received += 1;
         self.peer_rate_mbps = a.rate_hint;
+        self.peer_window_grant = a.window_grant;
         // A spurious probe taught this path how long the host stalls: the other paths of
         // the connection run on the same host.
         let extra = p.pto_extra;
@@ -1867,6 +1885,24 @@ impl Connection {
         w
     }
 
+    /// `bytes` of the receiver's socket buffer as an [`AckEth::window_grant`]: whole
+    /// packets of this connection's path MTU, in units of [`AckEth::WINDOW_GRANT_UNIT`],
+    /// at least 1 unit and at most 255; 0 when `bytes` is 0 (no grant).
+    fn window_grant_units(&self, bytes: u64) -> u8 {
+        if bytes == 0 {
+            return 0;
+        }
+        let packets = bytes / u64::from(self.pmtu.max(1));
+        u8::try_from(packets / u64::from(AckEth::WINDOW_GRANT_UNIT))
+            .unwrap_or(u8::MAX)
+            .max(1)
+    }
+
+    /// [`window_grant_units`](Self::window_grant_units) in packets (for the stats).
+    pub(crate) fn window_grant_packets(&self, bytes: u64) -> u32 {
+        u32::from(self.window_grant_units(bytes)) * AckEth::WINDOW_GRANT_UNIT
+    }
+
     fn compute_conn_window(&self) -> u32 {
         let srtt = self
             .tx
@@ -1879,6 +1915,7 @@ impl Connection {
             &self.cfg.congestion,
             self.pmtu,
             self.peer_rate_mbps,
+            u32::from(self.peer_window_grant) * AckEth::WINDOW_GRANT_UNIT,
             self.acks_received > 0,
             min_rtt,
             srtt,
@@ -1951,10 +1988,13 @@ impl Connection {
                 return None;
             }
             let plane = self.rx[i].plane;
-            let rate_hint = self.granted_rate_mbps;
+            let grant = (
+                self.granted_rate_mbps,
+                self.window_grant_units(self.granted_window_bytes),
+            );
             let mut flags = self.rx[i].take_ack_flags();
             let first = &self.rx[i];
-            let (cum, first_ack) = (first.cum, first.ack_eth(i as u8, flags, rate_hint, now));
+            let (cum, first_ack) = (first.cum, first.ack_eth(i as u8, flags, grant, now));
             let mut last = i;
             let mut blocks = std::mem::take(&mut self.ack_scratch);
             blocks.clear();
@@ -1977,7 +2017,7 @@ impl Connection {
                 let at = blocks.len();
                 blocks.resize(at + AckEth::BLOCK_LEN, 0);
                 let _ = rx
-                    .ack_eth(j as u8, f, rate_hint, now)
+                    .ack_eth(j as u8, f, grant, now)
                     .emit_block(rx.cum, &mut blocks[at..]);
                 last = j;
                 n += 1;
@@ -2063,6 +2103,7 @@ impl Connection {
                     ack_delay: 0,
                     echo_ts: ts32(self.epoch, now),
                     ce_count: 0,
+                    window_grant: 0,
                     rate_hint: 0,
                     sack: [0; 32],
                 });

@@ -1099,7 +1099,7 @@ impl PathRx {
         &self,
         path_id: u8,
         flags: u8,
-        rate_hint: u32,
+        (rate_hint, window_grant): (u32, u8),
         now: Instant,
     ) -> crate::wire::AckEth {
         let held = self
@@ -1111,6 +1111,7 @@ impl PathRx {
             ack_delay: u16::try_from(held.as_micros()).unwrap_or(u16::MAX),
             echo_ts: self.echo_ts,
             ce_count: self.ce_count,
+            window_grant,
             rate_hint,
             sack: self.sack_bytes(),
         }
@@ -1406,6 +1407,7 @@ mod tests {
             ack_delay: 0,
             echo_ts: 0,
             ce_count: 0,
+            window_grant: 0,
             rate_hint: 0,
             sack,
         };

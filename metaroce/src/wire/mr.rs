@@ -195,7 +195,8 @@ impl WriteEth {
 /// | 2–3 | ACK delay in µs, saturating at 65,535 (reserved 0 before issue #13; see [`AckEth::ack_delay`]) |
 /// | 4–7 | echoed timestamp (the [`PathEth::timestamp`] of the newest packet that triggered this ACK) |
 /// | 8–11 | CE count: cumulative number of CE-marked packets received on this path |
-/// | 12–15 | rate hint in Mbit/s granted to this sender (0 = no limit) |
+/// | 12 | window grant: packets in flight granted to this sender over all paths, in units of [`AckEth::WINDOW_GRANT_UNIT`] (0 = no grant; 0 before issue #13, see [`AckEth::window_grant`]) |
+/// | 13–15 | rate hint in Mbit/s granted to this sender, 24 bits (0 = no limit) |
 /// | 16–47 | SACK bitmap, 256 bits: bit *i* ⇔ PSN cum+1+*i* received; bit *i* is bit (7 − *i* mod 8) of byte 16 + *i*/8 |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct AckEth {
@@ -213,7 +214,15 @@ pub struct AckEth {
     pub echo_ts: u32,
     /// Cumulative count (32 bits) of CE-marked packets received on this path.
     pub ce_count: u32,
-    /// Rate granted to this sender in Mbit/s (32 bits); 0 = no limit.
+    /// Window granted to this sender (8 bits): the packets it may have in flight on the
+    /// whole connection, over all paths, in units of [`AckEth::WINDOW_GRANT_UNIT`]
+    /// packets; 0 = no grant. The receiver's share of its receive socket buffer
+    /// (`TransportConfig::socket_recv_buffer`), as TCP's receive window is of its buffer.
+    /// Byte 12, the top byte of the 32-bit rate hint before (issue #13): a peer that does
+    /// not grant a window, or grants a rate below 2^24 Mbit/s, sends 0 there.
+    pub window_grant: u8,
+    /// Rate granted to this sender in Mbit/s (24 bits, bytes 13–15); 0 = no limit.
+    /// [`emit`](Self::emit) saturates a larger value at [`AckEth::MAX_RATE_HINT`].
     pub rate_hint: u32,
     /// SACK bitmap (32 bytes = 256 bits), MSB first; use [`AckEth::sack_get`] /
     /// [`AckEth::sack_set`].
@@ -241,6 +250,10 @@ impl AckEth {
     pub const BLOCK_LEN: usize = 4 + Self::LEN;
     /// Number of PSNs the SACK bitmap covers beyond the cumulative PSN (256).
     pub const SACK_BITS: usize = 256;
+    /// Packets per unit of [`AckEth::window_grant`] (8): one byte grants up to 2,040.
+    pub const WINDOW_GRANT_UNIT: u32 = 8;
+    /// Largest rate hint the 24-bit field carries, in Mbit/s (about 16.8 Tbit/s).
+    pub const MAX_RATE_HINT: u32 = (1 << 24) - 1;
 
     /// Parse the first 48 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
@@ -254,7 +267,8 @@ impl AckEth {
             ack_delay,
             echo_ts: r.u32()?,
             ce_count: r.u32()?,
-            rate_hint: r.u32()?,
+            window_grant: r.u8()?,
+            rate_hint: r.u24()?,
             sack: r.array()?,
         })
     }
@@ -267,7 +281,8 @@ impl AckEth {
         w.u16(self.ack_delay)?;
         w.u32(self.echo_ts)?;
         w.u32(self.ce_count)?;
-        w.u32(self.rate_hint)?;
+        w.u8(self.window_grant)?;
+        w.u24(self.rate_hint.min(Self::MAX_RATE_HINT))?;
         w.bytes(&self.sack)
     }
 

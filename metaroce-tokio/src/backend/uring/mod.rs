@@ -744,6 +744,11 @@ impl DatagramBackend for UringBackend {
         self.main.state.gro_segments().max(1)
     }
 
+    /// The main socket's `SO_RCVBUF` ([`UringBackend::recv_buffer_bytes`]).
+    fn socket_recv_buffer(&self) -> Option<u64> {
+        self.recv_buffer_bytes().ok().map(|b| b as u64)
+    }
+
     fn poll_recv(
         &self,
         cx: &mut Context<'_>,
