@@ -243,7 +243,8 @@ pub struct Args {
 
     /// Server to connect to, `host` or `host:port` (default port 4791; rocev2: `host`
     /// only). Without it (and without --server) both sides run in this process over
-    /// 127.0.0.1.
+    /// 127.0.0.1 (metaroce bandwidth tests: the server side on a runtime and thread of its
+    /// own, as a server process would be).
     #[arg(value_name = "SERVER")]
     pub second: Option<String>,
 

@@ -81,7 +81,8 @@ pub fn main() -> i32 {
     // endpoints' driver tasks (on the workers) deliver to it is a wake-up of another thread
     // — one more per round trip, tens of µs on an idle VM (issue #13 P2). A service that
     // drives its connections from spawned tasks has the same advantage. Bandwidth tests
-    // keep the third thread: the client posting work beside the two workers' drivers.
+    // keep the third thread: the client posting work beside the workers; their in-process
+    // server has a runtime and thread of its own (`LocalServer::thread`).
     let result = if !settings.test.is_bw() {
         runtime.block_on(async { tokio::spawn(run(settings)).await })
     } else {
@@ -221,29 +222,151 @@ async fn with_local_server(
     }
 }
 
+/// The in-process server of a loopback run (`meta_loopback`).
+enum LocalServer {
+    /// A task on this runtime (latency tests).
+    Task {
+        node: Node,
+        task: tokio::task::JoinHandle<Res<ServerRun>>,
+    },
+    /// Its own runtime on its own thread (bandwidth tests); the endpoint is a handle to
+    /// it, the thread returns the run and the impairment counters.
+    Thread {
+        ep: metaroce_tokio::Endpoint,
+        thread: std::thread::JoinHandle<Res<(ServerRun, ImpairStats)>>,
+    },
+}
+
+impl LocalServer {
+    /// A server task on the current runtime.
+    fn task(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<LocalServer> {
+        let node = meta_node(s, true, addr, sink)?;
+        let ep = node.ep.clone();
+        let rx_depth = s.rx_depth;
+        let task = tokio::spawn(async move {
+            let (conn, ctrl) = meta_accept(&ep).await?;
+            server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, rx_depth).await
+        });
+        Ok(LocalServer::Task { node, task })
+    }
+
+    /// A server on a one-worker runtime of its own thread, as a separate server process
+    /// would be (perftest's and iperf3's arrangement). On one shared runtime tokio runs a
+    /// task woken by another on the waker's worker (its LIFO slot, which other workers do
+    /// not steal from), so in a bulk transfer the two endpoints' driver tasks took turns
+    /// on one worker while the other idled: one CPU of two (issue #13 P1). One worker, not
+    /// a current-thread runtime: the server's own work between rounds (allocating and
+    /// checking its region) must not hold up its driver.
+    async fn thread(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<LocalServer> {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let (s2, sink2) = (s.clone(), sink.cloned());
+        let thread = std::thread::Builder::new()
+            .name("metaroce-perf server".into())
+            .spawn(move || -> Res<(ServerRun, ImpairStats)> {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+                    .map_err(|e| format!("cannot start the server's runtime: {e}"))?;
+                rt.block_on(async move {
+                    let node = match meta_node(&s2, true, addr, sink2.as_ref()) {
+                        Ok(n) => n,
+                        Err(e) => {
+                            let _ = ready_tx.send(None);
+                            return Err(e);
+                        }
+                    };
+                    let _ = ready_tx.send(Some(node.ep.clone()));
+                    let (conn, ctrl) = meta_accept(&node.ep).await?;
+                    let run =
+                        server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, s2.rx_depth)
+                            .await?;
+                    Ok((run, node.impair_stats()))
+                })
+            })
+            .map_err(|e| format!("cannot start the server's thread: {e}"))?;
+        match ready_rx.await {
+            Ok(Some(ep)) => Ok(LocalServer::Thread { ep, thread }),
+            _ => Err(join_server(thread)
+                .await
+                .err()
+                .unwrap_or_else(|| "the server did not start".into())),
+        }
+    }
+
+    fn ep(&self) -> &metaroce_tokio::Endpoint {
+        match self {
+            LocalServer::Task { node, .. } => &node.ep,
+            LocalServer::Thread { ep, .. } => ep,
+        }
+    }
+
+    /// The server's run and impairment counters once the client's run `client` ended;
+    /// if the client failed, the server is stopped instead and the client's error returned.
+    async fn finish(self, client: Res<ClientRun>) -> Res<(ClientRun, ServerRun, ImpairStats)> {
+        match self {
+            LocalServer::Task { node, task } => {
+                let (c, r) = with_local_server(client, task).await?;
+                Ok((c, r, node.impair_stats()))
+            }
+            LocalServer::Thread { ep, thread } => {
+                if client.is_err() {
+                    // The server may still wait for its client: closing its endpoint ends
+                    // that.
+                    ep.close(0, b"client failed");
+                }
+                drop(ep);
+                let server = join_server(thread).await;
+                let c = client?;
+                let (r, impair) = server?;
+                Ok((c, r, impair))
+            }
+        }
+    }
+}
+
+/// Waits (off the runtime's workers) for the server's thread to return.
+async fn join_server(
+    thread: std::thread::JoinHandle<Res<(ServerRun, ImpairStats)>>,
+) -> Res<(ServerRun, ImpairStats)> {
+    tokio::task::spawn_blocking(move || {
+        thread
+            .join()
+            .map_err(|_| "the server's thread panicked".to_string())?
+    })
+    .await
+    .map_err(|e| format!("the server's thread: {e}"))?
+}
+
+/// Both sides in this process over 127.0.0.1. Bandwidth tests run the server on its own
+/// runtime and thread ([`LocalServer::thread`]); latency tests, one message at a time,
+/// keep it on this runtime, where a completion does not have to wake another thread
+/// (tens of µs on an idle VM).
 async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
-    let server = meta_node(s, true, addr, sink)?;
+    let server = if s.test.is_bw() {
+        LocalServer::thread(s, addr, sink).await?
+    } else {
+        LocalServer::task(s, addr, sink)?
+    };
     let client = meta_node(s, false, addr, sink)?;
-    let server_ep = server.ep.clone();
-    let rx_depth = s.rx_depth;
-    let server_task = tokio::spawn(async move {
-        let (conn, ctrl) = meta_accept(&server_ep).await?;
-        server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, rx_depth).await
-    });
-    let conn = client
-        .ep
-        .connect(server.ep.local_addr())
-        .map_err(|e| format!("connecting to the in-process server: {e}"))?
-        .await
-        .map_err(|e| format!("connecting to the in-process server: {}", error_chain(&e)))?;
-    let r = meta_run_client(&conn, s).await;
-    conn.close(0, b"done");
-    let (c, r) = with_local_server(r, server_task).await?;
+    let run = async {
+        let conn = client
+            .ep
+            .connect(server.ep().local_addr())
+            .map_err(|e| format!("connecting to the in-process server: {e}"))?
+            .await
+            .map_err(|e| format!("connecting to the in-process server: {}", error_chain(&e)))?;
+        let r = meta_run_client(&conn, s).await;
+        conn.close(0, b"done");
+        r
+    };
+    let r = run.await;
+    let (c, r, server_impair) = server.finish(r).await?;
     Ok(Outcome {
         client: Some(c),
         server: Some(r),
-        impair: add(client.impair_stats(), server.impair_stats()),
+        impair: add(client.impair_stats(), server_impair),
     })
 }
 
