@@ -353,6 +353,12 @@ async fn invalid_inputs_are_rejected() {
     ));
 
     let pair = Pair::new(Impairment::default());
+    // The wrapper reports its inner socket's buffer (the endpoint's window grant).
+    assert_eq!(
+        pair.tx.socket_recv_buffer(),
+        pair.tx.inner().socket_recv_buffer()
+    );
+    assert!(pair.tx.socket_recv_buffer().is_some());
     let t = Transmit {
         src_port: pair.tx.local_addr().port(),
         ..pair.transmit(4, None)

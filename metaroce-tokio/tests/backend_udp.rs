@@ -332,6 +332,11 @@ macro_rules! suite {
                 let snd = b.send_buffer_bytes().unwrap();
                 assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&rcv), "{rcv}");
                 assert!((64 * 1024..=2 * 64 * 1024 + 4096).contains(&snd), "{snd}");
+                // What the endpoint divides among its senders (the window grant), through
+                // the trait and through a boxed backend alike.
+                assert_eq!(DatagramBackend::socket_recv_buffer(&b), Some(rcv as u64));
+                let boxed: Box<dyn DatagramBackend> = Box::new(b);
+                assert_eq!(boxed.socket_recv_buffer(), Some(rcv as u64));
             }
         }
     };
