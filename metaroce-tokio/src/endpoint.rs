@@ -835,6 +835,9 @@ impl Endpoint {
                     st.close_conn(h, code, reason);
                 }
                 st.closed = true;
+                // The accept queue's senders are the shards' alone: once every shard has
+                // dropped its own, a pending or later `accept` ends with `None`.
+                st.incoming = None;
             }
             shared.wake_driver.notify_one();
         }

@@ -21,6 +21,36 @@ fn closed_by_peer(e: &ConnectionError) -> Option<(u32, &[u8])> {
     }
 }
 
+/// `Endpoint::accept` ends with `None` once the endpoint is closed, whether it was already
+/// waiting (on one shard or two) or is called afterwards. It used to wait forever: the
+/// queue's senders lived on in the shards, and nothing woke the waiter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_returns_none_once_the_endpoint_is_closed() {
+    for shards in [1, 2] {
+        let cfg = Config {
+            shards,
+            ..Config::default()
+        };
+        let server = metaroce_tokio::Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+            .await
+            .unwrap();
+        let s2 = server.clone();
+        let waiting = tokio::spawn(async move { s2.accept().await.is_none() });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        server.close(0, b"bye");
+        let ended = tokio::time::timeout(T, waiting).await;
+        assert!(
+            matches!(ended, Ok(Ok(true))),
+            "a waiting accept did not end with None ({shards} shards): {ended:?}"
+        );
+        let later = tokio::time::timeout(T, server.accept()).await;
+        assert!(
+            matches!(later, Ok(None)),
+            "accept after close did not return None ({shards} shards)"
+        );
+    }
+}
+
 #[tokio::test]
 async fn close_with_code_reaches_the_peers_closed() {
     let (server, client) = endpoints(Config::default()).await;
