@@ -304,24 +304,38 @@ impl LocalServer {
     /// The server's run and impairment counters once the client's run `client` ended;
     /// if the client failed, the server is stopped instead and the client's error returned.
     async fn finish(self, client: Res<ClientRun>) -> Res<(ClientRun, ServerRun, ImpairStats)> {
+        let c = match client {
+            Ok(c) => c,
+            Err(e) => return Err(self.abandon(e).await),
+        };
         match self {
             LocalServer::Task { node, task } => {
-                let (c, r) = with_local_server(client, task).await?;
+                let (c, r) = with_local_server(Ok(c), task).await?;
                 Ok((c, r, node.impair_stats()))
             }
             LocalServer::Thread { ep, thread } => {
-                if client.is_err() {
-                    // The server may still wait for its client: closing its endpoint ends
-                    // that.
-                    ep.close(0, b"client failed");
-                }
                 drop(ep);
-                let server = join_server(thread).await;
-                let c = client?;
-                let (r, impair) = server?;
+                let (r, impair) = join_server(thread).await?;
                 Ok((c, r, impair))
             }
         }
+    }
+
+    /// Stops the server after the client side failed with `e` (before connecting or during
+    /// its run) and returns `e`. A server thread still waiting for its client ends when its
+    /// endpoint is closed (`accept` returns `None`); it is joined, not left behind.
+    async fn abandon(self, e: String) -> String {
+        match self {
+            LocalServer::Task { task, .. } => task.abort(),
+            LocalServer::Thread { ep, thread } => {
+                ep.close(0, b"client failed");
+                drop(ep);
+                if let Err(server) = join_server(thread).await {
+                    tracing::debug!(%server, "the in-process server stopped");
+                }
+            }
+        }
+        e
     }
 }
 
@@ -349,7 +363,10 @@ async fn meta_loopback(s: &Settings, sink: Sink<'_>) -> Res<Outcome> {
     } else {
         LocalServer::task(s, addr, sink)?
     };
-    let client = meta_node(s, false, addr, sink)?;
+    let client = match meta_node(s, false, addr, sink) {
+        Ok(c) => c,
+        Err(e) => return Err(server.abandon(e).await),
+    };
     let run = async {
         let conn = client
             .ep
