@@ -34,10 +34,9 @@ use tokio::sync::{mpsc, oneshot, Notify};
 ///
 /// The kernel's receive buffer of the endpoint's socket is shared the same way: every ACK
 /// grants its sender a share of it (`transport.socket_recv_buffer`, which the endpoint
-/// fills in from the socket's `SO_RCVBUF` when left at 0), so the senders together do not
-/// put more in flight than the socket holds while this host is not reading it. A value set
-/// in the config is used as it is (`u64::MAX` grants every sender the most the ACK field
-/// carries, 2,040 packets: in effect no cap).
+/// fills in from the socket's `SO_RCVBUF` when left at 0; [`Config::window_grant`]), so
+/// that the senders together have about as much in flight as the socket holds, also
+/// while this host is not reading it. A value set in the config is used as it is.
 ///
 /// Liveness defaults: `transport.idle_timeout` is [`DEFAULT_IDLE_TIMEOUT`] (10 s) and
 /// `transport.keepalive_interval` 3 s, so an idle connection to a live peer is never
@@ -104,6 +103,14 @@ pub struct Config {
     /// core's next timer moved ahead of the one it sleeps until, or when more is left to
     /// send. `false`: every transmit leaves from the driver task, as before. Default `true`.
     pub inline_transmit: bool,
+    /// Grant the peers a window out of this endpoint's receive socket buffer
+    /// (`transport.socket_recv_buffer`, filled in from the socket's `SO_RCVBUF` when left at
+    /// 0; see [`metaroce::TransportConfig::socket_recv_buffer`]). On a host whose
+    /// `net.core.rmem_max` is the usual 208 KiB that caps a lone sender near 48 packets of
+    /// 4 KiB in flight, which is what the socket holds; raise `rmem_max` rather than turn
+    /// this off. `false`: no grant, unless `transport.socket_recv_buffer` is set. Default
+    /// `true`.
+    pub window_grant: bool,
 }
 
 /// Most shards of one endpoint ([`Config::shards`]).
@@ -141,6 +148,7 @@ impl Default for Config {
             stream_send_buffer: 16 << 20,
             shards: default_shards(),
             inline_transmit: true,
+            window_grant: true,
         }
     }
 }
@@ -625,7 +633,7 @@ impl Endpoint {
         ecfg.transport.max_gso_segments = backend.max_gso_segments().clamp(1, 64);
         // The window grant divides the socket's real buffer among the senders, unless the
         // application set one itself.
-        if ecfg.transport.socket_recv_buffer == 0 {
+        if config.window_grant && ecfg.transport.socket_recv_buffer == 0 {
             ecfg.transport.socket_recv_buffer = backend.socket_recv_buffer().unwrap_or(0);
         }
         // Delivered bytes stay charged until the reader takes them (MessageStream::poll_next

@@ -199,12 +199,17 @@ async fn fair_share_over_two_shards_grants_no_more_than_the_capacity() {
 /// active connections per shard: each is granted 4 MiB / 2 / 4 = 512 KiB, 128 packets of
 /// 4096 bytes (dividing among all eight would give 64), and its sender hears that in the
 /// ACKs. Left at 0, the endpoint takes the size of its socket's receive buffer instead,
-/// and still grants something.
+/// and still grants something; with `Config::window_grant` off it grants nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn window_grant_divides_each_shards_own_socket_buffer() {
-    for (buffer, want) in [(4u64 << 20, Some(128u32)), (0, None)] {
+    for (buffer, on, want) in [
+        (4u64 << 20, true, Some(128u32)),
+        (0, true, None),
+        (0, false, Some(0)),
+    ] {
         let mut scfg = cfg(2, 43);
         scfg.transport.socket_recv_buffer = buffer;
+        scfg.window_grant = on;
         scfg.transport.fair_share_window = Duration::from_secs(30);
         let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
             .await

@@ -481,11 +481,22 @@ pub struct TransportConfig {
     /// host has its own socket), in whole packets of the connection's path MTU, at least
     /// 8 packets and at most 2,040. Senders cap their connection window to it. Half,
     /// because a datagram costs the buffer more than its payload (a 4 KiB datagram is
-    /// charged about 8 KiB of skb). So senders together never have more in flight than
-    /// the receiver's socket holds, whether or not its host runs it at the time: what TCP
-    /// does with its receive window (RFC 9293 §3.8.6), for the one buffer all connections
-    /// share. 0 disables it. Default 0; `metaroce-tokio` sets it from its socket.
+    /// charged about 8 KiB of skb). So the senders together have about as much in flight
+    /// as the receiver's socket holds, whether or not its host runs it at the time: what
+    /// TCP does with its receive window (RFC 9293 §3.8.6), for the one buffer all
+    /// connections share. About: a new connection's blind first window
+    /// (`initial_connection_window`), the 8-packet floor times many senders and tail-loss
+    /// probes may go beyond it, and a sender keeps its last grant until its next ACK. The
+    /// count of senders is held for `window_grant_hold`. 0 disables it. Default 0;
+    /// `metaroce-tokio` sets it from its socket.
     pub socket_recv_buffer: u64,
+    /// How long the window grant stays divided among the most active senders counted: the
+    /// count may fall at once (a receiver that read nothing for longer than
+    /// `fair_share_window`, because its host did not run it, counts no sender at all), but
+    /// the grant grows back only after the smaller count has lasted this long. Else the
+    /// first sender heard after such a gap would be granted the whole buffer, the next
+    /// half of it, and so on, until their next ACKs. Default 20 ms.
+    pub window_grant_hold: Duration,
     /// Planes of a multi-plane fabric this endpoint is attached to, 1..=8 (MetaRoCE "paths
     /// grouped by plane"). The plane of a local UDP source port is `port mod planes`: a
     /// deployment makes that true by sending each source port through the matching local
@@ -552,6 +563,7 @@ impl Default for TransportConfig {
             recv_capacity_mbps: 0,
             fair_share_window: Duration::from_millis(1),
             socket_recv_buffer: 0,
+            window_grant_hold: Duration::from_millis(20),
             max_rd_atomic: 16,
             max_tracked_ops: 65_536,
             max_held_immediates: 4096,

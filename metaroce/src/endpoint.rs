@@ -368,6 +368,9 @@ pub struct Endpoint {
     /// The window grant computed at `fair_share_at` (`TransportConfig::socket_recv_buffer`),
     /// in bytes; each connection turns it into packets of its path MTU. 0 = none.
     grant_window_bytes: u64,
+    /// The most active senders counted for the window grant, and when that count was last
+    /// reached (`TransportConfig::window_grant_hold`).
+    grant_senders: (u32, Option<Instant>),
     /// Active senders of the fair share counted at `fair_share_at` on this endpoint alone.
     fair_share_local: u32,
     /// Active senders on the other endpoints that share this one's receive capacity
@@ -502,6 +505,7 @@ impl Endpoint {
             fair_share_latest: None,
             grant_mbps: 0,
             grant_window_bytes: 0,
+            grant_senders: (0, None),
             fair_share_local: 0,
             fair_share_others: 0,
             timers: BTreeSet::new(),
@@ -2218,8 +2222,15 @@ impl Endpoint {
                 let all = (active as u32).saturating_add(self.fair_share_others);
                 self.grant_mbps = (capacity / all.max(1)).max(1);
             }
-            // This endpoint's socket only: the other shards have their own.
-            self.grant_window_bytes = budget / 2 / (active as u64).max(1);
+            // This endpoint's socket only: the other shards have their own. Divided among
+            // the most senders counted within `window_grant_hold` (see there).
+            let (peak, at) = self.grant_senders;
+            let held =
+                at.is_some_and(|at| now.saturating_duration_since(at) <= t.window_grant_hold);
+            if active as u32 >= peak || !held {
+                self.grant_senders = (active as u32, Some(now));
+            }
+            self.grant_window_bytes = budget / 2 / u64::from(self.grant_senders.0.max(1));
         }
     }
 

@@ -627,6 +627,72 @@ fn receiver_window_grant_caps_packets_in_flight() {
     assert!(most <= 64, "{most} packets in flight under a grant of 64");
 }
 
+/// A receiver that reads nothing for longer than `fair_share_window` (its host did not run
+/// it) counts no active sender when it comes back. The window grant must not then hand the
+/// first sender heard the whole buffer: it stays divided among the most senders counted
+/// within `window_grant_hold`. Four senders at 32 packets each (256 KiB of buffer, 1 KiB
+/// packets) keep at most 32 through a 1.5 ms gap in delivery; with no hold (the control)
+/// the first ones heard after the gap are granted more.
+#[test]
+fn window_grant_survives_a_gap_in_delivery() {
+    use metaroce::testing::{Action, Filter, Rule};
+    let run = |hold: Duration| {
+        let a = metaroce::testing::pair_config(0, 33);
+        let mut b = metaroce::testing::pair_config(1, 33);
+        b.transport.socket_recv_buffer = 256 << 10;
+        b.transport.window_grant_hold = hold;
+        let mut p = Pair::with_configs(33, a, b);
+        p.delay = Duration::from_micros(50);
+        let hs: Vec<_> = (0..4).map(|_| p.connect()).collect();
+        for i in 0..200u64 {
+            for &(c, _) in &hs {
+                p.eps[0]
+                    .post_send(c, 0, i, Bytes::from(vec![5u8; 200_000]))
+                    .unwrap();
+            }
+        }
+        p.run_for(Duration::from_millis(5));
+        let steady: Vec<u32> = hs
+            .iter()
+            .map(|&(c, _)| p.eps[0].connection_stats(c).unwrap().peer_window_grant)
+            .collect();
+        assert_eq!(steady, vec![32; 4], "four senders share 128 packets");
+        // Every data packet to the receiver is held back 1.5 ms (a little more for each
+        // connection in turn): for the receiver, no sender is active any more.
+        let gap = Duration::from_micros(1500);
+        let t = p.elapsed();
+        for (k, &(_, s)) in hs.iter().enumerate() {
+            let qpn = s.0;
+            p.add_rule(Rule::between(
+                t,
+                t + gap,
+                Filter::any().from(0).when(move |i| i.dest_qp == qpn),
+                Action::Hold {
+                    prob: 1.0,
+                    after: gap + Duration::from_micros(30 * k as u64),
+                },
+            ));
+        }
+        let mut most = 0;
+        let end = p.now + Duration::from_millis(10);
+        while p.now < end && p.step() {
+            for &(c, _) in &hs {
+                most = most.max(p.eps[0].connection_stats(c).unwrap().peer_window_grant);
+            }
+        }
+        most
+    };
+    assert!(
+        run(Duration::ZERO) > 32,
+        "the control never inflated a grant"
+    );
+    let most = run(Duration::from_millis(20));
+    assert_eq!(
+        most, 32,
+        "a sender was granted {most} packets after the gap"
+    );
+}
+
 /// A sharded receiver: the other shards' active senders (`set_other_shard_senders`) count
 /// in this endpoint's fair share, so the shards together grant no more than the capacity;
 /// `fair_share_senders` reports this endpoint's own count, which a driver publishes.

@@ -178,7 +178,7 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     fn max_gro_segments(&self) -> usize;
 
     /// Bytes of receive buffer the kernel keeps for the socket every peer sends to (Linux:
-    /// `SO_RCVBUF` as `getsockopt` reports it, twice what was asked for, capped by
+    /// `SO_RCVBUF` as `getsockopt` reports it, twice the smaller of what was asked for and
     /// `net.core.rmem_max`), if known. The endpoint gives it to its core as
     /// `TransportConfig::socket_recv_buffer`, which every ACK grants the active senders a
     /// share of (the window grant), so that together they never have more in flight than
