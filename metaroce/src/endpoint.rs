@@ -2161,8 +2161,10 @@ impl Endpoint {
     /// Receiver-driven fair share (MetaRoCE): grant every sender an equal part of
     /// `recv_capacity_mbps` among the connections that delivered data or were established
     /// within `fair_share_window` (`Connection::last_data_rx`), or the fixed
-    /// `advertised_rate_mbps`. Recomputed at most once per distinct `now`, and again when
-    /// the set of recent senders changes.
+    /// `advertised_rate_mbps`; and the window grant, an equal part of half of
+    /// `socket_recv_buffer` among the most such senders counted within
+    /// `window_grant_hold`. Recomputed at most once per distinct `now`, and again when the
+    /// set of recent senders changes.
     ///
     /// The count of recent senders is kept in `recent_rx`, whose entries older than the
     /// window are pruned as `now` advances: O(log n) per pruned entry. A `now` earlier than
