@@ -50,7 +50,8 @@ struct Tap {
 
 impl DatagramBackend for Tap {
     forward_datagram_backend!([.inner] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_recv_in_place, flush, send_from_any_task);
+        max_gro_segments, socket_recv_buffer, poll_recv, poll_recv_in_place, flush,
+        send_from_any_task);
 
     fn poll_send(
         &self,

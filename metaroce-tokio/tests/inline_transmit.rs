@@ -49,7 +49,7 @@ struct Shared(Arc<Watched>);
 
 impl DatagramBackend for Shared {
     forward_datagram_backend!([.0.inner] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_recv_in_place, flush);
+        max_gro_segments, socket_recv_buffer, poll_recv, poll_recv_in_place, flush);
 
     fn poll_send(
         &self,
@@ -277,7 +277,8 @@ struct WatchedUring {
 #[cfg(target_os = "linux")]
 impl DatagramBackend for WatchedUring {
     forward_datagram_backend!([.inner] local_addr, source_ports, max_gso_segments,
-        max_gro_segments, poll_recv, poll_recv_in_place, poll_send, flush, send_from_any_task);
+        max_gro_segments, socket_recv_buffer, poll_recv, poll_recv_in_place, poll_send, flush,
+        send_from_any_task);
 
     fn poll_send_owned(
         &self,

@@ -296,7 +296,7 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 ///
 /// impl DatagramBackend for Counting {
 ///     forward_datagram_backend!([.inner] local_addr, source_ports, max_gso_segments,
-///         max_gro_segments, poll_recv, poll_recv_in_place, flush);
+///         max_gro_segments, socket_recv_buffer, poll_recv, poll_recv_in_place, flush);
 ///
 ///     fn poll_send(
 ///         &self,
