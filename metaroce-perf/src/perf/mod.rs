@@ -243,10 +243,7 @@ impl LocalServer {
         let node = meta_node(s, true, addr, sink)?;
         let ep = node.ep.clone();
         let rx_depth = s.rx_depth;
-        let task = tokio::spawn(async move {
-            let (conn, ctrl) = meta_accept(&ep).await?;
-            server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, rx_depth).await
-        });
+        let task = tokio::spawn(async move { meta_serve(&ep, false, rx_depth).await });
         Ok(LocalServer::Task { node, task })
     }
 
@@ -277,10 +274,7 @@ impl LocalServer {
                         }
                     };
                     let _ = ready_tx.send(Some(node.ep.clone()));
-                    let (conn, ctrl) = meta_accept(&node.ep).await?;
-                    let run =
-                        server::serve(Net::Meta(conn), Chan::Stream(ctrl), false, s2.rx_depth)
-                            .await?;
+                    let run = meta_serve(&node.ep, false, s2.rx_depth).await?;
                     Ok((run, node.impair_stats()))
                 })
             })
@@ -310,7 +304,7 @@ impl LocalServer {
         };
         match self {
             LocalServer::Task { node, task } => {
-                let (c, r) = with_local_server(Ok(c), task).await?;
+                let r = task.await.map_err(|e| format!("server task: {e}"))??;
                 Ok((c, r, node.impair_stats()))
             }
             LocalServer::Thread { ep, thread } => {
@@ -407,6 +401,13 @@ fn meta_node(s: &Settings, server: bool, addr: SocketAddr, sink: Sink<'_>) -> Re
 
 /// The server side's first client: its connection, accepted, and the control stream it
 /// says hello on.
+/// Serves the first client of `ep`: `server::serve` over its connection and control
+/// stream (`print`: report each round, as a stand-alone server does).
+async fn meta_serve(ep: &metaroce_tokio::Endpoint, print: bool, rx_depth: usize) -> Res<ServerRun> {
+    let (conn, ctrl) = meta_accept(ep).await?;
+    server::serve(Net::Meta(conn), Chan::Stream(ctrl), print, rx_depth).await
+}
+
 async fn meta_accept(
     ep: &metaroce_tokio::Endpoint,
 ) -> Res<(metaroce_tokio::Connection, metaroce_tokio::MessageStream)> {
@@ -462,8 +463,7 @@ async fn meta_server(s: &Settings, addr: SocketAddr, sink: Sink<'_>) -> Res<Outc
         server.ep.local_addr(),
         server.ep.source_ports()
     );
-    let (conn, ctrl) = meta_accept(&server.ep).await?;
-    let r = server::serve(Net::Meta(conn), Chan::Stream(ctrl), true, s.rx_depth).await?;
+    let r = meta_serve(&server.ep, true, s.rx_depth).await?;
     report::rule();
     Ok(Outcome {
         client: None,
