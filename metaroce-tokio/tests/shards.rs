@@ -140,6 +140,32 @@ async fn eight_connections_over_two_shards_write_and_read() {
     assert_eq!(server.driver_maps().connections, 0);
 }
 
+/// A server bound with `scfg` (two shards), a two-shard client seeded `client_seed`, and
+/// eight connections between them, four on each server shard, each of which has sent three
+/// messages: every one an active sender for the fair share and the window grant
+/// (`fair_share_window` is set to 30 s), whose ACKs have carried the grants back.
+async fn eight_active_senders(
+    mut scfg: Config,
+    client_seed: u64,
+) -> (Endpoint, Endpoint, Vec<(Connection, Connection)>) {
+    scfg.transport.fair_share_window = Duration::from_secs(30);
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
+        .await
+        .unwrap();
+    assert_eq!(server.shards(), 2, "the steering program was not attached");
+    let client = bind(2, client_seed).await;
+    let pairs = connect_n(&client, &server, 8).await;
+    assert_eq!(server.shard_connections(), vec![4, 4]);
+    for round in 0..3u8 {
+        for (c, _) in &pairs {
+            c.send(round as u32, bytes::Bytes::from(vec![round; 4000]))
+                .await
+                .unwrap();
+        }
+    }
+    (server, client, pairs)
+}
+
 /// Receiver-driven fair share on a sharded endpoint: the shards are separate cores behind
 /// one address and NIC, so the grants they hand out together must not exceed the
 /// configured `recv_capacity_mbps`. Eight connections, four on each of two shards, all
@@ -152,23 +178,7 @@ async fn fair_share_over_two_shards_grants_no_more_than_the_capacity() {
     const CAPACITY: u32 = 1000;
     let mut scfg = cfg(2, 41);
     scfg.transport.recv_capacity_mbps = CAPACITY;
-    // Every connection stays an active sender for the whole test.
-    scfg.transport.fair_share_window = Duration::from_secs(30);
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
-        .await
-        .unwrap();
-    assert_eq!(server.shards(), 2, "the steering program was not attached");
-    let client = bind(2, 42).await;
-    let pairs = connect_n(&client, &server, CONNS).await;
-    assert_eq!(server.shard_connections(), vec![4, 4]);
-    // Data on every connection: ACKs carry the grant back.
-    for round in 0..3u8 {
-        for (c, _) in &pairs {
-            c.send(round as u32, bytes::Bytes::from(vec![round; 4000]))
-                .await
-                .unwrap();
-        }
-    }
+    let (_server, _client, pairs) = eight_active_senders(scfg, 42).await;
     let granted: Vec<u32> = pairs
         .iter()
         .map(|(_, s)| s.stats().unwrap().granted_rate_mbps)
@@ -210,21 +220,7 @@ async fn window_grant_divides_each_shards_own_socket_buffer() {
         let mut scfg = cfg(2, 43);
         scfg.transport.socket_recv_buffer = buffer;
         scfg.window_grant = on;
-        scfg.transport.fair_share_window = Duration::from_secs(30);
-        let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
-            .await
-            .unwrap();
-        assert_eq!(server.shards(), 2, "the steering program was not attached");
-        let client = bind(2, 44).await;
-        let pairs = connect_n(&client, &server, 8).await;
-        assert_eq!(server.shard_connections(), vec![4, 4]);
-        for round in 0..3u8 {
-            for (c, _) in &pairs {
-                c.send(round as u32, bytes::Bytes::from(vec![round; 4000]))
-                    .await
-                    .unwrap();
-            }
-        }
+        let (_server, _client, pairs) = eight_active_senders(scfg, 44).await;
         let granted: Vec<u32> = pairs
             .iter()
             .map(|(_, s)| s.stats().unwrap().granted_window)
