@@ -181,7 +181,7 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     /// `SO_RCVBUF` as `getsockopt` reports it, twice the smaller of what was asked for and
     /// `net.core.rmem_max`), if known. The endpoint gives it to its core as
     /// `TransportConfig::socket_recv_buffer`, which every ACK grants the active senders a
-    /// share of (the window grant), so that together they never have more in flight than
+    /// share of (the window grant), so that together they have about as much in flight as
     /// the socket holds. Default `None`: no grant. Wrappers forward it.
     fn socket_recv_buffer(&self) -> Option<u64> {
         None
