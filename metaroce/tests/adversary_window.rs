@@ -281,10 +281,15 @@ fn forged_ack_for_unsent_psns_is_dropped() {
             a.flags &= !AckEth::FLAG_BUNDLE;
         }
     };
-    // (a) cumulative PSN beyond what was sent: acknowledges everything.
+    // (a) cumulative PSN beyond what was sent: acknowledges everything; and it grants the
+    // smallest window and rate, which must not be taken from a dropped ACK either.
     let f1 = forge(&ack, net.addrs[0], |bth, h, _| {
         bth.psn = (next + 10) & 0xFF_FFFF;
         unbundle(h);
+        if let Headers::Ack(a) = h {
+            a.window_grant = 1;
+            a.rate_hint = 1;
+        }
     });
     // (b) cumulative PSN valid, a SACK bit for a PSN never sent.
     let f2 = forge(&ack, net.addrs[0], |bth, h, _| {
@@ -296,8 +301,14 @@ fn forged_ack_for_unsent_psns_is_dropped() {
         }
     });
     net.inject_raw(0, ack.from, f1, Duration::ZERO);
-    net.inject_raw(0, ack.from, f2, Duration::ZERO);
     net.step();
+    let cs = net.eps[0].connection_stats(c).unwrap();
+    assert_eq!(
+        (cs.peer_window_grant, cs.peer_rate_hint_mbps),
+        (0, 0),
+        "a dropped ACK's grants were applied"
+    );
+    net.inject_raw(0, ack.from, f2, Duration::ZERO);
     net.step();
     net.flush();
     assert!(
