@@ -33,6 +33,10 @@ pub use path::{PathInfo, PathState, PathStats};
 /// Protocol version carried in CONNECT.
 pub(crate) const PROTOCOL_VERSION: u8 = ConnectEth::VERSION;
 
+/// Rounds of one path's loss timer per [`Connection::handle_timeout`]: the RACK reorder
+/// timer, then the probe or RTO that may be due behind it, and one spare.
+const LOSS_TIMER_ROUNDS: usize = 3;
+
 /// Reject reason when one side requires AEAD packet protection and the other does not
 /// offer it ([`TransportConfig::packet_protection`]): 4, [`ConnectEth::REASON_AEAD_MISMATCH`].
 pub const REJECT_PROTECTION_MISMATCH: u32 = ConnectEth::REASON_AEAD_MISMATCH;
@@ -1584,46 +1588,20 @@ impl Connection {
         if self.sq.wait_deadline().is_some_and(|t| t <= now) {
             self.sq.on_wait_timer(now, self.cfg.retry_count);
         }
-        let (min_rto, max_rto, retry) = (self.cfg.min_rto, self.cfg.max_rto, self.cfg.retry_count);
+        let retry = self.cfg.retry_count;
         let mut lost = Vec::new();
         let heard = self.last_heard;
         let mut probing = self.tx.iter().any(|q| q.probe_unanswered_since(heard));
         for i in 0..self.tx.len() {
-            let due = self.tx[i]
-                .loss_deadline(min_rto, max_rto)
-                .filter(|&d| d <= now);
-            let _span = due.map(|_| self.path_span(i).entered());
-            let p = &mut self.tx[i];
-            if let Some(d) = due {
-                if p.defer_if_late(now, d) {
-                    continue;
-                }
-                // The peer went silent on every path: one probe at a time (PathTx::defer_probe).
-                if probing && p.defer_probe(now, heard) {
-                    continue;
-                }
-                let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
-                let segs = p.on_loss_timer(now, retry);
-                self.probe_pending |= p.probe.is_some();
-                probing |= p.probe_unanswered_since(heard);
-                lost.extend(segs);
-                let timed_out = p.stats.rtos > rtos;
-                if p.state == PathState::Failed {
-                    tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
-                } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
-                    self.reroll(i, now);
-                    if self.cfg.path_reroll_resets_backoff && self.others_delivered_since(i, newest)
-                    {
-                        self.tx[i].reset_backoff();
-                    }
-                } else if timed_out
-                    && self.cfg.path_reroll_on_first_timeout
-                    && self.others_delivered_since(i, newest)
-                {
-                    self.reroll_at_timeout(i);
-                    if self.cfg.path_reroll_resets_backoff {
-                        self.tx[i].reset_backoff();
-                    }
+            // One path can have two timers due at once: the RACK reorder timer and, behind
+            // it, the probe or RTO of what it left outstanding (a late call, or a late grace
+            // that held both). Each round settles one of them, so no due timer is left for a
+            // driver to spin on: the RACK round clears `rack_deadline`, a probe or a grace
+            // moves the deadline past `now`, an RTO leaves nothing outstanding.
+            for round in 0..LOSS_TIMER_ROUNDS {
+                let first = round == 0;
+                if !self.on_path_loss_timer(i, now, first, retry, heard, &mut probing, &mut lost) {
+                    break;
                 }
             }
         }
@@ -1652,6 +1630,65 @@ impl Connection {
             }
         }
         Outcome::default()
+    }
+
+    /// Handle path `i`'s loss timer if it is due at `now` (one round of
+    /// [`handle_timeout`](Self::handle_timeout)): a late timer (`first` round only: the
+    /// call's lateness is judged once) or a probe while another is unanswered is put off,
+    /// else the path's RACK, probe or RTO step runs and its lost segments are added to
+    /// `lost`. Returns whether a step ran that can leave another timer of the path due (the
+    /// RACK reorder timer).
+    #[allow(clippy::too_many_arguments)]
+    fn on_path_loss_timer(
+        &mut self,
+        i: usize,
+        now: Instant,
+        first: bool,
+        retry: u32,
+        heard: Instant,
+        probing: &mut bool,
+        lost: &mut Vec<SegRef>,
+    ) -> bool {
+        let (min_rto, max_rto) = (self.cfg.min_rto, self.cfg.max_rto);
+        let Some(d) = self.tx[i]
+            .loss_deadline(min_rto, max_rto)
+            .filter(|&d| d <= now)
+        else {
+            return false;
+        };
+        let _span = self.path_span(i).entered();
+        let p = &mut self.tx[i];
+        if first && p.defer_if_late(now, d) {
+            return false;
+        }
+        // The peer went silent on every path: one probe at a time (PathTx::defer_probe).
+        if *probing && p.defer_probe(now, heard) {
+            return false;
+        }
+        let reorder = p.rack_due(now);
+        let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
+        let segs = p.on_loss_timer(now, retry);
+        self.probe_pending |= p.probe.is_some();
+        *probing |= p.probe_unanswered_since(heard);
+        lost.extend(segs);
+        let timed_out = p.stats.rtos > rtos;
+        if p.state == PathState::Failed {
+            tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
+        } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
+            self.reroll(i, now);
+            if self.cfg.path_reroll_resets_backoff && self.others_delivered_since(i, newest) {
+                self.tx[i].reset_backoff();
+            }
+        } else if timed_out
+            && self.cfg.path_reroll_on_first_timeout
+            && self.others_delivered_since(i, newest)
+        {
+            self.reroll_at_timeout(i);
+            if self.cfg.path_reroll_resets_backoff {
+                self.tx[i].reset_backoff();
+            }
+        }
+        reorder
     }
 
     /// What the keepalive interval counts from: the last packet heard, or the last

@@ -843,12 +843,19 @@ impl PathTx {
         self.probe_sent && self.state != PathState::Failed && self.last_progress >= since
     }
 
+    /// Whether the RACK reorder timer (RFC 8985 §6.3) is due at `now`: the step
+    /// [`on_loss_timer`](Self::on_loss_timer) runs first, which leaves the probe or RTO of
+    /// the packets still outstanding armed, possibly already due.
+    pub fn rack_due(&self, now: Instant) -> bool {
+        self.rack_deadline.is_some_and(|d| d <= now)
+    }
+
     /// Fire the loss timer: first a tail-loss probe (the newest outstanding segment is sent
     /// again on this path to elicit a SACK), then a retransmission timeout that declares
     /// every outstanding packet lost. Returns the segments to retransmit.
     pub fn on_loss_timer(&mut self, now: Instant, retry_count: u32) -> Vec<SegRef> {
         self.late_grace = None;
-        if self.rack_deadline.is_some_and(|d| d <= now) {
+        if self.rack_due(now) {
             // The reorder timer (RFC 8985 §6.3): holes whose reorder window has passed.
             let lost = self.rack_detect(now, self.rack_psn, 0);
             let nl = lost.len() as u32;

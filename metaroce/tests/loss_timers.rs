@@ -1,0 +1,126 @@
+//! A path's loss timers (RACK reorder timer, tail-loss probe, RTO; RFC 8985) when the
+//! endpoint is run late, as a descheduled process is: the driving contract is that after
+//! `handle_timeout(now)`, `poll_timeout()` is later than `now`, or a driver spins.
+//! Two endpoints in memory, virtual time, one path.
+
+use bytes::Bytes;
+use metaroce::testing::{config, Action, Filter, Kind, Pair, Rule};
+use metaroce::{ConnectionHandle, Endpoint, PathStats};
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::Duration;
+
+fn path(ep: &Endpoint, c: ConnectionHandle) -> PathStats {
+    let st = ep.connection_stats(c).expect("connection");
+    assert_eq!(st.paths.len(), 1);
+    st.paths[0].stats
+}
+
+/// Data packets sent by endpoint 0 after this rule is added, numbered from 0: `pick` says
+/// which ones match.
+fn nth_data(pick: impl Fn(u32) -> bool + 'static) -> Filter {
+    let seen = Rc::new(Cell::new(0u32));
+    Filter::any().from(0).kind(Kind::Data).when(move |i| {
+        if i.retransmit {
+            return false;
+        }
+        let n = seen.get();
+        seen.set(n + 1);
+        pick(n)
+    })
+}
+
+/// Found by the fuzz target `endpoint_datagrams`: a late loss timer is given one grace
+/// period; when the grace ends, the RACK reorder timer and the probe timer of the packets it
+/// leaves outstanding are both due. Handling only the RACK step left the probe timer in the
+/// past, so `poll_timeout` said "now" right after `handle_timeout`.
+#[test]
+fn reorder_timer_and_probe_due_together_are_both_handled() {
+    let cfgs = (0..2).map(|i| {
+        let mut c = config(i, 7);
+        c.transport.paths = 1;
+        c.transport.max_ack_delay = Duration::ZERO;
+        c
+    });
+    let cfgs: Vec<_> = cfgs.collect();
+    let mut p = Pair::with_configs(7, cfgs[0].clone(), cfgs[1].clone());
+    p.check_timers = true;
+    let (c, _) = p.connect();
+    let send = |p: &mut Pair, wr: u64| {
+        let msg = Bytes::from(vec![wr as u8; 6 * 1024]);
+        p.eps[0].post_send(c, 0, wr, msg).unwrap();
+    };
+
+    // Reordering seen: the second data packet arrives 10 µs late (one-way delay 10 µs),
+    // after a SACK declared it lost but before its retransmission, so its acknowledgement
+    // shows the loss was spurious. RACK now gives holes a reorder window instead of
+    // declaring them lost at once.
+    let held = p.add_rule(Rule::always(
+        nth_data(|n| n == 1),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_micros(10),
+        },
+    ));
+    send(&mut p, 0);
+    assert!(p.run_until_idle(Duration::from_secs(1)));
+    assert_eq!(p.hits(held).0, 1);
+    let before = path(&p.eps[0], c);
+    assert!(before.spurious_losses >= 1, "{before:?}");
+    p.clear_rules();
+
+    // Six packets: the second is dropped (a hole), the first and third arrive and their
+    // ACK reaches the sender while its timers are not run, the last three stay out (held
+    // in the network).
+    p.add_rule(Rule::always(nth_data(|n| n == 1), Action::Burst(1)));
+    p.add_rule(Rule::always(
+        nth_data(|n| n >= 3),
+        Action::Capture { max: 64 },
+    ));
+    let acks = p.add_rule(Rule::always(
+        Filter::any().from(1).kind(Kind::Ack),
+        Action::Capture { max: 64 },
+    ));
+    send(&mut p, 1);
+    p.run_for(Duration::from_micros(100));
+    assert!(p.hits(acks).0 > 0, "the receiver acknowledged");
+    p.clear_rules();
+    for a in std::mem::take(&mut p.captured) {
+        if a.rule == acks {
+            p.deliver(0, a.from, &a.data);
+        }
+    }
+    let armed = path(&p.eps[0], c);
+    assert_eq!(
+        armed.sack_losses, before.sack_losses,
+        "the hole waits for its reorder window"
+    );
+
+    // The endpoint runs again 5 ms after its timers were due: the late timer gets a grace
+    // period, during which the probe timer falls due too.
+    let due = p.eps[0].poll_timeout().expect("loss timer armed");
+    let late = due + Duration::from_millis(5);
+    p.eps[0].handle_timeout(late);
+    let grace = p.eps[0].poll_timeout().expect("re-armed");
+    assert!(grace > late);
+    assert_eq!(path(&p.eps[0], c).late_timers, armed.late_timers + 1);
+
+    // At the end of the grace both the reorder timer and the probe are due: both run.
+    p.eps[0].handle_timeout(grace);
+    let after = path(&p.eps[0], c);
+    assert_eq!(
+        after.sack_losses,
+        armed.sack_losses + 1,
+        "RACK: the hole is lost"
+    );
+    assert_eq!(after.probes, armed.probes + 1, "and the tail is probed");
+    let next = p.eps[0].poll_timeout().expect("probe outstanding");
+    assert!(next > grace, "timer still due after handle_timeout");
+
+    // And the message gets through.
+    p.now = grace;
+    assert!(p.run_until_idle(Duration::from_secs(1)));
+    let wcs = p.completions(0, c);
+    assert_eq!(wcs.len(), 2);
+    assert!(wcs.iter().all(|w| w.status == metaroce::WcStatus::Success));
+}
