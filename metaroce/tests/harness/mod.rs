@@ -1756,9 +1756,15 @@ impl Workload {
             // the receiver takes a packet its consistent floor brings into the window
             // (docs/PROTOCOL.md, "Delivery", check 2): a conforming sender never lands
             // beyond the 256-packet window unless every packet with the floor it last
-            // learned was lost (a blackhole: resynchronization).
+            // learned was lost (a blackhole: resynchronization). That happens under a long
+            // total outage (`allow_failure`): each RTO gives up on the path's packets and
+            // moves its floor on while nothing arrives, so after enough of them the
+            // receiver drops the first packets of the path's recovery before it resyncs
+            // (found by `prop_rdma::rdma_ops_with_long_outage`; the case is kept in its
+            // regression file).
             if let Some(st) = self.stats(i) {
-                if st.out_of_window_packets != self.forged_beyond_window[i] {
+                let resync = self.allow_failure && st.out_of_window_packets > 0;
+                if st.out_of_window_packets != self.forged_beyond_window[i] && !resync {
                     return Err(format!(
                         "side {i}: {} packets beyond the SACK window",
                         st.out_of_window_packets
