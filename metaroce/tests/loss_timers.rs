@@ -124,3 +124,54 @@ fn reorder_timer_and_probe_due_together_are_both_handled() {
     assert_eq!(wcs.len(), 2);
     assert!(wcs.iter().all(|w| w.status == metaroce::WcStatus::Success));
 }
+
+/// A tail-loss probe elicits an ACK from a path gone silent. With data still queued it
+/// carries the next new segment, as RFC 8985 §7.3 prefers: a probe that only finds the path
+/// slow (the peer's host stalled) then sends nothing twice. With nothing queued it sends the
+/// newest outstanding segment again.
+#[test]
+fn a_probe_carries_new_data_when_there_is_some() {
+    for queued in [true, false] {
+        let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 3)).collect();
+        for c in &mut cfgs {
+            c.transport.paths = 1;
+        }
+        let mut p = Pair::with_configs(3, cfgs[0].clone(), cfgs[1].clone());
+        p.check_timers = true;
+        let (c, _) = p.connect();
+        // The peer stays silent: every ACK is taken off the network.
+        let acks = p.add_rule(Rule::always(
+            Filter::any().from(1).kind(Kind::Ack),
+            Action::Capture { max: 1024 },
+        ));
+        let window = p.eps[0].connection_stats(c).unwrap().paths[0].window;
+        // More than the window (data stays queued), or less.
+        let packets = if queued { window + 8 } else { window / 2 };
+        let msg = Bytes::from(vec![7u8; packets as usize * 1024]);
+        p.eps[0].post_send(c, 0, 1, msg).unwrap();
+        assert!(p.run_until(Duration::from_secs(1), |p| path(&p.eps[0], c).probes >= 1));
+        let st = path(&p.eps[0], c);
+        assert!(p.hits(acks).0 > 0);
+        let sent_first = window.min(packets) as u64;
+        assert_eq!(st.packets_sent, sent_first + 1, "queued {queued}: {st:?}");
+        if queued {
+            assert_eq!(st.retransmits, 0, "the probe is new data: {st:?}");
+        } else {
+            assert_eq!(
+                st.retransmits, 1,
+                "nothing new: the probe sends again: {st:?}"
+            );
+        }
+        // The ACKs come back: everything completes, nothing was lost.
+        p.clear_rules();
+        for a in std::mem::take(&mut p.captured) {
+            p.deliver(0, a.from, &a.data);
+        }
+        assert!(p.run_until_idle(Duration::from_secs(1)));
+        let wcs = p.completions(0, c);
+        assert_eq!(wcs.len(), 1);
+        assert_eq!(wcs[0].status, metaroce::WcStatus::Success);
+        let st = path(&p.eps[0], c);
+        assert_eq!(st.spurious_probes, 1, "{st:?}");
+    }
+}

@@ -2183,11 +2183,28 @@ impl Connection {
         }
         // 4. Tail-loss probes, ahead of the window. Only looked for when a loss timer
         //    scheduled one since the last look (issue #13: the look reads every path).
+        //    A probe carries the next segment of the send queue when there is one (RFC 8985
+        //    §7.3: new data first), else the newest segment outstanding on its path again:
+        //    a probe that finds the path only slow (a host stall) then costs no
+        //    retransmission. Either way it is one packet beyond the windows, the peer's
+        //    window grant included. A path that has timed out already (Suspect, Probing)
+        //    probes with what it has out: an outage does not draw new data onto it.
         if self.probe_pending {
             for i in 0..self.tx.len() {
                 if let Some(seg) = self.tx[i].probe.take() {
-                    if self.sq.is_live(seg) && self.tx[i].can_probe() {
-                        let t = self.send_data(now, buf, mrs, i, Some(seg), None);
+                    let probe = if !self.tx[i].can_probe() {
+                        None
+                    } else if let Some(next) = self
+                        .sq
+                        .peek()
+                        .filter(|_| self.tx[i].state == PathState::Active)
+                    {
+                        Some(Probe::Next(next))
+                    } else {
+                        self.sq.is_live(seg).then_some(Probe::Again(seg))
+                    };
+                    if let Some(probe) = probe {
+                        let t = self.send_data(now, buf, mrs, i, Some(probe), None);
                         if t.is_some() {
                             self.ack_hold = None;
                         }
@@ -2300,7 +2317,7 @@ impl Connection {
         buf: &mut Vec<u8>,
         mrs: &MrTable,
         i: usize,
-        probe: Option<SegRef>,
+        probe: Option<Probe>,
         fresh: Option<(u32, u32, SegRef)>,
     ) -> Option<Transmit> {
         let max = if probe.is_some() {
@@ -2321,8 +2338,10 @@ impl Connection {
         let mut count = 0;
         let port = self.tx[i].src_port;
         while count < max {
+            let again = matches!(probe, Some(Probe::Again(_)));
             let (seg, retx) = match probe {
-                Some(s) => (s, true),
+                Some(Probe::Again(s)) => (s, true),
+                Some(Probe::Next(s)) => (s, false),
                 None => {
                     let Some(s) = peeked.take().or_else(|| self.sq.peek()) else {
                         break;
@@ -2508,7 +2527,7 @@ impl Connection {
                 Src::Bytes(b) => b.len(),
                 Src::Mr(lkey, off) => {
                     if mrs.check_local(*lkey, *off, len as u64).is_err() {
-                        if probe.is_none() {
+                        if !again {
                             self.sq.take(seg);
                         }
                         self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
@@ -2523,7 +2542,7 @@ impl Connection {
             if seg_size.is_some_and(|s| size > s) {
                 break;
             }
-            let retransmit = if probe.is_some() {
+            let retransmit = if again {
                 true
             } else {
                 self.sq.take(seg) || retx
@@ -2604,6 +2623,15 @@ impl Connection {
 enum Src {
     Bytes(bytes::Bytes),
     Mr(u32, u64),
+}
+
+/// What a tail-loss probe sends (RFC 8985 §7.3).
+#[derive(Debug, Clone, Copy)]
+enum Probe {
+    /// The next segment of the send queue: new data, or a retransmission already queued.
+    Next(SegRef),
+    /// The newest segment outstanding on the probing path, sent again.
+    Again(SegRef),
 }
 
 /// A payload-less stream control packet (abort/reset, FIN, STOP): an `MR_SEND` with

@@ -69,7 +69,8 @@ const PTO_EXTRA_MAX: Duration = Duration::from_millis(50);
 pub struct PathStats {
     /// Data packets sent (first transmissions and retransmissions).
     pub packets_sent: u64,
-    /// Data packets sent that carried data sent before (loss or probe).
+    /// Data packets sent that carried data sent before (loss, or a probe with no new data
+    /// queued).
     pub retransmits: u64,
     /// Packets acknowledged.
     pub packets_acked: u64,
@@ -77,7 +78,9 @@ pub struct PathStats {
     pub sack_losses: u64,
     /// Packets declared lost by a retransmission timeout.
     pub timeout_losses: u64,
-    /// Tail-loss probes sent.
+    /// Tail-loss probes: loss timers that fired with packets outstanding and sent one
+    /// packet beyond the window, new data when the send queue had some (then not a
+    /// retransmission), else the newest outstanding segment again.
     pub probes: u64,
     /// SACK-hole losses found spurious afterwards (the packet had been delivered, only
     /// reordered): each one widens the path's reorder window (RACK `reo_wnd_mult`).
@@ -247,7 +250,8 @@ pub(crate) struct PathTx {
     /// The loss timer ran late (the host did not run the driver in time) and was given one
     /// grace period until this time instead of firing (`defer_if_late`).
     late_grace: Option<Instant>,
-    /// A segment to send on this path as a tail-loss probe, ahead of everything else.
+    /// A tail-loss probe is due on this path, ahead of everything else: the newest
+    /// outstanding segment, sent again when the connection has no new data for it.
     pub probe: Option<SegRef>,
     pub state: PathState,
     /// Re-roll generation (4 bits), sent in PathEth flags bits 7:4.
