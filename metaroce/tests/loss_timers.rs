@@ -175,3 +175,75 @@ fn a_probe_carries_new_data_when_there_is_some() {
         assert_eq!(st.spurious_probes, 1, "{st:?}");
     }
 }
+
+/// The peer goes silent on every path while each path waits for ACKs (its host stalled):
+/// the RTO has no evidence against any path and no path to move packets to, so it keeps
+/// the packets outstanding and sends one more probe (as a QUIC probe timeout does). When
+/// the ACKs come, nothing was lost and nothing was sent twice. The control: the same
+/// silence while only one path has packets out (a peer with nothing else to acknowledge)
+/// declares that path's packets lost, as before.
+#[test]
+fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
+    for every_path in [true, false] {
+        let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 5)).collect();
+        for c in &mut cfgs {
+            c.transport.paths = 2;
+            c.transport.max_ack_delay = Duration::ZERO;
+        }
+        let mut p = Pair::with_configs(5, cfgs[0].clone(), cfgs[1].clone());
+        p.check_timers = true;
+        let (c, _) = p.connect();
+        let acks = p.add_rule(Rule::always(
+            Filter::any().from(1).kind(Kind::Ack),
+            Action::Capture { max: 4096 },
+        ));
+        let window: u32 = p.eps[0]
+            .connection_stats(c)
+            .unwrap()
+            .paths
+            .iter()
+            .map(|x| x.window)
+            .sum();
+        // Both paths full and data queued behind them, or one packet on one path.
+        let packets = if every_path { window + 16 } else { 1 };
+        let msg = Bytes::from(vec![9u8; packets as usize * 1024]);
+        p.eps[0].post_send(c, 0, 1, msg).unwrap();
+        let rtos = |p: &Pair| -> u64 {
+            let st = p.eps[0].connection_stats(c).unwrap();
+            st.paths.iter().map(|x| x.stats.rtos).sum()
+        };
+        assert!(p.run_until(Duration::from_secs(1), |p| rtos(p) >= 1));
+        assert!(p.hits(acks).0 > 0);
+        let st = p.eps[0].connection_stats(c).unwrap();
+        let sum = |f: fn(&metaroce::PathStats) -> u64| -> u64 {
+            st.paths.iter().map(|x| f(&x.stats)).sum()
+        };
+        if every_path {
+            assert_eq!(sum(|s| s.silent_rtos), 1, "{st:?}");
+            assert_eq!(sum(|s| s.timeout_losses), 0, "packets kept: {st:?}");
+            assert_eq!(sum(|s| s.retransmits), 0, "probes carried new data: {st:?}");
+        } else {
+            assert_eq!(sum(|s| s.silent_rtos), 0, "{st:?}");
+            // The packet and its probe.
+            assert_eq!(sum(|s| s.timeout_losses), 2, "{st:?}");
+        }
+        // The silence ends.
+        p.clear_rules();
+        for a in std::mem::take(&mut p.captured) {
+            p.deliver(0, a.from, &a.data);
+        }
+        assert!(p.run_until_idle(Duration::from_secs(2)));
+        let wcs = p.completions(0, c);
+        assert_eq!(wcs.len(), 1);
+        assert_eq!(wcs[0].status, metaroce::WcStatus::Success);
+        let st = p.eps[0].connection_stats(c).unwrap();
+        if every_path {
+            let lost: u64 = st
+                .paths
+                .iter()
+                .map(|x| x.stats.sack_losses + x.stats.timeout_losses + x.stats.retransmits)
+                .sum();
+            assert_eq!(lost, 0, "nothing lost, nothing sent twice: {st:?}");
+        }
+    }
+}

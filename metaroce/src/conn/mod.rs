@@ -1666,6 +1666,24 @@ impl Connection {
             return false;
         }
         let reorder = p.rack_due(now);
+        // The peer went silent on every path, not on this one only: nothing was heard since
+        // this path's probe while another path waits for ACKs too (a peer with nothing
+        // else to acknowledge is silent as well, and says nothing about this path). Then
+        // the RTO is held (PathTx::hold_silent_timeout).
+        if p.probe_unanswered_since(heard)
+            && p.can_hold_timeout(now, self.cfg.path_reroll_timeouts, retry)
+            && self
+                .tx
+                .iter()
+                .enumerate()
+                .any(|(k, q)| k != i && q.outstanding > 0 && q.state != PathState::Failed)
+        {
+            let p = &mut self.tx[i];
+            p.hold_silent_timeout(now);
+            self.probe_pending |= p.probe.is_some();
+            return false;
+        }
+        let p = &mut self.tx[i];
         let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
         let segs = p.on_loss_timer(now, retry);
         self.probe_pending |= p.probe.is_some();

@@ -96,6 +96,10 @@ pub struct PathStats {
     pub deferred_probes: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
+    /// Of `rtos`, those that fired while the whole connection had heard nothing from the
+    /// peer since this path's probe: the outstanding packets were kept, not declared lost,
+    /// and the probe was sent again (see `PathTx::hold_silent_timeout`).
+    pub silent_rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
     pub rerolls: u64,
     /// Re-rolls to a new source port because the path delivered persistently less than
@@ -928,6 +932,55 @@ impl PathTx {
         }
         self.apply_pending_port();
         lost
+    }
+
+    /// Whether the RTO due now, while the whole connection has heard nothing from the
+    /// peer since this path's probe, can be held by
+    /// [`hold_silent_timeout`](Self::hold_silent_timeout) instead of declaring the path's
+    /// packets lost: not the reorder timer, not the timeout that re-rolls the path
+    /// (`reroll_timeouts`) or retires it (`retry_count`), which move its packets elsewhere.
+    pub fn can_hold_timeout(&self, now: Instant, reroll_timeouts: u32, retry_count: u32) -> bool {
+        let next = self.consecutive_rtos + 1;
+        self.probe_sent
+            && !self.rack_due(now)
+            && self.probe.is_none()
+            && next <= retry_count
+            && (reroll_timeouts == 0 || next % reroll_timeouts != 0)
+    }
+
+    /// The RTO fired while the peer was silent on every path of the connection since this
+    /// path's probe (a host stall of the peer, or every path down at once): there is no
+    /// evidence against this path in particular, and no path to move its packets to. As a
+    /// QUIC probe timeout does (RFC 9002 §6.2.4), the outstanding packets stay outstanding,
+    /// the path keeps its state and window, and one more probe goes out (new data when
+    /// there is some, else the newest outstanding segment again); the timeout counts
+    /// (back-off, `retry_count`), and the ACKs that end the silence settle the packets: RACK
+    /// declares lost whatever they show missing, and a stall is learnt as after a spurious
+    /// probe (`pto_extra`, measured from the progress before the first probe). The
+    /// timeouts that re-roll or retire the path still declare its packets lost
+    /// ([`can_hold_timeout`](Self::can_hold_timeout)).
+    pub fn hold_silent_timeout(&mut self, now: Instant) {
+        self.late_grace = None;
+        self.stats.rtos += 1;
+        self.stats.silent_rtos += 1;
+        self.consecutive_rtos += 1;
+        self.probe_psn = Some(self.next_psn);
+        self.last_progress = now;
+        self.probe = self
+            .sent
+            .iter()
+            .rev()
+            .find(|p| p.state == PktState::Outstanding)
+            .map(|p| p.seg);
+        if self.probe.is_some() {
+            self.stats.probes += 1;
+        }
+        tracing::debug!(
+            path = self.id,
+            outstanding = self.outstanding,
+            rtos = self.consecutive_rtos,
+            "retransmission timeout while the peer is silent: packets kept, one more probe"
+        );
     }
 
     /// When the newest packet still outstanding on this path (a tail-loss probe, after
