@@ -316,7 +316,8 @@ pub struct TransportConfig {
     pub initial_rtt: Duration,
     /// Lower bound of the retransmission timeout. Default 1 ms (tokio's timer granularity).
     pub min_rto: Duration,
-    /// Upper bound of the retransmission timeout, after exponential back-off. Default 1 s.
+    /// Upper bound of the retransmission timeout, after exponential back-off; must be
+    /// positive. Default 1 s.
     pub max_rto: Duration,
     /// Packet threshold of loss detection: a PSN trailing the highest acknowledged PSN of
     /// its path by more than this many packets is declared lost at once, whatever the
@@ -626,6 +627,12 @@ impl TransportConfig {
                 format!("must be at most 10 ms, got {:?}", self.max_ack_delay),
             );
         }
+        if self.max_rto.is_zero() {
+            return bad(
+                "max_rto",
+                "must be positive (a zero RTO re-arms a loss timer at the time it fired)",
+            );
+        }
         if self.min_rto > self.max_rto {
             return bad(
                 "min_rto",
@@ -881,8 +888,16 @@ mod tests {
         let base = TransportConfig::default();
         assert_eq!(base.validate(), Ok(()));
         type Case = (fn(&mut TransportConfig), &'static str, &'static str);
-        let cases: [Case; 8] = [
+        let cases: [Case; 9] = [
             (|t| t.paths = 0, "paths", "must be in 1..=256, got 0"),
+            (
+                |t| {
+                    t.min_rto = Duration::ZERO;
+                    t.max_rto = Duration::ZERO;
+                },
+                "max_rto",
+                "must be positive (a zero RTO re-arms a loss timer at the time it fired)",
+            ),
             (
                 |t| t.pmtu = 1000,
                 "pmtu",

@@ -1597,7 +1597,8 @@ impl Connection {
             // it, the probe or RTO of what it left outstanding (a late call, or a late grace
             // that held both). Each round settles one of them, so no due timer is left for a
             // driver to spin on: the RACK round clears `rack_deadline`, a probe or a grace
-            // moves the deadline past `now`, an RTO leaves nothing outstanding.
+            // moves the deadline past `now`, an RTO leaves nothing outstanding or (held)
+            // re-arms the timer `rto · 2^k + stall` after `now`.
             for round in 0..LOSS_TIMER_ROUNDS {
                 let first = round == 0;
                 if !self.on_path_loss_timer(i, now, first, retry, heard, &mut probing, &mut lost) {
@@ -1667,16 +1668,20 @@ impl Connection {
         }
         let reorder = p.rack_due(now);
         // The peer went silent on every path, not on this one only: nothing was heard since
-        // this path's probe while another path waits for ACKs too (a peer with nothing
-        // else to acknowledge is silent as well, and says nothing about this path). Then
-        // the RTO is held (PathTx::hold_silent_timeout).
+        // this path's probe, and every other live path has been waiting for ACKs since
+        // before it (an idle path may well work, and a peer with nothing else to
+        // acknowledge is silent too). Then the RTO is held (PathTx::hold_silent_timeout).
+        let probed = p.probe_fired_at();
         if p.probe_unanswered_since(heard)
             && p.can_hold_timeout(now, self.cfg.path_reroll_timeouts, retry)
-            && self
-                .tx
-                .iter()
-                .enumerate()
-                .any(|(k, q)| k != i && q.outstanding > 0 && q.state != PathState::Failed)
+            && self.tx.len() > 1
+            && self.tx.iter().enumerate().all(|(k, q)| {
+                k == i
+                    || q.state == PathState::Failed
+                    || q.oldest_outstanding_sent()
+                        .zip(probed)
+                        .is_some_and(|(sent, at)| sent <= at)
+            })
         {
             let p = &mut self.tx[i];
             p.hold_silent_timeout(now);
@@ -2204,19 +2209,17 @@ impl Connection {
         //    A probe carries the next segment of the send queue when there is one (RFC 8985
         //    §7.3: new data first), else the newest segment outstanding on its path again:
         //    a probe that finds the path only slow (a host stall) then costs no
-        //    retransmission. Either way it is one packet beyond the windows, the peer's
-        //    window grant included. A path that has timed out already (Suspect, Probing)
-        //    probes with what it has out: an outage does not draw new data onto it.
+        //    retransmission. Either way each probe is one packet beyond the windows, the
+        //    peer's window grant included (a path has at most its tail-loss probe and its
+        //    held RTOs' probes out). A path that has timed out already (an RTO, held or
+        //    not, since its last progress) probes with what it has out: an outage does not
+        //    draw new data onto it.
         if self.probe_pending {
             for i in 0..self.tx.len() {
                 if let Some(seg) = self.tx[i].probe.take() {
                     let probe = if !self.tx[i].can_probe() {
                         None
-                    } else if let Some(next) = self
-                        .sq
-                        .peek()
-                        .filter(|_| self.tx[i].state == PathState::Active)
-                    {
+                    } else if let Some(next) = self.sq.peek().filter(|_| !self.tx[i].timed_out()) {
                         Some(Probe::Next(next))
                     } else {
                         self.sq.is_live(seg).then_some(Probe::Again(seg))

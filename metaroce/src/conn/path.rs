@@ -78,9 +78,11 @@ pub struct PathStats {
     pub sack_losses: u64,
     /// Packets declared lost by a retransmission timeout.
     pub timeout_losses: u64,
-    /// Tail-loss probes: loss timers that fired with packets outstanding and sent one
-    /// packet beyond the window, new data when the send queue had some (then not a
-    /// retransmission), else the newest outstanding segment again.
+    /// Tail-loss probes scheduled: loss timers that fired with packets outstanding (and
+    /// held RTOs). Each sends one packet beyond the window when it can (not when the SACK
+    /// span is full or its segment was settled meanwhile): new data when the send queue has
+    /// some and the path has not timed out (then not a retransmission), else the newest
+    /// outstanding segment again.
     pub probes: u64,
     /// SACK-hole losses found spurious afterwards (the packet had been delivered, only
     /// reordered): each one widens the path's reorder window (RACK `reo_wnd_mult`).
@@ -225,6 +227,9 @@ pub(crate) struct PathTx {
     /// The next PSN when the pending tail-loss probe was scheduled: packets below it were
     /// outstanding before the probe.
     probe_psn: Option<u32>,
+    /// An RTO was held since the last progress (`hold_silent_timeout`): the ACKs that end
+    /// the silence teach no stall allowance.
+    held: bool,
     /// `last_progress` before the pending probe was scheduled.
     probe_since: Instant,
     /// Learned allowance added to the probe timeout and the RTO after spurious probes
@@ -311,6 +316,7 @@ impl PathTx {
             newest_acked_sent: None,
             probe_sent: false,
             probe_psn: None,
+            held: false,
             probe_since: now,
             pto_extra: Duration::ZERO,
             peer_ack_delay: Duration::ZERO,
@@ -359,6 +365,12 @@ impl PathTx {
             && self.pending_port.is_none()
             && self.outstanding < window
             && (psn_diff(self.next_psn, self.floor_psn()) as u32) < SACK_BITS - 1
+    }
+
+    /// Whether the path timed out since its last progress (an RTO, held or not): its
+    /// probes then send what it has out, not new data.
+    pub fn timed_out(&self) -> bool {
+        self.consecutive_rtos > 0
     }
 
     /// Whether a probe may go out now (probes bypass the window, not the SACK span).
@@ -619,7 +631,12 @@ impl PathTx {
                 out.rtt_sampled = true;
             }
         }
-        if probe_spurious {
+        if probe_spurious && self.held {
+            // The silence outlasted an RTO: an outage of the path or of the peer's ACKs as
+            // likely as a host stall, and as long as it lasted. Counted, not learnt from
+            // (it would add up to the whole outage to every later timeout).
+            self.stats.spurious_probes += 1;
+        } else if probe_spurious {
             self.stats.spurious_probes += 1;
             // The ACK came this long after the last progress: the probe timeout should
             // have covered it. Learn it, bounded by the RTO.
@@ -668,6 +685,7 @@ impl PathTx {
             }
             self.probe_sent = false;
             self.probe_psn = None;
+            self.held = false;
             self.late_grace = None;
             self.consecutive_rtos = 0;
             self.backoff_from = 0;
@@ -949,21 +967,28 @@ impl PathTx {
     }
 
     /// The RTO fired while the peer was silent on every path of the connection since this
-    /// path's probe (a host stall of the peer, or every path down at once): there is no
-    /// evidence against this path in particular, and no path to move its packets to. As a
+    /// path's probe, every other path waiting for ACKs of packets it sent before that probe
+    /// (a host stall of the peer, or every path down at once): there is no evidence
+    /// against this path in particular, and no path known to work to move its packets to.
+    /// As a
     /// QUIC probe timeout does (RFC 9002 §6.2.4), the outstanding packets stay outstanding,
-    /// the path keeps its state and window, and one more probe goes out (new data when
-    /// there is some, else the newest outstanding segment again); the timeout counts
-    /// (back-off, `retry_count`), and the ACKs that end the silence settle the packets: RACK
-    /// declares lost whatever they show missing, and a stall is learnt as after a spurious
-    /// probe (`pto_extra`, measured from the progress before the first probe). The
-    /// timeouts that re-roll or retire the path still declare its packets lost
-    /// ([`can_hold_timeout`](Self::can_hold_timeout)).
+    /// the path keeps its congestion window and turns *Suspect* (it timed out: plane-down
+    /// detection counts it), and the newest outstanding segment goes out again as one more
+    /// probe; the timeout counts (back-off, `retry_count`). The ACKs that end the silence
+    /// settle the packets (RACK declares lost whatever they show missing) and teach no
+    /// stall allowance: a silence that outlasted an RTO says nothing about how long the
+    /// host stalls. The timeouts that re-roll or retire the path still declare its packets
+    /// lost ([`can_hold_timeout`](Self::can_hold_timeout)); the caller checks that the
+    /// whole connection is silent.
     pub fn hold_silent_timeout(&mut self, now: Instant) {
         self.late_grace = None;
         self.stats.rtos += 1;
         self.stats.silent_rtos += 1;
         self.consecutive_rtos += 1;
+        self.held = true;
+        if self.state == PathState::Active {
+            self.state = PathState::Suspect;
+        }
         self.probe_psn = Some(self.next_psn);
         self.last_progress = now;
         self.probe = self
@@ -981,6 +1006,19 @@ impl PathTx {
             rtos = self.consecutive_rtos,
             "retransmission timeout while the peer is silent: packets kept, one more probe"
         );
+    }
+
+    /// When the oldest packet still outstanding on this path was sent.
+    pub fn oldest_outstanding_sent(&self) -> Option<Instant> {
+        self.sent
+            .iter()
+            .find(|p| p.state == PktState::Outstanding)
+            .map(|p| p.sent)
+    }
+
+    /// When this path's tail-loss probe fired, while one is out unanswered.
+    pub fn probe_fired_at(&self) -> Option<Instant> {
+        self.probe_sent.then_some(self.last_progress)
     }
 
     /// When the newest packet still outstanding on this path (a tail-loss probe, after
