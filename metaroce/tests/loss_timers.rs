@@ -289,3 +289,46 @@ fn an_rto_is_not_held_while_an_idle_path_may_work() {
         }
     }
 }
+
+/// A held silence that was a real outage: the packets sent into it were lost. When the
+/// network is back, RACK declares them lost, and the window collapses as the RTO would
+/// have (persistent congestion, RFC 9002 §7.6), instead of halving once.
+#[test]
+fn losses_across_a_held_silence_collapse_the_window() {
+    let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 5)).collect();
+    for c in &mut cfgs {
+        c.transport.paths = 2;
+        c.transport.max_ack_delay = Duration::ZERO;
+    }
+    let mut p = Pair::with_configs(5, cfgs[0].clone(), cfgs[1].clone());
+    p.check_timers = true;
+    let (c, _) = p.connect();
+    let windows = |p: &Pair| -> Vec<u32> {
+        let st = p.eps[0].connection_stats(c).unwrap();
+        st.paths.iter().map(|x| x.window).collect()
+    };
+    let before = windows(&p);
+    // Everything is lost both ways until the first RTO was held.
+    p.add_rule(Rule::always(Filter::any(), Action::Blackhole));
+    let total: u32 = before.iter().sum();
+    let msg = Bytes::from(vec![3u8; (total as usize + 16) * 1024]);
+    p.eps[0].post_send(c, 0, 1, msg).unwrap();
+    let stat = |p: &Pair, f: fn(&metaroce::PathStats) -> u64| -> u64 {
+        let st = p.eps[0].connection_stats(c).unwrap();
+        st.paths.iter().map(|x| f(&x.stats)).sum()
+    };
+    assert!(p.run_until(Duration::from_secs(1), |p| stat(p, |s| s.silent_rtos) >= 1));
+    assert_eq!(stat(&p, |s| s.timeout_losses), 0);
+    p.clear_rules();
+    // The next probes get through; their ACKs show everything before them missing.
+    assert!(p.run_until(Duration::from_secs(1), |p| stat(p, |s| s.sack_losses) > 0));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    let collapsed = st
+        .paths
+        .iter()
+        .filter(|x| x.stats.sack_losses > 0)
+        .all(|x| x.window <= 2);
+    assert!(collapsed, "before {before:?}: {st:?}");
+    assert!(p.run_until_idle(Duration::from_secs(5)));
+    assert_eq!(p.completions(0, c)[0].status, metaroce::WcStatus::Success);
+}

@@ -651,6 +651,7 @@ impl PathTx {
             self.pto_extra /= 2;
         }
         out.lost = self.rack_detect(now, highest, reorder_threshold);
+        let was_held = self.held;
         let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
@@ -691,7 +692,11 @@ impl PathTx {
             self.backoff_from = 0;
             self.cc.on_ack(now, na, &self.rtt);
         }
-        if nl > 0 {
+        if nl > 0 && was_held {
+            // Lost across a silence that outlasted an RTO (a held one): persistent
+            // congestion (RFC 9002 §7.6), the window collapses as the RTO would have.
+            self.cc.on_timeout(now);
+        } else if nl > 0 {
             self.cc.on_loss(now, nl, &self.rtt);
         }
         self.trim();
