@@ -1671,9 +1671,16 @@ impl Connection {
         // this path's probe, and every other live path has been waiting for ACKs since
         // before it (an idle path may well work, and a peer with nothing else to
         // acknowledge is silent too). Then the RTO is held (PathTx::hold_silent_timeout).
+        // The hold's probe must be able to go out (its segment still awaited, the SACK span
+        // open): a path holding packets whose segments were settled through other paths
+        // would send nothing and only count timeouts until it is retired.
+        let p = &self.tx[i];
         let probed = p.probe_fired_at();
-        if p.probe_unanswered_since(heard)
+        let hold = p.probe_unanswered_since(heard)
             && p.can_hold_timeout(now, self.cfg.path_reroll_timeouts, retry)
+            && p.can_probe()
+            && p.newest_outstanding_seg()
+                .is_some_and(|s| self.sq.is_live(s))
             && self.tx.len() > 1
             && self.tx.iter().enumerate().all(|(k, q)| {
                 k == i
@@ -1681,8 +1688,8 @@ impl Connection {
                     || q.oldest_outstanding_sent()
                         .zip(probed)
                         .is_some_and(|(sent, at)| sent <= at)
-            })
-        {
+            });
+        if hold {
             let p = &mut self.tx[i];
             p.hold_silent_timeout(now);
             self.probe_pending |= p.probe.is_some();

@@ -1026,6 +1026,16 @@ impl PathTx {
         self.probe_sent.then_some(self.last_progress)
     }
 
+    /// The segment of the newest packet still outstanding on this path (what a probe sends
+    /// again).
+    pub fn newest_outstanding_seg(&self) -> Option<SegRef> {
+        self.sent
+            .iter()
+            .rev()
+            .find(|p| p.state == PktState::Outstanding)
+            .map(|p| p.seg)
+    }
+
     /// When the newest packet still outstanding on this path (a tail-loss probe, after
     /// one) was sent.
     pub fn newest_outstanding_sent(&self) -> Option<Instant> {
