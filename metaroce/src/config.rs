@@ -272,6 +272,13 @@ pub struct TransportConfig {
     /// all-reduce with a failed spine link it did not help (docs/RESULTS.md (f)) unless
     /// `path_reroll_resets_backoff` is on too (72.6 → 40.8 ms).
     pub path_reroll_on_first_timeout: bool,
+    /// Hold the first RTO of a path in a row while the peer is silent on every path
+    /// (nothing heard since the path's probe, every other live path waiting since before
+    /// it): the packets stay outstanding and one more probe goes out, as QUIC's probe
+    /// timeout (RFC 9002 §6.2.4), instead of declaring the window lost (docs/PROTOCOL.md,
+    /// "Timers, per path"). A host stall of the peer then costs no retransmitted window.
+    /// Default `true`.
+    pub hold_silent_rto: bool,
     /// When a path is re-rolled after timeouts while another path of the connection has
     /// had a packet acknowledged that was sent after this path's newest outstanding one
     /// (the network delivers, only this route is silent), restart its timeout back-off:
@@ -542,6 +549,7 @@ impl Default for TransportConfig {
             retry_count: 12,
             path_reroll_timeouts: 3,
             path_reroll_on_first_timeout: false,
+            hold_silent_rto: true,
             path_reroll_resets_backoff: false,
             rebalance_ratio_permille: 750,
             rebalance_interval_rtts: 4,

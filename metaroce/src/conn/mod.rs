@@ -1676,12 +1676,18 @@ impl Connection {
         // would send nothing and only count timeouts until it is retired.
         let p = &self.tx[i];
         let probed = p.probe_fired_at();
-        let hold = p.probe_unanswered_since(heard)
+        let hold = self.cfg.hold_silent_rto
+            && p.probe_unanswered_since(heard)
             && p.can_hold_timeout(now, self.cfg.path_reroll_timeouts, retry)
             && p.can_probe()
             && p.newest_outstanding_seg()
                 .is_some_and(|s| self.sq.is_live(s))
-            && self.tx.len() > 1
+            && self
+                .tx
+                .iter()
+                .filter(|q| q.state != PathState::Failed)
+                .count()
+                > 1
             && self.tx.iter().enumerate().all(|(k, q)| {
                 k == i
                     || q.state == PathState::Failed

@@ -227,9 +227,10 @@ pub(crate) struct PathTx {
     /// The next PSN when the pending tail-loss probe was scheduled: packets below it were
     /// outstanding before the probe.
     probe_psn: Option<u32>,
-    /// An RTO was held since the last progress (`hold_silent_timeout`): the ACKs that end
-    /// the silence teach no stall allowance.
-    held: bool,
+    /// When an RTO was held (`hold_silent_timeout`), if one was since the last progress,
+    /// RTO or abandon: the ACKs that end the silence teach no stall allowance, and losses
+    /// they show while acknowledging nothing sent before it collapse the window.
+    held: Option<Instant>,
     /// `last_progress` before the pending probe was scheduled.
     probe_since: Instant,
     /// Learned allowance added to the probe timeout and the RTO after spurious probes
@@ -316,7 +317,7 @@ impl PathTx {
             newest_acked_sent: None,
             probe_sent: false,
             probe_psn: None,
-            held: false,
+            held: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
             peer_ack_delay: Duration::ZERO,
@@ -631,7 +632,7 @@ impl PathTx {
                 out.rtt_sampled = true;
             }
         }
-        if probe_spurious && self.held {
+        if probe_spurious && self.held.is_some() {
             // The silence outlasted an RTO: an outage of the path or of the peer's ACKs as
             // likely as a host stall, and as long as it lasted. Counted, not learnt from
             // (it would add up to the whole outage to every later timeout).
@@ -651,7 +652,12 @@ impl PathTx {
             self.pto_extra /= 2;
         }
         out.lost = self.rack_detect(now, highest, reorder_threshold);
-        let was_held = self.held;
+        // Persistent congestion (RFC 9002 §7.6): losses shown by an ACK that ends a held
+        // silence while acknowledging nothing sent before it: everything sent across the
+        // silence is gone.
+        let persistent = self
+            .held
+            .is_some_and(|at| span.is_none_or(|(oldest, _)| oldest >= at));
         let (na, nl) = (out.acked.len() as u32, out.lost.len() as u32);
         self.outstanding -= na + nl;
         self.stats.packets_acked += na as u64;
@@ -686,15 +692,14 @@ impl PathTx {
             }
             self.probe_sent = false;
             self.probe_psn = None;
-            self.held = false;
+            self.held = None;
             self.late_grace = None;
             self.consecutive_rtos = 0;
             self.backoff_from = 0;
             self.cc.on_ack(now, na, &self.rtt);
         }
-        if nl > 0 && was_held {
-            // Lost across a silence that outlasted an RTO (a held one): persistent
-            // congestion (RFC 9002 §7.6), the window collapses as the RTO would have.
+        if nl > 0 && persistent {
+            // The window collapses as the RTO would have.
             self.cc.on_timeout(now);
         } else if nl > 0 {
             self.cc.on_loss(now, nl, &self.rtt);
@@ -769,6 +774,7 @@ impl PathTx {
         self.backoff_from = 0;
         self.probe_sent = false;
         self.probe_psn = None;
+        self.held = None;
         self.last_progress = now;
         self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
         if self.state != PathState::Failed {
@@ -934,6 +940,7 @@ impl PathTx {
         self.probe = None;
         self.probe_sent = false;
         self.probe_psn = None;
+        self.held = None;
         self.rack_deadline = None;
         self.last_progress = now;
         self.stats.rtos += 1;
@@ -960,13 +967,17 @@ impl PathTx {
     /// Whether the RTO due now, while the whole connection has heard nothing from the
     /// peer since this path's probe, can be held by
     /// [`hold_silent_timeout`](Self::hold_silent_timeout) instead of declaring the path's
-    /// packets lost: not the reorder timer, not the timeout that re-rolls the path
-    /// (`reroll_timeouts`) or retires it (`retry_count`), which move its packets elsewhere.
+    /// packets lost: only the first RTO in a row (a silence that outlasts it and the
+    /// doubled RTO after it is treated as before: under heavy ACK loss, one probe per path
+    /// per RTO used up `retry_count` where re-sending the window got ACKs through), and not
+    /// the reorder timer, nor the timeout that re-rolls the path (`reroll_timeouts`) or
+    /// retires it (`retry_count`), which move its packets elsewhere.
     pub fn can_hold_timeout(&self, now: Instant, reroll_timeouts: u32, retry_count: u32) -> bool {
         let next = self.consecutive_rtos + 1;
         self.probe_sent
             && !self.rack_due(now)
             && self.probe.is_none()
+            && self.consecutive_rtos == 0
             && next <= retry_count
             && (reroll_timeouts == 0 || next % reroll_timeouts != 0)
     }
@@ -990,7 +1001,7 @@ impl PathTx {
         self.stats.rtos += 1;
         self.stats.silent_rtos += 1;
         self.consecutive_rtos += 1;
-        self.held = true;
+        self.held = Some(now);
         if self.state == PathState::Active {
             self.state = PathState::Suspect;
         }
@@ -1077,6 +1088,7 @@ impl PathTx {
         self.probe = None;
         self.probe_sent = false;
         self.probe_psn = None;
+        self.held = None;
         self.rack_deadline = None;
         self.last_progress = now;
         self.apply_pending_port();
