@@ -5,7 +5,7 @@
 
 use bytes::Bytes;
 use metaroce::testing::{config, Action, Filter, Kind, Pair, Rule};
-use metaroce::{ConnectionHandle, Endpoint, PathStats};
+use metaroce::{ConnectionHandle, Endpoint, PathStats, TransportConfig};
 use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Duration;
@@ -14,6 +14,22 @@ fn path(ep: &Endpoint, c: ConnectionHandle) -> PathStats {
     let st = ep.connection_stats(c).expect("connection");
     assert_eq!(st.paths.len(), 1);
     st.paths[0].stats
+}
+
+/// Two connected endpoints (seed `seed`) whose transport configs `tune` adjusts, with the
+/// driving contract checked after every `handle_timeout`.
+fn connected(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHandle) {
+    let cfgs: Vec<_> = (0..2)
+        .map(|i| {
+            let mut c = config(i, seed);
+            tune(&mut c.transport);
+            c
+        })
+        .collect();
+    let mut p = Pair::with_configs(seed, cfgs[0].clone(), cfgs[1].clone());
+    p.check_timers = true;
+    let (c, _) = p.connect();
+    (p, c)
 }
 
 /// Data packets sent by endpoint 0 after this rule is added, numbered from 0: `pick` says
@@ -36,16 +52,10 @@ fn nth_data(pick: impl Fn(u32) -> bool + 'static) -> Filter {
 /// past, so `poll_timeout` said "now" right after `handle_timeout`.
 #[test]
 fn reorder_timer_and_probe_due_together_are_both_handled() {
-    let cfgs = (0..2).map(|i| {
-        let mut c = config(i, 7);
-        c.transport.paths = 1;
-        c.transport.max_ack_delay = Duration::ZERO;
-        c
+    let (mut p, c) = connected(7, |t| {
+        t.paths = 1;
+        t.max_ack_delay = Duration::ZERO;
     });
-    let cfgs: Vec<_> = cfgs.collect();
-    let mut p = Pair::with_configs(7, cfgs[0].clone(), cfgs[1].clone());
-    p.check_timers = true;
-    let (c, _) = p.connect();
     let send = |p: &mut Pair, wr: u64| {
         let msg = Bytes::from(vec![wr as u8; 6 * 1024]);
         p.eps[0].post_send(c, 0, wr, msg).unwrap();
@@ -132,13 +142,9 @@ fn reorder_timer_and_probe_due_together_are_both_handled() {
 #[test]
 fn a_probe_carries_new_data_when_there_is_some() {
     for queued in [true, false] {
-        let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 3)).collect();
-        for c in &mut cfgs {
-            c.transport.paths = 1;
-        }
-        let mut p = Pair::with_configs(3, cfgs[0].clone(), cfgs[1].clone());
-        p.check_timers = true;
-        let (c, _) = p.connect();
+        let (mut p, c) = connected(3, |t| {
+            t.paths = 1;
+        });
         // The peer stays silent: every ACK is taken off the network.
         let acks = p.add_rule(Rule::always(
             Filter::any().from(1).kind(Kind::Ack),
@@ -186,14 +192,10 @@ fn a_probe_carries_new_data_when_there_is_some() {
 #[test]
 fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
     for every_path in [true, false] {
-        let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 5)).collect();
-        for c in &mut cfgs {
-            c.transport.paths = 2;
-            c.transport.max_ack_delay = Duration::ZERO;
-        }
-        let mut p = Pair::with_configs(5, cfgs[0].clone(), cfgs[1].clone());
-        p.check_timers = true;
-        let (c, _) = p.connect();
+        let (mut p, c) = connected(5, |t| {
+            t.paths = 2;
+            t.max_ack_delay = Duration::ZERO;
+        });
         let acks = p.add_rule(Rule::always(
             Filter::any().from(1).kind(Kind::Ack),
             Action::Capture { max: 4096 },
@@ -265,16 +267,12 @@ fn an_rto_is_not_held_while_an_idle_path_may_work() {
     let dead_plane: Dead = |i| i.src_port % 2 == 0;
     for (planes, dead) in [(1u16, dead_routes), (2, dead_plane)] {
         for reroll in [3u32, 0] {
-            let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 11)).collect();
-            for c in &mut cfgs {
-                c.transport.paths = 4;
-                c.transport.planes = planes;
-                c.transport.path_reroll_timeouts = reroll;
-                c.transport.max_ack_delay = Duration::ZERO;
-            }
-            let mut p = Pair::with_configs(11, cfgs[0].clone(), cfgs[1].clone());
-            p.check_timers = true;
-            let (c, _) = p.connect();
+            let (mut p, c) = connected(11, |t| {
+                t.paths = 4;
+                t.planes = planes;
+                t.path_reroll_timeouts = reroll;
+                t.max_ack_delay = Duration::ZERO;
+            });
             p.add_rule(Rule::always(Filter::any().when(dead), Action::Blackhole));
             p.eps[0]
                 .post_send(c, 0, 1, Bytes::from(vec![9u8; 64 * 1024]))
@@ -295,14 +293,10 @@ fn an_rto_is_not_held_while_an_idle_path_may_work() {
 /// have (persistent congestion, RFC 9002 §7.6), instead of halving once.
 #[test]
 fn losses_across_a_held_silence_collapse_the_window() {
-    let mut cfgs: Vec<_> = (0..2).map(|i| config(i, 5)).collect();
-    for c in &mut cfgs {
-        c.transport.paths = 2;
-        c.transport.max_ack_delay = Duration::ZERO;
-    }
-    let mut p = Pair::with_configs(5, cfgs[0].clone(), cfgs[1].clone());
-    p.check_timers = true;
-    let (c, _) = p.connect();
+    let (mut p, c) = connected(5, |t| {
+        t.paths = 2;
+        t.max_ack_delay = Duration::ZERO;
+    });
     let windows = |p: &Pair| -> Vec<u32> {
         let st = p.eps[0].connection_stats(c).unwrap();
         st.paths.iter().map(|x| x.window).collect()
@@ -344,17 +338,13 @@ fn heavy_ack_loss_fails_no_more_connections_with_holds() {
     let failures = |hold: bool| -> Vec<u64> {
         (0..24u64)
             .filter(|&seed| {
-                let mut cfgs: Vec<_> = (0..2).map(|i| config(i, seed)).collect();
-                for c in &mut cfgs {
-                    c.transport.paths = 4;
-                    c.transport.retry_count = 6;
-                    c.transport.path_reroll_timeouts = 3;
-                    c.transport.max_ack_delay = Duration::ZERO;
-                    c.transport.hold_silent_rto = hold;
-                }
-                let mut p = Pair::with_configs(seed, cfgs[0].clone(), cfgs[1].clone());
-                p.check_timers = true;
-                let (c, _) = p.connect();
+                let (mut p, c) = connected(seed, |t| {
+                    t.paths = 4;
+                    t.retry_count = 6;
+                    t.path_reroll_timeouts = 3;
+                    t.max_ack_delay = Duration::ZERO;
+                    t.hold_silent_rto = hold;
+                });
                 p.add_rule(Rule::always(
                     Filter::any().kind(Kind::Ack),
                     Action::Drop(0.8),

@@ -906,18 +906,9 @@ impl PathTx {
             return lost;
         }
         if !self.probe_sent {
-            self.probe_psn = Some(self.next_psn);
             self.probe_since = self.last_progress;
             self.probe_sent = true;
-            self.last_progress = now;
-            self.probe = self
-                .sent
-                .iter()
-                .rev()
-                .find(|p| p.state == PktState::Outstanding)
-                .map(|p| p.seg);
-            if self.probe.is_some() {
-                self.stats.probes += 1;
+            if self.arm_probe(now) {
                 tracing::debug!(
                     path = self.id,
                     outstanding = self.outstanding,
@@ -1005,17 +996,7 @@ impl PathTx {
         if self.state == PathState::Active {
             self.state = PathState::Suspect;
         }
-        self.probe_psn = Some(self.next_psn);
-        self.last_progress = now;
-        self.probe = self
-            .sent
-            .iter()
-            .rev()
-            .find(|p| p.state == PktState::Outstanding)
-            .map(|p| p.seg);
-        if self.probe.is_some() {
-            self.stats.probes += 1;
-        }
+        self.arm_probe(now);
         tracing::debug!(
             path = self.id,
             outstanding = self.outstanding,
@@ -1035,6 +1016,19 @@ impl PathTx {
     /// When this path's tail-loss probe fired, while one is out unanswered.
     pub fn probe_fired_at(&self) -> Option<Instant> {
         self.probe_sent.then_some(self.last_progress)
+    }
+
+    /// Schedule a probe fired at `now`: the next PSN sent answers it, the loss timer counts
+    /// from `now`, and the newest outstanding segment is what it sends again if there is
+    /// no new data (counted in `probes` when there is one); returns whether there was.
+    fn arm_probe(&mut self, now: Instant) -> bool {
+        self.probe_psn = Some(self.next_psn);
+        self.last_progress = now;
+        self.probe = self.newest_outstanding_seg();
+        if self.probe.is_some() {
+            self.stats.probes += 1;
+        }
+        self.probe.is_some()
     }
 
     /// The segment of the newest packet still outstanding on this path (what a probe sends
