@@ -5,11 +5,12 @@ use crate::error::Error;
 use crate::mr::{addr_at, MemoryRegion, RemoteRegion};
 use crate::stream::{MessageStream, StreamEntry};
 use crate::Endpoint;
+use metaroce::fasthash::HashMap;
 use metaroce::{
     AtomicOp, AtomicRequest, ConnectionError, ConnectionHandle, ConnectionStats, PostError,
     ReadRequest, RecvRequest, WcStatus, WorkCompletion, WriteRequest,
 };
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
@@ -54,7 +55,7 @@ pub(crate) struct ConnEntry {
 impl ConnEntry {
     pub fn new() -> ConnEntry {
         ConnEntry {
-            streams: HashMap::new(),
+            streams: HashMap::default(),
             accept_queue: VecDeque::new(),
             imm_queue: VecDeque::new(),
             signals: Arc::new(ConnSignals {

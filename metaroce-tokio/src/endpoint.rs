@@ -6,11 +6,11 @@ use crate::connection::{ConnEntry, Connection};
 use crate::driver;
 use crate::error::{ConfigError, ConnectError};
 use crate::mr::MemoryRegion;
+use metaroce::fasthash::HashMap;
 use metaroce::{
     Access, ConnectionError, ConnectionHandle, EndpointConfig, EndpointStats, TransportConfig,
     WorkCompletion,
 };
-use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -667,9 +667,9 @@ impl Endpoint {
         Ok(Arc::new(Shared {
             state: Mutex::new(State {
                 core,
-                conns: HashMap::new(),
-                connecting: HashMap::new(),
-                waiters: HashMap::new(),
+                conns: HashMap::default(),
+                connecting: HashMap::default(),
+                waiters: HashMap::default(),
                 next_wr_id: 0,
                 incoming: Some(tx),
                 dereg_later: Vec::new(),

@@ -24,7 +24,7 @@ async fn streams_exchange_messages_in_order() {
     }
     a.flush().await.unwrap();
     b.flush().await.unwrap();
-    let mut got = std::collections::HashMap::new();
+    let mut got = metaroce_tokio::metaroce::fasthash::HashMap::default();
     for _ in 0..2 {
         let st = s.accept_stream().await.unwrap();
         got.insert(st.id(), st);

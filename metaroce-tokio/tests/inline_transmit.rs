@@ -8,9 +8,9 @@
 
 use futures::{SinkExt, StreamExt};
 use metaroce_tokio::backend::{DatagramBackend, UdpBackend};
+use metaroce_tokio::metaroce::fasthash::HashSet;
 use metaroce_tokio::metaroce::Transmit;
 use metaroce_tokio::{forward_datagram_backend, Config, Endpoint};
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -35,7 +35,7 @@ impl Watched {
     fn new(pending_every: usize) -> Arc<Self> {
         Arc::new(Watched {
             inner: UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 8).unwrap(),
-            tasks: Mutex::new(HashSet::new()),
+            tasks: Mutex::new(HashSet::default()),
             calls: AtomicUsize::new(0),
             pending_every,
             pendings: AtomicUsize::new(0),
@@ -302,7 +302,7 @@ async fn uring_sends_leave_from_the_application_task() {
     let bind = || metaroce_tokio::backend::UringBackend::bind("127.0.0.1:0".parse().unwrap(), 8);
     let client_backend = Arc::new(WatchedUring {
         inner: bind().expect("io_uring backend"),
-        tasks: Mutex::new(HashSet::new()),
+        tasks: Mutex::new(HashSet::default()),
     });
     let server = Endpoint::with_backend(bind().unwrap(), config(true)).unwrap();
     let client = Endpoint::with_backend(client_backend.clone(), config(true)).unwrap();

@@ -29,9 +29,10 @@ use bytes::Bytes;
 use futures::stream::FuturesOrdered;
 use futures::{Sink, Stream, StreamExt};
 use metaroce::api::{LocalRegion, OpError, RdmaConnection, RdmaEndpoint, RemoteRegion};
+use metaroce::fasthash::HashMap;
 use metaroce::{Access, ConnectionError, WcStatus, WorkCompletion};
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -284,7 +285,7 @@ impl VerbsConnection {
         let c = Arc::new(ConnInner {
             qp,
             remote,
-            streams: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::default()),
             incoming_rx: tokio::sync::Mutex::new(in_rx),
             imm_rx: tokio::sync::Mutex::new(imm_rx),
             next_id: AtomicU32::new(if client { 0 } else { 1 }),

@@ -84,12 +84,12 @@
 use crate::RemoteRegion;
 use crate::{exchange, Error, Mr, Pd, QpConfig, RcQp, Result, WcStatus};
 use bytes::{BufMut, Bytes, BytesMut};
+use metaroce::fasthash::{HashMap, HashSet};
 use metaroce::multipath::{
     Accepted, ChunkKind, Event, MultipathConfig, MultipathError, OpId, OpKind, OpRequest, QpId,
     QpStats, Reorderer, Scheduler,
 };
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -277,7 +277,7 @@ struct Turns {
     /// Wakers of waiting tickets.
     wakers: HashMap<u64, std::task::Waker>,
     /// Tickets dropped before their turn: skipped when reached.
-    abandoned: std::collections::HashSet<u64>,
+    abandoned: HashSet<u64>,
 }
 
 impl Turns {
@@ -499,9 +499,9 @@ impl MpConnection {
             client,
             sched,
             qps,
-            pending: HashMap::new(),
-            deadlines: HashMap::new(),
-            ops: HashMap::new(),
+            pending: HashMap::default(),
+            deadlines: HashMap::default(),
+            ops: HashMap::default(),
             ctrl: wr,
             comp_tx,
             shared: shared.clone(),
@@ -1408,7 +1408,7 @@ mod tests {
             let gen1: Vec<u16> = (0..k as u16)
                 .map(|s| rdma_flow_label_to_udp_sport(flow_label_for(s, 1, k)))
                 .collect();
-            let set: std::collections::HashSet<_> = gen1.iter().collect();
+            let set: HashSet<_> = gen1.iter().collect();
             assert_eq!(set.len(), k, "K = {k}: {gen1:?}");
             assert!(
                 gen1.iter().all(|p| *p > ROCEV2_SPORT_MIN),

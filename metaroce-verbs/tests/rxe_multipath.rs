@@ -91,7 +91,7 @@ async fn k4_write_and_read_use_every_qp() {
         "4 MiB WRITE in {took:?}; ports (flow label, UDP sport) {:?}",
         st.ports
     );
-    let ports: std::collections::HashSet<u16> = st.ports.iter().map(|p| p.1).collect();
+    let ports: std::collections::BTreeSet<u16> = st.ports.iter().map(|p| p.1).collect();
     assert_eq!(ports.len(), 4, "four distinct source ports: {:?}", st.ports);
     for (i, s) in st.slots.iter().enumerate() {
         println!(
@@ -102,7 +102,7 @@ async fn k4_write_and_read_use_every_qp() {
     }
     // The server's QPs carry flow labels too (its ACKs and READ responses use them).
     assert_eq!(server.stats().ports.len(), 4);
-    let qpns: std::collections::HashSet<u32> =
+    let qpns: std::collections::BTreeSet<u32> =
         (0..4).map(|s| client.qp(s).unwrap().qpn()).collect();
     assert_eq!(qpns.len(), 4);
 }

@@ -13,6 +13,11 @@
 //! over a bounded table — the same bound the limits give to every other per-packet cost. The
 //! state is fixed (no per-process random seed), so iteration order, like everything else
 //! in the core, is the same on every run; no code depends on it.
+//!
+//! It is public so that the layers above the core (`metaroce-tokio`'s connection, stream
+//! and waiter tables, looked up once per delivered message or completion) use the same
+//! hasher under the same rule: small integer keys, tables bounded by a configured limit.
+//! Do not use it for maps keyed by unbounded peer-chosen data.
 
 use std::hash::{BuildHasher, Hasher};
 

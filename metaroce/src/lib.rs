@@ -68,7 +68,7 @@ pub mod conn;
 pub mod crypto;
 pub mod endpoint;
 pub mod event;
-pub(crate) mod fasthash;
+pub mod fasthash;
 pub mod mr;
 pub mod multipath;
 pub mod rocev2;

@@ -13,8 +13,9 @@
 //! inner backend, one datagram per send, when they are due (so held datagrams go out even if
 //! the application sends nothing more).
 
+use metaroce::fasthash::HashMap;
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
@@ -359,7 +360,7 @@ impl State {
             link_free_at: None,
             queue: BinaryHeap::new(),
             deferred: Vec::new(),
-            outstanding: HashMap::new(),
+            outstanding: HashMap::default(),
             held_bytes: 0,
             next_seq: 0,
             stats: ImpairStats::default(),

@@ -50,8 +50,8 @@ pub use metaroce::rocev2::{
 };
 pub use udp::{UdpIpBackend, UdpIpStats};
 
+use metaroce::fasthash::HashMap;
 use metaroce::{Access, MrError, WcStatus};
-use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -97,8 +97,8 @@ pub(crate) struct RcSide {
 impl RcSide {
     pub(crate) fn new() -> Self {
         Self {
-            waiters: HashMap::new(),
-            recv_tx: HashMap::new(),
+            waiters: HashMap::default(),
+            recv_tx: HashMap::default(),
             next_wr_id: 1 << 48,
         }
     }

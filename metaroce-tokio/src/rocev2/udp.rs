@@ -2,10 +2,10 @@
 
 use super::IpBackend;
 use crate::backend::{DatagramBackend, RecvMeta, UdpBackend};
+use metaroce::fasthash::HashMap;
 use metaroce::wire::icrc::{self, IpHeader};
 use metaroce::wire::ROCEV2_UDP_PORT;
 use metaroce::{EcnCodepoint, Transmit};
-use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, IoSliceMut};
 use std::net::{IpAddr, SocketAddr};
@@ -142,7 +142,7 @@ impl<B: DatagramBackend> UdpIpBackend<B> {
             inner,
             local_ip,
             src_port,
-            peers: Mutex::new(HashMap::new()),
+            peers: Mutex::new(HashMap::default()),
             tx: Mutex::new(Vec::with_capacity(RX_BUF)),
             rx: Mutex::new(Rx {
                 buf: vec![0; RX_BUF],
