@@ -370,3 +370,118 @@ fn heavy_ack_loss_fails_no_more_connections_with_holds() {
         "with holds {with:?}, without {without:?}"
     );
 }
+
+/// Four paths of which path 0 takes a route `slow` longer than the others' (data from
+/// endpoint 0 on it held that long), warmed up with 200 messages of 16 KiB posted 100 µs
+/// apart.
+fn with_a_slow_route(slow: Duration) -> (Pair, ConnectionHandle) {
+    let (mut p, c) = connected(5, |t| {
+        t.paths = 4;
+        t.max_ack_delay = Duration::ZERO;
+    });
+    let rule = p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).path(0),
+        Action::Hold {
+            prob: 1.0,
+            after: slow,
+        },
+    ));
+    for wr in 0..200u64 {
+        p.eps[0]
+            .post_send(c, 0, wr, Bytes::from(vec![wr as u8; 16 * 1024]))
+            .unwrap();
+        p.run_for(Duration::from_micros(100));
+    }
+    assert!(p.run_until_idle(Duration::from_secs(5)));
+    assert!(p.hits(rule).0 > 0);
+    (p, c)
+}
+
+/// How long (virtual time) a one-packet message takes when its first transmission is
+/// lost on a path other than 0 (no route slow any more): the tail-loss probe timeout of
+/// that path. Messages are posted 1 ms apart until one goes out on such a path.
+fn tail_loss_recovery(p: &mut Pair, c: ConnectionHandle) -> Duration {
+    p.clear_rules();
+    let once = Rc::new(Cell::new(false));
+    let hit = once.clone();
+    let drop = p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).when(move |i| {
+            let hit = !once.get() && !i.retransmit && i.path != Some(0);
+            once.set(once.get() || hit);
+            hit
+        }),
+        Action::Blackhole,
+    ));
+    for wr in 1000..1100u64 {
+        let start = p.elapsed();
+        p.eps[0]
+            .post_send(c, 0, wr, Bytes::from_static(b"tail"))
+            .unwrap();
+        let done = |p: &Pair| p.completions(0, c).iter().any(|w| w.wr_id == wr);
+        assert!(p.run_until(Duration::from_secs(5), done));
+        let took = p.elapsed() - start;
+        if hit.get() {
+            assert_eq!(p.hits(drop).0, 1);
+            return took;
+        }
+        p.run_for(Duration::from_millis(1));
+    }
+    panic!("no message went out on a path other than 0");
+}
+
+/// A path whose RTT is 4 ms longer than the others' (a long ECMP route) fires spurious
+/// probes until its RTT estimate catches up, and learns a stall allowance from them. That
+/// was no stall of the host or the peer: the other paths kept hearing from the peer all
+/// along. Their probe timeouts stay their own, so a tail loss on a fast path is still
+/// recovered within a millisecond (it took 4 ms when the allowance was shared).
+#[test]
+fn a_slow_path_teaches_the_fast_paths_no_stall_allowance() {
+    let (mut p, c) = with_a_slow_route(Duration::from_millis(4));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert!(
+        st.paths[0].stats.spurious_probes > 0 && st.paths[0].stall_allowance > Duration::ZERO,
+        "the slow path's first probes are spurious: {st:?}"
+    );
+    for q in &st.paths[1..] {
+        assert_eq!(q.stall_allowance, Duration::ZERO, "{st:?}");
+    }
+    let took = tail_loss_recovery(&mut p, c);
+    assert!(took < Duration::from_millis(1), "{took:?}");
+}
+
+/// The control: the peer stalls (nothing it sends on any path for 700 µs arrives before
+/// they are over, as with a descheduled process), so the probe that fired meanwhile was
+/// spurious for a reason every path shares, and every path learns the allowance. (A
+/// silence longer than the RTO teaches nothing: the RTO is held, see above.)
+#[test]
+fn a_stall_of_the_peer_teaches_every_path() {
+    let (mut p, c) = with_a_slow_route(Duration::from_micros(1));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert!(
+        st.paths.iter().all(|q| q.stall_allowance.is_zero()),
+        "{st:?}"
+    );
+    let t = p.elapsed();
+    p.add_rule(Rule::between(
+        t,
+        t + Duration::from_micros(700),
+        Filter::any().from(1),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_micros(700),
+        },
+    ));
+    for wr in 300..310u64 {
+        p.eps[0]
+            .post_send(c, 0, wr, Bytes::from(vec![1u8; 16 * 1024]))
+            .unwrap();
+    }
+    assert!(p.run_until_idle(Duration::from_secs(5)));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    let spurious: u64 = st.paths.iter().map(|q| q.stats.spurious_probes).sum();
+    assert!(spurious > 0, "{st:?}");
+    assert!(
+        st.paths.iter().all(|q| q.stall_allowance > Duration::ZERO),
+        "{st:?}"
+    );
+}

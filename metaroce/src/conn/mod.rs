@@ -240,6 +240,11 @@ pub(crate) struct Connection {
     pub outgoing: bool,
     handshake: Option<Handshake>,
     pub last_heard: Instant,
+    /// The latest silence of the whole connection (no packet from the peer on any path)
+    /// of at least [`path::PTO_FLOOR`]: the last packet before it and the first after it.
+    /// A probe found spurious teaches every path a stall allowance only when such a
+    /// silence covers it (`stall_was_shared`).
+    quiet: Option<(Instant, Instant)>,
     peer_rate_mbps: u32,
     /// Rate granted to the peer in our ACKs (Mbit/s, 0 = no limit); set by the endpoint.
     pub granted_rate_mbps: u32,
@@ -499,6 +504,7 @@ impl Connection {
             outgoing: false,
             handshake: None,
             last_heard: now,
+            quiet: None,
             peer_rate_mbps: 0,
             granted_rate_mbps: 0,
             peer_window_grant: 0,
@@ -735,6 +741,9 @@ impl Connection {
         if self.state != State::Established {
             return Outcome::default();
         }
+        if now.saturating_duration_since(self.last_heard) >= path::PTO_FLOOR {
+            self.quiet = Some((self.last_heard, now));
+        }
         self.last_heard = now;
         if self.local_ip.is_none() {
             self.local_ip = local_ip;
@@ -879,6 +888,18 @@ impl Connection {
         self.drain_completions(events);
     }
 
+    /// Whether the peer was silent on every path from when a path's probe fired (`fired`)
+    /// until a silence that ended at most `within` before `now`: a stall of the host or
+    /// of the peer, which every path of the connection shares.
+    fn stall_was_shared(&self, fired: Option<Instant>, now: Instant, within: Duration) -> bool {
+        match (fired, self.quiet) {
+            (Some(at), Some((from, until))) => {
+                from <= at && until > at && now.saturating_duration_since(until) <= within
+            }
+            _ => false,
+        }
+    }
+
     /// The per-path part of an ACK (one AckEth, or one block of a bundle): the path's
     /// state, the segments it acknowledges or declares lost. Returns whether it made
     /// progress; the caller then runs the connection-wide part once per datagram (ECMP
@@ -896,6 +917,7 @@ impl Connection {
         // subtracts it, at most `max_ack_delay` (RFC 9002 §5.3).
         let held = Duration::from_micros(u64::from(a.ack_delay)).min(self.cfg.max_ack_delay);
         let extra_before = p.pto_extra;
+        let fired = p.probe_fired_at();
         let mut out = p.on_ack_delayed(
             now,
             cum,
@@ -917,11 +939,14 @@ impl Connection {
         self.acks_received += 1;
         self.peer_rate_mbps = a.rate_hint;
         self.peer_window_grant = a.window_grant;
-        // A spurious probe taught this path how long the host stalls: the other paths of
-        // the connection run on the same host.
+        // A spurious probe taught this path how long the host (or the peer) stalls: the
+        // other paths of the connection run between the same two hosts. Not when the
+        // connection kept hearing from the peer while this path waited: then the path
+        // itself is slower than its RTT estimate (a longer route), and its allowance is
+        // its own.
         let extra = p.pto_extra;
         let port = p.src_port;
-        if extra > extra_before {
+        if extra > extra_before && self.stall_was_shared(fired, now, extra) {
             for q in &mut self.tx {
                 q.learn_stall(extra);
             }

@@ -63,6 +63,9 @@ const REO_WND_PERSIST: u32 = 16;
 const LATE_TIMER: Duration = Duration::from_millis(1);
 /// Bound of the allowance spurious probes add to a path's probe timeout and RTO.
 const PTO_EXTRA_MAX: Duration = Duration::from_millis(50);
+/// The least probe timeout (and late-timer grace): below it, a probe would fire on the
+/// scheduling jitter of a loopback.
+pub(crate) const PTO_FLOOR: Duration = Duration::from_micros(200);
 
 /// Per-path counters, readable by the application.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -142,6 +145,12 @@ pub struct PathInfo {
     pub srtt: Duration,
     /// Minimum RTT seen, if any sample yet.
     pub min_rtt: Option<Duration>,
+    /// Stall allowance: what spurious tail-loss probes taught this path to add to its probe
+    /// timeout and RTO (host or peer scheduling stalls), at most 50 ms; halved by every
+    /// probe that was needed. A stall of the host or the peer silences every path, so what
+    /// one path learns from a stall applies to all of them; what a path learns while the
+    /// others kept hearing from the peer is its own (a path slower than its RTT estimate).
+    pub stall_allowance: Duration,
     /// Whether the path has failed (retired; see [`PathState::Failed`]).
     pub failed: bool,
     /// Path state.
@@ -235,7 +244,8 @@ pub(crate) struct PathTx {
     probe_since: Instant,
     /// Learned allowance added to the probe timeout and the RTO after spurious probes
     /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
-    /// needed. Shared by the paths of a connection (`learn_stall`).
+    /// needed. Shared by the paths of a connection (`learn_stall`) when the connection heard
+    /// nothing from the peer meanwhile.
     pub pto_extra: Duration,
     /// How long the peer may hold an ACK of this path (its `max_ack_delay`, taken to be
     /// this side's: RFC 9002 §6.2.1 adds it to the probe timeout). Zero by default.
@@ -798,11 +808,12 @@ impl PathTx {
         } else {
             Duration::ZERO
         };
-        (2 * srtt).max(var).max(Duration::from_micros(200))
+        (2 * srtt).max(var).max(PTO_FLOOR)
     }
 
-    /// Another path of the connection found its probe spurious after a stall of the host:
-    /// the stall allowance applies to this path too.
+    /// Another path of the connection found its probe spurious after a stall of the host or
+    /// the peer (the peer was silent on every path meanwhile): the stall allowance applies
+    /// to this path too.
     pub fn learn_stall(&mut self, extra: Duration) {
         self.pto_extra = self.pto_extra.max(extra);
     }
@@ -843,7 +854,7 @@ impl PathTx {
         if self.late_grace.is_some() || now.saturating_duration_since(deadline) < LATE_TIMER {
             return false;
         }
-        let grace = self.rtt.smoothed().max(Duration::from_micros(200));
+        let grace = self.rtt.smoothed().max(PTO_FLOOR);
         self.late_grace = Some(now + grace);
         self.stats.late_timers += 1;
         true
@@ -1149,6 +1160,7 @@ impl PathTx {
             in_flight: self.outstanding,
             srtt: self.rtt.smoothed(),
             min_rtt: self.rtt.min(),
+            stall_allowance: self.pto_extra,
             failed: self.state == PathState::Failed,
             state: self.state,
             generation: self.generation,
