@@ -147,7 +147,9 @@ impl Driven for Shared {
 }
 
 pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
-    let mut bufs: Vec<Vec<u8>> = (0..RECV_BUFS).map(|_| vec![0u8; RECV_BUF_LEN]).collect();
+    // Fixed arrays: the receive's I/O vectors are built on the stack for every wait, not
+    // collected into a `Vec` (one allocation per wake-up, so per datagram in a ping-pong).
+    let mut bufs: [Vec<u8>; RECV_BUFS] = std::array::from_fn(|_| vec![0u8; RECV_BUF_LEN]);
     let mut metas = [RecvMeta::EMPTY; RECV_BUFS];
     let mut pool: Vec<Vec<u8>> = Vec::new();
     let mut out: Vec<(Transmit, Vec<u8>)> = Vec::with_capacity(TX_BATCH);
@@ -253,8 +255,7 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                         None => std::future::pending().await,
                     }
                 };
-                let mut iovs: Vec<IoSliceMut<'_>> =
-                    bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                let mut iovs = bufs.each_mut().map(|b| IoSliceMut::new(b));
                 // `Some(true)`: the backend lent its buffers and the datagrams were handled
                 // in place; `Some(false)`: they are in `bufs` / `metas`.
                 let recv = poll_fn(|cx| {
@@ -313,7 +314,6 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                     r = recv, if has_dgram => {
                         match r {
                             Ok((n, lent)) => {
-                                drop(iovs);
                                 let mut st = shared.lock();
                                 let now = Instant::now();
                                 let copied = if lent { 0 } else { n };
@@ -346,7 +346,11 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
 
 /// Receive datagrams that are ready now (non-blocking), up to a bound, so that a burst is
 /// processed before the next flush.
-fn drain_ready<D: Driven>(shared: &D, bufs: &mut [Vec<u8>], metas: &mut [RecvMeta]) {
+fn drain_ready<D: Driven>(
+    shared: &D,
+    bufs: &mut [Vec<u8>; RECV_BUFS],
+    metas: &mut [RecvMeta; RECV_BUFS],
+) {
     let Some(dgb) = shared.datagrams() else {
         return;
     };
@@ -357,7 +361,7 @@ fn drain_ready<D: Driven>(shared: &D, bufs: &mut [Vec<u8>], metas: &mut [RecvMet
         let mut handle = |meta: &RecvMeta, buf: &[u8]| {
             handle_lent(shared, &mut held, meta, buf);
         };
-        let lent = dgb.poll_recv_in_place(&mut cx, bufs.len(), &mut handle);
+        let lent = dgb.poll_recv_in_place(&mut cx, RECV_BUFS, &mut handle);
         drop(held);
         if let Some(p) = lent {
             match p {
@@ -365,10 +369,9 @@ fn drain_ready<D: Driven>(shared: &D, bufs: &mut [Vec<u8>], metas: &mut [RecvMet
                 _ => break,
             }
         }
-        let mut iovs: Vec<IoSliceMut<'_>> = bufs.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+        let mut iovs = bufs.each_mut().map(|b| IoSliceMut::new(b));
         match dgb.poll_recv(&mut cx, &mut iovs, metas) {
             std::task::Poll::Ready(Ok(n)) if n > 0 => {
-                drop(iovs);
                 let mut st = shared.lock();
                 let now = Instant::now();
                 for (meta, buf) in metas[..n].iter().zip(bufs.iter()) {
@@ -766,8 +769,8 @@ mod tests {
             .lock()
             .unwrap()
             .extend((0..20u8).map(|i| vec![i; 3]));
-        let mut bufs = vec![vec![0u8; 64]; 8];
-        let mut metas = [RecvMeta::EMPTY; 8];
+        let mut bufs: [Vec<u8>; RECV_BUFS] = std::array::from_fn(|_| vec![0u8; 64]);
+        let mut metas = [RecvMeta::EMPTY; RECV_BUFS];
         drain_ready(&r, &mut bufs, &mut metas);
         let got = r.state.lock().unwrap();
         let want: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 3]).collect();

@@ -6,70 +6,13 @@
 //! ids grows to `max_tracked_ops` entries and its hash table settles after two resizes.)
 //!
 //! `ALLOC_TRACE=N` prints the backtraces of the first N allocations in the window (to find
-//! them when the test fails).
+//! them when the test fails; `counting_alloc`).
 
 use metaroce::{Access, Endpoint, EndpointConfig, Event, WcStatus, WriteRequest};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-static TRACE_LEFT: AtomicU64 = AtomicU64::new(0);
-
-thread_local! {
-    /// Set on the measuring thread only (the test harness runs other threads).
-    static MEASURED: Cell<bool> = const { Cell::new(false) };
-    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
-}
-
-fn note() {
-    if !COUNTING.load(Ordering::Relaxed)
-        || !MEASURED.with(|m| m.get())
-        || IN_TRACE.with(|t| t.get())
-    {
-        return;
-    }
-    ALLOCS.fetch_add(1, Ordering::Relaxed);
-    if TRACE_LEFT.load(Ordering::Relaxed) > 0 && !IN_TRACE.with(|t| t.replace(true)) {
-        TRACE_LEFT.fetch_sub(1, Ordering::Relaxed);
-        eprintln!(
-            "allocation:\n{}",
-            std::backtrace::Backtrace::force_capture()
-        );
-        IN_TRACE.with(|t| t.set(false));
-    }
-}
-
-// SAFETY: forwards every call to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note();
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note();
-        // SAFETY: same contract as the caller's.
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        note();
-        // SAFETY: same contract as the caller's.
-        unsafe { System.realloc(p, l, n) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: same contract as the caller's.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
+mod counting_alloc;
 
 /// A datagram in flight: bytes (a pooled buffer), length, sender, ECN codepoint.
 type Dgram = (Vec<u8>, usize, SocketAddr, Option<metaroce::EcnCodepoint>);
@@ -106,7 +49,7 @@ fn run(size: u32, warm: u64, measure: u64) -> (u64, u64) {
     let (mut posted, mut completed, mut datagrams) = (0u64, 0u64, 0u64);
     let mut established = false;
     let mut window_start = None;
-    MEASURED.with(|m| m.set(true));
+    counting_alloc::measure_this_thread(true);
     let mut rounds = 0u64;
     loop {
         rounds += 1;
@@ -166,20 +109,11 @@ fn run(size: u32, warm: u64, measure: u64) -> (u64, u64) {
         match window_start {
             None if completed >= warm => {
                 window_start = Some(datagrams);
-                ALLOCS.store(0, Ordering::Relaxed);
-                TRACE_LEFT.store(
-                    std::env::var("ALLOC_TRACE")
-                        .ok()
-                        .and_then(|v| v.parse().ok())
-                        .unwrap_or(0),
-                    Ordering::Relaxed,
-                );
-                COUNTING.store(true, Ordering::Relaxed);
+                counting_alloc::start();
             }
             Some(s) if datagrams - s >= measure => {
-                COUNTING.store(false, Ordering::Relaxed);
-                MEASURED.with(|m| m.set(false));
-                let n = ALLOCS.load(Ordering::Relaxed);
+                let n = counting_alloc::stop();
+                counting_alloc::measure_this_thread(false);
                 let s0 = eps[0].connection_stats(c).unwrap();
                 let retx: u64 = s0.paths.iter().map(|p| p.stats.retransmits).sum();
                 assert_eq!(retx, 0, "lossless run retransmitted");
