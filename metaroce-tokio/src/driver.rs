@@ -163,22 +163,31 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
     };
     let has_dgram = shared.datagrams().is_some();
     let has_ip = shared.ip().is_some();
+    // One timer for the driver's life, moved only when the core's deadline changes: a new
+    // `Sleep` per wait registered and removed a timer-wheel entry at every wake-up (once per
+    // datagram in a ping-pong), though the deadline mostly stays put.
+    let mut sleep = std::pin::pin!(tokio::time::sleep_until(tokio::time::Instant::now()));
+    // The deadline `sleep` is set to and has not fired for.
+    let mut armed: Option<Instant> = None;
     loop {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
             let deadline;
             let mut deferred;
             {
-                let due = D::poll_timeout(&shared.lock()).is_some_and(|t| t <= Instant::now());
-                if due {
+                let mut st = shared.lock();
+                let mut now = Instant::now();
+                if D::poll_timeout(&st).is_some_and(|t| t <= now) {
                     // A loss timer that came due while the task was not running (scheduling
                     // delay, a long send batch) must see the ACKs that arrived meanwhile, or
                     // it fires tail-loss probes and timeouts for packets already delivered:
-                    // take in what the socket holds first.
+                    // take in what the socket holds first. (One lock and one clock read
+                    // when nothing is due, the usual case.)
+                    drop(st);
                     drain_ready(&*shared, &mut bufs, &mut metas);
+                    st = shared.lock();
+                    now = Instant::now();
                 }
-                let mut st = shared.lock();
-                let now = Instant::now();
                 if D::poll_timeout(&st).is_some_and(|t| t <= now) {
                     D::handle_timeout(&mut st, now);
                 }
@@ -249,12 +258,12 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
             }
             if !full {
                 // Wait for input, a timer or new work.
-                let sleep = async {
-                    match deadline {
-                        Some(d) => tokio::time::sleep_until(d.into()).await,
-                        None => std::future::pending().await,
+                if deadline != armed {
+                    if let Some(d) = deadline {
+                        sleep.as_mut().reset(d.into());
                     }
-                };
+                    armed = deadline;
+                }
                 let mut iovs = bufs.each_mut().map(|b| IoSliceMut::new(b));
                 // `Some(true)`: the backend lent its buffers and the datagrams were handled
                 // in place; `Some(false)`: they are in `bufs` / `metas`.
@@ -334,7 +343,7 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                             Err(e) => tracing::debug!(error = %e, "receive failed"),
                         }
                     }
-                    _ = sleep => {}
+                    _ = sleep.as_mut(), if armed.is_some() => armed = None,
                     _ = shared.woken().notified() => {}
                 }
                 break;

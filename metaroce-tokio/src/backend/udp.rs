@@ -3,7 +3,7 @@
 use std::fmt;
 use std::io::{self, IoSliceMut};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::task::{ready, Context, Poll};
 
@@ -20,6 +20,12 @@ const MAX_UDP_PAYLOAD: usize = 65_507;
 /// Most path-socket datagrams discarded per [`UdpBackend::poll_recv`] call (peers never send
 /// to path ports; whatever arrives there is drained and ignored).
 const PATH_DRAIN_BUDGET: usize = 64;
+
+/// The path sockets are drained on every this many `poll_recv` calls, not on each: a check
+/// of all of them (one readiness load and a `WouldBlock` per socket, 32 sockets by default)
+/// cost about 3 % of the CPU of a 64 B ping-pong, for datagrams no peer sends. Their small
+/// receive buffers ([`PATH_RECV_BUFFER`]) bound what waits meanwhile.
+const PATH_DRAIN_EVERY: u32 = 64;
 
 /// `SO_RCVBUF` asked for the send-only path sockets, in bytes (Linux grants twice this):
 /// only stray datagrams arrive there, and they wait in it until the next receive on the
@@ -182,6 +188,8 @@ pub struct UdpBackend {
     resume: Mutex<Option<Resume>>,
     /// `recvmmsg` calls made on the main socket (see [`UdpBackend::recv_calls`]).
     recv_calls: AtomicU64,
+    /// `poll_recv` calls, for draining the path sockets every [`PATH_DRAIN_EVERY`]th.
+    recv_polls: AtomicU32,
 }
 
 impl fmt::Debug for UdpBackend {
@@ -303,6 +311,7 @@ impl UdpBackend {
             local_addr,
             resume: Mutex::new(None),
             recv_calls: AtomicU64::new(0),
+            recv_polls: AtomicU32::new(0),
         })
     }
 
@@ -333,7 +342,7 @@ impl UdpBackend {
 
     /// Reads and discards whatever reached the path sockets, without registering for
     /// wake-ups: a path socket the reactor has not seen readable costs one atomic load, and
-    /// a receive on the main socket drains them as it goes. Registering a waker on every
+    /// every [`PATH_DRAIN_EVERY`]th receive on the main socket drains them. Registering a waker on every
     /// path socket at every receive cost 6 % of the CPU of a 64 B ping-pong (issue #13,
     /// P2). An endpoint that receives nothing leaves stray datagrams in the path socket's
     /// small receive buffer ([`PATH_RECV_BUFFER`]), where the kernel drops the excess.
@@ -420,7 +429,9 @@ impl DatagramBackend for UdpBackend {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        self.drain_paths();
+        if self.recv_polls.fetch_add(1, Ordering::Relaxed) % PATH_DRAIN_EVERY == 0 {
+            self.drain_paths();
+        }
         let n = bufs.len().min(meta.len()).min(quinn_udp::BATCH_SIZE);
         if n == 0 {
             return Poll::Ready(Ok(0));
