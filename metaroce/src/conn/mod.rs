@@ -243,7 +243,7 @@ pub(crate) struct Connection {
     /// The latest silence of the whole connection (no packet from the peer on any path)
     /// of at least [`path::PTO_FLOOR`]: the last packet before it and the first after it.
     /// A probe found spurious teaches every path a stall allowance only when such a
-    /// silence covers it (`stall_was_shared`).
+    /// silence spans its firing (`stall_was_shared`).
     quiet: Option<(Instant, Instant)>,
     peer_rate_mbps: u32,
     /// Rate granted to the peer in our ACKs (Mbit/s, 0 = no limit); set by the endpoint.
@@ -888,16 +888,28 @@ impl Connection {
         self.drain_completions(events);
     }
 
-    /// Whether the peer was silent on every path from when a path's probe fired (`fired`)
-    /// until a silence that ended at most `within` before `now`: a stall of the host or
-    /// of the peer, which every path of the connection shares.
-    fn stall_was_shared(&self, fired: Option<Instant>, now: Instant, within: Duration) -> bool {
+    /// Whether a probe that fired at `fired` (while `others_waiting`) and was found
+    /// spurious shows a stall of the host or of the peer, which every path of the
+    /// connection shares: the latest silence of the whole connection (`quiet`) spans the
+    /// firing, and another path was waiting for the peer then. Silence alone is no
+    /// evidence: with the other paths idle (request/response traffic), a path slower than
+    /// its RTT estimate looks the same.
+    fn stall_was_shared(&self, fired: Option<Instant>, others_waiting: bool) -> bool {
         match (fired, self.quiet) {
-            (Some(at), Some((from, until))) => {
-                from <= at && until > at && now.saturating_duration_since(until) <= within
-            }
+            (Some(at), Some((from, until))) => others_waiting && from <= at && until > at,
             _ => false,
         }
+    }
+
+    /// Whether a live path other than `i` has had a packet outstanding for longer than its
+    /// smoothed RTT at `now`: its ACK is overdue, it is waiting for the peer as well.
+    fn others_waiting(&self, i: usize, now: Instant) -> bool {
+        self.tx.iter().enumerate().any(|(k, q)| {
+            k != i
+                && q.state != PathState::Failed
+                && q.oldest_outstanding_sent()
+                    .is_some_and(|t| now.saturating_duration_since(t) > q.rtt.smoothed())
+        })
     }
 
     /// The per-path part of an ACK (one AckEth, or one block of a bundle): the path's
@@ -917,7 +929,7 @@ impl Connection {
         // subtracts it, at most `max_ack_delay` (RFC 9002 §5.3).
         let held = Duration::from_micros(u64::from(a.ack_delay)).min(self.cfg.max_ack_delay);
         let extra_before = p.pto_extra;
-        let fired = p.probe_fired_at();
+        let (fired, others_waiting) = (p.probe_fired_at(), p.probe_others_waiting);
         let mut out = p.on_ack_delayed(
             now,
             cum,
@@ -941,12 +953,12 @@ impl Connection {
         self.peer_window_grant = a.window_grant;
         // A spurious probe taught this path how long the host (or the peer) stalls: the
         // other paths of the connection run between the same two hosts. Not when the
-        // connection kept hearing from the peer while this path waited: then the path
-        // itself is slower than its RTT estimate (a longer route), and its allowance is
-        // its own.
+        // connection kept hearing from the peer while this path waited, nor when no other
+        // path was waiting for it: then the path itself may be slower than its RTT
+        // estimate (a longer route), and its allowance is its own.
         let extra = p.pto_extra;
         let port = p.src_port;
-        if extra > extra_before && self.stall_was_shared(fired, now, extra) {
+        if extra > extra_before && self.stall_was_shared(fired, others_waiting) {
             for q in &mut self.tx {
                 q.learn_stall(extra);
             }
@@ -1729,6 +1741,11 @@ impl Connection {
         let p = &mut self.tx[i];
         let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
         let segs = p.on_loss_timer(now, retry);
+        if p.probe_fired_at() == Some(now) {
+            let waiting = self.others_waiting(i, now);
+            self.tx[i].probe_others_waiting = waiting;
+        }
+        let p = &mut self.tx[i];
         self.probe_pending |= p.probe.is_some();
         *probing |= p.probe_unanswered_since(heard);
         lost.extend(segs);

@@ -245,8 +245,12 @@ pub(crate) struct PathTx {
     /// Learned allowance added to the probe timeout and the RTO after spurious probes
     /// (host scheduling stalls), at most `PTO_EXTRA_MAX`; halved on every probe that was
     /// needed. Shared by the paths of a connection (`learn_stall`) when the connection heard
-    /// nothing from the peer meanwhile.
+    /// nothing from the peer meanwhile while another path waited for it.
     pub pto_extra: Duration,
+    /// Whether, when the pending probe fired, another live path of the connection had a
+    /// packet outstanding for longer than its smoothed RTT (it too was waiting for the
+    /// peer): set by the connection; see `Connection::stall_was_shared`.
+    pub probe_others_waiting: bool,
     /// How long the peer may hold an ACK of this path (its `max_ack_delay`, taken to be
     /// this side's: RFC 9002 §6.2.1 adds it to the probe timeout). Zero by default.
     pub peer_ack_delay: Duration,
@@ -330,6 +334,7 @@ impl PathTx {
             held: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
+            probe_others_waiting: false,
             peer_ack_delay: Duration::ZERO,
             spare_acked: Vec::new(),
             rack_sent: None,
@@ -812,8 +817,8 @@ impl PathTx {
     }
 
     /// Another path of the connection found its probe spurious after a stall of the host or
-    /// the peer (the peer was silent on every path meanwhile): the stall allowance applies
-    /// to this path too.
+    /// the peer (the peer was silent on every path meanwhile, while another path waited
+    /// for it): the stall allowance applies to this path too.
     pub fn learn_stall(&mut self, extra: Duration) {
         self.pto_extra = self.pto_extra.max(extra);
     }
