@@ -55,7 +55,8 @@ pub(crate) struct ConnEntry {
 impl ConnEntry {
     pub fn new() -> ConnEntry {
         ConnEntry {
-            streams: HashMap::default(),
+            // Keyed by the peer's stream ids: a secret key per connection (fasthash docs).
+            streams: HashMap::with_hasher(metaroce::fasthash::FastState::random()),
             accept_queue: VecDeque::new(),
             imm_queue: VecDeque::new(),
             signals: Arc::new(ConnSignals {

@@ -285,7 +285,8 @@ impl VerbsConnection {
         let c = Arc::new(ConnInner {
             qp,
             remote,
-            streams: Mutex::new(HashMap::default()),
+            // Keyed by the peer's stream ids: a secret key per connection (fasthash docs).
+            streams: Mutex::new(HashMap::with_hasher(metaroce::fasthash::FastState::random())),
             incoming_rx: tokio::sync::Mutex::new(in_rx),
             imm_rx: tokio::sync::Mutex::new(imm_rx),
             next_id: AtomicU32::new(if client { 0 } else { 1 }),

@@ -7,7 +7,7 @@ use crate::conn::AuthError;
 use crate::conn::{Connection, ConnectionStats, Outcome, State};
 use crate::crypto::OpenError;
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
-use crate::fasthash::HashMap;
+use crate::fasthash::{FastState, HashMap};
 use crate::mr::{Access, MrError, MrKeys, MrTable, RegionMemory};
 use crate::secret::{self, SecretRng};
 use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, Trailer};
@@ -327,6 +327,8 @@ pub(crate) struct ConnIndex {
 pub struct Endpoint {
     cfg: EndpointConfig,
     rng: Xoshiro256PlusPlus,
+    /// The key of the hash tables indexed by peer-chosen ids (`fasthash`).
+    tables: FastState,
     /// Secret randomness (nonces, cookie key, memory keys): see `EndpointConfig::secret_seed`.
     secret: SecretRng,
     cookie_key: [u8; 32],
@@ -481,20 +483,24 @@ impl Endpoint {
         let mut cookie_key = [0u8; 32];
         secret.fill(&mut cookie_key);
         let mrs = MrTable::new(&mut secret);
+        // The hash tables keyed by ids peers choose (their QPNs and connection nonces, and
+        // each connection's stream and operation ids) take a secret key (`fasthash`).
+        let tables = FastState::keyed(secret.derive_u64(b"hash tables"));
         Ok(Self {
+            tables,
             rc: crate::rocev2::RcHost::for_endpoint(&cfg),
             rc_turn: false,
             rng: Xoshiro256PlusPlus::seed_from_u64(cfg.seed),
             secret,
             cookie_key,
-            by_peer_qpn: HashMap::default(),
+            by_peer_qpn: HashMap::with_hasher(tables),
             half_open: BTreeSet::new(),
             cfg,
             epoch: None,
             conns: BTreeMap::new(),
-            by_nonce: HashMap::default(),
+            by_nonce: HashMap::with_hasher(tables),
             cookie_requests: VecDeque::new(),
-            cookie_nonces: HashMap::default(),
+            cookie_nonces: HashMap::with_hasher(tables),
             mrs,
             events: VecDeque::new(),
             control: VecDeque::new(),
@@ -513,7 +519,7 @@ impl Endpoint {
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
-            closers: HashMap::default(),
+            closers: HashMap::with_hasher(tables),
             close_timers: BTreeSet::new(),
             close_ready: VecDeque::new(),
         })
@@ -574,7 +580,7 @@ impl Endpoint {
         let qpn = self.new_qpn();
         let nonce = self.secret.next_u64();
         let init_psn = self.initial_psn();
-        let conn = Connection::new_outgoing(
+        let mut conn = Connection::new_outgoing(
             ConnectionHandle(qpn),
             now,
             epoch,
@@ -586,6 +592,7 @@ impl Endpoint {
             init_psn,
             self.cfg.transport.clone(),
         );
+        conn.key_tables(self.tables);
         self.conns.insert(qpn, conn);
         self.touched(qpn);
         Ok(ConnectionHandle(qpn))
@@ -1820,7 +1827,7 @@ impl Endpoint {
         let qpn = self.new_qpn();
         let init_psn = self.initial_psn();
         let server_nonce = self.secret.next_u64();
-        let conn = Connection::new_incoming(
+        let mut conn = Connection::new_incoming(
             ConnectionHandle(qpn),
             now,
             epoch,
@@ -1833,7 +1840,7 @@ impl Endpoint {
             msg,
             server_nonce,
         );
-        let mut conn = conn;
+        conn.key_tables(self.tables);
         // `manual_accept`: the application decides (`accept_incoming`/`refuse_incoming`);
         // until then the connection sends nothing, not even its Accept.
         conn.held = self.cfg.manual_accept;

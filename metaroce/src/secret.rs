@@ -61,6 +61,13 @@ impl SecretRng {
         hmac(b"metaroce default secret seed", &[&seed.to_be_bytes()])
     }
 
+    /// A secret value derived from the seed for `label`, without drawing from the stream
+    /// (`HMAC(seed, "metaroce derive " || label)`): the other outputs do not change.
+    pub(crate) fn derive_u64(&self, label: &[u8]) -> u64 {
+        let b = hmac(&self.key, &[b"metaroce derive ", label]);
+        u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+    }
+
     pub(crate) fn next_u64(&mut self) -> u64 {
         let mut b = [0u8; 8];
         self.fill(&mut b);

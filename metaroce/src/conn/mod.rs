@@ -399,6 +399,13 @@ impl Connection {
         c
     }
 
+    /// Key the connection's tables of peer-chosen ids (streams, operations) with the
+    /// hasher state `st` (`fasthash`); called by the endpoint right after creating it.
+    pub fn key_tables(&mut self, st: crate::fasthash::FastState) {
+        self.sq.key_tables(st);
+        self.rq.key_tables(st);
+    }
+
     /// Check a received packet's trailer against the connection's token in constant time,
     /// before any state is touched (issue #9). `MR_CONNECT` packets never come here.
     pub fn authenticate(&self, trailer: &Trailer) -> Result<(), AuthError> {

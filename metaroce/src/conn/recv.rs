@@ -448,6 +448,16 @@ pub(crate) fn check_segment(offset: u32, payload: usize, total: u64, pmtu: u32) 
 }
 
 impl RecvState {
+    /// Rebuild the (still empty) tables keyed by ids the peer chooses with the hasher
+    /// state `st` (a secret key: `fasthash`).
+    pub fn key_tables(&mut self, st: crate::fasthash::FastState) {
+        debug_assert!(self.streams.is_empty() && self.writes.is_empty());
+        self.streams = HashMap::with_hasher(st);
+        self.writes = HashMap::with_hasher(st);
+        self.refused_ops = HashMap::with_hasher(st);
+        self.held_imms = HashMap::with_hasher(st);
+    }
+
     /// Post a receive buffer on a stream; the stream then consumes posted receives. On a
     /// dead stream whose delivery reached the lost message the receive is flushed at once
     /// (reported by `take_flushed`), as IBA flushes receives posted to a QP in the error

@@ -366,6 +366,22 @@ impl SendQueue {
         }
     }
 
+    /// Rebuild the (still empty) tables keyed by stream and operation ids with the hasher
+    /// state `st` (a secret key: `fasthash`; the peer names streams in STOP and RESET, and
+    /// its READs' operation ids).
+    pub fn key_tables(&mut self, st: crate::fasthash::FastState) {
+        debug_assert!(self.stream_seq.is_empty() && self.rd_ops.is_empty());
+        self.stream_seq = HashMap::with_hasher(st);
+        self.ended_streams = HashMap::with_hasher(st);
+        self.stopped_streams = HashSet::with_hasher(st);
+        self.stream_bytes = HashMap::with_hasher(st);
+        self.flow_wait = HashSet::with_hasher(st);
+        self.flow_probe = HashMap::with_hasher(st);
+        self.flow_parked = HashMap::with_hasher(st);
+        self.dead_streams = HashMap::with_hasher(st);
+        self.rd_ops = HashMap::with_hasher(st);
+    }
+
     pub fn set_pmtu(&mut self, pmtu: u32) {
         self.pmtu = valid_pmtu(pmtu);
     }
