@@ -485,7 +485,12 @@ impl Connection {
             tx_token: 0,
             confirmed: true,
             tx_ip: None,
-            ack_scratch: Vec::new(),
+            // Room for the largest ACK bundle up front: it would grow once, mid-run, the
+            // first time a bundle is longer than any before (issue #13: no allocation per
+            // packet once warm).
+            ack_scratch: Vec::with_capacity(
+                cfg.max_ack_bundle.saturating_sub(1) * AckEth::BLOCK_LEN,
+            ),
             ix: Default::default(),
             ts_cache: None,
             window_cache: None,
