@@ -503,3 +503,45 @@ fn a_stall_of_the_peer_teaches_every_path() {
         "{st:?}"
     );
 }
+
+/// A dead route next to a slow live one (4 ms longer): the live path's packets sent before
+/// the dead path's probe are still outstanding when the dead path's RTO fires, but only
+/// because their ACKs are not due yet, not because the peer went silent. The RTO is not
+/// held: the dead path's packets are declared lost and move to the live path at the first
+/// RTO, not one RTO later.
+#[test]
+fn an_rto_is_not_held_while_a_slow_path_is_merely_slow() {
+    let (mut p, c) = connected(5, |t| {
+        t.paths = 2;
+        t.max_ack_delay = Duration::ZERO;
+    });
+    p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).path(0),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(4),
+        },
+    ));
+    // Path 0's RTT estimate learns its 4 ms first.
+    for wr in 0..20u64 {
+        p.eps[0]
+            .post_send(c, 0, wr, Bytes::from(vec![wr as u8; 4 * 1024]))
+            .unwrap();
+        p.run_for(Duration::from_millis(1));
+    }
+    assert!(p.run_until_idle(Duration::from_secs(5)));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert!(st.paths[0].srtt > Duration::from_millis(2), "{st:?}");
+    p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).path(1),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(c, 0, 100, Bytes::from(vec![7u8; 16 * 1024]))
+        .unwrap();
+    let done = |p: &Pair| p.completions(0, c).iter().any(|w| w.wr_id == 100);
+    assert!(p.run_until(Duration::from_secs(10), done));
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert!(st.paths[1].stats.rtos > 0, "{st:?}");
+    assert_eq!(st.paths[1].stats.silent_rtos, 0, "{st:?}");
+}

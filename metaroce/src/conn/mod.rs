@@ -1718,8 +1718,9 @@ impl Connection {
         let reorder = p.rack_due(now);
         // The peer went silent on every path, not on this one only: nothing was heard since
         // this path's probe, and every other live path has been waiting for ACKs since
-        // before it (an idle path may well work, and a peer with nothing else to
-        // acknowledge is silent too). Then the RTO is held (PathTx::hold_silent_timeout).
+        // before it, longer than its own smoothed RTT (an idle path may well work, a peer
+        // with nothing else to acknowledge is silent too, and a slow path's ACKs may just
+        // not be due yet). Then the RTO is held (PathTx::hold_silent_timeout).
         // The hold's probe must be able to go out (its segment still awaited, the SACK span
         // open): a path holding packets whose segments were settled through other paths
         // would send nothing and only count timeouts until it is retired.
@@ -1742,7 +1743,9 @@ impl Connection {
                     || q.state == PathState::Failed
                     || q.oldest_outstanding_sent()
                         .zip(probed)
-                        .is_some_and(|(sent, at)| sent <= at)
+                        .is_some_and(|(sent, at)| {
+                            sent <= at && now.saturating_duration_since(sent) > q.rtt.smoothed()
+                        })
             });
         if hold {
             let p = &mut self.tx[i];
