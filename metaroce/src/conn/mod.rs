@@ -916,12 +916,10 @@ impl Connection {
     /// Whether a live path other than `i` has had a packet outstanding for longer than its
     /// smoothed RTT at `now`: its ACK is overdue, it is waiting for the peer as well.
     fn others_waiting(&self, i: usize, now: Instant) -> bool {
-        self.tx.iter().enumerate().any(|(k, q)| {
-            k != i
-                && q.state != PathState::Failed
-                && q.oldest_outstanding_sent()
-                    .is_some_and(|t| now.saturating_duration_since(t) > q.rtt.smoothed())
-        })
+        self.tx
+            .iter()
+            .enumerate()
+            .any(|(k, q)| k != i && q.state != PathState::Failed && q.overdue_since(now).is_some())
     }
 
     /// The per-path part of an ACK (one AckEth, or one block of a bundle): the path's
@@ -1741,11 +1739,9 @@ impl Connection {
             && self.tx.iter().enumerate().all(|(k, q)| {
                 k == i
                     || q.state == PathState::Failed
-                    || q.oldest_outstanding_sent()
+                    || q.overdue_since(now)
                         .zip(probed)
-                        .is_some_and(|(sent, at)| {
-                            sent <= at && now.saturating_duration_since(sent) > q.rtt.smoothed()
-                        })
+                        .is_some_and(|(sent, at)| sent <= at)
             });
         if hold {
             let p = &mut self.tx[i];

@@ -1029,6 +1029,13 @@ impl PathTx {
             .map(|p| p.sent)
     }
 
+    /// When the oldest outstanding packet was sent, if its ACK is overdue at `now` (it has
+    /// been outstanding for longer than the smoothed RTT): the path is waiting for the peer.
+    pub fn overdue_since(&self, now: Instant) -> Option<Instant> {
+        self.oldest_outstanding_sent()
+            .filter(|&t| now.saturating_duration_since(t) > self.rtt.smoothed())
+    }
+
     /// When this path's tail-loss probe fired, while one is out unanswered.
     pub fn probe_fired_at(&self) -> Option<Instant> {
         self.probe_sent.then_some(self.last_progress)
