@@ -580,7 +580,7 @@ impl Endpoint {
         let qpn = self.new_qpn();
         let nonce = self.secret.next_u64();
         let init_psn = self.initial_psn();
-        let mut conn = Connection::new_outgoing(
+        let conn = Connection::new_outgoing(
             ConnectionHandle(qpn),
             now,
             epoch,
@@ -591,8 +591,8 @@ impl Endpoint {
             nonce,
             init_psn,
             self.cfg.transport.clone(),
+            self.tables,
         );
-        conn.key_tables(self.tables);
         self.conns.insert(qpn, conn);
         self.touched(qpn);
         Ok(ConnectionHandle(qpn))
@@ -1837,10 +1837,10 @@ impl Endpoint {
             self.cfg.source_ports.clone(),
             init_psn,
             self.cfg.transport.clone(),
+            self.tables,
             msg,
             server_nonce,
         );
-        conn.key_tables(self.tables);
         // `manual_accept`: the application decides (`accept_incoming`/`refuse_incoming`);
         // until then the connection sends nothing, not even its Accept.
         conn.held = self.cfg.manual_accept;

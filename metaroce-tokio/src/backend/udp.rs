@@ -342,9 +342,9 @@ impl UdpBackend {
 
     /// Reads and discards whatever reached the path sockets, without registering for
     /// wake-ups: a path socket the reactor has not seen readable costs one atomic load, and
-    /// every [`PATH_DRAIN_EVERY`]th receive on the main socket drains them. Registering a waker on every
-    /// path socket at every receive cost 6 % of the CPU of a 64 B ping-pong (issue #13,
-    /// P2). An endpoint that receives nothing leaves stray datagrams in the path socket's
+    /// every [`PATH_DRAIN_EVERY`]th receive on the main socket drains them. Registering a
+    /// waker on every path socket at every receive cost 6 % of the CPU of a 64 B ping-pong
+    /// (issue #13, P2). An endpoint that receives nothing leaves stray datagrams in the path socket's
     /// small receive buffer ([`PATH_RECV_BUFFER`]), where the kernel drops the excess.
     fn drain_paths(&self) {
         let mut scratch = [0u8; 256];

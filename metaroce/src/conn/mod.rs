@@ -13,6 +13,7 @@ pub(crate) mod send;
 use crate::config::TransportConfig;
 use crate::crypto::{OpenError, Opened, PacketProtection, ProtectionStats, Side};
 use crate::event::{ConnectionError, ConnectionHandle, Event, WcStatus};
+use crate::fasthash::FastState;
 use crate::mr::MrTable;
 use crate::wire::{
     self, icrc, AckEth, AtomicAckEth, AtomicEth, Bth, ConnectEth, ConnectKind, Headers, NakEth,
@@ -316,6 +317,7 @@ impl Connection {
         nonce: u64,
         init_psn: u32,
         cfg: TransportConfig,
+        tables: FastState,
     ) -> Self {
         let paths_offered = (cfg.paths as usize).min(source_ports.len()) as u16;
         let mut c = Self::blank(
@@ -329,6 +331,7 @@ impl Connection {
             nonce,
             init_psn,
             cfg,
+            tables,
         );
         c.handshake = Some(Handshake {
             attempts: 0,
@@ -354,6 +357,7 @@ impl Connection {
         source_ports: Vec<u16>,
         init_psn: u32,
         cfg: TransportConfig,
+        tables: FastState,
         req: &ConnectEth,
         server_nonce: u64,
     ) -> Self {
@@ -368,6 +372,7 @@ impl Connection {
             req.nonce,
             init_psn,
             cfg,
+            tables,
         );
         let paths = (c.cfg.paths as usize)
             .min(c.source_ports.len())
@@ -397,13 +402,6 @@ impl Connection {
             attempts: 1,
         });
         c
-    }
-
-    /// Key the connection's tables of peer-chosen ids (streams, operations) with the
-    /// hasher state `st` (`fasthash`); called by the endpoint right after creating it.
-    pub fn key_tables(&mut self, st: crate::fasthash::FastState) {
-        self.sq.key_tables(st);
-        self.rq.key_tables(st);
     }
 
     /// Check a received packet's trailer against the connection's token in constant time,
@@ -469,8 +467,9 @@ impl Connection {
         nonce: u64,
         init_psn: u32,
         cfg: TransportConfig,
+        tables: FastState,
     ) -> Self {
-        Self {
+        let mut c = Self {
             handle,
             closing: None,
             last_keepalive: None,
@@ -540,7 +539,12 @@ impl Connection {
             source_ports,
             epoch,
             protection: None,
-        }
+        };
+        // The tables indexed by ids the peer chooses (streams, operations) take the
+        // endpoint's secret key (`fasthash`).
+        c.sq.key_tables(tables);
+        c.rq.key_tables(tables);
+        c
     }
 
     fn establish(
