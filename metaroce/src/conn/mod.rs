@@ -1718,38 +1718,61 @@ impl Connection {
             return false;
         }
         let reorder = p.rack_due(now);
-        // The peer went silent on every path, not on this one only: nothing was heard since
-        // this path's probe, and every other live path has been waiting for ACKs since
-        // before it, longer than its own smoothed RTT (an idle path may well work, a peer
-        // with nothing else to acknowledge is silent too, and a slow path's ACKs may just
-        // not be due yet). Then the RTO is held (PathTx::hold_silent_timeout).
+        // An RTO is held when nothing shows a loss (PathTx::hold_timeout):
+        // - *silent* (`hold_silent_rto`, the first RTO in a row): the peer went silent on
+        //   every path, not on this one only. Either nothing was heard since this path's
+        //   probe and every other live path has been waiting for ACKs since before it,
+        //   longer than its own smoothed RTT; or nothing sent after this path's oldest
+        //   outstanding packet was acknowledged on any path (the peer acknowledges only
+        //   older packets: its queue has not reached these; issue #13, 8 connections
+        //   ramping up together) and every other live path is waiting too. An idle path
+        //   may well work, a peer with nothing else to acknowledge is silent too, and a
+        //   slow path's ACKs may just not be due yet: then no hold.
+        // - *unmeasured* (`unmeasured_rto_holds` in a row): the path has no RTT sample, so
+        //   the RTO came from `initial_rtt`, a guess; every earlier RTO of the path was
+        //   held this way; and nothing sent after its oldest outstanding packet has been
+        //   acknowledged on any path (issue #13: connections starting together on a
+        //   loaded host).
         // The hold's probe must be able to go out (its segment still awaited, the SACK span
         // open): a path holding packets whose segments were settled through other paths
         // would send nothing and only count timeouts until it is retired.
         let p = &self.tx[i];
         let probed = p.probe_fired_at();
-        let hold = self.cfg.hold_silent_rto
-            && p.probe_unanswered_since(heard)
-            && p.can_hold_timeout(now, self.cfg.path_reroll_timeouts, retry)
-            && p.can_probe()
-            && p.newest_outstanding_seg()
-                .is_some_and(|s| self.sq.is_live(s))
-            && self
-                .tx
-                .iter()
-                .filter(|q| q.state != PathState::Failed)
-                .count()
-                > 1
-            && self.tx.iter().enumerate().all(|(k, q)| {
+        let holdable = |in_a_row: u32| {
+            p.can_hold_timeout(now, self.cfg.path_reroll_timeouts, retry, in_a_row)
+                && p.can_probe()
+                && p.newest_outstanding_seg()
+                    .is_some_and(|s| self.sq.is_live(s))
+                && self
+                    .tx
+                    .iter()
+                    .filter(|q| q.state != PathState::Failed)
+                    .count()
+                    > 1
+        };
+        let unmeasured = p.rtt.latest().is_none()
+            && p.stats.rtos == p.stats.unmeasured_rtos
+            && holdable(self.cfg.unmeasured_rto_holds)
+            && !self.others_delivered_since(i, p.oldest_outstanding_sent());
+        // Every other live path waiting for the peer (`since_probe`: since before this
+        // path's probe).
+        let waiting = |since_probe: bool| {
+            self.tx.iter().enumerate().all(|(k, q)| {
                 k == i
                     || q.state == PathState::Failed
                     || q.overdue_since(now)
-                        .zip(probed)
-                        .is_some_and(|(sent, at)| sent <= at)
-            });
-        if hold {
+                        .is_some_and(|sent| !since_probe || probed.is_some_and(|at| sent <= at))
+            })
+        };
+        let silent = !unmeasured
+            && self.cfg.hold_silent_rto
+            && holdable(1)
+            && ((p.probe_unanswered_since(heard) && waiting(true))
+                || (!self.others_delivered_since(i, p.oldest_outstanding_sent())
+                    && waiting(false)));
+        if unmeasured || silent {
             let p = &mut self.tx[i];
-            p.hold_silent_timeout(now);
+            p.hold_timeout(now, unmeasured);
             self.probe_pending |= p.probe.is_some();
             return false;
         }

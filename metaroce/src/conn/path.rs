@@ -101,10 +101,19 @@ pub struct PathStats {
     pub deferred_probes: u64,
     /// Retransmission timeouts.
     pub rtos: u64,
-    /// Of `rtos`, those that fired while the whole connection had heard nothing from the
-    /// peer since this path's probe: the outstanding packets were kept, not declared lost,
-    /// and the probe was sent again (see `PathTx::hold_silent_timeout`).
+    /// Of `rtos`, those that fired while the peer was silent about this path's packets:
+    /// it had sent nothing since this path's probe, or acknowledged nothing sent after the
+    /// path's oldest outstanding packet on any path, while every other live path waited
+    /// too. The outstanding packets were kept, not declared lost, and the probe was sent
+    /// again (see `PathTx::hold_timeout`,
+    /// [`TransportConfig::hold_silent_rto`](crate::TransportConfig::hold_silent_rto)).
     pub silent_rtos: u64,
+    /// Of `rtos`, those that fired before this path had any RTT sample, while no packet
+    /// sent after its oldest outstanding one had been acknowledged on any path: the
+    /// packets were kept and the probe sent again, as for `silent_rtos`
+    /// ([`TransportConfig::unmeasured_rto_holds`](crate::TransportConfig::unmeasured_rto_holds)).
+    /// An RTO that qualifies for both counts here.
+    pub unmeasured_rtos: u64,
     /// Re-rolls to a new source port after repeated timeouts.
     pub rerolls: u64,
     /// Re-rolls to a new source port because the path delivered persistently less than
@@ -236,7 +245,7 @@ pub(crate) struct PathTx {
     /// The next PSN when the pending tail-loss probe was scheduled: packets below it were
     /// outstanding before the probe.
     probe_psn: Option<u32>,
-    /// When an RTO was held (`hold_silent_timeout`), if one was since the last progress,
+    /// When an RTO was held (`hold_timeout`), if one was since the last progress,
     /// RTO or abandon: the ACKs that end the silence teach no stall allowance, and losses
     /// they show while acknowledging nothing sent before it collapse the window.
     held: Option<Instant>,
@@ -971,27 +980,36 @@ impl PathTx {
         lost
     }
 
-    /// Whether the RTO due now, while the whole connection has heard nothing from the
-    /// peer since this path's probe, can be held by
-    /// [`hold_silent_timeout`](Self::hold_silent_timeout) instead of declaring the path's
-    /// packets lost: only the first RTO in a row (a silence that outlasts it and the
-    /// doubled RTO after it is treated as before: under heavy ACK loss, one probe per path
-    /// per RTO used up `retry_count` where re-sending the window got ACKs through), and not
-    /// the reorder timer, nor the timeout that re-rolls the path (`reroll_timeouts`) or
-    /// retires it (`retry_count`), which move its packets elsewhere.
-    pub fn can_hold_timeout(&self, now: Instant, reroll_timeouts: u32, retry_count: u32) -> bool {
+    /// Whether the RTO due now can be held by [`hold_timeout`](Self::hold_timeout) instead
+    /// of declaring the path's packets lost, when the connection finds no evidence of a
+    /// loss (the peer silent on every path, or no RTT sample yet and nothing sent later
+    /// acknowledged): only the first `in_a_row` RTOs in a row (for a silence, 1: a silence
+    /// that outlasts it and the doubled RTO after it is treated as before, since under
+    /// heavy ACK loss one probe per path per RTO used up `retry_count` where re-sending the
+    /// window got ACKs through), and not the reorder timer, nor the timeout that re-rolls
+    /// the path (`reroll_timeouts`) or retires it (`retry_count`), which move its packets
+    /// elsewhere.
+    pub fn can_hold_timeout(
+        &self,
+        now: Instant,
+        reroll_timeouts: u32,
+        retry_count: u32,
+        in_a_row: u32,
+    ) -> bool {
         let next = self.consecutive_rtos + 1;
         self.probe_sent
             && !self.rack_due(now)
             && self.probe.is_none()
-            && self.consecutive_rtos == 0
+            && self.consecutive_rtos < in_a_row
             && next <= retry_count
             && (reroll_timeouts == 0 || next % reroll_timeouts != 0)
     }
 
     /// The RTO fired while the peer was silent on every path of the connection since this
     /// path's probe, every other path waiting for ACKs of packets it sent before that probe
-    /// (a host stall of the peer, or every path down at once): there is no evidence
+    /// (a host stall of the peer, or every path down at once), or before the path had an
+    /// RTT sample with nothing sent later acknowledged on any path (`unmeasured`: the RTO
+    /// came from `initial_rtt`, and the first window may just be queued): there is no evidence
     /// against this path in particular, and no path known to work to move its packets to.
     /// As a
     /// QUIC probe timeout does (RFC 9002 §6.2.4), the outstanding packets stay outstanding,
@@ -1003,10 +1021,18 @@ impl PathTx {
     /// host stalls. The timeouts that re-roll or retire the path still declare its packets
     /// lost ([`can_hold_timeout`](Self::can_hold_timeout)); the caller checks that the
     /// whole connection is silent.
-    pub fn hold_silent_timeout(&mut self, now: Instant) {
+    ///
+    /// `unmeasured`: held because the RTO came from `initial_rtt` with no evidence of a
+    /// loss ([`TransportConfig::unmeasured_rto_holds`](crate::TransportConfig::unmeasured_rto_holds)),
+    /// counted in `unmeasured_rtos` instead of `silent_rtos`; the rest is the same.
+    pub fn hold_timeout(&mut self, now: Instant, unmeasured: bool) {
         self.late_grace = None;
         self.stats.rtos += 1;
-        self.stats.silent_rtos += 1;
+        if unmeasured {
+            self.stats.unmeasured_rtos += 1;
+        } else {
+            self.stats.silent_rtos += 1;
+        }
         self.consecutive_rtos += 1;
         self.held = Some(now);
         if self.state == PathState::Active {
