@@ -281,21 +281,23 @@ pub struct TransportConfig {
     /// (docs/PROTOCOL.md, "Timers, per path"). A host stall of the peer, or a queue that
     /// grows past the RTO, then costs no retransmitted window. Default `true`.
     pub hold_silent_rto: bool,
-    /// How many RTOs of a path in a row are held while the path has no RTT sample yet
-    /// and no packet sent after its oldest outstanding one has been acknowledged on any
-    /// path: each such timeout came from `initial_rtt` (a guess, not a measurement; RFC
-    /// 6298 §2 does not trust an RTO taken before the first sample either) and nothing
-    /// shows a loss. The packets stay outstanding and one more probe goes out, as for
-    /// `hold_silent_rto`; the back-off doubles the next RTO. The timeout that re-rolls the
-    /// path (`path_reroll_timeouts`) or retires it (`retry_count`) is never held. A
-    /// connection's first window then survives a first RTT far above `initial_rtt`:
-    /// issue #13, 8 connections starting at once on a loaded host queued 6–11 ms at the
-    /// receiver, and every RTO resent a path's window of 33 packets. The cost: a path dead
-    /// from its first packet, while no other path delivers anything sent after it (a
-    /// one-packet first message), moves its packets at the first RTO not held: with the
-    /// defaults the third (about 11.5 ms after the send instead of 2.5 ms; the test
-    /// `loss_timers::a_path_dead_from_its_first_packet_costs_at_most_the_held_timeouts`). 0
-    /// disables. Default 2.
+    /// How many RTOs of a path in a row are held while the path has no RTT sample yet,
+    /// no packet sent after its oldest outstanding one has been acknowledged on any path,
+    /// and no other path known to work (with an RTT sample) is idle: each such timeout
+    /// came from `initial_rtt` (a guess, not a measurement; RFC 6298 §2 does not trust an
+    /// RTO taken before the first sample either) and nothing shows a loss. The packets
+    /// stay outstanding and one more probe goes out, as for `hold_silent_rto`; the
+    /// back-off doubles the next RTO. The timeout that re-rolls the path
+    /// (`path_reroll_timeouts`) or retires it (`retry_count`) is never held, nor one after
+    /// an RTO of the path that was not such a hold. A connection's first window then
+    /// survives a first RTT far above `initial_rtt`: issue #13, 8 connections starting at
+    /// once on a loaded host queued 6–11 ms at the receiver, and every RTO resent a path's
+    /// window of 33 packets. The cost: a path dead from its first packet that carries the
+    /// last packets of the connection's first message (nothing sent after them on other
+    /// paths) moves them at the first RTO not held: with the defaults the third, about
+    /// 11.5 ms after the send instead of 2.5 ms (test
+    /// `loss_timers::a_path_dead_from_its_first_packet_costs_at_most_the_held_timeouts`).
+    /// 0 disables. Default 2.
     pub unmeasured_rto_holds: u32,
     /// When a path is re-rolled after timeouts while another path of the connection has
     /// had a packet acknowledged that was sent after this path's newest outstanding one

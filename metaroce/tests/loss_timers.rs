@@ -654,54 +654,51 @@ fn a_first_window_queued_beyond_initial_rtt_is_not_sent_again() {
 }
 
 /// The price of [`a_first_window_queued_beyond_initial_rtt_is_not_sent_again`]: a path
-/// dead from its first packet, carrying a one-packet first message while the other paths
-/// send nothing after it. Nothing shows the loss, so its timeouts are held until the
-/// third RTO (it re-rolls the path and is never held): the message completes about 12 ms
-/// after it was posted instead of 2.5 ms (virtual time, default timers). A larger message
-/// is sprayed over the paths, the other paths' packets sent after the dead path's are
-/// acknowledged, and nothing is held.
+/// dead from its first packet, carrying the last packets of a first message, so that no
+/// other path sends anything after them. Nothing shows the loss, so its timeouts are
+/// held until the third RTO (it re-rolls the path and is never held): the message
+/// completes 11.5 ms after it was posted instead of 2.5 ms (virtual time, default
+/// timers). Here that is a 512 B or 4 KiB message (1 KiB packets, 4 paths). From 8 KiB
+/// the other paths known to work (they had their share acknowledged) are idle, and
+/// nothing is held: the time is the same as with no holds. (Review found 8–32 KiB
+/// messages held too: their other packets went out in the same send batch, with the same
+/// send time, so they were no evidence.)
 #[test]
 fn a_path_dead_from_its_first_packet_costs_at_most_the_held_timeouts() {
-    let mut sprayed = Vec::new();
-    for (len, holds) in [(512usize, 2u32), (512, 0), (64 * 1024, 2), (64 * 1024, 0)] {
-        let (mut p, c) = connected(13, |t| {
-            t.paths = 4;
-            t.max_ack_delay = Duration::ZERO;
-            t.unmeasured_rto_holds = holds;
-        });
-        p.add_rule(Rule::always(
-            Filter::any().from(0).kind(Kind::Data).path(0),
-            Action::Blackhole,
-        ));
-        let start = p.elapsed();
-        p.eps[0]
-            .post_send(c, 0, 1, Bytes::from(vec![4u8; len]))
-            .unwrap();
-        assert!(p.run_until(Duration::from_secs(5), |p| !p.completions(0, c).is_empty()));
-        let took = p.elapsed() - start;
-        assert_eq!(p.completions(0, c)[0].status, metaroce::WcStatus::Success);
-        let st = p.eps[0].connection_stats(c).unwrap();
-        let held = st.paths[0].stats.unmeasured_rtos;
-        println!("{len} B, holds {holds}: {took:?}, held {held}");
-        match (len, holds) {
-            (512, 2) => {
-                assert_eq!(held, 2, "{st:?}");
-                assert!(took < Duration::from_millis(15), "{took:?}");
-            }
-            (512, _) => {
+    let mut without = std::collections::BTreeMap::new();
+    for holds in [0u32, 2] {
+        for len in [512usize, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10] {
+            let (mut p, c) = connected(13, |t| {
+                t.paths = 4;
+                t.max_ack_delay = Duration::ZERO;
+                t.unmeasured_rto_holds = holds;
+            });
+            p.add_rule(Rule::always(
+                Filter::any().from(0).kind(Kind::Data).path(0),
+                Action::Blackhole,
+            ));
+            let start = p.elapsed();
+            p.eps[0]
+                .post_send(c, 0, 1, Bytes::from(vec![4u8; len]))
+                .unwrap();
+            assert!(p.run_until(Duration::from_secs(5), |p| !p.completions(0, c).is_empty()));
+            let took = p.elapsed() - start;
+            assert_eq!(p.completions(0, c)[0].status, metaroce::WcStatus::Success);
+            let st = p.eps[0].connection_stats(c).unwrap();
+            let held = st.paths[0].stats.unmeasured_rtos;
+            println!("{len} B, holds {holds}: {took:?}, held {held}");
+            if holds == 0 {
                 assert_eq!(held, 0, "{st:?}");
-                assert!(took < Duration::from_millis(4), "{took:?}");
-            }
-            _ => {
-                assert_eq!(held, 0, "{st:?}");
-                sprayed.push(took);
+                without.insert(len, took);
+            } else if len <= 4 << 10 {
+                assert_eq!(held, 2, "{len}: {st:?}");
+                assert!(took < without[&len] + Duration::from_millis(10), "{took:?}");
+            } else {
+                assert_eq!(held, 0, "{len}: {st:?}");
+                assert_eq!(took, without[&len], "{len}");
             }
         }
     }
-    assert_eq!(
-        sprayed[0], sprayed[1],
-        "holds cost a sprayed message nothing"
-    );
 }
 
 /// Issue #13, after the start: 8 connections ramping up together built a queue of about

@@ -1240,6 +1240,26 @@ impl Connection {
         })
     }
 
+    /// Whether a path other than `i` (not retired) had a packet acknowledged that was sent
+    /// after path `i`'s oldest outstanding packet: evidence that the network delivers what
+    /// was sent after it, so its silence is a loss. Strictly after: packets written in one
+    /// send batch share one send time, and in a receiver's FIFO queue the ones written
+    /// first are acknowledged first, so a packet of the same batch is no evidence (issue
+    /// #13: with ties counted, a path whose first window waited in the receiver's queue
+    /// was declared lost as the ACKs of its batch arrived). A message that fits in one
+    /// batch therefore shows no evidence until something later is sent; the unmeasured
+    /// hold also requires that no other path is known to work and idle.
+    fn loss_evidence(&self, i: usize) -> bool {
+        let Some(oldest) = self.tx[i].oldest_outstanding_sent() else {
+            return false;
+        };
+        self.tx.iter().enumerate().any(|(k, q)| {
+            k != i
+                && q.state != PathState::Failed
+                && q.newest_acked_sent().is_some_and(|t| t > oldest)
+        })
+    }
+
     /// Path `i` timed out `path_reroll_timeouts` times in a row: move it to a source port no
     /// other path of this connection uses (new ECMP entropy); with planes, on the healthy
     /// plane with the fewest paths.
@@ -1750,10 +1770,16 @@ impl Connection {
                     .count()
                     > 1
         };
+        // A path known to work and idle could take the packets (found by review: a dead
+        // route under request/response traffic held its first RPC two RTOs).
+        let idle_measured = self.tx.iter().enumerate().any(|(k, q)| {
+            k != i && q.state != PathState::Failed && q.outstanding == 0 && q.rtt.latest().is_some()
+        });
         let unmeasured = p.rtt.latest().is_none()
             && p.stats.rtos == p.stats.unmeasured_rtos
+            && !idle_measured
             && holdable(self.cfg.unmeasured_rto_holds)
-            && !self.others_delivered_since(i, p.oldest_outstanding_sent());
+            && !self.loss_evidence(i);
         // Every other live path waiting for the peer (`since_probe`: since before this
         // path's probe).
         let waiting = |since_probe: bool| {
@@ -1768,8 +1794,7 @@ impl Connection {
             && self.cfg.hold_silent_rto
             && holdable(1)
             && ((p.probe_unanswered_since(heard) && waiting(true))
-                || (!self.others_delivered_since(i, p.oldest_outstanding_sent())
-                    && waiting(false)));
+                || (!self.loss_evidence(i) && waiting(false)));
         if unmeasured || silent {
             let p = &mut self.tx[i];
             p.hold_timeout(now, unmeasured);
