@@ -109,8 +109,9 @@ pub struct PathStats {
     /// [`TransportConfig::hold_silent_rto`](crate::TransportConfig::hold_silent_rto)).
     pub silent_rtos: u64,
     /// Of `rtos`, those that fired before this path had any RTT sample, while no packet
-    /// sent after its oldest outstanding one had been acknowledged on any path: the
-    /// packets were kept and the probe sent again, as for `silent_rtos`
+    /// sent after its oldest outstanding one had been acknowledged on any path and no
+    /// other path with an RTT sample was idle: the packets were kept and the probe sent
+    /// again, as for `silent_rtos`
     /// ([`TransportConfig::unmeasured_rto_holds`](crate::TransportConfig::unmeasured_rto_holds)).
     /// An RTO that qualifies for both counts here.
     pub unmeasured_rtos: u64,
@@ -1005,22 +1006,23 @@ impl PathTx {
             && (reroll_timeouts == 0 || next % reroll_timeouts != 0)
     }
 
-    /// The RTO fired while the peer was silent on every path of the connection since this
-    /// path's probe, every other path waiting for ACKs of packets it sent before that probe
-    /// (a host stall of the peer, or every path down at once), or before the path had an
-    /// RTT sample with nothing sent later acknowledged on any path (`unmeasured`: the RTO
-    /// came from `initial_rtt`, and the first window may just be queued): there is no evidence
-    /// against this path in particular, and no path known to work to move its packets to.
-    /// As a
-    /// QUIC probe timeout does (RFC 9002 §6.2.4), the outstanding packets stay outstanding,
-    /// the path keeps its congestion window and turns *Suspect* (it timed out: plane-down
-    /// detection counts it), and the newest outstanding segment goes out again as one more
-    /// probe; the timeout counts (back-off, `retry_count`). The ACKs that end the silence
-    /// settle the packets (RACK declares lost whatever they show missing) and teach no
-    /// stall allowance: a silence that outlasted an RTO says nothing about how long the
-    /// host stalls. The timeouts that re-roll or retire the path still declare its packets
-    /// lost ([`can_hold_timeout`](Self::can_hold_timeout)); the caller checks that the
-    /// whole connection is silent.
+    /// The RTO is held because nothing shows a loss: the peer was silent on every path of
+    /// the connection since this path's probe while every other path waited for ACKs of
+    /// packets it sent before that probe (a host stall of the peer, or every path down at
+    /// once); or the peer acknowledged nothing sent after this path's oldest outstanding
+    /// packet on any path while every other path waited too (a queue that has not reached
+    /// the packets); or the path has no RTT sample yet and nothing sent later was
+    /// acknowledged (`unmeasured`: the RTO came from `initial_rtt`, and the first window
+    /// may just be queued). There is no evidence against this path in particular, and no
+    /// path known to work to move its packets to. As a QUIC probe timeout does (RFC 9002
+    /// §6.2.4), the outstanding packets stay outstanding, the path keeps its congestion
+    /// window and turns *Suspect* (it timed out: plane-down detection counts it), and the
+    /// newest outstanding segment goes out again as one more probe; the timeout counts
+    /// (back-off, `retry_count`). The ACKs that end the wait settle the packets (RACK
+    /// declares lost whatever they show missing) and teach no stall allowance: a wait that
+    /// outlasted an RTO says nothing about how long the host stalls. The timeouts that
+    /// re-roll or retire the path still declare its packets lost
+    /// ([`can_hold_timeout`](Self::can_hold_timeout)); the caller checks the rest.
     ///
     /// `unmeasured`: held because the RTO came from `initial_rtt` with no evidence of a
     /// loss ([`TransportConfig::unmeasured_rto_holds`](crate::TransportConfig::unmeasured_rto_holds)),
