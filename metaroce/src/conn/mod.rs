@@ -1250,14 +1250,7 @@ impl Connection {
     /// batch therefore shows no evidence until something later is sent; the unmeasured
     /// hold also requires that no other path is known to work and idle.
     fn loss_evidence(&self, i: usize) -> bool {
-        let Some(oldest) = self.tx[i].oldest_outstanding_sent() else {
-            return false;
-        };
-        self.tx.iter().enumerate().any(|(k, q)| {
-            k != i
-                && q.state != PathState::Failed
-                && q.newest_acked_sent().is_some_and(|t| t > oldest)
-        })
+        self.others_delivered_since(i, self.tx[i].oldest_outstanding_sent())
     }
 
     /// Path `i` timed out `path_reroll_timeouts` times in a row: move it to a source port no
@@ -1775,11 +1768,12 @@ impl Connection {
         let idle_measured = self.tx.iter().enumerate().any(|(k, q)| {
             k != i && q.state != PathState::Failed && q.outstanding == 0 && q.rtt.latest().is_some()
         });
+        let evidence = self.loss_evidence(i);
         let unmeasured = p.rtt.latest().is_none()
             && p.stats.rtos == p.stats.unmeasured_rtos
             && !idle_measured
             && holdable(self.cfg.unmeasured_rto_holds)
-            && !self.loss_evidence(i);
+            && !evidence;
         // Every other live path waiting for the peer (`since_probe`: since before this
         // path's probe).
         let waiting = |since_probe: bool| {
@@ -1794,7 +1788,7 @@ impl Connection {
             && self.cfg.hold_silent_rto
             && holdable(1)
             && ((p.probe_unanswered_since(heard) && waiting(true))
-                || (!self.loss_evidence(i) && waiting(false)));
+                || (!evidence && waiting(false)));
         if unmeasured || silent {
             let p = &mut self.tx[i];
             p.hold_timeout(now, unmeasured);
