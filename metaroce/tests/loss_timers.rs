@@ -17,8 +17,12 @@ fn path(ep: &Endpoint, c: ConnectionHandle) -> PathStats {
 }
 
 /// Two connected endpoints (seed `seed`) whose transport configs `tune` adjusts, with the
-/// driving contract checked after every `handle_timeout`.
-fn connected(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHandle) {
+/// driving contract checked after every `handle_timeout`: the pair and the connection's
+/// handle at endpoint 0 and at endpoint 1.
+fn pair(
+    seed: u64,
+    tune: impl Fn(&mut TransportConfig),
+) -> (Pair, ConnectionHandle, ConnectionHandle) {
     let cfgs: Vec<_> = (0..2)
         .map(|i| {
             let mut c = config(i, seed);
@@ -28,20 +32,25 @@ fn connected(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, Connectio
         .collect();
     let mut p = Pair::with_configs(seed, cfgs[0].clone(), cfgs[1].clone());
     p.check_timers = true;
-    let (c, _) = p.connect();
+    let (c, s) = p.connect();
+    (p, c, s)
+}
+
+/// [`pair`], with endpoint 0's handle only.
+fn connected(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHandle) {
+    let (p, c, _) = pair(seed, tune);
     (p, c)
 }
 
-/// [`connected`], then small messages from endpoint 0 (work request ids from 10,000) until
-/// every path has had a packet acknowledged, so that every path's RTO comes from an RTT
-/// sample and not from `initial_rtt` (an RTO before the first sample is held when nothing
-/// shows a loss: `TransportConfig::unmeasured_rto_holds`).
-fn warmed(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHandle) {
-    let (mut p, c) = connected(seed, tune);
+/// Small messages from endpoint 0 on `c` (work request ids from 10,000) until every path
+/// has had a packet acknowledged, so that every path's RTO comes from an RTT sample and
+/// not from `initial_rtt` (an RTO before the first sample is held when nothing shows a
+/// loss: `TransportConfig::unmeasured_rto_holds`).
+fn warm(p: &mut Pair, c: ConnectionHandle) {
     for wr in 10_000..10_064u64 {
         let st = p.eps[0].connection_stats(c).expect("connection");
         if st.paths.iter().all(|x| x.stats.packets_acked > 0) {
-            return (p, c);
+            return;
         }
         p.eps[0]
             .post_send(c, 0, wr, Bytes::from(vec![1u8; 1024]))
@@ -49,6 +58,13 @@ fn warmed(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHa
         assert!(p.run_until_idle(Duration::from_secs(1)));
     }
     panic!("a path never had a packet acknowledged");
+}
+
+/// [`connected`], then [`warm`].
+fn warmed(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHandle) {
+    let (mut p, c) = connected(seed, tune);
+    warm(&mut p, c);
+    (p, c)
 }
 
 /// Data packets sent by endpoint 0 after this rule is added, numbered from 0: `pick` says
@@ -584,18 +600,11 @@ fn an_rto_is_not_held_while_a_slow_path_is_merely_slow() {
 #[test]
 fn a_first_window_queued_beyond_initial_rtt_is_not_sent_again() {
     for holds in [2u32, 0] {
-        let cfgs: Vec<_> = (0..2)
-            .map(|i| {
-                let mut c = config(i, 21);
-                c.transport.paths = 4;
-                c.transport.max_ack_delay = Duration::ZERO;
-                c.transport.unmeasured_rto_holds = holds;
-                c
-            })
-            .collect();
-        let mut p = Pair::with_configs(21, cfgs[0].clone(), cfgs[1].clone());
-        p.check_timers = true;
-        let (c, s) = p.connect();
+        let (mut p, c, s) = pair(21, |t| {
+            t.paths = 4;
+            t.max_ack_delay = Duration::ZERO;
+            t.unmeasured_rto_holds = holds;
+        });
         let queue = p.add_rule(Rule::always(
             Filter::any().from(0).kind(Kind::Data),
             Action::Capture { max: 4096 },
@@ -712,28 +721,12 @@ fn a_path_dead_from_its_first_packet_costs_at_most_the_held_timeouts() {
 #[test]
 fn an_rto_while_the_peer_acknowledges_nothing_newer_keeps_the_packets() {
     for hold in [true, false] {
-        let cfgs: Vec<_> = (0..2)
-            .map(|i| {
-                let mut c = config(i, 23);
-                c.transport.paths = 2;
-                c.transport.max_ack_delay = Duration::ZERO;
-                c.transport.hold_silent_rto = hold;
-                c
-            })
-            .collect();
-        let mut p = Pair::with_configs(23, cfgs[0].clone(), cfgs[1].clone());
-        p.check_timers = true;
-        let (c, s) = p.connect();
-        for wr in 10_000..10_064u64 {
-            let st = p.eps[0].connection_stats(c).unwrap();
-            if st.paths.iter().all(|x| x.stats.packets_acked > 0) {
-                break;
-            }
-            p.eps[0]
-                .post_send(c, 0, wr, Bytes::from(vec![1u8; 1024]))
-                .unwrap();
-            assert!(p.run_until_idle(Duration::from_secs(1)));
-        }
+        let (mut p, c, s) = pair(23, |t| {
+            t.paths = 2;
+            t.max_ack_delay = Duration::ZERO;
+            t.hold_silent_rto = hold;
+        });
+        warm(&mut p, c);
         let before = p.eps[0].connection_stats(c).unwrap();
         assert!(before.paths.iter().all(|x| x.stats.packets_acked > 0));
         let queue = p.add_rule(Rule::always(
