@@ -770,3 +770,82 @@ fn an_rto_while_the_peer_acknowledges_nothing_newer_keeps_the_packets() {
         }
     }
 }
+
+/// Attack on the holds: the peer is dead (everything from endpoint 0 is lost) while an
+/// attacker on the path replays the peer's old, valid ACKs (token mode, no AEAD) to
+/// endpoint 0 every 200 µs, on a connection right after its first message and on a
+/// warmed one. RTOs are held (checked), and the replays are heard, but they acknowledge
+/// nothing sent since, so they neither settle the packets nor keep a path holding: the
+/// connection still fails (`retry_count` 6, 130–200 ms here), the message completes with
+/// an error, never Success, and no later than without replays plus a second.
+#[test]
+fn replayed_acks_keep_no_path_holding_for_a_dead_peer() {
+    for warm_first in [false, true] {
+        let mut took = Vec::new();
+        for replay in [false, true] {
+            let (mut p, c) = connected(29, |t| {
+                t.paths = 4;
+                t.max_ack_delay = Duration::ZERO;
+                t.retry_count = 6;
+            });
+            let acks = p.add_rule(Rule::always(
+                Filter::any().from(1).kind(Kind::Ack),
+                Action::Capture { max: 4 },
+            ));
+            p.eps[0]
+                .post_send(c, 0, 9_000, Bytes::from(vec![2u8; 4096]))
+                .unwrap();
+            assert!(p.run_until_idle(Duration::from_secs(1)));
+            assert!(p.hits(acks).0 > 0);
+            p.clear_rules();
+            // The first 4 ACKs were taken off the network (the sender recovered without
+            // them): deliver them once now, late, and keep copies to replay.
+            let old = std::mem::take(&mut p.captured);
+            for a in &old {
+                p.deliver(0, a.from, &a.data);
+            }
+            assert!(p.run_until_idle(Duration::from_secs(1)));
+            if warm_first {
+                warm(&mut p, c);
+            }
+            p.add_rule(Rule::always(Filter::any().from(0), Action::Blackhole));
+            let start = p.elapsed();
+            p.eps[0]
+                .post_send(c, 0, 1, Bytes::from(vec![3u8; 16 * 1024]))
+                .unwrap();
+            let (mut k, mut held) = (0, 0);
+            while p.lost(0, c).is_none() && p.elapsed() - start < Duration::from_secs(30) {
+                if let Some(st) = p.eps[0].connection_stats(c) {
+                    held = st
+                        .paths
+                        .iter()
+                        .map(|x| x.stats.silent_rtos + x.stats.unmeasured_rtos)
+                        .sum();
+                }
+                p.run_for(Duration::from_micros(200));
+                if replay {
+                    let a = &old[k % old.len()];
+                    p.deliver(0, a.from, &a.data);
+                    k += 1;
+                }
+            }
+            assert!(
+                p.lost(0, c).is_some(),
+                "replay {replay}: the dead peer was never found"
+            );
+            let wc = p.completions(0, c).into_iter().find(|w| w.wr_id == 1);
+            assert!(
+                wc.is_some_and(|w| w.status != metaroce::WcStatus::Success),
+                "replay {replay}: {wc:?}"
+            );
+            println!("warm {warm_first} replay {replay}: held {held}");
+            assert!(held > 0, "the holds were exercised");
+            took.push(p.elapsed() - start);
+        }
+        println!(
+            "warm {warm_first}: dead peer found after {:?} without replays, {:?} with",
+            took[0], took[1]
+        );
+        assert!(took[1] <= took[0] + Duration::from_secs(1), "{took:?}");
+    }
+}
