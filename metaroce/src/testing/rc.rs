@@ -4,6 +4,7 @@
 //! (`tests/rc_conformance.rs`, docs/CONFORMANCE.md) runs on it.
 
 pub use super::pattern;
+use super::Impair;
 use crate::rocev2::{
     Completion, ConnectAttrs, QpInit, RcConfig, RcEndpoint, RcEvent, SendOp, SendWr,
 };
@@ -237,6 +238,83 @@ impl Net {
                     (free[1] > self.now).then_some(free[1]),
                 ];
                 if !self.advance(links, end) {
+                    return;
+                }
+            }
+        }
+        panic!("no quiescence");
+    }
+
+    /// Like `run`, over a network that delivers every packet `one_way` after it is sent and
+    /// applies `impair`'s independent loss, duplication and reordering (a reordered copy
+    /// arrives 1..=`reorder_slots` (0: 5) extra one-way delays late), drawn from `seed`; the
+    /// other fields of [`Impair`] are ignored. Every packet sent is recorded in `wire`, once.
+    pub fn run_impaired(
+        &mut self,
+        seed: u64,
+        impair: Impair,
+        one_way: Duration,
+        limit: Duration,
+        done: &dyn Fn(&Net) -> bool,
+    ) {
+        use rand_core::{RngCore, SeedableRng};
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
+        fn pick(rng: &mut impl RngCore, p: f64) -> bool {
+            p > 0.0 && (rng.next_u64() as f64 / u64::MAX as f64) < p
+        }
+        let slots = u64::from(if impair.reorder_slots == 0 {
+            5
+        } else {
+            impair.reorder_slots
+        });
+        let end = self.now + limit;
+        let mut buf = Vec::new();
+        // (arrival, order sent, to B, packet): a min-heap on arrival, FIFO among ties.
+        type InFlight = Reverse<(Instant, u64, bool, Vec<u8>)>;
+        let mut flight: BinaryHeap<InFlight> = BinaryHeap::new();
+        let mut order = 0u64;
+        for _ in 0..10_000_000 {
+            let mut moved = false;
+            for from_a in [true, false] {
+                loop {
+                    let src = if from_a { &mut self.a } else { &mut self.b };
+                    let Some(t) = src.poll_transmit(self.now, &mut buf) else {
+                        break;
+                    };
+                    let mut pkt = Vec::new();
+                    t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
+                    let s = seen(from_a, pkt);
+                    moved = true;
+                    if !pick(&mut rng, impair.loss) {
+                        let copies = if pick(&mut rng, impair.dup) { 2 } else { 1 };
+                        for _ in 0..copies {
+                            let mut at = self.now + one_way;
+                            if pick(&mut rng, impair.reorder) {
+                                let k = 1 + rng.next_u64() % slots;
+                                at += one_way * k as u32;
+                            }
+                            order += 1;
+                            flight.push(Reverse((at, order, from_a, s.ip_packet.clone())));
+                        }
+                    }
+                    self.wire.push(s);
+                }
+            }
+            while flight.peek().is_some_and(|Reverse(f)| f.0 <= self.now) {
+                let Reverse((_, _, to_b, pkt)) = flight.pop().unwrap();
+                let dst = if to_b { &mut self.b } else { &mut self.a };
+                dst.handle_ip_packet(self.now, &pkt);
+                moved = true;
+            }
+            self.collect_events();
+            if done(self) {
+                return;
+            }
+            if !moved {
+                let next = flight.peek().map(|Reverse(f)| f.0);
+                if !self.advance([next], end) {
                     return;
                 }
             }
