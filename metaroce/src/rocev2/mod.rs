@@ -455,7 +455,8 @@ pub struct QpStats {
     /// CNPs received for this QP (reaction point input).
     pub cnps_received: u64,
     /// READ/atomic requests refused (NAK Invalid Request) because `max_dest_rd_atomic`
-    /// were outstanding.
+    /// resources were saved and the oldest's last response had never been sent (the
+    /// requester exceeded the limit).
     pub rd_atomic_refused: u64,
     /// The reaction point's current rate, bits per second (`line_rate_bps` when not
     /// throttled; 0 until the QP first sends, receives a CNP or runs a timer).

@@ -49,6 +49,25 @@ enum InMsg {
     },
 }
 
+/// A responder resource saved for duplicate READ/atomic requests, and whether its last
+/// response (READ: the LAST or ONLY packet; atomic: the ATOMIC ACKNOWLEDGE) has been sent
+/// at least once, by the first answer or a replay.
+#[derive(Debug, Clone, Copy)]
+struct Saved {
+    res: Resource,
+    answered: bool,
+}
+
+impl Resource {
+    /// The first PSN of the request this resource answers.
+    fn first_psn(&self) -> u32 {
+        match *self {
+            Resource::Read { first_psn, .. } => first_psn,
+            Resource::Atomic { psn, .. } => psn,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Resource {
     Read {
@@ -131,7 +150,8 @@ pub(crate) struct Qp {
     rq: VecDeque<RecvWr>,
     nak_seq_sent: bool,
     in_msg: Option<InMsg>,
-    resources: VecDeque<Resource>,
+    /// Oldest first (PSN order).
+    resources: VecDeque<Saved>,
     out: VecDeque<RespItem>,
     // congestion control (DCQCN)
     /// Reaction point: rate limiter on this QP's request and READ-response packets.
@@ -508,6 +528,7 @@ impl Qp {
                 }
                 RespItem::AtomicAck { psn, orig, msn } => {
                     self.out.pop_front();
+                    self.mark_answered(psn);
                     let bth = Bth::new(Opcode::RC_ATOMIC_ACKNOWLEDGE, rqpn, psn);
                     let h = Headers::Rc {
                         reth: None,
@@ -564,6 +585,9 @@ impl Qp {
                     });
                     let bth = Bth::new(op, rqpn, psn_add(base, k));
                     let p = self.emit(buf, bth, rc(None, aeth, None, None, None), &data);
+                    if k + 1 == n {
+                        self.mark_answered(base);
+                    }
                     if let Some(RespItem::Read {
                         k: kk,
                         va: vv,
@@ -1453,36 +1477,54 @@ impl Qp {
         );
     }
 
-    /// Whether the responses of the resource `r` are still queued (it is outstanding: a
-    /// lost response of it could still be asked for again).
-    fn resource_outstanding(&self, r: &Resource) -> bool {
-        self.out.iter().any(|it| match (*it, *r) {
-            (RespItem::Read { base, .. }, Resource::Read { first_psn, .. }) => base == first_psn,
-            (RespItem::AtomicAck { psn: a, .. }, Resource::Atomic { psn: b, .. }) => a == b,
-            _ => false,
-        })
-    }
-
     /// Room for one more READ/atomic responder resource (IBA §9.7.4.x / o9-xx
-    /// `max_dest_rd_atomic`): at most `max` outstanding. A resource whose responses are all
-    /// sent may be retired (a requester within its `max_rd_atomic` has completed it before
-    /// it sends the request that needs the slot); an outstanding one never is. `false`: the
-    /// requester exceeded the limit.
+    /// `max_dest_rd_atomic`): with `max` saved, the oldest is retired, together with any of
+    /// its responses still queued. rxe recycles the oldest the same way.
+    ///
+    /// A requester within its `max_rd_atomic` (at most our `max_dest_rd_atomic`) sends the
+    /// request that needs the slot only after it has completed the oldest, which needs the
+    /// oldest's last response. Queued responses of the oldest are then a replay for a
+    /// duplicate request that came late, which nobody waits for: they must not keep the
+    /// slot (a younger resource retired in its place could no longer be replayed, and its
+    /// READ would fail with `RetryExceeded`). If the oldest's last response was never sent,
+    /// the requester exceeded the limit: `false`.
     fn make_room(&mut self, max: u8) -> bool {
         let max = usize::from(max.max(1));
         while self.resources.len() >= max {
-            let Some(i) =
-                (0..self.resources.len()).find(|&i| !self.resource_outstanding(&self.resources[i]))
-            else {
-                return false;
+            let Some(oldest) = self.resources.front().copied() else {
+                break;
             };
-            self.resources.remove(i);
+            if !oldest.answered {
+                return false;
+            }
+            self.resources.pop_front();
+            let psn = oldest.res.first_psn();
+            self.out.retain(|it| match *it {
+                RespItem::Read { base, .. } => base != psn,
+                RespItem::AtomicAck { psn: a, .. } => a != psn,
+                RespItem::Ack { .. } => true,
+            });
         }
         true
     }
 
-    fn save_resource(&mut self, r: Resource) {
-        self.resources.push_back(r);
+    fn save_resource(&mut self, res: Resource) {
+        self.resources.push_back(Saved {
+            res,
+            answered: false,
+        });
+    }
+
+    /// The last response of the resource whose request starts at `psn` went out.
+    fn mark_answered(&mut self, psn: u32) {
+        if let Some(s) = self
+            .resources
+            .iter_mut()
+            .rev()
+            .find(|s| s.res.first_psn() == psn)
+        {
+            s.answered = true;
+        }
     }
 
     fn on_duplicate(&mut self, cfg: &RcConfig, op: u8, p: u32, reth: Option<Reth>) {
@@ -1491,7 +1533,7 @@ impl Qp {
                 let Some(r) = reth else {
                     return;
                 };
-                let found = self.resources.iter().rev().find_map(|res| match *res {
+                let found = self.resources.iter().rev().find_map(|s| match s.res {
                     Resource::Read {
                         first_psn,
                         n,
@@ -1536,7 +1578,7 @@ impl Qp {
                 self.push_out(cfg, replay);
             }
             0x13 | 0x14 => {
-                let found = self.resources.iter().rev().find_map(|res| match *res {
+                let found = self.resources.iter().rev().find_map(|s| match s.res {
                     Resource::Atomic { psn, orig } if psn == p => Some(orig),
                     _ => None,
                 });
