@@ -878,9 +878,12 @@ fn long_read_response_on_slow_link_restarts_the_ack_timer() {
     // 400 Mbit/s: the READ response alone needs ~86 ms on the wire, ~20 ACK timeouts
     // (while 64 WRITE packets, one ACK's worth, take 1.4 ms).
     let start = n.now;
-    n.run_paced(
-        400_000_000,
-        Duration::from_micros(5),
+    n.run_link(
+        Link {
+            bits_per_sec: Some(400_000_000),
+            one_way: Duration::from_micros(5),
+            ..Link::default()
+        },
         Duration::from_secs(10),
         &mut |_| false,
         &|n| n.completions_a().len() == 3,
@@ -953,9 +956,12 @@ fn read_response_gap_re_requests_the_rest_once_and_responder_switches() {
     .unwrap();
     // Lose the 101st response packet (index 100) once.
     let mut resp_seen = 0;
-    n.run_paced(
-        400_000_000,
-        Duration::from_micros(5),
+    n.run_link(
+        Link {
+            bits_per_sec: Some(400_000_000),
+            one_way: Duration::from_micros(5),
+            ..Link::default()
+        },
         Duration::from_secs(10),
         &mut |s| {
             if !s.from_a && (0x0D..=0x10).contains(&s.opcode) {
@@ -1028,9 +1034,12 @@ fn lost_read_tail_while_next_read_streams() {
         .unwrap();
     }
     let mut lost = false;
-    n.run_paced(
-        400_000_000,
-        Duration::from_micros(5),
+    n.run_link(
+        Link {
+            bits_per_sec: Some(400_000_000),
+            one_way: Duration::from_micros(5),
+            ..Link::default()
+        },
         Duration::from_secs(10),
         // Lose the first READ's LAST response once.
         &mut |s| !s.from_a && s.opcode == 0x0F && !std::mem::replace(&mut lost, true),

@@ -38,6 +38,19 @@ pub struct Net {
     pub ev_b: Vec<RcEvent>,
 }
 
+/// The link of [`Net::run_link`], the same in both directions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Link {
+    /// Serialization rate of IP packet bytes; `None`: unlimited.
+    pub bits_per_sec: Option<u64>,
+    /// Propagation delay.
+    pub one_way: Duration,
+    /// Random loss, duplication and reordering.
+    pub impair: Impair,
+    /// Seed of the impairments' random draws.
+    pub seed: u64,
+}
+
 pub fn seen(from_a: bool, ip_packet: Vec<u8>) -> Seen {
     let p = Packet::parse(&ip_packet[28..]).expect("own packets parse");
     let syndrome = match p.headers {
@@ -176,27 +189,43 @@ impl Net {
         panic!("no quiescence");
     }
 
-    /// Like `run`, but over a rate-limited link: each direction serializes its packets at
-    /// `bits_per_sec` (IP packet bytes) and delivers them `prop` later, in order. An
-    /// endpoint is asked for its next packet only when its link is idle (a NIC sending at
-    /// line rate), so queued responses stay at the responder. `drop` decides, per packet,
-    /// whether the link loses it. Virtual time advances to the next delivery, idle link
-    /// or timer.
-    pub fn run_paced(
+    /// Like `run`, over a [`Link`]: each direction serializes its packets at
+    /// `link.bits_per_sec` (IP packet bytes; `None`: no limit) and delivers them
+    /// `link.one_way` later, applying `link.impair`'s independent loss, duplication and
+    /// reordering (a reordered copy arrives 1..=`reorder_slots` (0: 5) extra one-way delays
+    /// late; the other fields of [`Impair`] are ignored), drawn from `link.seed`. With a
+    /// rate, an endpoint is asked for its next packet only when its link is idle (a NIC
+    /// sending at line rate), so queued responses stay at the responder. `drop` decides,
+    /// per packet, whether the link loses it too. Every packet sent is recorded in `wire`,
+    /// once. Virtual time advances to the next delivery, idle link or timer.
+    pub fn run_link(
         &mut self,
-        bits_per_sec: u64,
-        prop: Duration,
+        link: Link,
         limit: Duration,
         drop: &mut dyn FnMut(&Seen) -> bool,
         done: &dyn Fn(&Net) -> bool,
     ) {
-        use std::collections::VecDeque;
+        use rand_core::{RngCore, SeedableRng};
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        fn pick(rng: &mut impl RngCore, p: f64) -> bool {
+            p > 0.0 && (rng.next_u64() as f64 / u64::MAX as f64) < p
+        }
+        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(link.seed);
+        let imp = link.impair;
+        let slots = u64::from(if imp.reorder_slots == 0 {
+            5
+        } else {
+            imp.reorder_slots
+        });
         let end = self.now + limit;
         let mut buf = Vec::new();
-        // Per direction (index 0: A to B, 1: B to A): when the link is next free, and the
-        // packets in flight with their arrival times.
+        // Per direction (index 0: A to B, 1: B to A): when the link is next free.
         let mut free = [self.now; 2];
-        let mut flight: [VecDeque<(Instant, Vec<u8>)>; 2] = [VecDeque::new(), VecDeque::new()];
+        // (arrival, order sent, to B, packet): a min-heap on arrival, FIFO among ties.
+        type InFlight = Reverse<(Instant, u64, bool, Vec<u8>)>;
+        let mut flight: BinaryHeap<InFlight> = BinaryHeap::new();
+        let mut order = 0u64;
         for _ in 0..10_000_000 {
             let mut moved = false;
             for (d, from_a) in [(0usize, true), (1, false)] {
@@ -207,93 +236,22 @@ impl Net {
                     };
                     let mut pkt = Vec::new();
                     t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
-                    let ser =
-                        Duration::from_nanos(pkt.len() as u64 * 8 * 1_000_000_000 / bits_per_sec);
-                    free[d] = free[d].max(self.now) + ser;
-                    let s = seen(from_a, pkt);
-                    if !drop(&s) {
-                        flight[d].push_back((free[d] + prop, s.ip_packet.clone()));
-                    }
-                    self.wire.push(s);
-                    moved = true;
-                }
-            }
-            for (d, to_b) in [(0usize, true), (1, false)] {
-                while flight[d].front().is_some_and(|(t, _)| *t <= self.now) {
-                    let (_, pkt) = flight[d].pop_front().unwrap();
-                    let dst = if to_b { &mut self.b } else { &mut self.a };
-                    dst.handle_ip_packet(self.now, &pkt);
-                    moved = true;
-                }
-            }
-            self.collect_events();
-            if done(self) {
-                return;
-            }
-            if !moved {
-                let links = [
-                    flight[0].front().map(|f| f.0),
-                    flight[1].front().map(|f| f.0),
-                    (free[0] > self.now).then_some(free[0]),
-                    (free[1] > self.now).then_some(free[1]),
-                ];
-                if !self.advance(links, end) {
-                    return;
-                }
-            }
-        }
-        panic!("no quiescence");
-    }
-
-    /// Like `run`, over a network that delivers every packet `one_way` after it is sent and
-    /// applies `impair`'s independent loss, duplication and reordering (a reordered copy
-    /// arrives 1..=`reorder_slots` (0: 5) extra one-way delays late), drawn from `seed`; the
-    /// other fields of [`Impair`] are ignored. Every packet sent is recorded in `wire`, once.
-    pub fn run_impaired(
-        &mut self,
-        seed: u64,
-        impair: Impair,
-        one_way: Duration,
-        limit: Duration,
-        done: &dyn Fn(&Net) -> bool,
-    ) {
-        use rand_core::{RngCore, SeedableRng};
-        use std::cmp::Reverse;
-        use std::collections::BinaryHeap;
-        let mut rng = rand_xoshiro::Xoshiro256PlusPlus::seed_from_u64(seed);
-        fn pick(rng: &mut impl RngCore, p: f64) -> bool {
-            p > 0.0 && (rng.next_u64() as f64 / u64::MAX as f64) < p
-        }
-        let slots = u64::from(if impair.reorder_slots == 0 {
-            5
-        } else {
-            impair.reorder_slots
-        });
-        let end = self.now + limit;
-        let mut buf = Vec::new();
-        // (arrival, order sent, to B, packet): a min-heap on arrival, FIFO among ties.
-        type InFlight = Reverse<(Instant, u64, bool, Vec<u8>)>;
-        let mut flight: BinaryHeap<InFlight> = BinaryHeap::new();
-        let mut order = 0u64;
-        for _ in 0..10_000_000 {
-            let mut moved = false;
-            for from_a in [true, false] {
-                loop {
-                    let src = if from_a { &mut self.a } else { &mut self.b };
-                    let Some(t) = src.poll_transmit(self.now, &mut buf) else {
-                        break;
+                    let sent = match link.bits_per_sec {
+                        Some(bps) => {
+                            let ns = pkt.len() as u64 * 8 * 1_000_000_000 / bps;
+                            free[d] = free[d].max(self.now) + Duration::from_nanos(ns);
+                            free[d]
+                        }
+                        None => self.now,
                     };
-                    let mut pkt = Vec::new();
-                    t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
                     let s = seen(from_a, pkt);
                     moved = true;
-                    if !pick(&mut rng, impair.loss) {
-                        let copies = if pick(&mut rng, impair.dup) { 2 } else { 1 };
+                    if !drop(&s) && !pick(&mut rng, imp.loss) {
+                        let copies = if pick(&mut rng, imp.dup) { 2 } else { 1 };
                         for _ in 0..copies {
-                            let mut at = self.now + one_way;
-                            if pick(&mut rng, impair.reorder) {
-                                let k = 1 + rng.next_u64() % slots;
-                                at += one_way * k as u32;
+                            let mut at = sent + link.one_way;
+                            if pick(&mut rng, imp.reorder) {
+                                at += link.one_way * (1 + rng.next_u64() % slots) as u32;
                             }
                             order += 1;
                             flight.push(Reverse((at, order, from_a, s.ip_packet.clone())));
@@ -313,8 +271,12 @@ impl Net {
                 return;
             }
             if !moved {
-                let next = flight.peek().map(|Reverse(f)| f.0);
-                if !self.advance([next], end) {
+                let links = [
+                    flight.peek().map(|Reverse(f)| f.0),
+                    (free[0] > self.now).then_some(free[0]),
+                    (free[1] > self.now).then_some(free[1]),
+                ];
+                if !self.advance(links, end) {
                     return;
                 }
             }
