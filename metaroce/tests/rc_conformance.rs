@@ -1096,6 +1096,93 @@ fn conformance_table_names_existing_tests() {
     assert!(checked >= rows / 2);
 }
 
+/// Everything `from_a`'s side sends now (at most `max` packets), as IP packets, recorded in
+/// `wire` and not delivered.
+fn take_sent(n: &mut Net, from_a: bool, max: usize) -> Vec<Vec<u8>> {
+    let mut buf = Vec::new();
+    let mut sent = Vec::new();
+    while sent.len() < max {
+        let ep = if from_a { &mut n.a } else { &mut n.b };
+        let Some(t) = ep.poll_transmit(n.now, &mut buf) else {
+            break;
+        };
+        let mut pkt = Vec::new();
+        t.write_ip_packet(&buf[..t.size], &mut pkt).unwrap();
+        n.wire.push(seen(from_a, pkt.clone()));
+        sent.push(pkt);
+    }
+    sent
+}
+
+/// IBA §9.7.5.1.x duplicate READ: a copy of an old READ request that the network delivers
+/// late, with nothing lost, is answered again but does not cost the younger READ its queued
+/// responses. READ 1 (one packet) and READ 2 (64 packets); B has sent READ 1's response and
+/// READ 2's first three when the copy arrives. Both complete with the right data, with no
+/// ACK timeout and nothing sent again by A, and B sends exactly one response more than
+/// without the copy (READ 1's replay). Dropping the younger READ's responses for the copy
+/// cost one ACK timeout (4.19 ms here) and 61 packets asked for again.
+#[test]
+fn a_late_duplicate_read_request_keeps_the_younger_reads_responses() {
+    let mut figures = Vec::new();
+    for late_copy in [false, true] {
+        let mut n = Net::with(1024, None, None, |a: &mut ConnectAttrs| {
+            a.max_rd_atomic = 2;
+            a.max_dest_rd_atomic = 2;
+        });
+        let res = n.a.register_mr(vec![0; 1 << 17], Access::LOCAL_WRITE);
+        let tgt = n.b.register_mr(
+            pattern(2, 1 << 17),
+            Access::LOCAL_WRITE | Access::REMOTE_READ,
+        );
+        n.a.post_send(n.qa, read_wr(1, res.lkey, 0, 1024, tgt.addr, tgt.rkey))
+            .unwrap();
+        n.a.post_send(
+            n.qa,
+            read_wr(2, res.lkey, 4096, 65536, tgt.addr + 4096, tgt.rkey),
+        )
+        .unwrap();
+        let start = n.now;
+        let requests = take_sent(&mut n, true, 10);
+        assert_eq!(requests.len(), 2);
+        for r in &requests {
+            n.b.handle_ip_packet(start, r);
+        }
+        for r in take_sent(&mut n, false, 4) {
+            n.a.handle_ip_packet(start, &r);
+        }
+        if late_copy {
+            n.b.handle_ip_packet(start, &requests[0]);
+        }
+        n.run(Duration::from_secs(10), &mut |_| false, &|n| {
+            n.completions_a().len() == 2
+        });
+        assert_eq!(
+            statuses(&n),
+            vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+        );
+        assert_eq!(
+            n.a.mr_read(res.lkey, 0, 1024).unwrap(),
+            &pattern(2, 1024)[..]
+        );
+        assert_eq!(
+            n.a.mr_read(res.lkey, 4096, 65536).unwrap(),
+            &pattern(2, 1 << 17)[4096..4096 + 65536]
+        );
+        let (sa, sb) = (n.a.qp_stats(n.qa).unwrap(), n.b.qp_stats(n.qb).unwrap());
+        figures.push((
+            n.now - start,
+            sa.timeouts,
+            sa.retransmitted,
+            sb.tx_responses,
+        ));
+    }
+    let (without, with) = (figures[0], figures[1]);
+    assert_eq!((without.1, without.2), (0, 0), "{figures:?}");
+    assert_eq!(with.0, without.0, "{figures:?}");
+    assert_eq!((with.1, with.2), (0, 0), "{figures:?}");
+    assert_eq!(with.3, without.3 + 1, "{figures:?}");
+}
+
 // ------------------------------------------------------------------ recovery under impairment
 
 /// The operations [`impaired_ops`] posts.

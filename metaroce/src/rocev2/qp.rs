@@ -1566,16 +1566,29 @@ impl Qp {
                     rkey,
                     remaining: r.dma_len,
                 };
-                // The requester asks again because it lost part of the response and goes
-                // back N: it will also ask again for every later READ. Abandon the queued
-                // (or in-progress) responses of this READ and of later ones instead of
-                // finishing streams the requester drops, and answer from the requested
-                // PSN (rxe's responder likewise switches to the duplicate's PSN). The
-                // later READs' responses follow when their own requests come again.
-                self.out.retain(
-                    |it| !matches!(*it, RespItem::Read { base: b, .. } if psn_diff(b, base) >= 0),
-                );
-                self.push_out(cfg, replay);
+                // Either the requester lost part of the response and goes back N (its
+                // requests for the later READs follow), or the network delivered a copy of
+                // an old request late. Answer from the requested PSN in place of this
+                // READ's own queued responses, ahead of the later READs' streams (PSN
+                // order), and keep those: after a go-back each is replaced in turn when its
+                // own request comes again, and after a late copy they are what the
+                // requester still waits for. rxe likewise never drops a younger READ's
+                // responses for a duplicate. (Dropping them made one late copy cost the
+                // requester an ACK timeout: `rc_conformance.rs::
+                // a_late_duplicate_read_request_keeps_the_younger_reads_responses`.)
+                self.out
+                    .retain(|it| !matches!(*it, RespItem::Read { base: b, .. } if b == base));
+                if self.out.len() >= cfg.max_pending_responses {
+                    return;
+                }
+                let at = self
+                    .out
+                    .iter()
+                    .position(
+                        |it| matches!(*it, RespItem::Read { base: b, .. } if psn_diff(b, base) > 0),
+                    )
+                    .unwrap_or(self.out.len());
+                self.out.insert(at, replay);
             }
             0x13 | 0x14 => {
                 let found = self.resources.iter().rev().find_map(|s| match s.res {
