@@ -1198,8 +1198,7 @@ enum Op {
 /// `max_rd_atomic` = `max_dest_rd_atomic` = `depth`, path MTU `mtu`, timeout 12 (about 16.8
 /// ms), `retry_cnt` 7 and `rnr_retry` 7: SENDs and WRITEs of `len` bytes from a patterned
 /// region, READs of `len` bytes of another patterned region, FETCH_ADDs of 1 on one
-/// counter. Runs them over a network that applies `impair` (loss, duplication, reordering)
-/// in both directions with 20 µs one way, for seeds `0..seeds`.
+/// counter. Runs them over `link` (its seed replaced by each of `0..seeds`).
 ///
 /// Returns the seeds where something is wrong, with what: a work request that did not
 /// complete with Success, or out of order; a SEND not received; data not placed or read
@@ -1211,8 +1210,7 @@ fn impaired_ops(
     len: u32,
     mtu: u32,
     depth: u8,
-    impair: metaroce::testing::Impair,
-    bits_per_sec: Option<u64>,
+    link: Link,
 ) -> Vec<(u64, String)> {
     let mut failed = Vec::new();
     for seed in 0..seeds {
@@ -1286,12 +1284,7 @@ fn impaired_ops(
             };
             n.a.post_send(n.qa, wr).unwrap();
         }
-        let link = Link {
-            bits_per_sec,
-            one_way: Duration::from_micros(20),
-            impair,
-            seed,
-        };
+        let link = Link { seed, ..link };
         n.run_link(link, Duration::from_secs(60), &mut |_| false, &|n| {
             n.completions_a().len() as u64 == ops
         });
@@ -1344,12 +1337,19 @@ fn impaired_ops(
     failed
 }
 
-fn impair(loss: f64, dup: f64, reorder: f64) -> metaroce::testing::Impair {
-    metaroce::testing::Impair {
-        loss,
-        dup,
-        reorder,
-        ..Default::default()
+/// A link with 20 µs one way, `rate` (bits/s, `None`: unlimited), and the independent loss,
+/// duplication and reordering probabilities given, in both directions.
+fn link(loss: f64, dup: f64, reorder: f64, rate: Option<u64>) -> Link {
+    Link {
+        bits_per_sec: rate,
+        one_way: Duration::from_micros(20),
+        impair: metaroce::testing::Impair {
+            loss,
+            dup,
+            reorder,
+            ..Default::default()
+        },
+        seed: 0,
     }
 }
 
@@ -1369,8 +1369,7 @@ fn reads_complete_under_loss_duplication_and_reordering() {
         16384,
         4096,
         16,
-        impair(0.03, 0.01, 0.01),
-        None,
+        link(0.03, 0.01, 0.01, None),
     );
     assert!(failed.is_empty(), "seeds that failed: {failed:?}");
 }
@@ -1402,8 +1401,7 @@ fn every_operation_completes_exactly_once_under_loss_duplication_and_reordering(
                 3 * 1024 + 100,
                 1024,
                 depth,
-                impair(loss, dup, reorder),
-                rate,
+                link(loss, dup, reorder, rate),
             );
             failed.extend(
                 f.into_iter()
