@@ -58,16 +58,6 @@ struct Saved {
     answered: bool,
 }
 
-impl Resource {
-    /// The first PSN of the request this resource answers.
-    fn first_psn(&self) -> u32 {
-        match *self {
-            Resource::Read { first_psn, .. } => first_psn,
-            Resource::Atomic { psn, .. } => psn,
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy)]
 enum Resource {
     Read {
@@ -81,6 +71,16 @@ enum Resource {
         psn: u32,
         orig: u64,
     },
+}
+
+impl Resource {
+    /// The first PSN of the request this resource answers.
+    fn first_psn(&self) -> u32 {
+        match *self {
+            Resource::Read { first_psn, .. } => first_psn,
+            Resource::Atomic { psn, .. } => psn,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
