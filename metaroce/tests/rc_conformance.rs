@@ -1183,6 +1183,54 @@ fn a_late_duplicate_read_request_keeps_the_younger_reads_responses() {
     assert_eq!(with.3, without.3 + 1, "{figures:?}");
 }
 
+/// IBA §9.7.5.1.x duplicate atomic: 100 copies of one FETCH_ADD request reach the
+/// responder before it sends anything. The first executes; the copies are answered from the
+/// saved resource, with one ATOMIC ACKNOWLEDGE queued at a time, so the responder sends one
+/// (a flood of copies cannot fill its response queue), the counter moves once and the
+/// requester fetches 0.
+#[test]
+fn duplicate_atomic_requests_queue_one_acknowledge() {
+    let mut n = Net::new(1024, None, None);
+    let res = n.a.register_mr(vec![0xFF; 8], Access::LOCAL_WRITE);
+    let counter =
+        n.b.register_mr(vec![0; 8], Access::LOCAL_WRITE | Access::REMOTE_ATOMIC);
+    let wr = SendWr {
+        wr_id: 1,
+        op: SendOp::FetchAdd {
+            remote_addr: counter.addr,
+            rkey: counter.rkey,
+            add: 1,
+        },
+        lkey: res.lkey,
+        local_offset: 0,
+        len: 8,
+        solicited: false,
+    };
+    n.a.post_send(n.qa, wr).unwrap();
+    let request = take_sent(&mut n, true, 10);
+    assert_eq!(request.len(), 1);
+    for _ in 0..100 {
+        n.b.handle_ip_packet(n.now, &request[0]);
+    }
+    n.run_all();
+    assert_eq!(statuses(&n), vec![(1, WcStatus::Success)]);
+    let acks = n
+        .wire
+        .iter()
+        .filter(|s| !s.from_a && s.opcode == 0x12)
+        .count();
+    assert_eq!(acks, 1);
+    assert_eq!(n.b.qp_stats(n.qb).unwrap().duplicates_received, 99);
+    assert_eq!(
+        n.b.mr_read(counter.lkey, 0, 8).unwrap(),
+        &1u64.to_le_bytes()[..]
+    );
+    assert_eq!(
+        n.a.mr_read(res.lkey, 0, 8).unwrap(),
+        &0u64.to_le_bytes()[..]
+    );
+}
+
 // ------------------------------------------------------------------ recovery under impairment
 
 /// The operations [`impaired_ops`] posts.
@@ -1375,18 +1423,24 @@ fn reads_complete_under_loss_duplication_and_reordering() {
 }
 
 /// SEND, WRITE, READ and FETCH_ADD in turn, 1, 4 and 16 READ/atomics in flight, under four
-/// mixes of loss, duplication and reordering (the reordering-heavy ones without loss, the
-/// lossy ones with little duplication): everything completes in order with Success, every
-/// byte lands, and every FETCH_ADD executes exactly once. Each runs on an unlimited link and
-/// on a 10 Gbit/s one, where responses queue at the responder. Before the fix, 17 of these
-/// 960 runs failed, even with one READ/atomic in flight and no loss at all.
+/// mixes of loss (at most 5 %), duplication and reordering: everything completes in order
+/// with Success, every byte lands, and every FETCH_ADD executes exactly once. Each runs on
+/// an unlimited link and on a 10 Gbit/s one, where responses queue at the responder. With
+/// the responder's old resource rule, 23 of these 960 runs failed, some with one
+/// READ/atomic in flight and no loss at all.
+///
+/// Loss stays at 5 % or less: `retry_cnt` 7 is spent by 8 go-backs in a row without
+/// progress, and with 10 % loss each go-back fails (the request or the first response
+/// packet lost) with probability about 0.19; over thousands of go-backs one READ in a few
+/// hundred runs legitimately ends in `RetryExceeded` (seen once: seed 19 at depth 4, where
+/// one READ's first response packet was lost all 6 times the responder sent it).
 #[test]
 fn every_operation_completes_exactly_once_under_loss_duplication_and_reordering() {
     let kinds = [Op::Send, Op::Write, Op::Read, Op::FetchAdd];
     let mut failed = Vec::new();
     for (loss, dup, reorder) in [
         (0.03, 0.01, 0.01),
-        (0.1, 0.05, 0.05),
+        (0.05, 0.05, 0.05),
         (0.0, 0.1, 0.1),
         (0.05, 0.0, 0.3),
     ] {

@@ -1527,6 +1527,27 @@ impl Qp {
         }
     }
 
+    /// Queue `item`, the replay of the READ or atomic whose request starts at `psn`, ahead
+    /// of the queued READ responses and ATOMIC ACKNOWLEDGEs of younger requests: responses
+    /// leave in PSN order, which the requester expects (a younger READ's responses ahead of
+    /// it would be dropped and asked for again). Dropped when `max_pending_responses` are
+    /// queued, like every response.
+    fn push_replay(&mut self, cfg: &RcConfig, psn: u32, item: RespItem) {
+        if self.out.len() >= cfg.max_pending_responses {
+            return;
+        }
+        let at = self
+            .out
+            .iter()
+            .position(|it| match *it {
+                RespItem::Read { base, .. } => psn_diff(base, psn) > 0,
+                RespItem::AtomicAck { psn: a, .. } => psn_diff(a, psn) > 0,
+                RespItem::Ack { .. } => false,
+            })
+            .unwrap_or(self.out.len());
+        self.out.insert(at, item);
+    }
+
     fn on_duplicate(&mut self, cfg: &RcConfig, op: u8, p: u32, reth: Option<Reth>) {
         match op {
             0x0C => {
@@ -1578,26 +1599,22 @@ impl Qp {
                 // a_late_duplicate_read_request_keeps_the_younger_reads_responses`.)
                 self.out
                     .retain(|it| !matches!(*it, RespItem::Read { base: b, .. } if b == base));
-                if self.out.len() >= cfg.max_pending_responses {
-                    return;
-                }
-                let at = self
-                    .out
-                    .iter()
-                    .position(
-                        |it| matches!(*it, RespItem::Read { base: b, .. } if psn_diff(b, base) > 0),
-                    )
-                    .unwrap_or(self.out.len());
-                self.out.insert(at, replay);
+                self.push_replay(cfg, base, replay);
             }
             0x13 | 0x14 => {
                 let found = self.resources.iter().rev().find_map(|s| match s.res {
                     Resource::Atomic { psn, orig } if psn == p => Some(orig),
                     _ => None,
                 });
-                if let Some(orig) = found {
+                // One ATOMIC ACKNOWLEDGE queued per atomic: more copies of the request
+                // (a flood of duplicates) add nothing.
+                let queued = self
+                    .out
+                    .iter()
+                    .any(|it| matches!(*it, RespItem::AtomicAck { psn, .. } if psn == p));
+                if let (Some(orig), false) = (found, queued) {
                     let msn = self.msn;
-                    self.push_out(cfg, RespItem::AtomicAck { psn: p, orig, msn });
+                    self.push_replay(cfg, p, RespItem::AtomicAck { psn: p, orig, msn });
                 }
             }
             _ => {
