@@ -281,6 +281,23 @@ pub struct TransportConfig {
     /// (docs/PROTOCOL.md, "Timers, per path"). A host stall of the peer, or a queue that
     /// grows past the RTO, then costs no retransmitted window. Default `true`.
     pub hold_silent_rto: bool,
+    /// Hold the first RTO of a path in a row, as `hold_silent_rto` does, when nothing
+    /// shows a loss (nothing sent after the path's oldest outstanding packet has been
+    /// acknowledged on any path) and every other live path waits for the peer or is idle,
+    /// with at least one idle path that has an RTT sample: keepalives then ask up to 4
+    /// such idle paths, smallest SRTT first, whether the peer is alive. An ACK on an asked
+    /// path echoing a time at or after the question while the path's packets are still
+    /// unacknowledged (the peer alive, this path not) fires the RTO one SRTT of the path
+    /// after it, counted once: a dead path's packets move about one round trip of the
+    /// idle path plus one SRTT later than without the question (16 KiB across a dead path
+    /// in `loss_timers::a_held_rto_that_an_idle_path_answers_moves_the_packets`: 7.62 →
+    /// 7.66 ms). If every asked path crosses the failure too, nothing answers and the
+    /// packets move at the doubled RTO. No answer because the peer's host stalled costs
+    /// nothing sent twice: issue #13, a single connection's 64 B WRITEs on loopback resent
+    /// a window of about 65 packets at every peer stall longer than an RTO, because idle
+    /// paths beside the busy ones kept `hold_silent_rto` from applying. Counted in
+    /// `PathStats::asked_rtos` and `PathStats::refuted_holds`. Default `true`.
+    pub ask_idle_path: bool,
     /// How many RTOs of a path in a row are held while the path has no RTT sample yet,
     /// no packet sent after its oldest outstanding one has been acknowledged on any path,
     /// and no other path known to work (with an RTT sample) is idle: each such timeout
@@ -570,6 +587,7 @@ impl Default for TransportConfig {
             path_reroll_timeouts: 3,
             path_reroll_on_first_timeout: false,
             hold_silent_rto: true,
+            ask_idle_path: true,
             unmeasured_rto_holds: 2,
             path_reroll_resets_backoff: false,
             rebalance_ratio_permille: 750,

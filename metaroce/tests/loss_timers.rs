@@ -220,16 +220,20 @@ fn a_probe_carries_new_data_when_there_is_some() {
 /// The peer goes silent on every path while each path waits for ACKs (its host stalled):
 /// the RTO has no evidence against any path and no path known to work to move packets to,
 /// so it keeps the packets outstanding and sends one more probe (as a QUIC probe timeout
-/// does). When the ACKs come, nothing was lost and only that probe was sent twice. The
-/// control: the same silence while the other path is idle (it may work, and a peer with
-/// nothing else to acknowledge is silent too) declares the packets lost and moves them, as
-/// before.
+/// does). When the ACKs come, nothing was lost and only that probe was sent twice.
+///
+/// With the other path idle (it may work, and a peer with nothing else to acknowledge is
+/// silent too) the RTO is held too, but asks: a keepalive goes out on the idle path
+/// (`TransportConfig::ask_idle_path`). The peer's answer is lost with its other ACKs here,
+/// so nothing is declared lost. The control, without the question: the packets are
+/// declared lost and moved, as before.
 #[test]
 fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
-    for every_path in [true, false] {
+    for (every_path, ask) in [(true, true), (false, true), (false, false)] {
         let (mut p, c) = warmed(5, |t| {
             t.paths = 2;
             t.max_ack_delay = Duration::ZERO;
+            t.ask_idle_path = ask;
         });
         let acks = p.add_rule(Rule::always(
             Filter::any().from(1).kind(Kind::Ack),
@@ -262,8 +266,13 @@ fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
             // The tail-loss probes carried new data; the held RTO's probe, on a path that
             // timed out, sends its newest segment again.
             assert_eq!(sum(|s| s.retransmits), 1, "{st:?}");
-        } else {
+        } else if ask {
             assert_eq!(sum(|s| s.silent_rtos), 0, "{st:?}");
+            assert_eq!(sum(|s| s.asked_rtos), 1, "{st:?}");
+            assert_eq!(sum(|s| s.refuted_holds), 0, "no answer: {st:?}");
+            assert_eq!(sum(|s| s.timeout_losses), 0, "packets kept: {st:?}");
+        } else {
+            assert_eq!(sum(|s| s.silent_rtos + s.asked_rtos), 0, "{st:?}");
             // The packet and its probe.
             assert_eq!(sum(|s| s.timeout_losses), 2, "{st:?}");
         }
@@ -281,7 +290,7 @@ fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
         assert_eq!(wcs.len(), 1);
         assert_eq!(wcs[0].status, metaroce::WcStatus::Success);
         let st = p.eps[0].connection_stats(c).unwrap();
-        if every_path {
+        if every_path || ask {
             let lost: u64 = st
                 .paths
                 .iter()
@@ -289,9 +298,121 @@ fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
                 .sum();
             assert_eq!(lost, 0, "nothing declared lost: {st:?}");
             let again: u64 = st.paths.iter().map(|x| x.stats.retransmits).sum();
-            assert_eq!(again, 1, "only the held RTO's probe was sent twice: {st:?}");
+            // With one packet, the tail-loss probe sends it again too.
+            let probes = if every_path { 1 } else { 2 };
+            assert_eq!(again, probes, "only the probes were sent twice: {st:?}");
         }
     }
+}
+
+/// A route dies: path 0's data is blackholed, path 1 finishes its share of a 16 KiB
+/// message and is idle. Path 0's RTO is held and asks path 1 (a keepalive,
+/// `TransportConfig::ask_idle_path`); the peer answers while path 0's packets stay
+/// unacknowledged, so the hold is refuted and the packets move to path 1. The message
+/// completes at most path 1's round trip plus the grace (its SRTT, at least 200 µs) later
+/// than without the question, and well before the held RTO's doubled timeout.
+#[test]
+fn a_held_rto_that_an_idle_path_answers_moves_the_packets() {
+    let mut done_after = Vec::new();
+    for ask in [false, true] {
+        let (mut p, c) = warmed(7, |t| {
+            t.paths = 2;
+            t.max_ack_delay = Duration::ZERO;
+            t.ask_idle_path = ask;
+        });
+        p.add_rule(Rule::always(
+            Filter::any()
+                .from(0)
+                .kind(Kind::Data)
+                .when(|i| i.path == Some(0)),
+            Action::Blackhole,
+        ));
+        let start = p.now;
+        p.eps[0]
+            .post_send(c, 0, 1, Bytes::from(vec![4u8; 16 * 1024]))
+            .unwrap();
+        let mine = |p: &Pair| -> Vec<metaroce::WcStatus> {
+            let wcs = p.completions(0, c);
+            wcs.iter()
+                .filter(|w| w.wr_id == 1)
+                .map(|w| w.status)
+                .collect()
+        };
+        assert!(p.run_until(Duration::from_secs(5), |p| !mine(p).is_empty()));
+        assert_eq!(mine(&p), vec![metaroce::WcStatus::Success]);
+        let st = p.eps[0].connection_stats(c).unwrap();
+        let sum = |f: fn(&metaroce::PathStats) -> u64| -> u64 {
+            st.paths.iter().map(|x| f(&x.stats)).sum()
+        };
+        if ask {
+            assert_eq!(sum(|s| s.asked_rtos), 1, "{st:?}");
+            assert_eq!(sum(|s| s.refuted_holds), 1, "{st:?}");
+        } else {
+            assert_eq!(sum(|s| s.asked_rtos + s.refuted_holds), 0, "{st:?}");
+        }
+        assert!(sum(|s| s.timeout_losses) > 0, "the packets moved: {st:?}");
+        let srtt = st.paths[1].srtt;
+        done_after.push((p.now - start, srtt));
+    }
+    let ((without, _), (with, srtt)) = (done_after[0], done_after[1]);
+    println!("16 KiB across a dead path: {without:?} without the question, {with:?} with (path 1 SRTT {srtt:?})");
+    assert!(
+        with <= without + srtt + srtt.max(Duration::from_micros(200)) + Duration::from_micros(50),
+        "{done_after:?}"
+    );
+}
+
+/// An attack on the question of a held RTO (`TransportConfig::ask_idle_path`): while the
+/// peer is silent, someone on the path replays the peer's old ACKs of every path (valid
+/// packets, sent before the RTO). What they echo was sent before the question, so none of
+/// them answers it: the hold stands, nothing is declared lost, and when the peer's own
+/// ACKs come the message completes with nothing lost.
+#[test]
+fn replayed_old_acks_do_not_answer_the_question_of_a_held_rto() {
+    let (mut p, c) = warmed(5, |t| {
+        t.paths = 2;
+        t.max_ack_delay = Duration::ZERO;
+    });
+    // ACKs of both paths to replay later.
+    p.record = 100_000;
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from(vec![5u8; 8 * 1024]))
+        .unwrap();
+    assert!(p.run_until_idle(Duration::from_secs(1)));
+    let old: Vec<_> = p.wire.iter().filter(|s| s.from_ep == 1).cloned().collect();
+    assert!(!old.is_empty());
+    p.add_rule(Rule::always(
+        Filter::any().from(1).kind(Kind::Ack),
+        Action::Capture { max: 4096 },
+    ));
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from(vec![9u8; 1024]))
+        .unwrap();
+    let stats = |p: &Pair| p.eps[0].connection_stats(c).unwrap();
+    let sum = |p: &Pair, f: fn(&metaroce::PathStats) -> u64| -> u64 {
+        stats(p).paths.iter().map(|x| f(&x.stats)).sum()
+    };
+    assert!(p.run_until(Duration::from_secs(1), |p| sum(p, |s| s.asked_rtos) >= 1));
+    for s in &old {
+        p.deliver(0, s.from, &s.data);
+    }
+    p.run_for(Duration::from_millis(1));
+    assert_eq!(sum(&p, |s| s.refuted_holds), 0, "{:?}", stats(&p));
+    assert_eq!(sum(&p, |s| s.timeout_losses), 0, "{:?}", stats(&p));
+    p.clear_rules();
+    for a in std::mem::take(&mut p.captured) {
+        p.deliver(0, a.from, &a.data);
+    }
+    assert!(p.run_until_idle(Duration::from_secs(2)));
+    let wcs: Vec<_> = p
+        .completions(0, c)
+        .into_iter()
+        .filter(|w| w.wr_id == 1)
+        .map(|w| w.status)
+        .collect();
+    assert_eq!(wcs, vec![metaroce::WcStatus::Success]);
+    let lost = sum(&p, |s| s.sack_losses + s.timeout_losses);
+    assert_eq!(lost, 0, "{:?}", stats(&p));
 }
 
 /// Found by review: two of four routes dead (or one plane of two), the other paths done

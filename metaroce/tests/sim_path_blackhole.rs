@@ -294,6 +294,7 @@ fn diagnose(f: Fabric) {
         let mut conns_hit = BTreeSet::new();
         let (mut on_plane0, mut paths_hit) = (0, 0);
         let (mut rebal, mut rerolls) = (0, 0);
+        let (mut asked, mut refuted, mut silent) = (0, 0, 0);
         for &h in &ranks {
             let ep = sim.endpoint(h);
             for c in ep.connections().collect::<Vec<_>>() {
@@ -303,6 +304,9 @@ fn diagnose(f: Fabric) {
                 rebal += cs.rebalance_rerolls;
                 rerolls += cs.paths.iter().map(|p| p.stats.rerolls).sum::<u64>();
                 let rto: u64 = cs.paths.iter().map(|p| p.stats.rtos).sum();
+                asked += cs.paths.iter().map(|p| p.stats.asked_rtos).sum::<u64>();
+                refuted += cs.paths.iter().map(|p| p.stats.refuted_holds).sum::<u64>();
+                silent += cs.paths.iter().map(|p| p.stats.silent_rtos).sum::<u64>();
                 if rto == 0 {
                     continue;
                 }
@@ -331,6 +335,7 @@ fn diagnose(f: Fabric) {
                 );
             }
         }
+        println!("  held RTOs: {silent} while the peer was silent, {asked} asking idle paths ({refuted} of them answered)");
         println!(
             "  {} connections with timeouts, {rerolls} re-rolls after timeouts, {rebal} ECMP-collision re-rolls; at the end {on_plane0} of their {paths_hit} paths on plane 0",
             conns_hit.len()

@@ -21,7 +21,7 @@ use crate::wire::{
 };
 use crate::{EcnCodepoint, Transmit};
 use bytes::Bytes;
-use path::{PathRx, PathTx, RxCheck, RxClass, SegRef};
+use path::{Hold, PathRx, PathTx, RxCheck, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
 use rtt::RttEstimator;
 use send::{OpKind, SendQueue};
@@ -171,6 +171,25 @@ pub(crate) struct Closing {
     pub deadline: Instant,
 }
 
+/// How many idle paths a held RTO asks at most (`TransportConfig::ask_idle_path`): an
+/// idle path may itself run through the failed link, so one is not enough.
+const ASK_PATHS: usize = 4;
+
+/// An RTO held while keepalives ask idle paths whether the peer is alive
+/// (`TransportConfig::ask_idle_path`).
+#[derive(Debug, Clone, Copy)]
+struct Asked {
+    /// The path holding its RTO.
+    path: usize,
+    /// The idle paths asked (the first `n`), smallest SRTT first.
+    via: [u16; ASK_PATHS],
+    n: u8,
+    /// Of those, how many keepalives `poll_transmit` has still to send (the last ones).
+    unsent: u8,
+    /// When the RTO was held.
+    sent: Instant,
+}
+
 #[derive(Debug)]
 pub(crate) struct Connection {
     pub handle: ConnectionHandle,
@@ -225,6 +244,9 @@ pub(crate) struct Connection {
     /// A loss timer scheduled a tail-loss probe on some path (`PathTx::probe`) that
     /// `poll_transmit` has not taken yet; `false` only when no path holds one.
     probe_pending: bool,
+    /// An RTO held while a keepalive asks an idle path whether the peer is alive
+    /// (`TransportConfig::ask_idle_path`): the holding path, the path asked, and when.
+    asked: Option<Asked>,
     next_ack_path: usize,
     /// Delayed ACK (`TransportConfig::max_ack_delay`): while set, the ACKs due may wait
     /// until this time or until a data packet goes to the peer, whichever comes first.
@@ -505,6 +527,7 @@ impl Connection {
             rq: RecvState::default(),
             next_path: 0,
             probe_pending: false,
+            asked: None,
             next_ack_path: 0,
             ack_hold: None,
             unacked_pkts: 0,
@@ -934,11 +957,26 @@ impl Connection {
         self.window_cache = None;
         let _span = self.path_span(a.path_id as usize).entered();
         let ts = self.ts_at(now);
+        let elapsed = ts.wrapping_sub(a.echo_ts);
+        let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
+        if let Some(q) = self.asked {
+            // The answer to the keepalive of a held RTO, or any ACK on the asked path that
+            // echoes a time at or after it: the peer is alive now.
+            let echoed = sample.and_then(|d| now.checked_sub(d));
+            let asked = q.via[..q.n as usize].contains(&u16::from(a.path_id));
+            if asked && echoed.is_some_and(|t| t >= q.sent) {
+                self.asked = None;
+                if let Some(h) = self.tx.get_mut(q.path) {
+                    // ACKs of the holding path the peer sent with the answer still count:
+                    // the RTO fires one SRTT of that path after the answer.
+                    let grace = h.rtt.smoothed();
+                    h.refute_hold(now + grace);
+                }
+            }
+        }
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return false;
         };
-        let elapsed = ts.wrapping_sub(a.echo_ts);
-        let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
         // The time the peer held this ACK (AckEth ACK delay) is not network time: the path
         // subtracts it, at most `max_ack_delay` (RFC 9002 §5.3).
         let held = Duration::from_micros(u64::from(a.ack_delay)).min(self.cfg.max_ack_delay);
@@ -1789,14 +1827,72 @@ impl Connection {
             && holdable(1)
             && ((p.probe_unanswered_since(heard) && waiting(true))
                 || (!evidence && waiting(false)));
-        if unmeasured || silent {
+        // - *asked* (`ask_idle_path`, the first RTO in a row): as the second kind of
+        //   silence, except that some other live paths are idle rather than waiting. An
+        //   idle path may work, so the hold asks it: a keepalive goes out on the idle path
+        //   with the smallest SRTT. An answer while this path's packets are still
+        //   unacknowledged shows the peer alive and this path not: the RTO fires then
+        //   (`PathTx::refute_hold`). Without one (a host stall of the peer, issue #13: a
+        //   single connection's 64 B WRITEs on a loaded host) the ACKs that end the
+        //   silence settle the packets, and nothing is sent twice.
+        let ask = !unmeasured
+            && !silent
+            && self.cfg.ask_idle_path
+            && !evidence
+            && holdable(1)
+            && self.tx.iter().enumerate().all(|(k, q)| {
+                k == i
+                    || q.state == PathState::Failed
+                    || q.outstanding == 0
+                    || q.overdue_since(now).is_some()
+            });
+        let mut via = [0u16; ASK_PATHS];
+        let mut n = 0;
+        if ask {
+            // The idle paths with an RTT sample, smallest SRTT first, at most ASK_PATHS.
+            let idle = |k: usize, q: &PathTx| {
+                k != i
+                    && q.state != PathState::Failed
+                    && q.outstanding == 0
+                    && q.rtt.latest().is_some()
+            };
+            for (k, q) in self.tx.iter().enumerate().filter(|&(k, q)| idle(k, q)) {
+                let srtt = |j: u16| self.tx[j as usize].rtt.smoothed();
+                let at = via[..n]
+                    .iter()
+                    .position(|&j| q.rtt.smoothed() < srtt(j))
+                    .unwrap_or(n);
+                if at < ASK_PATHS {
+                    via.copy_within(at..ASK_PATHS - 1, at + 1);
+                    via[at] = k as u16;
+                    n = (n + 1).min(ASK_PATHS);
+                }
+            }
+        }
+        if unmeasured || silent || n > 0 {
+            let why = if unmeasured {
+                Hold::Unmeasured
+            } else if silent {
+                Hold::Silent
+            } else {
+                Hold::Asked
+            };
             let p = &mut self.tx[i];
-            p.hold_timeout(now, unmeasured);
+            p.hold_timeout(now, why);
             self.probe_pending |= p.probe.is_some();
+            if n > 0 {
+                self.asked = Some(Asked {
+                    path: i,
+                    via,
+                    n: n as u8,
+                    unsent: n as u8,
+                    sent: now,
+                });
+            }
             return false;
         }
         let p = &mut self.tx[i];
-        let (newest, rtos) = (p.newest_outstanding_sent(), p.stats.rtos);
+        let (newest, rtos, refuted) = (p.newest_outstanding_sent(), p.stats.rtos, p.refuted());
         let segs = p.on_loss_timer(now, retry);
         if p.probe_fired_at() == Some(now) {
             let waiting = self.others_waiting(i, now);
@@ -1806,7 +1902,8 @@ impl Connection {
         self.probe_pending |= p.probe.is_some();
         *probing |= p.probe_unanswered_since(heard);
         lost.extend(segs);
-        let timed_out = p.stats.rtos > rtos;
+        // A refuted hold's RTO was counted when it was held.
+        let timed_out = p.stats.rtos > rtos || (refuted && !p.refuted());
         if p.state == PathState::Failed {
             tracing::warn!(conn = %self.handle, path = p.id, "path retired: retry count exceeded");
         } else if p.wants_reroll(self.cfg.path_reroll_timeouts) {
@@ -2258,30 +2355,42 @@ impl Connection {
             let n = self.emit(buf, port, &bth, &hdrs, &[])?;
             return Some(self.transmit(port, None, n, None));
         }
-        // 2. Keepalive: an MR_ACK with the keepalive flag, on the next usable path in turn.
-        if self.keepalive_pending {
-            self.keepalive_pending = false;
-            let n = self.tx.len();
-            let pick = (0..n)
-                .map(|k| (self.next_keepalive_path + k) % n)
-                .find(|&i| self.tx[i].state != PathState::Failed);
-            if let Some(i) = pick {
+        // 2. Keepalives: an MR_ACK with the keepalive flag. First those a held RTO asks
+        //    idle paths with (`ask_idle_path`), then the interval's, on the next usable
+        //    path in turn.
+        let asking = self.asked.as_mut().filter(|q| q.unsent > 0).map(|q| {
+            q.unsent -= 1;
+            q.via[usize::from(q.n - q.unsent - 1)] as usize
+        });
+        let pick = asking
+            .filter(|&i| self.tx[i].state != PathState::Failed)
+            .or_else(|| {
+                if !self.keepalive_pending {
+                    return None;
+                }
+                self.keepalive_pending = false;
+                let n = self.tx.len();
+                let i = (0..n)
+                    .map(|k| (self.next_keepalive_path + k) % n)
+                    .find(|&i| self.tx[i].state != PathState::Failed)?;
                 self.next_keepalive_path = (i + 1) % n;
-                let port = self.tx[i].src_port;
-                let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, 0);
-                let hdrs = Headers::Ack(AckEth {
-                    path_id: i as u8,
-                    flags: AckEth::FLAG_KEEPALIVE,
-                    ack_delay: 0,
-                    echo_ts: ts32(self.epoch, now),
-                    ce_count: 0,
-                    window_grant: 0,
-                    rate_hint: 0,
-                    sack: [0; 32],
-                });
-                let n = self.emit(buf, port, &bth, &hdrs, &[])?;
-                return Some(self.transmit(port, None, n, None));
-            }
+                Some(i)
+            });
+        if let Some(i) = pick {
+            let port = self.tx[i].src_port;
+            let bth = Bth::new(Opcode::MR_ACK, self.peer_qpn, 0);
+            let hdrs = Headers::Ack(AckEth {
+                path_id: i as u8,
+                flags: AckEth::FLAG_KEEPALIVE,
+                ack_delay: 0,
+                echo_ts: ts32(self.epoch, now),
+                ce_count: 0,
+                window_grant: 0,
+                rate_hint: 0,
+                sack: [0; 32],
+            });
+            let n = self.emit(buf, port, &bth, &hdrs, &[])?;
+            return Some(self.transmit(port, None, n, None));
         }
         // 3. NAKs.
         if let Some(nak) = self.naks.pop_front() {

@@ -115,6 +115,16 @@ pub struct PathStats {
     /// ([`TransportConfig::unmeasured_rto_holds`](crate::TransportConfig::unmeasured_rto_holds)).
     /// An RTO that qualifies for both counts here.
     pub unmeasured_rtos: u64,
+    /// RTOs held while a keepalive on an idle path asked whether the peer is alive:
+    /// nothing showed a loss and every other live path was waiting for the peer or idle.
+    /// Without an answer the ACKs that end the silence settle the packets, as for
+    /// `silent_rtos`, and the RTO counts in `rtos`
+    /// ([`TransportConfig::ask_idle_path`](crate::TransportConfig::ask_idle_path)).
+    pub asked_rtos: u64,
+    /// Of `asked_rtos`, those the peer's answer ended: it came while this path's packets
+    /// were still unacknowledged (the peer alive, this path not), so the RTO fired shortly
+    /// after and declared them lost. It counts once in `rtos`, when it fires.
+    pub refuted_holds: u64,
     /// Re-rolls to a new source port after repeated timeouts.
     pub rerolls: u64,
     /// Re-rolls to a new source port because the path delivered persistently less than
@@ -215,6 +225,18 @@ impl PathCc {
     }
 }
 
+/// Why an RTO is held ([`PathTx::hold_timeout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// The path has no RTT sample yet (`unmeasured_rtos`).
+    Unmeasured,
+    /// The peer is silent on every path (`silent_rtos`).
+    Silent,
+    /// The peer is silent on every busy path, and a keepalive asks an idle one
+    /// (`asked_rtos`).
+    Asked,
+}
+
 /// Sender side of a path.
 #[derive(Debug)]
 pub(crate) struct PathTx {
@@ -250,6 +272,9 @@ pub(crate) struct PathTx {
     /// RTO or abandon: the ACKs that end the silence teach no stall allowance, and losses
     /// they show while acknowledging nothing sent before it collapse the window.
     held: Option<Instant>,
+    /// A held RTO was shown wrong (the peer answered on another path while this path's
+    /// packets stay unacknowledged): the loss timer fires at this time at the latest.
+    refuted_at: Option<Instant>,
     /// `last_progress` before the pending probe was scheduled.
     probe_since: Instant,
     /// Learned allowance added to the probe timeout and the RTO after spurious probes
@@ -342,6 +367,7 @@ impl PathTx {
             probe_sent: false,
             probe_psn: None,
             held: None,
+            refuted_at: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
             probe_others_waiting: false,
@@ -718,6 +744,7 @@ impl PathTx {
             self.probe_sent = false;
             self.probe_psn = None;
             self.held = None;
+            self.refuted_at = None;
             self.late_grace = None;
             self.consecutive_rtos = 0;
             self.backoff_from = 0;
@@ -800,6 +827,7 @@ impl PathTx {
         self.probe_sent = false;
         self.probe_psn = None;
         self.held = None;
+        self.refuted_at = None;
         self.last_progress = now;
         self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
         if self.state != PathState::Failed {
@@ -856,6 +884,7 @@ impl PathTx {
         };
         let t = self.last_progress + wait;
         let t = self.rack_deadline.map_or(t, |r| r.min(t));
+        let t = self.refuted_at.map_or(t, |r| r.min(t));
         Some(self.late_grace.map_or(t, |g| g.max(t)))
     }
 
@@ -945,6 +974,8 @@ impl PathTx {
             }
             return Vec::new();
         }
+        // A refuted hold (`refute_hold`) already counted this timeout when it held it.
+        let counted = self.refuted_at.is_some();
         let mut lost = Vec::new();
         for p in self.sent.iter_mut() {
             if p.state == PktState::Outstanding {
@@ -958,9 +989,12 @@ impl PathTx {
         self.probe_sent = false;
         self.probe_psn = None;
         self.held = None;
+        self.refuted_at = None;
         self.rack_deadline = None;
         self.last_progress = now;
-        self.stats.rtos += 1;
+        if !counted {
+            self.stats.rtos += 1;
+        }
         tracing::debug!(
             path = self.id,
             lost = lost.len(),
@@ -969,7 +1003,9 @@ impl PathTx {
             "retransmission timeout"
         );
         self.stats.timeout_losses += lost.len() as u64;
-        self.consecutive_rtos += 1;
+        if !counted {
+            self.consecutive_rtos += 1;
+        }
         self.cc.on_timeout(now);
         if self.state == PathState::Active {
             self.state = PathState::Suspect;
@@ -999,6 +1035,7 @@ impl PathTx {
     ) -> bool {
         let next = self.consecutive_rtos + 1;
         self.probe_sent
+            && self.refuted_at.is_none()
             && !self.rack_due(now)
             && self.probe.is_none()
             && self.consecutive_rtos < in_a_row
@@ -1027,13 +1064,13 @@ impl PathTx {
     /// `unmeasured`: held because the RTO came from `initial_rtt` with no evidence of a
     /// loss ([`TransportConfig::unmeasured_rto_holds`](crate::TransportConfig::unmeasured_rto_holds)),
     /// counted in `unmeasured_rtos` instead of `silent_rtos`; the rest is the same.
-    pub fn hold_timeout(&mut self, now: Instant, unmeasured: bool) {
+    pub fn hold_timeout(&mut self, now: Instant, why: Hold) {
         self.late_grace = None;
         self.stats.rtos += 1;
-        if unmeasured {
-            self.stats.unmeasured_rtos += 1;
-        } else {
-            self.stats.silent_rtos += 1;
+        match why {
+            Hold::Unmeasured => self.stats.unmeasured_rtos += 1,
+            Hold::Silent => self.stats.silent_rtos += 1,
+            Hold::Asked => self.stats.asked_rtos += 1,
         }
         self.consecutive_rtos += 1;
         self.held = Some(now);
@@ -1047,6 +1084,30 @@ impl PathTx {
             rtos = self.consecutive_rtos,
             "retransmission timeout while the peer is silent: packets kept, one more probe"
         );
+    }
+
+    /// Whether an RTO of this path is held with its packets still outstanding.
+    pub fn holding(&self) -> bool {
+        self.held.is_some() && self.outstanding > 0
+    }
+
+    /// The peer answered on another path while this path holds an RTO
+    /// ([`Hold::Asked`]): the packets are not merely late. The loss timer fires at `at`
+    /// (which the caller puts a little after the answer, so that ACKs of this path sent
+    /// with it still count); that timeout is not held again, so it declares them lost.
+    ///
+    /// The timeout that fires is the held one, now shown to be real: it counts once in
+    /// `rtos`, the back-off and `retry_count`, as if it had not been held.
+    pub fn refute_hold(&mut self, at: Instant) {
+        if self.holding() && self.refuted_at.is_none() {
+            self.refuted_at = Some(at);
+            self.stats.refuted_holds += 1;
+        }
+    }
+
+    /// Whether a held RTO of this path was refuted and has not fired yet.
+    pub fn refuted(&self) -> bool {
+        self.refuted_at.is_some()
     }
 
     /// When the oldest packet still outstanding on this path was sent.
@@ -1134,6 +1195,7 @@ impl PathTx {
         self.probe_sent = false;
         self.probe_psn = None;
         self.held = None;
+        self.refuted_at = None;
         self.rack_deadline = None;
         self.last_progress = now;
         self.apply_pending_port();
