@@ -285,15 +285,16 @@ pub struct TransportConfig {
     /// shows a loss (nothing sent after the path's oldest outstanding packet has been
     /// acknowledged on any path) and every other live path waits for the peer or is idle,
     /// with at least one idle path that has an RTT sample: keepalives then ask up to 4
-    /// such idle paths, smallest SRTT first, whether the peer is alive. An ACK on an asked
-    /// path echoing a time at or after the question while the path's packets are still
-    /// unacknowledged (the peer alive, this path not) fires the RTO one SRTT of the path
-    /// after it, counted once: a dead path's packets move about one round trip of the
-    /// idle path plus one SRTT later than without the question (16 KiB across a dead path
-    /// in `loss_timers::a_held_rto_that_an_idle_path_answers_moves_the_packets`: 7.62 →
-    /// 7.66 ms). If every asked path crosses the failure too, nothing answers and the
-    /// packets move at the doubled RTO. No answer because the peer's host stalled costs
-    /// nothing sent twice: issue #13, a single connection's 64 B WRITEs on loopback resent
+    /// such idle paths, smallest SRTT first, whether the peer is alive. A valid ACK on
+    /// another path echoing a time at or after the question (the answer, or anything the
+    /// peer acknowledged since) while the path's packets are still unacknowledged (the peer
+    /// alive, this path not) fires the RTO one SRTT of the path after it, counted once: a
+    /// dead path's packets move about one round trip of an idle path plus one SRTT later
+    /// than without the question (in
+    /// `loss_timers::a_held_rto_that_an_idle_path_answers_moves_the_packets`, 40 µs for 1
+    /// to 3 dead paths of 2 to 8). If every asked path crosses the failure too, nothing
+    /// answers and the packets move at the doubled RTO. No answer because the peer's host
+    /// stalled costs no window sent again, only the hold's probe: issue #13, a single connection's 64 B WRITEs on loopback resent
     /// a window of about 65 packets at every peer stall longer than an RTO, because idle
     /// paths beside the busy ones kept `hold_silent_rto` from applying. Counted in
     /// `PathStats::asked_rtos` and `PathStats::refuted_holds`. Default `true`.

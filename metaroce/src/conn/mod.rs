@@ -175,21 +175,6 @@ pub(crate) struct Closing {
 /// idle path may itself run through the failed link, so one is not enough.
 const ASK_PATHS: usize = 4;
 
-/// An RTO held while keepalives ask idle paths whether the peer is alive
-/// (`TransportConfig::ask_idle_path`).
-#[derive(Debug, Clone, Copy)]
-struct Asked {
-    /// The path holding its RTO.
-    path: usize,
-    /// The idle paths asked (the first `n`), smallest SRTT first.
-    via: [u16; ASK_PATHS],
-    n: u8,
-    /// Of those, how many keepalives `poll_transmit` has still to send (the last ones).
-    unsent: u8,
-    /// When the RTO was held.
-    sent: Instant,
-}
-
 #[derive(Debug)]
 pub(crate) struct Connection {
     pub handle: ConnectionHandle,
@@ -244,9 +229,12 @@ pub(crate) struct Connection {
     /// A loss timer scheduled a tail-loss probe on some path (`PathTx::probe`) that
     /// `poll_transmit` has not taken yet; `false` only when no path holds one.
     probe_pending: bool,
-    /// An RTO held while a keepalive asks an idle path whether the peer is alive
-    /// (`TransportConfig::ask_idle_path`): the holding path, the path asked, and when.
-    asked: Option<Asked>,
+    /// Some path may hold an RTO that asked idle paths whether the peer is alive
+    /// (`TransportConfig::ask_idle_path`, `PathTx::asked_at`); cleared when a look finds
+    /// none.
+    asking: bool,
+    /// Paths (bit `i`: path `i`) a keepalive of such a question is still to go out on.
+    ask_keepalives: [u64; 4],
     next_ack_path: usize,
     /// Delayed ACK (`TransportConfig::max_ack_delay`): while set, the ACKs due may wait
     /// until this time or until a data packet goes to the peer, whichever comes first.
@@ -527,7 +515,8 @@ impl Connection {
             rq: RecvState::default(),
             next_path: 0,
             probe_pending: false,
-            asked: None,
+            asking: false,
+            ask_keepalives: [0; 4],
             next_ack_path: 0,
             ack_hold: None,
             unacked_pkts: 0,
@@ -940,6 +929,33 @@ impl Connection {
         }
     }
 
+    /// A valid ACK on path `j` whose echoed timestamp is `sample` old: it answers every
+    /// question of a held RTO on another path (`ask_idle_path`) asked at or before the time
+    /// it echoes, the answer to a keepalive or anything else the peer acknowledged since:
+    /// the peer is alive while that path's packets stay unacknowledged, so its RTO fires
+    /// one SRTT of that path later (ACKs of it the peer sent with this one still count;
+    /// `PathTx::refute_hold`). Clears `asking` when no path asks any more.
+    ///
+    /// The echoed timestamp is 32 bits of nanoseconds: in token mode an ACK replayed a
+    /// multiple of about 4.29 s later looks recent. AEAD protection's replay window stops
+    /// that.
+    fn answer_questions(&mut self, now: Instant, j: usize, sample: Option<Duration>) {
+        let echoed = sample.and_then(|d| now.checked_sub(d));
+        let mut asking = false;
+        for (i, h) in self.tx.iter_mut().enumerate() {
+            let Some(at) = h.asked_at() else {
+                continue;
+            };
+            if i != j && echoed.is_some_and(|t| t >= at) {
+                let grace = h.rtt.smoothed();
+                h.refute_hold(now + grace);
+            } else {
+                asking = true;
+            }
+        }
+        self.asking = asking;
+    }
+
     /// Whether a live path other than `i` has had a packet outstanding for longer than its
     /// smoothed RTT at `now`: its ACK is overdue, it is waiting for the peer as well.
     fn others_waiting(&self, i: usize, now: Instant) -> bool {
@@ -959,21 +975,6 @@ impl Connection {
         let ts = self.ts_at(now);
         let elapsed = ts.wrapping_sub(a.echo_ts);
         let sample = (elapsed < 1 << 31).then(|| Duration::from_nanos(elapsed as u64));
-        if let Some(q) = self.asked {
-            // The answer to the keepalive of a held RTO, or any ACK on the asked path that
-            // echoes a time at or after it: the peer is alive now.
-            let echoed = sample.and_then(|d| now.checked_sub(d));
-            let asked = q.via[..q.n as usize].contains(&u16::from(a.path_id));
-            if asked && echoed.is_some_and(|t| t >= q.sent) {
-                self.asked = None;
-                if let Some(h) = self.tx.get_mut(q.path) {
-                    // ACKs of the holding path the peer sent with the answer still count:
-                    // the RTO fires one SRTT of that path after the answer.
-                    let grace = h.rtt.smoothed();
-                    h.refute_hold(now + grace);
-                }
-            }
-        }
         let Some(p) = self.tx.get_mut(a.path_id as usize) else {
             return false;
         };
@@ -1031,6 +1032,11 @@ impl Connection {
         out.acked.clear();
         if let Some(p) = self.tx.get_mut(a.path_id as usize) {
             p.spare_acked = out.acked;
+        }
+        // Only a valid ACK answers a held RTO's question (issue #9: nothing moves state
+        // before a packet is validated).
+        if self.asking {
+            self.answer_questions(now, a.path_id as usize, sample);
         }
         out.progress
     }
@@ -1829,12 +1835,14 @@ impl Connection {
                 || (!evidence && waiting(false)));
         // - *asked* (`ask_idle_path`, the first RTO in a row): as the second kind of
         //   silence, except that some other live paths are idle rather than waiting. An
-        //   idle path may work, so the hold asks it: a keepalive goes out on the idle path
-        //   with the smallest SRTT. An answer while this path's packets are still
-        //   unacknowledged shows the peer alive and this path not: the RTO fires then
-        //   (`PathTx::refute_hold`). Without one (a host stall of the peer, issue #13: a
-        //   single connection's 64 B WRITEs on a loaded host) the ACKs that end the
-        //   silence settle the packets, and nothing is sent twice.
+        //   idle path may work, so the hold asks: keepalives go out on up to ASK_PATHS idle
+        //   paths with an RTT sample, smallest SRTT first. A valid ACK on another path
+        //   that echoes a time at or after the question, while this path's packets are
+        //   still unacknowledged, shows the peer alive and this path not: the RTO fires
+        //   then (`answer_questions`, `PathTx::refute_hold`). Without one (a host stall of
+        //   the peer, issue #13: a single connection's 64 B WRITEs on a loaded host) the
+        //   ACKs that end the silence settle the packets, and only the hold's probe was
+        //   sent twice.
         let ask = !unmeasured
             && !silent
             && self.cfg.ask_idle_path
@@ -1880,14 +1888,9 @@ impl Connection {
             let p = &mut self.tx[i];
             p.hold_timeout(now, why);
             self.probe_pending |= p.probe.is_some();
-            if n > 0 {
-                self.asked = Some(Asked {
-                    path: i,
-                    via,
-                    n: n as u8,
-                    unsent: n as u8,
-                    sent: now,
-                });
+            for &k in &via[..n] {
+                self.ask_keepalives[usize::from(k) / 64] |= 1 << (k % 64);
+                self.asking = true;
             }
             return false;
         }
@@ -2358,12 +2361,18 @@ impl Connection {
         // 2. Keepalives: an MR_ACK with the keepalive flag. First those a held RTO asks
         //    idle paths with (`ask_idle_path`), then the interval's, on the next usable
         //    path in turn.
-        let asking = self.asked.as_mut().filter(|q| q.unsent > 0).map(|q| {
-            q.unsent -= 1;
-            q.via[usize::from(q.n - q.unsent - 1)] as usize
-        });
+        let asking = self
+            .ask_keepalives
+            .iter_mut()
+            .enumerate()
+            .find(|(_, w)| **w != 0)
+            .map(|(wi, w)| {
+                let b = w.trailing_zeros() as usize;
+                *w &= !(1 << b);
+                wi * 64 + b
+            });
         let pick = asking
-            .filter(|&i| self.tx[i].state != PathState::Failed)
+            .filter(|&i| self.tx.get(i).is_some_and(|q| q.state != PathState::Failed))
             .or_else(|| {
                 if !self.keepalive_pending {
                     return None;

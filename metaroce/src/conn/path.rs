@@ -275,6 +275,9 @@ pub(crate) struct PathTx {
     /// A held RTO was shown wrong (the peer answered on another path while this path's
     /// packets stay unacknowledged): the loss timer fires at this time at the latest.
     refuted_at: Option<Instant>,
+    /// When this path held an RTO that asked idle paths whether the peer is alive
+    /// ([`Hold::Asked`]), while that hold stands and is not refuted.
+    asked_at: Option<Instant>,
     /// `last_progress` before the pending probe was scheduled.
     probe_since: Instant,
     /// Learned allowance added to the probe timeout and the RTO after spurious probes
@@ -368,6 +371,7 @@ impl PathTx {
             probe_psn: None,
             held: None,
             refuted_at: None,
+            asked_at: None,
             probe_since: now,
             pto_extra: Duration::ZERO,
             probe_others_waiting: false,
@@ -745,6 +749,7 @@ impl PathTx {
             self.probe_psn = None;
             self.held = None;
             self.refuted_at = None;
+            self.asked_at = None;
             self.late_grace = None;
             self.consecutive_rtos = 0;
             self.backoff_from = 0;
@@ -828,6 +833,7 @@ impl PathTx {
         self.probe_psn = None;
         self.held = None;
         self.refuted_at = None;
+        self.asked_at = None;
         self.last_progress = now;
         self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
         if self.state != PathState::Failed {
@@ -990,6 +996,7 @@ impl PathTx {
         self.probe_psn = None;
         self.held = None;
         self.refuted_at = None;
+        self.asked_at = None;
         self.rack_deadline = None;
         self.last_progress = now;
         if !counted {
@@ -1070,7 +1077,10 @@ impl PathTx {
         match why {
             Hold::Unmeasured => self.stats.unmeasured_rtos += 1,
             Hold::Silent => self.stats.silent_rtos += 1,
-            Hold::Asked => self.stats.asked_rtos += 1,
+            Hold::Asked => {
+                self.stats.asked_rtos += 1;
+                self.asked_at = Some(now);
+            }
         }
         self.consecutive_rtos += 1;
         self.held = Some(now);
@@ -1099,10 +1109,16 @@ impl PathTx {
     /// The timeout that fires is the held one, now shown to be real: it counts once in
     /// `rtos`, the back-off and `retry_count`, as if it had not been held.
     pub fn refute_hold(&mut self, at: Instant) {
-        if self.holding() && self.refuted_at.is_none() {
+        if self.holding() && self.asked_at.take().is_some() && self.refuted_at.is_none() {
             self.refuted_at = Some(at);
             self.stats.refuted_holds += 1;
         }
+    }
+
+    /// When this path held an RTO that asked idle paths ([`Hold::Asked`]), while that
+    /// hold stands and no answer has refuted it.
+    pub fn asked_at(&self) -> Option<Instant> {
+        self.asked_at.filter(|_| self.holding())
     }
 
     /// Whether a held RTO of this path was refuted and has not fired yet.
@@ -1196,6 +1212,7 @@ impl PathTx {
         self.probe_psn = None;
         self.held = None;
         self.refuted_at = None;
+        self.asked_at = None;
         self.rack_deadline = None;
         self.last_progress = now;
         self.apply_pending_port();
