@@ -753,3 +753,93 @@ fn path_recovers_after_losing_more_than_a_window() {
     assert_eq!(p0.state, metaroce::PathState::Active, "{p0:?}");
     assert!(p0.stats.packets_acked > 0, "{p0:?}");
 }
+
+/// The question of a held RTO (`TransportConfig::ask_idle_path`) is answered only by a
+/// valid ACK. The peer's ACKs are lost from some point on; a one-packet WRITE then times
+/// out on its path while the other path is idle, so the RTO is held and keepalives ask the
+/// idle path. An attacker who saw the keepalive forges the peer's answer on the idle path,
+/// echoing the keepalive's timestamp, but with a cumulative PSN the path never sent: the
+/// ACK is dropped and the hold stands. The control: the same forgery with the PSN the path
+/// last had acknowledged answers the question, as any valid ACK does (in token mode an
+/// attacker can forge that too, as it can any ACK; AEAD protection stops it).
+#[test]
+fn an_invalid_ack_does_not_answer_the_question_of_a_held_rto() {
+    for valid in [false, true] {
+        let (mut a, mut b) = (config(0), config(1));
+        for t in [&mut a.transport, &mut b.transport] {
+            t.paths = 2;
+            t.max_ack_delay = Duration::ZERO;
+        }
+        let mut net = net_with(a, b);
+        let (c, _s) = net.connect();
+        let (src, dst) = regions(&mut net, 128 * 1024);
+        net.eps[0]
+            .post_write(c, write_req(1, &src, &dst, 0, 16 * 1024))
+            .unwrap();
+        assert!(run_within(&mut net, Duration::from_secs(1), |n| {
+            !completions(n, 0).is_empty()
+        }));
+        net.drop_hook = Some(Box::new(|from, d| from == 1 && d[0] == 0xC1));
+        net.eps[0]
+            .post_write(c, write_req(2, &src, &dst, 64 * 1024, 512))
+            .unwrap();
+        let stats = |n: &Net| n.eps[0].connection_stats(c).unwrap();
+        assert!(run_within(&mut net, Duration::from_secs(1), |n| {
+            stats(n).paths.iter().any(|p| p.stats.asked_rtos > 0)
+        }));
+        let holder = stats(&net)
+            .paths
+            .iter()
+            .position(|p| p.stats.asked_rtos > 0)
+            .unwrap();
+        let idle = 1 - holder as u8;
+        let keepalive = net
+            .last_sent(0, |p| {
+                matches!(&p.headers, Headers::Ack(a) if a.flags & AckEth::FLAG_KEEPALIVE != 0 && a.path_id == idle)
+            })
+            .expect("a keepalive asked the idle path");
+        let echo = match Packet::parse(&keepalive.data).unwrap().headers {
+            Headers::Ack(a) => a.echo_ts,
+            _ => unreachable!(),
+        };
+        // Any ACK of the peer's, made an ACK of the idle path: cumulative up to the path's
+        // last data packet (all acknowledged), or 100 PSNs beyond it (never sent).
+        let ack = net
+            .last_sent(
+                1,
+                |p| matches!(&p.headers, Headers::Ack(a) if a.flags & AckEth::FLAG_KEEPALIVE == 0),
+            )
+            .unwrap();
+        let last = last_sent_psn(&net, 0, idle);
+        let forged = forge(&ack, net.addrs[0], |bth, h, _| {
+            bth.psn = if valid {
+                last
+            } else {
+                (last + 100) & 0xFF_FFFF
+            };
+            if let Headers::Ack(a) = h {
+                a.flags &= !AckEth::FLAG_BUNDLE;
+                a.path_id = idle;
+                a.sack = [0; 32];
+                a.echo_ts = echo;
+            }
+        });
+        let bad_before = stats(&net).bad_acks;
+        net.inject_raw(0, ack.from, forged, Duration::ZERO);
+        net.run_for(Duration::from_micros(300));
+        let st = stats(&net);
+        let refuted: u64 = st.paths.iter().map(|p| p.stats.refuted_holds).sum();
+        if valid {
+            assert_eq!(refuted, 1, "the control: a valid ACK answers: {st:?}");
+        } else {
+            assert_eq!(
+                st.bad_acks,
+                bad_before + 1,
+                "the forgery was dropped: {st:?}"
+            );
+            assert_eq!(refuted, 0, "an invalid ACK answered the question: {st:?}");
+            let lost: u64 = st.paths.iter().map(|p| p.stats.timeout_losses).sum();
+            assert_eq!(lost, 0, "{st:?}");
+        }
+    }
+}
