@@ -67,6 +67,25 @@ fn warmed(seed: u64, tune: impl Fn(&mut TransportConfig)) -> (Pair, ConnectionHa
     (p, c)
 }
 
+/// The silence ends: the rules go, every captured datagram reaches endpoint 0, and the pair
+/// runs until idle (within `limit`).
+fn end_silence(p: &mut Pair, limit: Duration) {
+    p.clear_rules();
+    for a in std::mem::take(&mut p.captured) {
+        p.deliver(0, a.from, &a.data);
+    }
+    assert!(p.run_until_idle(limit));
+}
+
+/// The statuses of endpoint 0's completions of work request `wr_id` on `c`.
+fn statuses(p: &Pair, c: ConnectionHandle, wr_id: u64) -> Vec<metaroce::WcStatus> {
+    p.completions(0, c)
+        .iter()
+        .filter(|w| w.wr_id == wr_id)
+        .map(|w| w.status)
+        .collect()
+}
+
 /// Data packets sent by endpoint 0 after this rule is added, numbered from 0: `pick` says
 /// which ones match.
 fn nth_data(pick: impl Fn(u32) -> bool + 'static) -> Filter {
@@ -204,11 +223,7 @@ fn a_probe_carries_new_data_when_there_is_some() {
             );
         }
         // The ACKs come back: everything completes, nothing was lost.
-        p.clear_rules();
-        for a in std::mem::take(&mut p.captured) {
-            p.deliver(0, a.from, &a.data);
-        }
-        assert!(p.run_until_idle(Duration::from_secs(1)));
+        end_silence(&mut p, Duration::from_secs(1));
         let wcs = p.completions(0, c);
         assert_eq!(wcs.len(), 1);
         assert_eq!(wcs[0].status, metaroce::WcStatus::Success);
@@ -277,18 +292,8 @@ fn an_rto_while_the_peer_is_silent_on_every_path_keeps_the_packets() {
             assert_eq!(sum(|s| s.timeout_losses), 2, "{st:?}");
         }
         // The silence ends.
-        p.clear_rules();
-        for a in std::mem::take(&mut p.captured) {
-            p.deliver(0, a.from, &a.data);
-        }
-        assert!(p.run_until_idle(Duration::from_secs(2)));
-        let wcs: Vec<_> = p
-            .completions(0, c)
-            .into_iter()
-            .filter(|w| w.wr_id == 1)
-            .collect();
-        assert_eq!(wcs.len(), 1);
-        assert_eq!(wcs[0].status, metaroce::WcStatus::Success);
+        end_silence(&mut p, Duration::from_secs(2));
+        assert_eq!(statuses(&p, c, 1), vec![metaroce::WcStatus::Success]);
         let st = p.eps[0].connection_stats(c).unwrap();
         if every_path || ask {
             let lost: u64 = st
@@ -335,15 +340,8 @@ fn a_held_rto_that_an_idle_path_answers_moves_the_packets() {
             p.eps[0]
                 .post_send(c, 0, 1, Bytes::from(vec![4u8; kib * 1024]))
                 .unwrap();
-            let mine = |p: &Pair| -> Vec<metaroce::WcStatus> {
-                let wcs = p.completions(0, c);
-                wcs.iter()
-                    .filter(|w| w.wr_id == 1)
-                    .map(|w| w.status)
-                    .collect()
-            };
-            assert!(p.run_until(Duration::from_secs(5), |p| !mine(p).is_empty()));
-            assert_eq!(mine(&p), vec![metaroce::WcStatus::Success]);
+            assert!(p.run_until(Duration::from_secs(5), |p| !statuses(p, c, 1).is_empty()));
+            assert_eq!(statuses(&p, c, 1), vec![metaroce::WcStatus::Success]);
             let st = p.eps[0].connection_stats(c).unwrap();
             let sum = |f: fn(&metaroce::PathStats) -> u64| -> u64 {
                 st.paths.iter().map(|x| f(&x.stats)).sum()
@@ -404,18 +402,8 @@ fn replayed_old_acks_do_not_answer_the_question_of_a_held_rto() {
     p.run_for(Duration::from_millis(1));
     assert_eq!(sum(&p, |s| s.refuted_holds), 0, "{:?}", stats(&p));
     assert_eq!(sum(&p, |s| s.timeout_losses), 0, "{:?}", stats(&p));
-    p.clear_rules();
-    for a in std::mem::take(&mut p.captured) {
-        p.deliver(0, a.from, &a.data);
-    }
-    assert!(p.run_until_idle(Duration::from_secs(2)));
-    let wcs: Vec<_> = p
-        .completions(0, c)
-        .into_iter()
-        .filter(|w| w.wr_id == 1)
-        .map(|w| w.status)
-        .collect();
-    assert_eq!(wcs, vec![metaroce::WcStatus::Success]);
+    end_silence(&mut p, Duration::from_secs(2));
+    assert_eq!(statuses(&p, c, 1), vec![metaroce::WcStatus::Success]);
     let lost = sum(&p, |s| s.sack_losses + s.timeout_losses);
     assert_eq!(lost, 0, "{:?}", stats(&p));
 }
