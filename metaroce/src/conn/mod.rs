@@ -1809,9 +1809,14 @@ impl Connection {
         };
         // A path known to work and idle could take the packets (found by review: a dead
         // route under request/response traffic held its first RPC two RTOs).
-        let idle_measured = self.tx.iter().enumerate().any(|(k, q)| {
+        let idle_measured_path = |k: usize, q: &PathTx| {
             k != i && q.state != PathState::Failed && q.outstanding == 0 && q.rtt.latest().is_some()
-        });
+        };
+        let idle_measured = self
+            .tx
+            .iter()
+            .enumerate()
+            .any(|(k, q)| idle_measured_path(k, q));
         let evidence = self.loss_evidence(i);
         let unmeasured = p.rtt.latest().is_none()
             && p.stats.rtos == p.stats.unmeasured_rtos
@@ -1819,11 +1824,12 @@ impl Connection {
             && holdable(self.cfg.unmeasured_rto_holds)
             && !evidence;
         // Every other live path waiting for the peer (`since_probe`: since before this
-        // path's probe).
-        let waiting = |since_probe: bool| {
+        // path's probe), or idle (`idle_too`).
+        let waiting = |since_probe: bool, idle_too: bool| {
             self.tx.iter().enumerate().all(|(k, q)| {
                 k == i
                     || q.state == PathState::Failed
+                    || (idle_too && q.outstanding == 0)
                     || q.overdue_since(now)
                         .is_some_and(|sent| !since_probe || probed.is_some_and(|at| sent <= at))
             })
@@ -1831,8 +1837,8 @@ impl Connection {
         let silent = !unmeasured
             && self.cfg.hold_silent_rto
             && holdable(1)
-            && ((p.probe_unanswered_since(heard) && waiting(true))
-                || (!evidence && waiting(false)));
+            && ((p.probe_unanswered_since(heard) && waiting(true, false))
+                || (!evidence && waiting(false, false)));
         // - *asked* (`ask_idle_path`, the first RTO in a row): as the second kind of
         //   silence, except that some other live paths are idle rather than waiting. An
         //   idle path may work, so the hold asks: keepalives go out on up to ASK_PATHS idle
@@ -1848,23 +1854,17 @@ impl Connection {
             && self.cfg.ask_idle_path
             && !evidence
             && holdable(1)
-            && self.tx.iter().enumerate().all(|(k, q)| {
-                k == i
-                    || q.state == PathState::Failed
-                    || q.outstanding == 0
-                    || q.overdue_since(now).is_some()
-            });
+            && waiting(false, true);
         let mut via = [0u16; ASK_PATHS];
         let mut n = 0;
         if ask {
             // The idle paths with an RTT sample, smallest SRTT first, at most ASK_PATHS.
-            let idle = |k: usize, q: &PathTx| {
-                k != i
-                    && q.state != PathState::Failed
-                    && q.outstanding == 0
-                    && q.rtt.latest().is_some()
-            };
-            for (k, q) in self.tx.iter().enumerate().filter(|&(k, q)| idle(k, q)) {
+            let idle = self
+                .tx
+                .iter()
+                .enumerate()
+                .filter(|&(k, q)| idle_measured_path(k, q));
+            for (k, q) in idle {
                 let srtt = |j: u16| self.tx[j as usize].rtt.smoothed();
                 let at = via[..n]
                     .iter()
