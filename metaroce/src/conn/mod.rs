@@ -769,7 +769,11 @@ impl Connection {
         if self.state != State::Established {
             return Outcome::default();
         }
-        if now.saturating_duration_since(self.last_heard) >= path::PTO_FLOOR {
+        // (Datagrams of one receive batch share `now`: no time arithmetic for them, issue
+        // #13.)
+        if now != self.last_heard
+            && now.saturating_duration_since(self.last_heard) >= path::PTO_FLOOR
+        {
             self.quiet = Some((self.last_heard, now));
         }
         self.last_heard = now;
