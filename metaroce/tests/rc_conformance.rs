@@ -1183,6 +1183,74 @@ fn a_late_duplicate_read_request_keeps_the_younger_reads_responses() {
     assert_eq!(with.3, without.3 + 1, "{figures:?}");
 }
 
+/// IBA §9.7.5.1 (≈) ACK past READ, responder side: a READ's replay leaves ahead of the ACK
+/// of a younger WRITE still queued when the duplicate READ request arrives. B sent READ 1's
+/// response and it was lost; then WRITE 2 and a copy of READ 1's request reach B before B
+/// sends again. Answered in PSN order (the replay, then the ACK), A completes both with
+/// nothing sent again. With the ACK first, A reads it as READ 1's response lost and goes
+/// back: READ 1 and WRITE 2 are sent again (checked by the control, which queues the
+/// replay behind the ACK by delivering the copy after B sent the ACK).
+#[test]
+fn a_read_replay_goes_ahead_of_a_younger_requests_queued_ack() {
+    let mut figures = Vec::new();
+    for replay_first in [true, false] {
+        let mut n = Net::new(1024, None, None);
+        let res = n.a.register_mr(vec![0; 4096], Access::LOCAL_WRITE);
+        let src = n.a.register_mr(pattern(5, 4096), Access::LOCAL_WRITE);
+        let tgt = n.b.register_mr(
+            pattern(6, 4096),
+            Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
+        );
+        n.a.post_send(n.qa, read_wr(1, res.lkey, 0, 1024, tgt.addr, tgt.rkey))
+            .unwrap();
+        let t0 = n.now;
+        let read = take_sent(&mut n, true, 10);
+        assert_eq!(read.len(), 1);
+        n.b.handle_ip_packet(t0, &read[0]);
+        // READ 1's response: lost.
+        assert_eq!(take_sent(&mut n, false, 10).len(), 1);
+        n.a.post_send(
+            n.qa,
+            write_wr(2, src.lkey, 0, 512, tgt.addr + 2048, tgt.rkey),
+        )
+        .unwrap();
+        let write = take_sent(&mut n, true, 10);
+        assert_eq!(write.len(), 1);
+        n.b.handle_ip_packet(t0, &write[0]);
+        let mut to_a = Vec::new();
+        if !replay_first {
+            // Control: the ACK leaves before the copy arrives.
+            to_a.extend(take_sent(&mut n, false, 10));
+        }
+        n.b.handle_ip_packet(t0, &read[0]);
+        to_a.extend(take_sent(&mut n, false, 10));
+        assert_eq!(to_a.len(), 2, "the replay and the ACK");
+        for r in &to_a {
+            n.a.handle_ip_packet(t0, r);
+        }
+        n.run(Duration::from_secs(10), &mut |_| false, &|n| {
+            n.completions_a().len() == 2
+        });
+        assert_eq!(
+            statuses(&n),
+            vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+        );
+        assert_eq!(
+            n.a.mr_read(res.lkey, 0, 1024).unwrap(),
+            &pattern(6, 1024)[..]
+        );
+        assert_eq!(
+            n.b.mr_read(tgt.lkey, 2048, 512).unwrap(),
+            &pattern(5, 512)[..]
+        );
+        let sa = n.a.qp_stats(n.qa).unwrap();
+        figures.push((sa.timeouts, sa.retransmitted));
+    }
+    let (ordered, control) = (figures[0], figures[1]);
+    assert_eq!(ordered, (0, 0), "{figures:?}");
+    assert!(control.1 >= 2, "the control goes back: {figures:?}");
+}
+
 /// IBA §9.7.5.1.x duplicate atomic: 100 copies of one FETCH_ADD request reach the
 /// responder before it sends anything. The first executes; the copies are answered from the
 /// saved resource, with one ATOMIC ACKNOWLEDGE queued at a time, so the responder sends one

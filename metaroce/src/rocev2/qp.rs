@@ -1528,9 +1528,12 @@ impl Qp {
     }
 
     /// Queue `item`, the replay of the READ or atomic whose request starts at `psn`, ahead
-    /// of the queued READ responses and ATOMIC ACKNOWLEDGEs of younger requests: responses
-    /// leave in PSN order, which the requester expects (a younger READ's responses ahead of
-    /// it would be dropped and asked for again). Dropped when `max_pending_responses` are
+    /// of everything queued for younger requests (READ responses, ATOMIC ACKNOWLEDGEs,
+    /// ACKs and NAKs): responses leave in PSN order, which the requester expects. A younger
+    /// READ's responses ahead of it would be dropped and asked for again; a younger
+    /// request's ACK ahead of it acknowledges past the READ or atomic whose response has
+    /// not arrived, which the requester takes as that response lost and goes back once
+    /// more (IBA §9.7.5.1 (≈), docs/CONFORMANCE.md "ACK past READ"). Dropped when `max_pending_responses` are
     /// queued, like every response.
     fn push_replay(&mut self, cfg: &RcConfig, psn: u32, item: RespItem) {
         if self.out.len() >= cfg.max_pending_responses {
@@ -1541,8 +1544,9 @@ impl Qp {
             .iter()
             .position(|it| match *it {
                 RespItem::Read { base, .. } => psn_diff(base, psn) > 0,
-                RespItem::AtomicAck { psn: a, .. } => psn_diff(a, psn) > 0,
-                RespItem::Ack { .. } => false,
+                RespItem::AtomicAck { psn: a, .. } | RespItem::Ack { psn: a, .. } => {
+                    psn_diff(a, psn) > 0
+                }
             })
             .unwrap_or(self.out.len());
         self.out.insert(at, item);
