@@ -11,7 +11,7 @@ use crate::error::Error;
 use crate::rocev2::IpBackend;
 use crate::stream::{lock_rx, RxEnd, StreamEntry};
 use metaroce::rocev2::RcTransmit;
-use metaroce::{Event, Transmit, WcStatus};
+use metaroce::{ConnectionError, Event, Transmit, WcStatus};
 use std::future::poll_fn;
 use std::io::IoSliceMut;
 use std::sync::{Arc, MutexGuard};
@@ -59,6 +59,12 @@ pub(crate) trait Driven: Send + Sync + 'static {
     fn run_deferred(&self, _lkeys: &mut Vec<u32>) {}
     /// The driver returned.
     fn on_stop(&self) {}
+    /// The driver task was dropped before it returned (its runtime shut down, or the task
+    /// was aborted): nothing will drive the core again. Fails what waits on it, then
+    /// [`on_stop`](Self::on_stop).
+    fn on_abandoned(&self) {
+        self.on_stop();
+    }
     /// Transmits an application task left for the driver (`transmit_inline`), moved to
     /// `out` ahead of the core's; and marks the backend's send side taken by the driver
     /// when `out` is not empty.
@@ -144,9 +150,48 @@ impl Driven for Shared {
         self.idle.notify_waiters();
         tracing::debug!("driver stopped");
     }
+    fn on_abandoned(&self) {
+        tracing::debug!("driver dropped before it stopped (runtime shut down?)");
+        let mut st = self.lock();
+        // As `Endpoint::close`, without the closing handshakes nobody will send: new calls
+        // fail with `EndpointClosed`, `accept` ends.
+        st.closed = true;
+        st.incoming = None;
+        // Pending connects and operations: their senders dropped, they end with
+        // `EndpointClosed`.
+        st.connecting.clear();
+        st.waiters.clear();
+        // `Connection::closed` resolves, streams end.
+        for e in st.conns.values_mut() {
+            e.on_lost(ConnectionError::LocallyClosed);
+        }
+        drop(st);
+        self.sq_space.notify_waiters();
+        self.on_stop();
+    }
+}
+
+/// Calls [`Driven::on_abandoned`] if the driver future is dropped before it returns.
+struct Abandoned<D: Driven> {
+    shared: Arc<D>,
+    returned: bool,
+}
+
+impl<D: Driven> Drop for Abandoned<D> {
+    fn drop(&mut self) {
+        if !self.returned {
+            self.shared.on_abandoned();
+        }
+    }
 }
 
 pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
+    // A runtime that shuts down drops this future at an await: the handles must not wait
+    // for a driver that is gone (found by a new user's trial: every handle hung).
+    let mut abandoned = Abandoned {
+        shared: shared.clone(),
+        returned: false,
+    };
     // Fixed arrays: the receive's I/O vectors are built on the stack for every wait, not
     // collected into a `Vec` (one allocation per wake-up, so per datagram in a ping-pong).
     let mut bufs: [Vec<u8>; RECV_BUFS] = std::array::from_fn(|_| vec![0u8; RECV_BUF_LEN]);
@@ -220,6 +265,7 @@ pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
                 shared.dispatch(&mut st);
                 if out.is_empty() && ip_out.is_empty() && shared.may_stop(&st) {
                     drop(st);
+                    abandoned.returned = true;
                     shared.on_stop();
                     return;
                 }

@@ -453,6 +453,14 @@ static NEXT_ENDPOINT_ID: AtomicU64 = AtomicU64::new(1);
 /// connection, region and stream handle is dropped, every connection is closed (code 0)
 /// — the peers are sent CLOSE — and the driver task stops.
 ///
+/// The driver is a task of the runtime the endpoint was bound in. If that runtime shuts
+/// down first, the driver is gone without closing anything (the peers are not told; their
+/// connections end by their own timeouts): pending operations and calls on any handle
+/// then fail with [`Error::EndpointClosed`](crate::Error::EndpointClosed), streams end,
+/// [`Connection::closed`](crate::Connection::closed) gives `LocallyClosed`, and
+/// [`wait_idle`](Self::wait_idle) returns. Bind an endpoint in the runtime that outlives
+/// its use (one endpoint shared by several `#[tokio::test]` runtimes does not work).
+///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {

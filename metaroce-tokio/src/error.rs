@@ -113,7 +113,8 @@ pub enum Error {
         /// The application error code the peer gave.
         code: u32,
     },
-    /// The endpoint was closed or its driver stopped.
+    /// The endpoint was closed, or its driver stopped (also when the runtime that ran the
+    /// driver shut down).
     #[error("endpoint closed")]
     EndpointClosed,
 }

@@ -275,3 +275,72 @@ async fn a_message_received_just_before_close_completes_success_at_the_sender() 
         }
     }
 }
+
+/// The runtime that ran the endpoints' drivers shuts down while the handles live on. The
+/// handles must not wait for a driver that is gone: a receive already waiting (on another
+/// runtime) ends, and afterwards, on a new runtime, a stream send fails with
+/// `EndpointClosed`, `Connection::closed` resolves, `connect` is refused at once,
+/// `wait_idle` returns and `is_closed` is true. Every one of these used to wait forever
+/// (found by a new user's trial: a shared endpoint fixture across `#[tokio::test]`s).
+#[test]
+fn handles_end_when_the_runtime_of_the_driver_shuts_down() {
+    use futures::{SinkExt, StreamExt};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (server, client, conn, peer, mut stream, mut peer_stream) = rt.block_on(async {
+        let (server, client) = endpoints(Config::default()).await;
+        let (c, s) = connect(&server, &client).await;
+        let mut stream = c.open_stream().unwrap();
+        stream
+            .send(metaroce_tokio::Bytes::from_static(b"first"))
+            .await
+            .unwrap();
+        let mut peer_stream = tokio::time::timeout(T, s.accept_stream())
+            .await
+            .unwrap()
+            .unwrap();
+        let m = tokio::time::timeout(T, peer_stream.next()).await.unwrap();
+        assert_eq!(&m.unwrap().unwrap()[..], b"first");
+        (server, client, c, s, stream, peer_stream)
+    });
+    // A receive waiting on another runtime when the drivers go away.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = std::thread::spawn(move || {
+        let rt3 = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt3.block_on(async move {
+            tx.send(()).unwrap();
+            let r = tokio::time::timeout(T, peer_stream.next()).await;
+            r.map(|m| m.map(|m| m.is_ok()))
+        })
+    });
+    rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(rt);
+    let got = waiting.join().unwrap();
+    assert!(
+        matches!(got, Ok(None) | Ok(Some(false))),
+        "the waiting receive ends without a message: {got:?}"
+    );
+    let rt2 = tokio::runtime::Runtime::new().unwrap();
+    rt2.block_on(async {
+        let r = tokio::time::timeout(T, stream.send(metaroce_tokio::Bytes::from_static(b"x")))
+            .await
+            .expect("a send after the driver is gone must not wait");
+        assert!(
+            matches!(r, Err(metaroce_tokio::Error::EndpointClosed)),
+            "{r:?}"
+        );
+        let why = tokio::time::timeout(T, conn.closed()).await.unwrap();
+        assert_eq!(why, ConnectionError::LocallyClosed);
+        tokio::time::timeout(T, peer.closed()).await.unwrap();
+        assert!(matches!(
+            client.connect(server.local_addr()),
+            Err(ConnectError::EndpointClosed)
+        ));
+        tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+        tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+        assert!(client.is_closed() && server.is_closed());
+    });
+}
