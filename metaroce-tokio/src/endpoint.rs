@@ -64,6 +64,18 @@ pub struct Config {
     pub max_pending_incoming: usize,
     /// Most connections at once. Default 65 536.
     pub max_connections: usize,
+    /// Most half-open connections (accepted, not yet confirmed by their client) per shard;
+    /// further requests are refused with code 2 (`ConnectEth::REASON_LIMIT`). Default 4096
+    /// ([`metaroce::EndpointConfig::max_half_open`]).
+    pub max_half_open: usize,
+    /// Most half-open connections (accepted, not yet confirmed by their client: one round
+    /// trip for a legitimate client) from one source address (IPv4) or /64 prefix (IPv6),
+    /// per shard; further requests from that source are refused with code 5
+    /// (`metaroce::wire::ConnectEth::REASON_SOURCE_LIMIT`). This keeps one host that never
+    /// confirms its handshakes from filling the table and locking other clients out
+    /// (see [`metaroce::EndpointConfig::max_half_open_per_source`]). Raise it for a client
+    /// host that opens more connections than this to one endpoint at once. Default 64.
+    pub max_half_open_per_source: usize,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
     pub udp: UdpConfig,
     /// Extra UDP source ports bound beside the `transport.paths` path ports, so that a path
@@ -128,7 +140,12 @@ fn default_shards() -> usize {
 pub const DEFAULT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The code an [`Incoming`] dropped without a decision, or one beyond
-/// [`Config::max_pending_incoming`], is refused with.
+/// [`Config::max_pending_incoming`], is refused with. It is the core's code for its own
+/// connection and half-open limits too (`ConnectEth::REASON_LIMIT`): to the requester all
+/// of them mean "busy, try later". The accept-queue refusal carries the reason text
+/// `accept queue full`; the core's refusals carry none. A requester whose own address holds
+/// too many half-open connections gets code 5 instead
+/// ([`Config::max_half_open_per_source`]).
 pub const REFUSED_BUSY: u32 = 2;
 
 impl Default for Config {
@@ -142,6 +159,8 @@ impl Default for Config {
             accept_incoming: true,
             max_pending_incoming: 1024,
             max_connections: 65_536,
+            max_half_open: 4096,
+            max_half_open_per_source: 64,
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
@@ -163,6 +182,8 @@ impl Config {
         for (name, v) in [
             ("max_pending_incoming", self.max_pending_incoming),
             ("max_connections", self.max_connections),
+            ("max_half_open", self.max_half_open),
+            ("max_half_open_per_source", self.max_half_open_per_source),
             ("max_stream_in_flight", self.max_stream_in_flight),
             ("stream_send_buffer", self.stream_send_buffer),
         ] {
@@ -650,6 +671,8 @@ impl Endpoint {
         ecfg.accept_incoming = config.accept_incoming;
         ecfg.manual_accept = true;
         ecfg.max_connections = config.max_connections;
+        ecfg.max_half_open = config.max_half_open;
+        ecfg.max_half_open_per_source = config.max_half_open_per_source;
         let os_err = |e: getrandom::Error| {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
         };

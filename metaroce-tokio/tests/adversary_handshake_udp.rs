@@ -2,8 +2,9 @@
 //! Requests from 1,000 source ports. The server keeps no per-peer state (resident memory
 //! grows by at most 2 MiB, under 21 bytes per Request), answers with Retries no larger than the Requests (amplification
 //! at most 1x in bytes), and a legitimate client connects and moves data during the flood.
-//! Also: two endpoints with default configuration never share QPN space or secrets (OS
-//! seeding).
+//! Also: one host that completes its handshakes and never confirms them cannot lock other
+//! clients out (`max_half_open_per_source`); two endpoints with default configuration
+//! never share QPN space or secrets (OS seeding).
 
 use bytes::Bytes;
 use metaroce::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode};
@@ -22,7 +23,12 @@ fn rss_kib() -> u64 {
 }
 
 fn request(from: SocketAddr, to: SocketAddr, k: u32) -> Vec<u8> {
+    request_with_cookie(from, to, k, [0; 16])
+}
+
+fn request_with_cookie(from: SocketAddr, to: SocketAddr, k: u32, cookie: [u8; 16]) -> Vec<u8> {
     let mut m = ConnectEth::new(ConnectKind::Request);
+    m.cookie = cookie;
     m.paths = 8;
     m.src_qpn = (k % 0xFF_FFF0) + 2;
     m.pmtu = 4096;
@@ -180,6 +186,116 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
         rss1 <= rss0 + 2048,
         "RSS grew by more than 2 MiB (+{} KiB)",
         rss1 as i64 - rss0 as i64
+    );
+}
+
+/// One host (127.0.0.2) completes the retry-cookie round trip for 300 connection
+/// Requests from its own address and never confirms one. The server (`max_half_open` 128,
+/// so that 300 would fill it) accepts every request it is offered. The host holds at most
+/// `max_half_open_per_source` (64) half-open connections; its further Requests are refused
+/// with reason 5, and a client at 127.0.0.1 connects and sends while the host's
+/// connections are still half-open. Without the per-source limit the host fills the table
+/// and the client is refused (reason 2): a trial by an attacker at 6,000 Requests/s
+/// locked every other client out of the default 4,096 slots until 2 s after the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
+    let cfg = Config {
+        max_half_open: 128,
+        ..Config::default()
+    };
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let saddr = server.local_addr();
+    let s2 = server.clone();
+    let acceptor = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Some(inc) = s2.accept().await {
+            if let Ok(c) = inc.accept() {
+                conns.push(c);
+            }
+        }
+        conns.len()
+    });
+    let attacker = std::thread::spawn(move || {
+        let s = UdpSocket::bind("127.0.0.2:0").expect("bind 127.0.0.2 (loopback)");
+        s.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        let me = s.local_addr().unwrap();
+        let mut buf = [0u8; 2048];
+        let (mut accepts, mut source_limited, mut other) = (0u32, 0u32, 0u32);
+        for k in 0..300u32 {
+            s.send_to(&request(me, saddr, k), saddr).unwrap();
+            // Answers to earlier cookie Requests (Accepts, Rejects) may come first.
+            let cookie = loop {
+                let Ok(n) = s.recv(&mut buf) else { break None };
+                let Ok(p) = wire::Packet::parse(&buf[..n]) else {
+                    continue;
+                };
+                let Headers::Connect(m) = p.headers else {
+                    continue;
+                };
+                match m.kind {
+                    ConnectKind::Retry => break Some(m.cookie),
+                    ConnectKind::Accept => accepts += 1,
+                    ConnectKind::Reject if m.reason == ConnectEth::REASON_SOURCE_LIMIT => {
+                        source_limited += 1
+                    }
+                    _ => other += 1,
+                }
+            };
+            let cookie = cookie.expect("a Retry for every Request");
+            s.send_to(&request_with_cookie(me, saddr, k, cookie), saddr)
+                .unwrap();
+        }
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        while let Ok(n) = s.recv(&mut buf) {
+            if let Ok(p) = wire::Packet::parse(&buf[..n]) {
+                if let Headers::Connect(m) = p.headers {
+                    match m.kind {
+                        ConnectKind::Accept => accepts += 1,
+                        ConnectKind::Reject if m.reason == ConnectEth::REASON_SOURCE_LIMIT => {
+                            source_limited += 1
+                        }
+                        _ => other += 1,
+                    }
+                }
+            }
+        }
+        (accepts, source_limited, other)
+    });
+    let (accepts, refused, other) = tokio::task::spawn_blocking(move || attacker.join().unwrap())
+        .await
+        .unwrap();
+    let st = server.stats();
+    println!(
+        "attacker: {accepts} Accepts (with re-sends), {refused} Rejects reason 5, {other} other; server: {} refused by source",
+        st.source_limited
+    );
+    // 300 cookie Requests: 64 half-open, the rest refused (236, unless the run outlasted
+    // the 2 s half-open expiry on a slow machine and freed some slots).
+    assert!(st.source_limited >= 100, "{st:?}");
+    assert!(refused > 0, "the Rejects carry reason 5");
+    // A client elsewhere gets in while the host's connections are half-open (they expire
+    // after `handshake_attempts` × `handshake_interval`, 2 s).
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(10), client.connect(saddr).unwrap())
+        .await
+        .expect("connect does not hang")
+        .expect("the legitimate client is not refused");
+    {
+        use futures::SinkExt;
+        let mut stream = c.open_stream().unwrap();
+        stream.send(Bytes::from_static(b"in")).await.unwrap();
+    }
+    server.close(0, b"");
+    let accepted = acceptor.await.unwrap();
+    assert!(
+        accepted > 64,
+        "the host's connections and the client: {accepted}"
     );
 }
 

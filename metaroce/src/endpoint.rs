@@ -245,6 +245,10 @@ pub struct EndpointStats {
     /// never asked for. Recognised while the replayed cookie is valid, the only time such a
     /// Request can pass the cookie check.
     pub replayed_requests: u64,
+    /// Requests refused because their source already held
+    /// [`EndpointConfig::max_half_open_per_source`] half-open connections (Reject reason
+    /// 5; also counted in `rejected`).
+    pub source_limited: u64,
 }
 
 impl std::ops::AddAssign for EndpointStats {
@@ -271,6 +275,7 @@ impl std::ops::AddAssign for EndpointStats {
             handshake_bytes_in,
             handshake_bytes_out,
             replayed_requests,
+            source_limited,
         } = o;
         self.datagrams_received += datagrams_received;
         self.malformed += malformed;
@@ -290,6 +295,7 @@ impl std::ops::AddAssign for EndpointStats {
         self.handshake_bytes_in += handshake_bytes_in;
         self.handshake_bytes_out += handshake_bytes_out;
         self.replayed_requests += replayed_requests;
+        self.source_limited += source_limited;
     }
 }
 
@@ -335,8 +341,8 @@ pub struct Endpoint {
     /// (client listen address, client QPN) → our QPN: a validated Request from the same
     /// address and QPN as a live connection is a restarted client.
     by_peer_qpn: HashMap<(SocketAddr, u32), u32>,
-    /// Accepted connections not yet confirmed by their client.
-    half_open: BTreeSet<u32>,
+    /// Accepted connections not yet confirmed by their client, by source.
+    half_open: HalfOpen,
     epoch: Option<Instant>,
     conns: BTreeMap<u32, Connection>,
     by_nonce: HashMap<u64, u32>,
@@ -454,6 +460,57 @@ pub struct TableSizes {
     pub events: usize,
 }
 
+/// The source a half-open connection is counted against: an IPv4 address (IPv4-mapped
+/// IPv6 addresses as IPv4), or the /64 prefix of an IPv6 address.
+fn source_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(a) => IpAddr::V6((u128::from(a) & !u128::from(u64::MAX)).into()),
+        v4 => v4,
+    }
+}
+
+/// Accepted connections not yet confirmed by their client (half-open), with the source
+/// each came from and the count per source (`EndpointConfig::max_half_open_per_source`).
+/// At most `max_half_open` entries, so at most that many sources.
+#[derive(Debug, Default)]
+struct HalfOpen {
+    conns: BTreeMap<u32, IpAddr>,
+    per_source: HashMap<IpAddr, usize>,
+}
+
+impl HalfOpen {
+    fn len(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Half-open connections from `source` (a [`source_key`]).
+    fn from(&self, source: IpAddr) -> usize {
+        self.per_source.get(&source).copied().unwrap_or(0)
+    }
+
+    fn insert(&mut self, qpn: u32, source: IpAddr) {
+        if let Some(old) = self.conns.insert(qpn, source) {
+            self.forget(old);
+        }
+        *self.per_source.entry(source).or_insert(0) += 1;
+    }
+
+    fn remove(&mut self, qpn: &u32) {
+        if let Some(source) = self.conns.remove(qpn) {
+            self.forget(source);
+        }
+    }
+
+    fn forget(&mut self, source: IpAddr) {
+        if let Some(n) = self.per_source.get_mut(&source) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_source.remove(&source);
+            }
+        }
+    }
+}
+
 impl Endpoint {
     /// A new endpoint. Errors if the configuration is invalid.
     pub fn new(cfg: EndpointConfig) -> Result<Self, PostError> {
@@ -468,6 +525,12 @@ impl Endpoint {
             return Err(PostError::InvalidConfig(crate::ConfigError::new(
                 "qpn_modulus",
                 "must be in 1..=65536",
+            )));
+        }
+        if cfg.max_half_open_per_source == 0 {
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "max_half_open_per_source",
+                "must be at least 1",
             )));
         }
         if cfg.qpn_residue >= cfg.qpn_modulus {
@@ -494,7 +557,7 @@ impl Endpoint {
             secret,
             cookie_key,
             by_peer_qpn: HashMap::with_hasher(tables),
-            half_open: BTreeSet::new(),
+            half_open: HalfOpen::default(),
             cfg,
             epoch: None,
             conns: BTreeMap::new(),
@@ -1803,12 +1866,16 @@ impl Endpoint {
             }
         }
         let valid = msg.paths > 0 && (256..=4096).contains(&msg.pmtu) && msg.pmtu.is_power_of_two();
+        let source = source_key(peer.ip());
         let reason = if !self.cfg.accept_incoming {
             Some(ConnectEth::REASON_NOT_ACCEPTING)
         } else if self.conns.len() >= self.cfg.max_connections
             || self.half_open.len() >= self.cfg.max_half_open
         {
             Some(ConnectEth::REASON_LIMIT)
+        } else if self.half_open.from(source) >= self.cfg.max_half_open_per_source {
+            self.stats.source_limited += 1;
+            Some(ConnectEth::REASON_SOURCE_LIMIT)
         } else if !valid || msg.version != crate::conn::PROTOCOL_VERSION {
             Some(ConnectEth::REASON_INVALID)
         } else if crate::conn::aead_flag(msg) != self.cfg.transport.packet_protection.is_some() {
@@ -1858,7 +1925,7 @@ impl Endpoint {
             self.cookie_nonces.insert(msg.nonce, bucket);
         }
         self.by_peer_qpn.insert((peer, msg.src_qpn), qpn);
-        self.half_open.insert(qpn);
+        self.half_open.insert(qpn, source);
         tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
         self.events
             .push_back(Event::Incoming(ConnectionHandle(qpn)));
@@ -2496,5 +2563,43 @@ fn count_auth_error(stats: &mut EndpointStats, e: AuthError, protected: bool) {
     }
     if protected {
         stats.aead_auth_failures += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// IPv4 sources by address (an IPv4-mapped IPv6 address is the same source), IPv6
+    /// sources by /64 prefix; the per-source counts follow inserts and removals.
+    #[test]
+    fn half_open_sources_are_ipv4_addresses_and_ipv6_prefixes() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(source_key(ip("10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(source_key(ip("::ffff:10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(source_key(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
+        assert_eq!(
+            source_key(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
+            source_key(ip("2001:db8:1:2::7"))
+        );
+        assert_ne!(
+            source_key(ip("2001:db8:1:3::7")),
+            source_key(ip("2001:db8:1:2::7"))
+        );
+        let mut h = HalfOpen::default();
+        let a = source_key(ip("2001:db8:1:2::1"));
+        let b = source_key(ip("10.0.0.1"));
+        h.insert(1, a);
+        h.insert(2, source_key(ip("2001:db8:1:2::2")));
+        h.insert(3, b);
+        assert_eq!((h.len(), h.from(a), h.from(b)), (3, 2, 1));
+        // Re-inserting a QPN moves it, removing an unknown one changes nothing.
+        h.insert(2, b);
+        h.remove(&99);
+        assert_eq!((h.len(), h.from(a), h.from(b)), (3, 1, 2));
+        for q in [1, 2, 3] {
+            h.remove(&q);
+        }
+        assert_eq!((h.len(), h.per_source.len()), (0, 0));
     }
 }

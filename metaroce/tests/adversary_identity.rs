@@ -656,31 +656,37 @@ fn handshake_flood_creates_no_state() {
         == 1));
 }
 
-/// Without the cookie (RetryPolicy::Never) the same flood is bounded by max_half_open and
-/// the half-open connections expire by themselves.
+/// A connection Request from `from` (RetryPolicy::Never: no cookie needed) with client
+/// QPN and nonce from `k`.
+fn request_from(net: &mut Net, to: usize, from: SocketAddr, k: u32) {
+    let mut m = ConnectEth::new(ConnectKind::Request);
+    m.paths = 1;
+    m.src_qpn = k + 2;
+    m.pmtu = 1024;
+    m.listen_port = from.port();
+    m.nonce = u64::from(k) + 1;
+    let h = Headers::Connect(m);
+    let mut p = vec![0u8; wire::packet_len(&h, 0)];
+    wire::emit_packet(&Bth::new(Opcode::MR_CONNECT, 0, 0), &h, &[], &mut p).unwrap();
+    stamp(from, net.addrs[to], &mut p);
+    net.deliver(to, from, &p);
+}
+
+/// Without the cookie (RetryPolicy::Never) the same flood, from 10 sources, is bounded by
+/// max_half_open and the half-open connections expire by themselves.
 #[test]
 fn half_open_connections_are_bounded_and_expire() {
     let mut c1 = cfg(1, 2, 2);
     c1.retry = RetryPolicy::Never;
     c1.max_half_open = 100;
     let mut net = net_of(vec![cfg(0, 1, 1), c1]);
-    let server = net.addrs[1];
     for k in 0..1000u32 {
-        let mut m = ConnectEth::new(ConnectKind::Request);
-        m.paths = 1;
-        m.src_qpn = k + 2;
-        m.pmtu = 1024;
-        m.listen_port = 30_000;
-        m.nonce = u64::from(k) + 1;
-        let h = Headers::Connect(m);
-        let mut p = vec![0u8; wire::packet_len(&h, 0)];
-        wire::emit_packet(&Bth::new(Opcode::MR_CONNECT, 0, 0), &h, &[], &mut p).unwrap();
-        let from = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 8, 8, 8)), 30_000);
-        stamp(from, server, &mut p);
-        net.deliver(1, from, &p);
+        let from = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 8, 8, (k % 10) as u8)), 30_000);
+        request_from(&mut net, 1, from, k);
     }
     assert_eq!(net.eps[1].connections().count(), 100);
     assert_eq!(net.eps[1].stats().rejected, 900);
+    assert_eq!(net.eps[1].stats().source_limited, 0);
     run_within(&mut net, Duration::from_secs(5), |n| {
         n.eps[1].connections().count() == 0
     });
@@ -704,6 +710,66 @@ fn half_open_connections_are_bounded_and_expire() {
     assert_eq!(expired, 100);
     // A real client still gets in.
     connect(&mut net, 0, 1);
+}
+
+/// One host that completes its handshakes from its own address and never confirms them
+/// (here: Requests without the cookie, RetryPolicy::Never, which is the same to the
+/// half-open table) holds at most `max_half_open_per_source` (64) half-open connections:
+/// its further Requests get Reject reason 5 and are counted, a client at another address
+/// connects while the 64 are still half-open, and so does another flooding host for its
+/// own 64. An attacker's trial found one host at 6,000 Requests/s filling all 4,096 slots
+/// and every other client refused (reason 2).
+#[test]
+fn one_source_cannot_fill_the_half_open_table() {
+    let mut c1 = cfg(1, 2, 2);
+    c1.retry = RetryPolicy::Never;
+    let mut net = net_of(vec![cfg(0, 1, 1), c1]);
+    let attacker = IpAddr::V4(Ipv4Addr::new(10, 8, 8, 8));
+    for k in 0..1000u32 {
+        request_from(
+            &mut net,
+            1,
+            SocketAddr::new(attacker, 30_000 + (k % 50) as u16),
+            k,
+        );
+    }
+    assert_eq!(net.eps[1].connections().count(), 64);
+    let st = net.eps[1].stats();
+    assert_eq!((st.rejected, st.source_limited), (936, 936));
+    // The Rejects carry reason 5.
+    let mut buf = Vec::new();
+    let mut reasons = Vec::new();
+    while let Some(t) = net.eps[1].poll_transmit(net.now, &mut buf) {
+        if t.destination.ip() == attacker {
+            if let Ok(p) = wire::Packet::parse(&buf[..t.size]) {
+                if let Headers::Connect(m) = p.headers {
+                    if m.kind == ConnectKind::Reject {
+                        reasons.push(m.reason);
+                    }
+                }
+            }
+        }
+    }
+    assert!(!reasons.is_empty());
+    assert!(reasons
+        .iter()
+        .all(|&r| r == ConnectEth::REASON_SOURCE_LIMIT));
+    // Another client connects while the flood's connections are still half-open.
+    let (c, s) = connect(&mut net, 0, 1);
+    assert!(net.eps[0].is_established(c) && net.eps[1].is_established(s));
+    // A second flooding host gets its own 64, no more.
+    let other = IpAddr::V4(Ipv4Addr::new(10, 8, 8, 9));
+    for k in 1000..1100u32 {
+        request_from(&mut net, 1, SocketAddr::new(other, 30_000), k);
+    }
+    assert_eq!(net.eps[1].connections().count(), 64 + 1 + 64);
+    assert_eq!(net.eps[1].stats().source_limited, 936 + 36);
+    // Once the attacker's half-open connections expire, its slots are free again.
+    run_within(&mut net, Duration::from_secs(5), |n| {
+        n.eps[1].connections().count() == 1
+    });
+    request_from(&mut net, 1, SocketAddr::new(attacker, 30_000), 5000);
+    assert_eq!(net.eps[1].connections().count(), 2);
 }
 
 /// Whether `d` is a connection Request that carries a retry cookie.

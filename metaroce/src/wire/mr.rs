@@ -481,6 +481,10 @@ impl ConnectEth {
     pub const REASON_INVALID: u32 = 3;
     /// Reject reason 4: packet protection (AEAD) mismatch between the two ends.
     pub const REASON_AEAD_MISMATCH: u32 = 4;
+    /// Reject reason 5: too many half-open connections from the requester's source address
+    /// (`EndpointConfig::max_half_open_per_source`); the requester may try again once its
+    /// earlier connections are confirmed.
+    pub const REASON_SOURCE_LIMIT: u32 = 5;
 
     /// A message of `kind` with every other field 0 and the current version.
     pub fn new(kind: ConnectKind) -> Self {
