@@ -371,6 +371,12 @@ impl Connection {
     /// Open a new stream with an id of this side's parity (the connecting side uses even
     /// ids, the accepting side odd ones, so the two never collide).
     ///
+    /// Nothing is sent: the peer learns of the stream with its first message (or its
+    /// finish, reset or stop), and only then offers it from
+    /// [`accept_stream`](Self::accept_stream). So the side that opens a stream must send on
+    /// it first; a protocol where it waits for the peer to accept the stream before
+    /// sending never starts.
+    ///
     /// # Errors
     /// [`Error::ConnectionLost`] once the connection ended.
     pub fn open_stream(&self) -> Result<MessageStream, Error> {
@@ -768,6 +774,11 @@ impl Connection {
     /// [`Error::ForeignRegion`], [`Error::Memory`] (reversed range), [`Error::Post`]
     /// (range outside `dst`, no `LOCAL_WRITE`), [`Error::ConnectionLost`],
     /// [`Error::Completion`] (`LocalLengthError`, `WrFlushError` when the connection ends).
+    ///
+    /// The stream stays in posted-receive mode after this future is dropped too: a later
+    /// message waits (the sender retries after RNR NAKs) for the next `recv_into` on the
+    /// stream; it never goes to a `MessageStream` or to
+    /// [`accept_stream`](Self::accept_stream).
     ///
     /// # Cancel safety
     /// The receive is posted at the first poll. Dropping the future after that withdraws

@@ -22,12 +22,22 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// Configuration of an async [`Endpoint`].
 ///
 /// Receive buffering is bounded by the core's limits, which this crate turns into
-/// backpressure (`transport.explicit_consume` is always on): a stream holds at most
-/// `transport.max_stream_recv_bytes` (default 16 MiB) of received messages its reader has
-/// not taken — including a stream nobody accepted — and a connection at most
-/// `transport.max_recv_buffer_bytes` (default 256 MiB); beyond that the peer's SENDs are
-/// held back by flow-control RNR NAKs (its `poll_ready` waits) until the reader catches
-/// up. Likewise the WRITE-with-immediate notifications not yet taken by
+/// backpressure (`transport.explicit_consume` is always on): a stream takes in a new
+/// message only if it fits, with what its reader has not taken yet, in
+/// `transport.max_stream_recv_bytes` (default 16 MiB) — also a stream nobody accepted —
+/// and in the connection's `transport.max_recv_buffer_bytes` (default 256 MiB); other
+/// SENDs of the peer are held back by flow-control RNR NAKs (its `poll_ready` waits) until
+/// the reader catches up. So that every stream can always make
+/// progress, the next message due on a stream is taken in even beyond those limits, from
+/// a second reserve of `max_recv_buffer_bytes`, and one such message may always come in
+/// when that reserve is empty, whatever its length up to `transport.max_message_size`
+/// (default 2 GiB, the IBA maximum): **a connection can hold up to `max_recv_buffer_bytes
+/// + max(max_recv_buffer_bytes, max_message_size)`**, 2.25 GiB with the defaults, and
+/// memory grows with the number of connections (at most `max_connections`). A peer can
+/// fill that by sending on a stream this side never reads. A service that takes messages
+/// from untrusted peers should lower `transport.max_message_size` (it bounds WRITEs too)
+/// and `max_recv_buffer_bytes`, and bound `max_connections`; there is no endpoint-wide
+/// cap yet. Likewise the WRITE-with-immediate notifications not yet taken by
 /// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
 /// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
 /// `write_with_imm` waits. Nothing is dropped.

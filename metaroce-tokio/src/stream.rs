@@ -175,6 +175,20 @@ impl StreamEntry {
 /// [`Error::StreamStopped`]); later messages for it are discarded. [`reset`](Self::reset)
 /// and [`stop`](Self::stop) do the same with a code of your choice.
 ///
+/// # Cancel safety
+/// - Reading (`StreamExt::next`): cancel safe. A message leaves the stream's queue only
+///   in the poll that returns it; a dropped `next()` loses nothing.
+/// - Sending (`SinkExt::send`, `feed`): the message is handed to the transport in
+///   `start_send`, after `poll_ready`. A `send` future dropped before that (while
+///   `poll_ready` waits for room) sends nothing and reports nothing: the message is gone
+///   with the future. Dropped after, the message is still delivered, in order, and a
+///   failure shows as the error of the next sink call; only the wait for the peer's
+///   acknowledgement (`poll_flush`) was abandoned. To know whether a message went out,
+///   await `poll_ready` (`SinkExt::ready`) first, then call `start_send` (it does not
+///   wait), and flush separately.
+/// - `poll_close`: cancel safe in the same way as `poll_flush`; the stream is finished
+///   once it returns `Ready`.
+///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -20,6 +20,9 @@ use std::fmt;
 pub struct Access(pub u32);
 
 impl Access {
+    /// No access bit (the same as `Access::default()`): the region can only be read
+    /// locally, as the source of SENDs and WRITEs.
+    pub const NONE: Access = Access(0);
     /// `IBV_ACCESS_LOCAL_WRITE`: local receives and READ results may land here.
     pub const LOCAL_WRITE: Access = Access(0x1);
     /// `IBV_ACCESS_REMOTE_WRITE`: peers may RDMA WRITE here.
