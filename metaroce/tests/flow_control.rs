@@ -511,3 +511,112 @@ fn a_deep_pipeline_into_a_small_stream_window_completes() {
         );
     }
 }
+
+/// The endpoint's cap on library-owned receive buffers (`max_recv_memory`, here 4 MiB)
+/// holds over all its connections: two connections each send 8 messages of 1 MiB on a
+/// stream the receiver does not read. Without the cap they held 6 MiB together (each
+/// within its own budgets); with it they hold at most 4 MiB, the second
+/// connection's messages wait (flow-control RNR NAKs counted in `memory_rnr_naks`), and
+/// once the reader consumes, every message of both arrives, in order, none failed. A
+/// message longer than the cap could never fit: it is refused (NAK, invalid request), and
+/// the connection goes on. Before the cap, the receive memory grew with the number of
+/// connections (a new user's trial: 512 MiB per connection, nothing read).
+#[test]
+fn the_endpoint_caps_receive_memory_over_all_connections() {
+    let cap = 4 * MIB;
+    let mut a = config(0, 41);
+    let mut b = config(1, 41);
+    for c in [&mut a, &mut b] {
+        c.transport.pmtu = 4096;
+        c.transport.explicit_consume = true;
+        c.transport.max_stream_recv_bytes = STREAM_LIMIT;
+        c.transport.max_recv_buffer_bytes = CONN_LIMIT;
+    }
+    b.max_recv_memory = cap;
+    let mut p = Pair::impaired_with_configs(41, Impair::default(), a, b);
+    let (a1, b1) = p.connect();
+    let (a2, b2) = p.connect();
+    let n = 8;
+    for (i, m) in messages(n).into_iter().enumerate() {
+        p.eps[0].post_send(a1, 1, i as u64, m).unwrap();
+    }
+    // The first connection fills what it may before the second starts.
+    p.run_until(p.now - p.start + Duration::from_millis(20), |_| false);
+    for (i, m) in messages(n).into_iter().enumerate() {
+        p.eps[0].post_send(a2, 1, 100 + i as u64, m).unwrap();
+    }
+    let held = |p: &Pair| {
+        let s1 = p.eps[1].connection_stats(b1).unwrap().recv;
+        let s2 = p.eps[1].connection_stats(b2).unwrap().recv;
+        (
+            s1.buffered_bytes + s2.buffered_bytes,
+            s1.memory_rnr_naks + s2.memory_rnr_naks,
+        )
+    };
+    let t0 = p.now;
+    let mut peak = 0;
+    while p.now - t0 < Duration::from_millis(200) {
+        assert!(p.step());
+        peak = peak.max(held(&p).0);
+    }
+    let (now_held, rnrs) = held(&p);
+    println!("two unread connections: peak {peak} B held (cap {cap} B), {rnrs} memory RNR NAKs");
+    assert!(peak <= cap, "peak {peak} > cap {cap}");
+    assert!(
+        now_held >= 2 * MIB,
+        "the cap is used, not avoided: {now_held}"
+    );
+    assert!(rnrs > 0);
+    // The reader starts on both connections: everything arrives, in order.
+    let mut got = [Vec::new(), Vec::new()];
+    let t1 = p.now;
+    while got[0].len() + got[1].len() < 2 * n && p.now - t1 < Duration::from_secs(60) {
+        if !p.step() {
+            break;
+        }
+        for e in std::mem::take(&mut p.events[1]) {
+            if let Event::Message { conn, data, .. } = e {
+                let k = usize::from(conn != b1);
+                got[k].push(data[0]);
+                p.eps[1].stream_consumed(conn, 1, data.len() as u64);
+            }
+        }
+    }
+    let want: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+    assert_eq!(got[0], want);
+    assert_eq!(got[1], want);
+    p.run_until(p.now - p.start + Duration::from_millis(50), |p| {
+        p.eps[0].stream_send_pending(a1, 1) + p.eps[0].stream_send_pending(a2, 1) == 0
+    });
+    assert!(p.events[0].iter().all(|e| match e {
+        Event::Completion { wc, .. } => wc.status == WcStatus::Success,
+        Event::ConnectionLost { .. } => false,
+        _ => true,
+    }));
+    assert_eq!(held(&p).0, 0);
+    // Longer than the cap: refused, and the connection goes on.
+    p.events[0].clear();
+    let big = Bytes::from(vec![9u8; (cap + MIB) as usize]);
+    p.eps[0].post_send(a2, 3, 7, big).unwrap();
+    p.eps[0]
+        .post_send(a2, 5, 8, Bytes::from_static(b"after"))
+        .unwrap();
+    p.run_until(p.now - p.start + Duration::from_secs(2), |p| {
+        p.events[0]
+            .iter()
+            .filter(|e| matches!(e, Event::Completion { .. }))
+            .count()
+            == 2
+    });
+    let wcs: Vec<_> = p.events[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { wc, .. } => Some((wc.wr_id, wc.status)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        wcs,
+        vec![(7, WcStatus::RemoteInvalidRequest), (8, WcStatus::Success)]
+    );
+}
