@@ -32,13 +32,12 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// a second reserve of `max_recv_buffer_bytes`, and one such message may always come in
 /// when that reserve is empty, whatever its length up to `transport.max_message_size`
 /// (default 2 GiB, the IBA maximum): **a connection can hold up to `max_recv_buffer_bytes
-/// + max(max_recv_buffer_bytes, max_message_size)`**, 2.25 GiB with the defaults. A peer
-/// can fill that by sending on a stream this side never reads, and it can open many
-/// connections: all connections of a shard together hold at most
-/// [`Config::max_recv_memory`] (default 4 GiB), beyond which every SEND waits, next-due or
-/// not, until readers take messages. A service that takes messages from untrusted peers
-/// should lower `max_recv_memory`, and `transport.max_message_size` (it bounds WRITEs too)
-/// and `max_recv_buffer_bytes` as its messages allow. Likewise the WRITE-with-immediate notifications not yet taken by
+/// + max(max_recv_buffer_bytes, max_message_size)`**, 2.25 GiB with the defaults, and
+/// memory grows with the number of connections (at most `max_connections`). A peer can
+/// fill that by sending on a stream this side never reads. A service that takes messages
+/// from untrusted peers should lower `transport.max_message_size` (it bounds WRITEs too)
+/// and `max_recv_buffer_bytes`, and bound `max_connections`; there is no endpoint-wide
+/// cap yet. Likewise the WRITE-with-immediate notifications not yet taken by
 /// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
 /// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
 /// `write_with_imm` waits. Nothing is dropped.
@@ -87,13 +86,6 @@ pub struct Config {
     /// (see [`metaroce::EndpointConfig::max_half_open_per_source`]). Raise it for a client
     /// host that opens more connections than this to one endpoint at once. Default 64.
     pub max_half_open_per_source: usize,
-    /// Most bytes of received messages held by all connections of one shard together
-    /// (being reassembled, waiting for in-order delivery, or delivered and not yet read);
-    /// beyond it new messages wait (flow-control RNR NAKs; the peers' `poll_ready` waits),
-    /// and a message longer than this is refused (the sender's completion is
-    /// `RemoteInvalidRequest`). See [`metaroce::EndpointConfig::max_recv_memory`] and the
-    /// type docs above. Default 4 GiB.
-    pub max_recv_memory: u64,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
     pub udp: UdpConfig,
     /// Extra UDP source ports bound beside the `transport.paths` path ports, so that a path
@@ -179,7 +171,6 @@ impl Default for Config {
             max_connections: 65_536,
             max_half_open: 4096,
             max_half_open_per_source: 64,
-            max_recv_memory: 4 << 30,
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
@@ -692,7 +683,6 @@ impl Endpoint {
         ecfg.max_connections = config.max_connections;
         ecfg.max_half_open = config.max_half_open;
         ecfg.max_half_open_per_source = config.max_half_open_per_source;
-        ecfg.max_recv_memory = config.max_recv_memory;
         let os_err = |e: getrandom::Error| {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
         };

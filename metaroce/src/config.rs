@@ -121,17 +121,6 @@ pub struct EndpointConfig {
     /// Many attacking sources together can still fill `max_half_open`. At least 1;
     /// default 64.
     pub max_half_open_per_source: usize,
-    /// Most bytes of library-owned receive buffers (SEND messages being reassembled,
-    /// waiting for in-order delivery or, with `explicit_consume`, delivered and not yet
-    /// consumed; each counted with 128 bytes of bookkeeping) held by all connections of
-    /// the endpoint together. Each connection is bounded by its own budgets too
-    /// ([`TransportConfig::max_recv_buffer_bytes`]), but connections are cheap for a peer
-    /// to open, so without this the total grew with their number. A new message that
-    /// would go beyond it is refused with a flow-control RNR NAK (the sender waits and
-    /// retries) — also the next one due on a stream, which the per-connection budget
-    /// always takes in; a message longer than this could never fit and is refused with a
-    /// NAK (invalid request). Default 4 GiB.
-    pub max_recv_memory: u64,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.
     pub max_control_queue: usize,
@@ -186,7 +175,6 @@ impl EndpointConfig {
             retry_cookie_lifetime: Duration::from_secs(10),
             max_half_open: 4096,
             max_half_open_per_source: 64,
-            max_recv_memory: 4 << 30,
             max_control_queue: 1024,
             qpn_modulus: 1,
             qpn_residue: 0,
@@ -219,8 +207,7 @@ pub struct TransportConfig {
     /// always come in when that reserve is empty. Each message counts 128 bytes of
     /// bookkeeping on top of its length, so many tiny or empty messages cannot pile up
     /// either. A connection thus holds at most this plus `max(this, max_message_size + 128)`
-    /// bytes of buffers, and all connections of the endpoint together at most
-    /// [`EndpointConfig::max_recv_memory`]. Default 256 MiB.
+    /// bytes of buffers. Default 256 MiB.
     pub max_recv_buffer_bytes: u64,
     /// Receive flow control driven by the application (for drivers that feed bounded
     /// per-stream queues, e.g. `metaroce-tokio`). When `true`, the bytes of a message handed

@@ -318,8 +318,6 @@ pub(crate) struct ConnIndex {
     /// The connection is in `Endpoint::ready` (issue #13: a touch of a connection already
     /// there costs no tree search).
     ready: bool,
-    /// The connection's library-owned receive buffers as counted in `Endpoint::recv_total`.
-    recv_charged: u64,
 }
 
 /// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
@@ -404,9 +402,6 @@ pub struct Endpoint {
     /// entries are pruned lazily).
     recent_rx: BTreeSet<(Instant, u32)>,
     stats: EndpointStats,
-    /// Library-owned receive buffers of all connections (`max_recv_memory`): the sum of
-    /// their `ix.recv_charged`.
-    recv_total: u64,
     /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
     pub(crate) rc: crate::rocev2::RcHost,
     rc_turn: bool,
@@ -463,20 +458,6 @@ pub struct TableSizes {
     pub control: usize,
     /// Events not yet polled.
     pub events: usize,
-}
-
-/// What connection `c`'s library-owned receive buffers may come to in all under the
-/// endpoint's `cap` (`max_recv_memory`), given the others' share of `total`.
-fn recv_room(total: u64, cap: u64, c: &Connection) -> u64 {
-    cap.saturating_sub(total.saturating_sub(c.ix.recv_charged))
-}
-
-/// Count connection `c`'s library-owned receive buffers in `total` again, after a call that
-/// may have changed them.
-fn recount_recv(total: &mut u64, c: &mut Connection) {
-    let now = c.recv_buffered();
-    *total = *total - c.ix.recv_charged + now;
-    c.ix.recv_charged = now;
 }
 
 /// The source a half-open connection is counted against: an IPv4 address (IPv4-mapped
@@ -601,7 +582,6 @@ impl Endpoint {
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
-            recv_total: 0,
             closers: HashMap::with_hasher(tables),
             close_timers: BTreeSet::new(),
             close_ready: VecDeque::new(),
@@ -663,7 +643,7 @@ impl Endpoint {
         let qpn = self.new_qpn();
         let nonce = self.secret.next_u64();
         let init_psn = self.initial_psn();
-        let mut conn = Connection::new_outgoing(
+        let conn = Connection::new_outgoing(
             ConnectionHandle(qpn),
             now,
             epoch,
@@ -676,7 +656,6 @@ impl Endpoint {
             self.cfg.transport.clone(),
             self.tables,
         );
-        conn.max_recv_memory = self.cfg.max_recv_memory;
         self.conns.insert(qpn, conn);
         self.touched(qpn);
         Ok(ConnectionHandle(qpn))
@@ -1703,10 +1682,8 @@ impl Endpoint {
                     self.handle_close(from, local_ip, qpn, &msg, &Trailer::None, true, &payload);
                     return;
                 }
-                c.recv_room = recv_room(self.recv_total, self.cfg.max_recv_memory, c);
                 let out =
                     c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
-                recount_recv(&mut self.recv_total, c);
                 self.touched(qpn);
                 self.apply(ConnectionHandle(qpn), out);
             }
@@ -1717,9 +1694,7 @@ impl Endpoint {
             c.on_authenticated();
             self.half_open.remove(&qpn);
         }
-        c.recv_room = recv_room(self.recv_total, self.cfg.max_recv_memory, c);
         let out = c.handle_packet(now, local_ip, ecn, pkt, &mut self.mrs, &mut self.events);
-        recount_recv(&mut self.recv_total, c);
         Self::touch_conn(
             c,
             qpn,
@@ -1936,7 +1911,6 @@ impl Endpoint {
         // `manual_accept`: the application decides (`accept_incoming`/`refuse_incoming`);
         // until then the connection sends nothing, not even its Accept.
         conn.held = self.cfg.manual_accept;
-        conn.max_recv_memory = self.cfg.max_recv_memory;
         self.conns.insert(qpn, conn);
         self.touched(qpn);
         self.by_nonce.insert(msg.nonce, qpn);
@@ -2131,9 +2105,6 @@ impl Endpoint {
         }
         let next = c.next_timeout();
         c.ix.stale = false;
-        // Receive buffers a call released (a reader consumed, a stream was stopped, the
-        // connection flushed): counted again here; admissions are counted at once.
-        recount_recv(&mut self.recv_total, c);
         move_entry(&mut self.timers, q, &mut c.ix.deadline, next);
         let last = c.last_data_rx;
         Self::index_data_rx(
@@ -2160,7 +2131,6 @@ impl Endpoint {
 
     /// Drop connection `q`, removed with index entry `ix`, from every index.
     fn forget(&mut self, q: u32, ix: ConnIndex) {
-        self.recv_total -= ix.recv_charged;
         if let Some(t) = ix.deadline {
             self.timers.remove(&(t, q));
         }
@@ -2181,11 +2151,6 @@ impl Endpoint {
                 let cached = c.ix.deadline;
                 debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
             }
-            debug_assert_eq!(
-                self.recv_total,
-                self.conns.values().map(|c| c.ix.recv_charged).sum::<u64>(),
-                "receive memory count"
-            );
             debug_assert_eq!(
                 self.timers
                     .iter()

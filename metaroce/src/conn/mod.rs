@@ -203,12 +203,6 @@ pub(crate) struct Connection {
     /// Client side: a Confirm is due.
     confirm_pending: bool,
     pub local_ip: Option<IpAddr>,
-    /// `EndpointConfig::max_recv_memory` of the endpoint (set by it; `u64::MAX` alone).
-    pub(crate) max_recv_memory: u64,
-    /// What this connection's library-owned receive buffers may come to in all, given the
-    /// other connections' share of `max_recv_memory`: set by the endpoint before each
-    /// packet (`u64::MAX` until then).
-    pub(crate) recv_room: u64,
     /// The ICRC's IP header for packets to the peer, with the `(local_ip, peer IP)` it was
     /// synthesized from (issue #13: built once, not per packet).
     tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
@@ -500,8 +494,6 @@ impl Connection {
             tx_token: 0,
             confirmed: true,
             tx_ip: None,
-            max_recv_memory: u64::MAX,
-            recv_room: u64::MAX,
             // Room for the largest ACK bundle up front: it would grow once, mid-run, the
             // first time a bundle is longer than any before (issue #13: no allocation per
             // packet once warm).
@@ -604,11 +596,6 @@ impl Connection {
         self.last_data_rx = Some(now);
     }
 
-    /// Bytes of library-owned receive buffers this connection holds.
-    pub(crate) fn recv_buffered(&self) -> u64 {
-        self.rq.buffered_bytes()
-    }
-
     fn limits(&self) -> RecvLimits {
         RecvLimits {
             pmtu: self.pmtu,
@@ -622,8 +609,6 @@ impl Connection {
             max_unconsumed_immediates: self.cfg.max_unconsumed_immediates,
             explicit_consume: self.cfg.explicit_consume,
             max_stream_recv_bytes: self.cfg.max_stream_recv_bytes,
-            max_recv_memory: self.max_recv_memory,
-            endpoint_room: self.recv_room,
         }
     }
 

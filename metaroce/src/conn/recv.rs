@@ -220,13 +220,6 @@ pub(crate) struct RecvLimits {
     pub max_unconsumed_immediates: u32,
     pub explicit_consume: bool,
     pub max_stream_recv_bytes: u64,
-    /// `EndpointConfig::max_recv_memory`: library-owned receive buffers of every
-    /// connection of the endpoint together.
-    pub max_recv_memory: u64,
-    /// What this connection's buffers may come to in all (`buf.bytes` after an admission),
-    /// given the other connections' share of `max_recv_memory`, as the endpoint last
-    /// counted it.
-    pub endpoint_room: u64,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -416,10 +409,6 @@ pub struct RecvStats {
     pub imm_flow_rnr_naks: u64,
     /// Gauge (`explicit_consume`): immediates reported and not yet consumed.
     pub unconsumed_immediates: u64,
-    /// SEND packets of new messages refused with a flow-control RNR NAK because the
-    /// endpoint's library-owned receive buffers, over all its connections, were at
-    /// `EndpointConfig::max_recv_memory` (the sender waits).
-    pub memory_rnr_naks: u64,
     /// Gauge: bytes delivered in `Event::Message` and not yet consumed
     /// (`explicit_consume`), each message counted with 128 bytes of bookkeeping; included in
     /// `buffered_bytes`.
@@ -884,19 +873,6 @@ impl RecvState {
                         }
                         return RxOutcome::FlowRnr;
                     }
-                }
-                // The endpoint's cap on library-owned buffers, across its connections (a
-                // peer's connections are cheap; each may hold the budgets above). It
-                // binds next-due messages too. A message that could never fit is refused
-                // for good; otherwise the sender waits until readers free memory.
-                if charge > lim.max_recv_memory {
-                    return RxOutcome::Nak(NAK_INVALID_REQUEST);
-                }
-                if self.buf.bytes + charge > lim.endpoint_room {
-                    self.stats.memory_rnr_naks += 1;
-                    return RxOutcome::FlowRnr;
-                }
-                if over {
                     self.buf.over += charge;
                 }
                 self.buf.bytes += charge;
@@ -1461,11 +1437,6 @@ impl RecvState {
                 break;
             }
         }
-    }
-
-    /// Bytes of library-owned buffers held (`RecvStats::buffered_bytes`).
-    pub fn buffered_bytes(&self) -> u64 {
-        self.buf.bytes
     }
 
     /// The counters, with the gauges filled in.
