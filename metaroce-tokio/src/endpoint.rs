@@ -79,7 +79,7 @@ pub struct Config {
     /// ([`metaroce::EndpointConfig::max_half_open`]).
     pub max_half_open: usize,
     /// Most half-open connections (accepted, not yet confirmed by their client: one round
-    /// trip for a legitimate client) from one source address (IPv4) or /64 prefix (IPv6),
+    /// trip for a legitimate client) from one source address,
     /// per shard; further requests from that source are refused with code 5
     /// (`metaroce::wire::ConnectEth::REASON_SOURCE_LIMIT`). This keeps one host that never
     /// confirms its handshakes from filling the table and locking other clients out

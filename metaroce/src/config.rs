@@ -109,17 +109,19 @@ pub struct EndpointConfig {
     /// Most accepted connections that have not yet heard from their client (half-open);
     /// further Requests get Reject reason 2 (connection limit). Default 4096.
     pub max_half_open: usize,
-    /// Most half-open connections from one source: an IPv4 address, or an IPv6 /64 prefix
-    /// (one host's usual allocation). Further Requests from that source get Reject reason
-    /// 5 ([`ConnectEth::REASON_SOURCE_LIMIT`](crate::wire::ConnectEth::REASON_SOURCE_LIMIT))
-    /// until some of its connections are confirmed or expire. A host that completes the
-    /// retry-cookie round trip from its own address and never confirms can then hold at
-    /// most this many of the `max_half_open` slots, not all of them (found by an attacker's
-    /// trial: one host at 6,000 Requests/s locked every other client out). A legitimate
-    /// client's connection is half-open for one round trip, so only a host opening more
-    /// than this many connections to this endpoint within one round trip meets the limit.
-    /// Many attacking sources together can still fill `max_half_open`. At least 1;
-    /// default 64.
+    /// Most half-open connections from one source address (IPv4-mapped IPv6 addresses
+    /// count as IPv4). Further Requests from that address get Reject reason 5
+    /// ([`ConnectEth::REASON_SOURCE_LIMIT`](crate::wire::ConnectEth::REASON_SOURCE_LIMIT))
+    /// until some of its connections are confirmed or expire; a client that gets it sends
+    /// its Request again on the handshake timer and fails (with that Reject) only when its
+    /// `handshake_attempts` run out. A host that completes the retry-cookie round trip from
+    /// its own address and never confirms can then hold at most this many of the
+    /// `max_half_open` slots, not all of them (found by an attacker's trial: one host at
+    /// 6,000 Requests/s locked every other client out). A legitimate connection is
+    /// half-open for one round trip (with `manual_accept`, also until the application
+    /// accepts it), so a host opening more connections than this at once waits a
+    /// handshake interval for some of them. Many attacking addresses together (an IPv6
+    /// host owns many) can still fill `max_half_open`. At least 1; default 64.
     pub max_half_open_per_source: usize,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.

@@ -460,13 +460,12 @@ pub struct TableSizes {
     pub events: usize,
 }
 
-/// The source a half-open connection is counted against: an IPv4 address (IPv4-mapped
-/// IPv6 addresses as IPv4), or the /64 prefix of an IPv6 address.
+/// The source a half-open connection is counted against: its address (IPv4-mapped IPv6
+/// addresses as IPv4). Not an IPv6 prefix: the hosts of a data-centre subnet, or every
+/// link-local client, share one /64 (found by review), so one of them could lock out the
+/// others.
 fn source_key(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(a) => IpAddr::V6((u128::from(a) & !u128::from(u64::MAX)).into()),
-        v4 => v4,
-    }
+    ip.to_canonical()
 }
 
 /// Accepted connections not yet confirmed by their client (half-open), with the source
@@ -1886,7 +1885,12 @@ impl Endpoint {
         };
         if let Some(r) = reason {
             self.stats.rejected += 1;
-            let (bth, hdrs) = reply(ConnectKind::Reject, r, [0; 16]);
+            let (bth, mut hdrs) = reply(ConnectKind::Reject, r, [0; 16]);
+            if let Headers::Connect(m) = &mut hdrs {
+                if r == ConnectEth::REASON_SOURCE_LIMIT {
+                    m.flags |= ConnectEth::FLAG_TRY_AGAIN;
+                }
+            }
             self.push_control(peer, bth, hdrs, Trailer::None, local_ip);
             return;
         }
@@ -2570,27 +2574,19 @@ fn count_auth_error(stats: &mut EndpointStats, e: AuthError, protected: bool) {
 mod tests {
     use super::*;
 
-    /// IPv4 sources by address (an IPv4-mapped IPv6 address is the same source), IPv6
-    /// sources by /64 prefix; the per-source counts follow inserts and removals.
+    /// Sources are addresses (an IPv4-mapped IPv6 address is the IPv4 one; two hosts of one
+    /// IPv6 /64 are two sources); the per-source counts follow inserts and removals.
     #[test]
-    fn half_open_sources_are_ipv4_addresses_and_ipv6_prefixes() {
+    fn half_open_sources_are_addresses() {
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         assert_eq!(source_key(ip("10.1.2.3")), ip("10.1.2.3"));
         assert_eq!(source_key(ip("::ffff:10.1.2.3")), ip("10.1.2.3"));
-        assert_eq!(source_key(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
-        assert_eq!(
-            source_key(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
-            source_key(ip("2001:db8:1:2::7"))
-        );
-        assert_ne!(
-            source_key(ip("2001:db8:1:3::7")),
-            source_key(ip("2001:db8:1:2::7"))
-        );
+        assert_ne!(source_key(ip("fe80::1")), source_key(ip("fe80::2")));
         let mut h = HalfOpen::default();
         let a = source_key(ip("2001:db8:1:2::1"));
         let b = source_key(ip("10.0.0.1"));
         h.insert(1, a);
-        h.insert(2, source_key(ip("2001:db8:1:2::2")));
+        h.insert(2, source_key(ip("2001:db8:1:2::1")));
         h.insert(3, b);
         assert_eq!((h.len(), h.from(a), h.from(b)), (3, 2, 1));
         // Re-inserting a QPN moves it, removing an unknown one changes nothing.

@@ -67,6 +67,10 @@ struct Handshake {
     /// Requests sent since the last Retry (or since the start): the handshake RTT is
     /// sampled only when exactly one was (Karn).
     sends_since_retry: u32,
+    /// The server refused a Request because this source held too many half-open
+    /// connections (Reject reason 5): the Request is sent again on the handshake timer, and
+    /// if the attempts run out the connection fails with that Reject.
+    source_limited: bool,
 }
 
 /// Server side of a connection accepted but not yet confirmed by its client (half-open):
@@ -351,6 +355,7 @@ impl Connection {
             cookie: [0; 16],
             retries: 0,
             sends_since_retry: 0,
+            source_limited: false,
         });
         c.outgoing = true;
         c
@@ -738,6 +743,17 @@ impl Connection {
                 }
                 self.last_heard = now;
                 events.push_back(Event::Connected(self.handle));
+                Outcome::default()
+            }
+            ConnectKind::Reject if msg.flags & ConnectEth::FLAG_TRY_AGAIN != 0 => {
+                // Busy for this source only, until its earlier connections are confirmed
+                // (one round trip each for a legitimate host): try again on the handshake
+                // timer, within the same attempt budget (found by review: a host opening
+                // 100 connections at once lost 36 of them to this refusal). The flag, not
+                // the code: an application's refusal may use any code, 5 included.
+                if let Some(hs) = &mut self.handshake {
+                    hs.source_limited = true;
+                }
                 Outcome::default()
             }
             ConnectKind::Reject => {
@@ -1669,9 +1685,15 @@ impl Connection {
         if let Some(hs) = &mut self.handshake {
             if now >= hs.next_at {
                 if hs.attempts >= self.cfg.handshake_attempts {
-                    return Outcome {
-                        lost: Some(ConnectionError::HandshakeTimeout),
+                    let lost = if hs.source_limited {
+                        ConnectionError::Rejected {
+                            code: ConnectEth::REASON_SOURCE_LIMIT,
+                            reason: Bytes::new(),
+                        }
+                    } else {
+                        ConnectionError::HandshakeTimeout
                     };
+                    return Outcome { lost: Some(lost) };
                 }
                 hs.pending = true;
                 hs.next_at = now + self.cfg.handshake_interval;

@@ -473,6 +473,10 @@ impl ConnectEth {
     pub const VERSION: u8 = 2;
     /// Flag bit 0: AEAD packet protection requested (request) / in use (accept).
     pub const FLAG_AEAD: u16 = 0x0001;
+    /// Flag bit 1 (Reject only): the refusal is temporary and set by the core, not by an
+    /// application (whose codes share the reason field): the requester sends its Request
+    /// again on its handshake timer. Set with [`REASON_SOURCE_LIMIT`](Self::REASON_SOURCE_LIMIT).
+    pub const FLAG_TRY_AGAIN: u16 = 0x0002;
     /// Reject reason 1: not accepting connections.
     pub const REASON_NOT_ACCEPTING: u32 = 1;
     /// Reject reason 2: connection limit (or half-open limit) reached.
