@@ -165,6 +165,8 @@ impl Driven for Shared {
         for e in st.conns.values_mut() {
             e.on_lost(ConnectionError::LocallyClosed);
         }
+        // The RC queue pairs hosted beside them.
+        st.rc.abandon();
         drop(st);
         self.sq_space.notify_waiters();
         self.on_stop();

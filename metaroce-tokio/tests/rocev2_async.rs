@@ -130,3 +130,52 @@ async fn raw_sockets_on_loopback() {
     assert_eq!(b.stats().rx_bad_icrc, 0);
     assert!(b.stats().rx_packets > 10);
 }
+
+/// The runtime that ran a stand-alone RC host's driver shuts down while its QPs live on: a
+/// receive and a SEND on a new runtime end with `Error::Closed` instead of waiting forever
+/// (found by review of the same guard for MetaRoCE endpoints).
+#[test]
+fn rc_handles_end_when_the_runtime_of_the_driver_shuts_down() {
+    let a_ip: IpAddr = Ipv4Addr::new(10, 9, 0, 1).into();
+    let b_ip: IpAddr = Ipv4Addr::new(10, 9, 0, 2).into();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (a, b, qa, qb, src) = rt.block_on(async {
+        let (la, lb) = MemoryLink::pair(a_ip, b_ip);
+        let a = RcEndpoint::with_backend(Arc::new(la), RcConfig::new(a_ip)).unwrap();
+        let mut cb = RcConfig::new(b_ip);
+        cb.seed = 99;
+        let b = RcEndpoint::with_backend(Arc::new(lb), cb).unwrap();
+        let init = QpInit {
+            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+            ..Default::default()
+        };
+        let qa = a.create_qp(init).unwrap();
+        let qb = b.create_qp(init).unwrap();
+        let mut at = ConnectAttrs::new(b_ip, qb.qpn(), qb.psn());
+        at.timeout = 8;
+        let mut bt = at;
+        bt.remote_ip = a_ip;
+        bt.remote_qpn = qa.qpn();
+        bt.remote_psn = qa.psn();
+        qa.connect(at).unwrap();
+        qb.connect(bt).unwrap();
+        let src = a.register(vec![1; 100], Access::LOCAL_WRITE);
+        let dst = b.register(vec![0; 100], Access::LOCAL_WRITE);
+        qb.post_recv(1, dst.lkey, 0, 100).unwrap();
+        (a, b, qa, qb, src)
+    });
+    drop(rt);
+    let rt2 = tokio::runtime::Runtime::new().unwrap();
+    rt2.block_on(async {
+        let t = Duration::from_secs(10);
+        let r = tokio::time::timeout(t, qb.recv())
+            .await
+            .expect("a receive must not wait for a driver that is gone");
+        assert!(matches!(r, Err(Error::Closed)), "{r:?}");
+        let s = tokio::time::timeout(t, qa.send(src.lkey, 0, 10, None))
+            .await
+            .expect("a send must not wait for a driver that is gone");
+        assert!(matches!(s, Err(Error::Closed)), "{s:?}");
+    });
+    drop((a, b));
+}

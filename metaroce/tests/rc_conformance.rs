@@ -1251,6 +1251,45 @@ fn a_read_replay_goes_ahead_of_a_younger_requests_queued_ack() {
     assert!(control.1 >= 2, "the control goes back: {figures:?}");
 }
 
+/// IBA §9.7.5.1 (≈) coalesced ACKs: WRITE 1, WRITE 2 and then a copy of WRITE 1 reach the
+/// responder before it sends anything. The copy's ACK (an older PSN) must not replace the
+/// queued cumulative ACK of WRITE 2: the one ACK that leaves covers both, and the
+/// requester completes both with nothing sent again. Replacing it moved the queued PSN
+/// back to WRITE 1, and WRITE 2 waited for an ACK timeout (found by review).
+#[test]
+fn a_duplicate_requests_ack_does_not_move_the_queued_ack_back() {
+    let mut n = Net::new(1024, None, None);
+    let src = n.a.register_mr(pattern(3, 4096), Access::LOCAL_WRITE);
+    let tgt =
+        n.b.register_mr(vec![0; 4096], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    n.a.post_send(n.qa, write_wr(1, src.lkey, 0, 256, tgt.addr, tgt.rkey))
+        .unwrap();
+    n.a.post_send(
+        n.qa,
+        write_wr(2, src.lkey, 256, 256, tgt.addr + 256, tgt.rkey),
+    )
+    .unwrap();
+    let t0 = n.now;
+    let reqs = take_sent(&mut n, true, 10);
+    assert_eq!(reqs.len(), 2);
+    for r in reqs.iter().chain(&reqs[..1]) {
+        n.b.handle_ip_packet(t0, r);
+    }
+    let acks = take_sent(&mut n, false, 10);
+    assert_eq!(acks.len(), 1, "one coalesced ACK");
+    n.a.handle_ip_packet(t0, &acks[0]);
+    n.run(Duration::from_secs(10), &mut |_| false, &|n| {
+        n.completions_a().len() == 2
+    });
+    assert_eq!(
+        statuses(&n),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    assert_eq!(n.b.mr_read(tgt.lkey, 0, 512).unwrap(), &pattern(3, 512)[..]);
+    let sa = n.a.qp_stats(n.qa).unwrap();
+    assert_eq!((sa.timeouts, sa.retransmitted), (0, 0));
+}
+
 /// IBA §9.7.5.1.x duplicate atomic: 100 copies of one FETCH_ADD request reach the
 /// responder before it sends anything. The first executes; the copies are answered from the
 /// saved resource, with one ATOMIC ACKNOWLEDGE queued at a time, so the responder sends one

@@ -92,6 +92,8 @@ pub(crate) struct RcSide {
     waiters: HashMap<(u32, u64), oneshot::Sender<Completion>>,
     recv_tx: HashMap<u32, mpsc::UnboundedSender<Completion>>,
     next_wr_id: u64,
+    /// The driver is gone ([`abandon`](Self::abandon)): nothing will complete.
+    abandoned: bool,
 }
 
 impl RcSide {
@@ -100,7 +102,17 @@ impl RcSide {
             waiters: HashMap::default(),
             recv_tx: HashMap::default(),
             next_wr_id: 1 << 48,
+            abandoned: false,
         }
+    }
+
+    /// The driver task was dropped before it stopped (its runtime shut down): pending
+    /// operations end with [`Error::Closed`] (their senders are dropped), `recv` ends once
+    /// the completions already queued are taken, and later posts are refused.
+    pub(crate) fn abandon(&mut self) {
+        self.abandoned = true;
+        self.waiters.clear();
+        self.recv_tx.clear();
     }
 
     /// Route one event of the core to the waiting handle.
@@ -190,6 +202,11 @@ impl crate::driver::Driven for Shared {
     }
     fn may_stop(&self, st: &State) -> bool {
         st.closed
+    }
+    fn on_abandoned(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        st.side.abandon();
     }
 }
 
@@ -562,11 +579,14 @@ impl QueuePair {
         let (tx, rx) = oneshot::channel();
         let qpn = self.info.qpn;
         self.host.with(|mut qps, side| {
+            if side.abandoned {
+                return Err(Error::Closed);
+            }
             side.next_wr_id += 1;
             wr.wr_id = side.next_wr_id;
             qps.post_send(qpn, wr)?;
             side.waiters.insert((qpn, wr.wr_id), tx);
-            Ok::<_, RcError>(())
+            Ok::<_, Error>(())
         })?;
         self.host.wake();
         Ok(async move { rx.await.map_err(|_| Error::Closed) })

@@ -1118,9 +1118,15 @@ impl Qp {
                 }) = self.out.back_mut()
                 {
                     if *s == Aeth::ACK_NO_CREDIT {
-                        // Coalesce: a later cumulative ACK replaces the queued one.
-                        *p = psn;
-                        *m = msn;
+                        // Coalesce: a later cumulative ACK replaces the queued one; an
+                        // older one (a duplicate request's) is covered by it and dropped.
+                        // (Replacing it moved the queued PSN backwards: the requester then
+                        // waited for an ACK of the newer requests until its timeout; found
+                        // by review.)
+                        if psn_diff(psn, *p) > 0 {
+                            *p = psn;
+                            *m = msn;
+                        }
                         return;
                     }
                 }
