@@ -32,12 +32,15 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// a second reserve of `max_recv_buffer_bytes`, and one such message may always come in
 /// when that reserve is empty, whatever its length up to `transport.max_message_size`
 /// (default 2 GiB, the IBA maximum): **a connection can hold up to `max_recv_buffer_bytes
-/// + max(max_recv_buffer_bytes, max_message_size)`**, 2.25 GiB with the defaults, and
-/// memory grows with the number of connections (at most `max_connections`). A peer can
-/// fill that by sending on a stream this side never reads. A service that takes messages
-/// from untrusted peers should lower `transport.max_message_size` (it bounds WRITEs too)
-/// and `max_recv_buffer_bytes`, and bound `max_connections`; there is no endpoint-wide
-/// cap yet. Likewise the WRITE-with-immediate notifications not yet taken by
+/// + max(max_recv_buffer_bytes, max_message_size)`**, 2.25 GiB with the defaults. A peer
+/// can fill that by sending on a stream this side never reads, and it can open many
+/// connections: so received messages not yet read, over all connections of a shard, are
+/// capped by [`Config::max_unread_recv_bytes`] (default 4 GiB). Once it is reached every
+/// peer's new SENDs wait until the application reads; an application that reads what it
+/// is given is never held back by it. Messages still being reassembled are bounded per
+/// connection only. A service that takes messages from untrusted peers should lower
+/// `max_unread_recv_bytes`, `transport.max_message_size` (it bounds WRITEs too) and
+/// `max_recv_buffer_bytes` as its messages allow. Likewise the WRITE-with-immediate notifications not yet taken by
 /// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
 /// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
 /// `write_with_imm` waits. Nothing is dropped.
@@ -86,6 +89,12 @@ pub struct Config {
     /// (see [`metaroce::EndpointConfig::max_half_open_per_source`]). Raise it for a client
     /// host that opens more connections than this to one endpoint at once. Default 64.
     pub max_half_open_per_source: usize,
+    /// Most bytes of received messages not yet read, over all connections of one shard
+    /// (each message counted with 128 bytes of bookkeeping). While they are at or above
+    /// it, every peer's new SENDs wait (flow-control RNR NAKs; their `poll_ready` waits)
+    /// until the application reads. See the type docs above and
+    /// [`metaroce::EndpointConfig::max_unread_recv_bytes`]. Default 4 GiB.
+    pub max_unread_recv_bytes: u64,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
     pub udp: UdpConfig,
     /// Extra UDP source ports bound beside the `transport.paths` path ports, so that a path
@@ -171,6 +180,7 @@ impl Default for Config {
             max_connections: 65_536,
             max_half_open: 4096,
             max_half_open_per_source: 64,
+            max_unread_recv_bytes: 4 << 30,
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
@@ -683,6 +693,7 @@ impl Endpoint {
         ecfg.max_connections = config.max_connections;
         ecfg.max_half_open = config.max_half_open;
         ecfg.max_half_open_per_source = config.max_half_open_per_source;
+        ecfg.max_unread_recv_bytes = config.max_unread_recv_bytes;
         let os_err = |e: getrandom::Error| {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
         };

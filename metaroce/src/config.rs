@@ -123,6 +123,21 @@ pub struct EndpointConfig {
     /// handshake interval for some of them. Many attacking addresses together (an IPv6
     /// host owns many) can still fill `max_half_open`. At least 1; default 64.
     pub max_half_open_per_source: usize,
+    /// Most bytes of messages delivered to the application and not yet consumed
+    /// (`TransportConfig::explicit_consume`; each message counted with 128 bytes of
+    /// bookkeeping), over all connections of the endpoint together. While they are at or
+    /// above it, every new SEND message into a library-owned buffer, on any connection, is
+    /// refused with a flow-control RNR NAK (the sender waits and retries; counted in
+    /// `RecvStats::memory_rnr_naks`) until the application consumes. Each connection is
+    /// bounded by its own budgets too ([`TransportConfig::max_recv_buffer_bytes`]), but a
+    /// peer can open many connections and fill streams nobody reads: without this the
+    /// total grew with their number (a new user's trial: 512 MiB per connection). Only
+    /// reads lower the count, so an application that reads what it is given is never held
+    /// back by it; one that leaves streams unread holds every peer back once it is reached.
+    /// Messages still being reassembled are bounded per connection only. Without
+    /// `explicit_consume` delivered bytes belong to the application and this does nothing.
+    /// Default 4 GiB.
+    pub max_unread_recv_bytes: u64,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.
     pub max_control_queue: usize,
@@ -177,6 +192,7 @@ impl EndpointConfig {
             retry_cookie_lifetime: Duration::from_secs(10),
             max_half_open: 4096,
             max_half_open_per_source: 64,
+            max_unread_recv_bytes: 4 << 30,
             max_control_queue: 1024,
             qpn_modulus: 1,
             qpn_residue: 0,
@@ -209,7 +225,8 @@ pub struct TransportConfig {
     /// always come in when that reserve is empty. Each message counts 128 bytes of
     /// bookkeeping on top of its length, so many tiny or empty messages cannot pile up
     /// either. A connection thus holds at most this plus `max(this, max_message_size + 128)`
-    /// bytes of buffers. Default 256 MiB.
+    /// bytes of buffers; of them, the bytes delivered and not yet consumed count, over all
+    /// connections, against [`EndpointConfig::max_unread_recv_bytes`]. Default 256 MiB.
     pub max_recv_buffer_bytes: u64,
     /// Receive flow control driven by the application (for drivers that feed bounded
     /// per-stream queues, e.g. `metaroce-tokio`). When `true`, the bytes of a message handed

@@ -318,6 +318,8 @@ pub(crate) struct ConnIndex {
     /// The connection is in `Endpoint::ready` (issue #13: a touch of a connection already
     /// there costs no tree search).
     ready: bool,
+    /// The connection's delivered-and-unread bytes as counted in `Endpoint::unread_total`.
+    unread_charged: u64,
 }
 
 /// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
@@ -402,6 +404,9 @@ pub struct Endpoint {
     /// entries are pruned lazily).
     recent_rx: BTreeSet<(Instant, u32)>,
     stats: EndpointStats,
+    /// Delivered-and-unread bytes of all connections (`max_unread_recv_bytes`): the sum of
+    /// their `ix.unread_charged`.
+    unread_total: u64,
     /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
     pub(crate) rc: crate::rocev2::RcHost,
     rc_turn: bool,
@@ -458,6 +463,14 @@ pub struct TableSizes {
     pub control: usize,
     /// Events not yet polled.
     pub events: usize,
+}
+
+/// Count connection `c`'s delivered-and-unread bytes in `total` again, after a call that
+/// may have changed them.
+fn recount_unread(total: &mut u64, c: &mut Connection) {
+    let now = c.unread_bytes();
+    *total = *total - c.ix.unread_charged + now;
+    c.ix.unread_charged = now;
 }
 
 /// The source a half-open connection is counted against: its address (IPv4-mapped IPv6
@@ -581,6 +594,7 @@ impl Endpoint {
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
+            unread_total: 0,
             closers: HashMap::with_hasher(tables),
             close_timers: BTreeSet::new(),
             close_ready: VecDeque::new(),
@@ -986,6 +1000,8 @@ impl Endpoint {
     pub fn stream_consumed(&mut self, conn: ConnectionHandle, stream: u32, bytes: u64) {
         if let Some(c) = self.conns.get_mut(&conn.0) {
             c.stream_consumed(stream, bytes);
+            // Reads are what lower `max_unread_recv_bytes`'s count: at once.
+            recount_unread(&mut self.unread_total, c);
         }
     }
 
@@ -1681,8 +1697,10 @@ impl Endpoint {
                     self.handle_close(from, local_ip, qpn, &msg, &Trailer::None, true, &payload);
                     return;
                 }
+                c.endpoint_unread_full = self.unread_total >= self.cfg.max_unread_recv_bytes;
                 let out =
                     c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
+                recount_unread(&mut self.unread_total, c);
                 self.touched(qpn);
                 self.apply(ConnectionHandle(qpn), out);
             }
@@ -1693,7 +1711,9 @@ impl Endpoint {
             c.on_authenticated();
             self.half_open.remove(&qpn);
         }
+        c.endpoint_unread_full = self.unread_total >= self.cfg.max_unread_recv_bytes;
         let out = c.handle_packet(now, local_ip, ecn, pkt, &mut self.mrs, &mut self.events);
+        recount_unread(&mut self.unread_total, c);
         Self::touch_conn(
             c,
             qpn,
@@ -2109,6 +2129,8 @@ impl Endpoint {
         }
         let next = c.next_timeout();
         c.ix.stale = false;
+        // Unread bytes another call changed (a stream reset or stopped, a flush).
+        recount_unread(&mut self.unread_total, c);
         move_entry(&mut self.timers, q, &mut c.ix.deadline, next);
         let last = c.last_data_rx;
         Self::index_data_rx(
@@ -2135,6 +2157,7 @@ impl Endpoint {
 
     /// Drop connection `q`, removed with index entry `ix`, from every index.
     fn forget(&mut self, q: u32, ix: ConnIndex) {
+        self.unread_total -= ix.unread_charged;
         if let Some(t) = ix.deadline {
             self.timers.remove(&(t, q));
         }
@@ -2154,7 +2177,22 @@ impl Endpoint {
                 }
                 let cached = c.ix.deadline;
                 debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
+                // Every call that changes a connection's unread bytes counts them again or
+                // marks it stale.
+                debug_assert_eq!(
+                    c.ix.unread_charged,
+                    c.unread_bytes(),
+                    "unread bytes of QPN {q:#x} not counted again"
+                );
             }
+            debug_assert_eq!(
+                self.unread_total,
+                self.conns
+                    .values()
+                    .map(|c| c.ix.unread_charged)
+                    .sum::<u64>(),
+                "unread byte count"
+            );
             debug_assert_eq!(
                 self.timers
                     .iter()

@@ -207,6 +207,9 @@ pub(crate) struct Connection {
     /// Client side: a Confirm is due.
     confirm_pending: bool,
     pub local_ip: Option<IpAddr>,
+    /// The endpoint's delivered-and-unread bytes are at its cap
+    /// (`EndpointConfig::max_unread_recv_bytes`): set by the endpoint before each packet.
+    pub(crate) endpoint_unread_full: bool,
     /// The ICRC's IP header for packets to the peer, with the `(local_ip, peer IP)` it was
     /// synthesized from (issue #13: built once, not per packet).
     tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
@@ -499,6 +502,7 @@ impl Connection {
             tx_token: 0,
             confirmed: true,
             tx_ip: None,
+            endpoint_unread_full: false,
             // Room for the largest ACK bundle up front: it would grow once, mid-run, the
             // first time a bundle is longer than any before (issue #13: no allocation per
             // packet once warm).
@@ -614,7 +618,13 @@ impl Connection {
             max_unconsumed_immediates: self.cfg.max_unconsumed_immediates,
             explicit_consume: self.cfg.explicit_consume,
             max_stream_recv_bytes: self.cfg.max_stream_recv_bytes,
+            endpoint_unread_full: self.endpoint_unread_full,
         }
+    }
+
+    /// Bytes delivered to the application and not yet consumed (`explicit_consume`).
+    pub(crate) fn unread_bytes(&self) -> u64 {
+        self.rq.unconsumed_bytes()
     }
 
     pub fn stats(&self) -> ConnectionStats {

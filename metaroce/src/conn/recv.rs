@@ -220,6 +220,10 @@ pub(crate) struct RecvLimits {
     pub max_unconsumed_immediates: u32,
     pub explicit_consume: bool,
     pub max_stream_recv_bytes: u64,
+    /// The endpoint's delivered-and-unread bytes, over all its connections, are at
+    /// `EndpointConfig::max_unread_recv_bytes` (as it last counted them): no new message
+    /// into a library-owned buffer until the application reads.
+    pub endpoint_unread_full: bool,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -409,6 +413,11 @@ pub struct RecvStats {
     pub imm_flow_rnr_naks: u64,
     /// Gauge (`explicit_consume`): immediates reported and not yet consumed.
     pub unconsumed_immediates: u64,
+    /// SEND packets of new messages refused with a flow-control RNR NAK because the
+    /// endpoint's delivered-and-unread bytes, over all its connections, were at
+    /// `EndpointConfig::max_unread_recv_bytes` (the sender waits until the application
+    /// reads).
+    pub memory_rnr_naks: u64,
     /// Gauge: bytes delivered in `Event::Message` and not yet consumed
     /// (`explicit_consume`), each message counted with 128 bytes of bookkeeping; included in
     /// `buffered_bytes`.
@@ -835,6 +844,14 @@ impl RecvState {
                 let head = ahead == 0;
                 charge = total + MSG_OVERHEAD;
                 let explicit = lim.explicit_consume;
+                // The endpoint's cap on delivered, unread bytes over all its connections (a
+                // peer's connections are cheap, and each holds its own budgets). Only the
+                // application's reads lower it, never the transport's progress, so an
+                // application that reads what it is given cannot be stalled by it.
+                if lim.endpoint_unread_full {
+                    self.stats.memory_rnr_naks += 1;
+                    return RxOutcome::FlowRnr;
+                }
                 if explicit {
                     // Receive flow control: the stream's limit. The next message due is
                     // checked against delivered, unconsumed bytes only, so messages
@@ -1437,6 +1454,11 @@ impl RecvState {
                 break;
             }
         }
+    }
+
+    /// Bytes delivered and not yet consumed (`RecvStats::unconsumed_bytes`).
+    pub fn unconsumed_bytes(&self) -> u64 {
+        self.buf.unconsumed
     }
 
     /// The counters, with the gauges filled in.
