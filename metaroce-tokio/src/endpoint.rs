@@ -214,6 +214,9 @@ impl Config {
         if self.shards == 0 {
             return Err(ConfigError::Zero("shards"));
         }
+        if self.max_unread_recv_bytes == 0 {
+            return Err(ConfigError::Zero("max_unread_recv_bytes"));
+        }
         if self.shards > MAX_SHARDS {
             return Err(ConfigError::TooManyShards(self.shards));
         }

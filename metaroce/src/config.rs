@@ -136,7 +136,7 @@ pub struct EndpointConfig {
     /// back by it; one that leaves streams unread holds every peer back once it is reached.
     /// Messages still being reassembled are bounded per connection only. Without
     /// `explicit_consume` delivered bytes belong to the application and this does nothing.
-    /// Default 4 GiB.
+    /// At least 1 (`Endpoint::new` refuses 0); default 4 GiB.
     pub max_unread_recv_bytes: u64,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.

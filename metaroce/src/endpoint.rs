@@ -545,6 +545,13 @@ impl Endpoint {
                 "must be at least 1",
             )));
         }
+        // 0 would refuse every message for good, even the first (found by review).
+        if cfg.max_unread_recv_bytes == 0 {
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "max_unread_recv_bytes",
+                "must be at least 1",
+            )));
+        }
         if cfg.qpn_residue >= cfg.qpn_modulus {
             return Err(PostError::InvalidConfig(crate::ConfigError::new(
                 "qpn_residue",

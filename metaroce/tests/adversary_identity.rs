@@ -820,6 +820,18 @@ fn a_source_kept_over_the_limit_fails_with_the_reject() {
     );
 }
 
+/// Limits that would refuse everything for good are refused at endpoint creation.
+#[test]
+fn zero_limits_are_refused() {
+    let mut c = cfg(1, 2, 2);
+    c.max_half_open_per_source = 0;
+    assert!(metaroce::Endpoint::new(c).is_err());
+    let mut c = cfg(1, 2, 2);
+    c.max_unread_recv_bytes = 0;
+    let e = metaroce::Endpoint::new(c).unwrap_err();
+    assert!(e.to_string().contains("max_unread_recv_bytes"), "{e}");
+}
+
 /// Whether `d` is a connection Request that carries a retry cookie.
 fn is_cookie_request(d: &[u8]) -> bool {
     wire::Packet::parse(d).is_ok_and(|p| {
