@@ -145,20 +145,7 @@ fn rc_handles_end_when_the_runtime_of_the_driver_shuts_down() {
         let mut cb = RcConfig::new(b_ip);
         cb.seed = 99;
         let b = RcEndpoint::with_backend(Arc::new(lb), cb).unwrap();
-        let init = QpInit {
-            access: Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
-            ..Default::default()
-        };
-        let qa = a.create_qp(init).unwrap();
-        let qb = b.create_qp(init).unwrap();
-        let mut at = ConnectAttrs::new(b_ip, qb.qpn(), qb.psn());
-        at.timeout = 8;
-        let mut bt = at;
-        bt.remote_ip = a_ip;
-        bt.remote_qpn = qa.qpn();
-        bt.remote_psn = qa.psn();
-        qa.connect(at).unwrap();
-        qb.connect(bt).unwrap();
+        let (qa, qb) = pair_qps(&a, &b, a_ip, b_ip);
         let src = a.register(vec![1; 100], Access::LOCAL_WRITE);
         let dst = b.register(vec![0; 100], Access::LOCAL_WRITE);
         qb.post_recv(1, dst.lkey, 0, 100).unwrap();

@@ -656,6 +656,16 @@ fn handshake_flood_creates_no_state() {
         == 1));
 }
 
+/// A client (0) and a server (1) that needs no retry cookie (RetryPolicy::Never), so that a
+/// test can create half-open connections with single forged Requests; `tweak` applies to
+/// the server's config last.
+fn cookieless_server(tweak: impl FnOnce(&mut EndpointConfig)) -> Net {
+    let mut c1 = cfg(1, 2, 2);
+    c1.retry = RetryPolicy::Never;
+    tweak(&mut c1);
+    net_of(vec![cfg(0, 1, 1), c1])
+}
+
 /// A connection Request from `from` (RetryPolicy::Never: no cookie needed) with client
 /// QPN and nonce from `k`.
 fn request_from(net: &mut Net, to: usize, from: SocketAddr, k: u32) {
@@ -676,10 +686,7 @@ fn request_from(net: &mut Net, to: usize, from: SocketAddr, k: u32) {
 /// max_half_open and the half-open connections expire by themselves.
 #[test]
 fn half_open_connections_are_bounded_and_expire() {
-    let mut c1 = cfg(1, 2, 2);
-    c1.retry = RetryPolicy::Never;
-    c1.max_half_open = 100;
-    let mut net = net_of(vec![cfg(0, 1, 1), c1]);
+    let mut net = cookieless_server(|c| c.max_half_open = 100);
     for k in 0..1000u32 {
         let from = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 8, 8, (k % 10) as u8)), 30_000);
         request_from(&mut net, 1, from, k);
@@ -721,9 +728,7 @@ fn half_open_connections_are_bounded_and_expire() {
 /// and every other client refused (reason 2).
 #[test]
 fn one_source_cannot_fill_the_half_open_table() {
-    let mut c1 = cfg(1, 2, 2);
-    c1.retry = RetryPolicy::Never;
-    let mut net = net_of(vec![cfg(0, 1, 1), c1]);
+    let mut net = cookieless_server(|_| {});
     let attacker = IpAddr::V4(Ipv4Addr::new(10, 8, 8, 8));
     for k in 0..1000u32 {
         request_from(
@@ -802,10 +807,7 @@ fn a_host_opening_more_connections_than_the_source_limit_gets_them_all() {
 /// bare handshake timeout.
 #[test]
 fn a_source_kept_over_the_limit_fails_with_the_reject() {
-    let mut c1 = cfg(1, 2, 2);
-    c1.retry = RetryPolicy::Never;
-    c1.max_half_open_per_source = 1;
-    let mut net = net_of(vec![cfg(0, 1, 1), c1]);
+    let mut net = cookieless_server(|c| c.max_half_open_per_source = 1);
     // A half-open connection from the client's address that nobody confirms.
     let from = SocketAddr::new(net.addrs[0].ip(), 30_000);
     request_from(&mut net, 1, from, 7);

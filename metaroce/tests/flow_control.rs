@@ -11,6 +11,15 @@ const STREAM_LIMIT: u64 = 4 * MIB;
 const CONN_LIMIT: u64 = 16 * MIB;
 
 fn pair(seed: u64, impair: Impair) -> Pair {
+    pair_with(seed, impair, |_| {})
+}
+
+/// [`pair`], with `receiver` applied to B's config last.
+fn pair_with(
+    seed: u64,
+    impair: Impair,
+    receiver: impl FnOnce(&mut metaroce::EndpointConfig),
+) -> Pair {
     let mut a = config(0, seed);
     let mut b = config(1, seed);
     for c in [&mut a, &mut b] {
@@ -19,6 +28,7 @@ fn pair(seed: u64, impair: Impair) -> Pair {
         c.transport.max_stream_recv_bytes = STREAM_LIMIT;
         c.transport.max_recv_buffer_bytes = CONN_LIMIT;
     }
+    receiver(&mut b);
     Pair::impaired_with_configs(seed, impair, a, b)
 }
 
@@ -512,18 +522,9 @@ fn a_deep_pipeline_into_a_small_stream_window_completes() {
     }
 }
 
-/// B's config with the endpoint cap on delivered, unread bytes (`max_unread_recv_bytes`).
+/// [`pair`] with B's endpoint cap on delivered, unread bytes (`max_unread_recv_bytes`).
 fn capped_pair(seed: u64, impair: Impair, cap: u64) -> Pair {
-    let mut a = config(0, seed);
-    let mut b = config(1, seed);
-    for c in [&mut a, &mut b] {
-        c.transport.pmtu = 4096;
-        c.transport.explicit_consume = true;
-        c.transport.max_stream_recv_bytes = STREAM_LIMIT;
-        c.transport.max_recv_buffer_bytes = CONN_LIMIT;
-    }
-    b.max_unread_recv_bytes = cap;
-    Pair::impaired_with_configs(seed, impair, a, b)
+    pair_with(seed, impair, |b| b.max_unread_recv_bytes = cap)
 }
 
 /// The endpoint caps delivered, unread bytes over all its connections

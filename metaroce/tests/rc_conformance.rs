@@ -48,6 +48,18 @@ fn statuses(n: &Net) -> Vec<(u64, WcStatus)> {
         .collect()
 }
 
+/// Run until A has two completions (at most 10 s of virtual time); they are wr_ids 1 and
+/// 2, in order, both Success.
+fn run_until_both_succeed(n: &mut Net) {
+    n.run(Duration::from_secs(10), &mut |_| false, &|n| {
+        n.completions_a().len() == 2
+    });
+    assert_eq!(
+        statuses(n),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+}
+
 // ------------------------------------------------------------------ error order and flush
 
 /// IBA §9.7.5.1 / §9.9.3 (responder class C errors, C9-…): responses are generated in PSN
@@ -1153,13 +1165,7 @@ fn a_late_duplicate_read_request_keeps_the_younger_reads_responses() {
         if late_copy {
             n.b.handle_ip_packet(start, &requests[0]);
         }
-        n.run(Duration::from_secs(10), &mut |_| false, &|n| {
-            n.completions_a().len() == 2
-        });
-        assert_eq!(
-            statuses(&n),
-            vec![(1, WcStatus::Success), (2, WcStatus::Success)]
-        );
+        run_until_both_succeed(&mut n);
         assert_eq!(
             n.a.mr_read(res.lkey, 0, 1024).unwrap(),
             &pattern(2, 1024)[..]
@@ -1228,13 +1234,7 @@ fn a_read_replay_goes_ahead_of_a_younger_requests_queued_ack() {
         for r in &to_a {
             n.a.handle_ip_packet(t0, r);
         }
-        n.run(Duration::from_secs(10), &mut |_| false, &|n| {
-            n.completions_a().len() == 2
-        });
-        assert_eq!(
-            statuses(&n),
-            vec![(1, WcStatus::Success), (2, WcStatus::Success)]
-        );
+        run_until_both_succeed(&mut n);
         assert_eq!(
             n.a.mr_read(res.lkey, 0, 1024).unwrap(),
             &pattern(6, 1024)[..]
@@ -1278,13 +1278,7 @@ fn a_duplicate_requests_ack_does_not_move_the_queued_ack_back() {
     let acks = take_sent(&mut n, false, 10);
     assert_eq!(acks.len(), 1, "one coalesced ACK");
     n.a.handle_ip_packet(t0, &acks[0]);
-    n.run(Duration::from_secs(10), &mut |_| false, &|n| {
-        n.completions_a().len() == 2
-    });
-    assert_eq!(
-        statuses(&n),
-        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
-    );
+    run_until_both_succeed(&mut n);
     assert_eq!(n.b.mr_read(tgt.lkey, 0, 512).unwrap(), &pattern(3, 512)[..]);
     let sa = n.a.qp_stats(n.qa).unwrap();
     assert_eq!((sa.timeouts, sa.retransmitted), (0, 0));
