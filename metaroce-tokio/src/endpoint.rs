@@ -37,10 +37,13 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// connections: so received messages not yet read, over all connections of a shard, are
 /// capped by [`Config::max_unread_recv_bytes`] (default 4 GiB). Once it is reached every
 /// peer's new SENDs wait until the application reads; an application that reads what it
-/// is given is never held back by it. Messages still being reassembled are bounded per
-/// connection only. A service that takes messages from untrusted peers should lower
-/// `max_unread_recv_bytes`, `transport.max_message_size` (it bounds WRITEs too) and
-/// `max_recv_buffer_bytes` as its messages allow. Likewise the WRITE-with-immediate notifications not yet taken by
+/// is given is never held back by it. Messages still being reassembled (a peer can start
+/// messages and never finish them, on many connections) are capped the same way by
+/// [`Config::max_reassembly_bytes`] (default 2 GiB; up to twice it, or it plus one
+/// message of `max_message_size`, for messages next due on their streams, so that no
+/// stream waits for good). A service that takes messages from untrusted peers should lower
+/// `max_unread_recv_bytes`, `max_reassembly_bytes`, `transport.max_message_size` (it bounds
+/// WRITEs too) and `max_recv_buffer_bytes` as its messages allow. Likewise the WRITE-with-immediate notifications not yet taken by
 /// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
 /// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
 /// `write_with_imm` waits. Nothing is dropped.
@@ -95,6 +98,15 @@ pub struct Config {
     /// until the application reads. See the type docs above and
     /// [`metaroce::EndpointConfig::max_unread_recv_bytes`]. Default 4 GiB.
     pub max_unread_recv_bytes: u64,
+    /// Most bytes of messages being reassembled (first packet in, not yet delivered;
+    /// counted at full length from the first packet), over all connections of one shard.
+    /// New messages beyond it wait (flow-control RNR NAKs), except the next message due on
+    /// its stream, which may come in up to twice it (or alone beyond it), so no stream
+    /// waits for good. A shard holds at most `max(2 × this, this +
+    /// transport.max_message_size)` bytes of them. See
+    /// [`metaroce::EndpointConfig::max_reassembly_bytes`], which also says how a peer that
+    /// never finishes its messages holds other peers back. Default 2 GiB.
+    pub max_reassembly_bytes: u64,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
     pub udp: UdpConfig,
     /// Extra UDP source ports bound beside the `transport.paths` path ports, so that a path
@@ -181,6 +193,7 @@ impl Default for Config {
             max_half_open: 4096,
             max_half_open_per_source: 64,
             max_unread_recv_bytes: 4 << 30,
+            max_reassembly_bytes: 2 << 30,
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
@@ -216,6 +229,9 @@ impl Config {
         }
         if self.max_unread_recv_bytes == 0 {
             return Err(ConfigError::Zero("max_unread_recv_bytes"));
+        }
+        if self.max_reassembly_bytes == 0 {
+            return Err(ConfigError::Zero("max_reassembly_bytes"));
         }
         if self.shards > MAX_SHARDS {
             return Err(ConfigError::TooManyShards(self.shards));
@@ -697,6 +713,7 @@ impl Endpoint {
         ecfg.max_half_open = config.max_half_open;
         ecfg.max_half_open_per_source = config.max_half_open_per_source;
         ecfg.max_unread_recv_bytes = config.max_unread_recv_bytes;
+        ecfg.max_reassembly_bytes = config.max_reassembly_bytes;
         let os_err = |e: getrandom::Error| {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
         };

@@ -281,3 +281,26 @@ async fn an_invalid_config_names_the_field_typed_and_in_the_io_error() {
         .and_then(|e| e.downcast_ref::<metaroce_tokio::ConfigError>())
         .is_some());
 }
+
+/// Endpoint-wide receive caps of 0 would refuse every message for good: `validate` names
+/// them.
+#[test]
+fn zero_receive_caps_are_refused() {
+    for (field, set) in [
+        (
+            "max_unread_recv_bytes",
+            (|c: &mut Config| c.max_unread_recv_bytes = 0) as fn(&mut Config),
+        ),
+        ("max_reassembly_bytes", |c: &mut Config| {
+            c.max_reassembly_bytes = 0
+        }),
+    ] {
+        let mut cfg = Config::default();
+        set(&mut cfg);
+        let e = cfg.validate().unwrap_err();
+        assert!(
+            matches!(e, metaroce_tokio::ConfigError::Zero(f) if f == field),
+            "{e:?}"
+        );
+    }
+}

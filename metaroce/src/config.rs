@@ -134,10 +134,36 @@ pub struct EndpointConfig {
     /// total grew with their number (a new user's trial: 512 MiB per connection). Only
     /// reads lower the count, so an application that reads what it is given is never held
     /// back by it; one that leaves streams unread holds every peer back once it is reached.
-    /// Messages still being reassembled are bounded per connection only. Without
-    /// `explicit_consume` delivered bytes belong to the application and this does nothing.
-    /// At least 1 (`Endpoint::new` refuses 0); default 4 GiB.
+    /// Messages still being reassembled count against [`max_reassembly_bytes`](Self::max_reassembly_bytes)
+    /// instead. Without `explicit_consume` delivered bytes belong to the application and
+    /// this does nothing. At least 1 (`Endpoint::new` refuses 0); default 4 GiB.
     pub max_unread_recv_bytes: u64,
+    /// Most bytes of SEND messages being reassembled into library-owned buffers (first
+    /// packet arrived, not yet delivered; each message counted at its full length plus 128
+    /// bytes of bookkeeping from its first packet), over all connections of the endpoint
+    /// together. Each connection is bounded by its own budget
+    /// ([`TransportConfig::max_recv_buffer_bytes`]), but a peer can open many connections
+    /// and start messages it never finishes: without this the total grew with their number
+    /// (2.25 GiB per connection with the defaults).
+    ///
+    /// A packet of a new message that would take the total over this is refused with a
+    /// flow-control RNR NAK (the sender waits and retries without limit; counted in
+    /// `RecvStats::reassembly_rnr_naks`), except for the next message due on its stream:
+    /// that one also comes in while the total stays within twice this, or when the total
+    /// is at most this (one message as large as `max_message_size`). Such a message needs
+    /// only its own packets to complete, so every stream makes progress however messages
+    /// further ahead use the cap; a single cap without that exception deadlocked after one
+    /// lost packet. The endpoint thus holds at most `max(2 × this, this +
+    /// max_message_size + 128)` bytes of messages being reassembled: 4 GiB with the
+    /// defaults.
+    ///
+    /// While a message beyond this is in progress (one of `max_message_size`, or many
+    /// started on many connections), new messages further ahead on their streams wait, and
+    /// next-due ones wait too once the total is over twice this. A peer that starts
+    /// messages and never finishes them (or sends them one packet at a time) therefore
+    /// holds other peers' new messages back, within bounded memory; no timeout ends such a
+    /// message. At least 1 (`Endpoint::new` refuses 0); default 2 GiB.
+    pub max_reassembly_bytes: u64,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.
     pub max_control_queue: usize,
@@ -193,6 +219,7 @@ impl EndpointConfig {
             max_half_open: 4096,
             max_half_open_per_source: 64,
             max_unread_recv_bytes: 4 << 30,
+            max_reassembly_bytes: 2 << 30,
             max_control_queue: 1024,
             qpn_modulus: 1,
             qpn_residue: 0,

@@ -318,8 +318,17 @@ pub(crate) struct ConnIndex {
     /// The connection is in `Endpoint::ready` (issue #13: a touch of a connection already
     /// there costs no tree search).
     ready: bool,
-    /// The connection's delivered-and-unread bytes as counted in `Endpoint::unread_total`.
-    unread_charged: u64,
+    /// The connection's receive memory as counted in `Endpoint::recv_total`.
+    recv_charged: RecvCharge,
+}
+
+/// Receive memory in library-owned buffers, of one connection or of all: bytes delivered
+/// and not yet read (`EndpointConfig::max_unread_recv_bytes`) and bytes of messages being
+/// reassembled (`EndpointConfig::max_reassembly_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct RecvCharge {
+    unread: u64,
+    reassembly: u64,
 }
 
 /// A MetaRoCE endpoint: sans-IO, deterministic. See the crate docs for the driving
@@ -404,9 +413,9 @@ pub struct Endpoint {
     /// entries are pruned lazily).
     recent_rx: BTreeSet<(Instant, u32)>,
     stats: EndpointStats,
-    /// Delivered-and-unread bytes of all connections (`max_unread_recv_bytes`): the sum of
-    /// their `ix.unread_charged`.
-    unread_total: u64,
+    /// Receive memory of all connections (`max_unread_recv_bytes`,
+    /// `max_reassembly_bytes`): the sum of their `ix.recv_charged`.
+    recv_total: RecvCharge,
     /// RC queue pairs (RoCEv2 mode) over the same regions; see `rocev2::unified`.
     pub(crate) rc: crate::rocev2::RcHost,
     rc_turn: bool,
@@ -465,12 +474,26 @@ pub struct TableSizes {
     pub events: usize,
 }
 
-/// Count connection `c`'s delivered-and-unread bytes in `total` again, after a call that
-/// may have changed them.
-fn recount_unread(total: &mut u64, c: &mut Connection) {
-    let now = c.unread_bytes();
-    *total = *total - c.ix.unread_charged + now;
-    c.ix.unread_charged = now;
+/// Count connection `c`'s receive memory in `total` again, after a call that may have
+/// changed it.
+fn recount_recv(total: &mut RecvCharge, c: &mut Connection) {
+    let now = RecvCharge {
+        unread: c.unread_bytes(),
+        reassembly: c.reassembly_bytes(),
+    };
+    let was = c.ix.recv_charged;
+    total.unread = total.unread - was.unread + now.unread;
+    total.reassembly = total.reassembly - was.reassembly + now.reassembly;
+    c.ix.recv_charged = now;
+}
+
+/// Tell connection `c` the endpoint's receive memory before it handles a packet.
+fn set_endpoint_recv(total: &RecvCharge, cfg: &EndpointConfig, c: &mut Connection) {
+    c.endpoint_recv = crate::conn::EndpointRecv {
+        unread_full: total.unread >= cfg.max_unread_recv_bytes,
+        reassembly_others: total.reassembly - c.ix.recv_charged.reassembly,
+        max_reassembly: cfg.max_reassembly_bytes,
+    };
 }
 
 /// The source a half-open connection is counted against: its address (IPv4-mapped IPv6
@@ -552,6 +575,12 @@ impl Endpoint {
                 "must be at least 1",
             )));
         }
+        if cfg.max_reassembly_bytes == 0 {
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "max_reassembly_bytes",
+                "must be at least 1",
+            )));
+        }
         if cfg.qpn_residue >= cfg.qpn_modulus {
             return Err(PostError::InvalidConfig(crate::ConfigError::new(
                 "qpn_residue",
@@ -601,7 +630,7 @@ impl Endpoint {
             ready: BTreeSet::new(),
             recent_rx: BTreeSet::new(),
             stats: EndpointStats::default(),
-            unread_total: 0,
+            recv_total: RecvCharge::default(),
             closers: HashMap::with_hasher(tables),
             close_timers: BTreeSet::new(),
             close_ready: VecDeque::new(),
@@ -1008,7 +1037,7 @@ impl Endpoint {
         if let Some(c) = self.conns.get_mut(&conn.0) {
             c.stream_consumed(stream, bytes);
             // Reads are what lower `max_unread_recv_bytes`'s count: at once.
-            recount_unread(&mut self.unread_total, c);
+            recount_recv(&mut self.recv_total, c);
         }
     }
 
@@ -1704,10 +1733,10 @@ impl Endpoint {
                     self.handle_close(from, local_ip, qpn, &msg, &Trailer::None, true, &payload);
                     return;
                 }
-                c.endpoint_unread_full = self.unread_total >= self.cfg.max_unread_recv_bytes;
+                set_endpoint_recv(&self.recv_total, &self.cfg, c);
                 let out =
                     c.handle_packet(now, local_ip, ecn, &pkt, &mut self.mrs, &mut self.events);
-                recount_unread(&mut self.unread_total, c);
+                recount_recv(&mut self.recv_total, c);
                 self.touched(qpn);
                 self.apply(ConnectionHandle(qpn), out);
             }
@@ -1718,9 +1747,9 @@ impl Endpoint {
             c.on_authenticated();
             self.half_open.remove(&qpn);
         }
-        c.endpoint_unread_full = self.unread_total >= self.cfg.max_unread_recv_bytes;
+        set_endpoint_recv(&self.recv_total, &self.cfg, c);
         let out = c.handle_packet(now, local_ip, ecn, pkt, &mut self.mrs, &mut self.events);
-        recount_unread(&mut self.unread_total, c);
+        recount_recv(&mut self.recv_total, c);
         Self::touch_conn(
             c,
             qpn,
@@ -2137,7 +2166,7 @@ impl Endpoint {
         let next = c.next_timeout();
         c.ix.stale = false;
         // Unread bytes another call changed (a stream reset or stopped, a flush).
-        recount_unread(&mut self.unread_total, c);
+        recount_recv(&mut self.recv_total, c);
         move_entry(&mut self.timers, q, &mut c.ix.deadline, next);
         let last = c.last_data_rx;
         Self::index_data_rx(
@@ -2164,7 +2193,8 @@ impl Endpoint {
 
     /// Drop connection `q`, removed with index entry `ix`, from every index.
     fn forget(&mut self, q: u32, ix: ConnIndex) {
-        self.unread_total -= ix.unread_charged;
+        self.recv_total.unread -= ix.recv_charged.unread;
+        self.recv_total.reassembly -= ix.recv_charged.reassembly;
         if let Some(t) = ix.deadline {
             self.timers.remove(&(t, q));
         }
@@ -2184,22 +2214,25 @@ impl Endpoint {
                 }
                 let cached = c.ix.deadline;
                 debug_assert_eq!(cached, c.next_timeout(), "stale timer of QPN {q:#x}");
-                // Every call that changes a connection's unread bytes counts them again or
+                // Every call that changes a connection's receive memory counts it again or
                 // marks it stale.
                 debug_assert_eq!(
-                    c.ix.unread_charged,
-                    c.unread_bytes(),
-                    "unread bytes of QPN {q:#x} not counted again"
+                    c.ix.recv_charged,
+                    RecvCharge {
+                        unread: c.unread_bytes(),
+                        reassembly: c.reassembly_bytes(),
+                    },
+                    "receive memory of QPN {q:#x} not counted again"
                 );
             }
-            debug_assert_eq!(
-                self.unread_total,
-                self.conns
-                    .values()
-                    .map(|c| c.ix.unread_charged)
-                    .sum::<u64>(),
-                "unread byte count"
-            );
+            let sum = self.conns.values().fold(RecvCharge::default(), |t, c| {
+                let m = c.ix.recv_charged;
+                RecvCharge {
+                    unread: t.unread + m.unread,
+                    reassembly: t.reassembly + m.reassembly,
+                }
+            });
+            debug_assert_eq!(self.recv_total, sum, "receive memory count");
             debug_assert_eq!(
                 self.timers
                     .iter()

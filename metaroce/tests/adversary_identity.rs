@@ -832,6 +832,10 @@ fn zero_limits_are_refused() {
     c.max_unread_recv_bytes = 0;
     let e = metaroce::Endpoint::new(c).unwrap_err();
     assert!(e.to_string().contains("max_unread_recv_bytes"), "{e}");
+    let mut c = cfg(1, 2, 2);
+    c.max_reassembly_bytes = 0;
+    let e = metaroce::Endpoint::new(c).unwrap_err();
+    assert!(e.to_string().contains("max_reassembly_bytes"), "{e}");
 }
 
 /// Whether `d` is a connection Request that carries a retry cookie.

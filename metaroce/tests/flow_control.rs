@@ -2,7 +2,7 @@
 //! `explicit_consume`, `max_stream_recv_bytes`, flow-control RNR NAKs. Virtual time.
 
 use bytes::Bytes;
-use metaroce::testing::{pair_config as config, Impair, Pair};
+use metaroce::testing::{pair_config as config, Action, Filter, Impair, Pair, Rule};
 use metaroce::{Event, WcStatus};
 use std::time::Duration;
 
@@ -20,6 +20,15 @@ fn pair_with(
     impair: Impair,
     receiver: impl FnOnce(&mut metaroce::EndpointConfig),
 ) -> Pair {
+    let (a, b) = configs(seed, receiver);
+    Pair::impaired_with_configs(seed, impair, a, b)
+}
+
+/// The configs of [`pair_with`].
+fn configs(
+    seed: u64,
+    receiver: impl FnOnce(&mut metaroce::EndpointConfig),
+) -> (metaroce::EndpointConfig, metaroce::EndpointConfig) {
     let mut a = config(0, seed);
     let mut b = config(1, seed);
     for c in [&mut a, &mut b] {
@@ -29,7 +38,7 @@ fn pair_with(
         c.transport.max_recv_buffer_bytes = CONN_LIMIT;
     }
     receiver(&mut b);
-    Pair::impaired_with_configs(seed, impair, a, b)
+    (a, b)
 }
 
 /// Message `i` of a run: 1 MiB whose first byte is `i % 251`.
@@ -635,6 +644,133 @@ fn a_reader_that_reads_is_never_stalled_by_the_unread_cap() {
         for b in [b1, b2] {
             capped += p.eps[1].connection_stats(b).unwrap().recv.memory_rnr_naks;
         }
+    }
+    assert!(
+        capped > 0,
+        "the cap must be reached for the test to mean anything"
+    );
+}
+
+/// B's endpoint cap on messages being reassembled (`max_reassembly_bytes`) and, unless
+/// `explicit`, no receive flow control.
+fn reassembly_cap(cap: u64, explicit: bool) -> impl FnOnce(&mut metaroce::EndpointConfig) {
+    move |b| {
+        b.max_reassembly_bytes = cap;
+        b.transport.explicit_consume = explicit;
+    }
+}
+
+/// B's bytes of messages being reassembled on connections `bs`, and the RNR NAKs its
+/// reassembly cap sent there.
+fn reassembly(p: &Pair, bs: &[metaroce::ConnectionHandle]) -> (u64, u64) {
+    bs.iter().fold((0, 0), |(bytes, naks), &b| {
+        let r = p.eps[1].connection_stats(b).unwrap().recv;
+        (
+            bytes + r.buffered_bytes - r.unconsumed_bytes,
+            naks + r.reassembly_rnr_naks,
+        )
+    })
+}
+
+/// A peer that starts messages and never finishes them cannot make the receiver hold more
+/// than the endpoint's reassembly cap allows, however many connections it opens: four
+/// connections each start eight 1 MiB messages on eight streams (every one the next due
+/// on its stream, so each connection's own budget lets all of them in) and their last
+/// packets never arrive. Without the cap B held all 32 MiB (an attacker's trial:
+/// 2.25 GiB per connection with the defaults); with a 4 MiB cap it holds at most twice
+/// that, and refuses the rest with RNR NAKs.
+#[test]
+fn messages_never_finished_are_capped_over_all_connections() {
+    let cap = 4 * MIB;
+    for capped in [false, true] {
+        let (a, b) = configs(7, reassembly_cap(if capped { cap } else { 1 << 40 }, false));
+        // Not `impaired_with_configs`: its network applies no rules.
+        let mut p = Pair::with_configs(7, a, b);
+        let conns: Vec<_> = (0..4).map(|_| p.connect()).collect();
+        p.add_rule(Rule::always(
+            Filter::any()
+                .from(0)
+                .when(|i| i.send.is_some() && i.is_last_segment()),
+            Action::Blackhole,
+        ));
+        for &(a, _) in &conns {
+            for (s, m) in messages(8).into_iter().enumerate() {
+                p.eps[0].post_send(a, s as u32, s as u64, m).unwrap();
+            }
+        }
+        let bs: Vec<_> = conns.iter().map(|&(_, b)| b).collect();
+        let t0 = p.now;
+        let mut peak = 0;
+        while p.now - t0 < Duration::from_millis(300) {
+            if !p.step() {
+                break;
+            }
+            peak = peak.max(reassembly(&p, &bs).0);
+        }
+        let naks = reassembly(&p, &bs).1;
+        println!("capped {capped}: peak {peak} B being reassembled, {naks} reassembly RNR NAKs");
+        if capped {
+            assert!(peak <= 2 * cap, "peak {peak}");
+            assert!(peak >= cap, "peak {peak}: the cap was not reached");
+            assert!(naks > 0);
+        } else {
+            assert_eq!(peak, 32 * (MIB + 128));
+            assert_eq!(naks, 0);
+        }
+    }
+}
+
+/// The reassembly cap never stalls a stream for good, whatever the network does: a tight
+/// cap (one message and a half), loss, duplication and reordering, two connections with
+/// three streams each, with and without receive flow control. Messages further ahead on
+/// their streams fill the cap while the next one due is lost; that one still comes in
+/// (a single cap with no exception for it deadlocked here). Every message arrives, in
+/// order on its stream.
+#[test]
+fn the_reassembly_cap_never_stalls_a_stream() {
+    let mut capped = 0;
+    for seed in 0..6 {
+        let explicit = seed % 2 == 0;
+        let impair = Impair {
+            loss: 0.03,
+            dup: 0.01,
+            reorder: 0.05,
+            ..Impair::default()
+        };
+        let mut p = pair_with(200 + seed, impair, reassembly_cap(384 << 10, explicit));
+        let (a1, b1) = p.connect();
+        let (a2, b2) = p.connect();
+        let n = 12u64;
+        for i in 0..n {
+            for (k, a) in [a1, a2].into_iter().enumerate() {
+                let m = Bytes::from(vec![i as u8; 256 << 10]);
+                p.eps[0]
+                    .post_send(a, (i % 3) as u32, 1000 * k as u64 + i, m)
+                    .unwrap();
+            }
+        }
+        let mut next = std::collections::HashMap::new();
+        let mut got = 0;
+        let limit = p.now + Duration::from_secs(60);
+        while got < 2 * n && p.now < limit {
+            if !p.step() {
+                break;
+            }
+            for e in std::mem::take(&mut p.events[1]) {
+                if let Event::Message {
+                    conn, stream, data, ..
+                } = e
+                {
+                    let want = next.entry((conn, stream)).or_insert(u64::from(stream));
+                    assert_eq!(u64::from(data[0]), *want, "seed {seed}: order");
+                    *want += 3;
+                    got += 1;
+                    p.eps[1].stream_consumed(conn, stream, data.len() as u64);
+                }
+            }
+        }
+        assert_eq!(got, 2 * n, "seed {seed}: {got} messages");
+        capped += reassembly(&p, &[b1, b2]).1;
     }
     assert!(
         capped > 0,

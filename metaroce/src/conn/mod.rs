@@ -179,6 +179,30 @@ pub(crate) struct Closing {
 /// idle path may itself run through the failed link, so one is not enough.
 const ASK_PATHS: usize = 4;
 
+/// What the endpoint tells a connection of its receive memory over all its connections,
+/// before each packet (`EndpointConfig::max_unread_recv_bytes`,
+/// `EndpointConfig::max_reassembly_bytes`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EndpointRecv {
+    /// Delivered-and-unread bytes are at `max_unread_recv_bytes`.
+    pub unread_full: bool,
+    /// Bytes being reassembled on the endpoint's other connections.
+    pub reassembly_others: u64,
+    /// `max_reassembly_bytes`.
+    pub max_reassembly: u64,
+}
+
+impl Default for EndpointRecv {
+    /// Before the endpoint first sets it: no endpoint-wide limit.
+    fn default() -> Self {
+        EndpointRecv {
+            unread_full: false,
+            reassembly_others: 0,
+            max_reassembly: u64::MAX / 4,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Connection {
     pub handle: ConnectionHandle,
@@ -207,9 +231,9 @@ pub(crate) struct Connection {
     /// Client side: a Confirm is due.
     confirm_pending: bool,
     pub local_ip: Option<IpAddr>,
-    /// The endpoint's delivered-and-unread bytes are at its cap
-    /// (`EndpointConfig::max_unread_recv_bytes`): set by the endpoint before each packet.
-    pub(crate) endpoint_unread_full: bool,
+    /// The endpoint's receive memory over all its connections: set by the endpoint before
+    /// each packet.
+    pub(crate) endpoint_recv: EndpointRecv,
     /// The ICRC's IP header for packets to the peer, with the `(local_ip, peer IP)` it was
     /// synthesized from (issue #13: built once, not per packet).
     tx_ip: Option<(Option<IpAddr>, IpAddr, Option<icrc::IpHeader>)>,
@@ -502,7 +526,7 @@ impl Connection {
             tx_token: 0,
             confirmed: true,
             tx_ip: None,
-            endpoint_unread_full: false,
+            endpoint_recv: EndpointRecv::default(),
             // Room for the largest ACK bundle up front: it would grow once, mid-run, the
             // first time a bundle is longer than any before (issue #13: no allocation per
             // packet once warm).
@@ -618,13 +642,20 @@ impl Connection {
             max_unconsumed_immediates: self.cfg.max_unconsumed_immediates,
             explicit_consume: self.cfg.explicit_consume,
             max_stream_recv_bytes: self.cfg.max_stream_recv_bytes,
-            endpoint_unread_full: self.endpoint_unread_full,
+            endpoint_unread_full: self.endpoint_recv.unread_full,
+            endpoint_reassembly_others: self.endpoint_recv.reassembly_others,
+            max_reassembly_bytes: self.endpoint_recv.max_reassembly,
         }
     }
 
     /// Bytes delivered to the application and not yet consumed (`explicit_consume`).
     pub(crate) fn unread_bytes(&self) -> u64 {
         self.rq.unconsumed_bytes()
+    }
+
+    /// Bytes of messages being reassembled into library-owned buffers.
+    pub(crate) fn reassembly_bytes(&self) -> u64 {
+        self.rq.reassembly_bytes()
     }
 
     pub fn stats(&self) -> ConnectionStats {

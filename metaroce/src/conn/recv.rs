@@ -224,6 +224,11 @@ pub(crate) struct RecvLimits {
     /// `EndpointConfig::max_unread_recv_bytes` (as it last counted them): no new message
     /// into a library-owned buffer until the application reads.
     pub endpoint_unread_full: bool,
+    /// Bytes of messages being reassembled (library-owned buffers, not yet delivered) on
+    /// the endpoint's *other* connections, as it last counted them.
+    pub endpoint_reassembly_others: u64,
+    /// `EndpointConfig::max_reassembly_bytes`.
+    pub max_reassembly_bytes: u64,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -251,6 +256,12 @@ struct Budget {
 }
 
 impl Budget {
+    /// Bytes of messages being reassembled or waiting for in-order delivery (not yet
+    /// delivered), with their bookkeeping.
+    fn reassembly(&self) -> u64 {
+        self.bytes - self.unconsumed
+    }
+
     fn release(&mut self, msg: &RxMsg) {
         self.bytes -= msg.charge;
         if msg.over {
@@ -418,6 +429,11 @@ pub struct RecvStats {
     /// `EndpointConfig::max_unread_recv_bytes` (the sender waits until the application
     /// reads).
     pub memory_rnr_naks: u64,
+    /// SEND packets of new messages refused with a flow-control RNR NAK because the
+    /// endpoint's messages being reassembled, over all its connections, were at
+    /// `EndpointConfig::max_reassembly_bytes` (the sender waits until messages in progress
+    /// complete).
+    pub reassembly_rnr_naks: u64,
     /// Gauge: bytes delivered in `Event::Message` and not yet consumed
     /// (`explicit_consume`), each message counted with 128 bytes of bookkeeping; included in
     /// `buffered_bytes`.
@@ -850,6 +866,27 @@ impl RecvState {
                 // application that reads what it is given cannot be stalled by it.
                 if lim.endpoint_unread_full {
                     self.stats.memory_rnr_naks += 1;
+                    return RxOutcome::FlowRnr;
+                }
+                // The endpoint's cap on messages being reassembled, over all its connections
+                // (each connection's own budgets below scale with their number). A message
+                // further ahead only comes in below the cap, so those never hold more than
+                // it; the next message due on its stream may also come in while the total
+                // stays under twice the cap, or alone over the cap (one as large as
+                // `max_message_size`). Such a message needs only its own packets to be
+                // delivered, so next-due messages admitted always drain, and a next-due
+                // message refused gets in once they have: no stream waits for good on
+                // messages further ahead, as under a single cap (which deadlocked after one
+                // lost packet).
+                let ep_total = lim.endpoint_reassembly_others + self.buf.reassembly();
+                let cap = lim.max_reassembly_bytes;
+                let ep_ok = if head {
+                    ep_total <= cap || ep_total + charge <= cap.saturating_mul(2)
+                } else {
+                    ep_total + charge <= cap
+                };
+                if !ep_ok {
+                    self.stats.reassembly_rnr_naks += 1;
                     return RxOutcome::FlowRnr;
                 }
                 if explicit {
@@ -1459,6 +1496,12 @@ impl RecvState {
     /// Bytes delivered and not yet consumed (`RecvStats::unconsumed_bytes`).
     pub fn unconsumed_bytes(&self) -> u64 {
         self.buf.unconsumed
+    }
+
+    /// Bytes of messages in library-owned buffers not yet delivered (being reassembled, or
+    /// complete and waiting for an earlier message of their stream), with bookkeeping.
+    pub fn reassembly_bytes(&self) -> u64 {
+        self.buf.reassembly()
     }
 
     /// The counters, with the gauges filled in.
