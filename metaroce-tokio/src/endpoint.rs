@@ -81,7 +81,8 @@ pub struct Config {
     /// Most connections at once. Default 65 536.
     pub max_connections: usize,
     /// Most half-open connections (accepted, not yet confirmed by their client) per shard;
-    /// further requests are refused with code 2 (`ConnectEth::REASON_LIMIT`). Default 4096
+    /// a further request evicts the oldest of them (its client is told with a CLOSE, code
+    /// 1), so a flood from many sources cannot lock other clients out. Default 4096
     /// ([`metaroce::EndpointConfig::max_half_open`]).
     pub max_half_open: usize,
     /// Most half-open connections (accepted, not yet confirmed by their client: one round
@@ -172,7 +173,8 @@ pub const DEFAULT_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_
 
 /// The code an [`Incoming`] dropped without a decision, or one beyond
 /// [`Config::max_pending_incoming`], is refused with. It is the core's code for its own
-/// connection and half-open limits too (`ConnectEth::REASON_LIMIT`): to the requester all
+/// connection limit too (`ConnectEth::REASON_LIMIT`; a full half-open table evicts its
+/// oldest entry instead of refusing): to the requester all
 /// of them mean "busy, try later". The accept-queue refusal carries the reason text
 /// `accept queue full`; the core's refusals carry none. A requester whose own address holds
 /// too many half-open connections gets code 5 instead

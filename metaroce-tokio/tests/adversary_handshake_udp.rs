@@ -299,6 +299,91 @@ async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
     );
 }
 
+/// 200 hosts (127.0.0.2 to 127.0.0.201, one Request each, so no source limit applies)
+/// complete the retry-cookie round trip and never confirm, against a server with
+/// `max_half_open` 64: the table stays full for the 2 s half-open lifetime. A client at
+/// 127.0.0.1 still connects at once: its Request evicts the oldest half-open connection
+/// (`half_open_evicted`). Before, it was refused with reason 2 until the flood's
+/// connections expired, and many sources (one IPv6 host owns a /64 of them) could keep
+/// every other client out that way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_hosts_that_never_confirm_cannot_lock_other_clients_out() {
+    let cfg = Config {
+        max_half_open: 64,
+        ..Config::default()
+    };
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let saddr = server.local_addr();
+    let s2 = server.clone();
+    let acceptor = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Some(inc) = s2.accept().await {
+            if let Ok(c) = inc.accept() {
+                conns.push(c);
+            }
+        }
+        conns.len()
+    });
+    let hosts = tokio::task::spawn_blocking(move || {
+        let mut accepted = 0;
+        for h in 0..200u32 {
+            let ip = format!("127.0.0.{}:0", h + 2);
+            let s = UdpSocket::bind(&ip).expect("bind 127.0.0.x (loopback)");
+            s.set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let me = s.local_addr().unwrap();
+            let mut buf = [0u8; 2048];
+            s.send_to(&request(me, saddr, h), saddr).unwrap();
+            let cookie = loop {
+                let n = s.recv(&mut buf).expect("a Retry");
+                if let Ok(p) = wire::Packet::parse(&buf[..n]) {
+                    if let Headers::Connect(m) = p.headers {
+                        if m.kind == ConnectKind::Retry {
+                            break m.cookie;
+                        }
+                    }
+                }
+            };
+            s.send_to(&request_with_cookie(me, saddr, h, cookie), saddr)
+                .unwrap();
+            if let Ok(n) = s.recv(&mut buf) {
+                if let Ok(p) = wire::Packet::parse(&buf[..n]) {
+                    if let Headers::Connect(m) = p.headers {
+                        accepted += u32::from(m.kind == ConnectKind::Accept);
+                    }
+                }
+            }
+        }
+        accepted
+    })
+    .await
+    .unwrap();
+    let st = server.stats();
+    println!(
+        "200 hosts: {hosts} Accepts; server: {} evicted, {} refused",
+        st.half_open_evicted, st.rejected
+    );
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(10), client.connect(saddr).unwrap())
+        .await
+        .expect("connect does not hang")
+        .expect("the legitimate client is not refused");
+    {
+        use futures::SinkExt;
+        let mut stream = c.open_stream().unwrap();
+        stream.send(Bytes::from_static(b"in")).await.unwrap();
+    }
+    assert_eq!(hosts, 200, "every host's Request is accepted");
+    assert!(st.half_open_evicted >= 100, "{st:?}");
+    assert_eq!(server.stats().rejected, 0);
+    server.close(0, b"");
+    acceptor.await.unwrap();
+}
+
 /// Two endpoints with the default configuration (seeds from the OS) draw different QPNs
 /// and keys: nothing is shared between runs or processes.
 #[tokio::test]

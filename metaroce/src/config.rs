@@ -106,8 +106,18 @@ pub struct EndpointConfig {
     /// Lifetime of a retry cookie: cookies are MACs over a time bucket of this length and
     /// are accepted in their bucket and the next one (so for 1 to 2 lifetimes). Default 10 s.
     pub retry_cookie_lifetime: Duration,
-    /// Most accepted connections that have not yet heard from their client (half-open);
-    /// further Requests get Reject reason 2 (connection limit). Default 4096.
+    /// Most accepted connections that have not yet heard from their client (half-open).
+    /// A Request that finds the table full (or `max_connections` reached while some
+    /// connections are half-open) evicts the half-open connection that arrived first: that
+    /// one ends with `HandshakeTimeout`, and its client, if it had the Accept, gets an
+    /// MR_CLOSE with code 1 (`EndpointStats::half_open_evicted`). So a flood of Requests
+    /// from many sources that never confirm (one IPv6 host owns a /64 of addresses)
+    /// cannot lock other clients out: each half-open connection has the time the flood
+    /// takes to send this many Requests to finish its round trip (RFC 4987 §3.4,
+    /// recycling the oldest half-open TCB). Refusing new Requests instead, as before 2026-12-06, locked every
+    /// other client out while such a flood lasted. Reject reason 2 (connection limit) is
+    /// left for `max_connections` reached with no connection half-open. At least 1;
+    /// default 4096.
     pub max_half_open: usize,
     /// Most half-open connections from one source address (IPv4-mapped IPv6 addresses
     /// count as IPv4). Further Requests from that address get Reject reason 5
@@ -121,7 +131,9 @@ pub struct EndpointConfig {
     /// half-open for one round trip (with `manual_accept`, also until the application
     /// accepts it), so a host opening more connections than this at once waits a
     /// handshake interval for some of them. Many attacking addresses together (an IPv6
-    /// host owns many) can still fill `max_half_open`. At least 1; default 64.
+    /// host owns many) are answered by evicting the oldest half-open connection
+    /// ([`max_half_open`](Self::max_half_open)); a source at this limit evicts nothing.
+    /// At least 1; default 64.
     pub max_half_open_per_source: usize,
     /// Most bytes of messages delivered to the application and not yet consumed
     /// (`TransportConfig::explicit_consume`; each message counted with 128 bytes of

@@ -249,6 +249,11 @@ pub struct EndpointStats {
     /// [`EndpointConfig::max_half_open_per_source`] half-open connections (Reject reason
     /// 5; also counted in `rejected`).
     pub source_limited: u64,
+    /// Half-open connections dropped to make room for a new Request when
+    /// [`EndpointConfig::max_half_open`] (or `max_connections`) was reached: each ended
+    /// with `HandshakeTimeout` on this side, and its client, if it had the Accept, got an
+    /// MR_CLOSE with code 1.
+    pub half_open_evicted: u64,
 }
 
 impl std::ops::AddAssign for EndpointStats {
@@ -276,6 +281,7 @@ impl std::ops::AddAssign for EndpointStats {
             handshake_bytes_out,
             replayed_requests,
             source_limited,
+            half_open_evicted,
         } = o;
         self.datagrams_received += datagrams_received;
         self.malformed += malformed;
@@ -296,6 +302,7 @@ impl std::ops::AddAssign for EndpointStats {
         self.handshake_bytes_out += handshake_bytes_out;
         self.replayed_requests += replayed_requests;
         self.source_limited += source_limited;
+        self.half_open_evicted += half_open_evicted;
     }
 }
 
@@ -505,11 +512,16 @@ fn source_key(ip: IpAddr) -> IpAddr {
 }
 
 /// Accepted connections not yet confirmed by their client (half-open), with the source
-/// each came from and the count per source (`EndpointConfig::max_half_open_per_source`).
-/// At most `max_half_open` entries, so at most that many sources.
+/// each came from, the count per source (`EndpointConfig::max_half_open_per_source`) and
+/// their order of arrival (the oldest is evicted when the table is full). At most
+/// `max_half_open` entries, so at most that many sources.
 #[derive(Debug, Default)]
 struct HalfOpen {
-    conns: BTreeMap<u32, IpAddr>,
+    /// QPN → (source, arrival number).
+    conns: BTreeMap<u32, (IpAddr, u64)>,
+    /// Arrival number → QPN.
+    by_age: BTreeMap<u64, u32>,
+    next: u64,
     per_source: HashMap<IpAddr, usize>,
 }
 
@@ -518,20 +530,30 @@ impl HalfOpen {
         self.conns.len()
     }
 
+    /// The half-open connection that arrived first.
+    fn oldest(&self) -> Option<u32> {
+        self.by_age.first_key_value().map(|(_, &q)| q)
+    }
+
     /// Half-open connections from `source` (a [`source_key`]).
     fn from(&self, source: IpAddr) -> usize {
         self.per_source.get(&source).copied().unwrap_or(0)
     }
 
     fn insert(&mut self, qpn: u32, source: IpAddr) {
-        if let Some(old) = self.conns.insert(qpn, source) {
+        let age = self.next;
+        self.next += 1;
+        if let Some((old, old_age)) = self.conns.insert(qpn, (source, age)) {
+            self.by_age.remove(&old_age);
             self.forget(old);
         }
+        self.by_age.insert(age, qpn);
         *self.per_source.entry(source).or_insert(0) += 1;
     }
 
     fn remove(&mut self, qpn: &u32) {
-        if let Some(source) = self.conns.remove(qpn) {
+        if let Some((source, age)) = self.conns.remove(qpn) {
+            self.by_age.remove(&age);
             self.forget(source);
         }
     }
@@ -560,6 +582,12 @@ impl Endpoint {
             return Err(PostError::InvalidConfig(crate::ConfigError::new(
                 "qpn_modulus",
                 "must be in 1..=65536",
+            )));
+        }
+        if cfg.max_half_open == 0 {
+            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                "max_half_open",
+                "must be at least 1 (accept_incoming = false refuses every Request)",
             )));
         }
         if cfg.max_half_open_per_source == 0 {
@@ -1924,9 +1952,7 @@ impl Endpoint {
         let source = source_key(peer.ip());
         let reason = if !self.cfg.accept_incoming {
             Some(ConnectEth::REASON_NOT_ACCEPTING)
-        } else if self.conns.len() >= self.cfg.max_connections
-            || self.half_open.len() >= self.cfg.max_half_open
-        {
+        } else if self.conns.len() >= self.cfg.max_connections && self.half_open.len() == 0 {
             Some(ConnectEth::REASON_LIMIT)
         } else if self.half_open.from(source) >= self.cfg.max_half_open_per_source {
             self.stats.source_limited += 1;
@@ -1949,6 +1975,20 @@ impl Endpoint {
             }
             self.push_control(peer, bth, hdrs, Trailer::None, local_ip);
             return;
+        }
+        // A full table (half-open connections, or all connections with some of them
+        // half-open) makes room by dropping the half-open connection that arrived first.
+        // Refusing the new Request instead let many sources that never confirm (one IPv6
+        // host owns a /64 of them) lock every other client out while they kept the table
+        // full; now each half-open connection has the time the flood takes to send
+        // `max_half_open` Requests to finish its round trip.
+        while self.half_open.len() >= self.cfg.max_half_open
+            || self.conns.len() >= self.cfg.max_connections
+        {
+            let Some(q) = self.half_open.oldest() else {
+                break;
+            };
+            self.evict_half_open(q);
         }
         let epoch = self.epoch(now);
         let qpn = self.new_qpn();
@@ -1989,6 +2029,32 @@ impl Endpoint {
         tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
         self.events
             .push_back(Event::Incoming(ConnectionHandle(qpn)));
+    }
+
+    /// Drop half-open connection `q` to make room for a new one
+    /// (`EndpointStats::half_open_evicted`). It ends with `HandshakeTimeout` here. Its
+    /// client, if it may have the Accept, gets one MR_CLOSE with code 1 (as for a ghost
+    /// connection; not for an AEAD connection, whose CLOSE would need sealing: that client
+    /// finds out by its own timeouts); one still waiting for the Accept may send its
+    /// Request again, which is decided afresh.
+    fn evict_half_open(&mut self, q: u32) {
+        let Some(c) = self.conns.get(&q) else {
+            self.half_open.remove(&q);
+            return;
+        };
+        self.stats.half_open_evicted += 1;
+        let nonce = c.nonce;
+        if !c.held && !c.is_protected() {
+            let (bth, hdrs) = close_packet(c.peer_qpn, 1, false, self.cfg.local_addr.port(), nonce);
+            let (peer, token, local_ip) = (c.peer, c.tx_token(), c.local_ip);
+            self.push_control(peer, bth, hdrs, Trailer::Token(token), local_ip);
+        }
+        self.cookie_nonces.remove(&nonce);
+        self.remove(
+            ConnectionHandle(q),
+            ConnectionError::HandshakeTimeout,
+            WcStatus::WrFlushError,
+        );
     }
 
     fn handle_connect(

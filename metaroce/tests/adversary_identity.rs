@@ -683,7 +683,8 @@ fn request_from(net: &mut Net, to: usize, from: SocketAddr, k: u32) {
 }
 
 /// Without the cookie (RetryPolicy::Never) the same flood, from 10 sources, is bounded by
-/// max_half_open and the half-open connections expire by themselves.
+/// max_half_open: each new Request evicts the oldest half-open connection, and the last
+/// 100 expire by themselves.
 #[test]
 fn half_open_connections_are_bounded_and_expire() {
     let mut net = cookieless_server(|c| c.max_half_open = 100);
@@ -692,8 +693,9 @@ fn half_open_connections_are_bounded_and_expire() {
         request_from(&mut net, 1, from, k);
     }
     assert_eq!(net.eps[1].connections().count(), 100);
-    assert_eq!(net.eps[1].stats().rejected, 900);
-    assert_eq!(net.eps[1].stats().source_limited, 0);
+    let st = net.eps[1].stats();
+    assert_eq!((st.rejected, st.source_limited), (0, 0));
+    assert_eq!(st.half_open_evicted, 900);
     run_within(&mut net, Duration::from_secs(5), |n| {
         n.eps[1].connections().count() == 0
     });
@@ -714,9 +716,95 @@ fn half_open_connections_are_bounded_and_expire() {
             )
         })
         .count();
-    assert_eq!(expired, 100);
+    assert_eq!(expired, 1000, "900 evicted, 100 expired");
     // A real client still gets in.
     connect(&mut net, 0, 1);
+}
+
+/// A legitimate client whose connection is evicted while half-open (its Confirm and data
+/// lost, then a flood of 100 Requests) learns it at once: the server sends it an MR_CLOSE
+/// with code 1, and its connection ends with `ClosedByPeer`, not after its retries run
+/// out while its data goes unanswered.
+#[test]
+fn an_evicted_client_is_told() {
+    let mut net = cookieless_server(|c| c.max_half_open = 100);
+    // Everything the client sends after its Request is lost.
+    net.drop_hook = Some(Box::new(|i, d| {
+        i == 0
+            && !wire::Packet::parse(d).is_ok_and(
+                |p| matches!(p.headers, Headers::Connect(m) if m.kind == ConnectKind::Request),
+            )
+    }));
+    let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+    run_within(&mut net, Duration::from_millis(50), |n| {
+        n.eps[0].is_established(c)
+    });
+    assert!(net.eps[0].is_established(c));
+    for k in 0..100u32 {
+        let ip = Ipv4Addr::new(10, 9, 0, (k % 250) as u8 + 1);
+        request_from(&mut net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), k);
+    }
+    pump(&mut net);
+    assert_eq!(net.eps[1].stats().half_open_evicted, 1);
+    assert_eq!(
+        net.lost(0, c),
+        Some(ConnectionError::ClosedByPeer {
+            code: 1,
+            reason: Bytes::new()
+        })
+    );
+}
+
+/// Many sources that complete their handshakes and never confirm them (one IPv6 host owns
+/// a /64 of addresses) cannot lock other clients out: a flood from 1,000 addresses keeps
+/// a table of 100 half-open connections full, 25 new Requests every 10 µs, while a real
+/// client connects. Each new Request evicts the oldest half-open connection, so the
+/// client's has the time 100 flood Requests take (40 µs here) to finish its round trip.
+/// Refusing new Requests when the table was full (reason 2), as before, refused this
+/// client until the flood stopped.
+#[test]
+fn a_flood_from_many_sources_cannot_lock_clients_out() {
+    let mut net = cookieless_server(|c| c.max_half_open = 100);
+    let mut k = 0u32;
+    let mut flood = |net: &mut Net, n: u32| {
+        for _ in 0..n {
+            let ip = Ipv4Addr::new(10, 9, (k / 250) as u8 % 4, (k % 250) as u8 + 1);
+            request_from(net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), k);
+            k += 1;
+        }
+    };
+    flood(&mut net, 200);
+    assert_eq!(net.eps[1].connections().count(), 100);
+    let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
+    let limit = net.now + Duration::from_secs(1);
+    while !net.eps[0].is_established(c) && net.now < limit {
+        flood(&mut net, 25);
+        let t = net.now + Duration::from_micros(10);
+        net.advance_to(t);
+    }
+    assert!(net.eps[0].is_established(c), "the client did not connect");
+    // Once the client's first packet confirms it on the server, no later flood evicts it.
+    let client = net.addrs[0];
+    let s = net.eps[1]
+        .connections()
+        .find(|&h| {
+            net.eps[1]
+                .peer_addr(h)
+                .is_some_and(|a| a.ip() == client.ip())
+        })
+        .expect("the server's side of the connection");
+    net.eps[0]
+        .post_send(c, 1, 1, Bytes::from_static(b"confirmed"))
+        .unwrap();
+    pump(&mut net);
+    flood(&mut net, 500);
+    pump(&mut net);
+    assert!(net.eps[1].is_established(s));
+    assert!(net.eps[0].is_established(c));
+    assert_eq!(msgs(&net, 1, s), vec![Bytes::from_static(b"confirmed")]);
+    let st = net.eps[1].stats();
+    assert_eq!(st.rejected, 0);
+    assert!(st.half_open_evicted >= 600, "{}", st.half_open_evicted);
 }
 
 /// One host that completes its handshakes from its own address and never confirms them
@@ -828,6 +916,10 @@ fn zero_limits_are_refused() {
     let mut c = cfg(1, 2, 2);
     c.max_half_open_per_source = 0;
     assert!(metaroce::Endpoint::new(c).is_err());
+    let mut c = cfg(1, 2, 2);
+    c.max_half_open = 0;
+    let e = metaroce::Endpoint::new(c).unwrap_err();
+    assert!(e.to_string().contains("max_half_open"), "{e}");
     let mut c = cfg(1, 2, 2);
     c.max_unread_recv_bytes = 0;
     let e = metaroce::Endpoint::new(c).unwrap_err();

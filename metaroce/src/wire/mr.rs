@@ -479,7 +479,8 @@ impl ConnectEth {
     pub const FLAG_TRY_AGAIN: u16 = 0x0002;
     /// Reject reason 1: not accepting connections.
     pub const REASON_NOT_ACCEPTING: u32 = 1;
-    /// Reject reason 2: connection limit (or half-open limit) reached.
+    /// Reject reason 2: connection limit reached with no connection half-open (a full
+    /// half-open table evicts its oldest entry instead, `EndpointConfig::max_half_open`).
     pub const REASON_LIMIT: u32 = 2;
     /// Reject reason 3: invalid request (version, path count, path MTU).
     pub const REASON_INVALID: u32 = 3;
