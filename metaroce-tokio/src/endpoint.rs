@@ -41,9 +41,13 @@ use tokio::sync::{mpsc, oneshot, Notify};
 /// messages and never finish them, on many connections) are capped the same way by
 /// [`Config::max_reassembly_bytes`] (default 2 GiB; up to twice it, or it plus one
 /// message of `max_message_size`, for messages next due on their streams, so that no
-/// stream waits for good). A service that takes messages from untrusted peers should lower
-/// `max_unread_recv_bytes`, `max_reassembly_bytes`, `transport.max_message_size` (it bounds
-/// WRITEs too) and `max_recv_buffer_bytes` as its messages allow. Likewise the WRITE-with-immediate notifications not yet taken by
+/// stream waits for good). Messages are charged at full length from their first packet, so
+/// a peer that starts large messages and never finishes them holds that cap with a few
+/// packets, and other peers' messages larger than [`Config::reassembly_floor_bytes`]
+/// (64 KiB) wait while it does; smaller ones keep flowing. A service that takes messages
+/// from untrusted peers should lower `max_unread_recv_bytes`, `max_reassembly_bytes`,
+/// `transport.max_message_size` (it bounds WRITEs too) and `max_recv_buffer_bytes` as its
+/// messages allow. Likewise the WRITE-with-immediate notifications not yet taken by
 /// [`Connection::recv_imm`](crate::Connection::recv_imm) are capped by
 /// `transport.max_unconsumed_immediates` (default 4096): beyond it the peer's
 /// `write_with_imm` waits. Nothing is dropped.
@@ -106,8 +110,13 @@ pub struct Config {
     /// waits for good. A shard holds at most `max(2 × this, this +
     /// transport.max_message_size)` bytes of them. See
     /// [`metaroce::EndpointConfig::max_reassembly_bytes`], which also says how a peer that
-    /// never finishes its messages holds other peers back. Default 2 GiB.
+    /// never finishes its messages holds other peers' larger messages back. Default 2 GiB.
     pub max_reassembly_bytes: u64,
+    /// Messages of at most this many bytes come in beyond `max_reassembly_bytes`, one per
+    /// connection at a time, so that every connection's small messages keep flowing
+    /// ([`metaroce::EndpointConfig::reassembly_floor_bytes`]). 0 turns it off; default
+    /// 64 KiB.
+    pub reassembly_floor_bytes: u64,
     /// Socket options of the UDP backend (used by [`Endpoint::bind`]).
     pub udp: UdpConfig,
     /// Extra UDP source ports bound beside the `transport.paths` path ports, so that a path
@@ -196,6 +205,7 @@ impl Default for Config {
             max_half_open_per_source: 64,
             max_unread_recv_bytes: 4 << 30,
             max_reassembly_bytes: 2 << 30,
+            reassembly_floor_bytes: 64 << 10,
             udp: UdpConfig::default(),
             spare_ports: 8,
             max_stream_in_flight: 256,
@@ -716,6 +726,7 @@ impl Endpoint {
         ecfg.max_half_open_per_source = config.max_half_open_per_source;
         ecfg.max_unread_recv_bytes = config.max_unread_recv_bytes;
         ecfg.max_reassembly_bytes = config.max_reassembly_bytes;
+        ecfg.reassembly_floor_bytes = config.reassembly_floor_bytes;
         let os_err = |e: getrandom::Error| {
             std::io::Error::other(format!("no randomness from the operating system: {e}"))
         };

@@ -166,16 +166,33 @@ pub struct EndpointConfig {
     /// only its own packets to complete, so every stream makes progress however messages
     /// further ahead use the cap; a single cap without that exception deadlocked after one
     /// lost packet. The endpoint thus holds at most `max(2 × this, this +
-    /// max_message_size + 128)` bytes of messages being reassembled: 4 GiB with the
-    /// defaults.
+    /// max_message_size + 128)` bytes of messages being reassembled (4 GiB with the
+    /// defaults), plus one small message per connection (below).
     ///
     /// While a message beyond this is in progress (one of `max_message_size`, or many
     /// started on many connections), new messages further ahead on their streams wait, and
-    /// next-due ones wait too once the total is over twice this. A peer that starts
-    /// messages and never finishes them (or sends them one packet at a time) therefore
-    /// holds other peers' new messages back, within bounded memory; no timeout ends such a
-    /// message. At least 1 (`Endpoint::new` refuses 0); default 2 GiB.
+    /// next-due ones wait too once the total is over twice this, except one small message
+    /// per connection ([`reassembly_floor_bytes`](Self::reassembly_floor_bytes)).
+    ///
+    /// **A peer can hold this cap.** A message is charged at its full length from its first
+    /// packet, so a peer that starts messages and never finishes them holds it with a few
+    /// packets: the first packets of two maximum-size messages reach twice the cap (a
+    /// review's test: another connection's 1000-byte messages then waited for good when
+    /// larger than the floor). Other peers' larger messages then wait (flow-control RNR
+    /// NAKs) for as long as that peer keeps its connections alive; no timeout ends such a
+    /// message, since none can tell it from a slow honest one. What the cap buys is
+    /// bounded memory under honest overload (many peers sending large messages at once: an
+    /// incast is held to about twice the cap instead of a budget per connection) and under
+    /// a flood of connections. A service that takes messages from peers it does not trust
+    /// should lower `max_message_size`, so that the cap holds many messages, and
+    /// `max_connections`. At least 1 (`Endpoint::new` refuses 0); default 2 GiB.
     pub max_reassembly_bytes: u64,
+    /// Next-due messages of at most this many bytes get in beyond
+    /// [`max_reassembly_bytes`](Self::max_reassembly_bytes), one per connection at a time,
+    /// so that small messages (requests, control) of every connection keep flowing
+    /// whichever peer holds the cap. This adds at most this plus 128 bytes per connection
+    /// to the bound above. 0 turns it off; default 64 KiB.
+    pub reassembly_floor_bytes: u64,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.
     pub max_control_queue: usize,
@@ -232,6 +249,7 @@ impl EndpointConfig {
             max_half_open_per_source: 64,
             max_unread_recv_bytes: 4 << 30,
             max_reassembly_bytes: 2 << 30,
+            reassembly_floor_bytes: 64 << 10,
             max_control_queue: 1024,
             qpn_modulus: 1,
             qpn_residue: 0,

@@ -500,6 +500,7 @@ fn set_endpoint_recv(total: &RecvCharge, cfg: &EndpointConfig, c: &mut Connectio
         unread_full: total.unread >= cfg.max_unread_recv_bytes,
         reassembly_others: total.reassembly - c.ix.recv_charged.reassembly,
         max_reassembly: cfg.max_reassembly_bytes,
+        reassembly_floor: cfg.reassembly_floor_bytes,
     };
 }
 

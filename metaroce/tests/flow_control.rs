@@ -777,3 +777,128 @@ fn the_reassembly_cap_never_stalls_a_stream() {
         "the cap must be reached for the test to mean anything"
     );
 }
+
+/// What the reassembly cap is for under honest load: an incast. Eight connections each
+/// send two 4 MiB messages at once (on two streams, so each connection's own budget lets
+/// both in). Without the cap B held 32 MiB at its peak (half of the 64 MiB in flight);
+/// with an 8 MiB cap, 12 MiB (at most twice the cap), and every message still arrives.
+#[test]
+fn an_incast_is_held_to_the_reassembly_cap() {
+    let cap = 8 * MIB;
+    for capped in [false, true] {
+        let (a, b) = configs(
+            21,
+            reassembly_cap(if capped { cap } else { 1 << 40 }, false),
+        );
+        let mut p = Pair::with_configs(21, a, b);
+        let conns: Vec<_> = (0..8).map(|_| p.connect()).collect();
+        let big = Bytes::from(vec![5u8; (4 * MIB) as usize]);
+        for &(a, _) in &conns {
+            for s in 0..2 {
+                p.eps[0].post_send(a, s, u64::from(s), big.clone()).unwrap();
+            }
+        }
+        let bs: Vec<_> = conns.iter().map(|&(_, b)| b).collect();
+        let (mut peak, mut got) = (0, 0);
+        let limit = p.now + Duration::from_secs(10);
+        while got < 16 && p.now < limit {
+            if !p.step() {
+                break;
+            }
+            peak = peak.max(reassembly(&p, &bs).0);
+            got += std::mem::take(&mut p.events[1])
+                .iter()
+                .filter(|e| matches!(e, Event::Message { data, .. } if data.len() == big.len()))
+                .count();
+        }
+        let naks = reassembly(&p, &bs).1;
+        println!("incast, capped {capped}: peak {peak} B being reassembled, {naks} RNR NAKs");
+        assert_eq!(got, 16, "capped {capped}");
+        if capped {
+            assert!(peak <= 2 * cap, "peak {peak}");
+            assert!(naks > 0);
+        } else {
+            assert!(peak > 3 * cap, "peak {peak}");
+        }
+    }
+}
+
+/// A peer can hold the reassembly cap with two packets (found by review): the first
+/// packets of two messages as large as the cap, never finished, on two connections, put
+/// the total at twice the cap, and a third connection's messages further than the floor
+/// wait while those live. Its small messages (at most `reassembly_floor_bytes`, 64 KiB)
+/// still come in, one at a time: 16 of 16 here. Without the floor they waited too (0 of
+/// 16 in 2 s; the review saw 0 of 16 in 30 s). The larger message shows what is left: it
+/// waits.
+#[test]
+fn a_peer_holding_the_reassembly_cap_does_not_stop_small_messages() {
+    let cap = 4 * MIB;
+    let (mut a, b) = configs(11, reassembly_cap(cap, false));
+    // The holder never gives up on its messages.
+    a.transport.retry_count = u32::MAX;
+    let mut p = Pair::with_configs(11, a, b);
+    let (a1, b1) = p.connect();
+    let (a2, b2) = p.connect();
+    let (a3, b3) = p.connect();
+    // Only the first packet of each large message reaches B.
+    p.add_rule(Rule::always(
+        Filter::any().from(0).when(|i| {
+            i.send
+                .is_some_and(|s| u64::from(s.msg_len) >= 3 * MIB && s.offset > 0)
+        }),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(a1, 0, 1, Bytes::from(vec![1u8; cap as usize]))
+        .unwrap();
+    p.run_for(Duration::from_millis(5));
+    p.eps[0]
+        .post_send(a2, 0, 2, Bytes::from(vec![2u8; cap as usize - 256]))
+        .unwrap();
+    p.run_for(Duration::from_millis(5));
+    assert_eq!(
+        reassembly(&p, &[b1, b2]).0,
+        2 * cap,
+        "two packets hold twice the cap"
+    );
+    for i in 0..16u64 {
+        p.eps[0]
+            .post_send(
+                a3,
+                (i % 4) as u32,
+                100 + i,
+                Bytes::from(vec![i as u8; 1000]),
+            )
+            .unwrap();
+    }
+    // Larger than the floor, on a stream of its own.
+    p.eps[0]
+        .post_send(a3, 9, 200, Bytes::from(vec![9u8; 128 << 10]))
+        .unwrap();
+    let (mut small, mut large) = (0, 0);
+    let t0 = p.now;
+    while p.now - t0 < Duration::from_secs(2) {
+        if !p.step() {
+            break;
+        }
+        for e in std::mem::take(&mut p.events[1]) {
+            if let Event::Message { conn, data, .. } = e {
+                if conn == b3 {
+                    if data.len() == 1000 {
+                        small += 1;
+                    } else {
+                        large += 1;
+                    }
+                }
+            }
+        }
+    }
+    let st = p.eps[1].connection_stats(b3).unwrap().recv;
+    println!(
+        "cap held: {small} of 16 small messages, {large} of 1 larger one, {} RNR NAKs",
+        st.reassembly_rnr_naks
+    );
+    assert_eq!(small, 16);
+    assert_eq!(large, 0, "the larger message waits while the cap is held");
+    assert!(st.reassembly_rnr_naks > 0);
+}

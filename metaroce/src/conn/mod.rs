@@ -190,6 +190,8 @@ pub(crate) struct EndpointRecv {
     pub reassembly_others: u64,
     /// `max_reassembly_bytes`.
     pub max_reassembly: u64,
+    /// `reassembly_floor_bytes`.
+    pub reassembly_floor: u64,
 }
 
 impl Default for EndpointRecv {
@@ -199,6 +201,7 @@ impl Default for EndpointRecv {
             unread_full: false,
             reassembly_others: 0,
             max_reassembly: u64::MAX / 4,
+            reassembly_floor: 0,
         }
     }
 }
@@ -645,6 +648,7 @@ impl Connection {
             endpoint_unread_full: self.endpoint_recv.unread_full,
             endpoint_reassembly_others: self.endpoint_recv.reassembly_others,
             max_reassembly_bytes: self.endpoint_recv.max_reassembly,
+            reassembly_floor_bytes: self.endpoint_recv.reassembly_floor,
         }
     }
 

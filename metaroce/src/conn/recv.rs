@@ -71,6 +71,10 @@ struct RxMsg {
     /// Admitted beyond `max_recv_buffer_bytes` because it was next in line on its stream
     /// (its charge counts in `Budget::over`).
     over: bool,
+    /// Admitted beyond the endpoint's reassembly cap as the connection's one small
+    /// next-due message (`EndpointConfig::reassembly_floor_bytes`; its charge counts in
+    /// `Budget::floor`).
+    floor: bool,
     len: u32,
     got: super::segbits::SegBits,
     got_segs: u32,
@@ -229,6 +233,8 @@ pub(crate) struct RecvLimits {
     pub endpoint_reassembly_others: u64,
     /// `EndpointConfig::max_reassembly_bytes`.
     pub max_reassembly_bytes: u64,
+    /// `EndpointConfig::reassembly_floor_bytes`.
+    pub reassembly_floor_bytes: u64,
 }
 
 /// What a message in a library-owned buffer counts against `max_recv_buffer_bytes` on top
@@ -251,6 +257,9 @@ struct Budget {
     refused: usize,
     /// Of `bytes`: delivered and not yet consumed (`explicit_consume`).
     unconsumed: u64,
+    /// Of `bytes`: the message admitted beyond the endpoint's reassembly cap under
+    /// `reassembly_floor_bytes` (at most one at a time).
+    floor: u64,
     /// `explicit_consume` is on (copied from the limits).
     explicit: bool,
 }
@@ -267,6 +276,9 @@ impl Budget {
         if msg.over {
             self.over -= msg.charge;
         }
+        if msg.floor {
+            self.floor -= msg.charge;
+        }
     }
 
     /// `msg` of stream `st` leaves the reassembly buffers (dropped or refused).
@@ -282,6 +294,9 @@ impl Budget {
         if self.explicit && matches!(msg.dest, Dest::Owned(_)) {
             if msg.over {
                 self.over -= msg.charge;
+            }
+            if msg.floor {
+                self.floor -= msg.charge;
             }
             st.unconsumed_q.push_back(msg.len);
             st.unconsumed += msg.charge;
@@ -777,6 +792,7 @@ impl RecvState {
         let nsegs = segs_of(hdr.msg_len, lim.pmtu).max(1);
         if !st.msgs.contains_key(&hdr.msg_seq) {
             let mut over = false;
+            let mut floor = false;
             let mut charge = 0;
             let dest = if st.posted_mode {
                 // Messages match receives in order: message next_deliver + k takes the k-th
@@ -878,6 +894,13 @@ impl RecvState {
                 // message refused gets in once they have: no stream waits for good on
                 // messages further ahead, as under a single cap (which deadlocked after one
                 // lost packet).
+                //
+                // Such messages can also be held by a peer that never finishes them (two
+                // first packets of maximum-size messages reach twice the cap: found by
+                // review), and no timeout can tell that peer from slow honest ones. So each
+                // connection may also have one next-due message of at most
+                // `reassembly_floor_bytes` in beyond the cap: small messages (requests,
+                // control) of every connection keep flowing whoever holds the cap.
                 let ep_total = lim.endpoint_reassembly_others + self.buf.reassembly();
                 let cap = lim.max_reassembly_bytes;
                 let ep_ok = if head {
@@ -885,7 +908,11 @@ impl RecvState {
                 } else {
                     ep_total + charge <= cap
                 };
-                if !ep_ok {
+                floor = !ep_ok
+                    && head
+                    && self.buf.floor == 0
+                    && charge <= lim.reassembly_floor_bytes + MSG_OVERHEAD;
+                if !ep_ok && !floor {
                     self.stats.reassembly_rnr_naks += 1;
                     return RxOutcome::FlowRnr;
                 }
@@ -930,6 +957,9 @@ impl RecvState {
                     self.buf.over += charge;
                 }
                 self.buf.bytes += charge;
+                if floor {
+                    self.buf.floor += charge;
+                }
                 st.buffered += charge;
                 Dest::Owned(vec![0; hdr.msg_len as usize])
             };
@@ -939,6 +969,7 @@ impl RecvState {
                     dest,
                     charge,
                     over,
+                    floor,
                     len: hdr.msg_len,
                     got: super::segbits::SegBits::zeroed(nsegs.div_ceil(64) as usize),
                     got_segs: 0,
