@@ -85,8 +85,11 @@ pub struct Config {
     /// Most connections at once. Default 65 536.
     pub max_connections: usize,
     /// Most half-open connections (accepted, not yet confirmed by their client) per shard;
-    /// a further request evicts the oldest of them (its client is told with a CLOSE, code
-    /// 1), so a flood from many sources cannot lock other clients out. Default 4096
+    /// a further request evicts the oldest of them once it is a handshake interval old
+    /// (its client, if it had the Accept, is told with a CLOSE, code 1), so a flood from
+    /// many sources cannot lock other clients out, as long as the application keeps
+    /// taking requests from [`Endpoint::accept`] (evicted ones stay in its queue until
+    /// taken, and [`Incoming::accept`] then fails). Default 4096
     /// ([`metaroce::EndpointConfig::max_half_open`]).
     pub max_half_open: usize,
     /// Most half-open connections (accepted, not yet confirmed by their client: one round

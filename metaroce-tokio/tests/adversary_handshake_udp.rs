@@ -300,12 +300,13 @@ async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
 }
 
 /// 200 hosts (127.0.0.2 to 127.0.0.201, one Request each, so no source limit applies)
-/// complete the retry-cookie round trip and never confirm, against a server with
-/// `max_half_open` 64: the table stays full for the 2 s half-open lifetime. A client at
-/// 127.0.0.1 still connects at once: its Request evicts the oldest half-open connection
-/// (`half_open_evicted`). Before, it was refused with reason 2 until the flood's
-/// connections expired, and many sources (one IPv6 host owns a /64 of them) could keep
-/// every other client out that way.
+/// complete the retry-cookie round trip, one every 2 ms or slower, and never confirm,
+/// against a server with `max_half_open` 64: the table stays full for the 2 s half-open
+/// lifetime. Each Request after the 64th evicts the oldest half-open connection (at least
+/// a handshake interval, 100 ms, old, which this pace leaves), and a client at 127.0.0.1
+/// connects at once the same way. Before, both were refused with reason 2 until the
+/// flood's connections expired, and many sources (one IPv6 host owns a /64 of them) could
+/// keep every other client out that way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_hosts_that_never_confirm_cannot_lock_other_clients_out() {
     let cfg = Config {
@@ -348,6 +349,7 @@ async fn many_hosts_that_never_confirm_cannot_lock_other_clients_out() {
             };
             s.send_to(&request_with_cookie(me, saddr, h, cookie), saddr)
                 .unwrap();
+            std::thread::sleep(Duration::from_millis(2));
             if let Ok(n) = s.recv(&mut buf) {
                 if let Ok(p) = wire::Packet::parse(&buf[..n]) {
                     if let Headers::Connect(m) = p.headers {

@@ -107,17 +107,19 @@ pub struct EndpointConfig {
     /// are accepted in their bucket and the next one (so for 1 to 2 lifetimes). Default 10 s.
     pub retry_cookie_lifetime: Duration,
     /// Most accepted connections that have not yet heard from their client (half-open).
-    /// A Request that finds the table full (or `max_connections` reached while some
-    /// connections are half-open) evicts the half-open connection that arrived first: that
-    /// one ends with `HandshakeTimeout`, and its client, if it had the Accept, gets an
-    /// MR_CLOSE with code 1 (`EndpointStats::half_open_evicted`). So a flood of Requests
-    /// from many sources that never confirm (one IPv6 host owns a /64 of addresses)
-    /// cannot lock other clients out: each half-open connection has the time the flood
-    /// takes to send this many Requests to finish its round trip (RFC 4987 §3.4,
-    /// recycling the oldest half-open TCB). Refusing new Requests instead, as before 2026-12-06, locked every
-    /// other client out while such a flood lasted. Reject reason 2 (connection limit) is
-    /// left for `max_connections` reached with no connection half-open. At least 1;
-    /// default 4096.
+    /// A Request that finds the table full evicts the half-open connection that arrived
+    /// first, if that one is at least `handshake_interval` old: it ends with
+    /// `HandshakeTimeout`, and its client, if it had the Accept and the connection is not
+    /// AEAD, gets an MR_CLOSE with code 1 (`EndpointStats::half_open_evicted`). So a flood
+    /// of Requests from many sources that never confirm (one IPv6 host owns a /64 of
+    /// addresses) cannot lock other clients out: each half-open connection has at least
+    /// a handshake interval, and otherwise the time the flood takes to send this many
+    /// Requests, to finish its round trip (with `manual_accept`, also the application's
+    /// accept; RFC 4987 §3.4, recycling the oldest half-open TCB). Refusing new Requests
+    /// instead, as before 2026-12-06, locked every other client out while such a flood
+    /// lasted. A Request that would evict a younger one (a flood of more than this many
+    /// Requests per handshake interval), or that finds `max_connections` reached, gets
+    /// Reject reason 2 (connection limit). At least 1; default 4096.
     pub max_half_open: usize,
     /// Most half-open connections from one source address (IPv4-mapped IPv6 addresses
     /// count as IPv4). Further Requests from that address get Reject reason 5

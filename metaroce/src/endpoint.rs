@@ -250,9 +250,9 @@ pub struct EndpointStats {
     /// 5; also counted in `rejected`).
     pub source_limited: u64,
     /// Half-open connections dropped to make room for a new Request when
-    /// [`EndpointConfig::max_half_open`] (or `max_connections`) was reached: each ended
-    /// with `HandshakeTimeout` on this side, and its client, if it had the Accept, got an
-    /// MR_CLOSE with code 1.
+    /// [`EndpointConfig::max_half_open`] was reached: each ended with `HandshakeTimeout` on
+    /// this side, and its client, if it had the Accept and the connection is not AEAD, got
+    /// an MR_CLOSE with code 1.
     pub half_open_evicted: u64,
 }
 
@@ -518,8 +518,8 @@ fn source_key(ip: IpAddr) -> IpAddr {
 /// `max_half_open` entries, so at most that many sources.
 #[derive(Debug, Default)]
 struct HalfOpen {
-    /// QPN → (source, arrival number).
-    conns: BTreeMap<u32, (IpAddr, u64)>,
+    /// QPN → (source, arrival number, arrival time).
+    conns: BTreeMap<u32, (IpAddr, u64, Instant)>,
     /// Arrival number → QPN.
     by_age: BTreeMap<u64, u32>,
     next: u64,
@@ -531,9 +531,10 @@ impl HalfOpen {
         self.conns.len()
     }
 
-    /// The half-open connection that arrived first.
-    fn oldest(&self) -> Option<u32> {
-        self.by_age.first_key_value().map(|(_, &q)| q)
+    /// The half-open connection that arrived first, and when.
+    fn oldest(&self) -> Option<(u32, Instant)> {
+        let (_, &q) = self.by_age.first_key_value()?;
+        Some((q, self.conns.get(&q)?.2))
     }
 
     /// Half-open connections from `source` (a [`source_key`]).
@@ -541,10 +542,10 @@ impl HalfOpen {
         self.per_source.get(&source).copied().unwrap_or(0)
     }
 
-    fn insert(&mut self, qpn: u32, source: IpAddr) {
+    fn insert(&mut self, qpn: u32, source: IpAddr, now: Instant) {
         let age = self.next;
         self.next += 1;
-        if let Some((old, old_age)) = self.conns.insert(qpn, (source, age)) {
+        if let Some((old, old_age, _)) = self.conns.insert(qpn, (source, age, now)) {
             self.by_age.remove(&old_age);
             self.forget(old);
         }
@@ -553,7 +554,7 @@ impl HalfOpen {
     }
 
     fn remove(&mut self, qpn: &u32) {
-        if let Some((source, age)) = self.conns.remove(qpn) {
+        if let Some((source, age, _)) = self.conns.remove(qpn) {
             self.by_age.remove(&age);
             self.forget(source);
         }
@@ -1953,7 +1954,16 @@ impl Endpoint {
         let source = source_key(peer.ip());
         let reason = if !self.cfg.accept_incoming {
             Some(ConnectEth::REASON_NOT_ACCEPTING)
-        } else if self.conns.len() >= self.cfg.max_connections && self.half_open.len() == 0 {
+        } else if self.conns.len() >= self.cfg.max_connections
+            || (self.half_open.len() >= self.cfg.max_half_open
+                && self
+                    .half_open
+                    .oldest()
+                    .is_none_or(|(_, at)| now < at + self.cfg.transport.handshake_interval))
+        {
+            // The connection limit, or a half-open table whose oldest entry is younger than
+            // a handshake interval (evicting it could push out a client still inside its
+            // round trip: a flood that fast is refused instead).
             Some(ConnectEth::REASON_LIMIT)
         } else if self.half_open.from(source) >= self.cfg.max_half_open_per_source {
             self.stats.source_limited += 1;
@@ -1977,19 +1987,18 @@ impl Endpoint {
             self.push_control(peer, bth, hdrs, Trailer::None, local_ip);
             return;
         }
-        // A full table (half-open connections, or all connections with some of them
-        // half-open) makes room by dropping the half-open connection that arrived first.
-        // Refusing the new Request instead let many sources that never confirm (one IPv6
-        // host owns a /64 of them) lock every other client out while they kept the table
-        // full; now each half-open connection has the time the flood takes to send
-        // `max_half_open` Requests to finish its round trip.
-        while self.half_open.len() >= self.cfg.max_half_open
-            || self.conns.len() >= self.cfg.max_connections
-        {
-            let Some(q) = self.half_open.oldest() else {
-                break;
-            };
-            self.evict_half_open(q);
+        // A full half-open table makes room by dropping the half-open connection that
+        // arrived first (at least a handshake interval ago, checked above). Refusing the
+        // new Request instead let many sources that never confirm (one IPv6 host owns a
+        // /64 of them) lock every other client out while they kept the table full; now
+        // each half-open connection has at least a handshake interval, and otherwise the
+        // time the flood takes to send `max_half_open` Requests, to finish its round
+        // trip. Not for `max_connections` (refused above): with few connections
+        // half-open, one Request would push out a client mid-handshake (found by review).
+        if self.half_open.len() >= self.cfg.max_half_open {
+            if let Some((q, _)) = self.half_open.oldest() {
+                self.evict_half_open(q);
+            }
         }
         let epoch = self.epoch(now);
         let qpn = self.new_qpn();
@@ -2026,7 +2035,7 @@ impl Endpoint {
             self.cookie_nonces.insert(msg.nonce, bucket);
         }
         self.by_peer_qpn.insert((peer, msg.src_qpn), qpn);
-        self.half_open.insert(qpn, source);
+        self.half_open.insert(qpn, source, now);
         tracing::debug!(conn = %ConnectionHandle(qpn), %peer, "accepted connection");
         self.events
             .push_back(Event::Incoming(ConnectionHandle(qpn)));
@@ -2036,21 +2045,25 @@ impl Endpoint {
     /// (`EndpointStats::half_open_evicted`). It ends with `HandshakeTimeout` here. Its
     /// client, if it may have the Accept, gets one MR_CLOSE with code 1 (as for a ghost
     /// connection; not for an AEAD connection, whose CLOSE would need sealing: that client
-    /// finds out by its own timeouts); one still waiting for the Accept may send its
-    /// Request again, which is decided afresh.
+    /// finds out by its own timeouts). One whose Request the application had not decided
+    /// on (held) got no Accept: `remove` forgets its nonce, so its Request, sent again,
+    /// is decided afresh. Otherwise the nonce stays known, so a captured copy of the
+    /// Request replayed while its cookie is valid creates nothing (found by review:
+    /// forgetting it let each replay open a connection its client never asked for); a
+    /// client whose Accept was lost and that was evicted then ends with
+    /// `HandshakeTimeout` and connects again with a new nonce.
     fn evict_half_open(&mut self, q: u32) {
         let Some(c) = self.conns.get(&q) else {
             self.half_open.remove(&q);
             return;
         };
         self.stats.half_open_evicted += 1;
-        let nonce = c.nonce;
         if !c.held && !c.is_protected() {
-            let (bth, hdrs) = close_packet(c.peer_qpn, 1, false, self.cfg.local_addr.port(), nonce);
+            let (bth, hdrs) =
+                close_packet(c.peer_qpn, 1, false, self.cfg.local_addr.port(), c.nonce);
             let (peer, token, local_ip) = (c.peer, c.tx_token(), c.local_ip);
             self.push_control(peer, bth, hdrs, Trailer::Token(token), local_ip);
         }
-        self.cookie_nonces.remove(&nonce);
         self.remove(
             ConnectionHandle(q),
             ConnectionError::HandshakeTimeout,
@@ -2730,17 +2743,22 @@ mod tests {
         let mut h = HalfOpen::default();
         let a = source_key(ip("2001:db8:1:2::1"));
         let b = source_key(ip("10.0.0.1"));
-        h.insert(1, a);
-        h.insert(2, source_key(ip("2001:db8:1:2::1")));
-        h.insert(3, b);
+        let t = Instant::now();
+        h.insert(1, a, t);
+        h.insert(2, source_key(ip("2001:db8:1:2::1")), t);
+        h.insert(3, b, t);
         assert_eq!((h.len(), h.from(a), h.from(b)), (3, 2, 1));
-        // Re-inserting a QPN moves it, removing an unknown one changes nothing.
-        h.insert(2, b);
+        assert_eq!(h.oldest(), Some((1, t)));
+        // Re-inserting a QPN moves it (to the back of the age order), removing an unknown
+        // one changes nothing.
+        h.insert(1, b, t);
         h.remove(&99);
         assert_eq!((h.len(), h.from(a), h.from(b)), (3, 1, 2));
+        assert_eq!(h.oldest(), Some((2, t)));
         for q in [1, 2, 3] {
             h.remove(&q);
         }
-        assert_eq!((h.len(), h.per_source.len()), (0, 0));
+        assert_eq!((h.len(), h.per_source.len(), h.by_age.len()), (0, 0, 0));
+        assert_eq!(h.oldest(), None);
     }
 }
