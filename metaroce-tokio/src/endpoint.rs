@@ -848,12 +848,14 @@ impl Endpoint {
             if st.closed {
                 return None;
             }
-            if st.conns.contains_key(&h) {
+            if let Some(e) = st.conns.get(&h) {
+                let signals = e.signals.clone();
                 drop(st);
                 return Some(Incoming {
                     ep: self.inner.clone(),
                     shared: shared.clone(),
                     handle: h,
+                    signals,
                     decided: false,
                 });
             }
@@ -1043,6 +1045,9 @@ pub struct Incoming {
     /// The shard whose core holds the request.
     shared: Arc<Shared>,
     handle: ConnectionHandle,
+    /// The request's connection signals: why it ended, if the endpoint ended it before
+    /// the application decided (evicted or expired while half-open).
+    signals: Arc<crate::connection::ConnSignals>,
     decided: bool,
 }
 
@@ -1055,8 +1060,10 @@ impl Incoming {
     /// Accept: the CONNECT Accept goes out and the connection is usable at once.
     ///
     /// # Errors
-    /// [`ConnectError::Connection`] if the request ended meanwhile (the endpoint closed
-    /// it), [`ConnectError::EndpointClosed`] if the endpoint is closed.
+    /// [`ConnectError::Connection`] if the request ended meanwhile, with the reason:
+    /// `HandshakeTimeout` when it expired or was evicted by newer requests while half-open
+    /// ([`Config::max_half_open`]); [`ConnectError::EndpointClosed`] if the endpoint is
+    /// closed.
     pub fn accept(mut self) -> Result<Connection, ConnectError> {
         self.decided = true;
         let shared = self.shared.clone();
@@ -1065,7 +1072,12 @@ impl Incoming {
             return Err(ConnectError::EndpointClosed);
         }
         let Some(signals) = st.conns.get(&self.handle).map(|e| e.signals.clone()) else {
-            return Err(ConnectError::Connection(ConnectionError::LocallyClosed));
+            // Ended meanwhile: evicted or expired while half-open (`HandshakeTimeout`).
+            return Err(ConnectError::Connection(
+                self.signals
+                    .reason()
+                    .unwrap_or(ConnectionError::LocallyClosed),
+            ));
         };
         if !st.core.accept_incoming(self.handle) {
             return Err(ConnectError::Connection(

@@ -404,3 +404,75 @@ async fn default_endpoints_are_seeded_from_the_os() {
     assert_ne!(rkeys[0], rkeys[1]);
     assert_ne!(addrs[0], addrs[1]);
 }
+
+/// A host at `ip` that completes the retry-cookie round trip for Request `k` and never
+/// confirms; its socket.
+fn half_open_host(ip: &str, saddr: SocketAddr, k: u32) -> UdpSocket {
+    let s = UdpSocket::bind(format!("{ip}:0")).expect("bind 127.0.0.x (loopback)");
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let me = s.local_addr().unwrap();
+    let mut buf = [0u8; 2048];
+    s.send_to(&request(me, saddr, k), saddr).unwrap();
+    let cookie = loop {
+        let n = s.recv(&mut buf).expect("a Retry");
+        if let Ok(p) = wire::Packet::parse(&buf[..n]) {
+            if let Headers::Connect(m) = p.headers {
+                if m.kind == ConnectKind::Retry {
+                    break m.cookie;
+                }
+            }
+        }
+    };
+    s.send_to(&request_with_cookie(me, saddr, k, cookie), saddr)
+        .unwrap();
+    s
+}
+
+/// A request the application holds undecided is evicted by a newer one (`max_half_open`
+/// 1): its `Incoming::accept` fails with the reason, `HandshakeTimeout` (it said
+/// `LocallyClosed`, found by review), and a request accepted and then evicted ends its
+/// `Connection` the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicted_request_fails_with_handshake_timeout() {
+    let cfg = Config {
+        max_half_open: 1,
+        ..Config::default()
+    };
+    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+        .await
+        .unwrap();
+    let saddr = server.local_addr();
+    let host = |ip: &'static str, k: u32| {
+        tokio::task::spawn_blocking(move || half_open_host(ip, saddr, k))
+    };
+    let _a = host("127.0.0.2", 1).await.unwrap();
+    let inc_a = tokio::time::timeout(Duration::from_secs(2), server.accept())
+        .await
+        .expect("a request")
+        .unwrap();
+    // Half-open entries are evicted only once a handshake interval (100 ms) old.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _b = host("127.0.0.3", 2).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(server.stats().half_open_evicted, 1);
+    match inc_a.accept() {
+        Err(metaroce_tokio::ConnectError::Connection(e)) => {
+            assert_eq!(e, metaroce::ConnectionError::HandshakeTimeout)
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    let conn_b = tokio::time::timeout(Duration::from_secs(2), server.accept())
+        .await
+        .expect("a request")
+        .unwrap()
+        .accept()
+        .expect("accepted");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let _c = host("127.0.0.4", 3).await.unwrap();
+    let why = tokio::time::timeout(Duration::from_secs(2), conn_b.closed())
+        .await
+        .expect("the evicted connection ends");
+    assert_eq!(why, metaroce::ConnectionError::HandshakeTimeout);
+    server.close(0, b"");
+}
