@@ -87,9 +87,12 @@ pub struct Config {
     /// Most half-open connections (accepted, not yet confirmed by their client) per shard;
     /// a further request evicts the oldest of them once it is a handshake interval old
     /// (its client, if it had the Accept, is told with a CLOSE, code 1), so a flood from
-    /// many sources cannot lock other clients out, as long as the application keeps
-    /// taking requests from [`Endpoint::accept`] (evicted ones stay in its queue until
-    /// taken, and [`Incoming::accept`] then fails). Default 4096
+    /// many sources slower than this many requests per handshake interval cannot lock
+    /// other clients out, as long as the application keeps taking requests from
+    /// [`Endpoint::accept`] (evicted ones stay in its queue until taken, and
+    /// [`Incoming::accept`] then fails). Against a faster flood a client is refused for
+    /// now (code 2 with TRY_AGAIN) and tries again on its handshake timer, so some
+    /// connects fail once its attempts run out. Default 4096
     /// ([`metaroce::EndpointConfig::max_half_open`]).
     pub max_half_open: usize,
     /// Most half-open connections (accepted, not yet confirmed by their client: one round
@@ -111,7 +114,8 @@ pub struct Config {
     /// New messages beyond it wait (flow-control RNR NAKs), except the next message due on
     /// its stream, which may come in up to twice it (or alone beyond it), so no stream
     /// waits for good. A shard holds at most `max(2 × this, this +
-    /// transport.max_message_size)` bytes of them. See
+    /// transport.max_message_size)` bytes of them, plus one message of at most
+    /// [`reassembly_floor_bytes`](Self::reassembly_floor_bytes) per connection. See
     /// [`metaroce::EndpointConfig::max_reassembly_bytes`], which also says how a peer that
     /// never finishes its messages holds other peers' larger messages back. Default 2 GiB.
     pub max_reassembly_bytes: u64,

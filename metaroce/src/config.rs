@@ -117,9 +117,13 @@ pub struct EndpointConfig {
     /// Requests, to finish its round trip (with `manual_accept`, also the application's
     /// accept; RFC 4987 §3.4, recycling the oldest half-open TCB). Refusing new Requests
     /// instead, as before 2026-12-06, locked every other client out while such a flood
-    /// lasted. A Request that would evict a younger one (a flood of more than this many
-    /// Requests per handshake interval), or that finds `max_connections` reached, gets
-    /// Reject reason 2 (connection limit). At least 1; default 4096.
+    /// lasted. A Request that finds `max_connections` reached gets Reject reason 2
+    /// (connection limit). One that would evict a younger entry (a flood of more than this
+    /// many Requests per handshake interval: 40,960/s with the defaults) gets reason 2 with
+    /// `FLAG_TRY_AGAIN`, and its client sends it again on its handshake timer: each attempt
+    /// lands on a freed slot with a probability of about the turnover over the flood rate,
+    /// so a flood ten times faster than that still fails some connects after
+    /// `handshake_attempts`. At least 1; default 4096.
     pub max_half_open: usize,
     /// Most half-open connections from one source address (IPv4-mapped IPv6 addresses
     /// count as IPv4). Further Requests from that address get Reject reason 5
@@ -193,7 +197,8 @@ pub struct EndpointConfig {
     /// [`max_reassembly_bytes`](Self::max_reassembly_bytes), one per connection at a time,
     /// so that small messages (requests, control) of every connection keep flowing
     /// whichever peer holds the cap. This adds at most this plus 128 bytes per connection
-    /// to the bound above. 0 turns it off; default 64 KiB.
+    /// to the bound above (about 4 GiB at `max_connections` 65,536). 0 turns it off;
+    /// default 64 KiB.
     pub reassembly_floor_bytes: u64,
     /// Most handshake replies (Retry, Reject, unsolicited CLOSE) queued for sending at
     /// once; more are dropped (the peer retries). Default 1024.

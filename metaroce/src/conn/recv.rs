@@ -911,7 +911,8 @@ impl RecvState {
                 floor = !ep_ok
                     && head
                     && self.buf.floor == 0
-                    && charge <= lim.reassembly_floor_bytes + MSG_OVERHEAD;
+                    && lim.reassembly_floor_bytes > 0
+                    && charge <= lim.reassembly_floor_bytes.saturating_add(MSG_OVERHEAD);
                 if !ep_ok && !floor {
                     self.stats.reassembly_rnr_naks += 1;
                     return RxOutcome::FlowRnr;

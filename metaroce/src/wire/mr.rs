@@ -475,7 +475,10 @@ impl ConnectEth {
     pub const FLAG_AEAD: u16 = 0x0001;
     /// Flag bit 1 (Reject only): the refusal is temporary and set by the core, not by an
     /// application (whose codes share the reason field): the requester sends its Request
-    /// again on its handshake timer. Set with [`REASON_SOURCE_LIMIT`](Self::REASON_SOURCE_LIMIT).
+    /// again on its handshake timer. Set with [`REASON_SOURCE_LIMIT`](Self::REASON_SOURCE_LIMIT),
+    /// and with [`REASON_LIMIT`](Self::REASON_LIMIT) when the half-open table is full of
+    /// connections younger than a handshake interval (a flood faster than the table turns
+    /// over).
     pub const FLAG_TRY_AGAIN: u16 = 0x0002;
     /// Reject reason 1: not accepting connections.
     pub const REASON_NOT_ACCEPTING: u32 = 1;
