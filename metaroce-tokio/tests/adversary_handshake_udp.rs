@@ -189,18 +189,13 @@ async fn handshake_flood_keeps_state_bounded_and_lets_clients_in() {
     );
 }
 
-/// One host (127.0.0.2) completes the retry-cookie round trip for 300 connection
-/// Requests from its own address and never confirms one. The server (`max_half_open` 128,
-/// so that 300 would fill it) accepts every request it is offered. The host holds at most
-/// `max_half_open_per_source` (64) half-open connections; its further Requests are refused
-/// with reason 5, and a client at 127.0.0.1 connects and sends while the host's
-/// connections are still half-open. Without the per-source limit the host fills the table
-/// and the client is refused (reason 2): a trial by an attacker at 6,000 Requests/s
-/// locked every other client out of the default 4,096 slots until 2 s after the flood.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
+/// A server on 127.0.0.1 with `max_half_open`, whose application accepts every request;
+/// the task resolves to the number accepted once the server is closed.
+async fn server_accepting_everything(
+    max_half_open: usize,
+) -> (Endpoint, SocketAddr, tokio::task::JoinHandle<usize>) {
     let cfg = Config {
-        max_half_open: 128,
+        max_half_open,
         ..Config::default()
     };
     let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
@@ -217,6 +212,36 @@ async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
         }
         conns.len()
     });
+    (server, saddr, acceptor)
+}
+
+/// A legitimate client at 127.0.0.1 connects to `saddr` (within 10 s, not refused) and
+/// sends one message; its endpoint, kept alive by the caller.
+async fn connect_and_send(saddr: SocketAddr) -> Endpoint {
+    use futures::SinkExt;
+    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(10), client.connect(saddr).unwrap())
+        .await
+        .expect("connect does not hang")
+        .expect("the legitimate client is not refused");
+    let mut stream = c.open_stream().unwrap();
+    stream.send(Bytes::from_static(b"in")).await.unwrap();
+    client
+}
+
+/// One host (127.0.0.2) completes the retry-cookie round trip for 300 connection
+/// Requests from its own address and never confirms one. The server (`max_half_open` 128,
+/// so that 300 would fill it) accepts every request it is offered. The host holds at most
+/// `max_half_open_per_source` (64) half-open connections; its further Requests are refused
+/// with reason 5, and a client at 127.0.0.1 connects and sends while the host's
+/// connections are still half-open. Without the per-source limit the host fills the table
+/// and the client is refused (reason 2): a trial by an attacker at 6,000 Requests/s
+/// locked every other client out of the default 4,096 slots until 2 s after the flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
+    let (server, saddr, acceptor) = server_accepting_everything(128).await;
     let attacker = std::thread::spawn(move || {
         let s = UdpSocket::bind("127.0.0.2:0").expect("bind 127.0.0.2 (loopback)");
         s.set_read_timeout(Some(Duration::from_millis(500)))
@@ -279,18 +304,7 @@ async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
     assert!(refused > 0, "the Rejects carry reason 5");
     // A client elsewhere gets in while the host's connections are half-open (they expire
     // after `handshake_attempts` × `handshake_interval`, 2 s).
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let c = tokio::time::timeout(Duration::from_secs(10), client.connect(saddr).unwrap())
-        .await
-        .expect("connect does not hang")
-        .expect("the legitimate client is not refused");
-    {
-        use futures::SinkExt;
-        let mut stream = c.open_stream().unwrap();
-        stream.send(Bytes::from_static(b"in")).await.unwrap();
-    }
+    let _client = connect_and_send(saddr).await;
     server.close(0, b"");
     let accepted = acceptor.await.unwrap();
     assert!(
@@ -309,46 +323,12 @@ async fn a_host_that_never_confirms_cannot_lock_other_clients_out() {
 /// keep every other client out that way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_hosts_that_never_confirm_cannot_lock_other_clients_out() {
-    let cfg = Config {
-        max_half_open: 64,
-        ..Config::default()
-    };
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let saddr = server.local_addr();
-    let s2 = server.clone();
-    let acceptor = tokio::spawn(async move {
-        let mut conns = Vec::new();
-        while let Some(inc) = s2.accept().await {
-            if let Ok(c) = inc.accept() {
-                conns.push(c);
-            }
-        }
-        conns.len()
-    });
+    let (server, saddr, acceptor) = server_accepting_everything(64).await;
     let hosts = tokio::task::spawn_blocking(move || {
         let mut accepted = 0;
+        let mut buf = [0u8; 2048];
         for h in 0..200u32 {
-            let ip = format!("127.0.0.{}:0", h + 2);
-            let s = UdpSocket::bind(&ip).expect("bind 127.0.0.x (loopback)");
-            s.set_read_timeout(Some(Duration::from_millis(500)))
-                .unwrap();
-            let me = s.local_addr().unwrap();
-            let mut buf = [0u8; 2048];
-            s.send_to(&request(me, saddr, h), saddr).unwrap();
-            let cookie = loop {
-                let n = s.recv(&mut buf).expect("a Retry");
-                if let Ok(p) = wire::Packet::parse(&buf[..n]) {
-                    if let Headers::Connect(m) = p.headers {
-                        if m.kind == ConnectKind::Retry {
-                            break m.cookie;
-                        }
-                    }
-                }
-            };
-            s.send_to(&request_with_cookie(me, saddr, h, cookie), saddr)
-                .unwrap();
+            let s = half_open_host(&format!("127.0.0.{}", h + 2), saddr, h);
             std::thread::sleep(Duration::from_millis(2));
             if let Ok(n) = s.recv(&mut buf) {
                 if let Ok(p) = wire::Packet::parse(&buf[..n]) {
@@ -367,18 +347,7 @@ async fn many_hosts_that_never_confirm_cannot_lock_other_clients_out() {
         "200 hosts: {hosts} Accepts; server: {} evicted, {} refused",
         st.half_open_evicted, st.rejected
     );
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), Config::default())
-        .await
-        .unwrap();
-    let c = tokio::time::timeout(Duration::from_secs(10), client.connect(saddr).unwrap())
-        .await
-        .expect("connect does not hang")
-        .expect("the legitimate client is not refused");
-    {
-        use futures::SinkExt;
-        let mut stream = c.open_stream().unwrap();
-        stream.send(Bytes::from_static(b"in")).await.unwrap();
-    }
+    let _client = connect_and_send(saddr).await;
     assert_eq!(hosts, 200, "every host's Request is accepted");
     assert!(st.half_open_evicted >= 100, "{st:?}");
     assert_eq!(server.stats().rejected, 0);

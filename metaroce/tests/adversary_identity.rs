@@ -744,10 +744,7 @@ fn an_evicted_client_is_told() {
     // Half-open connections are evicted only once a handshake interval old.
     let t = net.now + Duration::from_millis(150);
     net.advance_to(t);
-    for k in 0..100u32 {
-        let ip = Ipv4Addr::new(10, 9, 0, (k % 250) as u8 + 1);
-        request_from(&mut net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), k);
-    }
+    Flood::default().send(&mut net, 100);
     pump(&mut net);
     assert_eq!(net.eps[1].stats().half_open_evicted, 1);
     assert_eq!(
@@ -757,6 +754,34 @@ fn an_evicted_client_is_told() {
             reason: Bytes::new()
         })
     );
+}
+
+/// A flood of cookieless connection Requests to endpoint 1 from 1,000 addresses in turn
+/// (10.9.0.1 to 10.9.3.250), each never confirmed.
+#[derive(Default)]
+struct Flood {
+    sent: u32,
+}
+
+impl Flood {
+    /// `n` Requests now.
+    fn send(&mut self, net: &mut Net, n: u32) {
+        for _ in 0..n {
+            let k = self.sent;
+            let ip = Ipv4Addr::new(10, 9, (k / 250) as u8 % 4, (k % 250) as u8 + 1);
+            request_from(net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), k);
+            self.sent += 1;
+        }
+    }
+
+    /// `ticks` times: `per_tick` Requests, then `tick` of virtual time.
+    fn run(&mut self, net: &mut Net, ticks: u32, per_tick: u32, tick: Duration) {
+        for _ in 0..ticks {
+            self.send(net, per_tick);
+            let t = net.now + tick;
+            net.advance_to(t);
+        }
+    }
 }
 
 /// Many sources that complete their handshakes and never confirm them (one IPv6 host owns
@@ -769,26 +794,13 @@ fn an_evicted_client_is_told() {
 #[test]
 fn a_flood_from_many_sources_cannot_lock_clients_out() {
     let mut net = cookieless_server(|c| c.max_half_open = 100);
-    let mut k = 0u32;
-    let mut flood = |net: &mut Net, n: u32| {
-        for _ in 0..n {
-            let ip = Ipv4Addr::new(10, 9, (k / 250) as u8 % 4, (k % 250) as u8 + 1);
-            request_from(net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), k);
-            k += 1;
-        }
-    };
-    for _ in 0..40 {
-        flood(&mut net, 5);
-        let t = net.now + Duration::from_millis(10);
-        net.advance_to(t);
-    }
+    let mut flood = Flood::default();
+    flood.run(&mut net, 40, 5, Duration::from_millis(10));
     assert_eq!(net.eps[1].connections().count(), 100);
     let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
     let limit = net.now + Duration::from_secs(1);
     while !net.eps[0].is_established(c) && net.now < limit {
-        flood(&mut net, 5);
-        let t = net.now + Duration::from_millis(10);
-        net.advance_to(t);
+        flood.run(&mut net, 1, 5, Duration::from_millis(10));
     }
     assert!(net.eps[0].is_established(c), "the client did not connect");
     // Once the client's first packet confirms it on the server, no later flood evicts it.
@@ -805,11 +817,7 @@ fn a_flood_from_many_sources_cannot_lock_clients_out() {
         .post_send(c, 1, 1, Bytes::from_static(b"confirmed"))
         .unwrap();
     pump(&mut net);
-    for _ in 0..40 {
-        flood(&mut net, 5);
-        let t = net.now + Duration::from_millis(10);
-        net.advance_to(t);
-    }
+    flood.run(&mut net, 40, 5, Duration::from_millis(10));
     assert!(net.eps[1].is_established(s));
     assert!(net.eps[0].is_established(c));
     assert_eq!(msgs(&net, 1, s), vec![Bytes::from_static(b"confirmed")]);
@@ -818,7 +826,7 @@ fn a_flood_from_many_sources_cannot_lock_clients_out() {
     assert!(st.half_open_evicted >= 300, "{}", st.half_open_evicted);
     // A flood faster than the table turns over in a handshake interval is refused rather
     // than evicting connections younger than that.
-    flood(&mut net, 500);
+    flood.send(&mut net, 500);
     let st2 = net.eps[1].stats();
     assert!(st2.rejected > 0);
     assert!(st2.half_open_evicted - st.half_open_evicted <= 100);
@@ -833,27 +841,12 @@ fn a_flood_from_many_sources_cannot_lock_clients_out() {
 #[test]
 fn clients_get_through_a_flood_faster_than_the_table_turns_over() {
     let mut net = cookieless_server(|c| c.max_half_open = 100);
-    let mut k = 0u32;
-    let mut flood = |net: &mut Net, n: u32| {
-        for _ in 0..n {
-            let ip = Ipv4Addr::new(10, 9, (k / 250) as u8 % 4, (k % 250) as u8 + 1);
-            request_from(net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), k);
-            k += 1;
-        }
-    };
-    for _ in 0..200 {
-        flood(&mut net, 5);
-        let t = net.now + Duration::from_millis(1);
-        net.advance_to(t);
-    }
+    let mut flood = Flood::default();
+    flood.run(&mut net, 200, 5, Duration::from_millis(1));
     let clients: Vec<_> = (0..20)
         .map(|_| net.eps[0].connect(net.now, net.addrs[1], None).unwrap())
         .collect();
-    for _ in 0..2500 {
-        flood(&mut net, 5);
-        let t = net.now + Duration::from_millis(1);
-        net.advance_to(t);
-    }
+    flood.run(&mut net, 2500, 5, Duration::from_millis(1));
     let connected = clients
         .iter()
         .filter(|&&c| net.eps[0].is_established(c))

@@ -606,42 +606,9 @@ fn the_endpoint_caps_unread_bytes_over_all_connections() {
 fn a_reader_that_reads_is_never_stalled_by_the_unread_cap() {
     let mut capped = 0;
     for seed in 0..6 {
-        let impair = Impair {
-            loss: 0.03,
-            dup: 0.01,
-            reorder: 0.05,
-            ..Impair::default()
-        };
-        let mut p = capped_pair(100 + seed, impair, 384 << 10);
-        let (a1, b1) = p.connect();
-        let (a2, b2) = p.connect();
-        let n = 12u64;
-        for i in 0..n {
-            for (k, a) in [a1, a2].into_iter().enumerate() {
-                let m = Bytes::from(vec![i as u8; 256 << 10]);
-                p.eps[0]
-                    .post_send(a, (i % 3) as u32, 1000 * k as u64 + i, m)
-                    .unwrap();
-            }
-        }
-        let mut got = 0;
-        let limit = p.now + Duration::from_secs(60);
-        while got < 2 * n && p.now < limit {
-            if !p.step() {
-                break;
-            }
-            for e in std::mem::take(&mut p.events[1]) {
-                if let Event::Message {
-                    conn, stream, data, ..
-                } = e
-                {
-                    got += 1;
-                    p.eps[1].stream_consumed(conn, stream, data.len() as u64);
-                }
-            }
-        }
-        assert_eq!(got, 2 * n, "seed {seed}: {got} messages");
-        for b in [b1, b2] {
+        let mut p = capped_pair(100 + seed, lossy(), 384 << 10);
+        let bs = read_everything_sent(&mut p, seed);
+        for b in bs {
             capped += p.eps[1].connection_stats(b).unwrap().recv.memory_rnr_naks;
         }
     }
@@ -649,6 +616,55 @@ fn a_reader_that_reads_is_never_stalled_by_the_unread_cap() {
         capped > 0,
         "the cap must be reached for the test to mean anything"
     );
+}
+
+/// 3 % loss, 1 % duplication, 5 % reordering.
+fn lossy() -> Impair {
+    Impair {
+        loss: 0.03,
+        dup: 0.01,
+        reorder: 0.05,
+        ..Impair::default()
+    }
+}
+
+/// Two new connections each send 12 messages of 256 KiB over three streams; B reads
+/// every message as it arrives (and reports it consumed). Asserts that all arrive within
+/// 60 s, in order on their streams; returns B's two connections.
+fn read_everything_sent(p: &mut Pair, seed: u64) -> [metaroce::ConnectionHandle; 2] {
+    let (a1, b1) = p.connect();
+    let (a2, b2) = p.connect();
+    let n = 12u64;
+    for i in 0..n {
+        for (k, a) in [a1, a2].into_iter().enumerate() {
+            let m = Bytes::from(vec![i as u8; 256 << 10]);
+            p.eps[0]
+                .post_send(a, (i % 3) as u32, 1000 * k as u64 + i, m)
+                .unwrap();
+        }
+    }
+    let mut next = std::collections::HashMap::new();
+    let mut got = 0;
+    let limit = p.now + Duration::from_secs(60);
+    while got < 2 * n && p.now < limit {
+        if !p.step() {
+            break;
+        }
+        for e in std::mem::take(&mut p.events[1]) {
+            if let Event::Message {
+                conn, stream, data, ..
+            } = e
+            {
+                let want = next.entry((conn, stream)).or_insert(u64::from(stream));
+                assert_eq!(u64::from(data[0]), *want, "seed {seed}: order");
+                *want += 3;
+                got += 1;
+                p.eps[1].stream_consumed(conn, stream, data.len() as u64);
+            }
+        }
+    }
+    assert_eq!(got, 2 * n, "seed {seed}: {got} messages");
+    [b1, b2]
 }
 
 /// B's endpoint cap on messages being reassembled (`max_reassembly_bytes`) and, unless
@@ -731,46 +747,9 @@ fn the_reassembly_cap_never_stalls_a_stream() {
     let mut capped = 0;
     for seed in 0..6 {
         let explicit = seed % 2 == 0;
-        let impair = Impair {
-            loss: 0.03,
-            dup: 0.01,
-            reorder: 0.05,
-            ..Impair::default()
-        };
-        let mut p = pair_with(200 + seed, impair, reassembly_cap(384 << 10, explicit));
-        let (a1, b1) = p.connect();
-        let (a2, b2) = p.connect();
-        let n = 12u64;
-        for i in 0..n {
-            for (k, a) in [a1, a2].into_iter().enumerate() {
-                let m = Bytes::from(vec![i as u8; 256 << 10]);
-                p.eps[0]
-                    .post_send(a, (i % 3) as u32, 1000 * k as u64 + i, m)
-                    .unwrap();
-            }
-        }
-        let mut next = std::collections::HashMap::new();
-        let mut got = 0;
-        let limit = p.now + Duration::from_secs(60);
-        while got < 2 * n && p.now < limit {
-            if !p.step() {
-                break;
-            }
-            for e in std::mem::take(&mut p.events[1]) {
-                if let Event::Message {
-                    conn, stream, data, ..
-                } = e
-                {
-                    let want = next.entry((conn, stream)).or_insert(u64::from(stream));
-                    assert_eq!(u64::from(data[0]), *want, "seed {seed}: order");
-                    *want += 3;
-                    got += 1;
-                    p.eps[1].stream_consumed(conn, stream, data.len() as u64);
-                }
-            }
-        }
-        assert_eq!(got, 2 * n, "seed {seed}: {got} messages");
-        capped += reassembly(&p, &[b1, b2]).1;
+        let mut p = pair_with(200 + seed, lossy(), reassembly_cap(384 << 10, explicit));
+        let bs = read_everything_sent(&mut p, seed);
+        capped += reassembly(&p, &bs).1;
     }
     assert!(
         capped > 0,
