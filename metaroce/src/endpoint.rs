@@ -586,30 +586,35 @@ impl Endpoint {
                 "must be in 1..=65536",
             )));
         }
-        if cfg.max_half_open == 0 {
-            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+        // Limits where 0 would refuse every Request or every message for good, even the
+        // first (found by review for `max_unread_recv_bytes`).
+        for (name, value, rule) in [
+            (
                 "max_half_open",
+                cfg.max_half_open as u64,
                 "must be at least 1 (accept_incoming = false refuses every Request)",
-            )));
-        }
-        if cfg.max_half_open_per_source == 0 {
-            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+            ),
+            (
                 "max_half_open_per_source",
+                cfg.max_half_open_per_source as u64,
                 "must be at least 1",
-            )));
-        }
-        // 0 would refuse every message for good, even the first (found by review).
-        if cfg.max_unread_recv_bytes == 0 {
-            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+            ),
+            (
                 "max_unread_recv_bytes",
+                cfg.max_unread_recv_bytes,
                 "must be at least 1",
-            )));
-        }
-        if cfg.max_reassembly_bytes == 0 {
-            return Err(PostError::InvalidConfig(crate::ConfigError::new(
+            ),
+            (
                 "max_reassembly_bytes",
+                cfg.max_reassembly_bytes,
                 "must be at least 1",
-            )));
+            ),
+        ] {
+            if value == 0 {
+                return Err(PostError::InvalidConfig(crate::ConfigError::new(
+                    name, rule,
+                )));
+            }
         }
         if cfg.qpn_residue >= cfg.qpn_modulus {
             return Err(PostError::InvalidConfig(crate::ConfigError::new(
@@ -1961,9 +1966,10 @@ impl Endpoint {
             && self.half_open.oldest().is_none_or(|(_, at)| {
                 now.saturating_duration_since(at) < self.cfg.transport.handshake_interval
             });
+        let conns_full = self.conns.len() >= self.cfg.max_connections;
         let reason = if !self.cfg.accept_incoming {
             Some(ConnectEth::REASON_NOT_ACCEPTING)
-        } else if self.conns.len() >= self.cfg.max_connections || young {
+        } else if conns_full || young {
             Some(ConnectEth::REASON_LIMIT)
         } else if self.half_open.from(source) >= self.cfg.max_half_open_per_source {
             self.stats.source_limited += 1;
@@ -1980,10 +1986,9 @@ impl Endpoint {
             self.stats.rejected += 1;
             let (bth, mut hdrs) = reply(ConnectKind::Reject, r, [0; 16]);
             if let Headers::Connect(m) = &mut hdrs {
+                // Reason 2 without the connection limit reached is the young table's.
                 let busy_for_now = r == ConnectEth::REASON_SOURCE_LIMIT
-                    || (r == ConnectEth::REASON_LIMIT
-                        && young
-                        && self.conns.len() < self.cfg.max_connections);
+                    || (r == ConnectEth::REASON_LIMIT && !conns_full);
                 if busy_for_now {
                     m.flags |= ConnectEth::FLAG_TRY_AGAIN;
                 }
