@@ -725,7 +725,7 @@ fn half_open_connections_are_bounded_and_expire() {
 /// A legitimate client whose connection is evicted while half-open (its Confirm and data
 /// lost, then a flood of 100 Requests) learns it at once: the server sends it an MR_CLOSE
 /// with code 1, and its connection ends with `ClosedByPeer`, not after its retries run
-/// out while its data goes unanswered.
+/// out while its data goes unanswered. Its Confirm and data, arriving late, find nothing.
 #[test]
 fn an_evicted_client_is_told() {
     let mut net = cookieless_server(|c| c.max_half_open = 100);
@@ -753,6 +753,28 @@ fn an_evicted_client_is_told() {
             code: 1,
             reason: Bytes::new()
         })
+    );
+    // The client's lost Confirm and data, arriving late, find nothing: no connection, no
+    // Incoming, counted as unknown.
+    let late: Vec<_> = net
+        .held
+        .iter()
+        .filter(|h| h.from_ep == 0)
+        .map(|h| (h.from, h.data.clone()))
+        .collect();
+    assert!(!late.is_empty());
+    let (conns, n_in) = (net.eps[1].connections().count(), incoming(&net, 1).len());
+    let unknown = net.eps[1].stats().unknown_connection;
+    net.drop_hook = None;
+    for (from, d) in &late {
+        net.deliver(1, *from, d);
+    }
+    pump(&mut net);
+    assert_eq!(net.eps[1].connections().count(), conns);
+    assert_eq!(incoming(&net, 1).len(), n_in);
+    assert_eq!(
+        net.eps[1].stats().unknown_connection - unknown,
+        late.len() as u64
     );
 }
 
