@@ -1151,7 +1151,8 @@ impl Endpoint {
     /// Post a receive buffer on `stream`. From then on the stream consumes posted receives
     /// in order (IBA receive queue semantics): each SEND lands directly in the next one and
     /// completes it ([`Event::RecvCompletion`]); a SEND finding none gets an RNR NAK and the
-    /// sender retries after the RNR timer, up to `rnr_retry` times.
+    /// sender retries after the RNR timer, up to `rnr_retry` times (only the message whose
+    /// receive is next spends retries; a later one waits with a flow-control RNR NAK).
     ///
     /// On a stream in the error state (the peer's SEND on it failed with
     /// [`WcStatus::RnrRetryExceeded`] and the peer sent a

@@ -45,7 +45,11 @@ pub enum WcStatus {
     /// flight; the message was not delivered (unless the network duplicated it). A try is
     /// a copy sent after the previous RNR wait ended: the sender waited the responder's
     /// RNR timer `rnr_retry` times in all, and an RNR NAK answering a copy sent before the
-    /// last wait began (a tail-loss probe or loss retransmission) is not counted.
+    /// last wait began (a tail-loss probe or loss retransmission) is not counted. Only the
+    /// message whose receive is next is RNR-NAKed in this sense (as on an IBA RC QP, the
+    /// head of the receive queue): a later message without a receive waits for the earlier
+    /// ones without spending its RNR retries, so the first SEND of a stream to fail with
+    /// this status is the earliest one not delivered.
     ///
     /// As in IBA, where this error moves the QP to the error state and flushes every later
     /// work request, it is fatal to the ordered unit — here the SEND's **stream**, which

@@ -566,3 +566,54 @@ fn coverage_report() {
     }
     eprintln!("{tot:#?}");
 }
+
+/// A starved stream (B never posts a receive on stream 0) with a short SEND followed by a
+/// five-packet one, copies from A to B reordered by up to 2 ms, `rnr_retry` 3, and then
+/// receives posted on stream 0 once B heard of the failure, while A sends more on it.
+fn later_send_schedule(seed: u64) -> Schedule {
+    let mut s = Schedule::new(seed, vec![OpSpec::send(0, 0, 2), OpSpec::send(0, 0, 1099)]);
+    s.phases = vec![Phase {
+        start_us: 0,
+        len_us: 20_000,
+        dir: DirSel::AtoB,
+        kind: KindSel::Any,
+        path: None,
+        act: ActSpec::Reorder(46, 2079),
+    }];
+    s.tuning.pmtu = [256, 1024];
+    s.rdma.posted[1] = true;
+    s.rdma.rnr_retry[0] = 3;
+    s.rdma.min_rnr_timer[1] = 3;
+    s.starved[1] = vec![0];
+    s.then = vec![
+        OpSpec::recv(1, 0, 20000),
+        OpSpec::send(0, 0, 23),
+        OpSpec::recv(1, 0, 20000),
+        OpSpec::send(0, 2, 100),
+        OpSpec::recv(1, 2, 20000),
+    ];
+    s
+}
+
+/// Only the message whose receive is next draws RNR NAKs that count against the sender's
+/// `rnr_retry`; a later message without a receive waits with a flow-control RNR NAK. When
+/// the later one's NAKs counted, it could run out of RNR retries before the earlier one:
+/// the stream was aborted from the later message, B took that for the stream's end, and a
+/// delayed copy of the earlier SEND — which then failed with RnrRetryExceeded at A — found
+/// a receive posted meanwhile and completed Success at B (found by
+/// `sends_and_receives_after_rnr_retry_exceeded` in CI, `dfc06bca…` in the regressions
+/// file; this is the same case, shrunk by hand). Before the fix, 18 of the seeds 0..3000
+/// of this schedule delivered the failed SEND, among them these; none does now.
+#[test]
+fn a_later_send_never_runs_out_of_rnr_retries_before_an_earlier_one() {
+    let mut waited = 0;
+    for seed in [135, 193, 397, 507, 1123, 1199] {
+        let w = run(&later_send_schedule(seed)).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        check_starved_stream(&w, 3, 3).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        waited += w.stats(1).unwrap().recv.stream_window_naks;
+    }
+    assert!(
+        waited > 0,
+        "no later SEND waited with a flow-control RNR NAK"
+    );
+}

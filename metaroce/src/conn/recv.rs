@@ -377,7 +377,9 @@ pub struct RecvStats {
     /// SEND packets refused with a flow-control RNR NAK because their message is
     /// `max_stream_window` or more messages ahead of the next one due on its stream, or
     /// because its posted receive is too short while earlier messages of the stream are
-    /// undelivered (the length error waits until they are).
+    /// undelivered (the length error waits until they are), or because it has no posted
+    /// receive while an earlier message of the stream still needs one (only the message
+    /// whose receive is next counts against the sender's `rnr_retry`).
     pub stream_window_naks: u64,
     /// NAKs sent.
     pub naks: u64,
@@ -812,6 +814,22 @@ impl RecvState {
                         .count() as u32;
                 let ahead = ahead - skipped.min(ahead);
                 if ahead as usize >= st.posted.len() {
+                    if ahead != 0 {
+                        // No receive for it, but an earlier message of the stream still
+                        // needs one too (or is arriving into its own): as on an IBA RC QP,
+                        // where the responder RNR-NAKs only the message at the head of its
+                        // receive queue, only the message whose receive is next draws an
+                        // RNR NAK that counts against the sender's `rnr_retry`. A later one
+                        // waits with a flow-control RNR NAK. Counting it let a later SEND
+                        // run out of RNR retries first: the stream was aborted from it
+                        // while the earlier one was still being retried, the receiver took
+                        // that abort for the stream's end, and a delayed copy of the
+                        // earlier SEND, which then failed RnrRetryExceeded at the sender,
+                        // found a receive posted meanwhile and was delivered (found by
+                        // `prop_rdma`, CI, 2026-12-07).
+                        self.stats.stream_window_naks += 1;
+                        return RxOutcome::FlowRnr;
+                    }
                     self.stats.rnr_naks += 1;
                     return RxOutcome::Rnr;
                 }
