@@ -187,13 +187,22 @@ impl<D: Driven> Drop for Abandoned<D> {
     }
 }
 
-pub(crate) async fn run<D: Driven>(shared: Arc<D>) {
-    // A runtime that shuts down drops this future at an await: the handles must not wait
-    // for a driver that is gone (found by a new user's trial: every handle hung).
-    let mut abandoned = Abandoned {
+/// The driver task's future. A runtime that shuts down drops it, at an await or before its
+/// first poll: either way the handles must not wait for a driver that is gone (found by a
+/// new user's trial: every handle hung). So the guard is made here, outside the `async`
+/// body, and moved into it: a future dropped before it ever ran drops the guard too. (When
+/// it was made inside the body, a runtime shut down before the spawned task was first
+/// polled left the handles waiting: `rocev2_async::rc_handles_end_when_the_runtime_of_the_
+/// driver_shuts_down` timed out now and then.)
+pub(crate) fn run<D: Driven>(shared: Arc<D>) -> impl std::future::Future<Output = ()> {
+    let abandoned = Abandoned {
         shared: shared.clone(),
         returned: false,
     };
+    drive(shared, abandoned)
+}
+
+async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
     // Fixed arrays: the receive's I/O vectors are built on the stack for every wait, not
     // collected into a `Vec` (one allocation per wake-up, so per datagram in a ping-pong).
     let mut bufs: [Vec<u8>; RECV_BUFS] = std::array::from_fn(|_| vec![0u8; RECV_BUF_LEN]);

@@ -276,6 +276,43 @@ async fn a_message_received_just_before_close_completes_success_at_the_sender() 
     }
 }
 
+/// The runtime shuts down before the drivers it was given ever ran: a current-thread
+/// runtime whose `block_on` made the endpoints and returned without yielding, so their
+/// driver tasks were dropped unpolled. The handles must end as when a running driver is
+/// dropped (below). They waited forever when the driver's guard was made inside its
+/// `async` body, which an unpolled task never enters (seen as an occasional timeout of the
+/// RC variant, `rocev2_async::rc_handles_end_when_the_runtime_of_the_driver_shuts_down`).
+#[test]
+fn handles_end_when_the_driver_never_ran() {
+    use metaroce_tokio::backend::UdpBackend;
+    use metaroce_tokio::Endpoint;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, client) = rt.block_on(async {
+        let ep = || {
+            let b = UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+            Endpoint::with_backend(b, Config::default()).unwrap()
+        };
+        (ep(), ep())
+    });
+    drop(rt);
+    let rt2 = tokio::runtime::Runtime::new().unwrap();
+    rt2.block_on(async {
+        assert!(matches!(
+            client.connect(server.local_addr()),
+            Err(ConnectError::EndpointClosed)
+        ));
+        tokio::time::timeout(T, server.accept())
+            .await
+            .expect("accept must not wait for a driver that never ran");
+        tokio::time::timeout(T, client.wait_idle()).await.unwrap();
+        tokio::time::timeout(T, server.wait_idle()).await.unwrap();
+        assert!(client.is_closed() && server.is_closed());
+    });
+}
+
 /// The runtime that ran the endpoints' drivers shuts down while the handles live on. The
 /// handles must not wait for a driver that is gone: a receive already waiting (on another
 /// runtime) ends, and afterwards, on a new runtime, a stream send fails with
