@@ -131,52 +131,13 @@ async fn raw_sockets_on_loopback() {
     assert!(b.stats().rx_packets > 10);
 }
 
-/// As below, but the runtime (current-thread) is dropped before the hosts' driver tasks
-/// were ever polled: the QPs must still end with `Error::Closed`. This is the case the
-/// test below met now and then (its multi-thread runtime had not yet polled a driver),
-/// when the driver's guard was made inside its `async` body.
-#[test]
-fn rc_handles_end_when_the_driver_never_ran() {
-    let a_ip: IpAddr = Ipv4Addr::new(10, 9, 0, 3).into();
-    let b_ip: IpAddr = Ipv4Addr::new(10, 9, 0, 4).into();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (a, b, qa, qb, src) = rt.block_on(async {
-        let (la, lb) = MemoryLink::pair(a_ip, b_ip);
-        let a = RcEndpoint::with_backend(Arc::new(la), RcConfig::new(a_ip)).unwrap();
-        let b = RcEndpoint::with_backend(Arc::new(lb), RcConfig::new(b_ip)).unwrap();
-        let (qa, qb) = pair_qps(&a, &b, a_ip, b_ip);
-        let src = a.register(vec![1; 100], Access::LOCAL_WRITE);
-        let dst = b.register(vec![0; 100], Access::LOCAL_WRITE);
-        qb.post_recv(1, dst.lkey, 0, 100).unwrap();
-        (a, b, qa, qb, src)
-    });
-    drop(rt);
-    let rt2 = tokio::runtime::Runtime::new().unwrap();
-    rt2.block_on(async {
-        let t = Duration::from_secs(10);
-        let r = tokio::time::timeout(t, qb.recv())
-            .await
-            .expect("a receive must not wait for a driver that never ran");
-        assert!(matches!(r, Err(Error::Closed)), "{r:?}");
-        let s = tokio::time::timeout(t, qa.send(src.lkey, 0, 10, None))
-            .await
-            .expect("a send must not wait for a driver that never ran");
-        assert!(matches!(s, Err(Error::Closed)), "{s:?}");
-    });
-    drop((a, b));
-}
-
-/// The runtime that ran a stand-alone RC host's driver shuts down while its QPs live on: a
-/// receive and a SEND on a new runtime end with `Error::Closed` instead of waiting forever
-/// (found by review of the same guard for MetaRoCE endpoints).
-#[test]
-fn rc_handles_end_when_the_runtime_of_the_driver_shuts_down() {
+/// Two stand-alone RC hosts with a connected QP pair are made on `rt` (which, if
+/// `exchange`, first carries one SEND between them, so the drivers have run), then `rt`
+/// shuts down while the QPs live on: a receive and a SEND on a new runtime must end with
+/// `Error::Closed` instead of waiting forever.
+fn rc_handles_end_after_the_runtime_of_the_driver(rt: tokio::runtime::Runtime, exchange: bool) {
     let a_ip: IpAddr = Ipv4Addr::new(10, 9, 0, 1).into();
     let b_ip: IpAddr = Ipv4Addr::new(10, 9, 0, 2).into();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let (a, b, qa, qb, src) = rt.block_on(async {
         let (la, lb) = MemoryLink::pair(a_ip, b_ip);
         let a = RcEndpoint::with_backend(Arc::new(la), RcConfig::new(a_ip)).unwrap();
@@ -185,8 +146,16 @@ fn rc_handles_end_when_the_runtime_of_the_driver_shuts_down() {
         let b = RcEndpoint::with_backend(Arc::new(lb), cb).unwrap();
         let (qa, qb) = pair_qps(&a, &b, a_ip, b_ip);
         let src = a.register(vec![1; 100], Access::LOCAL_WRITE);
-        let dst = b.register(vec![0; 100], Access::LOCAL_WRITE);
-        qb.post_recv(1, dst.lkey, 0, 100).unwrap();
+        let dst = b.register(vec![0; 200], Access::LOCAL_WRITE);
+        if exchange {
+            qb.post_recv(1, dst.lkey, 100, 100).unwrap();
+            let t = Duration::from_secs(10);
+            let s = tokio::time::timeout(t, qa.send(src.lkey, 0, 10, None)).await;
+            assert!(matches!(s, Ok(Ok(_))), "{s:?}");
+            let r = tokio::time::timeout(t, qb.recv()).await;
+            assert!(matches!(r, Ok(Ok(_))), "{r:?}");
+        }
+        qb.post_recv(2, dst.lkey, 0, 100).unwrap();
         (a, b, qa, qb, src)
     });
     drop(rt);
@@ -203,4 +172,24 @@ fn rc_handles_end_when_the_runtime_of_the_driver_shuts_down() {
         assert!(matches!(s, Err(Error::Closed)), "{s:?}");
     });
     drop((a, b));
+}
+
+/// The runtime that ran the hosts' drivers shuts down after they carried a SEND (found by
+/// review of the same guard for MetaRoCE endpoints).
+#[test]
+fn rc_handles_end_when_the_runtime_of_the_driver_shuts_down() {
+    rc_handles_end_after_the_runtime_of_the_driver(tokio::runtime::Runtime::new().unwrap(), true);
+}
+
+/// The runtime (current-thread, its `block_on` never yields) shuts down before the hosts'
+/// driver tasks were ever polled. The test above, which then exchanged nothing, met this
+/// now and then on its multi-thread runtime and timed out: the driver's guard was made
+/// inside its `async` body, which an unpolled task never enters.
+#[test]
+fn rc_handles_end_when_the_driver_never_ran() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rc_handles_end_after_the_runtime_of_the_driver(rt, false);
 }
