@@ -1153,6 +1153,11 @@ impl Endpoint {
     /// completes it ([`Event::RecvCompletion`]); a SEND finding none gets an RNR NAK and the
     /// sender retries after the RNR timer, up to `rnr_retry` times (only the message whose
     /// receive is next spends retries; a later one waits with a flow-control RNR NAK).
+    /// A receive whose region was deregistered (or no longer has room) by the time its
+    /// message arrives completes with [`WcStatus::LocalProtectionError`] and the SEND with
+    /// `RemoteOperationalError`; a message longer than its receive, or refused as invalid
+    /// after later messages were bound to receives, completes it with
+    /// [`WcStatus::LocalLengthError`] (docs/PROTOCOL.md, "Posted receives and RNR").
     ///
     /// On a stream in the error state (the peer's SEND on it failed with
     /// [`WcStatus::RnrRetryExceeded`] and the peer sent a

@@ -94,6 +94,12 @@ struct StreamRx {
     /// so a refused message leaves no permanent gap in its stream. At most
     /// `max_stream_window` entries.
     refused: BTreeSet<u32>,
+    /// Refused messages (a subset of `refused`) that take a posted receive all the same,
+    /// with their length: a message refused after it, or a later message, was bound to a
+    /// receive counting it (it arrived late). Delivery completes that receive with
+    /// `LocalLengthError` when it reaches the message, so receives complete in order and
+    /// every later message keeps the receive it was bound to.
+    refused_recv: BTreeMap<u32, u32>,
     /// The stream is in the error state from this message on (the sender gave up on it
     /// with `RnrRetryExceeded` and sent a stream abort): its packets and every later
     /// message's are acknowledged and discarded, and once delivery reaches it every posted
@@ -637,6 +643,7 @@ impl RecvState {
         }
         let before = st.refused.len();
         st.refused.retain(|&m| seq_before(m, from));
+        st.refused_recv.retain(|&m, _| seq_before(m, from));
         self.buf.refused -= before - st.refused.len();
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
@@ -752,11 +759,27 @@ impl RecvState {
             // skip it, so later messages of the stream are not stuck behind it.
             let ahead = hdr.msg_seq.wrapping_sub(st.next_deliver);
             let room = ahead == 0 || self.buf.refused < lim.max_tracked_ops as usize;
-            if (ahead == 0 || ahead < lim.max_stream_window)
-                && room
-                && st.refused.insert(hdr.msg_seq)
-            {
+            let can_record = (ahead == 0 || ahead < lim.max_stream_window) && room;
+            if !can_record && !st.refused.contains(&hdr.msg_seq) {
+                // A refusal that cannot be recorded would leave a gap delivery
+                // never passes (later SENDs acknowledged, never delivered: found by review):
+                // let the sender come back, as for a valid message.
+                self.stats.stream_window_naks += 1;
+                return RxOutcome::FlowRnr;
+            }
+            if can_record && st.refused.insert(hdr.msg_seq) {
                 self.buf.refused += 1;
+                // Later messages already bound to receives counted this one as taking a
+                // receive (it was valid when they came), as did this one if it was bound
+                // itself: it keeps that receive, completed in error when delivery reaches
+                // it, so their bindings hold (found by review: receives were completed
+                // twice and a buffer already delivered was overwritten).
+                let bound = st.msgs.iter().any(|(&m, msg)| {
+                    !seq_before(m, hdr.msg_seq) && matches!(msg.dest, Dest::Posted(_))
+                });
+                if st.posted_mode && bound {
+                    st.refused_recv.insert(hdr.msg_seq, hdr.msg_len);
+                }
                 if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
                     self.buf.release_msg(st, &msg);
                 }
@@ -804,7 +827,7 @@ impl RecvState {
                 let skipped = st
                     .refused
                     .iter()
-                    .filter(|&&m| seq_before(m, hdr.msg_seq))
+                    .filter(|&&m| seq_before(m, hdr.msg_seq) && !st.refused_recv.contains_key(&m))
                     .count() as u32
                     + st.msgs
                         .iter()
@@ -882,6 +905,38 @@ impl RecvState {
                     .check_local_write(r.lkey, r.offset, hdr.msg_len as u64)
                     .is_err()
                 {
+                    if ahead != 0 {
+                        self.stats.stream_window_naks += 1;
+                        return RxOutcome::FlowRnr;
+                    }
+                    // The receive completes in error and delivery skips the
+                    // message, as for a length error (IBA: the WQE completes in error).
+                    st.posted.pop_front();
+                    if st.refused.insert(hdr.msg_seq) {
+                        self.buf.refused += 1;
+                    }
+                    st.len_errors.push_back(hdr.msg_seq);
+                    if st.len_errors.len() > MAX_LEN_ERRORS {
+                        st.len_errors.pop_front();
+                    }
+                    events.push_back(Event::RecvCompletion {
+                        conn,
+                        stream: hdr.stream_id,
+                        wc: WorkCompletion {
+                            wr_id: r.wr_id,
+                            status: WcStatus::LocalProtectionError,
+                            opcode: WcOpcode::Recv,
+                            byte_len: hdr.msg_len,
+                        },
+                    });
+                    Self::deliver(
+                        conn,
+                        hdr.stream_id,
+                        st,
+                        &mut self.buf,
+                        &mut self.stats,
+                        events,
+                    );
                     return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
                 }
                 Dest::Posted(r)
@@ -1077,6 +1132,17 @@ impl RecvState {
             }
             if st.refused.remove(&st.next_deliver) {
                 buf.refused -= 1;
+                if let Some(len) = st.refused_recv.remove(&st.next_deliver) {
+                    if let Some(r) = st.posted.pop_front() {
+                        let wc = WorkCompletion {
+                            wr_id: r.wr_id,
+                            status: WcStatus::LocalLengthError,
+                            opcode: WcOpcode::Recv,
+                            byte_len: len,
+                        };
+                        events.push_back(Event::RecvCompletion { conn, stream, wc });
+                    }
+                }
                 st.next_deliver = st.next_deliver.wrapping_add(1);
                 continue;
             }

@@ -878,7 +878,11 @@ impl SendQueue {
             return;
         }
         r.copies.clear();
-        r.count = r.count.saturating_add(1);
+        // Only NAKs that may fail the SEND count: a flow-control RNR NAK (passed here as
+        // rnr_retry 7) costs no retry, also not once the segment later meets plain ones.
+        if rnr_retry != 7 {
+            r.count = r.count.saturating_add(1);
+        }
         if rnr_retry != 7 && r.count > rnr_retry {
             if other_copy {
                 r.phase = RnrPhase::Any;

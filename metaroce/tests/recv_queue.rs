@@ -1,0 +1,290 @@
+//! The posted receive queue of a stream when messages are refused, fail or wait for an
+//! earlier one: receives stay bound to the messages they were given to, refusals leave no
+//! gap, and RNR retries are spent only where they may fail a SEND. Each case was found by
+//! a review (2026-12-07) of the rule that only the message whose receive is next draws
+//! RNR NAKs that count (`prop_rdma::a_later_send_never_runs_out_of_rnr_retries_before_an_
+//! earlier_one`), and failed before its fix.
+
+use bytes::Bytes;
+use metaroce::testing::{Action, Filter, Pair, Rule};
+use metaroce::{Access, RecvRequest, WcStatus};
+use std::time::Duration;
+
+/// The packets of message `seq` of `stream` sent by endpoint 0.
+fn msg0(stream: u32, seq: u32) -> Filter {
+    Filter::any().from(0).when(move |p| {
+        p.send
+            .is_some_and(|s| s.stream_id == stream && s.msg_seq == seq)
+    })
+}
+
+fn status_of(p: &Pair, c: metaroce::ConnectionHandle, wr: u64) -> Option<WcStatus> {
+    p.completions(0, c)
+        .iter()
+        .find(|w| w.wr_id == wr)
+        .map(|w| w.status)
+}
+
+/// A later SEND's flow-control RNR NAKs (while the earlier message is re-sent after loss)
+/// cost it no RNR retry: once the earlier message is delivered and the later one meets its
+/// first plain RNR NAK, it still has all of `rnr_retry` (6). Its per-segment count took
+/// the flow-control NAKs too, so it failed RnrRetryExceeded at that first plain NAK.
+#[test]
+fn flow_control_rnr_naks_of_a_later_send_cost_it_no_rnr_retry() {
+    let mut a = metaroce::testing::config(0, 4);
+    a.transport.rnr_retry = 6;
+    let mut b = metaroce::testing::config(1, 4);
+    b.transport.require_posted_receives = true;
+    b.transport.min_rnr_timer = 1; // 10 us
+    let mut p = Pair::with_configs(4, a, b);
+    let (c, s) = p.connect();
+    let buf = p.eps[1].register_mr(vec![0; 1000], Access::LOCAL_WRITE);
+    let rr = |wr_id, off| RecvRequest {
+        wr_id,
+        lkey: buf.lkey,
+        offset: off,
+        len: 100,
+    };
+    p.eps[1].post_recv(s, 0, rr(10, 0)).unwrap();
+    // The earlier message's copies are lost for 2 ms (loss recovery re-sends it).
+    let t0 = p.elapsed();
+    let r = p.add_rule(Rule::between(
+        t0,
+        t0 + Duration::from_millis(2),
+        msg0(0, 0),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from_static(b"first"))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from_static(b"second"))
+        .unwrap();
+    // Until B sends its first plain RNR NAK (for SEND 2: SEND 1 took receive 10).
+    assert!(p.run_until(Duration::from_secs(5), |p| {
+        p.eps[1].connection_stats(s).unwrap().recv.rnr_naks >= 1 || p.completions(0, c).len() == 2
+    }));
+    let st = p.eps[1].connection_stats(s).unwrap().recv;
+    eprintln!("hits {:?}", p.hits(r));
+    eprintln!(
+        "at first plain RNR NAK: rnr_naks {} stream_window_naks {}",
+        st.rnr_naks, st.stream_window_naks
+    );
+    // B posts the next receive right away: SEND 2 has 6 RNR retries left, it must land.
+    p.eps[1].post_recv(s, 0, rr(11, 100)).unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 2));
+    let st = p.eps[1].connection_stats(s).unwrap().recv;
+    eprintln!(
+        "end: rnr_naks {} stream_window_naks {} completions {:?} recv {:?}",
+        st.rnr_naks,
+        st.stream_window_naks,
+        p.completions(0, c),
+        p.recv_completions(1, s)
+    );
+    assert_eq!(status_of(&p, c, 1), Some(WcStatus::Success));
+    assert_eq!(
+        status_of(&p, c, 2),
+        Some(WcStatus::Success),
+        "SEND 2 failed after {} plain RNR NAK(s) with rnr_retry 6",
+        st.rnr_naks
+    );
+}
+
+/// A refused (too long) message whose first packet arrives after later messages were
+/// bound to receives: it takes its receive (completed LocalLengthError when delivery
+/// reaches it, in posting order), so every later
+/// message lands in, and completes, the receive it was bound to. The later messages'
+/// receive index had been computed without the skip: receive 12 completed twice, 10 and
+/// 13 never, and a buffer already handed to the application was overwritten.
+#[test]
+fn a_message_refused_after_later_ones_took_receives_keeps_the_queue_in_order() {
+    let a = metaroce::testing::config(0, 5);
+    let mut b = metaroce::testing::config(1, 5);
+    b.transport.max_message_size = 1000;
+    let mut p = Pair::with_configs(5, a, b);
+    let (c, s) = p.connect();
+    let buf = p.eps[1].register_mr(vec![0; 4000], Access::LOCAL_WRITE);
+    for (i, wr) in [10u64, 11, 12, 13].into_iter().enumerate() {
+        p.eps[1]
+            .post_recv(
+                s,
+                0,
+                RecvRequest {
+                    wr_id: wr,
+                    lkey: buf.lkey,
+                    offset: i as u64 * 1000,
+                    len: 1000,
+                },
+            )
+            .unwrap();
+    }
+    // The too-long SEND 1 arrives late (reordering).
+    let r = p.add_rule(Rule::always(
+        msg0(0, 0),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(1),
+        },
+    ));
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from(vec![7u8; 1500]))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from_static(b"two"))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 3, Bytes::from_static(b"three"))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 3));
+    p.eps[0]
+        .post_send(c, 0, 4, Bytes::from_static(b"four"))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 4));
+    p.run_for(Duration::from_millis(50));
+    let rc: Vec<(u64, WcStatus)> = p
+        .recv_completions(1, s)
+        .iter()
+        .map(|(_, w)| (w.wr_id, w.status))
+        .collect();
+    let data = p.eps[1].mr_read(buf.lkey, 0, 4000).unwrap();
+    let at = |wr: u64| {
+        String::from_utf8_lossy(&data[(wr as usize - 10) * 1000..][..8])
+            .trim_end_matches('\0')
+            .to_string()
+    };
+    eprintln!("hits {:?}", p.hits(r));
+    eprintln!("sender {:?}", p.completions(0, c));
+    eprintln!(
+        "receiver completions {rc:?}; buffers {:?}",
+        (10..14).map(at).collect::<Vec<_>>()
+    );
+    assert_eq!(status_of(&p, c, 1), Some(WcStatus::RemoteInvalidRequest));
+    let ok: Vec<u64> = rc
+        .iter()
+        .filter(|x| x.1 == WcStatus::Success)
+        .map(|x| x.0)
+        .collect();
+    let mut uniq = ok.clone();
+    uniq.dedup();
+    assert_eq!(ok, uniq, "a receive completed twice: {rc:?}");
+    assert_eq!(
+        rc,
+        [
+            (10, WcStatus::LocalLengthError),
+            (11, WcStatus::Success),
+            (12, WcStatus::Success),
+            (13, WcStatus::Success)
+        ],
+        "receives complete once each, in posting order"
+    );
+    let got: Vec<String> = ok.iter().map(|&w| at(w)).collect();
+    assert_eq!(
+        got,
+        ["two", "three", "four"],
+        "receives {ok:?} do not hold the messages in order"
+    );
+}
+
+/// An invalid message arriving beyond the stream window (or with the refusal records
+/// full) waits with a flow-control RNR NAK until its refusal can be recorded. It used to
+/// be NAKed without a record: delivery stopped at it for good, and later SENDs completed
+/// Success at the sender without ever being delivered.
+#[test]
+fn a_refusal_beyond_the_stream_window_leaves_no_gap() {
+    let a = metaroce::testing::config(0, 6);
+    let mut b = metaroce::testing::config(1, 6);
+    b.transport.max_message_size = 1000;
+    b.transport.max_stream_window = 2;
+    let mut p = Pair::with_configs(6, a, b);
+    let (c, s) = p.connect();
+    // The first copy of message 0 is lost.
+    let r = p.add_rule(Rule::always(msg0(0, 0), Action::Burst(1)));
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from_static(b"m0"))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from_static(b"m1"))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 3, Bytes::from(vec![7u8; 1500]))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 4, Bytes::from_static(b"m3"))
+        .unwrap();
+    let done = p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 4);
+    p.run_for(Duration::from_millis(200));
+    let msgs = p.messages(1, s);
+    eprintln!(
+        "hits {:?} stats {:?}",
+        p.hits(r),
+        p.eps[1].connection_stats(s).unwrap().recv
+    );
+    eprintln!("sender {:?}\nreceiver {:?}", p.completions(0, c), msgs);
+    assert!(done, "not every SEND completed");
+    let delivered = msgs.get(&0).map_or(0, |v| v.len());
+    let ok: Vec<u64> = p
+        .completions(0, c)
+        .iter()
+        .filter(|w| w.status == WcStatus::Success)
+        .map(|w| w.wr_id)
+        .collect();
+    assert_eq!(
+        ok.len(),
+        delivered,
+        "SENDs completed Success {ok:?} but {delivered} messages delivered"
+    );
+}
+
+/// The receive at the head of the queue names a deregistered region: SEND 1 fails
+/// RemoteOperationalError and that receive completes LocalProtectionError (IBA: the WQE
+/// completes in error), so the stream moves on and SEND 2, which has no receive, meets
+/// plain RNR NAKs and ends. The receive used to stay posted with delivery stuck at SEND 1,
+/// and SEND 2 waited with flow-control RNR NAKs for ever.
+#[test]
+fn a_send_behind_one_whose_receive_failed_completes() {
+    let mut a = metaroce::testing::config(0, 7);
+    a.transport.rnr_retry = 1;
+    let mut b = metaroce::testing::config(1, 7);
+    b.transport.min_rnr_timer = 1;
+    let mut p = Pair::with_configs(7, a, b);
+    let (c, s) = p.connect();
+    let buf = p.eps[1].register_mr(vec![0; 1000], Access::LOCAL_WRITE);
+    p.eps[1]
+        .post_recv(
+            s,
+            0,
+            RecvRequest {
+                wr_id: 10,
+                lkey: buf.lkey,
+                offset: 0,
+                len: 100,
+            },
+        )
+        .unwrap();
+    p.eps[1].deregister_mr(buf.lkey).unwrap();
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from_static(b"first"))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 1));
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from_static(b"second"))
+        .unwrap();
+    let done = p.run_until(Duration::from_secs(20), |p| p.completions(0, c).len() == 2);
+    let st = p.eps[1].connection_stats(s).unwrap().recv;
+    eprintln!(
+        "sender {:?} receiver {:?} rnr_naks {} stream_window_naks {} lost {:?}",
+        p.completions(0, c),
+        p.recv_completions(1, s),
+        st.rnr_naks,
+        st.stream_window_naks,
+        p.lost(0, c)
+    );
+    assert!(done, "SEND 2 did not complete in 20 s");
+    assert_eq!(status_of(&p, c, 1), Some(WcStatus::RemoteOperationalError));
+    let rc: Vec<(u64, WcStatus)> = p
+        .recv_completions(1, s)
+        .iter()
+        .map(|(_, w)| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(rc, [(10, WcStatus::LocalProtectionError)]);
+}
