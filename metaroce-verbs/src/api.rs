@@ -264,6 +264,22 @@ impl std::fmt::Debug for VerbsConnection {
     }
 }
 
+/// Ends every stream of a connection and marks it closed when its receive loop stops: at
+/// the end of the loop (QP in ERR or gone), or when the loop's runtime shuts down and drops
+/// the task, also before its first poll (the guard is made before the task and moved into
+/// it). Streams waited forever when this ran only at the end of the loop (found by review,
+/// 2026-12-07).
+struct EndStreams(std::sync::Weak<ConnInner>);
+
+impl Drop for EndStreams {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.upgrade() {
+            c.streams.lock().clear();
+            set_closed(&c.closed, ConnectionError::LocallyClosed);
+        }
+    }
+}
+
 fn set_closed(tx: &watch::Sender<Option<ConnectionError>>, e: ConnectionError) -> bool {
     tx.send_if_modified(|v| {
         if v.is_none() {
@@ -298,7 +314,9 @@ impl VerbsConnection {
         // Receive loop: route SENDs to streams, WRITE_WITH_IMM notices to recv_imm.
         let weak = Arc::downgrade(&c);
         let qp = c.qp.clone();
+        let ended = EndStreams(weak.clone());
         tokio::spawn(async move {
+            let _ended = ended;
             while let Ok(m) = qp.recv().await {
                 let Some(conn) = weak.upgrade() else { break };
                 if m.is_write_imm {
@@ -345,11 +363,7 @@ impl VerbsConnection {
                     let _ = tx.send(m.data).await;
                 }
             }
-            // QP in ERR or gone: every stream ends.
-            if let Some(c) = weak.upgrade() {
-                c.streams.lock().clear();
-                set_closed(&c.closed, ConnectionError::LocallyClosed);
-            }
+            // QP in ERR or gone: every stream ends (`_ended`).
         });
         // Control channel: the peer's close record, or EOF.
         let weak = Arc::downgrade(&c);

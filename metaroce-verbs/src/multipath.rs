@@ -820,6 +820,18 @@ struct OpCtx {
     done: oneshot::Sender<WcStatus>,
 }
 
+/// Ends the connection for its waiters however the driver stops: at the end of `run`, or
+/// when its runtime shuts down and drops the task, also before its first poll (`run` takes
+/// the driver by value, so the unpolled future owns it). Receives waited forever when this
+/// was done only at the end of `run` (found by review, 2026-12-07; the same fault as
+/// metaroce-tokio's driver guard).
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.shared.lock().closed = true;
+        self.arrived.notify_waiters();
+    }
+}
+
 struct Driver {
     pd: Pd,
     cfg: MpConfig,
@@ -948,9 +960,8 @@ impl Driver {
                 },
             }
         }
-        // Last handle gone and nothing outstanding: dropping the QPs moves them to ERR.
-        self.shared.lock().closed = true;
-        self.arrived.notify_waiters();
+        // Last handle gone and nothing outstanding: dropping the QPs moves them to ERR
+        // (and `Drop` tells the waiters).
     }
 
     fn close(&mut self) {
