@@ -105,10 +105,12 @@ struct StreamRx {
     /// message's are acknowledged and discarded, and once delivery reaches it every posted
     /// receive — and every receive posted afterwards — completes with `WrFlushError`.
     dead_from: Option<u32>,
-    /// Messages that completed their receive with a length error (most recent
-    /// `MAX_LEN_ERRORS`): every later packet of one is refused again, so a re-sent packet
-    /// (its NAK lost or overtaken) is not acknowledged as a duplicate.
-    len_errors: VecDeque<u32>,
+    /// Messages that completed their receive in error (a length error, or a receive whose
+    /// region could not be written), with the NAK syndrome they got (most recent
+    /// `MAX_LEN_ERRORS`): every later packet of one is refused again with the same
+    /// syndrome, so a re-sent packet (its NAK lost or overtaken) is neither acknowledged
+    /// as a duplicate nor failed with another status.
+    len_errors: VecDeque<(u32, u8)>,
     /// This side stopped the stream (its application called `stop_stream`, QUIC
     /// STOP_SENDING) when delivery had reached this message: nothing from it on is ever
     /// delivered. What was buffered of those messages was dropped, and their packets get a
@@ -797,8 +799,8 @@ impl RecvState {
         if lim.require_posted_receives {
             st.posted_mode = true;
         }
-        if st.len_errors.contains(&hdr.msg_seq) {
-            return RxOutcome::Nak(NAK_INVALID_REQUEST);
+        if let Some(&(_, syndrome)) = st.len_errors.iter().find(|e| e.0 == hdr.msg_seq) {
+            return RxOutcome::Nak(syndrome);
         }
         if seq_before(hdr.msg_seq, st.next_deliver) {
             self.stats.duplicates += 1;
@@ -876,7 +878,7 @@ impl RecvState {
                     if st.refused.insert(hdr.msg_seq) {
                         self.buf.refused += 1;
                     }
-                    st.len_errors.push_back(hdr.msg_seq);
+                    st.len_errors.push_back((hdr.msg_seq, NAK_INVALID_REQUEST));
                     if st.len_errors.len() > MAX_LEN_ERRORS {
                         st.len_errors.pop_front();
                     }
@@ -915,7 +917,8 @@ impl RecvState {
                     if st.refused.insert(hdr.msg_seq) {
                         self.buf.refused += 1;
                     }
-                    st.len_errors.push_back(hdr.msg_seq);
+                    st.len_errors
+                        .push_back((hdr.msg_seq, NAK_REMOTE_OPERATIONAL));
                     if st.len_errors.len() > MAX_LEN_ERRORS {
                         st.len_errors.pop_front();
                     }
