@@ -859,32 +859,45 @@ impl RecvState {
                     return RxOutcome::Rnr;
                 }
                 let r = st.posted[ahead as usize];
-                if hdr.msg_len > r.len {
+                // The receive cannot take the message: too short (IBA length error: the
+                // sender gets "invalid request"), or its region can no longer be written
+                // (deregistered: "remote operational error"). The receive completes in
+                // error (IBA: the WQE completes in error) and delivery skips the message.
+                let failed = if hdr.msg_len > r.len {
+                    Some((WcStatus::LocalLengthError, NAK_INVALID_REQUEST))
+                } else if mrs
+                    .check_local_write(r.lkey, r.offset, hdr.msg_len as u64)
+                    .is_err()
+                {
+                    Some((WcStatus::LocalProtectionError, NAK_REMOTE_OPERATIONAL))
+                } else {
+                    None
+                };
+                if let Some((status, syndrome)) = failed {
                     if ahead != 0 {
-                        // Its receive is too short, but receives complete in order: the
-                        // length error waits until every message before it is delivered.
-                        // Refuse it for now with a flow-control RNR NAK (the sender waits
-                        // and re-sends it without limit); a silent drop cost the sender
-                        // its retry budget and the connection (RetryExceeded) while it
-                        // waited for the earlier messages.
+                        // But receives complete in order: the error waits until every
+                        // message before it is delivered. Refuse it for now with a
+                        // flow-control RNR NAK (the sender waits and re-sends it without
+                        // limit); a silent drop cost the sender its retry budget and the
+                        // connection (RetryExceeded) while it waited for the earlier
+                        // messages, and with no record at all (the region case) delivery
+                        // stayed at the message for good (found by review).
                         self.stats.stream_window_naks += 1;
                         return RxOutcome::FlowRnr;
                     }
-                    // Too long for the receive at the head: it completes in error and the
-                    // sender gets "invalid request" (IBA length error).
                     st.posted.pop_front();
                     // Delivery skips it (it may not be at the head yet: messages arriving
                     // into library buffers may precede it).
                     if st.refused.insert(hdr.msg_seq) {
                         self.buf.refused += 1;
                     }
-                    st.len_errors.push_back((hdr.msg_seq, NAK_INVALID_REQUEST));
+                    st.len_errors.push_back((hdr.msg_seq, syndrome));
                     if st.len_errors.len() > MAX_LEN_ERRORS {
                         st.len_errors.pop_front();
                     }
                     let wc = WorkCompletion {
                         wr_id: r.wr_id,
-                        status: WcStatus::LocalLengthError,
+                        status,
                         opcode: WcOpcode::Recv,
                         byte_len: hdr.msg_len,
                     };
@@ -901,46 +914,7 @@ impl RecvState {
                         &mut self.stats,
                         events,
                     );
-                    return RxOutcome::Nak(NAK_INVALID_REQUEST);
-                }
-                if mrs
-                    .check_local_write(r.lkey, r.offset, hdr.msg_len as u64)
-                    .is_err()
-                {
-                    if ahead != 0 {
-                        self.stats.stream_window_naks += 1;
-                        return RxOutcome::FlowRnr;
-                    }
-                    // The receive completes in error and delivery skips the
-                    // message, as for a length error (IBA: the WQE completes in error).
-                    st.posted.pop_front();
-                    if st.refused.insert(hdr.msg_seq) {
-                        self.buf.refused += 1;
-                    }
-                    st.len_errors
-                        .push_back((hdr.msg_seq, NAK_REMOTE_OPERATIONAL));
-                    if st.len_errors.len() > MAX_LEN_ERRORS {
-                        st.len_errors.pop_front();
-                    }
-                    events.push_back(Event::RecvCompletion {
-                        conn,
-                        stream: hdr.stream_id,
-                        wc: WorkCompletion {
-                            wr_id: r.wr_id,
-                            status: WcStatus::LocalProtectionError,
-                            opcode: WcOpcode::Recv,
-                            byte_len: hdr.msg_len,
-                        },
-                    });
-                    Self::deliver(
-                        conn,
-                        hdr.stream_id,
-                        st,
-                        &mut self.buf,
-                        &mut self.stats,
-                        events,
-                    );
-                    return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
+                    return RxOutcome::Nak(syndrome);
                 }
                 Dest::Posted(r)
             } else {
