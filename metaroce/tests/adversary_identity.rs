@@ -722,14 +722,11 @@ fn half_open_connections_are_bounded_and_expire() {
     connect(&mut net, 0, 1);
 }
 
-/// A legitimate client whose connection is evicted while half-open (its Confirm and data
-/// lost, then a flood of 100 Requests) learns it at once: the server sends it an MR_CLOSE
-/// with code 1, and its connection ends with `ClosedByPeer`, not after its retries run
-/// out while its data goes unanswered. Its Confirm and data, arriving late, find nothing.
-#[test]
-fn an_evicted_client_is_told() {
-    let mut net = cookieless_server(|c| c.max_half_open = 100);
-    // Everything the client sends after its Request is lost.
+/// Endpoint 0 connects to endpoint 1 and loses everything it sends after its Request (its
+/// Confirm and data): it is established, the server keeps it half-open. Returns once that
+/// half-open entry is older than a handshake interval (100 ms), the age from which a full
+/// table may evict it.
+fn connect_left_half_open(net: &mut Net) -> ConnectionHandle {
     net.drop_hook = Some(Box::new(|i, d| {
         i == 0
             && !wire::Packet::parse(d).is_ok_and(
@@ -737,13 +734,23 @@ fn an_evicted_client_is_told() {
             )
     }));
     let c = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
-    run_within(&mut net, Duration::from_millis(50), |n| {
+    run_within(net, Duration::from_millis(50), |n| {
         n.eps[0].is_established(c)
     });
     assert!(net.eps[0].is_established(c));
-    // Half-open connections are evicted only once a handshake interval old.
     let t = net.now + Duration::from_millis(150);
     net.advance_to(t);
+    c
+}
+
+/// A legitimate client whose connection is evicted while half-open (its Confirm and data
+/// lost, then a flood of 100 Requests) learns it at once: the server sends it an MR_CLOSE
+/// with code 1, and its connection ends with `ClosedByPeer`, not after its retries run
+/// out while its data goes unanswered. Its Confirm and data, arriving late, find nothing.
+#[test]
+fn an_evicted_client_is_told() {
+    let mut net = cookieless_server(|c| c.max_half_open = 100);
+    let c = connect_left_half_open(&mut net);
     Flood::default().send(&mut net, 100);
     pump(&mut net);
     assert_eq!(net.eps[1].stats().half_open_evicted, 1);
@@ -895,18 +902,7 @@ fn the_connection_limit_does_not_evict_a_client_mid_handshake() {
     let (c1, _) = connect(&mut net, 0, 1);
     assert!(net.eps[0].is_established(c1));
     // The second client's Confirm and data are lost: it stays half-open on the server.
-    net.drop_hook = Some(Box::new(|i, d| {
-        i == 0
-            && !wire::Packet::parse(d).is_ok_and(
-                |p| matches!(p.headers, Headers::Connect(m) if m.kind == ConnectKind::Request),
-            )
-    }));
-    let c2 = net.eps[0].connect(net.now, net.addrs[1], None).unwrap();
-    run_within(&mut net, Duration::from_millis(50), |n| {
-        n.eps[0].is_established(c2)
-    });
-    let t = net.now + Duration::from_millis(150);
-    net.advance_to(t);
+    let c2 = connect_left_half_open(&mut net);
     let ip = Ipv4Addr::new(10, 9, 9, 9);
     request_from(&mut net, 1, SocketAddr::new(IpAddr::V4(ip), 30_000), 7);
     pump(&mut net);
@@ -1050,6 +1046,23 @@ fn is_cookie_request(d: &[u8]) -> bool {
 /// cookie is still good, creates nothing (no connection, no `Incoming`; counted as
 /// `replayed_requests`); once the cookie has expired it only earns a fresh Retry. Before
 /// the fix the replay created a new connection its client never asked for.
+/// Delivers the captured Request `req` to endpoint 1 again: it must create no connection
+/// and count as one replayed Request. Returns endpoint 1's stats after it.
+fn replay_creates_nothing(net: &mut Net, req: &Sent) -> metaroce::EndpointStats {
+    let n_in = incoming(net, 1).len();
+    let before = net.eps[1].stats();
+    net.deliver(1, req.from, &req.data);
+    pump(net);
+    let st = net.eps[1].stats();
+    assert_eq!(
+        incoming(net, 1).len(),
+        n_in,
+        "the replay created a connection"
+    );
+    assert_eq!(st.replayed_requests - before.replayed_requests, 1);
+    st
+}
+
 #[test]
 fn replayed_request_of_a_closed_connection_creates_nothing() {
     let mut net = net_of(vec![cfg(0, 1, 1), cfg(1, 2, 2)]);
@@ -1075,19 +1088,9 @@ fn replayed_request_of_a_closed_connection_creates_nothing() {
     run_within(&mut net, Duration::from_secs(2), |n| {
         n.eps[0].connections().count() == 0
     });
+    let st = replay_creates_nothing(&mut net, &req);
     let n_in = incoming(&net, 1).len();
-    let before = net.eps[1].stats();
-
-    net.deliver(1, req.from, &req.data);
-    pump(&mut net);
-    let st = net.eps[1].stats();
-    assert_eq!(
-        incoming(&net, 1).len(),
-        n_in,
-        "the replay created a connection"
-    );
     assert_eq!(net.eps[1].connections().count(), 0);
-    assert_eq!(st.replayed_requests - before.replayed_requests, 1);
 
     // Two cookie lifetimes later the cookie itself is refused (a fresh Retry).
     net.run_for(2 * EndpointConfig::new(addr(1), PORTS.to_vec()).retry_cookie_lifetime);
@@ -1144,17 +1147,7 @@ fn replayed_request_of_an_evicted_connection_creates_nothing() {
     pump(&mut net);
     assert_eq!(net.eps[1].stats().half_open_evicted, 1);
     assert!(net.lost(0, c).is_some(), "the evicted client is told");
-    let n_in = incoming(&net, 1).len();
-    let before = net.eps[1].stats();
-    net.deliver(1, req.from, &req.data);
-    pump(&mut net);
-    let st = net.eps[1].stats();
-    assert_eq!(
-        incoming(&net, 1).len(),
-        n_in,
-        "the replay created a connection"
-    );
-    assert_eq!(st.replayed_requests - before.replayed_requests, 1);
+    let st = replay_creates_nothing(&mut net, &req);
     assert_eq!(st.half_open_evicted, 1);
 }
 
