@@ -965,3 +965,70 @@ fn replayed_acks_keep_no_path_holding_for_a_dead_peer() {
         assert!(took[1] <= took[0] + Duration::from_secs(1), "{took:?}");
     }
 }
+
+/// A packet lost on a path whose later packets the peer keeps refusing with flow-control
+/// RNR NAKs is still found lost within a few probe timeouts. The NAKs say the peer is
+/// alive, and they show that packets sent after the lost one reached it: RACK (RFC 8985
+/// §6.2) declares the older packet lost as an ACK of the later ones would. When a NAK only
+/// counted as progress of the path, each one pushed the loss timer back, and the lost SEND
+/// waited for as long as the NAKs went on (63 ms in the review's case, 2,112 NAKs).
+#[test]
+fn refused_later_packets_do_not_hold_back_the_loss_of_an_earlier_one() {
+    let mut cfgs: Vec<_> = (0..2)
+        .map(|i| {
+            let mut c = config(i, 7);
+            c.source_ports.truncate(1);
+            c
+        })
+        .collect();
+    cfgs[1].transport.require_posted_receives = true;
+    cfgs[1].transport.min_rnr_timer = 1; // 10 us
+    let mut p = Pair::with_configs(7, cfgs[0].clone(), cfgs[1].clone());
+    p.check_timers = true;
+    let (c, s) = p.connect();
+    let buf = p.eps[1].register_mr(vec![0; 1000], metaroce::Access::LOCAL_WRITE);
+    let rr = |wr_id, off| metaroce::RecvRequest {
+        wr_id,
+        lkey: buf.lkey,
+        offset: off,
+        len: 100,
+    };
+    // An RTT sample first, so that the probe timeout is the path's own.
+    p.eps[1].post_recv(s, 0, rr(1, 0)).unwrap();
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from_static(b"warm"))
+        .unwrap();
+    assert!(p.run_until_idle(Duration::from_secs(1)));
+    assert_eq!(statuses(&p, c, 1), vec![metaroce::WcStatus::Success]);
+    // SEND 2's first copy is lost; SEND 3, behind it, has no receive and is refused with
+    // flow-control RNR NAKs every 10 us until SEND 2 is delivered.
+    p.eps[1].post_recv(s, 0, rr(2, 100)).unwrap();
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .when(|i| i.send.is_some_and(|s| s.msg_seq == 1) && !i.retransmit),
+        Action::Blackhole,
+    ));
+    let t0 = p.elapsed();
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from_static(b"lost"))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 3, Bytes::from_static(b"later"))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| !statuses(p, c, 2).is_empty()));
+    let took = p.elapsed() - t0;
+    let st = path(&p.eps[0], c);
+    let naks = p.eps[1]
+        .connection_stats(s)
+        .unwrap()
+        .recv
+        .stream_window_naks;
+    eprintln!("SEND 2 completed after {took:?}; {naks} flow-control NAKs; {st:?}");
+    assert_eq!(statuses(&p, c, 2), vec![metaroce::WcStatus::Success]);
+    let srtt = p.eps[0].connection_stats(c).unwrap().paths[0].srtt;
+    assert!(
+        took < 20 * srtt.max(Duration::from_micros(200)),
+        "the lost SEND took {took:?} (SRTT {srtt:?}, {naks} flow-control NAKs meanwhile)"
+    );
+}
