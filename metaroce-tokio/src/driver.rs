@@ -528,6 +528,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     Some(Waiter::Cancelled { dereg, recv }) => {
                         crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
                     }
+                    Some(Waiter::Batch { batch, index }) => batch.on_completion(index, wc),
                     Some(Waiter::Stream(id)) => {
                         let pending = st.core.stream_send_pending(conn, id);
                         if let Some(s) =

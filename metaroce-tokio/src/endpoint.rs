@@ -270,6 +270,12 @@ pub(crate) enum Waiter {
         dereg: Option<u32>,
         recv: Option<crate::connection::RecvTarget>,
     },
+    /// Member `index` of a [`Connection::write_batch`](crate::Connection::write_batch):
+    /// the batch's one completion is sent once its last member completes.
+    Batch {
+        batch: Arc<crate::connection::BatchSlot>,
+        index: usize,
+    },
 }
 
 pub(crate) struct State {

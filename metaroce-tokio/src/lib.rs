@@ -122,7 +122,7 @@ mod mr;
 pub mod rocev2;
 mod stream;
 
-pub use connection::{CancelledRecv, Connection};
+pub use connection::{BatchWrite, CancelledRecv, Connection};
 pub use endpoint::{
     Config, Connecting, DriverMaps, Endpoint, Incoming, DEFAULT_IDLE_TIMEOUT, MAX_SHARDS,
     REFUSED_BUSY,
