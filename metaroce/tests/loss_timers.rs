@@ -966,69 +966,214 @@ fn replayed_acks_keep_no_path_holding_for_a_dead_peer() {
     }
 }
 
-/// A packet lost on a path whose later packets the peer keeps refusing with flow-control
-/// RNR NAKs is still found lost within a few probe timeouts. The NAKs say the peer is
-/// alive, and they show that packets sent after the lost one reached it: RACK (RFC 8985
-/// §6.2) declares the older packet lost as an ACK of the later ones would. When a NAK only
-/// counted as progress of the path, each one pushed the loss timer back, and the lost SEND
-/// waited for as long as the NAKs went on (63 ms in the review's case, 2,112 NAKs).
-#[test]
-fn refused_later_packets_do_not_hold_back_the_loss_of_an_earlier_one() {
+/// Endpoints with one path each (seed `seed`), `tune_a` / `tune_b` applied to their
+/// transport configs, the receiver (1) using posted receives with a 10 us RNR timer, and 8
+/// SENDs exchanged so that the path has RTT samples: the pair, the connection's handles,
+/// and the receiver's buffer (receive `i` at offset 100·i, 100 bytes).
+fn one_path_refusing(
+    seed: u64,
+    tune_a: impl Fn(&mut TransportConfig),
+    tune_b: impl Fn(&mut TransportConfig),
+) -> (Pair, ConnectionHandle, ConnectionHandle, metaroce::MrKeys) {
     let mut cfgs: Vec<_> = (0..2)
         .map(|i| {
-            let mut c = config(i, 7);
+            let mut c = config(i, seed);
             c.source_ports.truncate(1);
             c
         })
         .collect();
+    tune_a(&mut cfgs[0].transport);
     cfgs[1].transport.require_posted_receives = true;
     cfgs[1].transport.min_rnr_timer = 1; // 10 us
-    let mut p = Pair::with_configs(7, cfgs[0].clone(), cfgs[1].clone());
+    tune_b(&mut cfgs[1].transport);
+    let mut p = Pair::with_configs(seed, cfgs[0].clone(), cfgs[1].clone());
     p.check_timers = true;
     let (c, s) = p.connect();
-    let buf = p.eps[1].register_mr(vec![0; 1000], metaroce::Access::LOCAL_WRITE);
-    let rr = |wr_id, off| metaroce::RecvRequest {
+    let buf = p.eps[1].register_mr(vec![0; 100_000], metaroce::Access::LOCAL_WRITE);
+    for i in 0..8u64 {
+        p.eps[1].post_recv(s, 0, recv_at(&buf, i)).unwrap();
+        p.eps[0]
+            .post_send(c, 0, i, Bytes::from_static(b"warm"))
+            .unwrap();
+        assert!(p.run_until_idle(Duration::from_secs(1)));
+    }
+    (p, c, s, buf)
+}
+
+/// Receive `wr_id` of [`one_path_refusing`]'s buffer.
+fn recv_at(buf: &metaroce::MrKeys, wr_id: u64) -> metaroce::RecvRequest {
+    metaroce::RecvRequest {
         wr_id,
         lkey: buf.lkey,
-        offset: off,
+        offset: wr_id * 100,
         len: 100,
-    };
-    // An RTT sample first, so that the probe timeout is the path's own.
-    p.eps[1].post_recv(s, 0, rr(1, 0)).unwrap();
-    p.eps[0]
-        .post_send(c, 0, 1, Bytes::from_static(b"warm"))
-        .unwrap();
-    assert!(p.run_until_idle(Duration::from_secs(1)));
-    assert_eq!(statuses(&p, c, 1), vec![metaroce::WcStatus::Success]);
-    // SEND 2's first copy is lost; SEND 3, behind it, has no receive and is refused with
-    // flow-control RNR NAKs every 10 us until SEND 2 is delivered.
-    p.eps[1].post_recv(s, 0, rr(2, 100)).unwrap();
+    }
+}
+
+/// A packet lost on a path whose later packets the peer keeps refusing with flow-control
+/// RNR NAKs is still found lost by the path's loss timer. When every NAK counted as
+/// progress of the path, each one pushed that timer back, and the lost SEND waited for as
+/// long as the NAKs went on (8.9 ms here, 254 NAKs; 63 ms in a review's case). Now only a
+/// NAK of the oldest outstanding packet is progress.
+#[test]
+fn refused_later_packets_do_not_hold_back_the_loss_of_an_earlier_one() {
+    let (mut p, c, s, buf) = one_path_refusing(7, |_| {}, |_| {});
+    // SEND 20's first copy is lost; SEND 21, behind it, has no receive and is refused with
+    // flow-control RNR NAKs every 10 us until SEND 20 is delivered.
+    p.eps[1].post_recv(s, 0, recv_at(&buf, 20)).unwrap();
     p.add_rule(Rule::always(
         Filter::any()
             .from(0)
-            .when(|i| i.send.is_some_and(|s| s.msg_seq == 1) && !i.retransmit),
+            .when(|i| i.send.is_some_and(|s| s.msg_seq == 8) && !i.retransmit),
         Action::Blackhole,
     ));
     let t0 = p.elapsed();
     p.eps[0]
-        .post_send(c, 0, 2, Bytes::from_static(b"lost"))
+        .post_send(c, 0, 20, Bytes::from_static(b"lost"))
         .unwrap();
     p.eps[0]
-        .post_send(c, 0, 3, Bytes::from_static(b"later"))
+        .post_send(c, 0, 21, Bytes::from_static(b"later"))
         .unwrap();
-    assert!(p.run_until(Duration::from_secs(5), |p| !statuses(p, c, 2).is_empty()));
+    assert!(p.run_until(Duration::from_secs(5), |p| !statuses(p, c, 20).is_empty()));
     let took = p.elapsed() - t0;
-    let st = path(&p.eps[0], c);
     let naks = p.eps[1]
         .connection_stats(s)
         .unwrap()
         .recv
         .stream_window_naks;
-    eprintln!("SEND 2 completed after {took:?}; {naks} flow-control NAKs; {st:?}");
-    assert_eq!(statuses(&p, c, 2), vec![metaroce::WcStatus::Success]);
-    let srtt = p.eps[0].connection_stats(c).unwrap().paths[0].srtt;
+    eprintln!("SEND 20 completed after {took:?}; {naks} flow-control NAKs");
+    assert_eq!(statuses(&p, c, 20), vec![metaroce::WcStatus::Success]);
+    // The probe timeout (at least 200 us) and one RTO (1 ms minimum) after the SEND.
     assert!(
-        took < 20 * srtt.max(Duration::from_micros(200)),
-        "the lost SEND took {took:?} (SRTT {srtt:?}, {naks} flow-control NAKs meanwhile)"
+        took < Duration::from_millis(4),
+        "the lost SEND took {took:?} ({naks} flow-control NAKs meanwhile)"
     );
+}
+
+/// No loss, no reordering: SEND A takes the last posted receive and SEND B right behind it
+/// draws an RNR NAK, which leaves the receiver ahead of A's ACK (held as a delayed ACK).
+/// The NAK shows nothing about A: no loss is declared and the window does not shrink. (A
+/// review of a version in which a NAK moved RACK: 50 spurious losses in 50 rounds, the
+/// window 32 -> 4.)
+#[test]
+fn a_nak_ahead_of_a_held_ack_declares_nothing_lost() {
+    let (mut p, c, s, buf) = one_path_refusing(7, |_| {}, |_| {});
+    let (before, window) = {
+        let st = p.eps[0].connection_stats(c).unwrap();
+        (st.paths[0].stats, st.paths[0].window)
+    };
+    for r in 0..50u64 {
+        let a = 100 + 2 * r;
+        p.eps[1].post_recv(s, 0, recv_at(&buf, a)).unwrap();
+        p.eps[0]
+            .post_send(c, 0, a, Bytes::from_static(b"A"))
+            .unwrap();
+        p.eps[0]
+            .post_send(c, 0, a + 1, Bytes::from_static(b"B"))
+            .unwrap();
+        let n = p.eps[1].connection_stats(s).unwrap().recv.rnr_naks;
+        assert!(p.run_until(Duration::from_secs(1), |p| {
+            p.eps[1].connection_stats(s).unwrap().recv.rnr_naks > n
+        }));
+        p.eps[1].post_recv(s, 0, recv_at(&buf, a + 1)).unwrap();
+        assert!(p.run_until_idle(Duration::from_secs(1)));
+    }
+    let st = p.eps[0].connection_stats(c).unwrap();
+    assert_eq!(p.recv_completions(1, s).len(), 108);
+    assert!(p
+        .completions(0, c)
+        .iter()
+        .all(|w| w.status == metaroce::WcStatus::Success));
+    assert_eq!(st.paths[0].stats.sack_losses, before.sack_losses);
+    assert!(
+        st.paths[0].window >= window,
+        "window {window} -> {}",
+        st.paths[0].window
+    );
+}
+
+/// rnr_retry 0. The first copy of a SEND is held in the network; its tail-loss probe (the
+/// same segment, a later PSN of the same path) overtakes it and is RNR-NAKed. The first
+/// copy is still outstanding, so the SEND does not fail: the receiver posts its receive,
+/// the first copy lands, and the SEND completes Success. (In the version a review found,
+/// the probe's NAK declared the first copy lost and the SEND failed `RnrRetryExceeded`
+/// while the receiver delivered it.)
+#[test]
+fn a_probes_rnr_nak_does_not_fail_a_send_whose_first_copy_lands() {
+    let (mut p, c, s, buf) = one_path_refusing(7, |t| t.rnr_retry = 0, |_| {});
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| !i.retransmit),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(2),
+        },
+    ));
+    p.eps[0]
+        .post_send(c, 0, 50, Bytes::from_static(b"late"))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| {
+        p.eps[1].connection_stats(s).unwrap().recv.rnr_naks >= 1
+    }));
+    p.eps[1].post_recv(s, 0, recv_at(&buf, 50)).unwrap();
+    assert!(p.run_until_idle(Duration::from_secs(1)));
+    assert_eq!(
+        p.recv_completions(1, s).len(),
+        9,
+        "the SEND was not delivered"
+    );
+    assert_eq!(statuses(&p, c, 50), vec![metaroce::WcStatus::Success]);
+}
+
+/// Every NAK delivered three times, and once more 2 ms late: the sender's losses,
+/// retransmissions, packets and results are those of the same run without the copies.
+#[test]
+fn duplicated_and_late_naks_change_nothing() {
+    let run = |copies: bool| {
+        let (mut p, c, s, buf) = one_path_refusing(13, |_| {}, |_| {});
+        if copies {
+            let naks = || Filter::any().from(1).kind(Kind::Nak);
+            p.add_rule(Rule::always(
+                naks(),
+                Action::Dup {
+                    prob: 1.0,
+                    copies: 2,
+                },
+            ));
+            p.add_rule(Rule::always(
+                naks(),
+                Action::Late {
+                    prob: 1.0,
+                    after: Duration::from_millis(2),
+                },
+            ));
+        }
+        for i in 20..40u64 {
+            p.eps[1].post_recv(s, 0, recv_at(&buf, i)).unwrap();
+            p.eps[0]
+                .post_send(c, 0, i, Bytes::from_static(b"a"))
+                .unwrap();
+            p.eps[0]
+                .post_send(c, 0, 100 + i, Bytes::from_static(b"b"))
+                .unwrap();
+            p.run_for(Duration::from_micros(300));
+        }
+        for i in 40..60u64 {
+            p.eps[1].post_recv(s, 0, recv_at(&buf, i)).unwrap();
+        }
+        assert!(p.run_until_idle(Duration::from_secs(1)));
+        let st = p.eps[0].connection_stats(c).unwrap().paths[0].stats;
+        let ok = p
+            .completions(0, c)
+            .iter()
+            .filter(|w| w.status == metaroce::WcStatus::Success)
+            .count();
+        let got = p.recv_completions(1, s).len();
+        (st.sack_losses, st.retransmits, st.packets_sent, ok, got)
+    };
+    let plain = run(false);
+    assert_eq!(plain.3, 48, "every SEND completes");
+    assert_eq!(run(true), plain);
 }

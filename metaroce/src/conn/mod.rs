@@ -888,13 +888,8 @@ impl Connection {
             }
             Headers::Nak { path, nak } => {
                 let _span = self.path_span(path.path_id as usize).entered();
-                let mut lost = Vec::new();
-                let threshold = self.cfg.reorder_threshold;
                 if let Some(p) = self.tx.get_mut(path.path_id as usize) {
-                    if let Some(seg) = p.on_nak(pkt.bth.psn, now, threshold, &mut lost) {
-                        for s in lost {
-                            self.sq.on_lost(s);
-                        }
+                    if let Some(seg) = p.on_nak(pkt.bth.psn, now) {
                         let flow = nak.syndrome & 0xE0 == recv::NAK_FLOW_RNR;
                         if nak.syndrome & 0x60 == 0x20 || flow {
                             // RNR NAK: no receive posted; wait the coded time and retry. A

@@ -816,23 +816,18 @@ impl PathTx {
         lost
     }
 
-    /// The peer refused the packet with this PSN (NAK): settle it and return its segment,
-    /// with the segments of older packets of this path that the NAK shows lost.
+    /// The peer refused the packet with this PSN (NAK): settle it and return its segment.
     ///
-    /// A NAK is an answer from the peer, so it counts as progress of the path. It also
-    /// shows that this packet reached the peer, as an ACK would: RACK (RFC 8985 §6.2) moves
-    /// to it and declares lost the outstanding packets sent before it whose reorder window
-    /// has passed, or arms the reorder timer for them. Without this, a peer that kept
-    /// refusing later packets (flow-control RNR NAKs every RNR timer) pushed the loss timer
-    /// of an older lost packet back with each NAK, for as long as the NAKs went on.
-    /// `lost` receives those segments; `outstanding` and the counters are settled here.
-    pub fn on_nak(
-        &mut self,
-        psn: u32,
-        now: Instant,
-        reorder_threshold: u32,
-        lost: &mut Vec<SegRef>,
-    ) -> Option<SegRef> {
+    /// A NAK is an answer from the peer, and it counts as progress of the path (the loss
+    /// timer restarts, probes and RTO backoff end) when it names the oldest packet the path
+    /// has outstanding. A NAK of a later packet while an older one is outstanding is not
+    /// progress: the older packet may be lost, and a peer that kept refusing later packets
+    /// (flow-control RNR NAKs every RNR timer) would otherwise push its loss timer back for
+    /// as long as the NAKs went on. Nor does a NAK move RACK: NAKs leave the receiver ahead
+    /// of ACKs it holds (delayed ACK), so a NAK of a later packet says nothing about the
+    /// earlier ones, and a probe's NAK must not declare lost the first copy of its own
+    /// segment (found by review: that failed a SEND the receiver then delivered).
+    pub fn on_nak(&mut self, psn: u32, now: Instant) -> Option<SegRef> {
         let i = self.index_of(psn)?;
         let p = &mut self.sent[i];
         if p.state != PktState::Outstanding {
@@ -841,35 +836,23 @@ impl PathTx {
         p.state = PktState::Settled;
         let (seg, sent) = (p.seg, p.sent);
         self.outstanding -= 1;
-        self.consecutive_rtos = 0;
-        self.backoff_from = 0;
-        self.probe_sent = false;
-        self.probe_psn = None;
-        self.held = None;
-        self.refuted_at = None;
-        self.asked_at = None;
-        self.last_progress = now;
-        self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
-        if self.state != PathState::Failed {
-            self.state = PathState::Active;
-        }
-        if self.rack_sent.is_none_or(|t| sent >= t) {
-            self.rack_sent = Some(sent);
-            self.rack_psn = psn;
-            self.rack_rtt = now.saturating_duration_since(sent);
-        }
-        let found = self.rack_detect(now, psn, reorder_threshold);
-        let nl = found.len() as u32;
-        if nl > 0 {
-            self.outstanding -= nl;
-            self.stats.sack_losses += nl as u64;
-            tracing::debug!(
-                lost = nl,
-                psn,
-                "packets declared lost (sent before a NAKed one)"
-            );
-            self.cc.on_loss(now, nl, &self.rtt);
-            lost.extend(found);
+        let oldest = !self
+            .sent
+            .range(..i)
+            .any(|q| q.state == PktState::Outstanding);
+        if oldest {
+            self.consecutive_rtos = 0;
+            self.backoff_from = 0;
+            self.probe_sent = false;
+            self.probe_psn = None;
+            self.held = None;
+            self.refuted_at = None;
+            self.asked_at = None;
+            self.last_progress = now;
+            self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
+            if self.state != PathState::Failed {
+                self.state = PathState::Active;
+            }
         }
         self.trim();
         self.apply_pending_port();
