@@ -33,6 +33,34 @@ fn loopback_write_bw_verifies() {
     );
 }
 
+/// `-Q 8`: WRITEs posted as lists of 8 with one completion each (`write_batch`); 203 of
+/// them (the last list is short), every one counted and verified, with loss so that
+/// members are re-sent; and in RoCEv2 mode, where the list is 8 WRITEs awaited together.
+#[test]
+fn write_bw_with_cq_mod_counts_and_verifies_every_write() {
+    for extra in [&["--loss", "2"][..], &["--mode", "rocev2"][..]] {
+        let mut args = vec!["-n", "203", "-s", "4096", "-Q", "8"];
+        args.extend_from_slice(extra);
+        let o = perf(&args);
+        assert_eq!(o.status.code(), Some(0), "{extra:?}: {}", stderr(&o));
+        let s = stdout(&o);
+        let row = s
+            .lines()
+            .find(|l| l.trim_start().starts_with("4096"))
+            .expect("a row for 4096 bytes");
+        assert_eq!(
+            row.split_whitespace().nth(1),
+            Some("203"),
+            "{extra:?}: {row}"
+        );
+        let check = s
+            .lines()
+            .find(|l| l.starts_with(" Checksum source 0x"))
+            .expect("checksum line");
+        assert!(check.ends_with("OK"), "{extra:?}: {check}");
+    }
+}
+
 #[test]
 fn loopback_write_bw_under_loss_verifies() {
     let o = perf(&["--loss", "5", "-n", "100"]);
@@ -192,6 +220,11 @@ fn bad_flags_are_rejected_with_a_message() {
     );
     assert_usage_error(&["-a", "--file", "x"], "cannot be used with");
     assert_usage_error(&["--backend", "rdma"], "invalid value 'rdma'");
+    assert_usage_error(&["-Q", "0"], "--cq-mod must be in 1..=--tx-depth");
+    assert_usage_error(
+        &["-Q", "200"],
+        "--cq-mod must be in 1..=--tx-depth (128), got 200",
+    );
     assert_usage_error(&["127.0.0.1:notaport"], "invalid port");
     assert_usage_error(&["--server", "127.0.0.1"], "--server");
     let empty = temp_path("empty.bin");

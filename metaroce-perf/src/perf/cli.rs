@@ -309,6 +309,13 @@ pub struct Args {
     )]
     pub tx_depth: usize,
 
+    /// write_bw: one work completion per N WRITEs (perftest's --cq-mod): each post is a
+    /// list of N WRITEs of which only the last is signaled (`Connection::write_batch`);
+    /// --tx-depth still counts WRITEs. 1 (the default): every WRITE posted and completed
+    /// on its own.
+    #[arg(short = 'Q', long = "cq-mod", value_name = "N", default_value_t = 1)]
+    pub cq_mod: u64,
+
     /// RDMA READs and atomics in flight at once (IBA max_rd_atomic, both directions).
     #[arg(short = 'o', long = "outs", value_name = "N", default_value_t = 16)]
     pub outs: u16,
@@ -588,6 +595,8 @@ pub struct Settings {
     pub out_json: Option<PathBuf>,
     /// Outstanding operations of the bandwidth tests.
     pub tx_depth: usize,
+    /// write_bw: WRITEs per signaled completion (`--cq-mod`).
+    pub cq_mod: u64,
     /// READs/atomics in flight.
     pub outs: u16,
     /// Posted receives (rocev2 send tests).
@@ -866,6 +875,12 @@ impl Args {
                 self.tx_depth
             ));
         }
+        if self.cq_mod == 0 || self.cq_mod > self.tx_depth as u64 {
+            return Err(format!(
+                "--cq-mod must be in 1..=--tx-depth ({}), got {}",
+                self.tx_depth, self.cq_mod
+            ));
+        }
         if self.outs == 0 || self.outs > 255 {
             return Err(format!("--outs must be in 1..=255, got {}", self.outs));
         }
@@ -966,6 +981,7 @@ impl Args {
                 (false, None) => None,
             },
             tx_depth: self.tx_depth,
+            cq_mod: self.cq_mod,
             outs: self.outs,
             rx_depth: self.rx_depth,
             rc_timeout: self.rc_timeout,

@@ -340,18 +340,21 @@ async fn drain<F: Future<Output = Res<U>>, U>(pending: &mut FuturesUnordered<F>)
     Ok(())
 }
 
-/// Keeps `s.tx_depth` operations `op(i)` outstanding until `ops` completed (or the
-/// duration ran out), metering completions. Ends early with the server's report when it
-/// reports a failure on its side.
+/// Keeps `s.tx_depth` operations outstanding until `ops` completed (or the duration ran
+/// out), metering completions. `op(i, n)` posts operations `i .. i + n` with one completion
+/// and resolves with their bytes; `n` is `per_post` (the last post of a counted run may
+/// take fewer), so `s.tx_depth / per_post` posts are kept outstanding. Ends early with the
+/// server's report when it reports a failure on its side.
 async fn pump<F, Fut>(
     s: &Settings,
     ctrl: &mut Chan,
     size: u64,
     ops: Option<u64>,
+    per_post: u64,
     mut op: F,
 ) -> Res<BwResult>
 where
-    F: FnMut(u64) -> Fut,
+    F: FnMut(u64, u64) -> Fut,
     Fut: Future<Output = Res<u64>>,
 {
     let mut pb = progress_for(s, size);
@@ -359,19 +362,22 @@ where
     let start = Instant::now();
     let deadline = s.duration.map(|d| start + d);
     let mut meter = BwMeter::new(start);
+    let per_post = per_post.max(1);
+    let depth = s.tx_depth.div_ceil(per_post as usize).max(1);
     let mut posted: u64 = 0;
     loop {
-        while inflight.len() < s.tx_depth {
-            let more = match (ops, deadline) {
-                (Some(n), _) => posted < n,
-                (None, Some(d)) => Instant::now() < d,
-                (None, None) => false,
+        while inflight.len() < depth {
+            let n = match (ops, deadline) {
+                (Some(n), _) => per_post.min(n.saturating_sub(posted)),
+                (None, Some(d)) if Instant::now() < d => per_post,
+                _ => 0,
             };
-            if !more {
+            if n == 0 {
                 break;
             }
-            inflight.push(op(posted));
-            posted += 1;
+            let fut = op(posted, n);
+            inflight.push(async move { fut.await.map(|bytes| (bytes, n)) });
+            posted += n;
         }
         let next = tokio::select! {
             biased;
@@ -380,11 +386,11 @@ where
         };
         match next {
             None => break,
-            Some(Ok(len)) => {
+            Some(Ok((len, n))) => {
                 let now = Instant::now();
-                meter.record(now, len);
+                meter.record_ops(now, len, n);
                 match ops {
-                    Some(_) => pb.inc(1),
+                    Some(_) => pb.inc(n),
                     None => pb.set_position(now.duration_since(start).as_millis() as u64),
                 }
             }
@@ -413,12 +419,24 @@ async fn write_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun)
         let p = plan(s, size);
         let region = setup(ctrl, size, p.ops, p.region_len, 0, NO_REGION, p.region_len).await?;
         let src = &src;
-        let result = pump(s, &mut *ctrl, size, p.ops, |i| {
+        let slot = |i: u64| {
             let off = (i % p.slots) * size;
-            let len = size.min(p.region_len - off);
-            net.write(src, off, len, region, off, None)
-        })
-        .await?;
+            (off, size.min(p.region_len - off))
+        };
+        let result = if s.cq_mod > 1 {
+            // A post list of `cq_mod` WRITEs with one completion (perftest's --cq-mod).
+            pump(s, &mut *ctrl, size, p.ops, s.cq_mod, |i, n| {
+                let items: Vec<_> = (i..i + n).map(slot).collect();
+                async move { net.write_batch(src, &items, region).await }
+            })
+            .await?
+        } else {
+            pump(s, &mut *ctrl, size, p.ops, 1, |i, _| {
+                let (off, len) = slot(i);
+                net.write(src, off, len, region, off, None)
+            })
+            .await?
+        };
         let check_len = match &s.file {
             Some(_) => p.region_len,
             None => result.ops.min(p.slots) * size,
@@ -459,7 +477,7 @@ async fn read_bw(net: &Net, ctrl: &mut Chan, s: &Settings, out: &mut ClientRun) 
         )
         .await?;
         let dst = &dst;
-        let result = pump(s, &mut *ctrl, size, p.ops, |i| {
+        let result = pump(s, &mut *ctrl, size, p.ops, 1, |i, _| {
             let off = (i % p.slots) * size;
             net.read(dst, off, size, region, off)
         })
@@ -499,7 +517,7 @@ async fn send_bw(
         let result = match (net, &stream) {
             (Net::Meta(c), Some(st)) => {
                 let id = st.id();
-                pump(s, &mut *ctrl, size, s.iters, |i| {
+                pump(s, &mut *ctrl, size, s.iters, 1, |i, _| {
                     let w = window(i) as usize;
                     let m = pat.slice(w..w + size as usize);
                     async move {
@@ -521,7 +539,7 @@ async fn send_bw(
                     Fill::Random(seed),
                 )?;
                 let (rc, src) = (&**rc, &src);
-                pump(s, &mut *ctrl, size, s.iters, |i| async move {
+                pump(s, &mut *ctrl, size, s.iters, 1, |i, _| async move {
                     rc.send(src, window(i), size).await.map(|_| size)
                 })
                 .await?

@@ -62,7 +62,14 @@ impl BwMeter {
     }
 
     /// One operation of `bytes` completed at `now`.
+    #[cfg(test)]
     pub fn record(&mut self, now: Instant, bytes: u64) {
+        self.record_ops(now, bytes, 1);
+    }
+
+    /// `ops` operations of `bytes` in all completed at `now` (one signaled completion of
+    /// a batch).
+    pub fn record_ops(&mut self, now: Instant, bytes: u64, ops: u64) {
         let ns = now.saturating_duration_since(self.start).as_nanos() as u64;
         self.bytes += bytes;
         let res = POINT_RES.as_nanos() as u64;
@@ -75,7 +82,7 @@ impl BwMeter {
                 self.points.push((ns, self.bytes));
             }
         }
-        self.ops += 1;
+        self.ops += ops;
         self.last = self.last.max(now);
     }
 

@@ -481,6 +481,39 @@ impl Net {
         Ok(len)
     }
 
+    /// RDMA WRITEs of `src[off..off + len]` to `dst` at the same offset, one per
+    /// `(off, len)` of `items`, posted together and signaled once (MetaRoCE:
+    /// [`Connection::write_batch`](metaroce_tokio::Connection::write_batch); RC: each WRITE
+    /// posted and awaited on its own, all at once). Resolves with the bytes written once
+    /// every WRITE is acknowledged.
+    pub async fn write_batch(&self, src: &Mr, items: &[(u64, u64)], dst: RemoteRegion) -> Res<u64> {
+        let bytes = items.iter().map(|&(_, len)| len).sum();
+        match (self, src) {
+            (Net::Meta(c), Mr::Meta(m)) => {
+                let writes = items.iter().map(|&(off, len)| metaroce_tokio::BatchWrite {
+                    src: m,
+                    range: off..off + len,
+                    dst,
+                    dst_offset: off,
+                    imm: None,
+                });
+                c.write_batch(writes)
+                    .await
+                    .map_err(|e| format!("a batch of {} RDMA WRITEs failed: {e}", items.len()))?;
+            }
+            (Net::Rc(_), Mr::Rc { .. }) => {
+                futures::future::try_join_all(
+                    items
+                        .iter()
+                        .map(|&(off, len)| self.write(src, off, len, dst, off, None)),
+                )
+                .await?;
+            }
+            _ => return Err("a region of the other mode".into()),
+        }
+        Ok(bytes)
+    }
+
     /// RDMA READ of `len` bytes of `src` at `src_off` into `dst[off..]`; resolves once
     /// every byte landed.
     pub async fn read(
