@@ -15,7 +15,7 @@ fn bench_gets_a_figure_from_every_metaroce_measure() {
             "1",
             "--quick",
             "--only",
-            "metaroce_rtt64_udp,metaroce_rate64_udp",
+            "metaroce_rtt64_udp,metaroce_rate64_udp,metaroce_rate64q_udp",
             "--out_json",
         ])
         .arg(&json)
@@ -33,6 +33,7 @@ fn bench_gets_a_figure_from_every_metaroce_measure() {
         // The filter also matches the per-CPU-second variant of the 64 B rate.
         [
             "metaroce_rate64_udp",
+            "metaroce_rate64q_udp",
             "metaroce_rate64_udp_cpu",
             "metaroce_rtt64_udp"
         ],

@@ -13,6 +13,7 @@
 //! |---|---|
 //! | `metaroce_bulk_{udp,uring}` | `metaroce-perf write_bw -s 1048576 -n 1024 --paths 8 --backend B`: Gbit/s |
 //! | `metaroce_rate64_{udp,uring}` | `metaroce-perf write_bw -s 64 -n 200000 --paths 8 --backend B`: 64 B WRITEs (one data packet each) per second |
+//! | `metaroce_rate64q_{udp,uring}` | the same with `-Q 16`: the WRITEs posted as lists of 16 with one completion each (`Connection::write_batch`, perftest's `--cq-mod`): 64 B WRITEs per second |
 //! | `metaroce_rate64_{udp,uring}_cpu` | the run of `metaroce_rate64_*` with `-n 1000000`: 64 B WRITEs per CPU-second of the `metaroce-perf` process (user + system time of both endpoints, setup included) |
 //! | `metaroce_bulk_{udp,uring}_cpu` | the same run as `metaroce_bulk_*`, again: Gbit per CPU-second of the process |
 //! | `metaroce_rtt64_{udp,uring}` | `metaroce-perf send_lat -s 64 -n 10000 --backend B`: RTT = 2 × typical one-way, µs |
@@ -327,6 +328,10 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             "write_bw -s 64 -n {} --paths 8 --backend {be}",
             1_000_000 / scale
         );
+        let rate_q = format!(
+            "write_bw -s 64 -n {} --paths 8 --backend {be} -Q 16",
+            200_000 / scale
+        );
         let lat = format!("send_lat -s 64 -n {} --backend {be}", 10_000 / scale);
         v.push(perf_measure(
             format!("metaroce_bulk_{be}"),
@@ -345,6 +350,19 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
             format!("metaroce_rate64_{be}"),
             "packets/s",
             rate,
+            false,
+            |d| {
+                let r = &d["bw"][0];
+                Some((
+                    r["msg_rate_mpps"].as_f64()? * 1e6,
+                    r["iterations"].as_u64()?,
+                ))
+            },
+        ));
+        v.push(perf_measure(
+            format!("metaroce_rate64q_{be}"),
+            "packets/s",
+            rate_q,
             false,
             |d| {
                 let r = &d["bw"][0];
@@ -1232,6 +1250,18 @@ fn main() {
             "metaroce_rate64_uring",
             "metaroce_rate64_udp",
             ">= 1.2",
+        ),
+        ratio(
+            "io_uring / UDP backend, 64 B packets/s, -Q 16",
+            "metaroce_rate64q_uring",
+            "metaroce_rate64q_udp",
+            ">= 1.2",
+        ),
+        ratio(
+            "64 B WRITEs/s, lists of 16 vs one by one (udp)",
+            "metaroce_rate64q_udp",
+            "metaroce_rate64_udp",
+            "-",
         ),
         ratio(
             "io_uring / UDP backend, bulk",
