@@ -1119,6 +1119,22 @@ impl Endpoint {
         })
     }
 
+    /// The checks [`post_write`](Self::post_write) makes of `req` itself, without posting
+    /// it: the local key, range and access (`PostError::LocalMemory`) and the length
+    /// against `max_message_size` (`PostError::MessageTooLarge`). The connection's state
+    /// and send-queue room are checked when it is posted. A driver posting a list of
+    /// WRITEs checks them all first, so that a bad one posts none.
+    pub fn check_write(&self, req: &WriteRequest) -> Result<(), PostError> {
+        self.mrs
+            .check_local(req.lkey, req.local_offset, req.len as u64)
+            .map_err(PostError::LocalMemory)?;
+        let (len, max) = (req.len as u64, self.cfg.transport.max_message_size);
+        if len > max {
+            return Err(PostError::MessageTooLarge { len, max });
+        }
+        Ok(())
+    }
+
     /// Post an RDMA READ. The peer's bytes land in the local region as response packets
     /// arrive, in any order; the completion (`RdmaRead`) reports success once all have
     /// landed, or `RemoteAccessError` (bad rkey, out of bounds, no REMOTE_READ right).
@@ -1244,6 +1260,20 @@ impl Endpoint {
         let out = c.cancel(wr_id, &mut self.events);
         self.touched(conn.0);
         out
+    }
+
+    /// [`cancel`](Self::cancel) for every WRITE, READ or atomic of `conn` not finished
+    /// yet whose work request id is in `wr_ids` (in any order), in one pass over the send
+    /// queue: O(queue + n log n) where `n` calls of `cancel` cost O(n · queue). SENDs and
+    /// posted receives are not touched. Returns how many were cancelled; 0 for an unknown
+    /// connection. Completions that become due are queued as events before it returns.
+    pub fn cancel_many(&mut self, _now: Instant, conn: ConnectionHandle, wr_ids: &[u64]) -> usize {
+        let Some(c) = self.conns.get_mut(&conn.0) else {
+            return 0;
+        };
+        let n = c.cancel_many(wr_ids, &mut self.events);
+        self.touched(conn.0);
+        n
     }
 
     /// Close a connection now, with code 0 and no reason: the same as

@@ -302,3 +302,80 @@ fn receive_with_a_message_landing_is_not_withdrawn() {
     let wc = recv_completion(&p.events[1], 1).unwrap();
     assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 1 << 20));
 }
+
+/// `cancel_many` is `cancel` for each listed work request, in one pass: the same
+/// operations stop, each completes `WrFlushError` in posting order, the ones not listed
+/// (and the SEND, which is not cancellable) complete `Success`, and the responder counts
+/// the same op aborts. Run both ways on the same schedule and compared.
+#[test]
+fn cancel_many_cancels_what_cancel_would_one_by_one() {
+    let run = |many: bool| {
+        let mut p = Pair::impaired(3, lossy());
+        let (c, s) = p.connect();
+        let src = p.eps[0].register_mr(vec![0xAB; 64 << 10], Access::LOCAL_WRITE);
+        let dst = p.eps[1].register_mr(vec![0; 64 << 10], Access::REMOTE_WRITE);
+        for wr in 1..=40u64 {
+            p.eps[0]
+                .post_write(c, write(wr, src, dst, 16 << 10))
+                .unwrap();
+        }
+        p.eps[0]
+            .post_send(c, 0, 41, Bytes::from_static(b"not cancellable"))
+            .unwrap();
+        for _ in 0..4 {
+            p.step();
+        }
+        // Every third WRITE, the SEND, and ids that name nothing; in no particular order.
+        let mut ids: Vec<u64> = (1..=40).filter(|w| w % 3 == 0).rev().collect();
+        ids.extend([41, 999, 0]);
+        let now = p.now;
+        let cancelled = if many {
+            p.eps[0].cancel_many(now, c, &ids)
+        } else {
+            ids.iter()
+                .filter(|&&w| p.eps[0].cancel(now, c, w) == CancelOutcome::Cancelled)
+                .count()
+        };
+        assert!(
+            p.run_until(Duration::from_secs(30), |p| (1..=41).all(|w| completion(
+                &p.events[0],
+                w
+            )
+            .is_some()))
+        );
+        let statuses: Vec<WcStatus> = (1..=41)
+            .map(|w| completion(&p.events[0], w).unwrap().status)
+            .collect();
+        let order: Vec<u64> = p.events[0]
+            .iter()
+            .filter_map(|e| match e {
+                Event::Completion { wc, .. } if (1..=41).contains(&wc.wr_id) => Some(wc.wr_id),
+                _ => None,
+            })
+            .collect();
+        let aborts = p.eps[1].connection_stats(s).unwrap().recv.aborted_ops;
+        (cancelled, statuses, order, aborts)
+    };
+    let (n, statuses, order, aborts) = run(true);
+    assert_eq!((n, &statuses, &order, aborts), {
+        let one = run(false);
+        (one.0, &one.1.clone(), &one.2.clone(), one.3)
+    });
+    assert_eq!(
+        order,
+        (1..=41).collect::<Vec<_>>(),
+        "completions in posting order"
+    );
+    for (i, st) in statuses.iter().enumerate() {
+        let wr = i as u64 + 1;
+        let want = if wr <= 40 && wr % 3 == 0 {
+            WcStatus::WrFlushError
+        } else {
+            WcStatus::Success
+        };
+        assert_eq!(*st, want, "work request {wr}");
+    }
+    assert_eq!(n, 13, "every listed WRITE was still running");
+    // (Operations the responder had not begun are not counted there.)
+    assert!(aborts as usize <= n);
+}

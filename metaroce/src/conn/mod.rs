@@ -1682,6 +1682,14 @@ impl Connection {
         out
     }
 
+    /// Cancel the unfinished WRITEs, READs and atomics named in `wr_ids` (see
+    /// `Endpoint::cancel_many`); due completions are reported into `events`.
+    pub fn cancel_many(&mut self, wr_ids: &[u64], events: &mut VecDeque<Event>) -> usize {
+        let n = self.sq.cancel_many(wr_ids);
+        self.drain_completions(events);
+        n
+    }
+
     // ---- timers ----
 
     pub fn next_timeout(&self) -> Option<Instant> {

@@ -1370,18 +1370,44 @@ impl SendQueue {
         if op.status.is_some() {
             return Some(CancelOutcome::Finishing);
         }
-        let wire_id = match op.kind {
+        Some(match self.cancel_at(i) {
+            true => CancelOutcome::Cancelled,
+            false => CancelOutcome::NotCancellable,
+        })
+    }
+
+    /// `cancel` for every unfinished application WRITE, READ or atomic whose `wr_id` is in
+    /// `wr_ids`, in one pass; how many were cancelled.
+    pub fn cancel_many(&mut self, wr_ids: &[u64]) -> usize {
+        let mut ids = wr_ids.to_vec();
+        ids.sort_unstable();
+        let mut n = 0;
+        // The aborts are queued behind: the operations before them keep their places.
+        for i in 0..self.ops.len() {
+            let o = &self.ops[i];
+            if o.kind.is_internal() || o.status.is_some() || ids.binary_search(&o.wr_id).is_err() {
+                continue;
+            }
+            n += usize::from(self.cancel_at(i));
+        }
+        n
+    }
+
+    /// Cancels the unfinished operation at index `i` if it is a WRITE, READ or atomic:
+    /// it completes `WrFlushError` once an op abort queued behind it is acknowledged.
+    fn cancel_at(&mut self, i: usize) -> bool {
+        let wire_id = match self.ops[i].kind {
             OpKind::Write { wire_id, .. }
             | OpKind::Read { wire_id, .. }
             | OpKind::Atomic { wire_id, .. } => wire_id,
-            _ => return Some(CancelOutcome::NotCancellable),
+            _ => return false,
         };
         let id = self.base_id + i as u64;
         self.finish(id, WcStatus::WrFlushError);
         let abort = self.base_id + self.ops.len() as u64;
         self.push(0, OpKind::OpAbort { wire_id }, 0);
         self.ops[i].hold = Some(abort);
-        Some(CancelOutcome::Cancelled)
+        true
     }
 
     /// Pop completions that are due, in posting order (internal operations report none).
