@@ -225,6 +225,7 @@ fn bad_flags_are_rejected_with_a_message() {
         &["-Q", "200"],
         "--cq-mod must be in 1..=--tx-depth (128), got 200",
     );
+    assert_usage_error(&["read_bw", "-Q", "8"], "--cq-mod applies to write_bw only");
     assert_usage_error(&["127.0.0.1:notaport"], "invalid port");
     assert_usage_error(&["--server", "127.0.0.1"], "--server");
     let empty = temp_path("empty.bin");

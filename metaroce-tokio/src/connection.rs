@@ -749,10 +749,10 @@ impl Connection {
 
     /// Posts several RDMA WRITEs at once and resolves once all of them completed: a post
     /// list with selective signaling, as `ibv_post_send` with a chain of work requests of
-    /// which only the last is signaled (perftest's `--cq-mod`). One lock, one wake-up of
-    /// the driver and one completion for the whole batch, where [`write`](Self::write)
-    /// costs one of each per WRITE: for small WRITEs that per-operation cost is most of
-    /// the work.
+    /// which only the last is signaled (perftest's `--cq-mod`). One lock and one wake-up
+    /// of the driver per 256 WRITEs, and one completion for the whole batch, where
+    /// [`write`](Self::write) costs one of each per WRITE: for small WRITEs that
+    /// per-operation cost is most of the work.
     ///
     /// The WRITEs are posted in order and complete as [`write`](Self::write)s would
     /// (placed by the peer in any order; each acknowledged once every byte landed).

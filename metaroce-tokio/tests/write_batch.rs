@@ -152,3 +152,17 @@ async fn a_dropped_batch_cancels_its_writes() {
         .unwrap();
     assert_eq!(client.driver_maps().waiters, 0);
 }
+
+/// The future can be spawned (it is `Send`), as `write`'s is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_can_run_on_a_spawned_task() {
+    let (server, client, c, _s) = pair(Config::default()).await;
+    let src = client.register(vec![3u8; 4096], Access::LOCAL_WRITE);
+    let dst = server.alloc(4096, Access::REMOTE_WRITE);
+    let remote = dst.remote();
+    tokio::spawn(async move { c.write_batch(batch(&src, remote, 16, 256)).await })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(dst.read(0, 4096).unwrap(), vec![3u8; 4096]);
+}

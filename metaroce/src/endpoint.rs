@@ -1262,11 +1262,14 @@ impl Endpoint {
         out
     }
 
-    /// [`cancel`](Self::cancel) for every WRITE, READ or atomic of `conn` not finished
-    /// yet whose work request id is in `wr_ids` (in any order), in one pass over the send
-    /// queue: O(queue + n log n) where `n` calls of `cancel` cost O(n · queue). SENDs and
-    /// posted receives are not touched. Returns how many were cancelled; 0 for an unknown
-    /// connection. Completions that become due are queued as events before it returns.
+    /// Cancels, as [`cancel`](Self::cancel) does, every WRITE, READ or atomic of `conn`
+    /// not finished yet whose work request id is in `wr_ids` (in any order), in one pass
+    /// over the send queue: O(queue + n log n), where `n` calls of `cancel` cost
+    /// O(n · queue). Where an id names several unfinished operations (ids may repeat),
+    /// all of them are cancelled (`cancel` takes the oldest). SENDs and posted receives are
+    /// not touched, and no per-id outcome is reported. Returns how many operations were
+    /// cancelled; 0 for an unknown connection. Completions that become due are queued as
+    /// events before it returns.
     pub fn cancel_many(&mut self, _now: Instant, conn: ConnectionHandle, wr_ids: &[u64]) -> usize {
         let Some(c) = self.conns.get_mut(&conn.0) else {
             return 0;

@@ -311,8 +311,8 @@ pub struct Args {
 
     /// write_bw: one work completion per N WRITEs (perftest's --cq-mod): each post is a
     /// list of N WRITEs of which only the last is signaled (`Connection::write_batch`);
-    /// --tx-depth still counts WRITEs. 1 (the default): every WRITE posted and completed
-    /// on its own.
+    /// --tx-depth still counts WRITEs (--tx-depth / N lists are kept outstanding). 1 (the
+    /// default): every WRITE posted and completed on its own.
     #[arg(short = 'Q', long = "cq-mod", value_name = "N", default_value_t = 1)]
     pub cq_mod: u64,
 
@@ -880,6 +880,9 @@ impl Args {
                 "--cq-mod must be in 1..=--tx-depth ({}), got {}",
                 self.tx_depth, self.cq_mod
             ));
+        }
+        if self.cq_mod > 1 && test != Test::WriteBw {
+            return Err("--cq-mod applies to write_bw only".into());
         }
         if self.outs == 0 || self.outs > 255 {
             return Err(format!("--outs must be in 1..=255, got {}", self.outs));

@@ -343,7 +343,8 @@ async fn drain<F: Future<Output = Res<U>>, U>(pending: &mut FuturesUnordered<F>)
 /// Keeps `s.tx_depth` operations outstanding until `ops` completed (or the duration ran
 /// out), metering completions. `op(i, n)` posts operations `i .. i + n` with one completion
 /// and resolves with their bytes; `n` is `per_post` (the last post of a counted run may
-/// take fewer), so `s.tx_depth / per_post` posts are kept outstanding. Ends early with the
+/// take fewer), so `s.tx_depth / per_post` posts (rounded down, at least one) are kept
+/// outstanding. Ends early with the
 /// server's report when it reports a failure on its side.
 async fn pump<F, Fut>(
     s: &Settings,
@@ -363,7 +364,8 @@ where
     let deadline = s.duration.map(|d| start + d);
     let mut meter = BwMeter::new(start);
     let per_post = per_post.max(1);
-    let depth = s.tx_depth.div_ceil(per_post as usize).max(1);
+    // `--cq-mod` is at most `--tx-depth`: at least one post, never more WRITEs than that.
+    let depth = (s.tx_depth / per_post as usize).max(1);
     let mut posted: u64 = 0;
     loop {
         while inflight.len() < depth {

@@ -1376,8 +1376,8 @@ impl SendQueue {
         })
     }
 
-    /// `cancel` for every unfinished application WRITE, READ or atomic whose `wr_id` is in
-    /// `wr_ids`, in one pass; how many were cancelled.
+    /// Cancels every unfinished application WRITE, READ or atomic whose `wr_id` is in
+    /// `wr_ids` (all of them where an id repeats), in one pass; how many were cancelled.
     pub fn cancel_many(&mut self, wr_ids: &[u64]) -> usize {
         let mut ids = wr_ids.to_vec();
         ids.sort_unstable();
