@@ -818,15 +818,18 @@ impl PathTx {
 
     /// The peer refused the packet with this PSN (NAK): settle it and return its segment.
     ///
-    /// A NAK is an answer from the peer, and it counts as progress of the path (the loss
-    /// timer restarts, probes and RTO backoff end) when it names the oldest packet the path
-    /// has outstanding. A NAK of a later packet while an older one is outstanding is not
-    /// progress: the older packet may be lost, and a peer that kept refusing later packets
-    /// (flow-control RNR NAKs every RNR timer) would otherwise push its loss timer back for
-    /// as long as the NAKs went on. Nor does a NAK move RACK: NAKs leave the receiver ahead
-    /// of ACKs it holds (delayed ACK), so a NAK of a later packet says nothing about the
-    /// earlier ones, and a probe's NAK must not declare lost the first copy of its own
-    /// segment (found by review: that failed a SEND the receiver then delivered).
+    /// A NAK is an answer from the peer: the path works, so the RTO count that fails a
+    /// path (`retry_count`) and its backoff start over. It restarts the loss timer (and
+    /// ends probes) only when it names the oldest packet the path has outstanding: the
+    /// older packet may be lost, and a peer that kept refusing later packets (flow-control
+    /// RNR NAKs every RNR timer) would otherwise push its loss timer back for as long as
+    /// the NAKs went on. (When such NAKs did not restart the RTO count either, a lossy but
+    /// answering path failed after `retry_count` RTOs and took the connection with it:
+    /// found by the `pair_impaired` fuzz target.) Nor does a NAK move RACK: NAKs leave the
+    /// receiver ahead of ACKs it holds (delayed ACK), so a NAK of a later packet says
+    /// nothing about the earlier ones, and a probe's NAK must not declare lost the first
+    /// copy of its own segment (found by review: that failed a SEND the receiver then
+    /// delivered).
     pub fn on_nak(&mut self, psn: u32, now: Instant) -> Option<SegRef> {
         let i = self.index_of(psn)?;
         let p = &mut self.sent[i];
@@ -840,9 +843,12 @@ impl PathTx {
             .sent
             .range(..i)
             .any(|q| q.state == PktState::Outstanding);
+        self.consecutive_rtos = 0;
+        self.backoff_from = 0;
+        if self.state != PathState::Failed {
+            self.state = PathState::Active;
+        }
         if oldest {
-            self.consecutive_rtos = 0;
-            self.backoff_from = 0;
             self.probe_sent = false;
             self.probe_psn = None;
             self.held = None;
@@ -850,9 +856,6 @@ impl PathTx {
             self.asked_at = None;
             self.last_progress = now;
             self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
-            if self.state != PathState::Failed {
-                self.state = PathState::Active;
-            }
         }
         self.trim();
         self.apply_pending_port();
