@@ -3,28 +3,10 @@
 
 mod common;
 
-use common::pair;
+use common::{batch, pair};
 use metaroce::{Access, WcStatus};
-use metaroce_tokio::{BatchWrite, Config, Error};
+use metaroce_tokio::{Config, Error};
 use std::time::Duration;
-
-/// `n` WRITEs of `len` bytes from `src` into `dst`, WRITE i at offset i·len of both.
-fn batch<'a>(
-    src: &'a metaroce_tokio::MemoryRegion,
-    dst: metaroce_tokio::RemoteRegion,
-    n: u64,
-    len: u64,
-) -> Vec<BatchWrite<'a>> {
-    (0..n)
-        .map(|i| BatchWrite {
-            src,
-            range: i * len..(i + 1) * len,
-            dst,
-            dst_offset: i * len,
-            imm: None,
-        })
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_lands_every_write_and_resolves_once() {

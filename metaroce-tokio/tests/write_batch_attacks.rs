@@ -8,28 +8,13 @@
 
 mod common;
 
-use common::{connect, pair, pair_with};
+use common::{batch, connect, pair, pair_with};
 use metaroce::{Access, PostError, WcStatus};
 use metaroce_tokio::backend::{Impaired, Impairment, UdpBackend};
-use metaroce_tokio::{
-    BatchWrite, Config, Connection, DriverMaps, Endpoint, Error, MemoryRegion, RemoteRegion,
-};
+use metaroce_tokio::{BatchWrite, Config, Connection, DriverMaps, Endpoint, Error, MemoryRegion};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(20);
-
-/// `n` WRITEs of `len` bytes, WRITE i at offset i·len of both regions.
-fn batch<'a>(src: &'a MemoryRegion, dst: RemoteRegion, n: u64, len: u64) -> Vec<BatchWrite<'a>> {
-    (0..n)
-        .map(|i| BatchWrite {
-            src,
-            range: i * len..(i + 1) * len,
-            dst,
-            dst_offset: i * len,
-            imm: None,
-        })
-        .collect()
-}
 
 fn impaired_client(imp: Impairment, cfg: Config) -> Endpoint {
     let b = Impaired::new(

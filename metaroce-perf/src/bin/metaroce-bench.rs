@@ -346,32 +346,22 @@ fn metaroce_measures(scale: u64) -> Vec<Measure> {
                 ))
             },
         ));
-        v.push(perf_measure(
-            format!("metaroce_rate64_{be}"),
-            "packets/s",
-            rate,
-            false,
-            |d| {
-                let r = &d["bw"][0];
-                Some((
-                    r["msg_rate_mpps"].as_f64()? * 1e6,
-                    r["iterations"].as_u64()?,
-                ))
-            },
-        ));
-        v.push(perf_measure(
-            format!("metaroce_rate64q_{be}"),
-            "packets/s",
-            rate_q,
-            false,
-            |d| {
-                let r = &d["bw"][0];
-                Some((
-                    r["msg_rate_mpps"].as_f64()? * 1e6,
-                    r["iterations"].as_u64()?,
-                ))
-            },
-        ));
+        // WRITEs per second, one by one and in lists of 16.
+        for (name, args) in [("rate64", rate), ("rate64q", rate_q)] {
+            v.push(perf_measure(
+                format!("metaroce_{name}_{be}"),
+                "packets/s",
+                args,
+                false,
+                |d| {
+                    let r = &d["bw"][0];
+                    Some((
+                        r["msg_rate_mpps"].as_f64()? * 1e6,
+                        r["iterations"].as_u64()?,
+                    ))
+                },
+            ));
+        }
         v.push(perf_measure(
             format!("metaroce_bulk_{be}_cpu"),
             "Gbit/CPU-s",

@@ -73,3 +73,22 @@ pub fn rss_kib() -> u64 {
         })
         .unwrap_or(0)
 }
+
+/// `n` WRITEs of `len` bytes from `src` into `dst` for `Connection::write_batch`, WRITE i
+/// at offset i·len of both.
+pub fn batch<'a>(
+    src: &'a metaroce_tokio::MemoryRegion,
+    dst: metaroce_tokio::RemoteRegion,
+    n: u64,
+    len: u64,
+) -> Vec<metaroce_tokio::BatchWrite<'a>> {
+    (0..n)
+        .map(|i| metaroce_tokio::BatchWrite {
+            src,
+            range: i * len..(i + 1) * len,
+            dst,
+            dst_offset: i * len,
+            imm: None,
+        })
+        .collect()
+}
