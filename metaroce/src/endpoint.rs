@@ -1253,6 +1253,11 @@ impl Endpoint {
     ///   sequence numbers order the stream.
     ///
     /// Completions that become due are queued as events before this returns.
+    ///
+    /// Cost: O(log queue) to find a WRITE, READ or atomic while the connection's work
+    /// request ids have been posted in nondecreasing order (repeats allowed; metaroce-tokio
+    /// posts them so), O(queue) once one was smaller than the one before. A posted receive
+    /// is searched among its stream's posted receives.
     pub fn cancel(&mut self, _now: Instant, conn: ConnectionHandle, wr_id: u64) -> CancelOutcome {
         let Some(c) = self.conns.get_mut(&conn.0) else {
             return CancelOutcome::Unknown;
@@ -1265,7 +1270,7 @@ impl Endpoint {
     /// Cancels, as [`cancel`](Self::cancel) does, every WRITE, READ or atomic of `conn`
     /// not finished yet whose work request id is in `wr_ids` (in any order), in one pass
     /// over the send queue: O(queue + n log n), where `n` calls of `cancel` cost
-    /// O(n · queue). Where an id names several unfinished operations (ids may repeat),
+    /// O(n · queue) unless the ids were posted in order. Where an id names several unfinished operations (ids may repeat),
     /// all of them are cancelled (`cancel` takes the oldest). SENDs and posted receives are
     /// not touched, and no per-id outcome is reported. Returns how many operations were
     /// cancelled; 0 for an unknown connection. Completions that become due are queued as
