@@ -741,18 +741,9 @@ impl PathTx {
             }
             self.state = PathState::Active;
             out.progress = true;
-            self.last_progress = now;
-            if let Some((_, newest)) = span {
-                self.newest_acked_sent = self.newest_acked_sent.max(Some(newest));
-            }
-            self.probe_sent = false;
-            self.probe_psn = None;
-            self.held = None;
-            self.refuted_at = None;
-            self.asked_at = None;
+            self.restart_loss_timer(now, span.map(|(_, newest)| newest));
             self.late_grace = None;
-            self.consecutive_rtos = 0;
-            self.backoff_from = 0;
+            self.restart_rto_count();
             self.cc.on_ack(now, na, &self.rtt);
         }
         if nl > 0 && persistent {
@@ -843,23 +834,39 @@ impl PathTx {
             .sent
             .range(..i)
             .any(|q| q.state == PktState::Outstanding);
-        self.consecutive_rtos = 0;
-        self.backoff_from = 0;
+        self.restart_rto_count();
         if self.state != PathState::Failed {
             self.state = PathState::Active;
         }
         if oldest {
-            self.probe_sent = false;
-            self.probe_psn = None;
-            self.held = None;
-            self.refuted_at = None;
-            self.asked_at = None;
-            self.last_progress = now;
-            self.newest_acked_sent = self.newest_acked_sent.max(Some(sent));
+            self.restart_loss_timer(now, Some(sent));
         }
         self.trim();
         self.apply_pending_port();
         Some(seg)
+    }
+
+    /// The peer answered (an ACK of new packets, or any NAK): the path works, so the count
+    /// of RTOs in a row that fails it (`retry_count`) and the RTO backoff start over.
+    fn restart_rto_count(&mut self) {
+        self.consecutive_rtos = 0;
+        self.backoff_from = 0;
+    }
+
+    /// The loss timer counts from `now` again and probing ends (no probe pending, no held
+    /// silence, no refuted or asked-for probe): the peer answered the oldest outstanding
+    /// packet (or newer ones, by ACK), an RTO settled everything, or the path moved
+    /// (`abandon`). `newest` is the send time of the newest packet an answer covers. One
+    /// place for all four, so that a new piece of probe state cannot be reset by one and
+    /// forgotten by another.
+    fn restart_loss_timer(&mut self, now: Instant, newest: Option<Instant>) {
+        self.last_progress = now;
+        self.newest_acked_sent = self.newest_acked_sent.max(newest);
+        self.probe_sent = false;
+        self.probe_psn = None;
+        self.held = None;
+        self.refuted_at = None;
+        self.asked_at = None;
     }
 
     /// Probe timeout (PTO): `max(2·SRTT, SRTT + 4·RTTVAR, 200 µs)`. RFC 8985 §7.2 uses
@@ -1010,13 +1017,8 @@ impl PathTx {
         self.sent.clear();
         self.outstanding = 0;
         self.probe = None;
-        self.probe_sent = false;
-        self.probe_psn = None;
-        self.held = None;
-        self.refuted_at = None;
-        self.asked_at = None;
         self.rack_deadline = None;
-        self.last_progress = now;
+        self.restart_loss_timer(now, None);
         if !counted {
             self.stats.rtos += 1;
         }
@@ -1226,13 +1228,8 @@ impl PathTx {
         self.sent.clear();
         self.outstanding = 0;
         self.probe = None;
-        self.probe_sent = false;
-        self.probe_psn = None;
-        self.held = None;
-        self.refuted_at = None;
-        self.asked_at = None;
         self.rack_deadline = None;
-        self.last_progress = now;
+        self.restart_loss_timer(now, None);
         self.apply_pending_port();
         lost
     }
