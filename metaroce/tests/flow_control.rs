@@ -881,3 +881,79 @@ fn a_peer_holding_the_reassembly_cap_does_not_stop_small_messages() {
     assert_eq!(large, 0, "the larger message waits while the cap is held");
     assert!(st.reassembly_rnr_naks > 0);
 }
+
+/// A READ from a peer that holds one of our streams in a flow-control wait, with 60,000
+/// SENDs queued behind that stream (review, 2026-12-07): every READ response packet is
+/// found past the blocked cursor. The READ completes, and once the reader consumes, every
+/// SEND arrives in order. (Each `peek` walked the whole send queue then: the READ took
+/// 2.46 s in release, against 73 ms with nothing queued; 59 ms since the scan
+/// resumes where it stopped. `send::tests::peek_past_a_flow_blocked_stream_walks_the_
+/// queue_once` bounds the walk; times here are printed, not asserted.)
+#[test]
+fn a_read_behind_a_flow_blocked_stream_of_60_000_sends_completes() {
+    let mut p = pair_with(11, Impair::default(), |b| {
+        b.transport.max_stream_recv_bytes = 64 << 10;
+        b.transport.max_recv_buffer_bytes = MIB;
+    });
+    let (a, b) = p.connect();
+    let n_sends = 60_000u64;
+    for i in 0..n_sends {
+        p.eps[0]
+            .post_send(a, 1, i, Bytes::from(vec![(i % 251) as u8; 64]))
+            .unwrap();
+    }
+    // The stream fills B's 64 KiB and waits on flow control.
+    let t = p.elapsed() + Duration::from_millis(20);
+    p.run_until(t, |_| false);
+    let len = 32usize << 20;
+    let remote = p.eps[0].register_mr(vec![3u8; len], metaroce::Access::REMOTE_READ);
+    let local = p.eps[1].register_mr(vec![0; len], metaroce::Access::LOCAL_WRITE);
+    let req = metaroce::ReadRequest {
+        wr_id: u64::MAX,
+        lkey: local.lkey,
+        local_offset: 0,
+        len: len as u32,
+        remote_addr: remote.addr,
+        rkey: remote.rkey,
+    };
+    p.eps[1].post_read(b, req).unwrap();
+    let wall = std::time::Instant::now();
+    let read_done = |p: &Pair| {
+        p.events[1]
+            .iter()
+            .any(|e| matches!(e, Event::Completion { wc, .. } if wc.wr_id == u64::MAX))
+    };
+    let limit = p.elapsed() + Duration::from_secs(30);
+    assert!(p.run_until(limit, read_done), "READ never completed");
+    println!(
+        "32 MiB READ behind {n_sends} waiting SENDs: {:?} of CPU",
+        wall.elapsed()
+    );
+    let wc = p
+        .completions(1, b)
+        .into_iter()
+        .find(|w| w.wr_id == u64::MAX)
+        .unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    let got = p.eps[1].mr_read(local.lkey, 0, len as u64).unwrap();
+    assert!(got.iter().all(|&x| x == 3), "the READ's bytes");
+    // Now B reads: every SEND arrives, in order.
+    let mut next = 0u64;
+    let t0 = p.now;
+    while next < n_sends && p.now - t0 < Duration::from_secs(60) {
+        if !p.step() {
+            break;
+        }
+        for e in std::mem::take(&mut p.events[1]) {
+            if let Event::Message {
+                stream: 1, data, ..
+            } = e
+            {
+                assert_eq!(data[0], (next % 251) as u8, "message {next} out of order");
+                next += 1;
+                p.eps[1].stream_consumed(b, 1, data.len() as u64);
+            }
+        }
+    }
+    assert_eq!(next, n_sends);
+}
