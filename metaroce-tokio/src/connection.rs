@@ -483,35 +483,49 @@ impl Connection {
     /// # Errors
     /// [`Error::ConnectionLost`] once the connection ended.
     pub fn open_stream(&self) -> Result<MessageStream, Error> {
-        let mut st = self.shared().lock();
-        let parity = u32::from(!st.core.is_client(self.inner.handle));
+        let mut guard = self.shared().lock();
+        let parity = u32::from(!guard.core.is_client(self.inner.handle));
+        let st = &mut *guard;
         let Some(entry) = st.conns.get_mut(&self.inner.handle) else {
             return Err(self.lost());
         };
-        loop {
-            let id = entry.next_stream * 2 + parity;
-            entry.next_stream += 1;
-            if !entry.streams.contains_key(&id) {
-                drop(st);
-                return self.stream(id);
+        // Ids of this side's parity in order, skipping those in use or closed (named
+        // streams may have taken some).
+        let id = loop {
+            let id = entry.next_stream.wrapping_mul(2).wrapping_add(parity);
+            entry.next_stream = entry.next_stream.wrapping_add(1);
+            if !entry.streams.contains_key(&id) && !st.core.stream_is_closed(self.inner.handle, id)
+            {
+                break id;
             }
-        }
+        };
+        drop(guard);
+        self.stream(id)
     }
 
     /// Open the stream with a given id (for ids both sides agree on, such as a
     /// communicator id).
     ///
+    /// Stream ids are single-use per connection: once a stream is over in a direction (a
+    /// finish or reset acknowledged, or the peer's end delivered and read) the connection
+    /// forgets it, and its id cannot be opened again.
+    ///
     /// # Errors
     /// [`Error::StreamInUse`] if it is open already (including when the peer opened it
     /// first: take it from [`accept_stream`](Self::accept_stream));
+    /// [`Error::StreamClosed`] if it was used and is over;
     /// [`Error::ConnectionLost`] once the connection ended.
     pub fn stream(&self, id: u32) -> Result<MessageStream, Error> {
         let mut st = self.shared().lock();
+        let closed = st.core.stream_is_closed(self.inner.handle, id);
         let Some(entry) = st.conns.get_mut(&self.inner.handle) else {
             return Err(self.lost());
         };
         if entry.streams.contains_key(&id) {
             return Err(Error::StreamInUse(id));
+        }
+        if closed {
+            return Err(Error::StreamClosed(id));
         }
         let (e, rx) = StreamEntry::new(false);
         entry.streams.insert(id, e);

@@ -575,6 +575,21 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     }
                 }
             }
+            Event::StreamClosed { conn, stream } => {
+                tracing::trace!(%conn, stream, "stream closed");
+                if let Some(c) = st.conns.get_mut(&conn) {
+                    match c.streams.get_mut(&stream) {
+                        // Its handle is gone: nothing will ask for it again.
+                        Some(e) if !e.has_reader => {
+                            c.streams.remove(&stream);
+                        }
+                        // Removed when the handle is dropped (or, not accepted yet, once
+                        // `accept_stream` took it and it was dropped).
+                        Some(e) => e.closed = true,
+                        None => {}
+                    }
+                }
+            }
             Event::WriteWithImm {
                 conn,
                 imm,

@@ -343,6 +343,7 @@ impl State {
             connections: self.conns.len(),
             connecting: self.connecting.len(),
             waiters: self.waiters.len(),
+            streams: self.conns.values().map(|c| c.streams.len()).sum(),
             core_connections: self.core.connections().count(),
             core: self.core.table_sizes(),
         }
@@ -360,6 +361,11 @@ pub struct DriverMaps {
     pub connecting: usize,
     /// Posted operations waiting for their completion.
     pub waiters: usize,
+    /// Streams the driver routes messages to, over all connections: each from its first
+    /// use (or the peer's) until both directions are over in the core
+    /// ([`metaroce::Event::StreamClosed`]) and its [`MessageStream`](crate::MessageStream)
+    /// was dropped.
+    pub streams: usize,
     /// Connections the core holds (including ones draining after a close).
     pub core_connections: usize,
     /// The core's per-connection tables (timers, indexes, CLOSEs awaiting an answer).
@@ -996,6 +1002,7 @@ impl Endpoint {
             total.connections += m.connections;
             total.connecting += m.connecting;
             total.waiters += m.waiters;
+            total.streams += m.streams;
             total.core_connections += m.core_connections;
             let (t, c) = (&mut total.core, m.core);
             t.connections += c.connections;

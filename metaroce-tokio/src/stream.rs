@@ -88,6 +88,9 @@ pub(crate) struct StreamEntry {
     pub stopped: Option<Error>,
     /// The task waiting in `poll_ready` / `poll_flush`.
     pub waker: Option<Waker>,
+    /// Both directions are over in the core ([`metaroce::Event::StreamClosed`]): the entry
+    /// goes when the handle does.
+    pub closed: bool,
 }
 
 impl StreamEntry {
@@ -105,6 +108,7 @@ impl StreamEntry {
                 error: None,
                 stopped: None,
                 waker: None,
+                closed: false,
             },
             rx,
         )
@@ -441,11 +445,19 @@ impl Drop for MessageStream {
             .and_then(|c| c.streams.get_mut(&self.id))
         {
             e.has_reader = false;
+            let closed = e.closed;
             let mut q = lock_rx(&e.rx);
             q.queue.clear();
             let unread = std::mem::take(&mut q.bytes) as u64;
             drop(q);
             st.core.stream_consumed(self.conn.handle, self.id, unread);
+            if closed {
+                // The core forgot the stream already: so does the driver. (Otherwise its
+                // `StreamClosed`, once the reset and stop above are answered, removes it.)
+                if let Some(c) = st.conns.get_mut(&self.conn.handle) {
+                    c.streams.remove(&self.id);
+                }
+            }
         }
         drop(st);
         shared.wake_driver.notify_one();
@@ -478,9 +490,9 @@ pub(crate) fn post_error(e: PostError, stream: u32, lost: impl FnOnce() -> Error
     match e {
         PostError::UnknownConnection => lost(),
         PostError::Closing => Error::ConnectionLost(metaroce::ConnectionError::LocallyClosed),
-        PostError::StreamFinished { .. } | PostError::StreamReset { .. } => {
-            Error::StreamClosed(stream)
-        }
+        PostError::StreamFinished { .. }
+        | PostError::StreamReset { .. }
+        | PostError::StreamClosed { .. } => Error::StreamClosed(stream),
         e => Error::Post(e),
     }
 }

@@ -326,7 +326,14 @@ pub struct TransportConfig {
     /// further ahead is refused with a flow-control RNR NAK, never acknowledged: the
     /// sender waits and re-sends it, so the peers' windows need not match. Default 1024.
     pub max_stream_window: u32,
-    /// Most streams a peer may open on one connection. Default 65 536.
+    /// Most streams one connection keeps state for at once, per direction: a new stream
+    /// beyond it is refused (its first packet NAKed with 0x61, `RemoteInvalidRequest` at
+    /// the sender). A stream stops counting once it is over in that direction and the
+    /// connection forgot it (its end acknowledged, or delivered and consumed; see
+    /// [`Event::StreamClosed`](crate::Event::StreamClosed)), so a connection may open any
+    /// number of streams over its life, this many at a time. It also bounds the ranges of
+    /// closed stream ids kept per direction (ids of one side, opened in order, merge into
+    /// one range). Default 65 536.
     pub max_streams: u32,
     /// Most posted operations (SENDs, WRITEs, READs, atomics) not yet completed per
     /// connection; more

@@ -73,6 +73,14 @@ pub enum PostError {
         /// Stream id.
         stream: u32,
     },
+    /// This side ended the stream as its sender (finished or reset it, or the peer
+    /// stopped it), every SEND and the end were acknowledged, and its send state was freed
+    /// ([`Event::StreamClosed`] once the other direction is over too): no more SENDs.
+    /// Stream ids are single-use per connection: open another id.
+    StreamClosed {
+        /// Stream id.
+        stream: u32,
+    },
     /// A close reason longer than [`MAX_CLOSE_REASON`] bytes.
     ReasonTooLong {
         /// Given length in bytes.
@@ -108,6 +116,10 @@ impl fmt::Display for PostError {
             PostError::StreamReset { stream } => {
                 write!(f, "stream {stream} was reset or stopped: no more sends")
             }
+            PostError::StreamClosed { stream } => write!(
+                f,
+                "stream {stream} ended and was closed: no more sends (stream ids are single-use)"
+            ),
             PostError::ReasonTooLong { len, max } => {
                 write!(f, "close reason of {len} bytes exceeds {max} bytes")
             }
@@ -1050,6 +1062,17 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Whether `stream` of `conn` was used and is closed in either direction: this side's
+    /// sending on it ended and was acknowledged, or the peer's ended and was delivered and
+    /// consumed, and the connection forgot that direction's state ([`Event::StreamClosed`]
+    /// once both are). Stream ids are single-use per connection, so such a stream cannot
+    /// be used again. `false` for unknown connections.
+    pub fn stream_is_closed(&self, conn: ConnectionHandle, stream: u32) -> bool {
+        self.conns
+            .get(&conn.0)
+            .is_some_and(|c| c.stream_is_closed(stream))
+    }
+
     /// Bytes of SENDs posted on `stream` that have not completed yet (sent and not yet
     /// acknowledged, or not yet sent): what a driver's `poll_ready` compares with its
     /// send-buffer limit. It drops as [`Event::Completion`]s of the stream's SENDs are
@@ -1070,7 +1093,7 @@ impl Endpoint {
     /// are ignored. Without `explicit_consume` it does nothing.
     pub fn stream_consumed(&mut self, conn: ConnectionHandle, stream: u32, bytes: u64) {
         if let Some(c) = self.conns.get_mut(&conn.0) {
-            c.stream_consumed(stream, bytes);
+            c.stream_consumed(stream, bytes, &mut self.events);
             // Reads are what lower `max_unread_recv_bytes`'s count: at once.
             recount_recv(&mut self.recv_total, c);
         }
@@ -2677,8 +2700,12 @@ impl Endpoint {
 
 /// `Ok` unless this side already ended `stream` as its sender:
 /// [`PostError::StreamFinished`] after `finish_stream`, [`PostError::StreamReset`] after a
-/// reset (or the peer's STOP).
+/// reset (or the peer's STOP), [`PostError::StreamClosed`] once that end was acknowledged
+/// and the stream's send state freed.
 fn stream_open(c: &Connection, stream: u32) -> Result<(), PostError> {
+    if c.sq.is_retired(stream) {
+        return Err(PostError::StreamClosed { stream });
+    }
     match c.sq.stream_end(stream) {
         Some(crate::conn::send::StreamEnd::Finished) => Err(PostError::StreamFinished { stream }),
         Some(crate::conn::send::StreamEnd::Reset) => Err(PostError::StreamReset { stream }),

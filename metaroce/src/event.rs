@@ -323,6 +323,23 @@ pub enum Event {
         /// The peer's code.
         code: u32,
     },
+    /// Both directions of `stream` are over and the connection forgot its state: this
+    /// side's sending ended (finished or reset, or stopped by the peer) with every SEND,
+    /// FIN and abort acknowledged, and the peer's sending ended ([`Event::StreamFinished`]
+    /// or [`Event::StreamReset`] reported) with every message delivered and consumed.
+    /// Reported once, after every other event of the stream; nothing more is reported for
+    /// its id. Stream ids are single-use per connection: later posts on it fail with
+    /// [`PostError::StreamClosed`](crate::PostError::StreamClosed), a receive posted on it
+    /// completes with `WrFlushError`, and late packets of it are acknowledged and dropped.
+    /// `TransportConfig::max_streams` counts streams not closed yet. (A stream with a
+    /// refused message, or beyond `max_streams` ranges of closed ids that do not merge, is
+    /// kept instead and never reported closed.)
+    StreamClosed {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+    },
     /// A work completion or error of an RC queue pair (RoCEv2 mode, [`Endpoint::rc`](crate::Endpoint::rc)).
     Rc(crate::rocev2::RcEvent),
 }

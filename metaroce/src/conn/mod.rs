@@ -3,6 +3,7 @@
 
 pub mod cc;
 mod executed;
+pub(crate) mod idset;
 pub(crate) mod path;
 pub(crate) mod recv;
 pub use send::{rnr_timer, AtomicOp};
@@ -164,6 +165,13 @@ pub struct ConnectionStats {
     pub rebalance_rerolls: u64,
     /// AEAD packet protection counters, `None` when the connection is not protected.
     pub protection: Option<ProtectionStats>,
+    /// Gauge: entries of the per-stream send tables (streams sent on, and streams ended
+    /// and not yet closed: one sent on and ended counts twice). 0 once every stream this
+    /// side sent on was closed. Incoming state is `recv.streams`.
+    pub send_streams: u64,
+    /// Gauge: ranges of stream ids whose outgoing direction was closed and forgotten
+    /// (consecutive ids merge; at most `max_streams`).
+    pub closed_send_stream_ranges: u64,
 }
 
 /// A graceful close in progress (`Endpoint::close_with`): no new posts; operations already
@@ -691,6 +699,8 @@ impl Connection {
                 .min(self.compute_conn_window()),
             rebalance_rerolls: self.tx.iter().map(|p| p.stats.rebalance_rerolls).sum(),
             protection: self.protection.as_ref().map(|p| *p.stats()),
+            send_streams: self.sq.tracked_streams() as u64,
+            closed_send_stream_ranges: self.sq.retired_ranges() as u64,
         }
     }
 
@@ -1243,6 +1253,11 @@ impl Connection {
                 self.response_outcome(out)
             }
         };
+        if let Data::Send(s) = data {
+            // A FIN, reset or the last message may have ended the stream's incoming
+            // direction.
+            self.retire_incoming(s.stream_id, events);
+        }
         // A READ, atomic, refusal or op abort may have moved the floor of finished op ids
         // past held immediates (the WRITE_WITH_IMM fence).
         self.rq.take_released(handle, events);
@@ -1610,6 +1625,39 @@ impl Connection {
                 wc,
             });
         }
+        // Streams whose outgoing direction just ended for good (their last SEND, FIN or
+        // abort finished): forget them; a stream over both ways is reported closed.
+        let (rq, handle) = (&self.rq, self.handle);
+        self.sq
+            .retire_streams(self.cfg.max_streams as usize, |stream| {
+                if rq.is_retired(stream) {
+                    events.push_back(Event::StreamClosed {
+                        conn: handle,
+                        stream,
+                    });
+                }
+            });
+    }
+
+    /// Whether either direction of `stream` ended and was forgotten.
+    pub fn stream_is_closed(&self, stream: u32) -> bool {
+        self.sq.is_retired(stream) || self.rq.is_retired(stream)
+    }
+
+    /// Forget `stream`'s incoming direction if it is over (`RecvState::try_retire`); a
+    /// stream over both ways is reported closed.
+    fn retire_incoming(&mut self, stream: u32, events: &mut VecDeque<Event>) {
+        if self.rq.is_retired(stream) || !self.rq.try_retire(stream, self.cfg.max_streams as usize)
+        {
+            return;
+        }
+        self.sq.forget_stop(stream);
+        if self.sq.is_retired(stream) {
+            events.push_back(Event::StreamClosed {
+                conn: self.handle,
+                stream,
+            });
+        }
     }
 
     /// Fail every pending operation and report it; used when the connection ends.
@@ -1643,14 +1691,19 @@ impl Connection {
     /// Stop `stream` as its receiver: delivery ends here (`RecvState::stop`) and a STOP
     /// naming the stop point asks the peer to flush the rest.
     pub fn stop_stream(&mut self, stream: u32, code: u32) {
+        if self.rq.is_retired(stream) {
+            // It ended and was forgotten: nothing more arrives to stop.
+            return;
+        }
         let lim = self.limits();
         let delivered = self.rq.stop(stream, &lim);
         self.sq.stop_stream(stream, code, delivered);
     }
 
     /// The application consumed `bytes` of the messages delivered on `stream`.
-    pub fn stream_consumed(&mut self, stream: u32, bytes: u64) {
+    pub fn stream_consumed(&mut self, stream: u32, bytes: u64, events: &mut VecDeque<Event>) {
         self.rq.consume(stream, bytes);
+        self.retire_incoming(stream, events);
     }
 
     pub fn immediates_consumed(&mut self, n: u32) {

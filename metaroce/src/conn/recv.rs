@@ -329,6 +329,9 @@ enum OpState {
 #[derive(Debug, Default)]
 pub(crate) struct RecvState {
     streams: HashMap<u32, StreamRx>,
+    /// Streams whose incoming direction ended, was drained and was forgotten
+    /// ([`RecvState::try_retire`]): their late packets are acknowledged and dropped.
+    retired: super::idset::IdSet,
     buf: Budget,
     /// WRITEs in progress (some segments placed).
     writes: HashMap<u32, WriteTrack>,
@@ -433,8 +436,21 @@ pub struct RecvStats {
     /// in-order delivery skips them. At most `max_tracked_ops` (plus messages too long for
     /// their posted receive).
     pub refused_messages: u64,
-    /// Gauge: streams the peer has opened (at most `max_streams`).
+    /// Gauge: streams with incoming state (opened by the peer's first message, FIN or
+    /// reset, by a posted receive or by `stop_stream`; at most `max_streams`). A stream
+    /// whose incoming direction ended and was drained is forgotten and leaves this count
+    /// (`retired_streams`).
     pub streams: u64,
+    /// Streams whose incoming direction ended (FIN or reset reported), was drained
+    /// (delivered and consumed) and was forgotten; their ids are remembered as ranges
+    /// (`retired_stream_ranges`), so a late packet of one is acknowledged and dropped.
+    pub retired_streams: u64,
+    /// Gauge: ranges of retired stream ids held (at most `max_streams`; consecutive ids
+    /// merge).
+    pub retired_stream_ranges: u64,
+    /// SEND packets of retired streams (late or duplicated copies), acknowledged and
+    /// dropped.
+    pub retired_stream_packets: u64,
     /// Gauge: immediates of WRITEs with immediate that have fully landed and wait for an
     /// earlier operation to finish (the fence, see `TransportConfig::max_held_immediates`).
     pub held_immediates: u64,
@@ -513,6 +529,11 @@ impl RecvState {
     /// (reported by `take_flushed`), as IBA flushes receives posted to a QP in the error
     /// state.
     pub fn post_recv(&mut self, stream: u32, r: PostedRecv) {
+        if self.retired.contains(stream) {
+            // The stream ended and was forgotten: nothing will arrive on it.
+            self.flushed.push_back((stream, flush_wc(r.wr_id)));
+            return;
+        }
         let st = self.streams.entry(stream).or_default();
         st.posted_mode = true;
         if st.dead_from == Some(st.next_deliver) {
@@ -573,6 +594,9 @@ impl RecvState {
     /// it are refused anyway) and stops at 0.
     pub fn stop(&mut self, stream: u32, lim: &RecvLimits) -> u32 {
         self.buf.explicit = lim.explicit_consume;
+        if self.retired.contains(stream) {
+            return 0;
+        }
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
             return 0;
         }
@@ -608,7 +632,9 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         self.buf.explicit = lim.explicit_consume;
-        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+        if self.retired.contains(stream)
+            || !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize
+        {
             return RxOutcome::Accepted;
         }
         let st = self.streams.entry(stream).or_default();
@@ -665,7 +691,9 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         self.buf.explicit = lim.explicit_consume;
-        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+        if self.retired.contains(stream)
+            || !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize
+        {
             return RxOutcome::Accepted;
         }
         let st = self.streams.entry(stream).or_default();
@@ -706,6 +734,50 @@ impl RecvState {
         }
     }
 
+    /// Forget `stream`'s incoming direction if it is over: its end (FIN or reset) was
+    /// reported, nothing of it is buffered, unconsumed or waiting for a receive, and none
+    /// of its messages was refused (a re-sent packet of a refused message must be refused
+    /// again, so such a stream is kept). Its id joins `retired`, unless that would add a
+    /// range beyond `max_ranges` (then the stream is kept, and counts against
+    /// `max_streams` as before). Returns whether the stream is retired now.
+    ///
+    /// Stream ids are single-use per connection and direction, so the id alone answers
+    /// every later packet: a duplicate or very late copy of a delivered message (or of a
+    /// dead one after a reset) is acknowledged and dropped, as it would have been, and a
+    /// FIN, reset or receive posted for it is a no-op (the receive completes with
+    /// `WrFlushError`). Without this a connection held the state of every stream it ever
+    /// saw, and `max_streams` was a limit over its whole life (found by a new user's trial:
+    /// the 65,537th request stream of a long-lived connection failed).
+    pub fn try_retire(&mut self, stream: u32, max_ranges: usize) -> bool {
+        if self.retired.contains(stream) {
+            return true;
+        }
+        let Some(st) = self.streams.get(&stream) else {
+            return false;
+        };
+        let over = st.end_reported
+            && st.msgs.is_empty()
+            && st.posted.is_empty()
+            && st.unconsumed_q.is_empty()
+            && st.unconsumed == 0
+            && st.buffered == 0
+            && st.refused.is_empty()
+            && st.refused_recv.is_empty()
+            && st.len_errors.is_empty();
+        if !over || self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges {
+            return false;
+        }
+        self.streams.remove(&stream);
+        self.retired.insert(stream);
+        self.stats.retired_streams += 1;
+        true
+    }
+
+    /// Whether `stream`'s incoming direction ended and was forgotten (`try_retire`).
+    pub fn is_retired(&self, stream: u32) -> bool {
+        self.retired.contains(stream)
+    }
+
     /// Fail every posted receive not yet completed (the connection ended).
     pub fn flush_receives(&mut self, conn: ConnectionHandle, events: &mut VecDeque<Event>) {
         self.take_flushed(conn, events);
@@ -738,6 +810,13 @@ impl RecvState {
         let total = hdr.msg_len as u64;
         let valid = total <= lim.max_message_size
             && check_segment(hdr.offset, payload.len(), total, lim.pmtu);
+        if self.retired.contains(hdr.stream_id) {
+            // A late copy of a message of a stream that ended: every message of it was
+            // delivered (or is dead after a reset, flushed at the sender), and none was
+            // refused (`try_retire`), so this is what a duplicate gets.
+            self.stats.retired_stream_packets += 1;
+            return RxOutcome::Accepted;
+        }
         if !self.streams.contains_key(&hdr.stream_id)
             && self.streams.len() >= lim.max_streams as usize
         {
@@ -1609,6 +1688,7 @@ impl RecvState {
             buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
             refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
+            retired_stream_ranges: self.retired.ranges() as u64,
             held_immediates: self.held_imms.len() as u64,
             unconsumed_immediates: self.unconsumed_imms as u64,
             unconsumed_bytes: self.buf.unconsumed,

@@ -367,6 +367,13 @@ pub(crate) struct SendQueue {
     next_wire_id: u32,
     /// Pending READs/atomics by wire id.
     rd_ops: HashMap<u32, u64>,
+    /// FINs and stream aborts queued and not yet acknowledged, per stream.
+    end_ops: HashMap<u32, u32>,
+    /// Streams whose outgoing direction may have just become retirable (a SEND, FIN or
+    /// abort of theirs finished), for [`SendQueue::retire_streams`].
+    retire_check: Vec<u32>,
+    /// Streams whose outgoing direction ended and was forgotten (`retire_streams`).
+    retired: super::idset::IdSet,
     rd_outstanding: u32,
     /// READ/atomic responses queued and not yet acknowledged.
     internal_pending: u32,
@@ -412,6 +419,7 @@ impl SendQueue {
         self.flow_parked = HashMap::with_hasher(st);
         self.dead_streams = HashMap::with_hasher(st);
         self.rd_ops = HashMap::with_hasher(st);
+        self.end_ops = HashMap::with_hasher(st);
     }
 
     pub fn set_pmtu(&mut self, pmtu: u32) {
@@ -445,8 +453,14 @@ impl SendQueue {
     }
 
     fn push(&mut self, wr_id: u64, kind: OpKind, len: u32) {
-        if let OpKind::Send { stream, .. } = kind {
-            *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
+        match kind {
+            OpKind::Send { stream, .. } => {
+                *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
+            }
+            OpKind::StreamFin { stream, .. } | OpKind::StreamAbort { stream, .. } => {
+                *self.end_ops.entry(stream).or_insert(0) += 1;
+            }
+            _ => {}
         }
         let data_segs = segs_of(len, self.pmtu).max(1);
         let (nsegs, resp) = match kind {
@@ -797,6 +811,10 @@ impl SendQueue {
             OpKind::Send { stream, .. } => Some((stream, op.len as u64)),
             _ => None,
         };
+        let end_stream = match op.kind {
+            OpKind::StreamFin { stream, .. } | OpKind::StreamAbort { stream, .. } => Some(stream),
+            _ => None,
+        };
         if let OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } = op.kind {
             self.rd_ops.remove(&wire_id);
         }
@@ -805,6 +823,16 @@ impl SendQueue {
                 *b = b.saturating_sub(len);
                 if *b == 0 {
                     self.stream_bytes.remove(&stream);
+                    self.retire_check.push(stream);
+                }
+            }
+        }
+        if let Some(stream) = end_stream {
+            if let Some(n) = self.end_ops.get_mut(&stream) {
+                *n -= 1;
+                if *n == 0 {
+                    self.end_ops.remove(&stream);
+                    self.retire_check.push(stream);
                 }
             }
         }
@@ -1220,9 +1248,55 @@ impl SendQueue {
         }
     }
 
-    /// How this side ended `stream` as its sender, if it did.
+    /// How this side ended `stream` as its sender, if it did (and its state is kept:
+    /// see [`is_retired`](Self::is_retired)).
     pub fn stream_end(&self, stream: u32) -> Option<StreamEnd> {
         self.ended_streams.get(&stream).copied()
+    }
+
+    /// Whether `stream`'s outgoing direction ended and was forgotten (`retire_streams`).
+    pub fn is_retired(&self, stream: u32) -> bool {
+        self.retired.contains(stream)
+    }
+
+    /// Forget the outgoing direction of every stream that is over since the last call:
+    /// this side finished or reset it, every SEND of it completed, and its FIN and aborts
+    /// were acknowledged (so the peer has its end, or the stream died at the peer). Its id
+    /// joins `retired` unless that would add a range beyond `max_ranges` (the stream is
+    /// then kept, as before). Calls `f` with each stream retired. Later posts on a retired
+    /// stream are refused (`PostError::StreamClosed`), and a STOP or reset for it is a
+    /// no-op. See `RecvState::try_retire` for the incoming direction.
+    pub fn retire_streams(&mut self, max_ranges: usize, mut f: impl FnMut(u32)) {
+        while let Some(stream) = self.retire_check.pop() {
+            let over = self.ended_streams.contains_key(&stream)
+                && !self.stream_bytes.contains_key(&stream)
+                && !self.end_ops.contains_key(&stream);
+            if !over
+                || self.retired.contains(stream)
+                || self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges
+            {
+                continue;
+            }
+            self.ended_streams.remove(&stream);
+            self.stream_seq.remove(&stream);
+            self.dead_streams.remove(&stream);
+            let key = u64::from(stream);
+            self.flow_wait.remove(&key);
+            self.flow_probe.remove(&key);
+            self.flow_parked.remove(&key);
+            self.retired.insert(stream);
+            f(stream);
+        }
+    }
+
+    /// Forget that this side stopped `stream` (its incoming direction was retired).
+    pub fn forget_stop(&mut self, stream: u32) {
+        self.stopped_streams.remove(&stream);
+    }
+
+    /// Ranges of retired stream ids held.
+    pub fn retired_ranges(&self) -> usize {
+        self.retired.ranges()
     }
 
     /// Whether this side has sent (or posted) SENDs on `stream`.
@@ -1243,7 +1317,7 @@ impl SendQueue {
     /// End `stream` after every SEND posted on it so far (a FIN the peer reports after
     /// the stream's last message). `false` if the stream was already finished or reset.
     pub fn finish_stream(&mut self, stream: u32) -> bool {
-        if self.ended_streams.contains_key(&stream) {
+        if self.ended_streams.contains_key(&stream) || self.retired.contains(stream) {
             return false;
         }
         let msg_seq = self.stream_seq.get(&stream).copied().unwrap_or(0);
@@ -1271,7 +1345,9 @@ impl SendQueue {
     /// stream's next message, if the STOP names one not sent yet) as the first dead message.
     /// `None`: the reset starts at the first message not completed.
     pub fn reset_stream_after(&mut self, stream: u32, code: u32, delivered: Option<u32>) -> bool {
-        if self.ended_streams.get(&stream) == Some(&StreamEnd::Reset) {
+        if self.ended_streams.get(&stream) == Some(&StreamEnd::Reset)
+            || self.retired.contains(stream)
+        {
             return false;
         }
         self.ended_streams.insert(stream, StreamEnd::Reset);
