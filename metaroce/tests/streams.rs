@@ -634,3 +634,53 @@ fn a_replayed_message_of_a_closed_stream_is_not_delivered_again() {
         "the copies never reached the stream layer"
     );
 }
+
+/// A peer that keeps this side's oldest SEND from completing (it never reads that stream)
+/// and STOPs stream after stream this side never sent on (review, 2026-12-07): each STOP
+/// resets a stream and queues an abort, and acknowledged aborts wait behind the stuck SEND
+/// to be popped. With closed streams forgotten nothing else bounded them. The send queue
+/// stays within `max_outstanding_ops + max_streams`; the STOPs beyond are acknowledged and
+/// ignored. (Each such STOP also walked the whole send queue: it no longer walks for a
+/// stream never sent on.)
+#[test]
+fn stops_for_streams_never_sent_on_cannot_grow_the_send_queue() {
+    let mut a_cfg = metaroce::testing::pair_config(0, 45);
+    let mut b_cfg = metaroce::testing::pair_config(1, 45);
+    a_cfg.transport.max_streams = 64;
+    a_cfg.transport.max_outstanding_ops = 64;
+    b_cfg.transport.explicit_consume = true;
+    b_cfg.transport.max_stream_recv_bytes = 4096;
+    b_cfg.transport.max_recv_buffer_bytes = 1 << 20;
+    let mut p = Pair::impaired_with_configs(45, Impair::default(), a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    // B never consumes stream 1: A's SENDs on it stop completing.
+    for i in 0..8 {
+        p.eps[0]
+            .post_send(a, 1, i, Bytes::from(vec![1u8; 2048]))
+            .unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(50));
+    let stuck = p.completions(0, a).len();
+    assert!(stuck < 8, "every SEND completed: nothing holds the queue");
+    let mut peak = 0;
+    for round in 0..100u32 {
+        let now = p.now;
+        for k in 0..100 {
+            p.eps[1]
+                .stop_stream(now, b, 1001 + 2 * (100 * round + k), 3)
+                .unwrap();
+        }
+        run_for(&mut p, Duration::from_millis(20));
+        peak = peak.max(p.eps[0].connection_stats(a).unwrap().queued_ops);
+    }
+    let stopped = p.events[0]
+        .iter()
+        .filter(|e| matches!(e, Event::StreamStopped { .. }))
+        .count();
+    println!("10,000 STOPs: {stopped} taken, send queue peak {peak}");
+    assert!(peak <= 64 + 64 + 8, "send queue grew to {peak}");
+    assert!(
+        stopped >= 64,
+        "the STOPs within the bound are taken ({stopped})"
+    );
+}

@@ -169,6 +169,11 @@ pub struct ConnectionStats {
     /// and not yet closed: one sent on and ended counts twice). 0 once every stream this
     /// side sent on was closed. Incoming state is `recv.streams`.
     pub send_streams: u64,
+    /// Gauge: operations in the send queue, internal ones (responses, aborts, FINs,
+    /// STOPs) and finished ones waiting behind an unfinished one for in-order completion
+    /// included. At most `max_outstanding_ops` application operations plus what the peer
+    /// makes this side answer, which is bounded too.
+    pub queued_ops: u64,
     /// Gauge: ranges of stream ids whose outgoing direction was closed and forgotten
     /// (consecutive ids merge; at most `max_streams`).
     pub closed_send_stream_ranges: u64,
@@ -700,6 +705,7 @@ impl Connection {
             rebalance_rerolls: self.tx.iter().map(|p| p.stats.rebalance_rerolls).sum(),
             protection: self.protection.as_ref().map(|p| *p.stats()),
             send_streams: self.sq.tracked_streams() as u64,
+            queued_ops: self.sq.queued_ops() as u64,
             closed_send_stream_ranges: self.sq.retired_ranges() as u64,
         }
     }
@@ -1189,8 +1195,18 @@ impl Connection {
                 // A stream this side has not sent on yet is reset too (room permitting:
                 // at most `max_streams` tracked streams), or a later SEND on it would be
                 // refused by the stopped receiver forever.
-                let known = self.sq.knows_stream(s.stream_id)
-                    || self.sq.tracked_streams() < self.cfg.max_streams as usize;
+                // Each such reset queues a stream abort, and acknowledged ones wait behind an
+                // unfinished operation at the front to be popped: with closed streams
+                // forgotten, a peer that keeps the front stuck and STOPs stream after
+                // stream would grow the queue without bound. So a STOP for a stream never
+                // sent on is taken only while the queue holds fewer than
+                // `max_outstanding_ops + max_streams` operations (otherwise it is
+                // acknowledged and ignored: a later SEND on that stream would meet the
+                // stopped receiver's refusals, which is the STOPping peer's own doing).
+                let room = self.sq.tracked_streams() < self.cfg.max_streams as usize
+                    && self.sq.queued_ops()
+                        < self.cfg.max_outstanding_ops + self.cfg.max_streams as usize;
+                let known = self.sq.knows_stream(s.stream_id) || room;
                 if known
                     && self
                         .sq

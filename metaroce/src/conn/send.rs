@@ -426,6 +426,12 @@ impl SendQueue {
         self.pmtu = valid_pmtu(pmtu);
     }
 
+    /// Operations in the queue, internal ones and finished ones waiting behind an
+    /// unfinished one for in-order completion included.
+    pub fn queued_ops(&self) -> usize {
+        self.ops.len()
+    }
+
     /// Operations posted by the application and not yet reported.
     pub fn len(&self) -> usize {
         self.app_ops
@@ -1362,7 +1368,10 @@ impl SendQueue {
             }
         });
         let mut first = stop_at;
-        for i in 0..self.ops.len() {
+        // A stream never sent on has no SEND in the queue: no walk (a peer's STOPs for
+        // such streams cost O(1) each, not a walk of the whole queue; found by review).
+        let sent_on = self.stream_seq.contains_key(&stream);
+        for i in 0..if sent_on { self.ops.len() } else { 0 } {
             let OpKind::Send {
                 stream: s, msg_seq, ..
             } = self.ops[i].kind
