@@ -1076,6 +1076,12 @@ impl Incoming {
 
     /// Accept: the CONNECT Accept goes out and the connection is usable at once.
     ///
+    /// If the connection is closed (or its last handle dropped) before the driver sent the
+    /// Accept, the request is refused instead: the requester's connect fails with
+    /// `Rejected` carrying the close's code and reason (it could not take a close before
+    /// it has the Accept). Once the Accept is out, the requester connects and then sees
+    /// `ClosedByPeer`.
+    ///
     /// # Errors
     /// [`ConnectError::Connection`] if the request ended meanwhile, with the reason:
     /// `HandshakeTimeout` when it expired or was evicted by newer requests while half-open

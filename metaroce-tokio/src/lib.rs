@@ -41,8 +41,11 @@
 //! [`Endpoint::accept`] yields [`Incoming`] requests, which the application accepts or
 //! refuses with a code and a reason the requester's [`ConnectError`] reports; [`Connection::close`] sends a code and reason that the peer's
 //! [`Connection::closed`] reports; dropping the last handle of a connection (its
-//! `Connection` clones and `MessageStream`s) closes it, and dropping the last handle of an
-//! endpoint closes all its connections at the peers before the driver stops.
+//! `Connection` clones and `MessageStream`s) closes it, and once the last handle of any
+//! kind is gone (every `Endpoint` clone, connection, stream and memory region: each keeps
+//! the endpoint alive) all its connections are closed at the peers and the driver stops.
+//! Dropping the `Endpoint` alone closes nothing while a connection handle lives; use
+//! [`Endpoint::close`] for that.
 //! [`Endpoint::wait_idle`] waits until no connection is left. Every driver-side structure
 //! of a connection is freed when it ends ([`Endpoint::driver_maps`]).
 //!

@@ -381,3 +381,40 @@ fn handles_end_when_the_runtime_of_the_driver_shuts_down() {
         assert!(client.is_closed() && server.is_closed());
     });
 }
+
+/// A server that accepts and at once drops the connection, or closes it with a code, before
+/// its Accept went out (found by a new user's trial: the client saw `HandshakeTimeout`
+/// after 2 s, since it cannot take an MR_CLOSE before it has the server's nonce). The
+/// request is refused instead, with the close's code and reason, and the client learns it
+/// within a round trip. A second connection between the same endpoints works. (One
+/// thread: the driver cannot send the Accept between `accept` and the close. Once the
+/// Accept is out, the client connects and then sees `ClosedByPeer`.)
+#[tokio::test]
+async fn a_connection_closed_right_after_accept_refuses_the_client() {
+    let (server, client) = endpoints(Config::default()).await;
+    for (code, reason) in [(0u32, &b""[..]), (9, &b"not now"[..])] {
+        let connecting = client.connect(server.local_addr()).unwrap();
+        let incoming = tokio::time::timeout(T, server.accept())
+            .await
+            .unwrap()
+            .unwrap();
+        let conn = incoming.accept().unwrap();
+        if code == 0 {
+            drop(conn);
+        } else {
+            conn.close(code, reason);
+        }
+        let t = std::time::Instant::now();
+        let err = tokio::time::timeout(T, connecting)
+            .await
+            .unwrap()
+            .unwrap_err();
+        println!(
+            "closed after accept, code {code}: {err:?} after {:?}",
+            t.elapsed()
+        );
+        assert_eq!(err, ConnectError::Connection(rejected(code, reason)));
+    }
+    let (c, s) = connect(&server, &client).await;
+    drop((c, s));
+}

@@ -829,6 +829,14 @@ impl TransportConfig {
         if self.close_attempts == 0 {
             return bad("close_attempts", "must be at least 1");
         }
+        if self.idle_timeout.is_some_and(|t| t.is_zero()) {
+            // Every connection would time out before its handshake completed (found by a
+            // new user's trial: accepted, and then nothing could connect).
+            return bad(
+                "idle_timeout",
+                "must not be zero (use None for no idle timeout)",
+            );
+        }
         if self.keepalive_interval.is_some_and(|k| k.is_zero()) {
             return bad(
                 "keepalive_interval",
@@ -1039,8 +1047,13 @@ mod tests {
         let base = TransportConfig::default();
         assert_eq!(base.validate(), Ok(()));
         type Case = (fn(&mut TransportConfig), &'static str, &'static str);
-        let cases: [Case; 9] = [
+        let cases: [Case; 10] = [
             (|t| t.paths = 0, "paths", "must be in 1..=256, got 0"),
+            (
+                |t| t.idle_timeout = Some(Duration::ZERO),
+                "idle_timeout",
+                "must not be zero (use None for no idle timeout)",
+            ),
             (
                 |t| {
                     t.min_rto = Duration::ZERO;

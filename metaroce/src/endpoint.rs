@@ -1367,7 +1367,10 @@ impl Endpoint {
     /// operations complete with `WrFlushError` and posted receives are flushed now,
     /// [`Event::ConnectionLost`] with [`ConnectionError::LocallyClosed`] follows, and the
     /// peer is sent an `MR_CLOSE` as by [`close_with`](Self::close_with) (retransmitted
-    /// until answered). Also ends a graceful close early.
+    /// until answered). Also ends a graceful close early. A connection accepted
+    /// ([`accept_incoming`](Self::accept_incoming)) whose Accept has not gone out yet is
+    /// refused instead: the requester gets a CONNECT Reject with `code` and `reason`
+    /// (before the Accept it cannot authenticate an MR_CLOSE).
     ///
     /// # Errors
     /// [`PostError::UnknownConnection`], [`PostError::ReasonTooLong`] as for
@@ -1409,7 +1412,14 @@ impl Endpoint {
         let Some(c) = self.conns.get_mut(&q) else {
             return;
         };
-        if c.state == State::Established {
+        if c.accept_pending {
+            // Accepted and closed before the Accept went out: the client, still without
+            // the server's nonce, could not take an MR_CLOSE (its token is unknown to it)
+            // and would time out its handshake. Refuse the request instead, with the
+            // close's code and reason (found by a new user's trial: an accepted connection
+            // dropped at once showed the client `HandshakeTimeout` after 2 s).
+            self.send_reject(q, code, reason);
+        } else if c.state == State::Established {
             let mut b = Vec::new();
             while let Some(t) = c.poll_ack(now, &mut b) {
                 if self.sealed_control.len() >= self.cfg.max_control_queue {
@@ -1647,23 +1657,7 @@ impl Endpoint {
             return Err(PostError::UnknownConnection);
         }
         check_close_reason(reason)?;
-        // The same Reject a refusal by configuration sends (docs/PROTOCOL.md, CONNECT),
-        // with the application's code and reason.
-        let (bth, hdrs) = c.connect_packet(ConnectKind::Reject, code);
-        let hdrs = match hdrs {
-            Headers::Connect(m) => Headers::Connect(ConnectEth { src_qpn: 0, ..m }),
-            h => h,
-        };
-        let (peer, lip) = (c.peer, c.local_ip);
-        self.push_control_with(
-            peer,
-            bth,
-            hdrs,
-            Bytes::copy_from_slice(reason),
-            Trailer::None,
-            lip,
-        );
-        self.stats.rejected += 1;
+        self.send_reject(conn.0, code, Bytes::copy_from_slice(reason));
         self.remove(
             conn,
             ConnectionError::Rejected {
@@ -1673,6 +1667,21 @@ impl Endpoint {
             WcStatus::WrFlushError,
         );
         Ok(())
+    }
+
+    /// Answer connection `q`'s request with a CONNECT Reject carrying the application's
+    /// `code` and `reason` (the Reject a refusal by configuration sends, docs/PROTOCOL.md
+    /// CONNECT): the requester's connect fails with `Rejected { code, reason }`.
+    fn send_reject(&mut self, q: u32, code: u32, reason: Bytes) {
+        let Some(c) = self.conns.get(&q) else { return };
+        let (bth, hdrs) = c.connect_packet(ConnectKind::Reject, code);
+        let hdrs = match hdrs {
+            Headers::Connect(m) => Headers::Connect(ConnectEth { src_qpn: 0, ..m }),
+            h => h,
+        };
+        let (peer, lip) = (c.peer, c.local_ip);
+        self.push_control_with(peer, bth, hdrs, reason, Trailer::None, lip);
+        self.stats.rejected += 1;
     }
 
     fn remove(&mut self, conn: ConnectionHandle, reason: ConnectionError, first: WcStatus) {
