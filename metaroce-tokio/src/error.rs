@@ -75,8 +75,10 @@ pub enum Error {
     /// The core refused to post the operation (what was wrong is the source).
     #[error("operation refused")]
     Post(#[source] PostError),
-    /// The operation completed with an error status (the whole work completion is inside).
-    #[error("work request {} failed: {} ({})", .0.wr_id, .0.status, .0.status.ibv_code())]
+    /// The operation completed with an error status (the whole work completion is inside;
+    /// its `wr_id` is the driver's, not one the application chose, so the message names
+    /// the operation by its opcode).
+    #[error("{:?} failed: {} ({})", .0.opcode, .0.status, .0.status.ibv_code())]
     Completion(WorkCompletion),
     /// The connection ended; the source says why (closed locally or by the peer with a
     /// code, idle timeout, retry exceeded).
@@ -92,7 +94,10 @@ pub enum Error {
     #[error("stream {0} is already open")]
     StreamInUse(u32),
     /// The stream's send side was finished ([`Sink::poll_close`](futures::Sink::poll_close))
-    /// or reset: nothing more can be sent on it.
+    /// or reset: nothing more can be sent on it. Also from
+    /// [`Connection::stream`](crate::Connection::stream) for an id that was used and is
+    /// over (stream ids are single-use per connection; see
+    /// [`metaroce::Event::StreamClosed`]).
     #[error("stream {0} is closed for sending")]
     StreamClosed(u32),
     /// The peer reset the stream with this code (on its own, on drop, or in answer to
