@@ -243,7 +243,12 @@ impl BatchSlot {
         b.remaining = b.remaining.saturating_sub(1);
         if b.remaining == 0 {
             if let Some(tx) = b.tx.take() {
-                let _ = tx.send(b.failed.take().map(|(_, wc)| wc));
+                // The wr_id the application sees is the WRITE's index in the batch (the
+                // driver's own ids mean nothing to it).
+                let _ = tx.send(b.failed.take().map(|(i, wc)| WorkCompletion {
+                    wr_id: i as u64,
+                    ..wc
+                }));
             }
         }
     }
@@ -783,7 +788,7 @@ impl Connection {
     /// that:
     /// - [`Error::Completion`]: the work completion of the first WRITE of the batch, in
     ///   posting order, that failed, reported once every WRITE completed (the others may
-    ///   have landed). A connection that ends while WRITEs are posted completes them
+    ///   have landed). Its `wr_id` is that WRITE's index in the batch, from 0. A connection that ends while WRITEs are posted completes them
     ///   `WrFlushError`, so this is also what a connection lost part-way usually gives.
     /// - [`Error::ConnectionLost`]: the connection ended (or began closing) before every
     ///   WRITE could be posted; those already posted are cancelled, as on a drop.

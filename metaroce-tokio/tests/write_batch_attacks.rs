@@ -227,7 +227,10 @@ async fn bad_rkey_part_way() {
     let Error::Completion(wc) = e else {
         panic!("{e:?}")
     };
-    assert_eq!((wc.status, wc.byte_len), (WcStatus::RemoteAccessError, 77));
+    assert_eq!(
+        (wc.status, wc.byte_len, wc.wr_id),
+        (WcStatus::RemoteAccessError, 77, 9)
+    );
     later_ops_work(&c, &src, &dst).await;
     drop((src, dst));
     all_clean(&[&client, &server], vec![c, s]).await;
