@@ -540,6 +540,10 @@ impl Connection {
     /// The next stream the peer opened (its first message is waiting in it); `None` once
     /// the connection has ended.
     ///
+    /// A stream the peer finished without a message is offered too (it ends at once), as
+    /// long as fewer than `TransportConfig::max_streams` streams wait here; one the peer
+    /// reset before sending anything (a handle dropped unused) is not offered.
+    ///
     /// # Cancel safety
     /// Cancel safe: a stream is taken from the queue only when this resolves.
     pub async fn accept_stream(&self) -> Option<MessageStream> {

@@ -548,15 +548,31 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     st.core.stream_consumed(conn, stream, n);
                 }
             }
+            // The end of a stream this side has no entry for had no message before it (an
+            // end is reported after the stream's messages). The core forgets such a stream
+            // at once, so its entry here is all that is left of it: a finished empty
+            // stream is offered to `accept_stream` only while fewer than `max_streams`
+            // peer streams wait there, and a reset one is not offered (the peer dropped
+            // an unused handle). Otherwise a peer ending empty streams without pause
+            // would fill the driver (found by review, once closed streams stopped
+            // counting against `max_streams`).
             Event::StreamFinished { conn, stream } => {
                 tracing::trace!(%conn, stream, "stream finished by the peer");
-                if let Some(e) = stream_entry(st, conn, stream) {
+                let room = st.conns.get(&conn).is_some_and(|c| {
+                    c.accept_queue.len() < shared.cfg.transport.max_streams as usize
+                });
+                let e = if room {
+                    stream_entry(st, conn, stream)
+                } else {
+                    known_stream(st, conn, stream)
+                };
+                if let Some(e) = e {
                     lock_rx(&e.rx).end(RxEnd::Finished);
                 }
             }
             Event::StreamReset { conn, stream, code } => {
                 tracing::debug!(%conn, stream, code, "stream reset by the peer");
-                if let Some(e) = stream_entry(st, conn, stream) {
+                if let Some(e) = known_stream(st, conn, stream) {
                     lock_rx(&e.rx).end(RxEnd::Error(Error::StreamReset { stream, code }));
                 }
             }
@@ -607,6 +623,15 @@ fn dispatch(st: &mut State, shared: &Shared) {
     if freed {
         shared.sq_space.notify_waiters();
     }
+}
+
+/// The routing entry of `stream` if it has one.
+fn known_stream(
+    st: &mut State,
+    conn: metaroce::ConnectionHandle,
+    stream: u32,
+) -> Option<&mut StreamEntry> {
+    st.conns.get_mut(&conn)?.streams.get_mut(&stream)
 }
 
 /// The routing entry of `stream`, created (and announced to `accept_stream`) if the peer

@@ -1409,17 +1409,27 @@ impl Endpoint {
     /// rather than flushing it when the MR_CLOSE arrives. (With loss or reordering the
     /// sender may still fail it: conservative, never a false success.)
     fn finish_close(&mut self, now: Instant, q: u32, code: u32, reason: Bytes) {
+        let Some(c) = self.conns.get(&q) else {
+            return;
+        };
+        // An Accept due (`accept_pending`) and never sent: the client, still without the
+        // server's nonce, could not take an MR_CLOSE (its token is unknown to it) and
+        // would time out its handshake; refuse the request instead, with the close's code
+        // and reason (found by a new user's trial: an accepted connection dropped at once
+        // showed the client `HandshakeTimeout` after 2 s). An Accept due again (a
+        // duplicate Request, the half-open timer) after one went out: the client may be
+        // connected, and ignores a Reject then; it gets the MR_CLOSE as well.
+        let (reject, close) = (
+            c.accept_pending,
+            c.state == State::Established && (!c.accept_pending || c.accepts_sent > 0),
+        );
+        if reject {
+            self.send_reject(q, code, reason.clone());
+        }
         let Some(c) = self.conns.get_mut(&q) else {
             return;
         };
-        if c.accept_pending {
-            // Accepted and closed before the Accept went out: the client, still without
-            // the server's nonce, could not take an MR_CLOSE (its token is unknown to it)
-            // and would time out its handshake. Refuse the request instead, with the
-            // close's code and reason (found by a new user's trial: an accepted connection
-            // dropped at once showed the client `HandshakeTimeout` after 2 s).
-            self.send_reject(q, code, reason);
-        } else if c.state == State::Established {
+        if close {
             let mut b = Vec::new();
             while let Some(t) = c.poll_ack(now, &mut b) {
                 if self.sealed_control.len() >= self.cfg.max_control_queue {

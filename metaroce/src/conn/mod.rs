@@ -293,7 +293,8 @@ pub(crate) struct Connection {
     /// An incoming connection the application has not accepted yet
     /// (`EndpointConfig::manual_accept`): nothing is transmitted while set.
     pub held: bool,
-    accepts_sent: u64,
+    /// CONNECT Accepts sent (the first and any re-sent for a duplicate Request).
+    pub(crate) accepts_sent: u64,
     /// This side sent the connection request.
     pub outgoing: bool,
     handshake: Option<Handshake>,

@@ -735,9 +735,10 @@ impl RecvState {
     }
 
     /// Forget `stream`'s incoming direction if it is over: its end (FIN or reset) was
-    /// reported, nothing of it is buffered, unconsumed or waiting for a receive, and none
-    /// of its messages was refused (a re-sent packet of a refused message must be refused
-    /// again, so such a stream is kept). Its id joins `retired`, unless that would add a
+    /// reported, nothing of it is buffered, unconsumed or waiting for a receive, and no
+    /// message took a receive too short for it (`len_errors`: a re-sent packet of one
+    /// must be refused again with its syndrome, so such a stream is kept; an invalid
+    /// message is recognised from the packet itself, see `on_send`). Its id joins `retired`, unless that would add a
     /// range beyond `max_ranges` (then the stream is kept, and counts against
     /// `max_streams` as before). Returns whether the stream is retired now.
     ///
@@ -811,10 +812,16 @@ impl RecvState {
         let valid = total <= lim.max_message_size
             && check_segment(hdr.offset, payload.len(), total, lim.pmtu);
         if self.retired.contains(hdr.stream_id) {
-            // A late copy of a message of a stream that ended: every message of it was
-            // delivered (or is dead after a reset, flushed at the sender), and none was
-            // refused (`try_retire`), so this is what a duplicate gets.
+            // A late copy of a message of a stream that ended. An invalid one was refused
+            // when it first came, and is refused again (acknowledging it would complete
+            // its SEND `Success`, found by review: delivery had already passed the
+            // refusal's record when the stream was retired). Any other was delivered, or
+            // is dead after a reset (flushed at the sender) and none took a receive too
+            // short for it (`try_retire`): what a duplicate gets.
             self.stats.retired_stream_packets += 1;
+            if !valid {
+                return RxOutcome::Nak(NAK_INVALID_REQUEST);
+            }
             return RxOutcome::Accepted;
         }
         if !self.streams.contains_key(&hdr.stream_id)

@@ -151,6 +151,16 @@ impl OpKind {
             )
     }
 
+    /// The stream of a SEND, FIN or stream abort (what `stream_ops` counts).
+    fn stream_op(&self) -> Option<u32> {
+        match *self {
+            OpKind::Send { stream, .. }
+            | OpKind::StreamFin { stream, .. }
+            | OpKind::StreamAbort { stream, .. } => Some(stream),
+            _ => None,
+        }
+    }
+
     /// A response to the peer's READ or atomic (counts against responder resources).
     fn is_response(&self) -> bool {
         matches!(
@@ -374,10 +384,11 @@ pub(crate) struct SendQueue {
     next_wire_id: u32,
     /// Pending READs/atomics by wire id.
     rd_ops: HashMap<u32, u64>,
-    /// FINs and stream aborts queued and not yet acknowledged, per stream.
-    end_ops: HashMap<u32, u32>,
-    /// Streams whose outgoing direction may have just become retirable (a SEND, FIN or
-    /// abort of theirs finished), for [`SendQueue::retire_streams`].
+    /// SENDs, FINs and stream aborts in the queue (popped only with their completion, in
+    /// posting order), per stream.
+    stream_ops: HashMap<u32, u32>,
+    /// Streams whose outgoing direction may have just become retirable (their last SEND,
+    /// FIN or abort left the queue), for [`SendQueue::retire_streams`].
     retire_check: Vec<u32>,
     /// Streams whose outgoing direction ended and was forgotten (`retire_streams`).
     retired: super::idset::IdSet,
@@ -426,7 +437,7 @@ impl SendQueue {
         self.flow_parked = HashMap::with_hasher(st);
         self.dead_streams = HashMap::with_hasher(st);
         self.rd_ops = HashMap::with_hasher(st);
-        self.end_ops = HashMap::with_hasher(st);
+        self.stream_ops = HashMap::with_hasher(st);
     }
 
     pub fn set_pmtu(&mut self, pmtu: u32) {
@@ -466,14 +477,11 @@ impl SendQueue {
     }
 
     fn push(&mut self, wr_id: u64, kind: OpKind, len: u32) {
-        match kind {
-            OpKind::Send { stream, .. } => {
-                *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
-            }
-            OpKind::StreamFin { stream, .. } | OpKind::StreamAbort { stream, .. } => {
-                *self.end_ops.entry(stream).or_insert(0) += 1;
-            }
-            _ => {}
+        if let OpKind::Send { stream, .. } = kind {
+            *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
+        }
+        if let Some(stream) = kind.stream_op() {
+            *self.stream_ops.entry(stream).or_insert(0) += 1;
         }
         let data_segs = segs_of(len, self.pmtu).max(1);
         let (nsegs, resp) = match kind {
@@ -824,10 +832,6 @@ impl SendQueue {
             OpKind::Send { stream, .. } => Some((stream, op.len as u64)),
             _ => None,
         };
-        let end_stream = match op.kind {
-            OpKind::StreamFin { stream, .. } | OpKind::StreamAbort { stream, .. } => Some(stream),
-            _ => None,
-        };
         if let OpKind::Read { wire_id, .. } | OpKind::Atomic { wire_id, .. } = op.kind {
             self.rd_ops.remove(&wire_id);
         }
@@ -836,16 +840,6 @@ impl SendQueue {
                 *b = b.saturating_sub(len);
                 if *b == 0 {
                     self.stream_bytes.remove(&stream);
-                    self.retire_check.push(stream);
-                }
-            }
-        }
-        if let Some(stream) = end_stream {
-            if let Some(n) = self.end_ops.get_mut(&stream) {
-                *n -= 1;
-                if *n == 0 {
-                    self.end_ops.remove(&stream);
-                    self.retire_check.push(stream);
                 }
             }
         }
@@ -1278,17 +1272,22 @@ impl SendQueue {
     }
 
     /// Forget the outgoing direction of every stream that is over since the last call:
-    /// this side finished or reset it, every SEND of it completed, and its FIN and aborts
-    /// were acknowledged (so the peer has its end, or the stream died at the peer). Its id
+    /// this side finished or reset it, and every SEND, FIN and abort of it completed (the
+    /// FIN and aborts acknowledged: the peer has its end, or the stream died at the peer)
+    /// and was reported (popped in posting order, so the caller reports the stream closed
+    /// after the last of those completions; found by review: it was reported closed while
+    /// a SEND's completion still waited behind an earlier operation). Its id
     /// joins `retired` unless that would add a range beyond `max_ranges` (the stream is
     /// then kept, as before). Calls `f` with each stream retired. Later posts on a retired
     /// stream are refused (`PostError::StreamClosed`), and a STOP or reset for it is a
     /// no-op. See `RecvState::try_retire` for the incoming direction.
     pub fn retire_streams(&mut self, max_ranges: usize, mut f: impl FnMut(u32)) {
         while let Some(stream) = self.retire_check.pop() {
+            // Every SEND, FIN and abort of it completed and was reported (popped), so
+            // `Event::StreamClosed` follows the last of their completions.
             let over = self.ended_streams.contains_key(&stream)
-                && !self.stream_bytes.contains_key(&stream)
-                && !self.end_ops.contains_key(&stream);
+                && !self.stream_ops.contains_key(&stream)
+                && !self.stream_bytes.contains_key(&stream);
             if !over
                 || self.retired.contains(stream)
                 || self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges
@@ -1595,6 +1594,15 @@ impl SendQueue {
             let op = self.ops.pop_front()?;
             self.base_id += 1;
             self.cursor = self.cursor.saturating_sub(1);
+            if let Some(stream) = op.kind.stream_op() {
+                if let Some(n) = self.stream_ops.get_mut(&stream) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.stream_ops.remove(&stream);
+                        self.retire_check.push(stream);
+                    }
+                }
+            }
             if op.kind.is_internal() {
                 continue;
             }
