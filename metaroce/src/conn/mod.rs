@@ -1643,7 +1643,8 @@ impl Connection {
             });
         }
         // Streams whose outgoing direction just ended for good (their last SEND, FIN or
-        // abort finished): forget them; a stream over both ways is reported closed.
+        // abort left the queue with the completions above): forget them; a stream over
+        // both ways is reported closed, after those completions.
         let (rq, handle) = (&self.rq, self.handle);
         self.sq
             .retire_streams(self.cfg.max_streams as usize, |stream| {
