@@ -635,6 +635,26 @@ fn a_replayed_message_of_a_closed_stream_is_not_delivered_again() {
     );
 }
 
+/// Endpoint B's config for the tests that hold A's send queue: explicit consumption with a
+/// 4 KiB stream limit, so a stream B does not read stops taking messages.
+fn slow_reader(seed: u64) -> metaroce::EndpointConfig {
+    let mut c = metaroce::testing::pair_config(1, seed);
+    c.transport.explicit_consume = true;
+    c.transport.max_stream_recv_bytes = 4096;
+    c.transport.max_recv_buffer_bytes = 1 << 20;
+    c
+}
+
+/// Eight 2 KiB SENDs on stream 1, which the `slow_reader` B never consumes: they stay at
+/// the front of A's send queue.
+fn stick_stream_1(p: &mut Pair, a: metaroce::ConnectionHandle) {
+    for i in 0..8 {
+        p.eps[0]
+            .post_send(a, 1, i, Bytes::from(vec![1u8; 2048]))
+            .unwrap();
+    }
+}
+
 /// A peer that keeps this side's oldest SEND from completing (it never reads that stream)
 /// and STOPs stream after stream this side never sent on (review, 2026-12-07): each STOP
 /// resets a stream and queues an abort, and acknowledged aborts wait behind the stuck SEND
@@ -645,20 +665,12 @@ fn a_replayed_message_of_a_closed_stream_is_not_delivered_again() {
 #[test]
 fn stops_for_streams_never_sent_on_cannot_grow_the_send_queue() {
     let mut a_cfg = metaroce::testing::pair_config(0, 45);
-    let mut b_cfg = metaroce::testing::pair_config(1, 45);
     a_cfg.transport.max_streams = 64;
     a_cfg.transport.max_outstanding_ops = 64;
-    b_cfg.transport.explicit_consume = true;
-    b_cfg.transport.max_stream_recv_bytes = 4096;
-    b_cfg.transport.max_recv_buffer_bytes = 1 << 20;
+    let b_cfg = slow_reader(45);
     let mut p = Pair::impaired_with_configs(45, Impair::default(), a_cfg, b_cfg);
     let (a, b) = p.connect();
-    // B never consumes stream 1: A's SENDs on it stop completing.
-    for i in 0..8 {
-        p.eps[0]
-            .post_send(a, 1, i, Bytes::from(vec![1u8; 2048]))
-            .unwrap();
-    }
+    stick_stream_1(&mut p, a);
     run_for(&mut p, Duration::from_millis(50));
     let stuck = p.completions(0, a).len();
     assert!(stuck < 8, "every SEND completed: nothing holds the queue");
@@ -730,18 +742,9 @@ fn a_refused_message_resent_after_the_stream_closed_is_refused_again() {
 #[test]
 fn stream_closed_follows_the_completions_of_its_sends() {
     let a_cfg = metaroce::testing::pair_config(0, 72);
-    let mut b_cfg = metaroce::testing::pair_config(1, 72);
-    b_cfg.transport.explicit_consume = true;
-    b_cfg.transport.max_stream_recv_bytes = 4096;
-    b_cfg.transport.max_recv_buffer_bytes = 1 << 20;
-    let mut p = Pair::with_configs(72, a_cfg, b_cfg);
+    let mut p = Pair::with_configs(72, a_cfg, slow_reader(72));
     let (a, b) = p.connect();
-    // Stream 1 is never consumed: its SENDs stay at the front of A's queue.
-    for i in 0..8 {
-        p.eps[0]
-            .post_send(a, 1, i, Bytes::from(vec![1u8; 2048]))
-            .unwrap();
-    }
+    stick_stream_1(&mut p, a);
     run_for(&mut p, Duration::from_millis(20));
     p.eps[0]
         .post_send(a, 5, 100, Bytes::from_static(b"req"))
