@@ -1665,8 +1665,7 @@ impl Connection {
     /// Forget `stream`'s incoming direction if it is over (`RecvState::try_retire`); a
     /// stream over both ways is reported closed.
     fn retire_incoming(&mut self, stream: u32, events: &mut VecDeque<Event>) {
-        if self.rq.is_retired(stream) || !self.rq.try_retire(stream, self.cfg.max_streams as usize)
-        {
+        if !self.rq.try_retire(stream, self.cfg.max_streams as usize) {
             return;
         }
         self.sq.forget_stop(stream);

@@ -740,7 +740,8 @@ impl RecvState {
     /// must be refused again with its syndrome, so such a stream is kept; an invalid
     /// message is recognised from the packet itself, see `on_send`). Its id joins `retired`, unless that would add a
     /// range beyond `max_ranges` (then the stream is kept, and counts against
-    /// `max_streams` as before). Returns whether the stream is retired now.
+    /// `max_streams` as before). Returns whether this call retired it (`false` for a
+    /// stream retired before, or with no state).
     ///
     /// Stream ids are single-use per connection and direction, so the id alone answers
     /// every later packet: a duplicate or very late copy of a delivered message (or of a
@@ -750,9 +751,7 @@ impl RecvState {
     /// saw, and `max_streams` was a limit over its whole life (found by a new user's trial:
     /// the 65,537th request stream of a long-lived connection failed).
     pub fn try_retire(&mut self, stream: u32, max_ranges: usize) -> bool {
-        if self.retired.contains(stream) {
-            return true;
-        }
+        // (A retired stream has no entry in `streams`.)
         let Some(st) = self.streams.get(&stream) else {
             return false;
         };
