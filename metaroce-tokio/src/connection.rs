@@ -1062,7 +1062,9 @@ impl Connection {
     /// # Errors
     /// [`Error::ForeignRegion`], [`Error::Memory`] (reversed range), [`Error::Post`]
     /// (range outside `dst`, no `LOCAL_WRITE`), [`Error::ConnectionLost`],
-    /// [`Error::Completion`] (`LocalLengthError`, `WrFlushError` when the connection ends).
+    /// [`Error::Completion`] (`LocalLengthError`; `WrFlushError` when the connection ends,
+    /// or when the peer finished or reset the stream and every message before the end was
+    /// delivered: no message will come, so a receive loop ends there).
     ///
     /// The stream stays in posted-receive mode after this future is dropped too: a later
     /// message waits (the sender retries after RNR NAKs) for the next `recv_into` on the

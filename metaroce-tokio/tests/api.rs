@@ -257,6 +257,41 @@ async fn receives_into_application_buffers() {
     }
 }
 
+/// A receive loop over `recv_into` ends when the peer finishes the stream: the receive
+/// waiting for a message that cannot come completes with `WrFlushError` (it waited until
+/// the connection ended before), and one posted after that at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recv_into_ends_when_the_peer_finishes_the_stream() {
+    let (_se, _ce, c, s) = pair(Config::default()).await;
+    let buf = s.endpoint().alloc(1 << 16, Access::LOCAL_WRITE);
+    let receiver = tokio::spawn(async move {
+        let mut got = Vec::new();
+        let end = loop {
+            let k = got.len() as u64;
+            match s.recv_into(4, &buf, k * 4096..(k + 1) * 4096).await {
+                Ok(wc) => got.push(wc.byte_len),
+                Err(e) => break e,
+            }
+        };
+        let after = s.recv_into(4, &buf, 0..4096).await.unwrap_err();
+        (got, end, after)
+    });
+    // Posted receives first: the messages must land in them, not in a MessageStream.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut tx = c.stream(4).unwrap();
+    for n in [100usize, 200, 300] {
+        tx.send(Bytes::from(vec![1u8; n])).await.unwrap();
+    }
+    tx.close().await.unwrap();
+    let (got, end, after) = tokio::time::timeout(Duration::from_secs(5), receiver)
+        .await
+        .expect("recv_into still waits after the peer finished the stream")
+        .unwrap();
+    assert_eq!(got, [100, 200, 300]);
+    assert_eq!(end.status(), Some(WcStatus::WrFlushError), "{end}");
+    assert_eq!(after.status(), Some(WcStatus::WrFlushError), "{after}");
+}
+
 #[tokio::test]
 async fn an_invalid_config_names_the_field_typed_and_in_the_io_error() {
     let mut cfg = Config::default();

@@ -1203,8 +1203,11 @@ impl Endpoint {
     /// stream abort), once in-order delivery has reached the aborted message, the receive
     /// completes at once with [`WcStatus::WrFlushError`] —
     /// reported by the next [`Endpoint::handle_timeout`] — as do the receives still pending
-    /// there (docs/PROTOCOL.md, "Errors on a stream"). Receives pending when the connection
-    /// ends complete with `WrFlushError` too.
+    /// there (docs/PROTOCOL.md, "Errors on a stream"). The same holds once the peer
+    /// finished the stream and every message before its FIN was delivered: the receives
+    /// still pending complete with `WrFlushError` just before [`Event::StreamFinished`],
+    /// and later ones at once (on a closed stream, [`Event::StreamClosed`], too).
+    /// Receives pending when the connection ends complete with `WrFlushError` too.
     pub fn post_recv(
         &mut self,
         conn: ConnectionHandle,

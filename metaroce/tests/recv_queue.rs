@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 use metaroce::testing::{Action, Filter, Pair, Rule};
-use metaroce::{Access, RecvRequest, WcStatus};
+use metaroce::{Access, Event, RecvRequest, WcStatus};
 use std::time::Duration;
 
 /// The packets of message `seq` of `stream` sent by endpoint 0.
@@ -292,4 +292,99 @@ fn send_behind_a_failed_receive(lose_first_nak: bool) {
         .map(|(_, w)| (w.wr_id, w.status))
         .collect();
     assert_eq!(rc, [(10, WcStatus::LocalProtectionError)]);
+}
+
+/// Statuses of the receive completions endpoint 1 reported on `stream`, by wr_id, and
+/// whether each came before the stream's `StreamFinished`.
+fn recvs_on(p: &Pair, stream: u32) -> Vec<(u64, WcStatus, bool)> {
+    let mut finished = false;
+    let mut out = Vec::new();
+    for e in &p.events[1] {
+        match e {
+            Event::RecvCompletion { stream: s, wc, .. } if *s == stream => {
+                out.push((wc.wr_id, wc.status, !finished));
+            }
+            Event::StreamFinished { stream: s, .. } if *s == stream => finished = true,
+            _ => {}
+        }
+    }
+    out
+}
+
+/// A receive still posted when the peer's FIN is delivered will never be filled: it
+/// completes with `WrFlushError` just before `StreamFinished`, and the stream closes.
+/// Before, it waited until the connection ended and kept the stream from closing (the
+/// stream counted against `max_streams` for the connection's life). A receive posted after
+/// the stream closed is flushed at once.
+#[test]
+fn a_receive_pending_at_the_fin_is_flushed_and_the_stream_closes() {
+    let mut p = Pair::new(11);
+    let (c, s) = p.connect();
+    let buf = p.eps[1].register_mr(vec![0; 1000], Access::LOCAL_WRITE);
+    let rr = |wr_id, off| RecvRequest {
+        wr_id,
+        lkey: buf.lkey,
+        offset: off,
+        len: 100,
+    };
+    p.eps[1].post_recv(s, 3, rr(10, 0)).unwrap();
+    p.eps[1].post_recv(s, 3, rr(11, 100)).unwrap();
+    p.eps[0]
+        .post_send(c, 3, 1, Bytes::from_static(b"only"))
+        .unwrap();
+    p.eps[0].finish_stream(p.now, c, 3).unwrap();
+    p.eps[1].finish_stream(p.now, s, 3).unwrap();
+    let closed = |p: &Pair, i: usize| {
+        p.events[i]
+            .iter()
+            .any(|e| matches!(e, Event::StreamClosed { stream: 3, .. }))
+    };
+    assert!(p.run_until(Duration::from_secs(5), |p| closed(p, 0) && closed(p, 1)));
+    assert_eq!(
+        recvs_on(&p, 3),
+        [
+            (10, WcStatus::Success, true),
+            (11, WcStatus::WrFlushError, true)
+        ]
+    );
+    p.eps[1].post_recv(s, 3, rr(12, 200)).unwrap();
+    p.run_for(Duration::from_millis(5));
+    assert_eq!(recvs_on(&p, 3)[2..], [(12, WcStatus::WrFlushError, false)]);
+}
+
+/// A stream whose peer finished it but that is kept (its closed id would add a range
+/// beyond `max_streams` ranges): a receive posted on it after every message was delivered
+/// completes with `WrFlushError` at once instead of waiting for a message that cannot
+/// come.
+#[test]
+fn a_receive_posted_on_a_finished_stream_that_is_kept_is_flushed_at_once() {
+    let a = metaroce::testing::config(0, 4);
+    let mut b = metaroce::testing::config(1, 4);
+    b.transport.max_streams = 2;
+    let mut p = Pair::with_configs(4, a, b);
+    let (c, s) = p.connect();
+    // Streams 0, 10 and 20: ids that join no neighbour, one range each.
+    for (i, id) in [0u32, 10, 20].into_iter().enumerate() {
+        p.eps[0]
+            .post_send(c, id, i as u64, Bytes::from_static(b"msg"))
+            .unwrap();
+        p.eps[0].finish_stream(p.now, c, id).unwrap();
+        assert!(p.run_until(Duration::from_secs(5), |p| {
+            p.events[1]
+                .iter()
+                .any(|e| matches!(e, Event::StreamFinished { stream, .. } if *stream == id))
+        }));
+    }
+    assert!(p.eps[1].stream_is_closed(s, 10));
+    assert!(!p.eps[1].stream_is_closed(s, 20), "kept: a third range");
+    let buf = p.eps[1].register_mr(vec![0; 100], Access::LOCAL_WRITE);
+    let rr = RecvRequest {
+        wr_id: 7,
+        lkey: buf.lkey,
+        offset: 0,
+        len: 100,
+    };
+    p.eps[1].post_recv(s, 20, rr).unwrap();
+    p.run_for(Duration::from_millis(5));
+    assert_eq!(recvs_on(&p, 20), [(7, WcStatus::WrFlushError, false)]);
 }

@@ -525,9 +525,10 @@ impl RecvState {
     }
 
     /// Post a receive buffer on a stream; the stream then consumes posted receives. On a
-    /// dead stream whose delivery reached the lost message the receive is flushed at once
-    /// (reported by `take_flushed`), as IBA flushes receives posted to a QP in the error
-    /// state.
+    /// dead stream whose delivery reached the lost message, and on a finished stream whose
+    /// every message is delivered, the receive is flushed at once (reported by
+    /// `take_flushed`), as IBA flushes receives posted to a QP in the error state: nothing
+    /// will ever land in it.
     pub fn post_recv(&mut self, stream: u32, r: PostedRecv) {
         if self.retired.contains(stream) {
             // The stream ended and was forgotten: nothing will arrive on it.
@@ -536,7 +537,9 @@ impl RecvState {
         }
         let st = self.streams.entry(stream).or_default();
         st.posted_mode = true;
-        if st.dead_from == Some(st.next_deliver) {
+        if st.dead_from == Some(st.next_deliver) || st.fin_at == Some(st.next_deliver) {
+            // Nothing more will arrive on the stream: reset, or finished with every
+            // message delivered.
             self.flushed.push_back((stream, flush_wc(r.wr_id)));
         } else {
             st.posted.push_back(r);
@@ -1178,6 +1181,15 @@ impl RecvState {
                 break;
             }
             if st.fin_at == Some(st.next_deliver) {
+                // Every message is delivered and none will follow: a receive still posted
+                // would wait forever (and keep the stream from closing).
+                for r in st.posted.drain(..) {
+                    events.push_back(Event::RecvCompletion {
+                        conn,
+                        stream,
+                        wc: flush_wc(r.wr_id),
+                    });
+                }
                 if !st.end_reported {
                     st.end_reported = true;
                     events.push_back(Event::StreamFinished { conn, stream });
