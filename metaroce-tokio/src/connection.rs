@@ -204,7 +204,12 @@ impl Drop for PendingOp<'_> {
         // Cancelled, too late, not cancellable (a SEND) or already finished with its
         // completion still queued in the core: in every case a completion follows, and
         // only then is the result region released / a received message reported.
-        let _ = st.core.cancel(std::time::Instant::now(), conn, self.wr_id);
+        let now = std::time::Instant::now();
+        let _ = match self.recv {
+            // Only its stream is searched (O(streams) per drop otherwise).
+            Some(r) => st.core.cancel_recv(now, conn, r.stream, self.wr_id),
+            None => st.core.cancel(now, conn, self.wr_id),
+        };
         st.waiters.insert(
             key,
             Waiter::Cancelled {

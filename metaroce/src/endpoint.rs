@@ -1283,12 +1283,40 @@ impl Endpoint {
     /// Cost: O(log queue) to find a WRITE, READ or atomic while the connection's work
     /// request ids have been posted in nondecreasing order (repeats allowed; metaroce-tokio
     /// posts them so), O(queue) once one was smaller than the one before. A posted receive
-    /// is searched among its stream's posted receives.
+    /// is searched among every stream's posted receives, O(streams + posted receives):
+    /// [`cancel_recv`](Self::cancel_recv), given the stream, searches only there.
     pub fn cancel(&mut self, _now: Instant, conn: ConnectionHandle, wr_id: u64) -> CancelOutcome {
         let Some(c) = self.conns.get_mut(&conn.0) else {
             return CancelOutcome::Unknown;
         };
         let out = c.cancel(wr_id, &mut self.events);
+        self.touched(conn.0);
+        out
+    }
+
+    /// Withdraw the receive `wr_id` posted on `stream` of `conn` ([`post_recv`](Self::post_recv)),
+    /// as [`cancel`](Self::cancel) does for a posted receive: [`CancelOutcome::Cancelled`]
+    /// if no message had begun landing in it (nor in a receive posted after it on the
+    /// stream): it completes with [`WcStatus::WrFlushError`] ([`Event::RecvCompletion`],
+    /// queued before this returns) and the stream's next message takes the next receive;
+    /// [`CancelOutcome::Finishing`] if a message is landing in it (it completes normally,
+    /// with the message) or it was flushed already; [`CancelOutcome::Unknown`] if no such
+    /// receive is posted on that stream. The send queue is not searched.
+    ///
+    /// Cost: O(the stream's posted receives + its messages in reassembly), whatever the
+    /// number of streams (an application dropping a receive on each of n streams pays
+    /// O(n), where `cancel` would pay O(n²)).
+    pub fn cancel_recv(
+        &mut self,
+        _now: Instant,
+        conn: ConnectionHandle,
+        stream: u32,
+        wr_id: u64,
+    ) -> CancelOutcome {
+        let Some(c) = self.conns.get_mut(&conn.0) else {
+            return CancelOutcome::Unknown;
+        };
+        let out = c.cancel_recv(stream, wr_id, &mut self.events);
         self.touched(conn.0);
         out
     }

@@ -225,6 +225,16 @@ fn cancelled_reads_and_atomics_never_touch_their_destination() {
 
 #[test]
 fn withdrawn_receive_is_flushed_and_the_message_takes_the_next_one() {
+    withdrawn_receive(false);
+}
+
+/// The same through `cancel_recv`, which is told the stream (and finds nothing on another).
+#[test]
+fn withdrawn_receive_named_by_its_stream_is_flushed_and_the_message_takes_the_next_one() {
+    withdrawn_receive(true);
+}
+
+fn withdrawn_receive(by_stream: bool) {
     let mut p = Pair::impaired(1, Impair::default());
     let (c, s) = p.connect();
     let buf = p.eps[1].register_mr(vec![0; 8192], Access::LOCAL_WRITE);
@@ -238,7 +248,12 @@ fn withdrawn_receive_is_flushed_and_the_message_takes_the_next_one() {
         p.eps[1].post_recv(s, 3, r).unwrap();
     }
     let now = p.now;
-    assert_eq!(p.eps[1].cancel(now, s, 1), CancelOutcome::Cancelled);
+    if by_stream {
+        assert_eq!(p.eps[1].cancel_recv(now, s, 4, 1), CancelOutcome::Unknown);
+        assert_eq!(p.eps[1].cancel_recv(now, s, 3, 1), CancelOutcome::Cancelled);
+    } else {
+        assert_eq!(p.eps[1].cancel(now, s, 1), CancelOutcome::Cancelled);
+    }
     p.flush();
     assert_eq!(
         recv_completion(&p.events[1], 1).map(|w| w.status),
@@ -293,6 +308,7 @@ fn receive_with_a_message_landing_is_not_withdrawn() {
             .is_some_and(|st| st.recv.buffered_messages > 0)
     }));
     let now = p.now;
+    assert_eq!(p.eps[1].cancel_recv(now, s, 0, 1), CancelOutcome::Finishing);
     assert_eq!(p.eps[1].cancel(now, s, 1), CancelOutcome::Finishing);
     assert!(p.run_until(Duration::from_secs(10), |p| recv_completion(
         &p.events[1],

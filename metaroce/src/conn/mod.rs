@@ -1738,18 +1738,34 @@ impl Connection {
         wr_id: u64,
         events: &mut VecDeque<Event>,
     ) -> crate::endpoint::CancelOutcome {
-        use crate::endpoint::CancelOutcome;
         let out = match self.sq.cancel(wr_id) {
             Some(o) => o,
-            None => match self.rq.withdraw_recv(wr_id) {
-                Some(true) => CancelOutcome::Cancelled,
-                Some(false) => CancelOutcome::Finishing,
-                None => CancelOutcome::Unknown,
-            },
+            None => Self::withdrawn(self.rq.withdraw_recv(None, wr_id)),
         };
         self.drain_completions(events);
         self.rq.take_flushed(self.handle, events);
         out
+    }
+
+    /// Withdraw the receive `wr_id` posted on `stream` (see `Endpoint::cancel_recv`).
+    pub fn cancel_recv(
+        &mut self,
+        stream: u32,
+        wr_id: u64,
+        events: &mut VecDeque<Event>,
+    ) -> crate::endpoint::CancelOutcome {
+        let out = Self::withdrawn(self.rq.withdraw_recv(Some(stream), wr_id));
+        self.rq.take_flushed(self.handle, events);
+        out
+    }
+
+    fn withdrawn(w: Option<bool>) -> crate::endpoint::CancelOutcome {
+        use crate::endpoint::CancelOutcome;
+        match w {
+            Some(true) => CancelOutcome::Cancelled,
+            Some(false) => CancelOutcome::Finishing,
+            None => CancelOutcome::Unknown,
+        }
     }
 
     /// Cancel the unfinished WRITEs, READs and atomics named in `wr_ids` (see

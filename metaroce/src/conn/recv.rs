@@ -332,6 +332,9 @@ pub(crate) struct RecvState {
     /// Streams whose incoming direction ended, was drained and was forgotten
     /// ([`RecvState::try_retire`]): their late packets are acknowledged and dropped.
     retired: super::idset::IdSet,
+    /// Streams `withdraw_recv` looked at (tests bound its cost with it).
+    #[cfg(test)]
+    withdraw_visits: u64,
     buf: Budget,
     /// WRITEs in progress (some segments placed).
     writes: HashMap<u32, WriteTrack>,
@@ -551,27 +554,48 @@ impl RecvState {
     /// shift): it completes with `WrFlushError` (reported by `take_flushed`) and the next
     /// message of its stream takes the next receive. `Some(false)`: a message is landing
     /// in it (or it was flushed already); it completes normally. `None`: no such receive.
-    pub fn withdraw_recv(&mut self, wr_id: u64) -> Option<bool> {
+    ///
+    /// With `stream` only that stream's receives are searched: O(its posted receives +
+    /// its messages). Without, every stream's: O(streams) more, which made dropping a
+    /// receive on each of n streams cost O(n²).
+    pub fn withdraw_recv(&mut self, stream: Option<u32>, wr_id: u64) -> Option<bool> {
         if self.flushed.iter().any(|(_, wc)| wc.wr_id == wr_id) {
             return Some(false);
         }
-        for (&sid, st) in self.streams.iter_mut() {
-            let Some(k) = st.posted.iter().position(|r| r.wr_id == wr_id) else {
-                continue;
-            };
-            let later: Vec<u64> = st.posted.iter().skip(k).map(|r| r.wr_id).collect();
-            let bound = st
-                .msgs
-                .values()
-                .any(|m| matches!(m.dest, Dest::Posted(r) if later.contains(&r.wr_id)));
-            if bound {
+        let mut visits = 0u64;
+        let found = match stream {
+            Some(sid) => self.streams.get(&sid).and_then(|st| {
+                visits += 1;
+                Some((sid, st.posted.iter().position(|r| r.wr_id == wr_id)?))
+            }),
+            None => self.streams.iter().find_map(|(&sid, st)| {
+                visits += 1;
+                Some((sid, st.posted.iter().position(|r| r.wr_id == wr_id)?))
+            }),
+        };
+        #[cfg(test)]
+        {
+            self.withdraw_visits += visits;
+        }
+        let _ = visits;
+        let (sid, k) = found?;
+        let st = self.streams.get_mut(&sid)?;
+        // Receives bound to messages that began landing: this one or a later one means the
+        // matching cannot shift.
+        let mut bound = st.msgs.values().filter_map(|m| match m.dest {
+            Dest::Posted(r) => Some(r.wr_id),
+            Dest::Owned(_) => None,
+        });
+        let first = bound.next();
+        if let Some(first) = first {
+            let rest: std::collections::HashSet<u64> = bound.chain([first]).collect();
+            if st.posted.iter().skip(k).any(|r| rest.contains(&r.wr_id)) {
                 return Some(false);
             }
-            st.posted.remove(k);
-            self.flushed.push_back((sid, flush_wc(wr_id)));
-            return Some(true);
         }
-        None
+        st.posted.remove(k);
+        self.flushed.push_back((sid, flush_wc(wr_id)));
+        Some(true)
     }
 
     /// Whether flushed receives wait to be reported.
@@ -1712,5 +1736,60 @@ impl RecvState {
             unconsumed_bytes: self.buf.unconsumed,
             ..self.stats
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recv(wr_id: u64) -> PostedRecv {
+        PostedRecv {
+            wr_id,
+            lkey: 1,
+            offset: 0,
+            len: 10,
+        }
+    }
+
+    /// Withdrawing a receive on each of n streams, each named, looks at n streams in all;
+    /// unnamed, it searched every stream each time (O(n²): dropping the `recv_into`
+    /// futures of a server with a receive per stream).
+    #[test]
+    fn withdrawing_with_the_stream_looks_at_that_stream_only() {
+        let n = 2_000u32;
+        let mut rq = RecvState::default();
+        for s in 0..n {
+            rq.post_recv(s, recv(u64::from(s)));
+        }
+        for s in (0..n).rev() {
+            assert_eq!(rq.withdraw_recv(Some(s), u64::from(s)), Some(true));
+            rq.flushed.clear();
+        }
+        assert_eq!(rq.withdraw_visits, u64::from(n));
+        // The wrong stream does not find it; the right one, or none named, does.
+        rq.post_recv(7, recv(70));
+        assert_eq!(rq.withdraw_recv(Some(8), 70), None);
+        assert_eq!(rq.withdraw_recv(None, 70), Some(true));
+        assert_eq!(
+            rq.withdraw_recv(Some(7), 70),
+            Some(false),
+            "flushed already"
+        );
+        rq.flushed.clear();
+        // Unnamed: a search over the streams.
+        rq.withdraw_visits = 0;
+        for s in 0..n {
+            rq.post_recv(s, recv(u64::from(s)));
+        }
+        for s in 0..n {
+            assert_eq!(rq.withdraw_recv(None, u64::from(s)), Some(true));
+            rq.flushed.clear();
+        }
+        assert!(
+            rq.withdraw_visits > u64::from(n) * 50,
+            "{}",
+            rq.withdraw_visits
+        );
     }
 }
