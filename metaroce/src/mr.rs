@@ -3,8 +3,10 @@
 //! Like an IBA protection domain, one endpoint's regions are usable by every connection of
 //! that endpoint.
 //!
-//! Keys (issue #9): the **lkey** follows rxe's scheme (RoCEv2 reference §7), `index << 8 |
-//! variant`; it never leaves the host. The **rkey** is a random 32-bit value from the
+//! Keys (issue #9): the **lkey** never leaves the host; it counts up from 1 per endpoint,
+//! looked up in a map, and is not reissued before 2^32 registrations, so a work request
+//! that still names a deregistered region finds no region (rxe's `index << 8 | variant`
+//! came back after 256 registrations of one slot). The **rkey** is a random 32-bit value from the
 //! endpoint's secret RNG, drawn per registration, looked up in a map and never equal to a
 //! live rkey; the region's **address** is a random page-aligned 48-bit VA, also per
 //! registration. A remote access must name both: a key from another endpoint or from an
@@ -214,8 +216,16 @@ impl fmt::Debug for Region {
 #[derive(Debug)]
 pub(crate) struct MrTable {
     slots: Vec<Option<Region>>,
-    variants: Vec<u8>,
     free: Vec<usize>,
+    /// lkey → slot index of every live region.
+    by_lkey: HashMap<u32, usize>,
+    /// The next lkey to hand out: lkeys count up from 1 and are not reissued before the
+    /// counter wraps (2^32 registrations), so a work request that still names a
+    /// deregistered region's lkey finds nothing. (An lkey of slot index and an 8-bit
+    /// generation, as NICs build them, came back after 256 registrations of one slot: a
+    /// receive posted on a deregistered region then took the data into an unrelated region
+    /// and completed `Success`; found by review.)
+    next_lkey: u32,
     /// rkey → slot index of every live region.
     by_rkey: HashMap<u32, usize>,
     rng: SecretRng,
@@ -254,24 +264,23 @@ impl MrTable {
     fn with_rng(rng: SecretRng) -> Self {
         Self {
             slots: Vec::new(),
-            variants: Vec::new(),
             free: Vec::new(),
+            by_lkey: HashMap::default(),
+            next_lkey: 1,
             by_rkey: HashMap::default(),
             rng,
         }
     }
 
     pub(crate) fn register(&mut self, data: Box<dyn RegionMemory>, access: Access) -> MrKeys {
-        let idx = match self.free.pop() {
-            Some(i) => i,
-            None => {
-                self.slots.push(None);
-                self.variants.push(0);
-                self.slots.len() - 1
+        let idx = self.free_slot();
+        let key = loop {
+            let k = self.next_lkey;
+            self.next_lkey = k.wrapping_add(1);
+            if k != 0 && !self.by_lkey.contains_key(&k) {
+                break k;
             }
         };
-        self.variants[idx] = self.variants[idx].wrapping_add(1);
-        let key = ((idx as u32 + 1) << 8) | self.variants[idx] as u32;
         let rkey = loop {
             let k = self.rng.next_u32();
             if k != 0 && !self.by_rkey.contains_key(&k) {
@@ -289,6 +298,7 @@ impl MrTable {
             }
         };
         self.by_rkey.insert(rkey, idx);
+        self.by_lkey.insert(key, idx);
         let keys = MrKeys {
             lkey: key,
             rkey,
@@ -303,37 +313,41 @@ impl MrTable {
     /// Register `data` under keys another table chose (`keys` from its
     /// [`register`](Self::register)): the same lkey, rkey and address, so that one region
     /// answers to one set of keys on several endpoints (the shards of one async endpoint).
-    /// `InvalidKey` if the lkey's slot or the rkey is taken here, the lkey is malformed,
-    /// or `keys.len` is not `data.len()`; nothing is registered then.
+    /// `InvalidKey` if the lkey or the rkey is taken here or 0, or `keys.len` is not
+    /// `data.len()`; nothing is registered then.
     pub(crate) fn register_with_keys(
         &mut self,
         data: Box<dyn RegionMemory>,
         keys: MrKeys,
     ) -> Result<(), MrError> {
-        let idx = (keys.lkey >> 8).checked_sub(1).ok_or(MrError::InvalidKey)? as usize;
-        let taken = self.slots.get(idx).is_some_and(|s| s.is_some());
-        if taken
+        if keys.lkey == 0
             || keys.rkey == 0
+            || self.by_lkey.contains_key(&keys.lkey)
             || self.by_rkey.contains_key(&keys.rkey)
             || keys.len != data.len() as u64
-            || idx >= u32::MAX as usize >> 8
         {
             return Err(MrError::InvalidKey);
         }
-        while self.slots.len() <= idx {
-            self.free.push(self.slots.len());
-            self.slots.push(None);
-            self.variants.push(0);
-        }
-        self.free.retain(|&i| i != idx);
-        self.variants[idx] = keys.lkey as u8;
+        let idx = self.free_slot();
+        self.by_lkey.insert(keys.lkey, idx);
         self.by_rkey.insert(keys.rkey, idx);
         self.slots[idx] = Some(Region { keys, data });
         Ok(())
     }
 
+    /// A free slot index (the most recently freed one, or a new one).
+    fn free_slot(&mut self) -> usize {
+        match self.free.pop() {
+            Some(i) => i,
+            None => {
+                self.slots.push(None);
+                self.slots.len() - 1
+            }
+        }
+    }
+
     fn slot(&self, key: u32) -> Option<&Region> {
-        let idx = (key >> 8).checked_sub(1)? as usize;
+        let idx = *self.by_lkey.get(&key)?;
         self.slots.get(idx)?.as_ref().filter(|r| r.keys.lkey == key)
     }
 
@@ -354,7 +368,7 @@ impl MrTable {
     }
 
     fn slot_mut(&mut self, key: u32) -> Option<&mut Region> {
-        let idx = (key >> 8).checked_sub(1)? as usize;
+        let idx = *self.by_lkey.get(&key)?;
         self.slots
             .get_mut(idx)?
             .as_mut()
@@ -362,12 +376,13 @@ impl MrTable {
     }
 
     pub(crate) fn deregister(&mut self, key: u32) -> Option<Box<dyn RegionMemory>> {
-        let idx = (key >> 8).checked_sub(1)? as usize;
+        let idx = *self.by_lkey.get(&key)?;
         let slot = self.slots.get_mut(idx)?;
         if slot.as_ref().map(|r| r.keys.lkey) != Some(key) {
             return None;
         }
         let region = slot.take()?;
+        self.by_lkey.remove(&key);
         self.by_rkey.remove(&region.keys.rkey);
         self.free.push(idx);
         Some(region.data)
@@ -570,7 +585,7 @@ mod tests {
         );
         // A new region in the same slot has another rkey: the old slot does not reach it.
         let b = t.register(Box::new(vec![0u8; 64]), Access::REMOTE_WRITE);
-        assert_eq!(b.lkey >> 8, a.lkey >> 8);
+        assert_eq!(t.by_lkey[&b.lkey], slot.idx);
         assert_eq!(
             t.remote_write_in(slot, b.addr, &[2; 8]),
             Err(MrError::InvalidKey)

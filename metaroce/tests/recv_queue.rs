@@ -388,3 +388,44 @@ fn a_receive_posted_on_a_finished_stream_that_is_kept_is_flushed_at_once() {
     p.run_for(Duration::from_millis(5));
     assert_eq!(recvs_on(&p, 20), [(7, WcStatus::WrFlushError, false)]);
 }
+
+/// A receive posted on a region that is then deregistered completes with
+/// `LocalProtectionError` (the SEND with `RemoteOperationalError`), however many regions
+/// are registered and deregistered meanwhile: an lkey is not reissued. With lkeys of slot
+/// index and an 8-bit generation, the 256th later registration got the old lkey and the
+/// message landed in that unrelated region, completing `Success` (found by review, in RC
+/// mode; the table is shared).
+#[test]
+fn a_receive_on_a_deregistered_region_never_lands_in_a_later_one() {
+    let mut p = Pair::new(12);
+    let (c, s) = p.connect();
+    let old = p.eps[1].register_mr(vec![0; 64], Access::LOCAL_WRITE);
+    let rr = RecvRequest {
+        wr_id: 1,
+        lkey: old.lkey,
+        offset: 0,
+        len: 64,
+    };
+    p.eps[1].post_recv(s, 0, rr).unwrap();
+    assert!(p.eps[1].deregister_mr(old.lkey).is_some());
+    // Registrations that reuse the freed slot; one that got the old lkey is kept.
+    let mut kept = None;
+    for _ in 0..300 {
+        let k = p.eps[1].register_mr(vec![0x11; 64], Access::LOCAL_WRITE);
+        if k.lkey == old.lkey {
+            kept = Some(k);
+            break;
+        }
+        assert!(p.eps[1].deregister_mr(k.lkey).is_some());
+    }
+    let kept = kept.unwrap_or_else(|| p.eps[1].register_mr(vec![0x11; 64], Access::LOCAL_WRITE));
+    p.eps[0]
+        .post_send(c, 0, 9, Bytes::from(vec![0xEE; 64]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| !p.completions(0, c).is_empty()));
+    assert_eq!(status_of(&p, c, 9), Some(WcStatus::RemoteOperationalError));
+    let rc = p.recv_completions(1, s);
+    assert_eq!(rc.len(), 1);
+    assert_eq!(rc[0].1.status, WcStatus::LocalProtectionError);
+    assert_eq!(p.eps[1].mr_read(kept.lkey, 0, 64).unwrap(), vec![0x11; 64]);
+}
