@@ -19,7 +19,9 @@ pub(crate) struct CtxInner {
 
 impl Drop for CtxInner {
     fn drop(&mut self) {
-        ffi::close_device(self.raw);
+        // SAFETY: CtxInner owns the context and drops once; every object made from it
+        // holds an Arc of this CtxInner, so all are gone.
+        unsafe { ffi::close_device(self.raw) };
     }
 }
 

@@ -436,9 +436,12 @@ macro_rules! lib_or_panic {
 }
 
 /// `ibv_close_device`.
-pub fn close_device(ctx: Raw) {
-    // SAFETY: ctx came from ibv_open_device and every object made from it was destroyed
-    // (the safe types hold an Arc of the context).
+///
+/// # Safety
+/// `ctx` came from [`open_device`], is closed once, and every object made from it was
+/// destroyed; no copy of it is used afterwards.
+pub unsafe fn close_device(ctx: Raw) {
+    // SAFETY: the caller's contract.
     unsafe { (lib_or_panic!().close_device)(ctx.0) };
 }
 
@@ -479,8 +482,12 @@ pub fn alloc_pd(ctx: Raw) -> std::io::Result<Raw> {
 }
 
 /// `ibv_dealloc_pd`.
-pub fn dealloc_pd(pd: Raw) {
-    // SAFETY: pd came from ibv_alloc_pd; its MRs and QPs are gone (they hold an Arc of it).
+///
+/// # Safety
+/// `pd` came from [`alloc_pd`], is deallocated once, its MRs and QPs are gone, and no copy
+/// of it is used afterwards.
+pub unsafe fn dealloc_pd(pd: Raw) {
+    // SAFETY: the caller's contract.
     unsafe { (lib_or_panic!().dealloc_pd)(pd.0) };
 }
 
@@ -512,8 +519,12 @@ pub unsafe fn reg_mr(pd: Raw, addr: *mut u8, len: usize, access: i32) -> std::io
 }
 
 /// `ibv_dereg_mr`.
-pub fn dereg_mr(mr: Raw) -> std::io::Result<()> {
-    // SAFETY: mr came from ibv_reg_mr and is deregistered once (MrInner's Drop).
+///
+/// # Safety
+/// `mr` came from [`reg_mr`] and was not deregistered successfully before; after `Ok` no
+/// copy of it is used. (After an error the MR is still registered.)
+pub unsafe fn dereg_mr(mr: Raw) -> std::io::Result<()> {
+    // SAFETY: the caller's contract.
     io_rc(unsafe { (lib_or_panic!().dereg_mr)(mr.0) })
 }
 
@@ -530,8 +541,12 @@ pub fn create_comp_channel(ctx: Raw) -> std::io::Result<(Raw, c_int)> {
 }
 
 /// `ibv_destroy_comp_channel`.
-pub fn destroy_comp_channel(ch: Raw) {
-    // SAFETY: ch came from ibv_create_comp_channel; its CQ was destroyed before.
+///
+/// # Safety
+/// `ch` came from [`create_comp_channel`], is destroyed once, its CQs were destroyed
+/// before, and no copy of it is used afterwards.
+pub unsafe fn destroy_comp_channel(ch: Raw) {
+    // SAFETY: the caller's contract.
     unsafe { (lib_or_panic!().destroy_comp_channel)(ch.0) };
 }
 
@@ -547,8 +562,12 @@ pub fn create_cq(ctx: Raw, cqe: i32, ch: Raw) -> std::io::Result<Raw> {
 }
 
 /// `ibv_destroy_cq`.
-pub fn destroy_cq(cq: Raw) -> std::io::Result<()> {
-    // SAFETY: cq came from ibv_create_cq; its QPs were destroyed and every event acked.
+///
+/// # Safety
+/// `cq` came from [`create_cq`] and was not destroyed successfully before; its QPs were
+/// destroyed and every event acknowledged; after `Ok` no copy of it is used.
+pub unsafe fn destroy_cq(cq: Raw) -> std::io::Result<()> {
+    // SAFETY: the caller's contract.
     io_rc(unsafe { (lib_or_panic!().destroy_cq)(cq.0) })
 }
 
@@ -637,8 +656,12 @@ pub fn modify_qp(qp: Raw, attr: &mut ibv_qp_attr, mask: i32) -> std::io::Result<
 }
 
 /// `ibv_destroy_qp`.
-pub fn destroy_qp(qp: Raw) -> std::io::Result<()> {
-    // SAFETY: qp came from ibv_create_qp, destroyed once.
+///
+/// # Safety
+/// `qp` came from [`create_rc_qp`] and was not destroyed successfully before; after `Ok`
+/// no copy of it is used.
+pub unsafe fn destroy_qp(qp: Raw) -> std::io::Result<()> {
+    // SAFETY: the caller's contract.
     io_rc(unsafe { (lib_or_panic!().destroy_qp)(qp.0) })
 }
 

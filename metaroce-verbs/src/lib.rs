@@ -25,9 +25,11 @@
 //! first choice; its `rdma-mummy-sys` compiles a vendored rdma-core with `cmake` and runs
 //! `bindgen` (libclang) at build time, neither of which this project's build machines have,
 //! so `cargo build --workspace` would fail there. The data-path verbs are `static inline` in
-//! `verbs.h`; like them, the crate calls the provider's ops table. `unsafe` lives in two
-//! small modules (`ffi`, `buf`), each block with a `// SAFETY:` comment; struct layouts are
-//! asserted at compile time.
+//! `verbs.h`; like them, the crate calls the provider's ops table. `unsafe` code lives in two
+//! small modules (`ffi`, `buf`); the `ffi` functions whose misuse would free or reach memory
+//! the device still uses (registration, posting, destroying) are `unsafe fn`s with their
+//! contract, called from the owning types in `device`, `mr` and `qp`. Each `unsafe` block
+//! has a `// SAFETY:` comment; struct layouts are asserted at compile time.
 //!
 //! # Runtime
 //! [`RcQp::create`] spawns its completion task on the current tokio runtime (it panics, as

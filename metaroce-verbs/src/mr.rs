@@ -14,7 +14,9 @@ pub(crate) struct PdInner {
 
 impl Drop for PdInner {
     fn drop(&mut self) {
-        ffi::dealloc_pd(self.raw);
+        // SAFETY: PdInner owns the PD and drops once; its MRs and QPs hold an Arc of it,
+        // so all are gone.
+        unsafe { ffi::dealloc_pd(self.raw) };
     }
 }
 
@@ -119,11 +121,14 @@ impl MrInner {
             lkey: self.raw.lkey,
         })
     }
+    /// Deregister and take the buffer; `None` if `ibv_dereg_mr` failed: the MR is still
+    /// registered and keeps its buffer (a handle to it stays usable).
     fn deregister(&mut self) -> Option<RegBuf> {
-        if let Err(e) = ffi::dereg_mr(self.raw.raw) {
-            // The device still references the memory: leak it rather than free it.
-            tracing::error!(error = %e, "ibv_dereg_mr failed; leaking the buffer");
-            std::mem::forget(self.buf.take());
+        // SAFETY: MrInner owns the MR; `buf` is Some only while it is registered (this
+        // returns it on success, so a second successful call cannot happen), and the
+        // handle is not used after that.
+        if let Err(e) = unsafe { ffi::dereg_mr(self.raw.raw) } {
+            tracing::error!(error = %e, "ibv_dereg_mr failed; the MR stays registered");
             return None;
         }
         self.pd.live_mrs.fetch_sub(1, Ordering::Relaxed);
@@ -133,8 +138,9 @@ impl MrInner {
 
 impl Drop for MrInner {
     fn drop(&mut self) {
-        if self.buf.is_some() {
-            drop(self.deregister());
+        if self.buf.is_some() && self.deregister().is_none() {
+            // The device still references the memory: leak it rather than free it.
+            std::mem::forget(self.buf.take());
         }
     }
 }
@@ -223,7 +229,8 @@ impl Mr {
         }
     }
     /// Deregister and return the buffer, if this is the last handle and no work request
-    /// uses it; otherwise give the `Mr` back.
+    /// uses it; otherwise give the `Mr` back (also when `ibv_dereg_mr` fails: the MR then
+    /// stays registered, and the handle usable).
     pub fn into_inner(self) -> Result<Box<[u8]>, Mr> {
         match Arc::try_unwrap(self.0) {
             Ok(mut inner) => match inner.deregister() {

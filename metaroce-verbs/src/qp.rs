@@ -400,7 +400,10 @@ pub(crate) struct QpShared {
 
 impl Drop for QpShared {
     fn drop(&mut self) {
-        if let Err(e) = ffi::destroy_qp(self.qp) {
+        // SAFETY (the three calls below): QpShared owns the QP, its CQ and channel and
+        // drops once; the completion task that polls them holds an Arc of it, so it is
+        // gone; on an error the rest is leaked, never destroyed twice.
+        if let Err(e) = unsafe { ffi::destroy_qp(self.qp) } {
             tracing::error!(error = %e, "ibv_destroy_qp failed; leaking QP resources");
             // The device may still reference the pools and held MRs: leak them.
             std::mem::forget(std::mem::take(&mut self.ops.lock().entries));
@@ -409,11 +412,11 @@ impl Drop for QpShared {
             std::mem::forget(self.recv_pool.clone());
             return;
         }
-        if let Err(e) = ffi::destroy_cq(self.cq) {
+        if let Err(e) = unsafe { ffi::destroy_cq(self.cq) } {
             tracing::error!(error = %e, "ibv_destroy_cq failed");
             return;
         }
-        ffi::destroy_comp_channel(self.ch);
+        unsafe { ffi::destroy_comp_channel(self.ch) };
     }
 }
 
@@ -1096,7 +1099,9 @@ impl RcQp {
         let (ch, fd) =
             ffi::create_comp_channel(ctx.0.raw).map_err(verbs_err("ibv_create_comp_channel"))?;
         let fail_ch = |e: Error| {
-            ffi::destroy_comp_channel(ch);
+            // SAFETY: the channel was just made, has no CQ, and the error return drops
+            // every copy of it.
+            unsafe { ffi::destroy_comp_channel(ch) };
             e
         };
         ffi::set_nonblocking(fd)
@@ -1110,7 +1115,8 @@ impl RcQp {
             u32::try_from(u64::from(cfg.send_slots) + u64::from(cfg.max_rdma_wr)),
             i32::try_from(total),
         ) else {
-            ffi::destroy_comp_channel(ch);
+            // SAFETY: as in fail_ch.
+            unsafe { ffi::destroy_comp_channel(ch) };
             return Err(Error::InvalidArgument(format!(
                 "send_slots + max_rdma_wr + recv_slots = {total} exceeds a CQ's size"
             )));
@@ -1128,8 +1134,10 @@ impl RcQp {
         let (qp, qpn) = match ffi::create_rc_qp(pd.0.raw, cq, cap) {
             Ok(x) => x,
             Err(e) => {
-                let _ = ffi::destroy_cq(cq);
-                ffi::destroy_comp_channel(ch);
+                // SAFETY: the CQ and channel were just made, no QP uses them, and the
+                // error return drops every copy.
+                let _ = unsafe { ffi::destroy_cq(cq) };
+                unsafe { ffi::destroy_comp_channel(ch) };
                 return Err(Error::Verbs {
                     op: "ibv_create_qp",
                     source: e,
