@@ -259,7 +259,8 @@ impl Ring {
     /// to [`MAX_IOVS`] datagram buffers).
     ///
     /// Errors ([`io::ErrorKind::Unsupported`]): `io_uring_setup` refused (ENOSYS: no
-    /// io_uring; EPERM: seccomp or `kernel.io_uring_disabled`), or a kernel older than 6.0
+    /// io_uring; EPERM: seccomp or `kernel.io_uring_disabled`), `io_uring_enter` refused
+    /// (a seccomp filter that allows the setup), or a kernel older than 6.0
     /// (no `IORING_OP_SEND_ZC`, released with multishot `recvmsg`), or the buffer ring
     /// registration refused (older than 5.19).
     pub(super) fn new(
@@ -277,6 +278,17 @@ impl Ring {
             .build(sq_entries)
             .or_else(|_| IoUring::builder().setup_cqsize(cq).build(sq_entries))
             .map_err(|e| setup_error("io_uring_setup", e))?;
+        // A sandbox may allow io_uring_setup and _register but refuse io_uring_enter (a
+        // seccomp filter): then nothing queued is ever submitted, and a backend that bound
+        // fine never received a datagram. One NOP submitted and reaped proves it works.
+        let mut ring = ring;
+        let nop = opcode::Nop::new().build().user_data(u64::MAX);
+        // SAFETY: a NOP references no memory.
+        unsafe { ring.submission().push(&nop) }
+            .map_err(|_| setup_error("io_uring submission queue", io::ErrorKind::Other.into()))?;
+        ring.submit_and_wait(1)
+            .map_err(|e| setup_error("io_uring_enter", e))?;
+        ring.completion().for_each(drop);
         let mut probe = io_uring::Probe::new();
         ring.submitter()
             .register_probe(&mut probe)
