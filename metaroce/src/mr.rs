@@ -231,10 +231,10 @@ pub(crate) struct MrTable {
     rng: SecretRng,
 }
 
+#[cfg(test)]
 impl Default for MrTable {
-    /// A table with a fixed, public key seed: only for the standalone RoCEv2
-    /// [`RcEndpoint`](crate::rocev2::RcEndpoint), whose standard has no key protection
-    /// anyway. MetaRoCE endpoints use [`MrTable::new`].
+    /// A table with a fixed, public key seed, for unit tests. Endpoints use
+    /// [`MrTable::new`] with a seed of their own.
     fn default() -> Self {
         Self::with_rng(SecretRng::new(SecretRng::default_seed(0x7263)))
     }

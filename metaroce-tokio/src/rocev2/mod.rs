@@ -237,7 +237,9 @@ impl fmt::Debug for RcEndpoint {
 
 impl RcEndpoint {
     /// Bind raw sockets on `local` (needs `CAP_NET_RAW`; see [`RawIpBackend`]) and start
-    /// the driver. `cfg.local_ip` is replaced by `local`. Must run inside a tokio runtime.
+    /// the driver. `cfg.local_ip` is replaced by `local`, and `cfg.seed`, if it is
+    /// [`RcConfig::FIXED_SEED`] (what [`RcConfig::new`] sets), by one from the operating
+    /// system (set another value for a reproducible run). Must run inside a tokio runtime.
     pub fn bind_raw(local: Ipv4Addr, mut cfg: RcConfig) -> io::Result<Self> {
         let backend = RawIpBackend::bind(local)?;
         cfg.local_ip = local.into();
@@ -245,9 +247,18 @@ impl RcEndpoint {
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
     }
 
-    /// Start an endpoint over any backend (`cfg.local_ip` is replaced by the backend's).
+    /// Start an endpoint over any backend (`cfg.local_ip` is replaced by the backend's;
+    /// `cfg.seed` as in [`bind_raw`](Self::bind_raw): QPNs, initial PSNs, rkeys and region
+    /// addresses differ between endpoints unless a seed is set).
+    ///
+    /// Errors: an invalid `cfg`, or [`RcError::Unsupported`] if the operating system gives
+    /// no random seed.
     pub fn with_backend(backend: Arc<dyn IpBackend>, mut cfg: RcConfig) -> Result<Self, RcError> {
         cfg.local_ip = backend.local_ip();
+        if cfg.seed == RcConfig::FIXED_SEED {
+            cfg.seed = getrandom::u64()
+                .map_err(|_| RcError::Unsupported("no random seed from the operating system"))?;
+        }
         let core = metaroce::rocev2::RcEndpoint::new(cfg)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {

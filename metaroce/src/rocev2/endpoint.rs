@@ -6,6 +6,7 @@ use super::{
     RecvWr, SendWr,
 };
 use crate::mr::{Access, MrError, MrKeys, MrTable};
+use crate::secret::SecretRng;
 use crate::EcnCodepoint;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
@@ -39,9 +40,12 @@ impl RcEndpoint {
     /// An endpoint with no QPs and no memory regions. Errors: an invalid [`RcConfig`]
     /// (`max_message_size` above 2^31, `max_unacked_psns` outside 1..=2^22).
     pub fn new(cfg: RcConfig) -> Result<Self, RcError> {
+        // Keys and region addresses from the configured seed (a fixed key seed made every
+        // stand-alone endpoint hand out the same first rkey and address; found by review).
+        let mut keys = SecretRng::new(SecretRng::default_seed(cfg.seed ^ 0x6d72_5f6b_6579_7321));
         Ok(Self {
+            mrs: MrTable::new(&mut keys),
             host: RcHost::new(cfg)?,
-            mrs: MrTable::default(),
         })
     }
 

@@ -517,8 +517,10 @@ impl<'a> RcQps<'a> {
     /// Post a send work request (the QP must be connected).
     ///
     /// Errors: unknown QP, QP not in RTS, `max_send_wr` reached, `len` above
-    /// `max_message_size`, atomics not 8 bytes or not 8-byte aligned, READ/atomic with
-    /// `max_rd_atomic` 0, or an invalid local memory reference.
+    /// `max_message_size`, a READ whose packets at the path MTU plus `max_unacked_psns`
+    /// reach 2^23 (half the PSN space: e.g. 2^31 bytes at PMTU 256), atomics not 8 bytes or
+    /// not 8-byte aligned, READ/atomic with `max_rd_atomic` 0, or an invalid local memory
+    /// reference.
     pub fn post_send(&mut self, qpn: u32, wr: SendWr) -> Result<(), RcError> {
         let max = self.host.cfg.max_send_wr;
         let max_msg = self.host.cfg.max_message_size;
@@ -533,6 +535,12 @@ impl<'a> RcQps<'a> {
             return Err(RcError::Invalid("len (> max_message_size)"));
         }
         match wr.op {
+            SendOp::Read { .. } if !qp.read_fits(wr.len, self.host.cfg.max_unacked_psns) => {
+                return Err(RcError::Invalid(
+                    "len (a READ's packets at this path MTU, plus max_unacked_psns, must \
+                     stay under 2^23 PSNs)",
+                ));
+            }
             SendOp::CompareSwap { remote_addr, .. } | SendOp::FetchAdd { remote_addr, .. } => {
                 if wr.len != 8 {
                     return Err(RcError::Invalid("len (atomics need 8)"));

@@ -82,7 +82,13 @@ pub use crate::mr::MrKeys;
 pub struct RcConfig {
     /// The local IP address: source of every packet, and the only destination accepted.
     pub local_ip: IpAddr,
-    /// Seed of the RNG that draws QPNs and initial PSNs.
+    /// Seed of the RNGs that draw QPNs, initial PSNs, IPv4 IDs and, on a stand-alone
+    /// [`RcEndpoint`], rkeys and region addresses. [`RcConfig::new`] sets
+    /// [`RcConfig::FIXED_SEED`]: the sans-IO core uses the seed as given (a run is
+    /// reproducible), and metaroce-tokio's `RcEndpoint` replaces that one value with a seed
+    /// from the operating system, so unrelated endpoints do not hand out the same QPNs,
+    /// PSNs and keys (RoCEv2 itself protects none of them; rdma-core's tools randomize the
+    /// initial PSN too).
     pub seed: u64,
     /// Most queue pairs at once. Default 1024.
     pub max_qps: usize,
@@ -114,11 +120,14 @@ pub struct RcConfig {
 }
 
 impl RcConfig {
+    /// The seed [`RcConfig::new`] sets (see [`seed`](Self::seed)).
+    pub const FIXED_SEED: u64 = 0x726f_6365_7632_7263;
+
     /// Defaults for the given local IP.
     pub fn new(local_ip: IpAddr) -> Self {
         Self {
             local_ip,
-            seed: 0x726f_6365_7632_7263,
+            seed: Self::FIXED_SEED,
             max_qps: 1024,
             max_send_wr: 4096,
             max_recv_wr: 4096,

@@ -144,6 +144,12 @@ pub(crate) struct Qp {
     /// A response-triggered retry started at this PSN: no other one starts until `una`
     /// passes it or the timer fires (rxe's `started_retry`).
     retry_from: Option<u32>,
+    /// A go-back rewound the send queue and no request was sent since: the ACK timer that
+    /// expires now times a wait for nothing sent, and spends no retry (it is re-armed).
+    rewound_unsent: bool,
+    /// The last data packet out was a READ response: a request ready to go is sent next,
+    /// so that one direction's READ response stream cannot starve this QP's own requests.
+    request_turn: bool,
     // responder
     epsn: u32,
     msn: u32,
@@ -198,6 +204,8 @@ impl Qp {
             rd_atomic_inflight: 0,
             high_psn: init_psn,
             retry_from: None,
+            rewound_unsent: false,
+            request_turn: false,
             epsn: 0,
             msn: 0,
             rq: VecDeque::new(),
@@ -244,6 +252,15 @@ impl Qp {
             read_rcvd: 0,
             read_restart: None,
         });
+    }
+
+    /// Whether a READ of `len` bytes fits the PSN space: its responses take one PSN per
+    /// path-MTU packet, reserved at once, and with up to `max_unacked` PSNs before it
+    /// the whole span must stay under half the 24-bit space, or its own responses (and a
+    /// retry of it at the responder) compare as ahead instead of behind (a 2^31-byte READ
+    /// at PMTU 256 never completed; found by review).
+    pub fn read_fits(&self, len: u32, max_unacked: u32) -> bool {
+        npkts(len, self.pmtu).saturating_add(max_unacked) < 1 << 23
     }
 
     pub fn post_recv(&mut self, wr: RecvWr) {
@@ -304,6 +321,7 @@ impl Qp {
         self.cursor_pkt = k;
         self.noack_pkts = 0;
         self.retry_from = Some(self.una);
+        self.rewound_unsent = true;
     }
 
     pub fn handle_timeout(&mut self, now: Instant, cfg: &RcConfig, events: &mut VecDeque<RcEvent>) {
@@ -321,6 +339,16 @@ impl Qp {
         if self.ack_deadline.is_some_and(|t| t <= now) {
             self.ack_deadline = None;
             if !self.outstanding() || self.rnr_until.is_some() {
+                return;
+            }
+            if self.rewound_unsent {
+                // Nothing was sent again since the last go-back (this QP's READ responses
+                // or the rate limiter held the requests back): the timer has not timed a
+                // response to anything, so no retry is spent. (IBA §9.7.6.1.x: the retry
+                // count bounds retransmissions; each expiry cost one before, and a QP
+                // serving a long READ failed RetryExceeded with one copy ever sent; found
+                // by review.)
+                self.rearm_after_progress(now);
                 return;
             }
             self.stats.timeouts += 1;
@@ -458,13 +486,19 @@ impl Qp {
         // The DCQCN rate limiter holds back READ responses and requests (not ACKs/NAKs).
         // In ERROR only owed responses remain: they go out unpaced (no timer would wake them).
         let paced = cfg.dcqcn.enabled && self.state == QpState::Rts && !self.rp.may_send(now);
-        if let Some((p, data)) = self.poll_response(mrs, buf, paced) {
-            self.stats.tx_responses += 1;
-            if data {
-                self.rp.on_transmit(now, p.len, &cfg.dcqcn);
-                self.stats.dcqcn_rate_bps = self.rp.rate_bps(&cfg.dcqcn);
+        // READ response data and this QP's requests take turns (rxe runs its requester and
+        // responder as separate tasks); ACKs, NAKs and atomic ACKs go first.
+        let reading = matches!(self.out.front(), Some(RespItem::Read { .. }));
+        if !(reading && self.request_turn && self.state == QpState::Rts && !paced) {
+            if let Some((p, data)) = self.poll_response(mrs, buf, paced) {
+                self.stats.tx_responses += 1;
+                if data {
+                    self.request_turn = true;
+                    self.rp.on_transmit(now, p.len, &cfg.dcqcn);
+                    self.stats.dcqcn_rate_bps = self.rp.rate_bps(&cfg.dcqcn);
+                }
+                return Some(p);
             }
-            return Some(p);
         }
         if self.state != QpState::Rts {
             return None;
@@ -475,7 +509,16 @@ impl Qp {
             }
             return None;
         }
-        let p = self.poll_request(now, cfg, mrs, buf, events)?;
+        self.request_turn = false;
+        let Some(p) = self.poll_request(now, cfg, mrs, buf, events) else {
+            // No request to send: the READ response waiting there goes.
+            return if reading {
+                self.poll_packet(now, cfg, mrs, buf, events)
+            } else {
+                None
+            };
+        };
+        self.rewound_unsent = false;
         self.stats.tx_requests += 1;
         if cfg.dcqcn.enabled {
             self.rp.on_transmit(now, p.len, &cfg.dcqcn);
