@@ -270,6 +270,10 @@ struct Budget {
     floor: u64,
     /// `explicit_consume` is on (copied from the limits).
     explicit: bool,
+    /// Messages in every stream's `msgs` (being reassembled or waiting for delivery), so
+    /// that `RecvState::stats` costs O(1): the Pair harness reads the stats at every step,
+    /// and summing over streams made tests with thousands of streams crawl.
+    msgs: u64,
 }
 
 impl Budget {
@@ -293,12 +297,14 @@ impl Budget {
     fn release_msg(&mut self, st: &mut StreamRx, msg: &RxMsg) {
         self.release(msg);
         st.buffered -= msg.charge;
+        self.msgs -= 1;
     }
 
     /// `msg` of stream `st` was delivered: with `explicit_consume` its bytes stay charged
     /// (as unconsumed) until `RecvState::consume`; otherwise they are released.
     fn delivered(&mut self, st: &mut StreamRx, msg: &RxMsg) {
         st.buffered -= msg.charge;
+        self.msgs -= 1;
         if self.explicit && matches!(msg.dest, Dest::Owned(_)) {
             if msg.over {
                 self.over -= msg.charge;
@@ -1126,6 +1132,7 @@ impl RecvState {
                 st.buffered += charge;
                 Dest::Owned(vec![0; hdr.msg_len as usize])
             };
+            self.buf.msgs += 1;
             st.msgs.insert(
                 hdr.msg_seq,
                 RxMsg {
@@ -1720,6 +1727,11 @@ impl RecvState {
 
     /// The counters, with the gauges filled in.
     pub fn stats(&self) -> RecvStats {
+        // The count agrees with the maps (checked where that is cheap).
+        debug_assert!(
+            self.streams.len() > 64
+                || self.buf.msgs == self.streams.values().map(|st| st.msgs.len() as u64).sum()
+        );
         RecvStats {
             tracked_ops: (self.writes.len()
                 + self.writes_done.len()
@@ -1727,7 +1739,7 @@ impl RecvState {
                 + self.executed.len()) as u64,
             buffered_bytes: self.buf.bytes,
             write_track_bytes: self.write_words as u64 * 8,
-            buffered_messages: self.streams.values().map(|st| st.msgs.len() as u64).sum(),
+            buffered_messages: self.buf.msgs,
             refused_messages: self.buf.refused as u64,
             streams: self.streams.len() as u64,
             retired_stream_ranges: self.retired.ranges() as u64,
