@@ -11,10 +11,13 @@
 //!   an AEAD connection fed raw, mutated and replayed datagrams.
 //! * [`pair_impaired`]: two endpoints exchanging SENDs and WRITEs over an impaired
 //!   in-memory network in virtual time, checked end to end.
+//! * [`rc_packets`]: RoCEv2 RC mode: two RC endpoints whose packets the input drops,
+//!   mutates (ICRC re-stamped), replays, or injects raw bytes among.
 
 pub mod aead_open;
 pub mod endpoint_datagrams;
 pub mod pair_impaired;
+pub mod rc_packets;
 pub mod util;
 pub mod wire_parse;
 
@@ -46,15 +49,21 @@ pub fn run_target(name: &str, data: &[u8]) -> bool {
                 pair_impaired::run(&input);
             }
         }
+        "rc_packets" => {
+            if let Some(input) = decode::<rc_packets::Input>(data) {
+                rc_packets::run(&input);
+            }
+        }
         _ => return false,
     }
     true
 }
 
 /// The names of every target, as in `Cargo.toml`.
-pub const TARGETS: [&str; 4] = [
+pub const TARGETS: [&str; 5] = [
     "wire_parse",
     "endpoint_datagrams",
     "pair_impaired",
     "aead_open",
+    "rc_packets",
 ];

@@ -319,7 +319,8 @@ impl SendOp {
         matches!(self, SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. })
     }
 
-    fn completion_opcode(&self) -> RcOpcode {
+    /// The opcode of this operation's work completion (`ibv_wc_opcode`).
+    pub fn completion_opcode(&self) -> RcOpcode {
         match self {
             SendOp::Send { .. } => RcOpcode::Send,
             SendOp::Write { .. } => RcOpcode::RdmaWrite,
