@@ -858,11 +858,12 @@ impl Endpoint {
     /// region is reachable with the same keys through several endpoints — the shards of
     /// one `metaroce-tokio` endpoint, which share one UDP port and one set of regions.
     /// Use it on an endpoint whose regions are all registered this way (keys chosen by one
-    /// endpoint only), or its own registrations may take the slot the keys name.
+    /// endpoint only): each endpoint counts its own lkeys up from 1, so its own
+    /// registrations would take lkeys the other endpoint hands out too.
     ///
     /// # Errors
-    /// [`MrError::InvalidKey`] if the lkey's slot or the rkey is in use here, the lkey is
-    /// malformed or `keys.len` is not `mem.len()`; nothing is registered.
+    /// [`MrError::InvalidKey`] if the lkey or the rkey is 0 or in use here, or `keys.len`
+    /// is not `mem.len()`; nothing is registered.
     pub fn register_mr_memory_with_keys(
         &mut self,
         mem: Box<dyn RegionMemory>,

@@ -427,6 +427,9 @@ pub struct RecvStats {
     /// stream, `stop_stream`): answered with a flow-control RNR NAK, never placed nor
     /// acknowledged, until the peer's reset for the STOP arrives.
     pub stopped_naks: u64,
+    /// SEND packets of messages at or after their stream's FIN count (an honest sender
+    /// never sends one): refused with NAK invalid request, nothing placed.
+    pub beyond_fin_naks: u64,
     /// Gauge, at the time of the snapshot: one-sided op ids the responder tracks (WRITEs
     /// in progress, finished ids above the floor, refusal records, records of what executed
     /// ids did). At most about 3 × `max_tracked_ops`.
@@ -565,7 +568,11 @@ impl RecvState {
     /// its messages). Without, every stream's: O(streams) more, which made dropping a
     /// receive on each of n streams cost O(n²).
     pub fn withdraw_recv(&mut self, stream: Option<u32>, wr_id: u64) -> Option<bool> {
-        if self.flushed.iter().any(|(_, wc)| wc.wr_id == wr_id) {
+        if self
+            .flushed
+            .iter()
+            .any(|&(sid, wc)| wc.wr_id == wr_id && stream.is_none_or(|s| s == sid))
+        {
             return Some(false);
         }
         let mut visits = 0u64;
@@ -734,6 +741,24 @@ impl RecvState {
             return RxOutcome::Accepted;
         }
         st.fin_at = Some(count);
+        // Messages at or after the count (a peer that sent them is broken or hostile) are
+        // dropped, their receives freed for the flush at the FIN: nothing more is written
+        // into a receive once it is reported flushed.
+        let beyond: Vec<u32> = st
+            .msgs
+            .keys()
+            .copied()
+            .filter(|&m| !seq_before(m, count))
+            .collect();
+        for m in beyond {
+            if let Some(msg) = st.msgs.remove(&m) {
+                self.buf.release_msg(st, &msg);
+            }
+        }
+        let before = st.refused.len();
+        st.refused.retain(|&m| seq_before(m, count));
+        st.refused_recv.retain(|&m, _| seq_before(m, count));
+        self.buf.refused -= before - st.refused.len();
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
     }
@@ -866,6 +891,12 @@ impl RecvState {
             // A message of a dead stream (a copy sent before the abort, or overtaken by
             // it): its SEND is already flushed at the sender.
             return RxOutcome::Accepted;
+        }
+        if st.fin_at.is_some_and(|f| !seq_before(hdr.msg_seq, f)) {
+            // Beyond the FIN: the stream has fewer messages. Placing it would write into a
+            // receive that delivery flushes at the FIN (found by review).
+            self.stats.beyond_fin_naks += 1;
+            return RxOutcome::Nak(NAK_INVALID_REQUEST);
         }
         if st.stopped_at.is_some_and(|n| !seq_before(hdr.msg_seq, n)) {
             // This side stopped the stream before this message: it is never delivered,
@@ -1803,5 +1834,104 @@ mod tests {
             "{}",
             rq.withdraw_visits
         );
+    }
+
+    /// A receive flushed on one stream, not yet reported, does not hide a receive with the
+    /// same wr_id posted on another (ids may repeat): naming the stream finds it.
+    #[test]
+    fn a_flushed_receive_of_another_stream_does_not_hide_the_named_one() {
+        let mut rq = RecvState::default();
+        rq.post_recv(1, recv(5));
+        rq.post_recv(2, recv(5));
+        assert_eq!(rq.withdraw_recv(Some(1), 5), Some(true));
+        assert_eq!(rq.withdraw_recv(Some(2), 5), Some(true));
+        assert_eq!(rq.withdraw_recv(Some(2), 5), Some(false), "flushed already");
+    }
+
+    fn limits() -> RecvLimits {
+        RecvLimits {
+            pmtu: 1024,
+            max_message_size: 1 << 20,
+            max_recv_buffer_bytes: 1 << 20,
+            max_stream_window: 64,
+            max_streams: 64,
+            require_posted_receives: true,
+            max_tracked_ops: 64,
+            max_held_immediates: 64,
+            max_unconsumed_immediates: 64,
+            explicit_consume: false,
+            max_stream_recv_bytes: 1 << 20,
+            endpoint_unread_full: false,
+            endpoint_reassembly_others: 0,
+            max_reassembly_bytes: 1 << 20,
+            reassembly_floor_bytes: 0,
+        }
+    }
+
+    /// A peer sends part of message 1 (bound to the second posted receive), then a FIN
+    /// saying the stream has one message, then message 0: delivery reaches the FIN and the
+    /// second receive completes `WrFlushError`. The rest of message 1 must not be written
+    /// into that receive's buffer afterwards (the application was told it is free): it is
+    /// refused (NAK invalid request), as is anything beyond a FIN. Found by review: it was
+    /// placed and acknowledged.
+    #[test]
+    fn nothing_lands_in_a_receive_flushed_at_the_fin() {
+        use crate::mr::{Access, MrTable};
+        use crate::secret::SecretRng;
+        use crate::wire::SendEth;
+        let mut mrs = MrTable::new(&mut SecretRng::new([7; 32]));
+        let keys = mrs.register(Box::new(vec![0u8; 4096]), Access::LOCAL_WRITE);
+        let lim = limits();
+        let conn = ConnectionHandle(1);
+        let mut rq = RecvState::default();
+        let mut ev = VecDeque::new();
+        for (i, wr_id) in [10u64, 11].into_iter().enumerate() {
+            let r = PostedRecv {
+                wr_id,
+                lkey: keys.lkey,
+                offset: i as u64 * 2048,
+                len: 2048,
+            };
+            rq.post_recv(5, r);
+        }
+        let m1 = |offset| SendEth {
+            stream_id: 5,
+            msg_seq: 1,
+            offset,
+            msg_len: 2048,
+        };
+        let out = rq.on_send(conn, &m1(0), &[0xAA; 1024], &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        rq.on_stream_fin(conn, 5, 1, &lim, &mut ev);
+        let m0 = SendEth {
+            stream_id: 5,
+            msg_seq: 0,
+            offset: 0,
+            msg_len: 4,
+        };
+        rq.on_send(conn, &m0, b"zero", &lim, &mut mrs, &mut ev);
+        let done: Vec<_> = ev
+            .iter()
+            .filter_map(|e| match e {
+                Event::RecvCompletion { wc, .. } => Some((wc.wr_id, wc.status)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            done,
+            [(10, WcStatus::Success), (11, WcStatus::WrFlushError)]
+        );
+        // The application reuses the flushed buffer.
+        mrs.local_write(keys.lkey, 2048 + 1024, &[0x11; 1024])
+            .unwrap();
+        let out = rq.on_send(conn, &m1(1024), &[0xBB; 1024], &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Nak(NAK_INVALID_REQUEST));
+        assert_eq!(
+            mrs.local_vec(keys.lkey, 2048 + 1024, 1024).unwrap(),
+            vec![0x11; 1024]
+        );
+        assert_eq!(rq.stats().beyond_fin_naks, 1);
+        // Nothing of the stream is left: it can close.
+        assert!(rq.try_retire(5, 64));
     }
 }

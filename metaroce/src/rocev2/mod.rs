@@ -42,8 +42,8 @@
 //! ## Memory
 //!
 //! One endpoint is one protection domain. Regions are owned by the endpoint
-//! ([`RcEndpoint::register_mr`]); lkey = rkey; the VA peers use is [`MrKeys::addr`] plus an
-//! offset. Atomic operands are 8-byte **little-endian** integers in memory (as on an x86
+//! ([`RcEndpoint::register_mr`]); the lkey names a region locally (never reissued), the
+//! rkey and the VA peers use ([`MrKeys::addr`] plus an offset) are drawn from the seed. Atomic operands are 8-byte **little-endian** integers in memory (as on an x86
 //! host running rxe); the original value an atomic returns is written little-endian into the
 //! requester's 8-byte local buffer.
 //!
