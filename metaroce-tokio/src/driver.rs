@@ -23,6 +23,10 @@ const RECV_BUFS: usize = 8;
 const RECV_BUF_LEN: usize = 1 << 16;
 /// Transmits gathered under one lock before they are sent.
 const TX_BATCH: usize = 32;
+/// Receive errors in a row after which the driver pauses before receiving again (1 ms,
+/// doubling to 128 ms). Single errors are common and harmless (an ICMP port unreachable
+/// surfaces as `ECONNREFUSED` on the next UDP receive).
+const RECV_ERRORS_BEFORE_BACKOFF: u32 = 3;
 /// IP packets taken without waiting after one arrived (a burst is handled under one lock).
 const IP_DRAIN: usize = 64;
 
@@ -225,6 +229,8 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
     let mut sleep = std::pin::pin!(tokio::time::sleep_until(tokio::time::Instant::now()));
     // The deadline `sleep` is set to and has not fired for.
     let mut armed: Option<Instant> = None;
+    // Receive errors in a row (reset by a successful receive).
+    let mut recv_errors: u32 = 0;
     loop {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
@@ -380,6 +386,7 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                     r = recv, if has_dgram => {
                         match r {
                             Ok((n, lent)) => {
+                                recv_errors = 0;
                                 let mut st = shared.lock();
                                 let now = Instant::now();
                                 let copied = if lent { 0 } else { n };
@@ -397,7 +404,22 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                                     drain_ready(&*shared, &mut bufs, &mut metas);
                                 }
                             }
-                            Err(e) => tracing::debug!(error = %e, "receive failed"),
+                            Err(e) => {
+                                recv_errors += 1;
+                                tracing::debug!(error = %e, in_a_row = recv_errors, "receive failed");
+                                if recv_errors >= RECV_ERRORS_BEFORE_BACKOFF {
+                                    // A lasting error (an io_uring whose submissions the
+                                    // kernel refuses, say) answers every poll at once: without
+                                    // a pause the driver spun and starved its runtime (found
+                                    // by review). Timers wait at most the longest pause.
+                                    let k = (recv_errors - RECV_ERRORS_BEFORE_BACKOFF).min(7);
+                                    if k == 7 {
+                                        tracing::warn!(error = %e, "receiving keeps failing");
+                                    }
+                                    let pause = std::time::Duration::from_millis(1 << k);
+                                    tokio::time::sleep(pause).await;
+                                }
+                            }
                         }
                     }
                     _ = sleep.as_mut(), if armed.is_some() => armed = None,

@@ -173,3 +173,31 @@ fn io_uring_enter_forbidden_falls_back_to_udp_with_the_reason() {
         );
     });
 }
+
+/// `io_uring_enter` refused after the endpoint bound (a process that sandboxes itself once
+/// its sockets are open): every receive poll fails at once. The driver pauses between
+/// failed receives instead of spinning: a 10 ms sleep beside the endpoint on the same
+/// current-thread runtime finishes (it never did: found by review).
+#[test]
+fn a_receive_that_keeps_failing_does_not_starve_the_runtime() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async move {
+                let b = metaroce_tokio::backend::UringBackend::bind(loopback(), 1)
+                    .expect("io_uring backend");
+                forbid(&[ENTER]);
+                let ep = metaroce_tokio::Endpoint::with_backend(b, Default::default()).unwrap();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                let _ = tx.send(());
+                drop(ep);
+            });
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+        "a 10 ms sleep beside the endpoint did not finish: the driver spins"
+    );
+}
