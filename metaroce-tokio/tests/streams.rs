@@ -366,3 +366,37 @@ async fn empty_streams_from_the_peer_do_not_pile_up_in_the_driver() {
         assert!(next(&mut rx).await.is_none());
     }
 }
+
+/// `Connection::send` is bounded like the sink: against a peer that does not read, a loop
+/// of sends each under a 1 ms timeout leaves at most `stream_send_buffer` bytes (plus one
+/// message) posted on the stream; the timed-out ones were never posted. Before, every
+/// timed-out send stayed posted: a new user's trial piled 1.5 GiB into the transport in
+/// 5 s. Once the peer reads, exactly the posted messages arrive, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_sends_against_a_slow_reader_stay_bounded() {
+    const MSG: usize = 1 << 20;
+    let mut cfg = Config::default();
+    cfg.stream_send_buffer = 4 << 20;
+    cfg.transport.max_stream_recv_bytes = 2 << 20;
+    let (_se, _ce, c, s) = pair(cfg).await;
+    let mut most = 0;
+    for i in 0..100u64 {
+        let mut m = vec![0u8; MSG];
+        m[..8].copy_from_slice(&i.to_be_bytes());
+        let _ = tokio::time::timeout(Duration::from_millis(1), c.send(7, Bytes::from(m))).await;
+        most = most.max(c.stats().unwrap().queued_ops);
+    }
+    assert!(most <= 5, "{most} SENDs posted against a 4 MiB bound");
+    // The reader starts: the posted messages arrive in posting order, none twice.
+    let mut rx = s.accept_stream().await.expect("the stream");
+    let mut got = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(500), rx.next()).await {
+        let m = m.unwrap();
+        got.push(u64::from_be_bytes(m[..8].try_into().unwrap()));
+    }
+    assert!(!got.is_empty() && got.len() <= 100);
+    let mut want = got.clone();
+    want.sort_unstable();
+    want.dedup();
+    assert_eq!(got, want, "out of order or twice");
+}
