@@ -495,8 +495,12 @@ pub struct TransportConfig {
     /// "AckEth"), and the receiver of the ACK subtracts that from its RTT sample
     /// (RFC 9002 §5.3); this side adds its own `max_ack_delay` to its tail-loss probe
     /// timeout, so both ends should use the same value. A SEND's completion (Success) comes
-    /// at most this much later for a message nobody answers. `Duration::ZERO` = never hold
-    /// an ACK (as before). Default 100 µs; at most 10 ms.
+    /// at most this much later for a message nobody answers — measured by the driver's
+    /// timer, which may be coarser (tokio's resolves 1 ms: about 1.2 ms for the default),
+    /// unless the application says it has no reply
+    /// ([`Endpoint::release_held_ack`](crate::Endpoint::release_held_ack); metaroce-tokio
+    /// calls it when a stream's reader goes back to waiting). `Duration::ZERO` = never
+    /// hold an ACK (as before). Default 100 µs; at most 10 ms.
     pub max_ack_delay: Duration,
     /// Verify the ICRC of received packets when the addresses it covers are known.
     /// Default `true`.

@@ -1084,6 +1084,24 @@ impl Endpoint {
             .map_or(0, |c| c.sq.stream_pending(stream))
     }
 
+    /// Send the ACK `conn` holds for a reply (`TransportConfig::max_ack_delay`) with the
+    /// next [`poll_transmit`](Self::poll_transmit), instead of when its delay is up: the
+    /// application read the message and has nothing to answer with now (a reader that
+    /// went back to waiting, say). Returns whether an ACK was held; unknown connections
+    /// are ignored. The delay exists so that a reply can carry the ACK; once no reply is
+    /// coming, holding it only delays the peer's completion — by the delay, or, with a
+    /// timer coarser than it (tokio's resolves 1 ms), by much more.
+    pub fn release_held_ack(&mut self, conn: ConnectionHandle) -> bool {
+        let released = self
+            .conns
+            .get_mut(&conn.0)
+            .is_some_and(|c| c.release_held_ack());
+        if released {
+            self.touched(conn.0);
+        }
+        released
+    }
+
     /// The application consumed `bytes` more bytes of the messages delivered on `stream`
     /// of `conn` (with `TransportConfig::explicit_consume`), in delivery order: they stop
     /// counting against `max_stream_recv_bytes` and `max_recv_buffer_bytes`. Call it as a

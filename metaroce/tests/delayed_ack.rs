@@ -278,6 +278,38 @@ fn an_unanswered_send_is_acknowledged_after_max_ack_delay() {
     assert!(st.paths.iter().all(|p| p.stats.probes == 0));
 }
 
+/// The receiving application read the message and has no reply
+/// (`Endpoint::release_held_ack`): the held ACK leaves at once, not after `max_ack_delay`
+/// (10 ms here), and reports only the time it was held. Releasing when nothing is held
+/// does nothing.
+#[test]
+fn a_held_ack_released_by_the_application_leaves_at_once() {
+    let mut net = net(Duration::from_millis(10), Duration::from_millis(10));
+    let (a, b) = net.connect();
+    net.wire.clear();
+    assert!(!net.eps[1].release_held_ack(b), "nothing held yet");
+    net.eps[0]
+        .post_send(a, 1, 1, Bytes::from_static(b"hello"))
+        .unwrap();
+    assert!(net.run_until(LIMIT, |n| received(n, 1, b) == 1));
+    let arrived = net.now;
+    assert!(net.eps[1].release_held_ack(b));
+    assert!(net.run_until(LIMIT, |n| !n.completions(0, a).is_empty()));
+    let acks = acks(&net, 1);
+    assert_eq!(acks.len(), 1);
+    assert!(
+        acks[0].0 - arrived < Duration::from_millis(1),
+        "{:?}",
+        acks[0].0 - arrived
+    );
+    assert!(acks[0].1.ack_delay < 1000, "{}", acks[0].1.ack_delay);
+    assert!(net.now - arrived < Duration::from_millis(1));
+    assert_eq!(net.completions(0, a)[0].status, WcStatus::Success);
+    let st = net.eps[1].connection_stats(b).unwrap();
+    assert_eq!(st.held_acks_released, 1);
+    assert!(!net.eps[1].release_held_ack(b));
+}
+
 /// `max_ack_delay = 0`: every ACK leaves when its packet arrives, ahead of any reply.
 #[test]
 fn zero_max_ack_delay_acknowledges_at_once() {

@@ -116,6 +116,10 @@ pub struct ConnectionStats {
     pub recv: RecvStats,
     /// ACKs sent, counted per path acknowledged: an ACK bundle of *n* paths counts *n*.
     pub acks_sent: u64,
+    /// ACKs held for a reply (`TransportConfig::max_ack_delay`) that were sent before
+    /// their delay was up because the application had no reply
+    /// ([`Endpoint::release_held_ack`](crate::Endpoint::release_held_ack)).
+    pub held_acks_released: u64,
     /// `MR_ACK` datagrams sent (ACK bundles and single ACKs; keepalives not counted):
     /// `acks_sent / ack_datagrams_sent` is the mean bundle size.
     pub ack_datagrams_sent: u64,
@@ -322,6 +326,7 @@ pub(crate) struct Connection {
     pub last_data_rx: Option<Instant>,
     cfg: TransportConfig,
     acks_sent: u64,
+    held_acks_released: u64,
     ack_datagrams_sent: u64,
     acks_received: u64,
     data_in: u64,
@@ -585,6 +590,7 @@ impl Connection {
             last_data_rx: None,
             cfg,
             acks_sent: 0,
+            held_acks_released: 0,
             ack_datagrams_sent: 0,
             acks_received: 0,
             data_in: 0,
@@ -683,6 +689,7 @@ impl Connection {
             paths: self.tx.iter().map(PathTx::info).collect(),
             recv: self.rq.stats(),
             acks_sent: self.acks_sent,
+            held_acks_released: self.held_acks_released,
             ack_datagrams_sent: self.ack_datagrams_sent,
             acks_received: self.acks_received,
             data_packets_received: self.data_in,
@@ -1341,6 +1348,14 @@ impl Connection {
                 }
             }
         }
+    }
+
+    /// Stop holding the ACK for a reply (see `Endpoint::release_held_ack`); whether one
+    /// was held.
+    pub fn release_held_ack(&mut self) -> bool {
+        let held = self.ack_hold.take().is_some();
+        self.held_acks_released += u64::from(held);
+        held
     }
 
     /// A received packet made an ACK due at `now`. `lone_send`: it is an in-order, unmarked
