@@ -375,8 +375,10 @@ async fn empty_streams_from_the_peer_do_not_pile_up_in_the_driver() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timed_out_sends_against_a_slow_reader_stay_bounded() {
     const MSG: usize = 1 << 20;
-    let mut cfg = Config::default();
-    cfg.stream_send_buffer = 4 << 20;
+    let mut cfg = Config {
+        stream_send_buffer: 4 << 20,
+        ..Config::default()
+    };
     cfg.transport.max_stream_recv_bytes = 2 << 20;
     let (_se, _ce, c, s) = pair(cfg).await;
     let mut most = 0;
