@@ -166,7 +166,7 @@ impl PendingOp<'_> {
         if wc.status == WcStatus::Success {
             Ok(wc)
         } else {
-            Err(Error::Completion(wc))
+            Err(self.conn.failed(wc))
         }
     }
 }
@@ -447,6 +447,27 @@ impl Connection {
         self.inner.signals.reason()
     }
 
+    /// The error of a failed work completion: an operation flushed because the connection
+    /// ended (`WrFlushError` with a close reason known: every completion is reported
+    /// before the connection's end) is [`Error::ConnectionLost`] with that reason, as on
+    /// a stream; any other is [`Error::Completion`] (a new user's trial found the reason
+    /// missing from flushed WRITEs).
+    fn failed(&self, wc: WorkCompletion) -> Error {
+        if wc.status != WcStatus::WrFlushError {
+            return Error::Completion(wc);
+        }
+        // The driver reports the end right after the completions, under the endpoint
+        // lock: taking it waits for that.
+        let reason = self.close_reason().or_else(|| {
+            drop(self.shared().lock());
+            self.close_reason()
+        });
+        match reason {
+            Some(reason) => Error::ConnectionLost(reason),
+            None => Error::Completion(wc),
+        }
+    }
+
     /// Wait until the connection ends, and say why: closed here
     /// (`LocallyClosed`), closed by the peer (with its code and reason), idle timeout,
     /// retry exceeded.
@@ -718,8 +739,9 @@ impl Connection {
     /// # Errors
     /// [`Error::ForeignRegion`] (`src` belongs to another endpoint), [`Error::Memory`]
     /// (`range` reversed, or `dst.addr + dst_offset` passes `u64::MAX`), [`Error::Post`]
-    /// (longer than `max_message_size`, range outside `src`), [`Error::ConnectionLost`],
-    /// [`Error::Completion`] (the work completion of a failed WRITE).
+    /// (longer than `max_message_size`, range outside `src`), [`Error::ConnectionLost`]
+    /// (before posting, or a WRITE flushed because the connection ended: the reason is the
+    /// source), [`Error::Completion`] (the work completion of a failed WRITE).
     ///
     /// # Cancel safety
     /// The WRITE is posted at the future's first poll (or, with the send queue full, at the
@@ -797,10 +819,11 @@ impl Connection {
     /// that:
     /// - [`Error::Completion`]: the work completion of the first WRITE of the batch, in
     ///   posting order, that failed, reported once every WRITE completed (the others may
-    ///   have landed). Its `wr_id` is that WRITE's index in the batch, from 0. A connection that ends while WRITEs are posted completes them
-    ///   `WrFlushError`, so this is also what a connection lost part-way usually gives.
+    ///   have landed). Its `wr_id` is that WRITE's index in the batch, from 0.
     /// - [`Error::ConnectionLost`]: the connection ended (or began closing) before every
-    ///   WRITE could be posted; those already posted are cancelled, as on a drop.
+    ///   WRITE could be posted; those already posted are cancelled, as on a drop. Also
+    ///   when the first failed WRITE was flushed because the connection ended, with the
+    ///   reason.
     /// - [`Error::Post`]: the core refused a WRITE part-way (the region was deregistered
     ///   meanwhile, say); [`Error::EndpointClosed`].
     ///
@@ -931,7 +954,7 @@ impl Connection {
         pending.done = true;
         match failed {
             None => Ok(()),
-            Some(wc) => Err(Error::Completion(wc)),
+            Some(wc) => Err(self.failed(wc)),
         }
     }
 
@@ -1066,10 +1089,11 @@ impl Connection {
     ///
     /// # Errors
     /// [`Error::ForeignRegion`], [`Error::Memory`] (reversed range), [`Error::Post`]
-    /// (range outside `dst`, no `LOCAL_WRITE`), [`Error::ConnectionLost`],
-    /// [`Error::Completion`] (`LocalLengthError`; `WrFlushError` when the connection ends,
-    /// or when the peer finished or reset the stream and every message before the end was
-    /// delivered: no message will come, so a receive loop ends there).
+    /// (range outside `dst`, no `LOCAL_WRITE`), [`Error::ConnectionLost`] (also when the
+    /// connection ended while the receive waited, with the reason), [`Error::Completion`]
+    /// (`LocalLengthError`; `WrFlushError` when the peer finished or reset the stream and
+    /// every message before the end was delivered: no message will come, so a receive loop
+    /// ends there).
     ///
     /// The stream stays in posted-receive mode after this future is dropped too: a later
     /// message waits (the sender retries after RNR NAKs) for the next `recv_into` on the
@@ -1175,7 +1199,8 @@ impl Connection {
     /// [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON) bytes are sent; longer reasons are
     /// cut): new operations fail at once with `ConnectionLost(LocallyClosed)`, operations
     /// already posted drain for at most `transport.close_timeout` (default 2 s) and then
-    /// fail with `WrFlushError`; the peer's handles end with
+    /// are flushed (they fail with `ConnectionLost(LocallyClosed)`); the peer's handles end
+    /// with
     /// `ClosedByPeer { code, reason }`, this side's with `LocallyClosed`
     /// ([`closed`](Self::closed) resolves once the drain is over).
     pub fn close(&self, code: u32, reason: &[u8]) {

@@ -935,8 +935,9 @@ impl Endpoint {
 
     /// Close every connection gracefully with `code` and `reason` (at most
     /// [`MAX_CLOSE_REASON`](metaroce::MAX_CLOSE_REASON) bytes are sent): operations already
-    /// posted drain for at most `transport.close_timeout`, then the rest fail with
-    /// `WrFlushError`; the peers' handles end with `ClosedByPeer` carrying the code and
+    /// posted drain for at most `transport.close_timeout`, then the rest are flushed (they
+    /// fail with `ConnectionLost(LocallyClosed)`); the peers' handles end with
+    /// `ClosedByPeer` carrying the code and
     /// reason, the local ones with `LocallyClosed`. New operations and connections are
     /// refused at once; the driver stops once every CLOSE was answered (or sent
     /// `close_attempts` times). [`wait_idle`](Self::wait_idle) waits for that.

@@ -81,7 +81,8 @@ pub enum Error {
     #[error("{:?} failed: {} ({})", .0.opcode, .0.status, .0.status.ibv_code())]
     Completion(WorkCompletion),
     /// The connection ended; the source says why (closed locally or by the peer with a
-    /// code, idle timeout, retry exceeded).
+    /// code, idle timeout, retry exceeded). Also what an operation that was flushed by the
+    /// end (`WrFlushError`) fails with, instead of [`Error::Completion`].
     #[error("connection lost")]
     ConnectionLost(#[source] ConnectionError),
     /// A local memory region reference was invalid.

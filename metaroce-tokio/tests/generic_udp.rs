@@ -190,7 +190,9 @@ async fn access_errors_under_loss_and_reordering() {
 
 /// Close drains for `close_timeout`, then flushes: with the network cut right after the
 /// WRITEs were posted (nothing can complete; the runtime is single-threaded, so the driver
-/// cannot run between the post and the cut), every WRITE ends `WrFlushError`.
+/// cannot run between the post and the cut), every WRITE is flushed (`WrFlushError`), which
+/// metaroce-tokio reports as the connection's end with its reason
+/// (`ConnectionLost(LocallyClosed)`), as a stream does.
 #[tokio::test]
 async fn operations_pending_at_close_are_flushed() {
     let mk = |seed| {
@@ -221,7 +223,7 @@ async fn operations_pending_at_close_are_flushed() {
         .await
         .unwrap();
     println!("32 x 1 MiB WRITEs, network cut, closed: {f:?}");
-    assert_eq!(f.flushed, 32, "{f:?}");
+    assert_eq!(f.connection_ended, 32, "{f:?}");
 }
 
 /// Without a cut most of the WRITEs drain before the close completes; all resolve.
