@@ -14,12 +14,10 @@
 //! into another operation.)
 
 use arbitrary::Arbitrary;
-use metaroce::rocev2::{RcTransmit, RecvWr, SendOp, SendWr};
-use metaroce::testing::rc::{Net, Seen};
-use metaroce::wire::icrc::{self, IpHeader};
+use metaroce::rocev2::{RecvWr, SendOp, SendWr};
+use metaroce::testing::rc::{restamp, Net, Seen};
 use metaroce::Access;
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 const MAX_OPS: usize = 12;
@@ -83,35 +81,6 @@ pub enum Inject {
     Raw { to_b: bool, bytes: Vec<u8> },
     /// A late copy of the n-th packet seen on the link (n % packets seen).
     Replay(u16),
-}
-
-/// Rebuild the IP packet `orig` (as `Net` records it: IPv4, UDP, then the RoCEv2 payload)
-/// around the UDP payload `udp`, with the same IP fields and ports and a fresh ICRC.
-fn restamp(orig: &[u8], mut udp: Vec<u8>) -> Option<Vec<u8>> {
-    let h = orig.get(..28)?;
-    if udp.len() < 16 {
-        return None;
-    }
-    let ip = IpHeader::V4 {
-        src: [h[12], h[13], h[14], h[15]].into(),
-        dst: [h[16], h[17], h[18], h[19]].into(),
-        id: u16::from_be_bytes([h[4], h[5]]),
-        flags_frag: u16::from_be_bytes([h[6], h[7]]),
-        ttl: h[8],
-        tos: h[1],
-    };
-    let sport = u16::from_be_bytes([h[20], h[21]]);
-    icrc::stamp(&ip, sport, 4791, &mut udp).ok()?;
-    let t = RcTransmit {
-        destination: SocketAddr::new(IpAddr::from([h[16], h[17], h[18], h[19]]), 4791),
-        src_port: sport,
-        ip,
-        ecn: None,
-        size: udp.len(),
-    };
-    let mut out = Vec::new();
-    t.write_ip_packet(&udp, &mut out).ok()?;
-    Some(out)
 }
 
 /// Apply `act` to the packet `s`; `true` if it is lost.

@@ -352,29 +352,9 @@ fn rewrite_read_response(s: &mut Seen, op: Opcode) {
     let payload = pkt.payload.to_vec();
     let mut udp = vec![0; wire::packet_len(&headers, payload.len())];
     wire::emit_packet(&bth, &headers, &payload, &mut udp).unwrap();
-    let h = &s.ip_packet;
-    let ip = IpHeader::V4 {
-        src: [h[12], h[13], h[14], h[15]].into(),
-        dst: [h[16], h[17], h[18], h[19]].into(),
-        id: u16::from_be_bytes([h[4], h[5]]),
-        flags_frag: u16::from_be_bytes([h[6], h[7]]),
-        ttl: h[8],
-        tos: h[1],
-    };
-    let sport = u16::from_be_bytes([h[20], h[21]]);
-    icrc::stamp(&ip, sport, 4791, &mut udp).unwrap();
-    let t = RcTransmit {
-        destination: SocketAddr::new(A_IP, 4791),
-        src_port: sport,
-        ip,
-        ecn: None,
-        size: udp.len(),
-    };
-    let mut out = Vec::new();
-    t.write_ip_packet(&udp, &mut out).unwrap();
+    s.ip_packet = restamp(&s.ip_packet, udp).expect("restamped");
     s.opcode = op.0;
     s.syndrome = aeth.map(|a| a.syndrome);
-    s.ip_packet = out;
 }
 
 /// IBA §9.7.5.1.x (≈) / o9-…: a responder answering a re-issued RDMA READ (a retry of a

@@ -16,6 +16,35 @@ use std::time::{Duration, Instant};
 pub const A_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1));
 pub const B_IP: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2));
 
+/// The IPv4 packet `orig` (as [`Net`] captures it: IPv4 header, UDP header, RoCEv2) rebuilt
+/// around the UDP payload `udp`, with the same IP fields and ports and a fresh ICRC over
+/// them: what a peer or an on-path attacker that changed the packet sends. `None` if `orig`
+/// is shorter than its headers or `udp` too short to carry a BTH and an ICRC.
+pub fn restamp(orig: &[u8], mut udp: Vec<u8>) -> Option<Vec<u8>> {
+    let h = orig.get(..28)?;
+    let ip = icrc::IpHeader::V4 {
+        src: [h[12], h[13], h[14], h[15]].into(),
+        dst: [h[16], h[17], h[18], h[19]].into(),
+        id: u16::from_be_bytes([h[4], h[5]]),
+        flags_frag: u16::from_be_bytes([h[6], h[7]]),
+        ttl: h[8],
+        tos: h[1],
+    };
+    let sport = u16::from_be_bytes([h[20], h[21]]);
+    let dport = u16::from_be_bytes([h[22], h[23]]);
+    icrc::stamp(&ip, sport, dport, &mut udp).ok()?;
+    let t = crate::rocev2::RcTransmit {
+        destination: std::net::SocketAddr::new(IpAddr::from([h[16], h[17], h[18], h[19]]), dport),
+        src_port: sport,
+        ip,
+        ecn: None,
+        size: udp.len(),
+    };
+    let mut out = Vec::new();
+    t.write_ip_packet(&udp, &mut out).ok()?;
+    Some(out)
+}
+
 /// A packet seen on the wire.
 #[derive(Debug, Clone)]
 pub struct Seen {
