@@ -300,6 +300,26 @@ impl Budget {
         self.msgs -= 1;
     }
 
+    /// Drop what stream `st` holds of messages `from` on (buffered parts, refusals): the
+    /// stream ends before them (a reset at `from`, a FIN counting `from` messages).
+    fn forget_from(&mut self, st: &mut StreamRx, from: u32) {
+        let gone: Vec<u32> = st
+            .msgs
+            .keys()
+            .copied()
+            .filter(|&m| !seq_before(m, from))
+            .collect();
+        for m in gone {
+            if let Some(msg) = st.msgs.remove(&m) {
+                self.release_msg(st, &msg);
+            }
+        }
+        let before = st.refused.len();
+        st.refused.retain(|&m| seq_before(m, from));
+        st.refused_recv.retain(|&m, _| seq_before(m, from));
+        self.refused -= before - st.refused.len();
+    }
+
     /// `msg` of stream `st` was delivered: with `explicit_consume` its bytes stay charged
     /// (as unconsumed) until `RecvState::consume`; otherwise they are released.
     fn delivered(&mut self, st: &mut StreamRx, msg: &RxMsg) {
@@ -698,21 +718,7 @@ impl RecvState {
         }
         st.dead_from = Some(from);
         st.reset_code = code;
-        let dead: Vec<u32> = st
-            .msgs
-            .keys()
-            .copied()
-            .filter(|&m| !seq_before(m, from))
-            .collect();
-        for m in dead {
-            if let Some(msg) = st.msgs.remove(&m) {
-                self.buf.release_msg(st, &msg);
-            }
-        }
-        let before = st.refused.len();
-        st.refused.retain(|&m| seq_before(m, from));
-        st.refused_recv.retain(|&m, _| seq_before(m, from));
-        self.buf.refused -= before - st.refused.len();
+        self.buf.forget_from(st, from);
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
     }
@@ -744,21 +750,7 @@ impl RecvState {
         // Messages at or after the count (a peer that sent them is broken or hostile) are
         // dropped, their receives freed for the flush at the FIN: nothing more is written
         // into a receive once it is reported flushed.
-        let beyond: Vec<u32> = st
-            .msgs
-            .keys()
-            .copied()
-            .filter(|&m| !seq_before(m, count))
-            .collect();
-        for m in beyond {
-            if let Some(msg) = st.msgs.remove(&m) {
-                self.buf.release_msg(st, &msg);
-            }
-        }
-        let before = st.refused.len();
-        st.refused.retain(|&m| seq_before(m, count));
-        st.refused_recv.retain(|&m, _| seq_before(m, count));
-        self.buf.refused -= before - st.refused.len();
+        self.buf.forget_from(st, count);
         Self::deliver(conn, stream, st, &mut self.buf, &mut self.stats, events);
         RxOutcome::Accepted
     }
