@@ -1,6 +1,6 @@
 //! A connection to one peer: many ordered message streams, one-sided operations.
 
-use crate::endpoint::{EndpointRef, Shared, Waiter};
+use crate::endpoint::{EndpointRef, OpDone, Shared, Waiter};
 use crate::error::Error;
 use crate::mr::{addr_at, MemoryRegion, RemoteRegion};
 use crate::stream::{MessageStream, StreamEntry};
@@ -149,7 +149,9 @@ fn report_cancelled_recv(
 struct PendingOp<'a> {
     conn: &'a Connection,
     wr_id: u64,
-    rx: Option<oneshot::Receiver<WorkCompletion>>,
+    rx: Option<oneshot::Receiver<OpDone>>,
+    /// The stream of a SEND (`Connection::send`).
+    send_stream: Option<u32>,
     /// An atomic's result region: deregistered only once the core finished the atomic.
     result: Option<MemoryRegion>,
     recv: Option<RecvTarget>,
@@ -160,13 +162,13 @@ impl PendingOp<'_> {
         let Some(rx) = self.rx.as_mut() else {
             return Err(Error::EndpointClosed);
         };
-        let wc = rx.await;
+        let done = rx.await;
         self.rx = None;
-        let wc = wc.map_err(|_| Error::EndpointClosed)?;
+        let OpDone { wc, ended } = done.map_err(|_| Error::EndpointClosed)?;
         if wc.status == WcStatus::Success {
             Ok(wc)
         } else {
-            Err(self.conn.failed(wc))
+            Err(completion_error(wc, ended))
         }
     }
 }
@@ -184,10 +186,10 @@ impl Drop for PendingOp<'_> {
         let key = (conn, self.wr_id);
         let mut st = shared.lock();
         let finished = match rx.try_recv() {
-            Ok(wc) => {
+            Ok(done) => {
                 // Completed, but the completion was never taken.
                 if let Some(r) = self.recv {
-                    report_cancelled_recv(&mut st, conn, r, wc);
+                    report_cancelled_recv(&mut st, conn, r, done.wc);
                 }
                 true
             }
@@ -215,6 +217,7 @@ impl Drop for PendingOp<'_> {
             Waiter::Cancelled {
                 dereg,
                 recv: self.recv,
+                send_stream: self.send_stream,
             },
         );
         drop(st);
@@ -233,29 +236,50 @@ pub(crate) struct BatchSlot(std::sync::Mutex<BatchState>);
 struct BatchState {
     remaining: usize,
     /// The failed completion with the lowest position in the batch, and that position.
-    failed: Option<(usize, WorkCompletion)>,
+    failed: Option<(usize, OpDone)>,
     /// Sent `None` (every WRITE succeeded) or the first failure, when the last completes.
-    tx: Option<oneshot::Sender<Option<WorkCompletion>>>,
+    tx: Option<oneshot::Sender<Option<OpDone>>>,
 }
 
 impl BatchSlot {
-    /// Member `index` completed with `wc` (under the endpoint lock).
-    pub(crate) fn on_completion(&self, index: usize, wc: WorkCompletion) {
+    /// Member `index` completed with `wc` (under the endpoint lock); `ended`: the
+    /// connection's end flushed it (see `OpDone`).
+    pub(crate) fn on_completion(
+        &self,
+        index: usize,
+        wc: WorkCompletion,
+        ended: Option<ConnectionError>,
+    ) {
         let mut b = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if wc.status != WcStatus::Success && b.failed.as_ref().is_none_or(|(i, _)| index < *i) {
-            b.failed = Some((index, wc));
+            b.failed = Some((index, OpDone { wc, ended }));
         }
         b.remaining = b.remaining.saturating_sub(1);
         if b.remaining == 0 {
             if let Some(tx) = b.tx.take() {
                 // The wr_id the application sees is the WRITE's index in the batch (the
                 // driver's own ids mean nothing to it).
-                let _ = tx.send(b.failed.take().map(|(i, wc)| WorkCompletion {
-                    wr_id: i as u64,
-                    ..wc
+                let _ = tx.send(b.failed.take().map(|(i, d)| OpDone {
+                    wc: WorkCompletion {
+                        wr_id: i as u64,
+                        ..d.wc
+                    },
+                    ended: d.ended,
                 }));
             }
         }
+    }
+}
+
+/// The error of a failed work completion: an operation flushed by its connection's end
+/// (`ended`) is [`Error::ConnectionLost`] with the reason, as on a stream (a new user's
+/// trial found the reason missing from flushed WRITEs); any other is
+/// [`Error::Completion`] — a flush by a stream's reset or stop among them (a review found
+/// those misreported when the reason was looked up later).
+fn completion_error(wc: WorkCompletion, ended: Option<ConnectionError>) -> Error {
+    match ended {
+        Some(reason) if wc.status == WcStatus::WrFlushError => Error::ConnectionLost(reason),
+        _ => Error::Completion(wc),
     }
 }
 
@@ -286,6 +310,7 @@ impl Drop for PendingBatch<'_> {
                     *w = Waiter::Cancelled {
                         dereg: None,
                         recv: None,
+                        send_stream: None,
                     };
                     true
                 }
@@ -445,27 +470,6 @@ impl Connection {
     /// Why the connection ended, if it has.
     pub fn close_reason(&self) -> Option<ConnectionError> {
         self.inner.signals.reason()
-    }
-
-    /// The error of a failed work completion: an operation flushed because the connection
-    /// ended (`WrFlushError` with a close reason known: every completion is reported
-    /// before the connection's end) is [`Error::ConnectionLost`] with that reason, as on
-    /// a stream; any other is [`Error::Completion`] (a new user's trial found the reason
-    /// missing from flushed WRITEs).
-    fn failed(&self, wc: WorkCompletion) -> Error {
-        if wc.status != WcStatus::WrFlushError {
-            return Error::Completion(wc);
-        }
-        // The driver reports the end right after the completions, under the endpoint
-        // lock: taking it waits for that.
-        let reason = self.close_reason().or_else(|| {
-            drop(self.shared().lock());
-            self.close_reason()
-        });
-        match reason {
-            Some(reason) => Error::ConnectionLost(reason),
-            None => Error::Completion(wc),
-        }
     }
 
     /// Wait until the connection ends, and say why: closed here
@@ -629,7 +633,7 @@ impl Connection {
     ) -> Result<WorkCompletion, Error> {
         let span = self.inner.span.clone();
         tracing::Instrument::instrument(
-            async { self.post_op(post, None, None).await?.wait().await },
+            async { self.post_op(post, None, None, None).await?.wait().await },
             span,
         )
         .await
@@ -641,6 +645,7 @@ impl Connection {
         post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
         result: Option<MemoryRegion>,
         recv: Option<RecvTarget>,
+        send_stream: Option<u32>,
     ) -> Result<PendingOp<'_>, Error> {
         let shared = self.shared();
         let (wr_id, rx) = loop {
@@ -658,7 +663,7 @@ impl Connection {
                     Ok(()) => {
                         let (tx, rx) = oneshot::channel();
                         st.waiters
-                            .insert((self.inner.handle, wr_id), Waiter::Op(tx));
+                            .insert((self.inner.handle, wr_id), Waiter::Op(tx, send_stream));
                         break (wr_id, rx);
                     }
                     Err(PostError::SendQueueFull) => false,
@@ -679,6 +684,7 @@ impl Connection {
             conn: self,
             wr_id,
             rx: Some(rx),
+            send_stream,
             result,
             recv,
         })
@@ -954,7 +960,7 @@ impl Connection {
         pending.done = true;
         match failed {
             None => Ok(()),
-            Some(wc) => Err(self.failed(wc)),
+            Some(OpDone { wc, ended }) => Err(completion_error(wc, ended)),
         }
     }
 
@@ -1017,6 +1023,7 @@ impl Connection {
             .post_op(
                 move |core, wr_id| core.post_atomic(h, AtomicRequest { wr_id, ..req }),
                 Some(result),
+                None,
                 None,
             )
             .await?;
@@ -1138,6 +1145,7 @@ impl Connection {
                 },
                 None,
                 Some(target),
+                None,
             )
             .await?;
         op.wait().await
@@ -1183,15 +1191,23 @@ impl Connection {
     pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
         let h = self.inner.handle;
         let max_bytes = self.shared().cfg.stream_send_buffer as u64;
-        self.run_op(move |core, wr_id| {
-            // The sink's bound: a timeout around `send` in a loop against a slow reader
-            // piled messages into the transport without limit (found by a new user's
-            // trial: 1.5 GiB in 5 s).
-            if core.stream_send_pending(h, stream) >= max_bytes {
-                return Err(PostError::SendQueueFull);
-            }
-            core.post_send(h, stream, wr_id, data.clone())
-        })
+        // The sink's bound: a timeout around `send` in a loop against a slow reader piled
+        // messages into the transport without limit (found by a new user's trial: 1.5 GiB
+        // in 5 s). Checked after every other check of the post (a closing connection, a
+        // finished stream, a message too large fail at once; found by review).
+        let post = move |core: &mut metaroce::Endpoint, wr_id| {
+            core.post_send_within(h, stream, wr_id, data.clone(), max_bytes)
+        };
+        let span = self.inner.span.clone();
+        tracing::Instrument::instrument(
+            async {
+                self.post_op(post, None, None, Some(stream))
+                    .await?
+                    .wait()
+                    .await
+            },
+            span,
+        )
         .await
     }
 
@@ -1207,5 +1223,7 @@ impl Connection {
         let shared = self.shared();
         shared.lock().close_conn(self.inner.handle, code, reason);
         shared.wake_driver.notify_one();
+        // Operations waiting for room fail now (`Closing`), not after the drain.
+        shared.sq_space.notify_waiters();
     }
 }

@@ -6,12 +6,12 @@
 
 use crate::backend::{DatagramBackend, RecvMeta};
 use crate::connection::ConnEntry;
-use crate::endpoint::{Shared, State, Waiter};
+use crate::endpoint::{OpDone, Shared, State, Waiter};
 use crate::error::Error;
 use crate::rocev2::IpBackend;
 use crate::stream::{lock_rx, RxEnd, StreamEntry};
 use metaroce::rocev2::RcTransmit;
-use metaroce::{ConnectionError, Event, Transmit, WcStatus};
+use metaroce::{ConnectionError, ConnectionHandle, Event, Transmit, WcStatus, WorkCompletion};
 use std::future::poll_fn;
 use std::io::IoSliceMut;
 use std::sync::{Arc, MutexGuard};
@@ -24,8 +24,10 @@ const RECV_BUF_LEN: usize = 1 << 16;
 /// Transmits gathered under one lock before they are sent.
 const TX_BATCH: usize = 32;
 /// Receive errors in a row after which the driver pauses before receiving again (1 ms,
-/// doubling to 128 ms). Single errors are common and harmless (an ICMP port unreachable
-/// surfaces as `ECONNREFUSED` on the next UDP receive).
+/// doubling to 128 ms). A transient error (ENOMEM, say) costs nothing. The backends'
+/// sockets are unconnected and do not set `IP_RECVERR`, so a peer's ICMP errors never
+/// surface as receive errors; a backend that reported them would let a peer drive this
+/// pause, and must not count them here.
 const RECV_ERRORS_BEFORE_BACKOFF: u32 = 3;
 /// IP packets taken without waiting after one arrived (a burst is handled under one lock).
 const IP_DRAIN: usize = 64;
@@ -493,6 +495,12 @@ fn handle_lent<'a, D: Driven>(
 /// Route the core's events to the handles waiting for them.
 fn dispatch(st: &mut State, shared: &Shared) {
     let mut freed = false;
+    // Operations flushed (`WrFlushError`) in this batch of events, and the connections that
+    // ended in it: the core reports an ending connection's flushes and then its
+    // `ConnectionLost` in one batch, so an operation flushed in the batch where its
+    // connection ended failed because of the end, and is told the reason.
+    let mut flushed: Vec<(ConnectionHandle, Flushed, WorkCompletion)> = Vec::new();
+    let mut ended: Vec<(ConnectionHandle, ConnectionError)> = Vec::new();
     while let Some(ev) = st.core.poll_event() {
         match ev {
             Event::Connected(h) => {
@@ -521,6 +529,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
             }
             Event::ConnectionLost { conn, reason } => {
                 tracing::debug!(%conn, %reason, "connection ended");
+                let reason_for_flushes = reason.clone();
                 if let Some(tx) = st.connecting.remove(&conn) {
                     let _ = tx.send(Err(reason.clone()));
                 }
@@ -531,12 +540,16 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 // left over would never resolve.
                 st.waiters.retain(|(c, _), _| *c != conn);
                 freed = true;
+                ended.push((conn, reason_for_flushes));
             }
             Event::RecvCompletion { conn, wc, .. } => match st.waiters.remove(&(conn, wc.wr_id)) {
-                Some(Waiter::Op(tx)) => {
-                    let _ = tx.send(wc);
+                Some(Waiter::Op(tx, _)) if wc.status == WcStatus::WrFlushError => {
+                    flushed.push((conn, Flushed::Op(tx), wc));
                 }
-                Some(Waiter::Cancelled { dereg, recv }) => {
+                Some(Waiter::Op(tx, _)) => {
+                    let _ = tx.send(OpDone { wc, ended: None });
+                }
+                Some(Waiter::Cancelled { dereg, recv, .. }) => {
                     crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
                 }
                 _ => {}
@@ -544,13 +557,26 @@ fn dispatch(st: &mut State, shared: &Shared) {
             Event::Completion { conn, wc } => {
                 freed = true;
                 match st.waiters.remove(&(conn, wc.wr_id)) {
-                    Some(Waiter::Op(tx)) => {
-                        let _ = tx.send(wc);
+                    Some(Waiter::Op(tx, send_stream)) => {
+                        if wc.status == WcStatus::WrFlushError {
+                            flushed.push((conn, Flushed::Op(tx), wc));
+                        } else {
+                            let _ = tx.send(OpDone { wc, ended: None });
+                        }
+                        send_progress(st, conn, send_stream);
                     }
-                    Some(Waiter::Cancelled { dereg, recv }) => {
+                    Some(Waiter::Cancelled {
+                        dereg,
+                        recv,
+                        send_stream,
+                    }) => {
                         crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
+                        send_progress(st, conn, send_stream);
                     }
-                    Some(Waiter::Batch { batch, index }) => batch.on_completion(index, wc),
+                    Some(Waiter::Batch { batch, index }) if wc.status == WcStatus::WrFlushError => {
+                        flushed.push((conn, Flushed::Batch(batch, index), wc));
+                    }
+                    Some(Waiter::Batch { batch, index }) => batch.on_completion(index, wc, None),
                     Some(Waiter::Stream(id)) => {
                         let pending = st.core.stream_send_pending(conn, id);
                         if let Some(s) =
@@ -642,9 +668,43 @@ fn dispatch(st: &mut State, shared: &Shared) {
             _ => {}
         }
     }
+    for (conn, w, wc) in flushed {
+        let reason = ended
+            .iter()
+            .find(|(c, _)| *c == conn)
+            .map(|(_, r)| r.clone());
+        match w {
+            Flushed::Op(tx) => {
+                let _ = tx.send(OpDone { wc, ended: reason });
+            }
+            Flushed::Batch(batch, index) => batch.on_completion(index, wc, reason),
+        }
+    }
     if freed {
         shared.sq_space.notify_waiters();
     }
+}
+
+/// A `Connection::send` on `stream` completed: the stream's unacknowledged bytes went
+/// down, which its sink may wait on (its own completions refresh them too; a sink waiting
+/// behind a `send`'s bytes waited forever, found by review).
+fn send_progress(st: &mut State, conn: ConnectionHandle, stream: Option<u32>) {
+    let Some(id) = stream else {
+        return;
+    };
+    let pending = st.core.stream_send_pending(conn, id);
+    if let Some(e) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id)) {
+        e.send_pending = pending;
+        if let Some(w) = e.waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// The waiter of an operation flushed in a batch of events (see `dispatch`).
+enum Flushed {
+    Op(tokio::sync::oneshot::Sender<OpDone>),
+    Batch(Arc<crate::connection::BatchSlot>, usize),
 }
 
 /// The routing entry of `stream` if it has one.

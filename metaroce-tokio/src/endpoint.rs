@@ -259,8 +259,21 @@ impl Config {
     }
 }
 
+/// What a waiting operation is sent when it completes.
+#[derive(Debug)]
+pub(crate) struct OpDone {
+    pub wc: WorkCompletion,
+    /// The connection ended with this reason in the same batch of events that flushed the
+    /// operation (`WrFlushError`): it failed because of the end (a flush of a stream's
+    /// reset or stop is not one).
+    pub ended: Option<ConnectionError>,
+}
+
 pub(crate) enum Waiter {
-    Op(oneshot::Sender<WorkCompletion>),
+    /// An operation's future waits; for a `Connection::send`, the stream it is on (its
+    /// completion lowers that stream's unacknowledged bytes, which the stream's sink and
+    /// other `send`s wait on).
+    Op(oneshot::Sender<OpDone>, Option<u32>),
     Stream(u32),
     /// The operation's future was dropped and the core was asked to cancel it
     /// (`Connection::run_op`): its completion is discarded, except that `dereg` (an
@@ -269,6 +282,7 @@ pub(crate) enum Waiter {
     Cancelled {
         dereg: Option<u32>,
         recv: Option<crate::connection::RecvTarget>,
+        send_stream: Option<u32>,
     },
     /// Member `index` of a [`Connection::write_batch`](crate::Connection::write_batch):
     /// the batch's one completion is sent once its last member completes.
@@ -955,6 +969,8 @@ impl Endpoint {
                 st.incoming = None;
             }
             shared.wake_driver.notify_one();
+            // Operations waiting for room fail now, not after the drain.
+            shared.sq_space.notify_waiters();
         }
     }
 

@@ -435,3 +435,122 @@ async fn a_reader_gone_idle_releases_the_held_ack() {
         "{released} of 20 held ACKs released by the idle reader"
     );
 }
+
+/// A `send` held back by the stream's byte bound fails at once when the connection is
+/// closed, like any new operation (`ConnectionLost(LocallyClosed)`), instead of waiting
+/// out the close's drain (10 s here): the bound is checked after the post's other checks,
+/// and closing wakes the waiting sends (found by review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_at_the_byte_bound_fails_at_once_after_close() {
+    const MSG: usize = 1 << 20;
+    let mut cfg = Config {
+        stream_send_buffer: 4 << 20,
+        ..Config::default()
+    };
+    cfg.transport.max_stream_recv_bytes = 2 << 20;
+    cfg.transport.close_timeout = Duration::from_secs(10);
+    let (_se, _ce, c, _s) = pair(cfg).await;
+    for _ in 0..8 {
+        let m = Bytes::from(vec![0u8; MSG]);
+        let _ = tokio::time::timeout(Duration::from_millis(20), c.send(7, m)).await;
+    }
+    let waiting = tokio::spawn({
+        let c = c.clone();
+        async move { c.send(7, Bytes::from_static(b"waits for room")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    c.close(1, b"bye");
+    let r = tokio::time::timeout(Duration::from_secs(5), c.send(7, Bytes::from_static(b"x"))).await;
+    assert!(
+        matches!(r, Ok(Err(Error::ConnectionLost(_)))),
+        "after close: {r:?}"
+    );
+    let w = tokio::time::timeout(Duration::from_secs(5), waiting).await;
+    assert!(
+        matches!(w, Ok(Ok(Err(Error::ConnectionLost(_))))),
+        "the waiting send: {w:?}"
+    );
+}
+
+/// SENDs flushed by the peer's STOP fail with `WrFlushError` (never delivered, safe to
+/// retry, as `MessageStream::stop` documents), even when the connection ends before their
+/// futures are polled again; only operations flushed by the connection's end report
+/// `ConnectionLost` (a review found the reason looked up at poll time misreporting them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_flushed_by_a_stop_is_not_reported_as_the_connections_end() {
+    const MSG: usize = 1 << 20;
+    let mut cfg = Config::default();
+    cfg.transport.max_stream_recv_bytes = 2 << 20;
+    let (_se, _ce, c, s) = pair(cfg).await;
+    let mut futs: Vec<_> = (0..4u8)
+        .map(|i| Box::pin(c.send(7, Bytes::from(vec![i; MSG]))))
+        .collect();
+    // Posted at their first poll (the first may even complete in it).
+    let mut out: Vec<_> = Vec::new();
+    for f in &mut futs {
+        out.push(match futures::poll!(f.as_mut()) {
+            std::task::Poll::Ready(r) => Some(r),
+            std::task::Poll::Pending => None,
+        });
+    }
+    let mut rx = tokio::time::timeout(Duration::from_secs(5), s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    rx.stop(5);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.close(0, b"done");
+    tokio::time::timeout(Duration::from_secs(5), c.closed())
+        .await
+        .unwrap();
+    for (f, r) in futs.into_iter().zip(out.iter_mut()) {
+        if r.is_none() {
+            *r = Some(f.await);
+        }
+    }
+    let out: Vec<_> = out.into_iter().flatten().collect();
+    let by_stop = out
+        .iter()
+        .filter(|r| matches!(r, Err(Error::Completion(wc)) if wc.status == metaroce::WcStatus::WrFlushError))
+        .count();
+    let lost = out
+        .iter()
+        .filter(|r| matches!(r, Err(Error::ConnectionLost(_))))
+        .count();
+    assert!(by_stop > 0 && lost == 0, "{out:?}");
+}
+
+/// A sink waiting for room behind the bytes of a `Connection::send` on the same stream is
+/// woken when that SEND completes (only the sink's own completions woke it: it waited
+/// forever, found by review).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_behind_a_large_send_on_its_stream_goes_on() {
+    let cfg = Config {
+        stream_send_buffer: 4 << 20,
+        ..Config::default()
+    };
+    let (_se, _ce, c, s) = pair(cfg).await;
+    let reader = tokio::spawn(async move {
+        let mut rx = s.accept_stream().await.unwrap();
+        let mut n = 0;
+        while let Some(Ok(_)) = rx.next().await {
+            n += 1;
+        }
+        n
+    });
+    let mut tx = c.open_stream().unwrap();
+    let id = tx.id();
+    let mut big = Box::pin(c.send(id, Bytes::from(vec![1u8; 16 << 20])));
+    tx.feed(Bytes::from_static(b"small")).await.unwrap();
+    assert!(futures::poll!(big.as_mut()).is_pending());
+    big.await.unwrap();
+    let r = tokio::time::timeout(
+        Duration::from_secs(5),
+        tx.send(Bytes::from_static(b"after")),
+    )
+    .await;
+    assert!(matches!(r, Ok(Ok(()))), "the sink is stuck: {r:?}");
+    tx.close().await.unwrap();
+    assert_eq!(reader.await.unwrap(), 3);
+}

@@ -971,6 +971,31 @@ impl Endpoint {
         })
     }
 
+    /// [`post_send`](Self::post_send), refused with [`PostError::SendQueueFull`] — after
+    /// every other check, so a closing connection, a finished or reset stream or a message
+    /// too large still fail with their own error — while `stream` has `max_pending` bytes or
+    /// more posted and not yet acknowledged
+    /// ([`stream_send_pending`](Self::stream_send_pending)): the bound of a sender that must
+    /// not queue without limit behind a slow reader (metaroce-tokio's `Connection::send`).
+    /// One message is taken when none is pending, whatever its size.
+    pub fn post_send_within(
+        &mut self,
+        conn: ConnectionHandle,
+        stream: u32,
+        wr_id: u64,
+        data: Bytes,
+        max_pending: u64,
+    ) -> Result<(), PostError> {
+        self.post_to(conn, data.len() as u64, |c| {
+            stream_open(c, stream)?;
+            if c.sq.stream_pending(stream) >= max_pending {
+                return Err(PostError::SendQueueFull);
+            }
+            c.post_send(wr_id, stream, data);
+            Ok(())
+        })
+    }
+
     /// Finish `stream` (like a QUIC stream FIN or TCP half-close): after every SEND posted
     /// on it so far, the peer reports [`Event::StreamFinished`] — once, after the stream's
     /// last [`Event::Message`] / [`Event::RecvCompletion`]. The FIN is a payload-less
