@@ -1179,8 +1179,13 @@ impl Connection {
     ///
     /// # Errors
     /// [`Error::Post`] if the core refuses it (too large, not connected),
-    /// [`Error::Completion`] for a failed completion (RNR retry exceeded, flushed),
-    /// [`Error::ConnectionLost`] once the connection ended.
+    /// [`Error::Completion`] for a failed completion: `RnrRetryExceeded` (the stream takes
+    /// posted receives and none came), `WrFlushError` (the stream was reset or stopped;
+    /// the message was not delivered), `RemoteInvalidRequest` (the peer refused the
+    /// message: longer than its `max_message_size`, longer than its posted receive, or the
+    /// first message of a new stream while the peer already keeps `max_streams` streams —
+    /// the wire does not say which). [`Error::ConnectionLost`] once the connection ended,
+    /// also for a SEND flushed by that end.
     ///
     /// # Cancel safety
     /// Posted at the future's first poll that finds room (in the send queue and under the

@@ -169,8 +169,11 @@ impl StreamEntry {
 /// is full), `poll_flush` waits until every
 /// message sent so far is acknowledged by the peer (and succeeds if they all were, even
 /// when the connection ended right after), `poll_close` flushes and then
-/// finishes the stream, and a failed message surfaces as the error of the next sink call.
-/// Sending after `poll_close` is [`Error::StreamClosed`]. Use
+/// finishes the stream, and a failed message surfaces as the error of the next sink call
+/// (statuses as for [`Connection::send`](crate::Connection::send); a stream opened while
+/// the peer keeps `max_streams` streams fails its first message with
+/// `RemoteInvalidRequest`, so a service that opens a stream per request keeps fewer than
+/// the peer's limit open at once). Sending after `poll_close` is [`Error::StreamClosed`]. Use
 /// [`futures::StreamExt::split`] for independent halves.
 ///
 /// The stream keeps its connection open. Dropping it without `poll_close` resets its send
