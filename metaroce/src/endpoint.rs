@@ -964,11 +964,7 @@ impl Endpoint {
         wr_id: u64,
         data: Bytes,
     ) -> Result<(), PostError> {
-        self.post_to(conn, data.len() as u64, |c| {
-            stream_open(c, stream)?;
-            c.post_send(wr_id, stream, data);
-            Ok(())
-        })
+        self.post_send_within(conn, stream, wr_id, data, u64::MAX)
     }
 
     /// [`post_send`](Self::post_send), refused with [`PostError::SendQueueFull`] — after

@@ -837,13 +837,7 @@ impl RecvState {
             let Some(st) = self.streams.get_mut(&id) else {
                 continue;
             };
-            for r in st.posted.drain(..) {
-                events.push_back(Event::RecvCompletion {
-                    conn,
-                    stream: id,
-                    wc: flush_wc(r.wr_id),
-                });
-            }
+            flush_posted(conn, id, st, events);
         }
     }
 
@@ -1217,13 +1211,7 @@ impl RecvState {
     ) {
         loop {
             if st.dead_from == Some(st.next_deliver) {
-                for r in st.posted.drain(..) {
-                    events.push_back(Event::RecvCompletion {
-                        conn,
-                        stream,
-                        wc: flush_wc(r.wr_id),
-                    });
-                }
+                flush_posted(conn, stream, st, events);
                 if !st.end_reported {
                     st.end_reported = true;
                     events.push_back(Event::StreamReset {
@@ -1237,13 +1225,7 @@ impl RecvState {
             if st.fin_at == Some(st.next_deliver) {
                 // Every message is delivered and none will follow: a receive still posted
                 // would wait forever (and keep the stream from closing).
-                for r in st.posted.drain(..) {
-                    events.push_back(Event::RecvCompletion {
-                        conn,
-                        stream,
-                        wc: flush_wc(r.wr_id),
-                    });
-                }
+                flush_posted(conn, stream, st, events);
                 if !st.end_reported {
                     st.end_reported = true;
                     events.push_back(Event::StreamFinished { conn, stream });
@@ -1771,6 +1753,23 @@ impl RecvState {
             unconsumed_bytes: self.buf.unconsumed,
             ..self.stats
         }
+    }
+}
+
+/// Complete every receive still posted on `stream` with `WrFlushError`, in posting order:
+/// nothing will land in them (the stream ended, or the connection did).
+fn flush_posted(
+    conn: ConnectionHandle,
+    stream: u32,
+    st: &mut StreamRx,
+    events: &mut VecDeque<Event>,
+) {
+    for r in st.posted.drain(..) {
+        events.push_back(Event::RecvCompletion {
+            conn,
+            stream,
+            wc: flush_wc(r.wr_id),
+        });
     }
 }
 
