@@ -457,6 +457,21 @@ impl MrTable {
         Ok(())
     }
 
+    /// Where `[va, va+len)` of the region named by `rkey` lies, as its lkey and the offset
+    /// of `va` in it, if the region grants REMOTE_READ and holds the whole span: the source
+    /// of an RDMA READ's response, read as each response packet is built (lkeys are never
+    /// reissued, so the pair names this region or none).
+    pub(crate) fn remote_read_source(
+        &self,
+        rkey: u32,
+        va: u64,
+        len: u64,
+    ) -> Result<(u32, u64), MrError> {
+        let r = self.remote_slot(rkey).ok_or(MrError::InvalidKey)?;
+        let off = Self::check(r, va, len, Access::REMOTE_READ)?;
+        Ok((r.keys.lkey, off as u64))
+    }
+
     /// A copy of bytes `[va, va+len)` of the region named by `rkey`, for an RDMA READ
     /// (checked for REMOTE_READ).
     pub(crate) fn remote_read(&self, rkey: u32, va: u64, len: u64) -> Result<Vec<u8>, MrError> {

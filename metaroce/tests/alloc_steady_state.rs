@@ -33,6 +33,7 @@ fn config(i: usize) -> EndpointConfig {
 /// Runs WRITEs of `size` bytes, 16 outstanding, for `warm` completions and then `measure`
 /// datagrams; returns (allocations in the window, datagrams in the window).
 fn run(size: u32, warm: u64, measure: u64) -> (u64, u64) {
+    let _one = counting_alloc::exclusive();
     let (a, b) = (config(0), config(1));
     let addrs = [a.local_addr, b.local_addr];
     let mut eps = [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()];
@@ -141,5 +142,90 @@ fn no_allocation_per_packet_4k_writes() {
     assert_eq!(
         allocs, 0,
         "allocations over {datagrams} datagrams in steady state"
+    );
+}
+
+/// An RDMA READ's responder reads the region as each response packet is built and never
+/// copies the requested range (docs/PROTOCOL.md "RDMA READ"): a peer granted REMOTE_READ
+/// cannot make it hold `max_rd_atomic` × the region's size, nor stall while it copies.
+/// A 64 MiB READ runs with the counting allocator on for both endpoints (the requester
+/// places into its own region; the harness's copies of datagrams are not counted): they
+/// allocate less than 1/16 of the READ's length.
+#[test]
+fn read_response_is_not_copied() {
+    const LEN: usize = 64 << 20;
+    let _one = counting_alloc::exclusive();
+    let (a, b) = (config(0), config(1));
+    let addrs = [a.local_addr, b.local_addr];
+    let mut eps = [Endpoint::new(a).unwrap(), Endpoint::new(b).unwrap()];
+    let mut now = Instant::now();
+    let mut buf = Vec::with_capacity(1 << 16);
+    let c = eps[0].connect(now, addrs[1], None).unwrap();
+    let local = eps[0].register_mr(vec![0; LEN], Access::LOCAL_WRITE);
+    let src: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+    let remote = eps[1].register_mr(src, Access::REMOTE_READ);
+    let mut queues: [Vec<Dgram>; 2] = [Vec::new(), Vec::new()];
+    counting_alloc::measure_this_thread(true);
+    let (mut posted, mut done) = (false, None);
+    for _ in 0..10_000_000u64 {
+        for i in 0..2 {
+            while let Some(t) = eps[i].poll_transmit(now, &mut buf) {
+                let seg = t.segment_size.unwrap_or(t.size);
+                // The harness's copies of the datagrams are not counted.
+                counting_alloc::measure_this_thread(false);
+                for chunk in buf[..t.size].chunks(seg) {
+                    let from = SocketAddr::new(addrs[i].ip(), t.src_port);
+                    queues[1 - i].push((chunk.to_vec(), chunk.len(), from, t.ecn));
+                }
+                counting_alloc::measure_this_thread(true);
+            }
+        }
+        for (i, ep) in eps.iter_mut().enumerate() {
+            for (d, len, from, ecn) in queues[i].drain(..) {
+                ep.handle_datagram(now, from, Some(addrs[i].ip()), ecn, &d[..len]);
+            }
+        }
+        now += Duration::from_micros(1);
+        for ep in &mut eps {
+            if ep.poll_timeout().is_some_and(|t| t <= now) {
+                ep.handle_timeout(now);
+            }
+        }
+        while let Some(e) = eps[0].poll_event() {
+            match e {
+                Event::Connected(_) if !posted => {
+                    // Counted from the READ's post on: the request, its execution, the
+                    // response and its placement.
+                    counting_alloc::start();
+                    let req = metaroce::ReadRequest {
+                        wr_id: 1,
+                        lkey: local.lkey,
+                        local_offset: 0,
+                        len: LEN as u32,
+                        remote_addr: remote.addr,
+                        rkey: remote.rkey,
+                    };
+                    eps[0].post_read(c, req).unwrap();
+                    posted = true;
+                }
+                Event::Completion { wc, .. } => done = Some(wc.status),
+                _ => {}
+            }
+        }
+        while eps[1].poll_event().is_some() {}
+        if done.is_some() {
+            break;
+        }
+    }
+    let bytes = counting_alloc::bytes();
+    counting_alloc::stop();
+    counting_alloc::measure_this_thread(false);
+    assert_eq!(done, Some(WcStatus::Success));
+    let got = eps[0].mr_read(local.lkey, 0, LEN as u64).unwrap();
+    assert!(got.iter().enumerate().all(|(i, &x)| x == (i % 251) as u8));
+    println!("64 MiB READ: {bytes} bytes allocated by both endpoints");
+    assert!(
+        bytes < (LEN / 16) as u64,
+        "{bytes} bytes allocated for a {LEN}-byte READ: the response was copied"
     );
 }

@@ -547,8 +547,9 @@ enum Trouble {
 /// A READ or atomic executes; the responder's ACK and response are lost, so the requester
 /// re-sends the request (after its RTO); the responder must answer the re-sent request as
 /// executed — not NAK it because the region has gone meanwhile (the requester would report
-/// an error for an operation that ran: for an atomic, exactly-once reporting breaks), nor
-/// RNR-NAK it because the response it owes is what keeps it busy.
+/// an error for an atomic that ran: exactly-once reporting breaks), nor RNR-NAK it because
+/// the response it owes is what keeps it busy. The exception is a READ whose region went
+/// away before its response could be read: it fails `RemoteAccessError`.
 fn executed_request_resent(kind: Kind, trouble: Trouble) {
     let mut b = config(1);
     if let Trouble::Busy = trouble {
@@ -620,6 +621,29 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
         from == 1 && response && !resent
     });
     assert!(resent, "the request was not re-sent");
+    if let (Trouble::Deregistered, Kind::Read) = (trouble, kind) {
+        // The response is read from the region as each packet is built (no copy at
+        // execution): with the region gone it cannot be sent, so the READ is refused from
+        // then on — the re-sent request gets NAK 0x62 and the READ fails, as an RNIC
+        // re-reading memory for a duplicate READ would fail it. Never `Success`.
+        let revoked = two.eps[1]
+            .connections()
+            .map(|c| stats(&two, 1, c).recv.read_responses_revoked)
+            .sum::<u64>();
+        assert_eq!(revoked, 1);
+        let naks = naks_sent(&two, 1);
+        assert!(
+            !naks.is_empty() && naks.iter().all(|&(s, _)| s == 0x62),
+            "{naks:?}"
+        );
+        let wcs = completions(&two, 0);
+        assert_eq!(wcs.len(), 1, "{wcs:?}");
+        assert_eq!(
+            (wcs[0].opcode, wcs[0].status),
+            (WcOpcode::RdmaRead, WcStatus::RemoteAccessError)
+        );
+        return;
+    }
     assert_eq!(
         naks_sent(&two, 1),
         vec![],
@@ -648,7 +672,7 @@ fn executed_request_resent(kind: Kind, trouble: Trouble) {
 }
 
 #[test]
-fn resent_read_after_deregistration_is_acknowledged() {
+fn resent_read_after_deregistration_fails_remote_access() {
     executed_request_resent(Kind::Read, Trouble::Deregistered);
 }
 

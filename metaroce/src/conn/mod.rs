@@ -1634,7 +1634,12 @@ impl Connection {
 
     fn respond(&mut self, r: Option<Respond>) {
         match r {
-            Some(Respond::Read { req_id, data }) => self.sq.post_read_response(req_id, data),
+            Some(Respond::Read {
+                req_id,
+                lkey,
+                offset,
+                len,
+            }) => self.sq.post_read_response_mr(req_id, lkey, offset, len),
             Some(Respond::Atomic { req_id, orig }) => self.sq.post_atomic_response(req_id, orig),
             None => {}
         }
@@ -2926,7 +2931,11 @@ impl Connection {
                     },
                     Src::Bytes(bytes::Bytes::new()),
                 ),
-                OpKind::ReadResponse { req_id, data } => (
+                OpKind::ReadResponse {
+                    req_id,
+                    lkey,
+                    offset: base,
+                } => (
                     Opcode::MR_READ_RESPONSE,
                     Headers::ReadResponse {
                         path,
@@ -2935,7 +2944,12 @@ impl Connection {
                             offset,
                         },
                     },
-                    Src::Bytes(data.slice(offset as usize..(offset + len) as usize)),
+                    // An empty response (zero-length READ) reads nothing.
+                    if len == 0 {
+                        Src::Bytes(bytes::Bytes::new())
+                    } else {
+                        Src::Mr(*lkey, base + offset as u64)
+                    },
                 ),
                 OpKind::AtomicResponse { req_id, orig } => (
                     Opcode::MR_ATOMIC_RESPONSE,
@@ -2958,6 +2972,11 @@ impl Connection {
                 Src::Bytes(b) => b.len(),
                 Src::Mr(lkey, off) => {
                     if mrs.check_local(*lkey, *off, len as u64).is_err() {
+                        // A READ response's source went away: the READ is refused from now
+                        // on (its requester's re-sent request gets NAK 0x62).
+                        if let OpKind::ReadResponse { req_id, .. } = op.kind {
+                            self.rq.revoke_read(req_id, &self.limits());
+                        }
                         if !again {
                             self.sq.take(seg);
                         }

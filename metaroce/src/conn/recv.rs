@@ -38,8 +38,15 @@ pub(crate) enum RxOutcome {
 /// Work the responder must queue after accepting a READ or atomic request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Respond {
-    /// Send this data back as the READ response.
-    Read { req_id: u32, data: Bytes },
+    /// Send `len` bytes of the local region `lkey` from `offset` back as the READ response
+    /// (`lkey` 0 and `len` 0 for a zero-length READ). The region is read as each response
+    /// packet is built, not copied here.
+    Read {
+        req_id: u32,
+        lkey: u32,
+        offset: u64,
+        len: u32,
+    },
     /// Send the original value back.
     Atomic { req_id: u32, orig: u64 },
 }
@@ -438,6 +445,10 @@ pub struct RecvStats {
     pub op_id_out_of_window: u64,
     /// RDMA READ requests executed.
     pub reads: u64,
+    /// Executed READs whose response stopped because its source region was deregistered
+    /// while the response was queued: the op id is refused with NAK 0x62 from then on, so
+    /// the requester's READ fails `RemoteAccessError`.
+    pub read_responses_revoked: u64,
     /// Atomics executed.
     pub atomics: u64,
     /// Streams that entered the error state because the sender aborted them (a SEND on
@@ -1378,7 +1389,17 @@ impl RecvState {
         if !self.can_track(id, lim) {
             return RxOutcome::Nak(syndrome);
         }
-        if self.op_state(id) == OpState::Open && self.refused_ops.insert(id, syndrome).is_none() {
+        if self.op_state(id) == OpState::Open {
+            self.record_refusal(id, syndrome, lim);
+        }
+        self.finish_write(id);
+        RxOutcome::Nak(syndrome)
+    }
+
+    /// Record op id `id` as refused with `syndrome`; the oldest record goes when there are
+    /// more than `max_tracked_ops`.
+    fn record_refusal(&mut self, id: u32, syndrome: u8, lim: &RecvLimits) {
+        if self.refused_ops.insert(id, syndrome).is_none() {
             self.refused_order.push_back(id);
             while self.refused_order.len() > lim.max_tracked_ops as usize {
                 if let Some(old) = self.refused_order.pop_front() {
@@ -1386,8 +1407,6 @@ impl RecvState {
                 }
             }
         }
-        self.finish_write(id);
-        RxOutcome::Nak(syndrome)
     }
 
     /// An RDMA READ request: check it, execute it once, and return the data to send back.
@@ -1416,11 +1435,11 @@ impl RecvState {
         if len > lim.max_message_size {
             return (self.refuse_op(op.op_id, NAK_INVALID_REQUEST, lim), None);
         }
-        let data = if len == 0 {
-            Bytes::new()
+        let (lkey, offset) = if len == 0 {
+            (0, 0)
         } else {
-            match mrs.remote_read(reth.rkey, reth.va, len) {
-                Ok(d) => Bytes::from(d),
+            match mrs.remote_read_source(reth.rkey, reth.va, len) {
+                Ok(src) => src,
                 Err(_) => return (self.refuse_op(op.op_id, NAK_REMOTE_ACCESS, lim), None),
             }
         };
@@ -1431,9 +1450,22 @@ impl RecvState {
             RxOutcome::Accepted,
             Some(Respond::Read {
                 req_id: op.op_id,
-                data,
+                lkey,
+                offset,
+                len: reth.dma_len,
             }),
         )
+    }
+
+    /// The response of the executed READ `id` cannot be sent: its source region was
+    /// deregistered while the response was queued. The op id's record turns into a refusal
+    /// with NAK 0x62 (bounded like every refusal), so the request its requester re-sends
+    /// when its response wait expires is NAKed and the READ completes
+    /// `RemoteAccessError`, never `Success` (IBA §9.7.5.2.x: a protection error found
+    /// while responding). Counted in [`RecvStats::read_responses_revoked`].
+    pub fn revoke_read(&mut self, id: u32, lim: &RecvLimits) {
+        self.stats.read_responses_revoked += 1;
+        self.record_refusal(id, NAK_REMOTE_ACCESS, lim);
     }
 
     /// An atomic request: check it, execute it exactly once, return the original value.

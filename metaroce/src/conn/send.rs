@@ -108,8 +108,11 @@ pub(crate) enum OpKind {
         op: AtomicOp,
         wire_id: u32,
     },
-    /// Responder: the data of a READ the peer requested (read when the request executed).
-    ReadResponse { req_id: u32, data: Bytes },
+    /// Responder: the response to the READ `req_id` the peer requested: `[offset, offset +
+    /// len)` of the local region `lkey`, read for each packet built (a retransmission reads
+    /// it again), as RNICs and Linux rxe read a READ's source; `lkey` 0 for a zero-length
+    /// READ.
+    ReadResponse { req_id: u32, lkey: u32, offset: u64 },
     /// Responder: the original value of an atomic the peer requested.
     AtomicResponse { req_id: u32, orig: u64 },
     /// Requester: tell the peer that `stream` is dead from message `msg_seq` on (a SEND
@@ -602,9 +605,18 @@ impl SendQueue {
         self.push(req.wr_id, kind, 8);
     }
 
-    pub fn post_read_response(&mut self, req_id: u32, data: Bytes) {
-        let len = data.len() as u32;
-        self.push(0, OpKind::ReadResponse { req_id, data }, len);
+    /// Queue the response to the executed READ `req_id`: `len` bytes of the local region
+    /// `lkey` from `offset`.
+    pub fn post_read_response_mr(&mut self, req_id: u32, lkey: u32, offset: u64, len: u32) {
+        self.push(
+            0,
+            OpKind::ReadResponse {
+                req_id,
+                lkey,
+                offset,
+            },
+            len,
+        );
     }
 
     pub fn post_atomic_response(&mut self, req_id: u32, orig: u64) {
@@ -1673,7 +1685,7 @@ mod tests {
         q.flow_block(first);
         assert_eq!(q.peek(), None, "the stream waits; nothing else is queued");
         for r in 0..500 {
-            q.post_read_response(r, Bytes::from(vec![0u8; 4096]));
+            q.post_read_response_mr(r, 1, 0, 4096);
         }
         let mut sent = 0;
         while let Some(s) = q.peek() {
@@ -1754,7 +1766,7 @@ mod tests {
                             q.post_send(7, u32::from(one), Bytes::from(vec![1u8; 1500]))
                         }
                         PeekStep::Read => q.post_read(&read),
-                        PeekStep::Response => q.post_read_response(3, Bytes::from(vec![2u8; 2000])),
+                        PeekStep::Response => q.post_read_response_mr(3, 1, 0, 2000),
                         PeekStep::Take => {
                             if let Some(s) = q.peek() {
                                 q.take(s);
@@ -1818,7 +1830,7 @@ mod tests {
                                 q.post_send(id, 0, Bytes::from_static(b"x"));
                             }
                         }
-                        Step::Response => q.post_read_response(7, Bytes::from_static(b"r")),
+                        Step::Response => q.post_read_response_mr(7, 1, 0, 1),
                         Step::Finish(i) if !q.ops.is_empty() => {
                             let id = q.base_id + (i % q.ops.len()) as u64;
                             q.finish(id, WcStatus::Success);
