@@ -429,3 +429,91 @@ fn a_receive_on_a_deregistered_region_never_lands_in_a_later_one() {
     assert_eq!(rc[0].1.status, WcStatus::LocalProtectionError);
     assert_eq!(p.eps[1].mr_read(kept.lkey, 0, 64).unwrap(), vec![0x11; 64]);
 }
+
+/// A receive whose region is deregistered after its message began landing in it: the
+/// message fails whole, as when the region is gone at admission. Its receive completes
+/// `LocalProtectionError`, the SEND `RemoteOperationalError` — also when B's NAKs are lost
+/// for 2 ms and A re-sends the refused packets — and the next message on the stream lands in the
+/// next receive. Before (found by review): the refused packet's segment stayed marked
+/// received, so its re-sent copy was acknowledged as a duplicate and the SEND completed
+/// `Success` with its bytes never placed; and the message never completed, so the stream
+/// delivered nothing after it.
+#[test]
+fn a_receive_deregistered_mid_message_fails_the_message_and_the_stream_goes_on() {
+    for lose_naks in [false, true] {
+        receive_deregistered_mid_message(lose_naks);
+    }
+}
+
+fn receive_deregistered_mid_message(lose_naks: bool) {
+    let mut p = Pair::new(13);
+    let (c, s) = p.connect();
+    let pmtu = p.eps[0].config().transport.pmtu as usize;
+    let first = p.eps[1].register_mr(vec![0; 4 * pmtu], Access::LOCAL_WRITE);
+    let second = p.eps[1].register_mr(vec![0; 4 * pmtu], Access::LOCAL_WRITE);
+    for (wr_id, lkey) in [(10, first.lkey), (11, second.lkey)] {
+        let rr = RecvRequest {
+            wr_id,
+            lkey,
+            offset: 0,
+            len: 4 * pmtu as u32,
+        };
+        p.eps[1].post_recv(s, 0, rr).unwrap();
+    }
+    // Only the first segment of SEND 1 gets through at first.
+    let later = Filter::any()
+        .from(0)
+        .when(|p| p.send.is_some_and(|s| s.msg_seq == 0 && s.offset != 0));
+    let t0 = p.elapsed();
+    p.add_rule(Rule::between(
+        t0,
+        t0 + Duration::from_millis(1),
+        later,
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from(vec![0xAB; 3 * pmtu]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_millis(1), |p| {
+        p.eps[1]
+            .connection_stats(s)
+            .is_some_and(|st| st.data_packets_received >= 1)
+    }));
+    assert!(p.completions(0, c).is_empty());
+    // B's application deregisters the receive's region mid-message.
+    assert!(p.eps[1].deregister_mr(first.lkey).is_some());
+    if lose_naks {
+        let naks = Filter::any().from(1).when(|p| p.nak.is_some());
+        let t1 = p.elapsed();
+        p.add_rule(Rule::between(
+            t1,
+            t1 + Duration::from_millis(2),
+            naks,
+            Action::Blackhole,
+        ));
+    }
+    assert!(p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 1));
+    assert_eq!(status_of(&p, c, 1), Some(WcStatus::RemoteOperationalError));
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from(vec![0xCD; 100]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| p.completions(0, c).len() == 2));
+    assert_eq!(status_of(&p, c, 2), Some(WcStatus::Success));
+    let rc: Vec<(u64, WcStatus)> = p
+        .recv_completions(1, s)
+        .iter()
+        .map(|(_, w)| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(
+        rc,
+        [
+            (10, WcStatus::LocalProtectionError),
+            (11, WcStatus::Success)
+        ],
+        "lose_naks {lose_naks}"
+    );
+    assert_eq!(
+        p.eps[1].mr_read(second.lkey, 0, 100).unwrap(),
+        vec![0xCD; 100]
+    );
+}

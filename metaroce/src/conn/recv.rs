@@ -102,11 +102,13 @@ struct StreamRx {
     /// `max_stream_window` entries.
     refused: BTreeSet<u32>,
     /// Refused messages (a subset of `refused`) that take a posted receive all the same,
-    /// with their length: a message refused after it, or a later message, was bound to a
-    /// receive counting it (it arrived late). Delivery completes that receive with
-    /// `LocalLengthError` when it reaches the message, so receives complete in order and
-    /// every later message keeps the receive it was bound to.
-    refused_recv: BTreeMap<u32, u32>,
+    /// with their length and the receive's error status: a message refused after it, or a
+    /// later message, was bound to a receive counting it (it arrived late), or the message
+    /// itself was placed into the receive until its region went away. Delivery completes
+    /// that receive with the status (`LocalLengthError`, `LocalProtectionError`) when it
+    /// reaches the message, so receives complete in order and every later message keeps the
+    /// receive it was bound to.
+    refused_recv: BTreeMap<u32, (u32, WcStatus)>,
     /// The stream is in the error state from this message on (the sender gave up on it
     /// with `RnrRetryExceeded` and sent a stream abort): its packets and every later
     /// message's are acknowledged and discarded, and once delivery reaches it every posted
@@ -926,7 +928,8 @@ impl RecvState {
                     !seq_before(m, hdr.msg_seq) && matches!(msg.dest, Dest::Posted(_))
                 });
                 if st.posted_mode && bound {
-                    st.refused_recv.insert(hdr.msg_seq, hdr.msg_len);
+                    st.refused_recv
+                        .insert(hdr.msg_seq, (hdr.msg_len, WcStatus::LocalLengthError));
                 }
                 if let Some(msg) = st.msgs.remove(&hdr.msg_seq) {
                     self.buf.release_msg(st, &msg);
@@ -1195,6 +1198,36 @@ impl RecvState {
                         .local_write(r.lkey, r.offset + off as u64, payload)
                         .is_err()
                 {
+                    // The receive's region went away after the message began landing in
+                    // it (deregistered by the application). The whole message fails as at
+                    // admission: its receive completes `LocalProtectionError` when
+                    // delivery reaches it, delivery skips it, and every packet of it —
+                    // this one re-sent after a lost NAK too — is NAKed 0x63. Leaving the
+                    // segment marked received let a re-sent copy be acknowledged as a
+                    // duplicate (the SEND completed `Success` with its bytes never
+                    // placed) and kept the message, and its stream, from ever completing
+                    // (found by review). One reassembly entry becomes one refusal record.
+                    let msg_seq = hdr.msg_seq;
+                    if let Some(msg) = st.msgs.remove(&msg_seq) {
+                        self.buf.release_msg(st, &msg);
+                    }
+                    if st.refused.insert(msg_seq) {
+                        self.buf.refused += 1;
+                    }
+                    st.refused_recv
+                        .insert(msg_seq, (hdr.msg_len, WcStatus::LocalProtectionError));
+                    st.len_errors.push_back((msg_seq, NAK_REMOTE_OPERATIONAL));
+                    if st.len_errors.len() > MAX_LEN_ERRORS {
+                        st.len_errors.pop_front();
+                    }
+                    Self::deliver(
+                        conn,
+                        hdr.stream_id,
+                        st,
+                        &mut self.buf,
+                        &mut self.stats,
+                        events,
+                    );
                     return RxOutcome::Nak(NAK_REMOTE_OPERATIONAL);
                 }
             }
@@ -1253,11 +1286,11 @@ impl RecvState {
             }
             if st.refused.remove(&st.next_deliver) {
                 buf.refused -= 1;
-                if let Some(len) = st.refused_recv.remove(&st.next_deliver) {
+                if let Some((len, status)) = st.refused_recv.remove(&st.next_deliver) {
                     if let Some(r) = st.posted.pop_front() {
                         let wc = WorkCompletion {
                             wr_id: r.wr_id,
-                            status: WcStatus::LocalLengthError,
+                            status,
                             opcode: WcOpcode::Recv,
                             byte_len: len,
                         };
