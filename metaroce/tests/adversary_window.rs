@@ -843,3 +843,64 @@ fn an_invalid_ack_does_not_answer_the_question_of_a_held_rto() {
         }
     }
 }
+
+// =======================================================================================
+// 7. Answer ports
+
+/// A very late copy of a data packet (its PSN far behind the path's window: dropped as a
+/// duplicate) carrying another re-roll generation moves nothing: the path's ACKs keep
+/// leaving from the port of the generation its new packets carry. Before the fix the
+/// generation and plane were taken from every packet that passed the window check, before
+/// the very-late drop, so such a packet (delayed on the route the sender left, or
+/// replayed) sent the path's answers back onto that route until the next new packet.
+#[test]
+fn very_late_packet_does_not_move_the_answer_port() {
+    let mut net = new_net();
+    let (c, _s) = net.connect();
+    let (src, dst) = regions(&mut net, 64 * 1024);
+    net.eps[0]
+        .post_write(c, write_req(1, &src, &dst, 0, 40 * 1024))
+        .unwrap();
+    run_within(&mut net, Duration::from_secs(1), |n| {
+        !completions(n, 0).is_empty()
+    });
+    let seen = net
+        .last_sent(0, |p| data_psn(p) == Some((0, p.bth.psn)))
+        .expect("a data packet on path 0");
+    let to: SocketAddr = "10.0.0.2:4791".parse().unwrap();
+    let generation = |g: u8| {
+        move |bth: &mut Bth, h: &mut Headers, _: &mut [u8]| {
+            if let Headers::Write { path, .. } = h {
+                path.flags = (path.flags & 0x0F) | (g << 4);
+                path.floor_psn = bth.psn;
+            }
+        }
+    };
+    // A copy in the window (a recent duplicate: acknowledged), of the generation the
+    // path uses, and a very late copy, 1000 PSNs behind, of generation 5.
+    let dup = forge(&seen, to, generation(0));
+    let late = forge(&seen, to, |bth, h, p| {
+        bth.psn = metaroce::wire::psn_add(bth.psn, (1 << 24) - 1000);
+        generation(5)(bth, h, p)
+    });
+    net.wire.clear();
+    net.inject_raw(1, seen.from, dup, Duration::ZERO);
+    net.inject_raw(1, seen.from, late, Duration::ZERO);
+    net.run_for(Duration::from_millis(1));
+    let ports: Vec<u16> = net
+        .wire
+        .iter()
+        .filter(|d| d.from_ep == 1)
+        .filter(|d| {
+            matches!(Packet::parse(&d.data).map(|p| p.headers),
+                Ok(Headers::Ack(a)) if a.path_id == 0)
+        })
+        .map(|d| d.from.port())
+        .collect();
+    let port = net.eps[1].config().source_ports[0];
+    assert!(!ports.is_empty(), "no ACK of path 0");
+    assert!(
+        ports.iter().all(|&p| p == port),
+        "path 0's ACKs left from {ports:x?}, not {port:x}: the late packet moved the port"
+    );
+}

@@ -1167,8 +1167,6 @@ impl Connection {
             }
             rx.apply_floor(path.floor_psn);
         }
-        rx.generation = path.flags >> 4;
-        rx.plane = path.plane;
         // A PSN received before is still handed to the semantic layer, which is
         // idempotent (per-segment bitmaps, op id records): a network duplicate is counted
         // there as a duplicate and changes nothing, but if a forged or replayed packet
@@ -1190,7 +1188,16 @@ impl Connection {
                 self.dup_in += 1;
                 true
             }
-            RxClass::New => false,
+            RxClass::New => {
+                // The port this path's ACKs and NAKs leave from follows the sender's
+                // re-roll generation and plane, taken from new packets only: every packet
+                // sent after a re-roll (retransmissions too) has a new PSN, while a late
+                // copy from the route the sender left, or a replay, would send the answers
+                // back onto that route (found by review).
+                rx.generation = path.flags >> 4;
+                rx.plane = path.plane;
+                false
+            }
         };
         let ctrl = path.flags & (send::PATH_FLAG_STREAM_ABORT | send::PATH_FLAG_STREAM_FIN);
         let outcome = match data {
