@@ -517,3 +517,100 @@ fn receive_deregistered_mid_message(lose_naks: bool) {
         vec![0xCD; 100]
     );
 }
+
+/// A receive whose message failed mid-message (its region deregistered) while an earlier
+/// message of the stream is still arriving stays bound to that message until delivery
+/// reaches it. Withdrawing it then is refused (`CancelOutcome::Finishing`: a message began
+/// landing in it), and it completes `LocalProtectionError` in order. Before (found by
+/// review): it was withdrawn (`Cancelled`, `WrFlushError`), and delivery later completed
+/// the *next* receive `LocalProtectionError` for the failed message.
+#[test]
+fn a_receive_failed_mid_message_cannot_be_withdrawn_from_under_its_message() {
+    use metaroce::CancelOutcome;
+    let mut p = Pair::new(13);
+    let (c, s) = p.connect();
+    let pmtu = p.eps[0].config().transport.pmtu as usize;
+    let kept = p.eps[1].register_mr(vec![0; 16 * pmtu], Access::LOCAL_WRITE);
+    let gone = p.eps[1].register_mr(vec![0; 4 * pmtu], Access::LOCAL_WRITE);
+    for (wr_id, lkey, off) in [
+        (10, kept.lkey, 0),
+        (11, gone.lkey, 0),
+        (12, kept.lkey, 4 * pmtu as u64),
+        (13, kept.lkey, 8 * pmtu as u64),
+    ] {
+        let rr = RecvRequest {
+            wr_id,
+            lkey,
+            offset: off,
+            len: 4 * pmtu as u32,
+        };
+        p.eps[1].post_recv(s, 0, rr).unwrap();
+    }
+    // Only the first segment of messages 0 and 1 gets through for now.
+    let later = |seq: u32| {
+        Filter::any()
+            .from(0)
+            .when(move |p| p.send.is_some_and(|s| s.msg_seq == seq && s.offset != 0))
+    };
+    let t0 = p.elapsed();
+    let far = t0 + Duration::from_secs(60);
+    p.add_rule(Rule::between(t0, far, later(0), Action::Blackhole));
+    p.add_rule(Rule::between(t0, far, later(1), Action::Blackhole));
+    p.eps[0]
+        .post_send(c, 0, 1, Bytes::from(vec![0xAB; 3 * pmtu]))
+        .unwrap();
+    p.eps[0]
+        .post_send(c, 0, 2, Bytes::from(vec![0xCD; 3 * pmtu]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_millis(1), |p| {
+        p.eps[1]
+            .connection_stats(s)
+            .is_some_and(|st| st.data_packets_received >= 2)
+    }));
+    // B deregisters the region of receive 11 (message 1 began landing in it) ...
+    assert!(p.eps[1].deregister_mr(gone.lkey).is_some());
+    // ... and message 1's other packets come: it fails; message 0 is still arriving.
+    p.clear_rules();
+    let t1 = p.elapsed();
+    p.add_rule(Rule::between(
+        t1,
+        t1 + Duration::from_secs(60),
+        later(0),
+        Action::Blackhole,
+    ));
+    assert!(p.run_until(p.elapsed() + Duration::from_millis(20), |p| {
+        p.eps[1]
+            .connection_stats(s)
+            .is_some_and(|st| st.recv.refused_messages == 1)
+    }));
+    assert!(
+        p.recv_completions(1, s).is_empty(),
+        "message 0 is not complete yet"
+    );
+    let now = p.now;
+    let out = p.eps[1].cancel_recv(now, s, 0, 11);
+    p.clear_rules();
+    assert!(p.run_until(Duration::from_secs(5), |p| status_of(p, c, 2).is_some()));
+    assert_eq!(status_of(&p, c, 1), Some(WcStatus::Success));
+    assert_eq!(status_of(&p, c, 2), Some(WcStatus::RemoteOperationalError));
+    p.eps[0]
+        .post_send(c, 0, 3, Bytes::from(vec![0xEF; 100]))
+        .unwrap();
+    assert!(p.run_until(Duration::from_secs(5), |p| status_of(p, c, 3).is_some()));
+    let rc: Vec<(u64, WcStatus)> = p
+        .recv_completions(1, s)
+        .iter()
+        .map(|(_, w)| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(
+        (out, rc),
+        (
+            CancelOutcome::Finishing,
+            vec![
+                (10, WcStatus::Success),
+                (11, WcStatus::LocalProtectionError),
+                (12, WcStatus::Success),
+            ]
+        )
+    );
+}

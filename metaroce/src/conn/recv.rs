@@ -142,6 +142,28 @@ struct StreamRx {
     unconsumed: u64,
 }
 
+impl StreamRx {
+    /// Which of the stream's posted receives message `msg_seq` (at or after
+    /// `next_deliver`) takes: message `next_deliver + k` takes the k-th, less the refused
+    /// messages before it that hold none and the messages before it arriving into library
+    /// buffers (posted mode began after they did). Messages match receives in order (IBA
+    /// receive queue semantics, per stream).
+    fn receive_index(&self, msg_seq: u32) -> u32 {
+        let ahead = msg_seq.wrapping_sub(self.next_deliver);
+        let skipped = self
+            .refused
+            .iter()
+            .filter(|&&m| seq_before(m, msg_seq) && !self.refused_recv.contains_key(&m))
+            .count() as u32
+            + self
+                .msgs
+                .iter()
+                .filter(|(&m, msg)| seq_before(m, msg_seq) && matches!(msg.dest, Dest::Owned(_)))
+                .count() as u32;
+        ahead - skipped.min(ahead)
+    }
+}
+
 /// Length-errored messages remembered per stream.
 const MAX_LEN_ERRORS: usize = 1024;
 
@@ -626,6 +648,17 @@ impl RecvState {
         let _ = visits;
         let (sid, k) = found?;
         let st = self.streams.get_mut(&sid)?;
+        // A refused message that keeps its receive (it failed after it was bound, e.g. its
+        // region went away mid-message) holds the receive at its index until delivery
+        // completes it in error: that one or a later one means the matching cannot shift
+        // either (found by review: the next receive was completed in error instead).
+        if st
+            .refused_recv
+            .keys()
+            .any(|&m| st.receive_index(m) as usize >= k)
+        {
+            return Some(false);
+        }
         // Receives bound to messages that began landing: this one or a later one means the
         // matching cannot shift.
         let mut bound = st.msgs.values().filter_map(|m| match m.dest {
@@ -971,22 +1004,7 @@ impl RecvState {
             let mut floor = false;
             let mut charge = 0;
             let dest = if st.posted_mode {
-                // Messages match receives in order: message next_deliver + k takes the k-th
-                // posted receive (IBA receive queue semantics, per stream).
-                // Refused messages before this one take no receive, nor do messages that
-                // began arriving into library buffers before the first receive was posted.
-                let skipped = st
-                    .refused
-                    .iter()
-                    .filter(|&&m| seq_before(m, hdr.msg_seq) && !st.refused_recv.contains_key(&m))
-                    .count() as u32
-                    + st.msgs
-                        .iter()
-                        .filter(|(&m, msg)| {
-                            seq_before(m, hdr.msg_seq) && matches!(msg.dest, Dest::Owned(_))
-                        })
-                        .count() as u32;
-                let ahead = ahead - skipped.min(ahead);
+                let ahead = st.receive_index(hdr.msg_seq);
                 if ahead as usize >= st.posted.len() {
                     if ahead != 0 {
                         // No receive for it, but an earlier message of the stream still
