@@ -459,8 +459,8 @@ impl MrTable {
 
     /// Where `[va, va+len)` of the region named by `rkey` lies, as its lkey and the offset
     /// of `va` in it, if the region grants REMOTE_READ and holds the whole span: the source
-    /// of an RDMA READ's response, read as each response packet is built (lkeys are never
-    /// reissued, so the pair names this region or none).
+    /// of an RDMA READ's response, read as each response packet is built (checked each
+    /// time with [`check_read_source`](Self::check_read_source)).
     pub(crate) fn remote_read_source(
         &self,
         rkey: u32,
@@ -503,6 +503,24 @@ impl MrTable {
     /// Check that local bytes `[offset, offset+len)` of the region `lkey` exist.
     pub(crate) fn check_local(&self, lkey: u32, offset: u64, len: u64) -> Result<(), MrError> {
         let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        span(offset, len, r.keys.len).map(|_| ())
+    }
+
+    /// [`check_local`](Self::check_local) for the source of a READ response: also that
+    /// the region named by `lkey` still answers to `rkey` and grants REMOTE_READ, so a
+    /// region registered under a reused lkey (`register_with_keys` takes any lkey not in
+    /// use) is never read for a READ another region's keys allowed.
+    pub(crate) fn check_read_source(
+        &self,
+        lkey: u32,
+        rkey: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        if r.keys.rkey != rkey || !r.keys.access.contains(Access::REMOTE_READ) {
+            return Err(MrError::InvalidKey);
+        }
         span(offset, len, r.keys.len).map(|_| ())
     }
 

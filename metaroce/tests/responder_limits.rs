@@ -955,3 +955,50 @@ fn locally_failed_write_leaves_no_gap_in_op_ids() {
         "immediate of a failed WRITE reported"
     );
 }
+
+/// A READ response is read only from the region the READ's rkey named: the response checks,
+/// for every packet, that the region under its lkey still answers to that rkey and grants
+/// REMOTE_READ. Here the region is deregistered while its response waits, and another
+/// region is registered under the same lkey with other keys (`register_mr_memory_with_keys`
+/// takes any lkey not in use; it is meant for keys another endpoint chose, but nothing
+/// stops a caller reusing one): the READ fails `RemoteAccessError` and not one byte of the
+/// new region reaches the requester.
+#[test]
+fn read_response_never_reads_a_region_registered_under_a_reused_lkey() {
+    let mut two = two_of(config(0), config(1));
+    let (ca, _cb) = connect(&mut two);
+    let target = two.eps[1].register_mr(vec![0x11; 4096], Access::REMOTE_READ);
+    let local = two.eps[0].register_mr(vec![0; 4096], Access::LOCAL_WRITE);
+    two.eps[0]
+        .post_read(
+            ca,
+            ReadRequest {
+                wr_id: 1,
+                lkey: local.lkey,
+                local_offset: 0,
+                len: 4096,
+                remote_addr: target.addr,
+                rkey: target.rkey,
+            },
+        )
+        .unwrap();
+    // The request executes; every response packet is lost for now.
+    let resp =
+        |i: usize, p: &Packet<'_>| i == 1 && matches!(p.headers, Headers::ReadResponse { .. });
+    run(&mut two, Duration::from_micros(100), resp);
+    assert!(two.eps[1].deregister_mr(target.lkey).is_some());
+    let mut keys = target;
+    keys.rkey ^= 0x5A5A_0001;
+    two.eps[1]
+        .register_mr_memory_with_keys(Box::new(vec![0xEE_u8; 4096]), keys)
+        .unwrap();
+    run(&mut two, Duration::from_secs(2), |_, _| false);
+    let wcs = completions(&two, 0);
+    assert_eq!(wcs.len(), 1, "{wcs:?}");
+    assert_eq!(
+        (wcs[0].opcode, wcs[0].status),
+        (WcOpcode::RdmaRead, WcStatus::RemoteAccessError)
+    );
+    let got = two.eps[0].mr_read(local.lkey, 0, 4096).unwrap();
+    assert!(!got.contains(&0xEE), "bytes of the other region were read");
+}

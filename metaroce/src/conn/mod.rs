@@ -1644,9 +1644,12 @@ impl Connection {
             Some(Respond::Read {
                 req_id,
                 lkey,
+                rkey,
                 offset,
                 len,
-            }) => self.sq.post_read_response_mr(req_id, lkey, offset, len),
+            }) => self
+                .sq
+                .post_read_response_mr(req_id, (lkey, rkey), offset, len),
             Some(Respond::Atomic { req_id, orig }) => self.sq.post_atomic_response(req_id, orig),
             None => {}
         }
@@ -2848,7 +2851,7 @@ impl Connection {
                         },
                         imm: *imm,
                     },
-                    Src::Mr(*lkey, local_offset + offset as u64),
+                    Src::Mr(*lkey, local_offset + offset as u64, None),
                 ),
                 OpKind::Read {
                     va, rkey, wire_id, ..
@@ -2941,6 +2944,7 @@ impl Connection {
                 OpKind::ReadResponse {
                     req_id,
                     lkey,
+                    rkey,
                     offset: base,
                 } => (
                     Opcode::MR_READ_RESPONSE,
@@ -2955,7 +2959,7 @@ impl Connection {
                     if len == 0 {
                         Src::Bytes(bytes::Bytes::new())
                     } else {
-                        Src::Mr(*lkey, base + offset as u64)
+                        Src::Mr(*lkey, base + offset as u64, Some(*rkey))
                     },
                 ),
                 OpKind::AtomicResponse { req_id, orig } => (
@@ -2977,8 +2981,12 @@ impl Connection {
             // nothing is taken from the queue for it).
             let payload_len = match &src {
                 Src::Bytes(b) => b.len(),
-                Src::Mr(lkey, off) => {
-                    if mrs.check_local(*lkey, *off, len as u64).is_err() {
+                Src::Mr(lkey, off, guard) => {
+                    let checked = match guard {
+                        None => mrs.check_local(*lkey, *off, len as u64),
+                        Some(rkey) => mrs.check_read_source(*lkey, *rkey, *off, len as u64),
+                    };
+                    if checked.is_err() {
                         // A READ response's source went away: the READ is refused from now
                         // on (its requester's re-sent request gets NAK 0x62).
                         if let OpKind::ReadResponse { req_id, .. } = op.kind {
@@ -3034,7 +3042,7 @@ impl Connection {
                         b.extend_from_slice(d);
                         true
                     }
-                    Src::Mr(lkey, off) => mrs.local_append(*lkey, *off, payload_len, b).is_ok(),
+                    Src::Mr(lkey, off, _) => mrs.local_append(*lkey, *off, payload_len, b).is_ok(),
                 },
             );
             let Some(n) = emitted else {
@@ -3079,7 +3087,9 @@ impl Connection {
 
 enum Src {
     Bytes(bytes::Bytes),
-    Mr(u32, u64),
+    /// `(lkey, offset, rkey)`: bytes of a local region from `offset`; with `Some(rkey)` (a
+    /// READ response) the region must still answer to that rkey and grant REMOTE_READ.
+    Mr(u32, u64, Option<u32>),
 }
 
 /// What a tail-loss probe sends (RFC 8985 §7.3).

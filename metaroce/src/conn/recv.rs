@@ -38,12 +38,13 @@ pub(crate) enum RxOutcome {
 /// Work the responder must queue after accepting a READ or atomic request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Respond {
-    /// Send `len` bytes of the local region `lkey` from `offset` back as the READ response
-    /// (`lkey` 0 and `len` 0 for a zero-length READ). The region is read as each response
-    /// packet is built, not copied here.
+    /// Send `len` bytes of the local region `lkey` (which answers to `rkey`) from `offset`
+    /// back as the READ response (`lkey` 0 and `len` 0 for a zero-length READ). The region
+    /// is read as each response packet is built, not copied here.
     Read {
         req_id: u32,
         lkey: u32,
+        rkey: u32,
         offset: u64,
         len: u32,
     },
@@ -1502,6 +1503,7 @@ impl RecvState {
             Some(Respond::Read {
                 req_id: op.op_id,
                 lkey,
+                rkey: reth.rkey,
                 offset,
                 len: reth.dma_len,
             }),

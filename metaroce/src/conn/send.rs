@@ -109,10 +109,16 @@ pub(crate) enum OpKind {
         wire_id: u32,
     },
     /// Responder: the response to the READ `req_id` the peer requested: `[offset, offset +
-    /// len)` of the local region `lkey`, read for each packet built (a retransmission reads
+    /// len)` of the local region `lkey` (which must still answer to `rkey` and grant
+    /// REMOTE_READ), read for each packet built (a retransmission reads
     /// it again), as RNICs and Linux rxe read a READ's source; `lkey` 0 for a zero-length
     /// READ.
-    ReadResponse { req_id: u32, lkey: u32, offset: u64 },
+    ReadResponse {
+        req_id: u32,
+        lkey: u32,
+        rkey: u32,
+        offset: u64,
+    },
     /// Responder: the original value of an atomic the peer requested.
     AtomicResponse { req_id: u32, orig: u64 },
     /// Requester: tell the peer that `stream` is dead from message `msg_seq` on (a SEND
@@ -606,13 +612,20 @@ impl SendQueue {
     }
 
     /// Queue the response to the executed READ `req_id`: `len` bytes of the local region
-    /// `lkey` from `offset`.
-    pub fn post_read_response_mr(&mut self, req_id: u32, lkey: u32, offset: u64, len: u32) {
+    /// `lkey` (answering to `rkey`) from `offset`.
+    pub fn post_read_response_mr(
+        &mut self,
+        req_id: u32,
+        (lkey, rkey): (u32, u32),
+        offset: u64,
+        len: u32,
+    ) {
         self.push(
             0,
             OpKind::ReadResponse {
                 req_id,
                 lkey,
+                rkey,
                 offset,
             },
             len,
@@ -1685,7 +1698,7 @@ mod tests {
         q.flow_block(first);
         assert_eq!(q.peek(), None, "the stream waits; nothing else is queued");
         for r in 0..500 {
-            q.post_read_response_mr(r, 1, 0, 4096);
+            q.post_read_response_mr(r, (1, 1), 0, 4096);
         }
         let mut sent = 0;
         while let Some(s) = q.peek() {
@@ -1766,7 +1779,7 @@ mod tests {
                             q.post_send(7, u32::from(one), Bytes::from(vec![1u8; 1500]))
                         }
                         PeekStep::Read => q.post_read(&read),
-                        PeekStep::Response => q.post_read_response_mr(3, 1, 0, 2000),
+                        PeekStep::Response => q.post_read_response_mr(3, (1, 1), 0, 2000),
                         PeekStep::Take => {
                             if let Some(s) = q.peek() {
                                 q.take(s);
@@ -1830,7 +1843,7 @@ mod tests {
                                 q.post_send(id, 0, Bytes::from_static(b"x"));
                             }
                         }
-                        Step::Response => q.post_read_response_mr(7, 1, 0, 1),
+                        Step::Response => q.post_read_response_mr(7, (1, 1), 0, 1),
                         Step::Finish(i) if !q.ops.is_empty() => {
                             let id = q.base_id + (i % q.ops.len()) as u64;
                             q.finish(id, WcStatus::Success);
