@@ -313,7 +313,9 @@ impl MemoryRegion {
     }
 
     /// Copy `data` into the region at `offset`, [`COPY_CHUNK`] bytes per hold of the
-    /// region's lock. Peers see the bytes in their next READ of the range.
+    /// region's lock. Peers see the bytes in their next READ of the range (or in the
+    /// packets of a READ response still being sent: the responder reads the region as it
+    /// builds each one).
     ///
     /// # Errors
     /// [`Error::Memory`]`(OutOfBounds)` if the range is not inside the region.
@@ -340,6 +342,10 @@ impl MemoryRegion {
     /// while one waits so does the driver: keep `f` short, or copy out with
     /// [`read_into`](Self::read_into). Other regions' packets and the endpoint's lock are
     /// not held by `f`.
+    ///
+    /// `f` must not call into the endpoint or its connections (post, stats, close, …): the
+    /// driver may be waiting for this region's lock while it holds the endpoint's (to place
+    /// a packet, or to read a READ response or WRITE source), so such a call never returns.
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R, Error> {
         let g = lock(&self.mem);
         Ok(f(g.bytes()))
