@@ -40,6 +40,10 @@ pub(crate) struct ConnEntry {
     /// Peer-opened streams not yet taken by `accept_stream` (ids; at most the core's
     /// `max_streams`, each id once).
     pub accept_queue: VecDeque<u32>,
+    /// Streams whose sink waits in `poll_ready` for the connection's unacknowledged SEND
+    /// bytes to fall below `Config::connection_send_buffer` (each id once; at most one per
+    /// stream handle): woken when a SEND of the connection completes.
+    pub send_blocked: Vec<u32>,
     /// WRITE-with-immediate notifications `(imm, byte_len)` not yet taken by `recv_imm`
     /// (8 bytes each; no data). Bounded by the core: at most
     /// `2 × transport.max_unconsumed_immediates` (see its docs); beyond the cap the peer's
@@ -58,6 +62,7 @@ impl ConnEntry {
             // Keyed by the peer's stream ids: a secret key per connection (fasthash docs).
             streams: HashMap::with_hasher(metaroce::fasthash::FastState::random()),
             accept_queue: VecDeque::new(),
+            send_blocked: Vec::new(),
             imm_queue: VecDeque::new(),
             signals: Arc::new(ConnSignals {
                 status: watch::Sender::new(None),
@@ -1173,9 +1178,11 @@ impl Connection {
     ///
     /// Bounded as the sink is: while the stream has
     /// [`Config::stream_send_buffer`](crate::Config::stream_send_buffer) bytes or more
-    /// posted and not yet acknowledged (by this call or the stream's sink), the message
-    /// waits to be posted; one message is always taken when none is pending, whatever its
-    /// size.
+    /// posted and not yet acknowledged (by this call or the stream's sink), or the
+    /// connection has
+    /// [`Config::connection_send_buffer`](crate::Config::connection_send_buffer) bytes or
+    /// more over all its streams, the message waits to be posted; one message is always
+    /// taken when none is pending, whatever its size.
     ///
     /// # Errors
     /// [`Error::Post`] if the core refuses it (too large, not connected),
@@ -1195,13 +1202,17 @@ impl Connection {
     /// on messages that were never posted, and the connection holds at most the bound.
     pub async fn send(&self, stream: u32, data: bytes::Bytes) -> Result<WorkCompletion, Error> {
         let h = self.inner.handle;
-        let max_bytes = self.shared().cfg.stream_send_buffer as u64;
-        // The sink's bound: a timeout around `send` in a loop against a slow reader piled
+        let cfg = &self.shared().cfg;
+        let limits = metaroce::SendLimits {
+            stream: cfg.stream_send_buffer as u64,
+            connection: cfg.connection_send_buffer as u64,
+        };
+        // The sink's bounds: a timeout around `send` in a loop against a slow reader piled
         // messages into the transport without limit (found by a new user's trial: 1.5 GiB
         // in 5 s). Checked after every other check of the post (a closing connection, a
         // finished stream, a message too large fail at once; found by review).
         let post = move |core: &mut metaroce::Endpoint, wr_id| {
-            core.post_send_within(h, stream, wr_id, data.clone(), max_bytes)
+            core.post_send_within(h, stream, wr_id, data.clone(), limits)
         };
         let span = self.inner.span.clone();
         tracing::Instrument::instrument(

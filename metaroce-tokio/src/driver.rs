@@ -589,6 +589,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     }
                     None => {}
                 }
+                conn_send_progress(st, shared, conn);
             }
             Event::Message { conn, stream, data } => {
                 let discard = stream_entry(st, conn, stream).and_then(|e| e.deliver(data));
@@ -696,6 +697,28 @@ fn send_progress(st: &mut State, conn: ConnectionHandle, stream: Option<u32>) {
     if let Some(e) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id)) {
         e.send_pending = pending;
         if let Some(w) = e.waker.take() {
+            w.wake();
+        }
+    }
+}
+
+/// An operation of `conn` completed: if its SENDs' unacknowledged bytes are now below
+/// `Config::connection_send_buffer`, the sinks waiting for that (`ConnEntry::send_blocked`)
+/// are woken. O(1) when none waits.
+fn conn_send_progress(st: &mut State, shared: &Shared, conn: ConnectionHandle) {
+    let Some(c) = st.conns.get(&conn) else {
+        return;
+    };
+    if c.send_blocked.is_empty()
+        || st.core.send_pending(conn) >= shared.cfg.connection_send_buffer as u64
+    {
+        return;
+    }
+    let Some(c) = st.conns.get_mut(&conn) else {
+        return;
+    };
+    for id in std::mem::take(&mut c.send_blocked) {
+        if let Some(w) = c.streams.get_mut(&id).and_then(|e| e.waker.take()) {
             w.wake();
         }
     }

@@ -135,6 +135,13 @@ pub struct Config {
     /// Bytes one [`MessageStream`](crate::MessageStream) sink has posted and not yet
     /// acknowledged before `poll_ready` waits. Default 16 MiB.
     pub stream_send_buffer: usize,
+    /// Bytes a connection's SENDs (every stream's sink and
+    /// [`Connection::send`](crate::Connection::send)) have posted and not yet had
+    /// acknowledged before a sink's `poll_ready` or a `send` waits, whichever stream it is
+    /// on: the connection-wide bound on send buffering (quinn's `send_window`), so that
+    /// many streams cannot each hold `stream_send_buffer` behind a peer that does not
+    /// read. Default 64 MiB.
+    pub connection_send_buffer: usize,
     /// Shards of an endpoint from [`Endpoint::bind`]: each shard is a core endpoint with
     /// its own lock, driver task and UDP sockets, so connections on different shards run
     /// in parallel on a multi-thread runtime. The shards share the listening port
@@ -217,6 +224,7 @@ impl Default for Config {
             spare_ports: 8,
             max_stream_in_flight: 256,
             stream_send_buffer: 16 << 20,
+            connection_send_buffer: 64 << 20,
             shards: default_shards(),
             inline_transmit: true,
             window_grant: true,
@@ -238,6 +246,7 @@ impl Config {
             ("max_half_open_per_source", self.max_half_open_per_source),
             ("max_stream_in_flight", self.max_stream_in_flight),
             ("stream_send_buffer", self.stream_send_buffer),
+            ("connection_send_buffer", self.connection_send_buffer),
         ] {
             if v == 0 {
                 return Err(ConfigError::Zero(name));

@@ -554,3 +554,89 @@ async fn a_sink_behind_a_large_send_on_its_stream_goes_on() {
     tx.close().await.unwrap();
     assert_eq!(reader.await.unwrap(), 3);
 }
+
+/// The connection-wide send bound (`Config::connection_send_buffer`): against a peer that
+/// does not read (its receive buffers full, so it stops acknowledging), 32 streams' sinks
+/// together take at most what the peer buffered plus the connection's bound and one
+/// message per stream — not 32 × `stream_send_buffer`. Before, each stream had only its
+/// own bound (found by a new user's trial: 48 streams took 967 MiB). `Connection::send`
+/// meets the same bound. Once the peer reads, every message arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_streams_share_the_connection_send_bound() {
+    const MSG: usize = 256 << 10;
+    const STREAMS: usize = 32;
+    let mut cfg = Config {
+        connection_send_buffer: 4 << 20,
+        ..Config::default()
+    };
+    cfg.transport.max_recv_buffer_bytes = 4 << 20;
+    cfg.transport.max_stream_recv_bytes = 1 << 20;
+    let (_se, _ce, c, s) = pair(cfg).await;
+    let mut sinks: Vec<MessageStream> = (0..STREAMS).map(|_| c.open_stream().unwrap()).collect();
+    // Feed every stream until its sink has waited 100 ms.
+    let mut accepted = 0usize;
+    let mut open = [true; STREAMS];
+    while open.iter().any(|&o| o) {
+        for (k, tx) in sinks.iter_mut().enumerate() {
+            if !open[k] {
+                continue;
+            }
+            let fed = tokio::time::timeout(
+                Duration::from_millis(100),
+                tx.feed(Bytes::from(vec![k as u8; MSG])),
+            )
+            .await;
+            match fed {
+                Ok(r) => {
+                    r.unwrap();
+                    accepted += MSG;
+                }
+                Err(_) => open[k] = false,
+            }
+        }
+        assert!(accepted <= 64 << 20, "{accepted} bytes taken by the sinks");
+    }
+    // A `send` on another stream waits too.
+    let waited = tokio::time::timeout(
+        Duration::from_millis(100),
+        c.send(1000, Bytes::from(vec![1u8; MSG])),
+    )
+    .await;
+    assert!(waited.is_err(), "a send went past the connection's bound");
+    // The peer holds at most twice its 4 MiB receive budget; this side at most its 4 MiB
+    // bound plus one message per stream.
+    let bound = 2 * (4 << 20) + (4 << 20) + STREAMS * MSG;
+    println!("{accepted} bytes taken by {STREAMS} sinks (bound {bound})");
+    assert!(accepted <= bound, "{accepted} > {bound}");
+    // The peer reads every stream at once: everything arrives.
+    let readers = tokio::spawn(async move {
+        let mut tasks = Vec::new();
+        for _ in 0..STREAMS {
+            let mut rx = tokio::time::timeout(T, s.accept_stream())
+                .await
+                .expect("accept stalled")
+                .expect("a stream");
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0usize;
+                while let Ok(Some(m)) = tokio::time::timeout(T, rx.next()).await {
+                    n += m.unwrap().len();
+                }
+                n
+            }));
+        }
+        let mut got = 0;
+        for t in tasks {
+            got += t.await.unwrap();
+        }
+        got
+    });
+    for mut tx in sinks.drain(..) {
+        tokio::time::timeout(T, tx.close())
+            .await
+            .expect("flush stalled")
+            .unwrap();
+    }
+    let got = readers.await.unwrap();
+    assert_eq!(got, accepted);
+    drop(sinks);
+}

@@ -151,6 +151,27 @@ pub struct WriteRequest {
     pub imm: Option<u32>,
 }
 
+/// Bounds on unacknowledged SEND bytes for [`Endpoint::post_send_within`]: a post is
+/// refused with [`PostError::SendQueueFull`] while its stream has `stream` bytes or more
+/// posted and not yet acknowledged, or its connection has `connection` bytes or more over
+/// all its streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendLimits {
+    /// Most unacknowledged SEND bytes of one stream (bytes; `u64::MAX`: no bound).
+    pub stream: u64,
+    /// Most unacknowledged SEND bytes of the whole connection (bytes; `u64::MAX`: no
+    /// bound).
+    pub connection: u64,
+}
+
+impl SendLimits {
+    /// No bound.
+    pub const NONE: SendLimits = SendLimits {
+        stream: u64::MAX,
+        connection: u64::MAX,
+    };
+}
+
 /// An RDMA READ to post: `len` bytes from the peer's address `remote_addr` in region
 /// `rkey` into offset `local_offset` of the local region `lkey` (which needs LOCAL_WRITE).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -964,27 +985,31 @@ impl Endpoint {
         wr_id: u64,
         data: Bytes,
     ) -> Result<(), PostError> {
-        self.post_send_within(conn, stream, wr_id, data, u64::MAX)
+        self.post_send_within(conn, stream, wr_id, data, SendLimits::NONE)
     }
 
     /// [`post_send`](Self::post_send), refused with [`PostError::SendQueueFull`] — after
     /// every other check, so a closing connection, a finished or reset stream or a message
-    /// too large still fail with their own error — while `stream` has `max_pending` bytes or
-    /// more posted and not yet acknowledged
-    /// ([`stream_send_pending`](Self::stream_send_pending)): the bound of a sender that must
-    /// not queue without limit behind a slow reader (metaroce-tokio's `Connection::send`).
-    /// One message is taken when none is pending, whatever its size.
+    /// too large still fail with their own error — while `stream` has `limits.stream`
+    /// bytes or more posted and not yet acknowledged
+    /// ([`stream_send_pending`](Self::stream_send_pending)), or the connection has
+    /// `limits.connection` bytes or more over all its streams
+    /// ([`send_pending`](Self::send_pending)): the bounds of a sender that must not queue
+    /// without limit behind a slow reader (metaroce-tokio's `Connection::send` and
+    /// `MessageStream` sink). One message is taken when none is pending, whatever its size.
     pub fn post_send_within(
         &mut self,
         conn: ConnectionHandle,
         stream: u32,
         wr_id: u64,
         data: Bytes,
-        max_pending: u64,
+        limits: SendLimits,
     ) -> Result<(), PostError> {
         self.post_to(conn, data.len() as u64, |c| {
             stream_open(c, stream)?;
-            if c.sq.stream_pending(stream) >= max_pending {
+            if c.sq.stream_pending(stream) >= limits.stream
+                || c.sq.send_pending() >= limits.connection
+            {
                 return Err(PostError::SendQueueFull);
             }
             c.post_send(wr_id, stream, data);
@@ -1103,6 +1128,13 @@ impl Endpoint {
         self.conns
             .get(&conn.0)
             .map_or(0, |c| c.sq.stream_pending(stream))
+    }
+
+    /// Bytes of SENDs posted on any stream of `conn` that have not completed yet: the sum
+    /// of [`stream_send_pending`](Self::stream_send_pending) over its streams, O(1). 0 for
+    /// unknown connections.
+    pub fn send_pending(&self, conn: ConnectionHandle) -> u64 {
+        self.conns.get(&conn.0).map_or(0, |c| c.sq.send_pending())
     }
 
     /// Send the ACK `conn` holds for a reply (`TransportConfig::max_ack_delay`) with the

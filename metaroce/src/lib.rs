@@ -90,7 +90,7 @@ pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{
     AtomicRequest, CancelOutcome, Endpoint, EndpointStats, PostError, ReadRequest, RecvRequest,
-    TableSizes, WriteRequest, MAX_CLOSE_REASON,
+    SendLimits, TableSizes, WriteRequest, MAX_CLOSE_REASON,
 };
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 pub use mr::{Access, MrError, MrKeys, RegionMemory};

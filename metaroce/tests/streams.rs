@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 use metaroce::testing::{Impair, Pair};
-use metaroce::{Event, PostError, WcStatus};
+use metaroce::{Event, PostError, SendLimits, WcStatus};
 use std::time::Duration;
 
 /// Run the pair for `d` more virtual time (`run_until` counts from the start, and an idle
@@ -174,9 +174,43 @@ fn stream_send_pending_counts_unacknowledged_bytes() {
         .unwrap();
     assert_eq!(p.eps[0].stream_send_pending(a, 3), 12_400);
     assert_eq!(p.eps[0].stream_send_pending(a, 8), 7);
+    assert_eq!(p.eps[0].send_pending(a), 12_407);
     run_for(&mut p, Duration::from_secs(1));
     assert_eq!(p.eps[0].stream_send_pending(a, 3), 0);
     assert_eq!(p.eps[0].stream_send_pending(a, 8), 0);
+    assert_eq!(p.eps[0].send_pending(a), 0);
+}
+
+/// `post_send_within`'s connection-wide bound counts every stream's unacknowledged SEND
+/// bytes: a post on any stream is refused `SendQueueFull` at the bound (after the other
+/// checks: a finished stream still says so), one message is taken when none is pending,
+/// and posts go on once the bytes are acknowledged.
+#[test]
+fn post_send_within_bounds_the_whole_connection() {
+    let mut p = Pair::impaired(26, Impair::default());
+    let (a, _b) = p.connect();
+    let limits = SendLimits {
+        stream: u64::MAX,
+        connection: 10_000,
+    };
+    let big = || Bytes::from(vec![0; 30_000]);
+    // Nothing pending: one message of any size is taken.
+    p.eps[0].post_send_within(a, 1, 1, big(), limits).unwrap();
+    assert_eq!(
+        p.eps[0].post_send_within(a, 2, 2, Bytes::from_static(b"x"), limits),
+        Err(PostError::SendQueueFull)
+    );
+    let now = p.now;
+    p.eps[0].finish_stream(now, a, 3).unwrap();
+    assert_eq!(
+        p.eps[0].post_send_within(a, 3, 3, Bytes::from_static(b"x"), limits),
+        Err(PostError::StreamFinished { stream: 3 })
+    );
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(p.eps[0].send_pending(a), 0);
+    p.eps[0]
+        .post_send_within(a, 2, 4, Bytes::from_static(b"x"), limits)
+        .unwrap();
 }
 
 /// The receiver reads the stream's last message and stops the stream before the sender

@@ -375,6 +375,8 @@ pub(crate) struct SendQueue {
     stopped_streams: HashSet<u32>,
     /// Bytes of SENDs posted per stream and not yet completed (entries removed at 0).
     stream_bytes: HashMap<u32, u64>,
+    /// The sum of `stream_bytes`.
+    send_bytes: u64,
     /// Streams in a flow-control wait: their receiver refused a message with a
     /// flow-control RNR NAK, and no acknowledgement of the probe has come back since. No
     /// segment of theirs is sent for the first time meanwhile.
@@ -488,6 +490,7 @@ impl SendQueue {
     fn push(&mut self, wr_id: u64, kind: OpKind, len: u32) {
         if let OpKind::Send { stream, .. } = kind {
             *self.stream_bytes.entry(stream).or_insert(0) += len as u64;
+            self.send_bytes += len as u64;
         }
         if let Some(stream) = kind.stream_op() {
             *self.stream_ops.entry(stream).or_insert(0) += 1;
@@ -862,6 +865,7 @@ impl SendQueue {
         }
         if let Some((stream, len)) = send_stream {
             if let Some(b) = self.stream_bytes.get_mut(&stream) {
+                self.send_bytes -= len.min(*b);
                 *b = b.saturating_sub(len);
                 if *b == 0 {
                     self.stream_bytes.remove(&stream);
@@ -1354,6 +1358,11 @@ impl SendQueue {
     /// Bytes of SENDs posted on `stream` and not yet completed.
     pub fn stream_pending(&self, stream: u32) -> u64 {
         self.stream_bytes.get(&stream).copied().unwrap_or(0)
+    }
+
+    /// Bytes of SENDs posted on every stream and not yet completed.
+    pub fn send_pending(&self) -> u64 {
+        self.send_bytes
     }
 
     /// End `stream` after every SEND posted on it so far (a FIN the peer reports after
