@@ -3,7 +3,7 @@
 use crate::endpoint::{EndpointRef, OpDone, Shared, Waiter};
 use crate::error::Error;
 use crate::mr::{addr_at, MemoryRegion, RemoteRegion};
-use crate::stream::{MessageStream, StreamEntry};
+use crate::stream::{MessageStream, SharedRx, StreamEntry};
 use crate::Endpoint;
 use metaroce::fasthash::HashMap;
 use metaroce::{
@@ -25,11 +25,32 @@ pub(crate) struct ConnSignals {
     pub status: watch::Sender<Option<ConnectionError>>,
     /// Notified when a peer-opened stream or an immediate is queued, or the connection ends.
     pub queued: Notify,
+    /// What was delivered and not yet taken when the connection ended, handed out by
+    /// `accept_stream`, `recv_imm` and `take_cancelled_recv` afterwards (freed with the
+    /// last `Connection` handle).
+    pub leftover: std::sync::Mutex<Leftover>,
+}
+
+/// Deliveries the application had not taken when its connection ended: the peer saw them
+/// acknowledged (`Success`), so they are not dropped with the driver's entry. Bounded as
+/// they were in it.
+#[derive(Debug, Default)]
+pub(crate) struct Leftover {
+    /// Peer-opened streams not accepted yet, with their received messages.
+    streams: VecDeque<(u32, SharedRx)>,
+    /// WRITE-with-immediate notifications not taken yet.
+    imms: VecDeque<(u32, u32)>,
+    /// Messages that landed in the buffers of dropped `recv_into`s, not taken yet.
+    cancelled_recvs: VecDeque<CancelledRecv>,
 }
 
 impl ConnSignals {
     pub fn reason(&self) -> Option<ConnectionError> {
         self.status.borrow().clone()
+    }
+
+    fn leftover(&self) -> std::sync::MutexGuard<'_, Leftover> {
+        self.leftover.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -67,20 +88,32 @@ impl ConnEntry {
             signals: Arc::new(ConnSignals {
                 status: watch::Sender::new(None),
                 queued: Notify::new(),
+                leftover: Default::default(),
             }),
             next_stream: 0,
             cancelled_recvs: VecDeque::new(),
         }
     }
 
-    /// The connection ended: record why, end every stream and wake every waiter. The
-    /// caller removes the entry.
+    /// The connection ended: record why, end every stream and wake every waiter; what was
+    /// delivered and not yet taken moves to the handles' [`Leftover`]. The caller removes
+    /// the entry (or, when the driver is gone, leaves it unused).
     pub fn on_lost(&mut self, reason: ConnectionError) {
-        self.signals.status.send_replace(Some(reason.clone()));
-        self.signals.queued.notify_waiters();
         for s in self.streams.values_mut() {
             s.close(Error::ConnectionLost(reason.clone()));
         }
+        {
+            let mut left = self.signals.leftover();
+            while let Some(id) = self.accept_queue.pop_front() {
+                if let Some(rx) = self.streams.get_mut(&id).and_then(|s| s.pending_rx.take()) {
+                    left.streams.push_back((id, rx));
+                }
+            }
+            left.imms.extend(self.imm_queue.drain(..));
+            left.cancelled_recvs.extend(self.cancelled_recvs.drain(..));
+        }
+        self.signals.status.send_replace(Some(reason));
+        self.signals.queued.notify_waiters();
     }
 }
 
@@ -572,8 +605,9 @@ impl Connection {
         Ok(MessageStream::new(self.inner.clone(), id, rx))
     }
 
-    /// The next stream the peer opened (its first message is waiting in it); `None` once
-    /// the connection has ended.
+    /// The next stream the peer opened (its first message is waiting in it); once the
+    /// connection has ended, the streams it delivered and nobody accepted yet (their
+    /// messages, then the end), then `None`.
     ///
     /// A stream the peer finished without a message is offered too (it ends at once), as
     /// long as fewer than `TransportConfig::max_streams` streams wait here; one the peer
@@ -587,7 +621,15 @@ impl Connection {
             let notified = sig.queued.notified();
             {
                 let mut st = self.shared().lock();
-                let entry = st.conns.get_mut(&self.inner.handle)?;
+                // Ended (also when the driver is gone and the entry stays, found by
+                // review: this waited forever): what was delivered before the end.
+                let entry = match st.conns.get_mut(&self.inner.handle) {
+                    Some(e) if sig.reason().is_none() => e,
+                    _ => {
+                        let (id, rx) = sig.leftover().streams.pop_front()?;
+                        return Some(MessageStream::new(self.inner.clone(), id, rx));
+                    }
+                };
                 while let Some(id) = entry.accept_queue.pop_front() {
                     if let Some(rx) = entry.streams.get_mut(&id).and_then(|s| s.pending_rx.take()) {
                         return Some(MessageStream::new(self.inner.clone(), id, rx));
@@ -600,7 +642,8 @@ impl Connection {
 
     /// The next RDMA WRITE with immediate that landed in this endpoint's memory from this
     /// peer: `(imm, byte_len)`. Every byte of it is visible in the target region when this
-    /// resolves. `None` once the connection has ended.
+    /// resolves. Once the connection has ended, the notifications it delivered and nobody
+    /// took yet, then `None`.
     ///
     /// # Backpressure
     /// Notifications not taken yet are bounded by
@@ -618,7 +661,10 @@ impl Connection {
             let notified = sig.queued.notified();
             {
                 let mut st = self.shared().lock();
-                let entry = st.conns.get_mut(&self.inner.handle)?;
+                let entry = match st.conns.get_mut(&self.inner.handle) {
+                    Some(e) if sig.reason().is_none() => e,
+                    _ => return sig.leftover().imms.pop_front(),
+                };
                 if let Some(v) = entry.imm_queue.pop_front() {
                     // Room for one more: the core stops holding the peer's next WRITE
                     // with immediate back (flow-control RNR) once it is under the cap.
@@ -1161,12 +1207,12 @@ impl Connection {
     /// not be withdrawn): the stream, the buffer (`lkey`, `offset`) and the completion.
     /// Nothing is received silently: every message a dropped `recv_into` got shows up here.
     pub fn take_cancelled_recv(&self) -> Option<CancelledRecv> {
-        self.shared()
-            .lock()
-            .conns
-            .get_mut(&self.inner.handle)?
-            .cancelled_recvs
-            .pop_front()
+        let sig = &self.inner.signals;
+        let mut st = self.shared().lock();
+        match st.conns.get_mut(&self.inner.handle) {
+            Some(e) if sig.reason().is_none() => e.cancelled_recvs.pop_front(),
+            _ => sig.leftover().cancelled_recvs.pop_front(),
+        }
     }
 
     /// Send one message on stream `stream` and wait for its completion (all packets

@@ -418,3 +418,98 @@ async fn a_connection_closed_right_after_accept_refuses_the_client() {
     let (c, s) = connect(&server, &client).await;
     drop((c, s));
 }
+
+/// The runtime that ran the drivers shuts down while connection handles live on: calls on
+/// them end (the `Endpoint` docs), `accept_stream` and `recv_imm` too, both when called
+/// afterwards and when already waiting on another runtime. Before (found by review), the
+/// driver's entries stayed and both waited forever.
+#[test]
+fn accept_stream_and_recv_imm_end_when_the_driver_is_gone() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (server, client, conn, peer) = rt.block_on(async {
+        let (server, client) = endpoints(Config::default()).await;
+        let (c, s) = connect(&server, &client).await;
+        (server, client, c, s)
+    });
+    // An acceptor already waiting on another runtime when the drivers go.
+    let waiting_peer = peer.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = std::thread::spawn(move || {
+        let rt3 = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt3.block_on(async move {
+            tx.send(()).unwrap();
+            tokio::time::timeout(T, waiting_peer.accept_stream())
+                .await
+                .map(|s| s.is_some())
+        })
+    });
+    rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    drop(rt);
+    let rt2 = tokio::runtime::Runtime::new().unwrap();
+    rt2.block_on(async {
+        let why = tokio::time::timeout(T, peer.closed()).await.unwrap();
+        assert_eq!(why, ConnectionError::LocallyClosed);
+        assert!(server.is_closed() && client.is_closed());
+        let a = tokio::time::timeout(T, peer.accept_stream())
+            .await
+            .map(|s| s.is_some());
+        let i = tokio::time::timeout(T, conn.recv_imm()).await;
+        let w = waiting.join().unwrap();
+        assert!(
+            a == Ok(false) && i == Ok(None) && w == Ok(false),
+            "Err(Elapsed) = hung: accept_stream {a:?}, recv_imm {i:?}, waiting accept {w:?}"
+        );
+    });
+}
+
+/// What the peer saw delivered (`Success`) before it closed gracefully is not lost to an
+/// application that takes it only after the end: a stream not accepted yet is still
+/// offered, with its message, and so is the immediate of a WRITE with immediate. Before
+/// (found by review), the driver's queues went with the connection: `accept_stream` and
+/// `recv_imm` gave `None`.
+#[tokio::test]
+async fn deliveries_before_a_graceful_close_reach_a_slow_acceptor() {
+    use futures::{SinkExt, StreamExt};
+    use metaroce_tokio::Access;
+    let (server, client) = endpoints(Config::default()).await;
+    let (c, s) = connect(&server, &client).await;
+    let target = server.alloc(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let src = client.register(vec![7u8; 64], Access::LOCAL_WRITE);
+    let mut tx = c.open_stream().unwrap();
+    tokio::time::timeout(T, tx.send(metaroce_tokio::Bytes::from_static(b"request")))
+        .await
+        .unwrap()
+        .expect("delivered");
+    tokio::time::timeout(T, c.write_with_imm(&src, 0..64, target.remote(), 0, 42))
+        .await
+        .unwrap()
+        .expect("the WRITE with immediate completed Success");
+    c.close(0, b"done");
+    let why = tokio::time::timeout(T, s.closed()).await.unwrap();
+    assert!(is_closed_by_peer(&why), "{why}");
+    assert_eq!(target.read(0, 64).unwrap(), vec![7u8; 64]);
+    let mut rx = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .expect("the stream delivered before the close");
+    let m = tokio::time::timeout(T, rx.next()).await.unwrap();
+    assert_eq!(m.unwrap().unwrap(), &b"request"[..]);
+    assert!(tokio::time::timeout(T, rx.next())
+        .await
+        .unwrap()
+        .is_some_and(|r| r.is_err()));
+    assert_eq!(
+        tokio::time::timeout(T, s.recv_imm()).await.unwrap(),
+        Some((42, 64))
+    );
+    assert!(tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(tokio::time::timeout(T, s.recv_imm()).await.unwrap(), None);
+    drop(tx);
+}
