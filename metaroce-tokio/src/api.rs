@@ -21,12 +21,13 @@ use std::ops::Range;
 impl From<ConnectError> for Error {
     /// One error type for the traits: a refused start is [`Error::Post`], a failed
     /// handshake [`Error::ConnectionLost`] with its reason, a closed endpoint
-    /// [`Error::EndpointClosed`].
+    /// [`Error::EndpointClosed`], an unreachable address [`Error::InvalidRemoteAddress`].
     fn from(e: ConnectError) -> Self {
         match e {
             ConnectError::Post(p) => Error::Post(p),
             ConnectError::Connection(c) => Error::ConnectionLost(c),
             ConnectError::EndpointClosed => Error::EndpointClosed,
+            ConnectError::InvalidRemoteAddress(a) => Error::InvalidRemoteAddress(a),
         }
     }
 }

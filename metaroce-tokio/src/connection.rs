@@ -2,7 +2,7 @@
 
 use crate::endpoint::{EndpointRef, OpDone, Shared, Waiter};
 use crate::error::Error;
-use crate::mr::{addr_at, MemoryRegion, RemoteRegion};
+use crate::mr::{remote_addr, MemoryRegion, RemoteRegion};
 use crate::stream::{MessageStream, SharedRx, StreamEntry};
 use crate::Endpoint;
 use metaroce::fasthash::HashMap;
@@ -777,7 +777,7 @@ impl Connection {
             lkey: src.keys().lkey,
             local_offset: range.start,
             len,
-            remote_addr: addr_at(&dst, dst_offset)?,
+            remote_addr: remote_addr(&dst, dst_offset, u64::from(len))?,
             rkey: dst.rkey,
             imm,
         })
@@ -795,7 +795,8 @@ impl Connection {
     ///
     /// # Errors
     /// [`Error::ForeignRegion`] (`src` belongs to another endpoint), [`Error::Memory`]
-    /// (`range` reversed, or `dst.addr + dst_offset` passes `u64::MAX`), [`Error::Post`]
+    /// (`range` reversed), [`Error::RemoteOutOfBounds`] (the target span is not inside
+    /// `dst` as its descriptor says; nothing sent), [`Error::Post`]
     /// (longer than `max_message_size`, range outside `src`), [`Error::ConnectionLost`]
     /// (before posting, or a WRITE flushed because the connection ended: the reason is the
     /// source), [`Error::Completion`] (the work completion of a failed WRITE).
@@ -1057,7 +1058,7 @@ impl Connection {
         remote_offset: u64,
         op: AtomicOp,
     ) -> Result<u64, Error> {
-        let remote_addr = addr_at(&remote, remote_offset)?;
+        let remote_addr = remote_addr(&remote, remote_offset, 8)?;
         let ep = self.endpoint();
         let result = ep.alloc(8, metaroce::Access::LOCAL_WRITE);
         let req = AtomicRequest {
@@ -1095,9 +1096,10 @@ impl Connection {
     /// exactly once however often the request is retransmitted.
     ///
     /// # Errors
-    /// [`Error::Memory`] if `remote.addr + remote_offset` passes `u64::MAX`;
-    /// [`Error::ConnectionLost`]; [`Error::Completion`] (e.g. `RemoteAccessError`: no
-    /// REMOTE_ATOMIC right, out of bounds; `RemoteInvalidRequest`: not 8-byte aligned).
+    /// [`Error::RemoteOutOfBounds`] if the 8 bytes are not inside `remote` as its
+    /// descriptor says (nothing sent); [`Error::ConnectionLost`]; [`Error::Completion`]
+    /// (e.g. `RemoteAccessError`: no REMOTE_ATOMIC right, bad rkey, out of the peer's real
+    /// region; `RemoteInvalidRequest`: not 8-byte aligned).
     ///
     /// # Cancel safety
     /// Dropping the future after its first poll cancels the atomic: if the request had

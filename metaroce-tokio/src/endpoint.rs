@@ -837,9 +837,16 @@ impl Endpoint {
     ///
     /// # Errors
     /// At once, before any await: [`ConnectError::EndpointClosed`] if the endpoint is
-    /// closed, [`ConnectError::Post`] if the core refuses (`max_connections` reached).
+    /// closed, [`ConnectError::InvalidRemoteAddress`] for port 0, an unspecified IP or an
+    /// IPv6 address from an IPv4 endpoint (which would only time out),
+    /// [`ConnectError::Post`] if the core refuses (`max_connections` reached).
     /// Awaiting the [`Connecting`] reports how the handshake ended.
     pub fn connect(&self, addr: SocketAddr) -> Result<Connecting, ConnectError> {
+        let v6_from_v4 = self.local_addr().is_ipv4()
+            && matches!(addr, SocketAddr::V6(a) if a.ip().to_ipv4_mapped().is_none());
+        if addr.port() == 0 || addr.ip().is_unspecified() || v6_from_v4 {
+            return Err(ConnectError::InvalidRemoteAddress(addr));
+        }
         let shards = &self.inner.shards;
         let pick = self.inner.next_shard.fetch_add(1, Ordering::Relaxed) % shards.len() as u64;
         let shared = &shards[pick as usize];

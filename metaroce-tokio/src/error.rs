@@ -66,6 +66,11 @@ pub enum ConnectError {
     /// The endpoint was closed or its driver stopped.
     #[error("endpoint closed")]
     EndpointClosed,
+    /// No datagram can reach this address from this endpoint: port 0, an unspecified IP
+    /// (`0.0.0.0`, `::`), or an IPv6 address from an endpoint bound to IPv4. Reported by
+    /// [`Endpoint::connect`](crate::Endpoint::connect) itself, before any await.
+    #[error("invalid remote address {0}")]
+    InvalidRemoteAddress(std::net::SocketAddr),
 }
 
 /// Errors of operations on a connection, a stream or a memory region.
@@ -78,7 +83,7 @@ pub enum Error {
     /// The operation completed with an error status (the whole work completion is inside;
     /// its `wr_id` is the driver's, not one the application chose, so the message names
     /// the operation by its opcode).
-    #[error("{:?} failed: {} ({})", .0.opcode, .0.status, .0.status.ibv_code())]
+    #[error("{:?} failed: {} (ibv_wc_status {})", .0.opcode, .0.status, .0.status.ibv_code())]
     Completion(WorkCompletion),
     /// The connection ended; the source says why (closed locally or by the peer with a
     /// code, idle timeout, retry exceeded). Also what an operation that was flushed by the
@@ -91,6 +96,23 @@ pub enum Error {
     /// The region belongs to another endpoint.
     #[error("memory region belongs to another endpoint")]
     ForeignRegion,
+    /// The span of a one-sided operation is not inside the peer's region as its
+    /// [`RemoteRegion`](metaroce::api::RemoteRegion) descriptor says: `len` bytes at
+    /// `offset` of a region of `region_len` bytes (or the end passes `u64::MAX`). Found
+    /// before anything is sent; the peer would refuse it with a remote access error.
+    #[error("remote range of {len} bytes at offset {offset} is outside the peer's region of {region_len} bytes")]
+    RemoteOutOfBounds {
+        /// Offset in the peer's region.
+        offset: u64,
+        /// Bytes of the operation.
+        len: u64,
+        /// The region's length in its descriptor.
+        region_len: u64,
+    },
+    /// No datagram can reach this address from this endpoint
+    /// ([`ConnectError::InvalidRemoteAddress`]).
+    #[error("invalid remote address {0}")]
+    InvalidRemoteAddress(std::net::SocketAddr),
     /// A stream with this id is already open on this connection.
     #[error("stream {0} is already open")]
     StreamInUse(u32),

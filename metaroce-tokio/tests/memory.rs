@@ -5,7 +5,7 @@
 mod common;
 
 use common::pair;
-use metaroce::{Access, MrError};
+use metaroce::Access;
 use metaroce_tokio::{Config, Error, ExternalMemory, RemoteRegion};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -58,14 +58,87 @@ async fn operations_refuse_addresses_past_u64_max() {
         .to_bytes(),
     )
     .unwrap();
+    let past = |e: &Error| matches!(e, Error::RemoteOutOfBounds { offset: 16, .. });
     let e = c.write(&src, 0..64, hostile, 16).await.unwrap_err();
-    assert!(matches!(e, Error::Memory(MrError::OutOfBounds)), "{e:?}");
+    assert!(past(&e), "{e:?}");
     let e = c.read(&src, 0..64, hostile, 16).await.unwrap_err();
-    assert!(matches!(e, Error::Memory(MrError::OutOfBounds)), "{e:?}");
+    assert!(past(&e), "{e:?}");
     let e = c.fetch_add(hostile, 16, 1).await.unwrap_err();
-    assert!(matches!(e, Error::Memory(MrError::OutOfBounds)), "{e:?}");
+    assert!(past(&e), "{e:?}");
     let e = c.compare_swap(hostile, 16, 0, 1).await.unwrap_err();
-    assert!(matches!(e, Error::Memory(MrError::OutOfBounds)), "{e:?}");
+    assert!(past(&e), "{e:?}");
+}
+
+/// A one-sided operation whose span is not inside the peer's region as its descriptor
+/// says is refused before anything is sent, with an error that says so (found by a new
+/// user's trial: a WRITE of 1 MiB at offset 512 KiB of a 1 MiB region came back as a bare
+/// "remote access error", like a forged rkey). The connection stays usable; a span that
+/// ends exactly at the end is fine.
+#[tokio::test]
+async fn a_span_outside_the_remote_descriptor_is_named_before_sending() {
+    let (se, ce, c, _s) = pair(Config::default()).await;
+    let dst = se.alloc(
+        1 << 20,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    );
+    let src = ce.alloc(1 << 20, Access::LOCAL_WRITE);
+    let before = c
+        .stats()
+        .unwrap()
+        .paths
+        .iter()
+        .map(|p| p.stats.packets_sent)
+        .sum::<u64>();
+    let e = c
+        .write(&src, 0..1 << 20, dst.remote(), 512 << 10)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e,
+        Error::RemoteOutOfBounds {
+            offset: 512 << 10,
+            len: 1 << 20,
+            region_len: 1 << 20
+        }
+    );
+    assert_eq!(
+        e.to_string(),
+        "remote range of 1048576 bytes at offset 524288 is outside the peer's region of 1048576 bytes"
+    );
+    let e = c
+        .read(&src, 0..16, dst.remote(), (1 << 20) - 8)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::RemoteOutOfBounds { .. }), "{e:?}");
+    let e = c.fetch_add(dst.remote(), 1 << 20, 1).await.unwrap_err();
+    assert!(matches!(e, Error::RemoteOutOfBounds { .. }), "{e:?}");
+    let after = c
+        .stats()
+        .unwrap()
+        .paths
+        .iter()
+        .map(|p| p.stats.packets_sent)
+        .sum::<u64>();
+    assert_eq!(before, after, "a refused operation sent packets");
+    c.write(&src, 0..512 << 10, dst.remote(), 512 << 10)
+        .await
+        .unwrap();
+}
+
+/// `connect` refuses an address no datagram from this endpoint can reach (port 0, an
+/// unspecified IP, IPv6 from an IPv4 endpoint) at once, instead of timing out after the
+/// handshake's 2 s (found by a new user's trial; quinn refuses these too).
+#[tokio::test]
+async fn connect_refuses_unreachable_addresses_at_once() {
+    let (_se, ce, _c, _s) = pair(Config::default()).await;
+    for a in ["[::1]:4791", "0.0.0.0:4791", "127.0.0.1:0"] {
+        let addr: std::net::SocketAddr = a.parse().unwrap();
+        match ce.connect(addr) {
+            Err(metaroce_tokio::ConnectError::InvalidRemoteAddress(x)) => assert_eq!(x, addr),
+            Err(e) => panic!("{a}: {e:?}"),
+            Ok(_) => panic!("{a}: connect accepted an unreachable address"),
+        }
+    }
 }
 
 #[tokio::test]

@@ -80,11 +80,19 @@ async fn program() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     assert_eq!(&back.read(100, 11)?[..], b"server side");
     assert_eq!(back.read(0, 100)?, pattern[..100]);
 
-    // Out of bounds at the peer: that operation fails, the connection goes on.
+    // Past the end of the peer's region as its descriptor says: refused before sending,
+    // with an error that says so.
     let err = conn
         .write(&src, 0..16, remote, (1 << 16) - 8)
         .await
         .unwrap_err();
+    assert!(matches!(err, Error::RemoteOutOfBounds { .. }), "{err}");
+    // A forged rkey: the peer refuses it, that operation fails, the connection goes on.
+    let forged = RemoteRegion {
+        rkey: remote.rkey ^ 1,
+        ..remote
+    };
+    let err = conn.write(&src, 0..16, forged, 0).await.unwrap_err();
     assert_eq!(err.status(), Some(WcStatus::RemoteAccessError));
     assert!(conn.close_reason().is_none());
 
