@@ -59,9 +59,17 @@ async fn a_refused_write_fails_the_batch_with_the_first_failed_completion() {
     c.write(&src, 0..1, dst.remote(), 0).await.unwrap();
     dst.write(0, &[0]).unwrap();
     let mut writes = batch(&src, dst.remote(), 10, len);
-    // WRITEs 3 and 6 go past the end of the peer's region.
-    writes[3].dst_offset = 950;
-    writes[6].dst_offset = 990;
+    // WRITEs 3 and 6 go past the end of the peer's region, with a descriptor that claims
+    // a longer region (within the descriptor, a span past its end is refused before
+    // anything is posted: `Error::RemoteOutOfBounds`), so the peer refuses them.
+    let lying = metaroce_tokio::RemoteRegion {
+        len: 2000,
+        ..dst.remote()
+    };
+    for (i, off) in [(3, 950), (6, 990)] {
+        writes[i].dst = lying;
+        writes[i].dst_offset = off;
+    }
     let e = c.write_batch(writes.clone()).await.unwrap_err();
     let Error::Completion(wc) = e else {
         panic!("expected a completion error, got {e:?}");

@@ -422,12 +422,22 @@ async fn concurrent_batches_report_their_own_first_failure() {
         let (server, client, c, s) = pair_with(cfg.clone(), impaired_client(imp, cfg)).await;
         let src = client.alloc(1 << 20, Access::LOCAL_WRITE);
         let dst = server.alloc(1 << 20, Access::REMOTE_WRITE);
+        // The bad WRITEs go past the end of the peer's region under a descriptor that
+        // claims more (one within the descriptor is refused before posting).
+        let lying = metaroce_tokio::RemoteRegion {
+            len: 2 << 20,
+            ..dst.remote()
+        };
         let mk = |base: u64, off: u64, bad: &[usize]| -> Vec<BatchWrite<'_>> {
             (0..50u64)
                 .map(|i| BatchWrite {
                     src: &src,
                     range: 0..base + i,
-                    dst: dst.remote(),
+                    dst: if bad.contains(&(i as usize)) {
+                        lying
+                    } else {
+                        dst.remote()
+                    },
                     dst_offset: if bad.contains(&(i as usize)) {
                         (1 << 20) - 10
                     } else {
