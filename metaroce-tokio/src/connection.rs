@@ -62,9 +62,12 @@ pub(crate) struct ConnEntry {
     /// `max_streams`, each id once).
     pub accept_queue: VecDeque<u32>,
     /// Streams whose sink waits in `poll_ready` for the connection's unacknowledged SEND
-    /// bytes to fall below `Config::connection_send_buffer` (each id once; at most one per
-    /// stream handle): woken when a SEND of the connection completes.
-    pub send_blocked: Vec<u32>,
+    /// bytes to fall below `Config::connection_send_buffer` (a stream's id leaves with its
+    /// handle): woken by the driver once they have (`driver::release_send_bound`).
+    pub send_blocked: metaroce::fasthash::HashSet<u32>,
+    /// This connection is in `State::send_bound` (a sink or a `Connection::send` waits for
+    /// its send bound).
+    pub in_send_bound: bool,
     /// WRITE-with-immediate notifications `(imm, byte_len)` not yet taken by `recv_imm`
     /// (8 bytes each; no data). Bounded by the core: at most
     /// `2 × transport.max_unconsumed_immediates` (see its docs); beyond the cap the peer's
@@ -83,7 +86,11 @@ impl ConnEntry {
             // Keyed by the peer's stream ids: a secret key per connection (fasthash docs).
             streams: HashMap::with_hasher(metaroce::fasthash::FastState::random()),
             accept_queue: VecDeque::new(),
-            send_blocked: Vec::new(),
+            // Ids are the application's own streams; keyed all the same.
+            send_blocked: metaroce::fasthash::HashSet::with_hasher(
+                metaroce::fasthash::FastState::random(),
+            ),
+            in_send_bound: false,
             imm_queue: VecDeque::new(),
             signals: Arc::new(ConnSignals {
                 status: watch::Sender::new(None),
@@ -99,6 +106,9 @@ impl ConnEntry {
     /// delivered and not yet taken moves to the handles' [`Leftover`]. The caller removes
     /// the entry (or, when the driver is gone, leaves it unused).
     pub fn on_lost(&mut self, reason: ConnectionError) {
+        // The reason first: a stream's reader woken below may ask `close_reason` at once,
+        // without the endpoint lock (found by review: it saw `None`).
+        self.signals.status.send_replace(Some(reason.clone()));
         for s in self.streams.values_mut() {
             s.close(Error::ConnectionLost(reason.clone()));
         }
@@ -112,7 +122,6 @@ impl ConnEntry {
             left.imms.extend(self.imm_queue.drain(..));
             left.cancelled_recvs.extend(self.cancelled_recvs.drain(..));
         }
-        self.signals.status.send_replace(Some(reason));
         self.signals.queued.notify_waiters();
     }
 }
@@ -717,7 +726,16 @@ impl Connection {
                             .insert((self.inner.handle, wr_id), Waiter::Op(tx, send_stream));
                         break (wr_id, rx);
                     }
-                    Err(PostError::SendQueueFull) => false,
+                    Err(PostError::SendQueueFull) => {
+                        // A SEND held back by a byte bound: the driver looks again when
+                        // the connection's bytes go down, whatever frees them.
+                        let h = self.inner.handle;
+                        let bound = shared.cfg.connection_send_buffer as u64;
+                        if send_stream.is_some() && st.core.send_pending(h) >= bound {
+                            crate::driver::wait_send_bound(&mut st, h);
+                        }
+                        false
+                    }
                     Err(PostError::UnknownConnection) => true,
                     Err(PostError::Closing) => {
                         return Err(Error::ConnectionLost(ConnectionError::LocallyClosed))
@@ -871,9 +889,10 @@ impl Connection {
     ///
     /// # Errors
     /// Before anything is posted, every WRITE is checked as [`write`](Self::write) and the
-    /// core check it ([`Error::ForeignRegion`], [`Error::Memory`], and [`Error::Post`]:
-    /// the source range outside its region or without the right, a length over
-    /// `max_message_size`): the first bad one fails the batch and none is posted. After
+    /// core check it ([`Error::ForeignRegion`], [`Error::Memory`],
+    /// [`Error::RemoteOutOfBounds`], and [`Error::Post`]: the source range outside its
+    /// region or without the right, a length over `max_message_size`): the first bad one
+    /// fails the batch and none is posted. After
     /// that:
     /// - [`Error::Completion`]: the work completion of the first WRITE of the batch, in
     ///   posting order, that failed, reported once every WRITE completed (the others may
@@ -1289,5 +1308,64 @@ impl Connection {
         shared.wake_driver.notify_one();
         // Operations waiting for room fail now (`Closing`), not after the drain.
         shared.sq_space.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod connection_bound_tests {
+    use crate::{Config, Endpoint};
+    use bytes::Bytes;
+    use futures::SinkExt;
+    use std::time::Duration;
+
+    /// Streams that wait on the connection-wide bound and are dropped while it stays full
+    /// (a request with a timeout against a peer that does not read) leave nothing behind in
+    /// `ConnEntry::send_blocked`: it holds at most one id per live stream handle.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn streams_dropped_while_waiting_on_the_connection_bound_are_forgotten() {
+        const MSG: usize = 32 << 10;
+        let mut cfg = Config {
+            connection_send_buffer: 256 << 10,
+            ..Config::default()
+        };
+        cfg.transport.max_stream_recv_bytes = 64 << 10;
+        let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
+            .await
+            .unwrap();
+        let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
+            .await
+            .unwrap();
+        let connecting = client.connect(server.local_addr()).unwrap();
+        let _s = server.accept().await.unwrap().accept().unwrap();
+        let c = connecting.await.unwrap();
+        // The peer never reads: one stream fills the connection's bound.
+        let mut a = c.open_stream().unwrap();
+        while tokio::time::timeout(
+            Duration::from_millis(300),
+            a.feed(Bytes::from(vec![1u8; MSG])),
+        )
+        .await
+        .is_ok()
+        {}
+        // Requests with a timeout: each stream waits on the bound, then is dropped.
+        for _ in 0..1000 {
+            let mut r = c.open_stream().unwrap();
+            let waited =
+                tokio::time::timeout(Duration::from_millis(1), r.feed(Bytes::from_static(b"q")))
+                    .await;
+            assert!(waited.is_err(), "the bound did not hold");
+        }
+        let blocked = c
+            .inner
+            .shared
+            .lock()
+            .conns
+            .get(&c.inner.handle)
+            .map_or(0, |e| e.send_blocked.len());
+        assert!(
+            blocked <= 1,
+            "{blocked} ids of dropped streams in send_blocked"
+        );
+        drop(a);
     }
 }

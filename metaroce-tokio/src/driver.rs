@@ -589,7 +589,6 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     }
                     None => {}
                 }
-                conn_send_progress(st, shared, conn);
             }
             Event::Message { conn, stream, data } => {
                 let discard = stream_entry(st, conn, stream).and_then(|e| e.deliver(data));
@@ -684,6 +683,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
     if freed {
         shared.sq_space.notify_waiters();
     }
+    release_send_bound(st, shared);
 }
 
 /// A `Connection::send` on `stream` completed: the stream's unacknowledged bytes went
@@ -702,25 +702,51 @@ fn send_progress(st: &mut State, conn: ConnectionHandle, stream: Option<u32>) {
     }
 }
 
-/// An operation of `conn` completed: if its SENDs' unacknowledged bytes are now below
-/// `Config::connection_send_buffer`, the sinks waiting for that (`ConnEntry::send_blocked`)
-/// are woken. O(1) when none waits.
-fn conn_send_progress(st: &mut State, shared: &Shared, conn: ConnectionHandle) {
-    let Some(c) = st.conns.get(&conn) else {
-        return;
-    };
-    if c.send_blocked.is_empty()
-        || st.core.send_pending(conn) >= shared.cfg.connection_send_buffer as u64
-    {
+/// A sink or a `Connection::send` of `conn` waits for the connection's send bound: the
+/// driver looks at it after every batch of events until it is released.
+pub(crate) fn wait_send_bound(st: &mut State, conn: ConnectionHandle) {
+    if let Some(c) = st.conns.get_mut(&conn) {
+        if !c.in_send_bound {
+            c.in_send_bound = true;
+            st.send_bound.push(conn);
+        }
+    }
+}
+
+/// After a batch of events: each connection waiting for its send bound whose unacknowledged
+/// SEND bytes are now below `Config::connection_send_buffer` wakes its waiting sinks, and
+/// the `Connection::send`s waiting for room are told to look again (`sq_space`). The core
+/// frees a SEND's bytes when it finishes, which may be long before its completion is
+/// reported (completions come in posting order), or without one (a reset, a STOP), so
+/// the check runs after every batch, not on completions (found by review: a sink waited
+/// forever behind a reset). O(connections waiting).
+fn release_send_bound(st: &mut State, shared: &Shared) {
+    if st.send_bound.is_empty() {
         return;
     }
-    let Some(c) = st.conns.get_mut(&conn) else {
-        return;
-    };
-    for id in std::mem::take(&mut c.send_blocked) {
-        if let Some(w) = c.streams.get_mut(&id).and_then(|e| e.waker.take()) {
-            w.wake();
+    let bound = shared.cfg.connection_send_buffer as u64;
+    let mut freed = false;
+    let mut waiting = std::mem::take(&mut st.send_bound);
+    waiting.retain(|&conn| {
+        let pending = st.core.send_pending(conn);
+        let Some(c) = st.conns.get_mut(&conn) else {
+            return false;
+        };
+        if pending >= bound {
+            return true;
         }
+        c.in_send_bound = false;
+        for id in c.send_blocked.drain() {
+            if let Some(w) = c.streams.get_mut(&id).and_then(|e| e.waker.take()) {
+                w.wake();
+            }
+        }
+        freed = true;
+        false
+    });
+    st.send_bound = waiting;
+    if freed {
+        shared.sq_space.notify_waiters();
     }
 }
 

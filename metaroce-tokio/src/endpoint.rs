@@ -330,6 +330,11 @@ pub(crate) struct State {
     pub closed: bool,
     /// Completion routing of the RC queue pairs (`Endpoint::create_rc_qp`).
     pub rc: crate::rocev2::RcSide,
+    /// Connections with a sink or a `Connection::send` waiting for their send bound
+    /// (`Config::connection_send_buffer`, `stream_send_buffer`); each once
+    /// (`ConnEntry::in_send_bound`). `driver::release_send_bound` looks at them after
+    /// every batch of events.
+    pub send_bound: Vec<ConnectionHandle>,
 }
 
 impl State {
@@ -807,6 +812,7 @@ impl Endpoint {
                 driver_deadline: None,
                 closed: false,
                 rc: crate::rocev2::RcSide::new(),
+                send_bound: Vec::new(),
             }),
             wake_driver: Notify::new(),
             sq_space: Notify::new(),

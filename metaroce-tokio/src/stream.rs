@@ -402,9 +402,8 @@ impl Sink<Bytes> for MessageStream {
             return Poll::Ready(Err(self.lost(&st)));
         };
         e.waker = Some(cx.waker().clone());
-        if !c.send_blocked.contains(&self.id) {
-            c.send_blocked.push(self.id);
-        }
+        c.send_blocked.insert(self.id);
+        crate::driver::wait_send_bound(&mut st, h);
         Poll::Pending
     }
 
@@ -477,6 +476,11 @@ impl Drop for MessageStream {
         }
         if lock_rx(&self.rx).end.is_none() {
             stop(&mut st, self.handle(), self.id, RESET_ON_DROP);
+        }
+        // No longer waiting for the connection's send bound (found by review: ids of
+        // streams dropped while waiting piled up).
+        if let Some(c) = st.conns.get_mut(&self.conn.handle) {
+            c.send_blocked.remove(&self.id);
         }
         if let Some(e) = st
             .conns

@@ -513,3 +513,58 @@ async fn deliveries_before_a_graceful_close_reach_a_slow_acceptor() {
     assert_eq!(tokio::time::timeout(T, s.recv_imm()).await.unwrap(), None);
     drop(tx);
 }
+
+/// A stream that yields `ConnectionLost` belongs to a connection whose `close_reason` is
+/// known: a reader that sees the end and then asks its connection why must not get `None`.
+/// (`ConnEntry::on_lost` now ends every stream before it records the reason.) Readers on
+/// their own threads, so that they run while the driver is still ending the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ended_by_the_connection_end_sees_the_close_reason() {
+    use futures::{SinkExt, StreamExt};
+    const STREAMS: usize = 64;
+    let mut none_seen = 0;
+    for _round in 0..10 {
+        let (server, client) = endpoints(Config::default()).await;
+        let (c, s) = connect(&server, &client).await;
+        let mut sinks = Vec::new();
+        for _ in 0..STREAMS {
+            let mut tx = c.open_stream().unwrap();
+            tokio::time::timeout(T, tx.send(metaroce_tokio::Bytes::from_static(b"x")))
+                .await
+                .unwrap()
+                .unwrap();
+            sinks.push(tx);
+        }
+        let mut readers = Vec::new();
+        for _ in 0..STREAMS {
+            let mut rx = tokio::time::timeout(T, s.accept_stream())
+                .await
+                .unwrap()
+                .unwrap();
+            let s2 = s.clone();
+            readers.push(std::thread::spawn(move || {
+                futures::executor::block_on(async move {
+                    assert!(rx.next().await.unwrap().is_ok());
+                    match rx.next().await {
+                        Some(Err(metaroce_tokio::Error::ConnectionLost(_))) => {
+                            s2.close_reason().is_some()
+                        }
+                        other => panic!("{other:?}"),
+                    }
+                })
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        c.close(0, b"bye");
+        for r in readers {
+            if !r.join().unwrap() {
+                none_seen += 1;
+            }
+        }
+        drop(sinks);
+    }
+    assert_eq!(
+        none_seen, 0,
+        "readers saw ConnectionLost while close_reason() was None"
+    );
+}

@@ -640,3 +640,63 @@ async fn many_streams_share_the_connection_send_bound() {
     assert_eq!(got, accepted);
     drop(sinks);
 }
+
+/// A sink waiting on the connection-wide bound is woken when the connection's
+/// unacknowledged SEND bytes fall below it, even when they fall without a completion being
+/// reported: here the bytes of a reset stream are flushed behind an older SEND of another
+/// stream that the peer does not read (completions are reported in posting order, so
+/// nothing is reported). A fresh sink goes on at once; the one that waited must too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_waiting_on_the_connection_bound_is_woken_when_a_reset_frees_it() {
+    const MSG: usize = 32 << 10;
+    let mut cfg = Config {
+        connection_send_buffer: 1 << 20,
+        ..Config::default()
+    };
+    cfg.transport.max_stream_recv_bytes = 64 << 10;
+    let (_se, _ce, c, _s) = pair(cfg).await;
+    // Stream A: the peer buffers two messages and never reads: the third waits (flow
+    // control) at the head of the send queue for good.
+    let mut a = c.open_stream().unwrap();
+    for _ in 0..4 {
+        a.feed(Bytes::from(vec![1u8; MSG])).await.unwrap();
+    }
+    // Stream B: fed until the connection's bound stops it.
+    let mut b = c.open_stream().unwrap();
+    let mut fed = 0;
+    while let Ok(r) = tokio::time::timeout(
+        Duration::from_millis(300),
+        b.feed(Bytes::from(vec![2u8; MSG])),
+    )
+    .await
+    {
+        r.unwrap();
+        fed += 1;
+        assert!(fed < 1000, "the connection bound never held B");
+    }
+    // Stream C waits on the connection's bound.
+    let mut cs = c.open_stream().unwrap();
+    let waiting = tokio::spawn(async move {
+        cs.feed(Bytes::from(vec![3u8; MSG])).await.unwrap();
+        cs
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "C did not wait on the connection bound"
+    );
+    // Reset B: its unacknowledged bytes leave the connection's total.
+    drop(b);
+    // The bound is free again: a new sink is taken at once...
+    let mut d = c.open_stream().unwrap();
+    tokio::time::timeout(T, d.feed(Bytes::from(vec![4u8; MSG])))
+        .await
+        .expect("a fresh sink waited although the bound is free")
+        .unwrap();
+    // ...and so must the one that waited.
+    let _cs = tokio::time::timeout(T, waiting)
+        .await
+        .expect("the sink waiting on the connection bound was never woken")
+        .unwrap();
+    drop(a);
+}

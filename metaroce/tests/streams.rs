@@ -808,3 +808,61 @@ fn stream_closed_follows_the_completions_of_its_sends() {
     }
     assert_eq!(order(&p), ["completion Success", "closed"]);
 }
+
+/// `send_pending` is always the sum of `stream_send_pending` over the streams, under loss,
+/// duplication and reordering, with local resets and the peer's STOPs racing the SENDs,
+/// and it comes back to 0.
+#[test]
+fn send_pending_is_the_sum_of_the_streams_under_resets_stops_and_loss() {
+    for seed in 0..20u64 {
+        let mut p = Pair::impaired(
+            100 + seed,
+            Impair {
+                loss: 0.05,
+                dup: 0.02,
+                reorder: 0.05,
+                ..Impair::default()
+            },
+        );
+        let (a, b) = p.connect();
+        let mut rng = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let mut next = || {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (rng >> 33) as u32
+        };
+        let mut wr = 1u64;
+        let (mut max, mut resets, mut stops, mut posts) = (0u64, 0, 0, 0);
+        for _step in 0..200 {
+            let stream = next() % 8 * 2;
+            match next() % 10 {
+                0 => {
+                    let now = p.now;
+                    resets += p.eps[0].reset_stream(now, a, stream, 1).is_ok() as u32;
+                }
+                1 => {
+                    let now = p.now;
+                    stops += p.eps[1].stop_stream(now, b, stream, 2).is_ok() as u32;
+                }
+                _ => {
+                    let len = (next() % 9000) as usize;
+                    posts += p.eps[0]
+                        .post_send(a, stream, wr, Bytes::from(vec![0u8; len]))
+                        .is_ok() as u32;
+                    wr += 1;
+                }
+            }
+            run_for(&mut p, Duration::from_micros((next() % 200) as u64));
+            let sum: u64 = (0..16).map(|s| p.eps[0].stream_send_pending(a, s)).sum();
+            assert_eq!(p.eps[0].send_pending(a), sum, "seed {seed}");
+            max = max.max(sum);
+        }
+        println!("seed {seed}: max {max} posts {posts} resets {resets} stops {stops}");
+        assert!(max > 0);
+        run_for(&mut p, Duration::from_secs(5));
+        assert_eq!(p.eps[0].send_pending(a), 0, "seed {seed}");
+    }
+}
