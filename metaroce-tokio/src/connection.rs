@@ -65,9 +65,14 @@ pub(crate) struct ConnEntry {
     /// bytes to fall below `Config::connection_send_buffer` (a stream's id leaves with its
     /// handle): woken by the driver once they have (`driver::release_send_bound`).
     pub send_blocked: metaroce::fasthash::HashSet<u32>,
+    /// Streams with a `Connection::send` waiting for a byte bound (woken through
+    /// `sq_space`).
+    pub send_waits: metaroce::fasthash::HashSet<u32>,
     /// This connection is in `State::send_bound` (a sink or a `Connection::send` waits for
-    /// its send bound).
+    /// a byte bound).
     pub in_send_bound: bool,
+    /// `core.send_bytes_finished` when the driver last looked at the waits above.
+    pub send_freed_seen: u64,
     /// WRITE-with-immediate notifications `(imm, byte_len)` not yet taken by `recv_imm`
     /// (8 bytes each; no data). Bounded by the core: at most
     /// `2 × transport.max_unconsumed_immediates` (see its docs); beyond the cap the peer's
@@ -90,7 +95,11 @@ impl ConnEntry {
             send_blocked: metaroce::fasthash::HashSet::with_hasher(
                 metaroce::fasthash::FastState::random(),
             ),
+            send_waits: metaroce::fasthash::HashSet::with_hasher(
+                metaroce::fasthash::FastState::random(),
+            ),
             in_send_bound: false,
+            send_freed_seen: 0,
             imm_queue: VecDeque::new(),
             signals: Arc::new(ConnSignals {
                 status: watch::Sender::new(None),
@@ -727,12 +736,21 @@ impl Connection {
                         break (wr_id, rx);
                     }
                     Err(PostError::SendQueueFull) => {
-                        // A SEND held back by a byte bound: the driver looks again when
-                        // the connection's bytes go down, whatever frees them.
+                        // A SEND held back by a byte bound (its stream's or the
+                        // connection's): the driver looks again when bytes are freed,
+                        // whatever frees them (`driver::release_send_bound`).
                         let h = self.inner.handle;
-                        let bound = shared.cfg.connection_send_buffer as u64;
-                        if send_stream.is_some() && st.core.send_pending(h) >= bound {
-                            crate::driver::wait_send_bound(&mut st, h);
+                        if let Some(sid) = send_stream {
+                            let cfg = &shared.cfg;
+                            let over = st.core.stream_send_pending(h, sid)
+                                >= cfg.stream_send_buffer as u64
+                                || st.core.send_pending(h) >= cfg.connection_send_buffer as u64;
+                            if over {
+                                if let Some(c) = st.conns.get_mut(&h) {
+                                    c.send_waits.insert(sid);
+                                }
+                                crate::driver::wait_send_bound(&mut st, h);
+                            }
                         }
                         false
                     }

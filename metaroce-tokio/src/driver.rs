@@ -702,50 +702,68 @@ fn send_progress(st: &mut State, conn: ConnectionHandle, stream: Option<u32>) {
     }
 }
 
-/// A sink or a `Connection::send` of `conn` waits for the connection's send bound: the
-/// driver looks at it after every batch of events until it is released.
+/// A sink or a `Connection::send` of `conn` waits for a byte bound (its stream's or the
+/// connection's): the driver looks at it after every batch of events until it is released.
 pub(crate) fn wait_send_bound(st: &mut State, conn: ConnectionHandle) {
+    let freed = st.core.send_bytes_finished(conn);
     if let Some(c) = st.conns.get_mut(&conn) {
         if !c.in_send_bound {
             c.in_send_bound = true;
+            c.send_freed_seen = freed;
             st.send_bound.push(conn);
         }
     }
 }
 
-/// After a batch of events: each connection waiting for its send bound whose unacknowledged
-/// SEND bytes are now below `Config::connection_send_buffer` wakes its waiting sinks, and
-/// the `Connection::send`s waiting for room are told to look again (`sq_space`). The core
-/// frees a SEND's bytes when it finishes, which may be long before its completion is
-/// reported (completions come in posting order), or without one (a reset, a STOP), so
-/// the check runs after every batch, not on completions (found by review: a sink waited
-/// forever behind a reset). O(connections waiting).
+/// After a batch of events: for each connection with sinks or `Connection::send`s waiting
+/// for a byte bound whose SENDs freed bytes since it last looked, wake the sinks and sends
+/// whose stream is now below `stream_send_buffer`, if the connection is below
+/// `connection_send_buffer`. The core frees a SEND's bytes when it finishes, which may be
+/// long before its completion is reported (completions come in posting order), or without
+/// one (a reset, a STOP), so the check runs after every batch, not on completions (found
+/// by review: sinks and sends waited forever while newcomers went ahead). O(connections
+/// waiting) when nothing was freed.
 fn release_send_bound(st: &mut State, shared: &Shared) {
     if st.send_bound.is_empty() {
         return;
     }
-    let bound = shared.cfg.connection_send_buffer as u64;
-    let mut freed = false;
+    let cfg = &shared.cfg;
+    let (stream_max, conn_max) = (
+        cfg.stream_send_buffer as u64,
+        cfg.connection_send_buffer as u64,
+    );
+    let mut notify = false;
     let mut waiting = std::mem::take(&mut st.send_bound);
+    let State { core, conns, .. } = st;
     waiting.retain(|&conn| {
-        let pending = st.core.send_pending(conn);
-        let Some(c) = st.conns.get_mut(&conn) else {
+        let Some(c) = conns.get_mut(&conn) else {
             return false;
         };
-        if pending >= bound {
+        let freed = core.send_bytes_finished(conn);
+        if freed == c.send_freed_seen || core.send_pending(conn) >= conn_max {
             return true;
         }
-        c.in_send_bound = false;
-        for id in c.send_blocked.drain() {
-            if let Some(w) = c.streams.get_mut(&id).and_then(|e| e.waker.take()) {
+        c.send_freed_seen = freed;
+        let below = |id: u32| core.stream_send_pending(conn, id) < stream_max;
+        let streams = &mut c.streams;
+        c.send_blocked.retain(|&id| {
+            if !below(id) {
+                return true;
+            }
+            if let Some(w) = streams.get_mut(&id).and_then(|e| e.waker.take()) {
                 w.wake();
             }
-        }
-        freed = true;
-        false
+            false
+        });
+        let before = c.send_waits.len();
+        c.send_waits.retain(|&id| !below(id));
+        notify |= c.send_waits.len() < before;
+        let keep = !c.send_blocked.is_empty() || !c.send_waits.is_empty();
+        c.in_send_bound = keep;
+        keep
     });
     st.send_bound = waiting;
-    if freed {
+    if notify {
         shared.sq_space.notify_waiters();
     }
 }

@@ -848,8 +848,15 @@ impl Endpoint {
     /// [`ConnectError::Post`] if the core refuses (`max_connections` reached).
     /// Awaiting the [`Connecting`] reports how the handshake ended.
     pub fn connect(&self, addr: SocketAddr) -> Result<Connecting, ConnectError> {
-        let v6_from_v4 = self.local_addr().is_ipv4()
-            && matches!(addr, SocketAddr::V6(a) if a.ip().to_ipv4_mapped().is_none());
+        // An IPv4-mapped address is the IPv4 address for an IPv4 endpoint.
+        let addr = match addr {
+            SocketAddr::V6(a) if self.local_addr().is_ipv4() => a
+                .ip()
+                .to_ipv4_mapped()
+                .map_or(addr, |v4| SocketAddr::new(v4.into(), a.port())),
+            _ => addr,
+        };
+        let v6_from_v4 = self.local_addr().is_ipv4() && addr.is_ipv6();
         if addr.port() == 0 || addr.ip().is_unspecified() || v6_from_v4 {
             return Err(ConnectError::InvalidRemoteAddress(addr));
         }

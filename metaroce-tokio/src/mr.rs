@@ -15,16 +15,15 @@ use std::sync::Arc;
 /// of [`metaroce::api`].
 pub use metaroce::RemoteRegion;
 
-/// The address `offset` bytes into `r`, if it does not pass `u64::MAX`. (Not checked
-/// against `len`: the owner's endpoint checks bounds, and refuses with a remote access
-/// error.)
 /// The peer's address of `len` bytes at `offset` of the region `r` describes, if the span
 /// lies inside the descriptor: [`Error::RemoteOutOfBounds`] otherwise, so that this common
 /// mistake is named before anything is sent (the peer would refuse it with a bare remote
 /// access error). The peer still checks every access against its real region.
 pub(crate) fn remote_addr(r: &RemoteRegion, offset: u64, len: u64) -> Result<u64, Error> {
     let end = offset.checked_add(len);
-    match (end, r.addr_at(offset)) {
+    // The span's last address must not pass u64::MAX either (as `RemoteRegion::slice`).
+    let addr = r.addr_at(offset).filter(|a| a.checked_add(len).is_some());
+    match (end, addr) {
         (Some(end), Some(addr)) if end <= r.len => Ok(addr),
         _ => Err(Error::RemoteOutOfBounds {
             offset,

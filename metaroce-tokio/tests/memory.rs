@@ -329,3 +329,46 @@ async fn local_copies_do_not_stall_packet_processing() {
         "only {during_with_bytes} WRITE bytes landed during with_bytes"
     );
 }
+
+/// A span whose last address would pass `u64::MAX` is refused before sending, as
+/// `RemoteRegion::slice` refuses it (found by review: only `addr + offset` was checked,
+/// so a descriptor near the top of the address space let such a WRITE go to the wire).
+#[tokio::test]
+async fn a_span_whose_end_passes_u64_max_is_refused_before_sending() {
+    let (se, ce, c, _s) = pair(Config::default()).await;
+    let real = se.alloc(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let mut b = real.remote().to_bytes();
+    b[..8].copy_from_slice(&(u64::MAX - 3).to_be_bytes());
+    b[8..16].copy_from_slice(&16u64.to_be_bytes());
+    let top = metaroce_tokio::RemoteRegion::from_bytes(&b).unwrap();
+    assert!(top.slice(0, 8).is_none(), "slice refuses the wrapping span");
+    let src = ce.alloc(8, Access::LOCAL_WRITE);
+    let e = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        c.write(&src, 0..8, top, 0),
+    )
+    .await
+    .expect("hang")
+    .unwrap_err();
+    assert!(
+        matches!(e, Error::RemoteOutOfBounds { .. }),
+        "wrapping span not named before sending: {e:?}"
+    );
+}
+
+/// An IPv4-mapped IPv6 address given to an IPv4 endpoint's `connect` is the IPv4 address:
+/// it connects (found by review: it was let through and then timed out).
+#[tokio::test]
+async fn an_ipv4_mapped_address_from_an_ipv4_endpoint_connects() {
+    let (se, ce, _c, _s) = pair(Config::default()).await;
+    let port = se.local_addr().port();
+    let addr: std::net::SocketAddr = format!("[::ffff:127.0.0.1]:{port}").parse().unwrap();
+    let connecting = ce.connect(addr).expect("refused at once");
+    let accept = async { se.accept().await.unwrap().accept().unwrap() };
+    let r = tokio::time::timeout(Duration::from_secs(5), async {
+        let (_s, c) = tokio::join!(accept, connecting);
+        c
+    })
+    .await;
+    assert!(matches!(r, Ok(Ok(_))), "{r:?}");
+}

@@ -700,3 +700,117 @@ async fn a_sink_waiting_on_the_connection_bound_is_woken_when_a_reset_frees_it()
         .unwrap();
     drop(a);
 }
+
+/// A `Connection::send` waiting on its stream's bound (`stream_send_buffer`; the
+/// connection far below `connection_send_buffer`) goes on once that stream's older SEND
+/// is acknowledged, although its completion is held behind an older SEND of another stream
+/// the peer does not read (completions are reported in posting order). Found by review:
+/// only the connection-wide bound was watched, and this send waited while a newcomer on
+/// the same stream went ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_waiting_on_its_stream_bound_goes_on_when_its_bytes_are_acknowledged() {
+    const MSG: usize = 32 << 10;
+    const S: u32 = 1001;
+    let mut cfg = Config {
+        stream_send_buffer: MSG,
+        ..Config::default()
+    };
+    cfg.transport.max_stream_recv_bytes = 64 << 10;
+    let (_se, _ce, c, s) = pair(cfg).await;
+    // Stream A: the peer never reads it.
+    let mut a = c.open_stream().unwrap();
+    // Fed until a message is held (flow control): its completion never comes.
+    let mut fed = 0;
+    while let Ok(r) = tokio::time::timeout(
+        Duration::from_millis(300),
+        a.feed(Bytes::from(vec![1u8; MSG])),
+    )
+    .await
+    {
+        r.unwrap();
+        fed += 1;
+        assert!(fed < 100, "A never held");
+    }
+    // Two sends on stream S at once: one is posted, the other waits on S's bound.
+    let c2 = c.clone();
+    let _sends = tokio::spawn(async move {
+        let f1 = c2.send(S, Bytes::from(vec![5u8; MSG]));
+        let f2 = c2.send(S, Bytes::from(vec![6u8; MSG]));
+        tokio::join!(f1, f2)
+    });
+    // The peer takes A (and never reads it), then reads S.
+    let _pa = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut ps = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ps.id(), S);
+    let first = next(&mut ps).await.unwrap().unwrap();
+    assert_eq!(first.len(), MSG);
+    // S's first message is delivered and acknowledged: S's bound is free again, and the
+    // second send must be posted.
+    let second = tokio::time::timeout(Duration::from_secs(5), ps.next()).await;
+    if second.is_err() {
+        // Control: S's bytes are free in the core: a newcomer on S is posted at once.
+        let c3 = c.clone();
+        let _newcomer = tokio::spawn(async move { c3.send(S, Bytes::from(vec![7u8; MSG])).await });
+        let m = next(&mut ps).await.unwrap().unwrap();
+        panic!(
+            "the second send on S stayed unposted although S's bytes were acknowledged \
+             (a newcomer's message went ahead: byte {})",
+            m[0]
+        );
+    }
+    assert_eq!(second.unwrap().unwrap().unwrap().len(), MSG);
+}
+
+/// The same for a sink waiting on its stream's bound: its second message goes out once
+/// its first is acknowledged (found by review: the sink compared a copy of its bytes
+/// refreshed only on reported completions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_waiting_on_its_stream_bound_goes_on_when_its_bytes_are_acknowledged() {
+    const MSG: usize = 32 << 10;
+    let mut cfg = Config {
+        stream_send_buffer: MSG,
+        ..Config::default()
+    };
+    cfg.transport.max_stream_recv_bytes = 64 << 10;
+    let (_se, _ce, c, s) = pair(cfg).await;
+    let mut a = c.open_stream().unwrap();
+    // Fed until a message is held (flow control): its completion never comes.
+    let mut fed = 0;
+    while let Ok(r) = tokio::time::timeout(
+        Duration::from_millis(300),
+        a.feed(Bytes::from(vec![1u8; MSG])),
+    )
+    .await
+    {
+        r.unwrap();
+        fed += 1;
+        assert!(fed < 100, "A never held");
+    }
+    let mut b = c.open_stream().unwrap();
+    let _feeder = tokio::spawn(async move {
+        b.feed(Bytes::from(vec![5u8; MSG])).await.unwrap();
+        b.feed(Bytes::from(vec![6u8; MSG])).await.unwrap();
+        b
+    });
+    let _pa = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    let mut pb = tokio::time::timeout(T, s.accept_stream())
+        .await
+        .unwrap()
+        .unwrap();
+    let first = next(&mut pb).await.unwrap().unwrap();
+    assert_eq!(first.len(), MSG);
+    let second = tokio::time::timeout(Duration::from_secs(5), pb.next()).await;
+    assert!(
+        second.is_ok(),
+        "the sink's second message stayed unposted although its first was acknowledged"
+    );
+}

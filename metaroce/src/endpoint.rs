@@ -1137,6 +1137,16 @@ impl Endpoint {
         self.conns.get(&conn.0).map_or(0, |c| c.sq.send_pending())
     }
 
+    /// Bytes of `conn`'s SENDs that have finished (acknowledged, failed or flushed) since
+    /// the connection began, a running total: when it moves, [`send_pending`](Self::send_pending)
+    /// and some stream's [`stream_send_pending`](Self::stream_send_pending) went down — which
+    /// happens when a SEND finishes, possibly well before its [`Event::Completion`] is
+    /// reported (completions come in posting order), or with none (a reset). 0 for unknown
+    /// connections.
+    pub fn send_bytes_finished(&self, conn: ConnectionHandle) -> u64 {
+        self.conns.get(&conn.0).map_or(0, |c| c.sq.send_freed())
+    }
+
     /// Send the ACK `conn` holds for a reply (`TransportConfig::max_ack_delay`) with the
     /// next [`poll_transmit`](Self::poll_transmit), instead of when its delay is up: the
     /// application read the message and has nothing to answer with now (a reader that

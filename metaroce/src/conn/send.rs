@@ -377,6 +377,8 @@ pub(crate) struct SendQueue {
     stream_bytes: HashMap<u32, u64>,
     /// The sum of `stream_bytes`.
     send_bytes: u64,
+    /// Bytes of SENDs finished so far (a running total: `send_bytes` went down by it).
+    send_freed: u64,
     /// Streams in a flow-control wait: their receiver refused a message with a
     /// flow-control RNR NAK, and no acknowledgement of the probe has come back since. No
     /// segment of theirs is sent for the first time meanwhile.
@@ -866,6 +868,7 @@ impl SendQueue {
         if let Some((stream, len)) = send_stream {
             if let Some(b) = self.stream_bytes.get_mut(&stream) {
                 self.send_bytes -= len.min(*b);
+                self.send_freed += len.min(*b);
                 *b = b.saturating_sub(len);
                 if *b == 0 {
                     self.stream_bytes.remove(&stream);
@@ -1363,6 +1366,11 @@ impl SendQueue {
     /// Bytes of SENDs posted on every stream and not yet completed.
     pub fn send_pending(&self) -> u64 {
         self.send_bytes
+    }
+
+    /// Bytes of SENDs finished so far, a running total.
+    pub fn send_freed(&self) -> u64 {
+        self.send_freed
     }
 
     /// End `stream` after every SEND posted on it so far (a FIN the peer reports after
