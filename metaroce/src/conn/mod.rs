@@ -924,8 +924,13 @@ impl Connection {
                             let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
                             let (id, psn) = (path.path_id, pkt.bth.psn);
                             let retry = if flow { 7 } else { self.cfg.rnr_retry };
-                            self.sq.on_rnr(seg, id, psn, now, delay, retry, copy);
-                            if flow {
+                            let waits = self.sq.on_rnr(seg, id, psn, now, delay, retry, copy);
+                            // Only a segment now on its RNR wait blocks its stream: its
+                            // wait's end picks the probe. A stale NAK, or one for an
+                            // operation already finished (a length error NAKed it), put
+                            // the stream in the wait with nothing to end it, for good
+                            // (found by `prop_rdma`).
+                            if flow && waits {
                                 self.sq.flow_block(seg);
                             }
                         } else {

@@ -796,6 +796,25 @@ impl SendQueue {
         self.on_lost(s);
     }
 
+    /// Drop from `stream`'s parked segments those that need no sending any more: their
+    /// operation finished (a NAK failed it: a length error at its receive, say) or another
+    /// copy was acknowledged. Chosen as the probe, such a segment was never sent nor
+    /// acknowledged, and the stream waited with no timer for good (found by `prop_rdma`
+    /// `late_receives_wait_with_rnr`: a message refused for a short receive parked, then
+    /// became the probe).
+    fn prune_parked(&mut self, stream: u64) {
+        let Some(mut parked) = self.flow_parked.remove(&stream) else {
+            return;
+        };
+        parked.retain(|p| {
+            self.op(p.op)
+                .is_some_and(|o| o.status.is_none() && !o.is_acked(p.seg))
+        });
+        if !parked.is_empty() {
+            self.flow_parked.insert(stream, parked);
+        }
+    }
+
     /// End the flow-control wait of `stream`: every parked segment is re-sent.
     fn flow_release(&mut self, stream: u64) {
         self.flow_wait.remove(&stream);
@@ -982,10 +1001,12 @@ impl SendQueue {
         delay: Duration,
         rnr_retry: u8,
         other_copy: bool,
-    ) {
-        let Some(op) = self.op_mut(s.op) else { return };
+    ) -> bool {
+        let Some(op) = self.op_mut(s.op) else {
+            return false;
+        };
         if op.status.is_some() {
-            return;
+            return false;
         }
         // A READ or atomic request is RNR-NAKed when the responder's `max_rd_atomic`
         // response resources are busy (there is no negotiation of the responder's depth):
@@ -1004,7 +1025,7 @@ impl SendQueue {
             ];
         }
         let Some(r) = op.rnr.get_mut(s.seg as usize) else {
-            return;
+            return false;
         };
         let fresh = match r.phase {
             RnrPhase::Any => true,
@@ -1013,7 +1034,7 @@ impl SendQueue {
         };
         if !fresh {
             // Stale: answers a copy sent before the last RNR wait began.
-            return;
+            return false;
         }
         r.copies.clear();
         // Only NAKs that may fail the SEND count: a flow-control RNR NAK (passed here as
@@ -1024,15 +1045,16 @@ impl SendQueue {
         if rnr_retry != 7 && r.count > rnr_retry {
             if other_copy {
                 r.phase = RnrPhase::Any;
-                return;
+                return false;
             }
             self.finish(s.op, WcStatus::RnrRetryExceeded);
             self.fail_stream(s.op);
-            return;
+            return false;
         }
         r.phase = RnrPhase::Waiting;
         self.rnr_seq += 1;
         self.rnr_wait.insert((now + delay, self.rnr_seq), s);
+        true
     }
 
     /// When the earliest RNR wait or READ/atomic response wait ends.
@@ -1127,6 +1149,7 @@ impl SendQueue {
                         // that receive too, and failed with the stream if the later one
                         // ran out of RNR retries.
                         let mut probe = s;
+                        self.prune_parked(stream);
                         if let Some(parked) = self.flow_parked.get_mut(&stream) {
                             let earlier = earliest(parked)
                                 .filter(|&k| (parked[k].op, parked[k].seg) < (s.op, s.seg));
@@ -1142,6 +1165,7 @@ impl SendQueue {
                     // Park it; unless another segment of the stream already probes, the
                     // earliest parked segment (of the earliest refused message, the one the
                     // receiver admits first) becomes the probe.
+                    self.prune_parked(stream);
                     let parked = self.flow_parked.entry(stream).or_default();
                     parked.push(s);
                     if self.flow_probe.contains_key(&stream) {
