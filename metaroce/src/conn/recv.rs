@@ -144,6 +144,15 @@ struct StreamRx {
 }
 
 impl StreamRx {
+    /// Remember that message `msg_seq` completed its receive in error with NAK `syndrome`
+    /// (the most recent `MAX_LEN_ERRORS`): its re-sent packets get the same NAK.
+    fn note_len_error(&mut self, msg_seq: u32, syndrome: u8) {
+        self.len_errors.push_back((msg_seq, syndrome));
+        if self.len_errors.len() > MAX_LEN_ERRORS {
+            self.len_errors.pop_front();
+        }
+    }
+
     /// Which of the stream's posted receives message `msg_seq` (at or after
     /// `next_deliver`) takes: message `next_deliver + k` takes the k-th, less the refused
     /// messages before it that hold none and the messages before it arriving into library
@@ -1059,10 +1068,7 @@ impl RecvState {
                     if st.refused.insert(hdr.msg_seq) {
                         self.buf.refused += 1;
                     }
-                    st.len_errors.push_back((hdr.msg_seq, syndrome));
-                    if st.len_errors.len() > MAX_LEN_ERRORS {
-                        st.len_errors.pop_front();
-                    }
+                    st.note_len_error(hdr.msg_seq, syndrome);
                     let wc = WorkCompletion {
                         wr_id: r.wr_id,
                         status,
@@ -1235,10 +1241,7 @@ impl RecvState {
                     }
                     st.refused_recv
                         .insert(msg_seq, (hdr.msg_len, WcStatus::LocalProtectionError));
-                    st.len_errors.push_back((msg_seq, NAK_REMOTE_OPERATIONAL));
-                    if st.len_errors.len() > MAX_LEN_ERRORS {
-                        st.len_errors.pop_front();
-                    }
+                    st.note_len_error(msg_seq, NAK_REMOTE_OPERATIONAL);
                     Self::deliver(
                         conn,
                         hdr.stream_id,
