@@ -578,13 +578,12 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     }
                     Some(Waiter::Batch { batch, index }) => batch.on_completion(index, wc, None),
                     Some(Waiter::Stream(id)) => {
-                        let pending = st.core.stream_send_pending(conn, id);
                         if let Some(s) =
                             st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id))
                         {
                             let err =
                                 (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
-                            s.on_completion(err, pending);
+                            s.on_completion(err);
                         }
                     }
                     None => {}
@@ -686,16 +685,14 @@ fn dispatch(st: &mut State, shared: &Shared) {
     release_send_bound(st, shared);
 }
 
-/// A `Connection::send` on `stream` completed: the stream's unacknowledged bytes went
-/// down, which its sink may wait on (its own completions refresh them too; a sink waiting
-/// behind a `send`'s bytes waited forever, found by review).
+/// A `Connection::send` on `stream` completed: wake the stream's sink, which may wait
+/// behind the send's bytes (a sink waiting behind a `send`'s bytes waited forever, found
+/// by review; `release_send_bound` wakes it too when bytes are freed earlier).
 fn send_progress(st: &mut State, conn: ConnectionHandle, stream: Option<u32>) {
     let Some(id) = stream else {
         return;
     };
-    let pending = st.core.stream_send_pending(conn, id);
     if let Some(e) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id)) {
-        e.send_pending = pending;
         if let Some(w) = e.waker.take() {
             w.wake();
         }

@@ -77,9 +77,6 @@ pub(crate) struct StreamEntry {
     pub pending_rx: Option<SharedRx>,
     /// Messages posted on this stream and not yet completed.
     pub in_flight: usize,
-    /// Bytes of those messages (the core's `stream_send_pending`, refreshed on post and
-    /// completion).
-    pub send_pending: u64,
     /// The first failed completion, reported by the next sink call.
     pub error: Option<Error>,
     /// The peer stopped the stream ([`Error::StreamStopped`]): messages posted before
@@ -104,7 +101,6 @@ impl StreamEntry {
                 has_reader: true,
                 pending_rx: incoming.then(|| rx.clone()),
                 in_flight: 0,
-                send_pending: 0,
                 error: None,
                 stopped: None,
                 waker: None,
@@ -138,9 +134,8 @@ impl StreamEntry {
         }
     }
 
-    pub fn on_completion(&mut self, result: Option<Error>, send_pending: u64) {
+    pub fn on_completion(&mut self, result: Option<Error>) {
         self.in_flight = self.in_flight.saturating_sub(1);
-        self.send_pending = send_pending;
         if let (Some(e), None) = (result, &self.error) {
             // A SEND flushed because the peer stopped the stream fails with the stop.
             self.error = Some(self.stopped.clone().unwrap_or(e));
@@ -405,7 +400,6 @@ impl Sink<Bytes> for MessageStream {
         if let Some(err) = &e.stopped {
             return Poll::Ready(Err(err.clone()));
         }
-        e.send_pending = stream_pending;
         // The stream's bounds, and the connection-wide one (`Config::connection_send_buffer`):
         // without it, many streams each held `stream_send_buffer` behind a peer that did
         // not read (found by a new user's trial: 48 streams, 967 MiB).
@@ -436,14 +430,12 @@ impl Sink<Bytes> for MessageStream {
             }
             st.waiters
                 .insert((self.handle(), wr_id), Waiter::Stream(self.id));
-            let pending = st.core.stream_send_pending(self.handle(), self.id);
             if let Some(entry) = st
                 .conns
                 .get_mut(&self.handle())
                 .and_then(|c| c.streams.get_mut(&self.id))
             {
                 entry.in_flight += 1;
-                entry.send_pending = pending;
             }
         }
         // The message's packets leave from this task when the backend can take them now
