@@ -11,7 +11,7 @@ use crate::fasthash::{FastState, HashMap};
 use crate::mr::{Access, MrError, MrKeys, MrTable, RegionMemory};
 use crate::secret::{self, SecretRng};
 use crate::wire::{self, icrc, Bth, ConnectEth, ConnectKind, Headers, Opcode, Trailer};
-use crate::{EcnCodepoint, Transmit};
+use crate::{EcnCodepoint, Lent, Transmit};
 use bytes::Bytes;
 use rand_core::{RngCore, SeedableRng};
 use rand_xoshiro::Xoshiro256PlusPlus;
@@ -418,6 +418,8 @@ pub struct Endpoint {
     /// Scratch buffer: a received AEAD packet is decrypted in a copy.
     scratch: Vec<u8>,
     rr_cursor: u32,
+    /// The caller's span list during [`poll_transmit_lent`](Self::poll_transmit_lent).
+    lend: Option<Lent>,
     fair_share_at: Option<Instant>,
     /// The latest `now` the fair share was computed for.
     fair_share_latest: Option<Instant>,
@@ -686,6 +688,7 @@ impl Endpoint {
             sealed_control: VecDeque::new(),
             scratch: Vec::new(),
             rr_cursor: 0,
+            lend: None,
             fair_share_at: None,
             fair_share_latest: None,
             grant_mbps: 0,
@@ -2686,6 +2689,35 @@ impl Endpoint {
     /// Connections are served round-robin in QPN order, starting after the one served
     /// last; only those marked ready are asked.
     pub fn poll_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
+        self.lend = None;
+        self.next_transmit(now, buf)
+    }
+
+    /// [`poll_transmit`](Self::poll_transmit) with gather send: WRITE, SEND and
+    /// READ-response payloads of regions whose memory lends
+    /// ([`RegionMemory::lend`]) are not copied into `buf` but
+    /// listed in `lent` (cleared first), and the datagrams are `buf` with those payloads
+    /// inserted ([`Lent::for_each_piece`]); `Transmit::size` counts them. Every other
+    /// packet, and every packet of an AEAD-protected connection, is all in `buf`.
+    ///
+    /// The same datagrams as `poll_transmit`, byte for byte, given the same inputs: only
+    /// where the payload bytes are differs.
+    pub fn poll_transmit_lent(
+        &mut self,
+        now: Instant,
+        buf: &mut Vec<u8>,
+        lent: &mut Lent,
+    ) -> Option<Transmit> {
+        lent.clear();
+        self.lend = Some(std::mem::take(lent));
+        let t = self.next_transmit(now, buf);
+        if let Some(l) = self.lend.take() {
+            *lent = l;
+        }
+        t
+    }
+
+    fn next_transmit(&mut self, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         buf.clear();
         self.epoch(now);
         if let Some((t, bytes)) = self.sealed_control.pop_front() {
@@ -2792,7 +2824,7 @@ impl Endpoint {
             };
             c.granted_rate_mbps = self.grant_mbps;
             c.granted_window_bytes = self.grant_window_bytes;
-            let t = c.poll_transmit(now, buf, &self.mrs);
+            let t = c.poll_transmit(now, buf, &self.mrs, self.lend.as_mut());
             let (stale, recent, at) = (
                 &mut self.stale,
                 &mut self.recent_rx,

@@ -94,4 +94,4 @@ pub use endpoint::{
 };
 pub use event::{ConnectionError, ConnectionHandle, Event, WcOpcode, WcStatus, WorkCompletion};
 pub use mr::{Access, MrError, MrKeys, RegionMemory};
-pub use transmit::{EcnCodepoint, Transmit};
+pub use transmit::{EcnCodepoint, LendHandle, Lent, LentSpan, Transmit};

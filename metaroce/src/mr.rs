@@ -163,6 +163,37 @@ pub trait RegionMemory: Send + 'static {
         old
     }
 
+    /// Call `f` with the `len` bytes starting at `offset` (bounds checked by the core), in
+    /// order, in one or more slices. The sender computes a lent packet's ICRC with it
+    /// ([`lend`](Self::lend)). The default reads through [`read_at`](Self::read_at) in
+    /// 256-byte pieces; an implementation that can hand out its bytes as a slice should
+    /// override it with one call.
+    fn with_span(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        let mut piece = [0u8; 256];
+        let mut at = offset;
+        let end = offset.saturating_add(len);
+        while at < end {
+            let n = (end - at).min(piece.len());
+            self.read_at(at, &mut piece[..n]);
+            f(&piece[..n]);
+            at += n;
+        }
+    }
+
+    /// A handle through which the I/O layer reads this region's bytes when it sends, so
+    /// that a WRITE's or SEND's payload goes from the region to the kernel without the
+    /// core copying it into the datagram (gather send, [`crate::Lent`]). `None` (the
+    /// default): the core copies with [`append_to`](Self::append_to).
+    ///
+    /// The handle is opaque to the core; the I/O layer that registered the region knows
+    /// its type (`Any::downcast_ref`). It must not keep the region's buffer from its owner:
+    /// hold a weak reference, and let a send whose region is gone drop the packet (the
+    /// transport re-sends it, and the re-send fails the work request if the region is
+    /// deregistered).
+    fn lend(&self) -> Option<crate::LendHandle> {
+        None
+    }
+
     /// The memory as `Any`, so that its owner can take its own type back after
     /// deregistration (`Box<dyn Any>::downcast`).
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any>;
@@ -181,6 +212,11 @@ impl RegionMemory for Vec<u8> {
         match self.get(offset..offset.saturating_add(len)) {
             Some(s) => out.extend_from_slice(s),
             None => out.resize(out.len() + len, 0),
+        }
+    }
+    fn with_span(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        if let Some(s) = self.get(offset..offset.saturating_add(len)) {
+            f(s);
         }
     }
     fn write_at(&mut self, offset: usize, src: &[u8]) {
@@ -536,6 +572,35 @@ impl MrTable {
         let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
         let (o, _) = span(offset, len as u64, r.keys.len)?;
         r.data.append_to(o, len, out);
+        Ok(())
+    }
+
+    /// The lend handle ([`RegionMemory::lend`]) of the local region `lkey` and the byte
+    /// offset of `[offset, offset + len)` in it, after the checks of
+    /// [`local_append`](Self::local_append); `Ok(None)` when the region does not lend.
+    pub(crate) fn local_lend(
+        &self,
+        lkey: u32,
+        offset: u64,
+        len: usize,
+    ) -> Result<Option<(crate::LendHandle, usize)>, MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        let (o, _) = span(offset, len as u64, r.keys.len)?;
+        Ok(r.data.lend().map(|h| (h, o)))
+    }
+
+    /// [`RegionMemory::with_span`] of the local region `lkey` at byte offset `o` (as
+    /// [`local_lend`](Self::local_lend) returned it).
+    pub(crate) fn local_with_span(
+        &self,
+        lkey: u32,
+        o: usize,
+        len: usize,
+        f: &mut dyn FnMut(&[u8]),
+    ) -> Result<(), MrError> {
+        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        span(o as u64, len as u64, r.keys.len)?;
+        r.data.with_span(o, len, f);
         Ok(())
     }
 

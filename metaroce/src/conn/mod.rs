@@ -20,7 +20,7 @@ use crate::wire::{
     self, icrc, AckEth, AtomicAckEth, AtomicEth, Bth, ConnectEth, ConnectKind, Headers, NakEth,
     Opcode, PathEth, Reth, SendEth, Trailer, WriteEth,
 };
-use crate::{EcnCodepoint, Transmit};
+use crate::{EcnCodepoint, LendHandle, Lent, LentSpan, Transmit};
 use bytes::Bytes;
 use path::{Hold, PathRx, PathTx, RxCheck, RxClass, SegRef};
 use recv::{RecvLimits, RecvState, RecvStats, Respond, RxOutcome};
@@ -2234,18 +2234,80 @@ impl Connection {
                 return None;
             }
         }
+        if let Some(ip) = self.icrc_ip() {
+            let _ = icrc::stamp(&ip, src_port, self.peer.port(), out);
+        }
+        Some(len)
+    }
+
+    /// The IP header the ICRC covers (cached while the addresses stay).
+    fn icrc_ip(&mut self) -> Option<icrc::IpHeader> {
         let peer_ip = self.peer.ip();
-        let ip = match self.tx_ip {
+        match self.tx_ip {
             Some((l, p, ip)) if l == self.local_ip && p == peer_ip => ip,
             _ => {
                 let ip = self.ip_header();
                 self.tx_ip = Some((self.local_ip, peer_ip, ip));
                 ip
             }
-        };
-        if let Some(ip) = ip {
-            let _ = icrc::stamp(&ip, src_port, self.peer.port(), out);
         }
+    }
+
+    /// [`emit_sized`](Self::emit_sized) for a payload that stays in its region (gather
+    /// send): `buf` gets the packet's head and tail, `lend` the span `[o, o + payload_len)`
+    /// of `memory`, the region `src = (mrs, lkey, o)` names; the ICRC is computed over the
+    /// region's bytes now. Never for a sealed packet.
+    #[allow(clippy::too_many_arguments)]
+    fn emit_lent(
+        &mut self,
+        buf: &mut Vec<u8>,
+        src_port: u16,
+        bth: &Bth,
+        hdrs: &Headers,
+        trailer: &wire::Trailer,
+        len: usize,
+        payload_len: usize,
+        src: (&MrTable, u32, usize),
+        memory: LendHandle,
+        lend: &mut Lent,
+    ) -> Option<usize> {
+        let (mrs, lkey, o) = src;
+        let start = buf.len();
+        let tail = wire::tail_len(payload_len, trailer);
+        let head = len.checked_sub(payload_len + tail)?;
+        buf.resize(start + head + tail, 0);
+        let (h, t) = buf[start..].split_at_mut(head);
+        if wire::emit_split(bth, hdrs, payload_len, trailer, h, t).is_err() {
+            buf.truncate(start);
+            return None;
+        }
+        if let Some(ip) = self.icrc_ip() {
+            let (h, t) = buf[start..].split_at_mut(head);
+            let body = t.len() - wire::ICRC_LEN;
+            let mut read = Ok(());
+            let crc = icrc::compute_parts(
+                &ip,
+                src_port,
+                self.peer.port(),
+                h,
+                payload_len,
+                |hs| read = mrs.local_with_span(lkey, o, payload_len, &mut |b| hs.update(b)),
+                &t[..body],
+            );
+            if read.is_err() {
+                buf.truncate(start);
+                return None;
+            }
+            t[body..].copy_from_slice(&crc.to_le_bytes());
+        }
+        lend.push(
+            memory,
+            LentSpan {
+                at: start + head,
+                offset: o,
+                len: payload_len,
+            },
+        );
         Some(len)
     }
 
@@ -2514,13 +2576,21 @@ impl Connection {
         None
     }
 
+    /// The next datagram (or GSO batch) of this connection into `buf` (cleared first).
+    /// With `lend`, WRITE, SEND and READ-response payloads of regions that lend
+    /// ([`crate::RegionMemory::lend`]) stay where they are and are listed there (cleared
+    /// first); the transmit's `size` counts them.
     pub fn poll_transmit(
         &mut self,
         now: Instant,
         buf: &mut Vec<u8>,
         mrs: &MrTable,
+        mut lend: Option<&mut Lent>,
     ) -> Option<Transmit> {
         buf.clear();
+        if let Some(l) = lend.as_deref_mut() {
+            l.clear();
+        }
         if self.held {
             return None;
         }
@@ -2655,7 +2725,15 @@ impl Connection {
                         self.sq.is_live(seg).then_some(Probe::Again(seg))
                     };
                     if let Some(probe) = probe {
-                        let t = self.send_data(now, buf, mrs, i, Some(probe), None);
+                        let t = self.send_data(
+                            now,
+                            buf,
+                            mrs,
+                            lend.as_deref_mut(),
+                            i,
+                            Some(probe),
+                            None,
+                        );
                         if t.is_some() {
                             self.ack_hold = None;
                         }
@@ -2717,12 +2795,21 @@ impl Connection {
                 i
             }
         };
-        let mut t = self.send_data(now, buf, mrs, i, None, Some((window, in_flight, next)))?;
+        let mut t = self.send_data(
+            now,
+            buf,
+            mrs,
+            lend.as_deref_mut(),
+            i,
+            None,
+            Some((window, in_flight, next)),
+        )?;
         // A held ACK rides behind this packet: in the same batch when it joins, else the
         // next call sends it.
         self.ack_hold = None;
         if let Some((_, ack_len)) = join {
-            self.join_ack(now, buf, &mut t, ack_len);
+            let lent = lend.is_some_and(|l| !l.is_empty());
+            self.join_ack(now, buf, &mut t, ack_len, lent);
         }
         Some(t)
     }
@@ -2731,14 +2818,23 @@ impl Connection {
     /// caller) as one more GSO segment: behind the data when it is no longer than the data
     /// segments (GSO's rule: only the last segment may be shorter), ahead of a lone data
     /// packet shorter than the ACK. Leaves `t` as it was when neither fits (a batch at the
-    /// GSO limit, or ending in a shorter packet): the ACK then leaves on its own.
-    fn join_ack(&mut self, now: Instant, buf: &mut Vec<u8>, t: &mut Transmit, ack_len: usize) {
+    /// GSO limit, or ending in a shorter packet): the ACK then leaves on its own. `lent`:
+    /// the data's payloads are lent (gather send), so `buf` holds only the data's headers
+    /// and the ACK can only go behind.
+    fn join_ack(
+        &mut self,
+        now: Instant,
+        buf: &mut Vec<u8>,
+        t: &mut Transmit,
+        ack_len: usize,
+        lent: bool,
+    ) {
         let seg = t.segment_size.unwrap_or(t.size);
         let count = t.size.div_ceil(seg.max(1));
         if seg == 0 || count >= self.cfg.max_gso_segments || t.size % seg != 0 {
             return;
         }
-        if ack_len > seg && count > 1 {
+        if ack_len > seg && (count > 1 || lent) {
             return;
         }
         let data_len = t.size;
@@ -2767,6 +2863,7 @@ impl Connection {
         now: Instant,
         buf: &mut Vec<u8>,
         mrs: &MrTable,
+        mut lend: Option<&mut Lent>,
         i: usize,
         probe: Option<Probe>,
         fresh: Option<(u32, u32, SegRef)>,
@@ -3012,6 +3109,21 @@ impl Connection {
             if seg_size.is_some_and(|s| size > s) {
                 break;
             }
+            // Gather send (issue #13, P1): the payload stays in its region until the I/O
+            // layer sends it, unless the packet is sealed (AEAD encrypts in place). One
+            // region per transmit: a payload of another ends the batch.
+            let lent_src = match (lend.as_deref(), &src) {
+                (Some(l), Src::Mr(lkey, off, _))
+                    if self.protection.is_none() && payload_len > 0 =>
+                {
+                    match mrs.local_lend(*lkey, *off, payload_len) {
+                        Ok(Some((h, o))) if l.accepts(&h) => Some((h, *lkey, o)),
+                        Ok(Some(_)) => break,
+                        _ => None,
+                    }
+                }
+                _ => None,
+            };
             let retransmit = if again {
                 true
             } else {
@@ -3034,22 +3146,31 @@ impl Connection {
                     path.flags |= 1;
                 }
             }
-            let emitted = self.emit_sized(
-                buf,
-                port,
-                &bth,
-                &hdrs,
-                &trailer,
-                size,
-                payload_len,
-                |b| match &src {
-                    Src::Bytes(d) => {
-                        b.extend_from_slice(d);
-                        true
+            let emitted = match (lent_src, lend.as_deref_mut()) {
+                (Some((memory, lkey, o)), Some(l)) => self.emit_lent(
+                    buf,
+                    port,
+                    &bth,
+                    &hdrs,
+                    &trailer,
+                    size,
+                    payload_len,
+                    (mrs, lkey, o),
+                    memory,
+                    l,
+                ),
+                _ => self.emit_sized(buf, port, &bth, &hdrs, &trailer, size, payload_len, |b| {
+                    match &src {
+                        Src::Bytes(d) => {
+                            b.extend_from_slice(d);
+                            true
+                        }
+                        Src::Mr(lkey, off, _) => {
+                            mrs.local_append(*lkey, *off, payload_len, b).is_ok()
+                        }
                     }
-                    Src::Mr(lkey, off, _) => mrs.local_append(*lkey, *off, payload_len, b).is_ok(),
-                },
-            );
+                }),
+            };
             let Some(n) = emitted else {
                 break;
             };
@@ -3084,7 +3205,7 @@ impl Connection {
         if count == 0 {
             return None;
         }
-        let size = buf.len();
+        let size = buf.len() + lend.map_or(0, |l| l.bytes());
         let seg = seg_size.filter(|_| count > 1);
         Some(self.transmit(port, Some(EcnCodepoint::Ect0), size, seg))
     }

@@ -60,6 +60,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 // =======================================================================================
@@ -546,6 +547,13 @@ pub struct Net {
     pub check_timers: bool,
     /// Record at most this many sent datagrams in [`Net::wire`] (default 0: none).
     pub record: usize,
+    /// Ask the endpoints with [`Endpoint::poll_transmit_lent`] (gather send) and assemble
+    /// each datagram from the buffer and the [`LendingRegion`] it names, as an I/O layer
+    /// with an I/O vector send does; a transmit whose region is gone is dropped. Default
+    /// off (`poll_transmit`).
+    pub gather: bool,
+    /// Payload bytes sent from lent regions while [`Net::gather`] was set.
+    pub lent_bytes: u64,
     /// The recorded datagrams, in sending order.
     pub wire: Vec<Sent>,
     /// Transmits (`poll_transmit` results, a GSO batch counting once) the endpoints sent.
@@ -639,6 +647,8 @@ impl Net {
             check_emitted: false,
             check_timers: false,
             record: 0,
+            gather: false,
+            lent_bytes: 0,
             wire: Vec::new(),
             batches: 0,
             drop_hook: None,
@@ -1059,17 +1069,35 @@ impl Net {
 
     fn flush_with(&mut self, filter: Filt<'_>) {
         let mut buf = Vec::with_capacity(1 << 16);
+        let mut lent = crate::Lent::new();
+        let mut whole = Vec::new();
         loop {
             let mut any = false;
             for i in 0..self.eps.len() {
                 let mut n = 0u32;
-                while let Some(t) = self.eps[i].poll_transmit(self.now, &mut buf) {
+                loop {
+                    let t = if self.gather {
+                        self.eps[i].poll_transmit_lent(self.now, &mut buf, &mut lent)
+                    } else {
+                        self.eps[i].poll_transmit(self.now, &mut buf)
+                    };
+                    let Some(t) = t else { break };
                     n += 1;
                     assert!(
                         n < 1_000_000,
                         "endpoint {i}: poll_transmit never returns None"
                     );
                     any = true;
+                    if self.gather && !lent.is_empty() {
+                        if LendingRegion::assemble(&lent, &buf, &mut whole) {
+                            assert_eq!(whole.len(), t.size, "lent transmit size");
+                            self.lent_bytes += lent.bytes() as u64;
+                            let data = std::mem::take(&mut whole);
+                            self.enqueue(i, &t, &data, filter);
+                            whole = data;
+                        }
+                        continue;
+                    }
                     let data = std::mem::take(&mut buf);
                     self.enqueue(i, &t, &data, filter);
                     buf = data;
@@ -1408,4 +1436,70 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
             (x >> 24) as u8
         })
         .collect()
+}
+
+/// Test memory that lends its bytes for gather send ([`RegionMemory::lend`]): a vector
+/// behind a shared lock, lent through a weak reference as an I/O layer would. Register it
+/// with [`Endpoint::register_mr_memory`]; [`Net::gather`] assembles its transmits.
+pub struct LendingRegion {
+    bytes: Arc<Mutex<Vec<u8>>>,
+    handle: crate::LendHandle,
+}
+
+impl fmt::Debug for LendingRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LendingRegion").finish_non_exhaustive()
+    }
+}
+
+impl LendingRegion {
+    /// A region over `bytes`.
+    pub fn new(bytes: Vec<u8>) -> Self {
+        let bytes = Arc::new(Mutex::new(bytes));
+        let handle: crate::LendHandle = Arc::new(Arc::downgrade(&bytes));
+        LendingRegion { bytes, handle }
+    }
+
+    /// The shared bytes (write them to change the region under the endpoint).
+    pub fn bytes(&self) -> Arc<Mutex<Vec<u8>>> {
+        self.bytes.clone()
+    }
+
+    /// Assemble a lent transmit into `out`; `false` if its region is gone or not a
+    /// `LendingRegion`, or a span does not fit.
+    pub fn assemble(lent: &crate::Lent, buf: &[u8], out: &mut Vec<u8>) -> bool {
+        let Some(mem) = lent
+            .memory()
+            .and_then(|m| m.downcast_ref::<Weak<Mutex<Vec<u8>>>>())
+            .and_then(Weak::upgrade)
+        else {
+            return false;
+        };
+        let g = mem.lock().unwrap_or_else(|e| e.into_inner());
+        lent.assemble(buf, &g, out)
+    }
+}
+
+impl crate::RegionMemory for LendingRegion {
+    fn len(&self) -> usize {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) {
+        let g = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = g.get(offset..offset.saturating_add(dst.len())) {
+            dst.copy_from_slice(s);
+        }
+    }
+    fn write_at(&mut self, offset: usize, src: &[u8]) {
+        let mut g = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = g.get_mut(offset..offset.saturating_add(src.len())) {
+            d.copy_from_slice(src);
+        }
+    }
+    fn lend(&self) -> Option<crate::LendHandle> {
+        Some(self.handle.clone())
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
 }

@@ -320,10 +320,64 @@ fn hasher() -> crc32fast::Hasher {
 /// [`verify`] reject such lengths instead.
 pub fn compute(ip: &IpHeader, sport: u16, dport: u16, udp_payload_wo_icrc: &[u8]) -> u32 {
     let udp_len = (UDP_HEADER_LEN + ICRC_LEN).wrapping_add(udp_payload_wo_icrc.len()) as u16;
-    // One contiguous block, hashed in as few `update` calls as possible (issue #13: the
-    // per-call overhead of crc32fast dominated short packets): the LRH stand-in, the masked
-    // IP header written directly in its masked form (no IPv4 checksum to compute, it is
-    // masked), the masked UDP header, the masked BTH and, when it fits, the rest.
+    let split = udp_payload_wo_icrc.len().min(BTH_LEN);
+    let (bth, rest) = udp_payload_wo_icrc.split_at(split);
+    let (mut buf, n) = masked_prefix(ip, sport, dport, udp_len, bth);
+    let mut h = hasher();
+    if let Some(tail) = buf.get_mut(n..n + rest.len()) {
+        tail.copy_from_slice(rest);
+        h.update(&buf[..n + rest.len()]);
+    } else {
+        h.update(&buf[..n]);
+        h.update(rest);
+    }
+    h.finalize()
+}
+
+/// [`compute`] for a packet whose bytes lie in three places (gather send,
+/// [`crate::Lent`]): `head` (BTH and extension headers, at least the BTH), then
+/// `payload_len` bytes that `payload` feeds into the hasher it is given (in order, all of
+/// them), then `tail` (pad and trailer, **without** the ICRC). The same value as
+/// [`compute`] over `head ++ payload ++ tail`.
+pub(crate) fn compute_parts(
+    ip: &IpHeader,
+    sport: u16,
+    dport: u16,
+    head: &[u8],
+    payload_len: usize,
+    payload: impl FnOnce(&mut crc32fast::Hasher),
+    tail: &[u8],
+) -> u32 {
+    let total = head.len() + payload_len + tail.len();
+    let udp_len = (UDP_HEADER_LEN + ICRC_LEN).wrapping_add(total) as u16;
+    let split = head.len().min(BTH_LEN);
+    let (bth, rest) = head.split_at(split);
+    let (mut buf, n) = masked_prefix(ip, sport, dport, udp_len, bth);
+    let mut h = hasher();
+    if let Some(t) = buf.get_mut(n..n + rest.len()) {
+        t.copy_from_slice(rest);
+        h.update(&buf[..n + rest.len()]);
+    } else {
+        h.update(&buf[..n]);
+        h.update(rest);
+    }
+    payload(&mut h);
+    h.update(tail);
+    h.finalize()
+}
+
+/// The masked pseudo-header block [`compute`] starts from: the LRH stand-in, the masked IP
+/// header written directly in its masked form (no IPv4 checksum to compute, it is masked),
+/// the masked UDP header and the masked `bth` (up to 12 bytes), and how many bytes of the
+/// block that is. One contiguous block, hashed in as few `update` calls as possible (issue
+/// #13: the per-call overhead of crc32fast dominated short packets).
+fn masked_prefix(
+    ip: &IpHeader,
+    sport: u16,
+    dport: u16,
+    udp_len: u16,
+    bth: &[u8],
+) -> ([u8; ICRC_BLOCK], usize) {
     let mut buf = [0u8; ICRC_BLOCK];
     let [s0, s1] = sport.to_be_bytes();
     let [d0, d1] = dport.to_be_bytes();
@@ -370,22 +424,14 @@ pub fn compute(ip: &IpHeader, sport: u16, dport: u16, udp_payload_wo_icrc: &[u8]
     }
     buf[n..n + 8].copy_from_slice(&[s0, s1, d0, d1, l0, l1, 0xFF, 0xFF]);
     n += UDP_HEADER_LEN;
-    let split = udp_payload_wo_icrc.len().min(BTH_LEN);
-    let (bth, rest) = udp_payload_wo_icrc.split_at(split);
+    let split = bth.len().min(BTH_LEN);
+    let bth = &bth[..split];
     buf[n..n + split].copy_from_slice(bth);
     if split > 4 {
         buf[n + 4] = 0xFF;
     }
     n += split;
-    let mut h = hasher();
-    if let Some(tail) = buf.get_mut(n..n + rest.len()) {
-        tail.copy_from_slice(rest);
-        h.update(&buf[..n + rest.len()]);
-    } else {
-        h.update(&buf[..n]);
-        h.update(rest);
-    }
-    h.finalize()
+    (buf, n)
 }
 
 /// Stack block of [`compute`]: the longest prefix (8 + 40 + 8 + 12 = 68 bytes) plus short

@@ -330,32 +330,85 @@ fn emit_around_payload(
     let out = out
         .get_mut(..total)
         .ok_or(Error::BufferTooSmall { needed: total, got })?;
+    let head = emit_head(bth, headers, payload_len, trailer, out)?;
+    let tail = out
+        .get_mut(head + payload_len..)
+        .ok_or(Error::BufferTooSmall { needed: total, got })?;
+    emit_tail(payload_len, trailer, tail)?;
+    Ok(total)
+}
+
+/// The bytes before a packet's payload (BTH with its pad count and trailer kind, then the
+/// extension headers) into the start of `out`; returns how many. `payload_len` sets the
+/// BTH pad count. The caller has made [`check_emit`]'s checks.
+fn emit_head(
+    bth: &Bth,
+    headers: &Headers,
+    payload_len: usize,
+    trailer: &Trailer,
+    out: &mut [u8],
+) -> Result<usize, Error> {
     let pad = pad_for(payload_len);
     let mut b = *bth;
     // pad_for() is at most 3, so this cannot truncate.
     b.pad_count = pad as u8;
+    let got = out.len();
+    if got < BTH_LEN {
+        return Err(Error::BufferTooSmall {
+            needed: BTH_LEN,
+            got,
+        });
+    }
     let (bth_bytes, rest) = out.split_at_mut(BTH_LEN);
     b.emit(bth_bytes)?;
     if let Some(b8) = bth_bytes.get_mut(8) {
         *b8 |= trailer.kind();
     }
     let n = headers.emit(rest)?;
-    let rest = rest
-        .get_mut(n..)
-        .ok_or(Error::BufferTooSmall { needed: total, got })?;
-    let tlen = trailer.len();
-    let body = payload_len + pad;
-    let rest = rest
-        .get_mut(..body + tlen + ICRC_LEN)
-        .ok_or(Error::BufferTooSmall { needed: total, got })?;
-    let (body_bytes, tail) = rest.split_at_mut(body);
-    if let Some(p) = body_bytes.get_mut(payload_len..) {
-        p.fill(0);
-    }
-    let (tr, icrc) = tail.split_at_mut(tlen);
+    Ok(BTH_LEN + n)
+}
+
+/// The bytes after a packet's payload: the pad (zeros), the trailer and a zeroed ICRC,
+/// into the start of `out`; returns how many ([`tail_len`]).
+fn emit_tail(payload_len: usize, trailer: &Trailer, out: &mut [u8]) -> Result<usize, Error> {
+    let n = tail_len(payload_len, trailer);
+    let got = out.len();
+    let out = out
+        .get_mut(..n)
+        .ok_or(Error::BufferTooSmall { needed: n, got })?;
+    let pad = pad_for(payload_len);
+    let (pad_bytes, rest) = out.split_at_mut(pad);
+    pad_bytes.fill(0);
+    let (tr, icrc) = rest.split_at_mut(trailer.len());
     trailer.emit(tr)?;
     icrc.fill(0);
-    Ok(total)
+    Ok(n)
+}
+
+/// Bytes after a payload of `payload_len`: pad, trailer and ICRC.
+pub fn tail_len(payload_len: usize, trailer: &Trailer) -> usize {
+    pad_for(payload_len) + trailer.len() + ICRC_LEN
+}
+
+/// A packet with its payload left out, for a sender that hands the payload to the kernel
+/// from where it lies (gather send, [`crate::Lent`]): the header bytes (BTH, extension
+/// headers) go into `head` and the pad, trailer and zeroed ICRC into `tail`, both
+/// written from their start. Returns the two lengths; the packet on the wire is
+/// `head ++ payload ++ tail`, `packet_len_with(headers, payload_len, trailer)` bytes.
+///
+/// Errors: as [`emit_packet_in_place`].
+pub fn emit_split(
+    bth: &Bth,
+    headers: &Headers,
+    payload_len: usize,
+    trailer: &Trailer,
+    head: &mut [u8],
+    tail: &mut [u8],
+) -> Result<(usize, usize), Error> {
+    check_emit(bth, headers, trailer)?;
+    let h = emit_head(bth, headers, payload_len, trailer, head)?;
+    let t = emit_tail(payload_len, trailer, tail)?;
+    Ok((h, t))
 }
 
 /// `a + n` in the 24-bit PSN space (modulo 2^24). IBA Vol. 1 §9.2 (PSN).

@@ -1,0 +1,188 @@
+//! Gather send (`Endpoint::poll_transmit_lent`, issue #13 P1): WRITE and READ-response
+//! payloads stay in their regions and the I/O layer inserts them when it sends. The
+//! datagrams must be the ones `poll_transmit` builds, byte for byte (headers, pad, ICRC),
+//! through loss and retransmission, and a transmit must never read outside its region.
+
+use metaroce::testing::{Impair, LendingRegion, Pair};
+use metaroce::{Access, Event, ReadRequest, WcStatus, WorkCompletion, WriteRequest};
+use std::time::Duration;
+
+fn completions(events: &[Event]) -> Vec<WorkCompletion> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Completion { wc, .. } => Some(*wc),
+            _ => None,
+        })
+        .collect()
+}
+
+fn pattern(n: usize, k: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 31 + i / 251 + k) as u8).collect()
+}
+
+/// WRITEs from endpoint 0 and a READ of endpoint 1's region, through 3 % loss; returns the
+/// datagrams on the wire, the bytes sent from lent regions, and checks the data landed.
+fn run(seed: u64, gather: bool) -> (Vec<Vec<u8>>, u64) {
+    let impair = Impair {
+        loss: 0.03,
+        ..Impair::default()
+    };
+    let mut p = Pair::impaired(seed, impair);
+    p.check_emitted = true;
+    p.record = usize::MAX;
+    p.gather = gather;
+    let (c, _) = p.connect();
+    let n = 1 << 20;
+    let src = pattern(n, 1);
+    let remote_src = pattern(n, 2);
+    let local = p.eps[0].register_mr_memory(
+        Box::new(LendingRegion::new(src.clone())),
+        Access::LOCAL_WRITE,
+    );
+    let dst = p.eps[1].register_mr(vec![0; n], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let readable = p.eps[1].register_mr_memory(
+        Box::new(LendingRegion::new(remote_src.clone())),
+        Access::REMOTE_READ,
+    );
+    let landing = p.eps[0].register_mr(vec![0; n], Access::LOCAL_WRITE);
+    // Odd sizes and offsets: pad bytes and spans that start mid-page.
+    let chunk = n / 8 - 3;
+    for k in 0..8u64 {
+        let off = k * (n as u64 / 8) + 1;
+        let len = chunk as u32 - 1;
+        p.eps[0]
+            .post_write(
+                c,
+                WriteRequest {
+                    wr_id: k,
+                    lkey: local.lkey,
+                    local_offset: off,
+                    len,
+                    remote_addr: dst.addr + off,
+                    rkey: dst.rkey,
+                    imm: None,
+                },
+            )
+            .unwrap();
+    }
+    p.eps[0]
+        .post_read(
+            c,
+            ReadRequest {
+                wr_id: 100,
+                lkey: landing.lkey,
+                local_offset: 0,
+                len: n as u32 - 5,
+                remote_addr: readable.addr + 5,
+                rkey: readable.rkey,
+            },
+        )
+        .unwrap();
+    assert!(
+        p.run_until(Duration::from_secs(30), |p| completions(&p.events[0]).len()
+            == 9),
+        "the operations did not complete (gather = {gather})"
+    );
+    for wc in completions(&p.events[0]) {
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+    }
+    let got = p.eps[1].mr_read(dst.lkey, 0, n as u64).unwrap();
+    for k in 0..8 {
+        let off = k * (n / 8) + 1;
+        let len = chunk - 1;
+        assert!(
+            got[off..off + len] == src[off..off + len],
+            "WRITE {k} data differs"
+        );
+    }
+    let read = p.eps[0].mr_read(landing.lkey, 0, n as u64 - 5).unwrap();
+    assert!(read[..] == remote_src[5..], "READ data differs");
+    let wire = p.wire.iter().map(|s| s.data.clone()).collect();
+    (wire, p.lent_bytes)
+}
+
+#[test]
+fn gather_send_puts_the_same_datagrams_on_the_wire_as_copying() {
+    for seed in [1, 2] {
+        let (copied, none) = run(seed, false);
+        let (gathered, lent) = run(seed, true);
+        assert_eq!(none, 0);
+        // Both regions lent: 8 WRITEs and the READ, about 2 MiB, plus what was re-sent.
+        assert!(lent > 2_000_000, "only {lent} bytes were lent");
+        assert_eq!(copied.len(), gathered.len(), "seed {seed}: datagram count");
+        for (i, (a, b)) in copied.iter().zip(&gathered).enumerate() {
+            assert!(a == b, "seed {seed}: datagram {i} differs");
+        }
+    }
+}
+
+/// Small WRITEs both ways with odd lengths (pad bytes), so that held ACKs may ride in
+/// data batches (`join_ack`; with the payload lent, the buffer holds only headers, so an
+/// ACK may only go behind the data).
+fn both_ways(seed: u64, gather: bool) -> (Vec<Vec<u8>>, u64) {
+    let mut p = Pair::new(seed);
+    p.check_emitted = true;
+    p.record = usize::MAX;
+    p.gather = gather;
+    let (c0, c1) = p.connect();
+    let n = 1 << 16;
+    let mut keys = Vec::new();
+    for i in 0..2 {
+        let src = p.eps[i].register_mr_memory(
+            Box::new(LendingRegion::new(pattern(n, i))),
+            Access::LOCAL_WRITE,
+        );
+        let dst = p.eps[i].register_mr(vec![0; n], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+        keys.push((src, dst));
+    }
+    for k in 0..300u64 {
+        for (i, c) in [(0, c0), (1, c1)] {
+            let (src, _) = keys[i];
+            let (_, dst) = keys[1 - i];
+            let len = 1 + (k * 7 % 60) as u32;
+            let off = k * 64;
+            p.eps[i]
+                .post_write(
+                    c,
+                    WriteRequest {
+                        wr_id: k,
+                        lkey: src.lkey,
+                        local_offset: off,
+                        len,
+                        remote_addr: dst.addr + off,
+                        rkey: dst.rkey,
+                        imm: None,
+                    },
+                )
+                .unwrap();
+        }
+        p.run_for(Duration::from_micros(3));
+    }
+    assert!(
+        p.run_until(Duration::from_secs(10), |p| (0..2).all(|i| completions(
+            &p.events[i]
+        )
+        .len()
+            == 300)),
+        "the WRITEs did not complete (gather = {gather})"
+    );
+    for i in 0..2 {
+        for wc in completions(&p.events[i]) {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+    }
+    let wire = p.wire.iter().map(|s| s.data.clone()).collect();
+    (wire, p.lent_bytes)
+}
+
+#[test]
+fn gather_send_with_acks_riding_in_data_batches() {
+    let (copied, _) = both_ways(3, false);
+    let (gathered, lent) = both_ways(3, true);
+    assert!(lent > 10_000, "only {lent} bytes were lent");
+    assert_eq!(copied.len(), gathered.len(), "datagram count");
+    for (i, (a, b)) in copied.iter().zip(&gathered).enumerate() {
+        assert!(a == b, "datagram {i} differs");
+    }
+}
