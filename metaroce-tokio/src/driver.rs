@@ -11,7 +11,9 @@ use crate::error::Error;
 use crate::rocev2::IpBackend;
 use crate::stream::{lock_rx, RxEnd, StreamEntry};
 use metaroce::rocev2::RcTransmit;
-use metaroce::{ConnectionError, ConnectionHandle, Event, Transmit, WcStatus, WorkCompletion};
+use metaroce::{
+    ConnectionError, ConnectionHandle, Event, Lent, Transmit, WcStatus, WorkCompletion,
+};
 use std::future::poll_fn;
 use std::io::IoSliceMut;
 use std::sync::{Arc, MutexGuard};
@@ -48,6 +50,17 @@ pub(crate) trait Driven: Send + Sync + 'static {
     fn handle_timeout(st: &mut Self::State, now: Instant);
     fn handle_datagram(st: &mut Self::State, now: Instant, meta: &RecvMeta, d: &[u8]);
     fn poll_transmit(st: &mut Self::State, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit>;
+    /// `poll_transmit` with gather send ([`metaroce::Endpoint::poll_transmit_lent`]); the
+    /// default lends nothing.
+    fn poll_transmit_lent(
+        st: &mut Self::State,
+        now: Instant,
+        buf: &mut Vec<u8>,
+        lent: &mut Lent,
+    ) -> Option<Transmit> {
+        lent.clear();
+        Self::poll_transmit(st, now, buf)
+    }
     fn handle_ip_packet(st: &mut Self::State, now: Instant, pkt: &[u8]);
     fn poll_ip_transmit(
         st: &mut Self::State,
@@ -74,7 +87,7 @@ pub(crate) trait Driven: Send + Sync + 'static {
     /// Transmits an application task left for the driver (`transmit_inline`), moved to
     /// `out` ahead of the core's; and marks the backend's send side taken by the driver
     /// when `out` is not empty.
-    fn take_unsent(_st: &mut Self::State, _out: &mut Vec<(Transmit, Vec<u8>)>) {}
+    fn take_unsent(_st: &mut Self::State, _out: &mut Vec<(Transmit, Vec<u8>, Lent)>) {}
     /// The driver is about to hand `out` to the backend: its send side is taken.
     fn mark_sending(_st: &mut Self::State) {}
     /// The driver computed the timer it will sleep until.
@@ -110,6 +123,14 @@ impl Driven for Shared {
     fn poll_transmit(st: &mut State, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         st.core.poll_transmit(now, buf)
     }
+    fn poll_transmit_lent(
+        st: &mut State,
+        now: Instant,
+        buf: &mut Vec<u8>,
+        lent: &mut Lent,
+    ) -> Option<Transmit> {
+        st.core.poll_transmit_lent(now, buf, lent)
+    }
     fn handle_ip_packet(st: &mut State, now: Instant, pkt: &[u8]) {
         st.core.handle_ip_packet(now, pkt);
     }
@@ -138,8 +159,8 @@ impl Driven for Shared {
             self.deregister_everywhere(lkey);
         }
     }
-    fn take_unsent(st: &mut State, out: &mut Vec<(Transmit, Vec<u8>)>) {
-        out.extend(st.unsent.drain(..));
+    fn take_unsent(st: &mut State, out: &mut Vec<(Transmit, Vec<u8>, Lent)>) {
+        out.extend(st.unsent.drain(..).map(|(t, b)| (t, b, Lent::new())));
     }
     fn set_deadline(st: &mut State, deadline: Option<Instant>) {
         st.driver_deadline = Some(deadline);
@@ -214,7 +235,13 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
     let mut bufs: [Vec<u8>; RECV_BUFS] = std::array::from_fn(|_| vec![0u8; RECV_BUF_LEN]);
     let mut metas = [RecvMeta::EMPTY; RECV_BUFS];
     let mut pool: Vec<Vec<u8>> = Vec::new();
-    let mut out: Vec<(Transmit, Vec<u8>)> = Vec::with_capacity(TX_BATCH);
+    let mut out: Vec<(Transmit, Vec<u8>, Lent)> = Vec::with_capacity(TX_BATCH);
+    let mut lents: Vec<Lent> = Vec::new();
+    // Gather send (issue #13, P1): WRITE and READ-response payloads go from their regions
+    // to the kernel in one copy, when the backend sends I/O vectors.
+    let gather = shared.datagrams().is_some_and(|d| d.sends_gathered());
+    // A transmit in more pieces than fit the stack array below, joined.
+    let mut joined = Vec::new();
     // Native RoCEv2 QPs (only with an IP backend): whole IP packets in and out.
     let mut ip_out: Vec<(std::net::IpAddr, Vec<u8>)> = Vec::new();
     let mut ip_payload = Vec::new();
@@ -262,10 +289,17 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                     let mut buf = pool
                         .pop()
                         .unwrap_or_else(|| Vec::with_capacity(RECV_BUF_LEN));
-                    match D::poll_transmit(&mut st, now, &mut buf) {
-                        Some(t) => out.push((t, buf)),
+                    let mut lent = lents.pop().unwrap_or_default();
+                    let t = if gather {
+                        D::poll_transmit_lent(&mut st, now, &mut buf, &mut lent)
+                    } else {
+                        D::poll_transmit(&mut st, now, &mut buf)
+                    };
+                    match t {
+                        Some(t) => out.push((t, buf, lent)),
                         None => {
                             pool.push(buf);
+                            lents.push(lent);
                             break;
                         }
                     }
@@ -306,13 +340,20 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
             }
             let sent_some = !out.is_empty();
             if let Some(dgb) = shared.datagrams() {
-                for (t, mut buf) in out.drain(..) {
-                    // The backend may keep `buf` (no copy) and hand back another buffer.
-                    if let Err(e) = poll_fn(|cx| dgb.poll_send_owned(cx, &t, &mut buf)).await {
+                for (t, mut buf, mut lent) in out.drain(..) {
+                    let sent = if lent.is_empty() {
+                        // The backend may keep `buf` (no copy) and hand back another buffer.
+                        poll_fn(|cx| dgb.poll_send_owned(cx, &t, &mut buf)).await
+                    } else {
+                        poll_fn(|cx| send_lent(dgb, cx, &t, &buf, &lent, &mut joined)).await
+                    };
+                    if let Err(e) = sent {
                         // A failed send is a lost packet: the transport recovers.
                         tracing::debug!(error = %e, dest = %t.destination, "send failed");
                     }
                     pool.push(buf);
+                    lent.clear();
+                    lents.push(lent);
                 }
                 // Backends that batch submissions (io_uring) hand the batch to the kernel
                 // here.
@@ -432,6 +473,46 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
             tokio::task::yield_now().await;
         }
     }
+}
+
+/// Most pieces [`send_lent`] passes on from the stack: a 64-datagram batch is 129.
+const MAX_PIECES: usize = 160;
+
+/// One poll of sending a gather transmit: `buf` with the payloads `lent` names, read from
+/// their region under its lock for this one call (never across `Pending`). A region
+/// deregistered since the packet was built fails the send (a lost packet: the re-send
+/// finds the region gone and fails its work request).
+fn send_lent(
+    dgb: &dyn DatagramBackend,
+    cx: &mut std::task::Context<'_>,
+    t: &Transmit,
+    buf: &[u8],
+    lent: &Lent,
+    joined: &mut Vec<u8>,
+) -> std::task::Poll<std::io::Result<()>> {
+    let sent = crate::mr::with_lent(lent, |region| {
+        let mut pieces: [&[u8]; MAX_PIECES] = [&[]; MAX_PIECES];
+        let mut n = 0;
+        let fits = lent.for_each_piece(buf, region, |p| {
+            if let Some(slot) = pieces.get_mut(n) {
+                *slot = p;
+            }
+            n += 1;
+        });
+        if !fits {
+            let e = std::io::Error::other("a lent payload lies outside its region");
+            return std::task::Poll::Ready(Err(e));
+        }
+        if n <= MAX_PIECES {
+            return dgb.poll_send_pieces(cx, t, &pieces[..n]);
+        }
+        lent.assemble(buf, region, joined);
+        dgb.poll_send(cx, t, joined)
+    });
+    sent.unwrap_or_else(|| {
+        let e = std::io::Error::other("the region of a lent payload was deregistered");
+        std::task::Poll::Ready(Err(e))
+    })
 }
 
 /// Receive datagrams that are ready now (non-blocking), up to a bound, so that a burst is

@@ -78,7 +78,29 @@ fn lock(cell: &Mutex<Box<dyn Backing>>) -> MutexGuard<'_, Box<dyn Backing>> {
 }
 
 /// The core's handle on a region's bytes: one region lock per call.
-struct Shared(Cell);
+struct Shared(Cell, metaroce::LendHandle);
+
+impl Shared {
+    /// The core's handle on `cell`, lending it for gather send through a weak reference
+    /// ([`RegionMemory::lend`]): a transmit queued in the driver does not keep the buffer
+    /// from [`MemoryRegion::into_inner`], and finds it gone after deregistration.
+    fn new(cell: &Cell) -> Self {
+        let weak: std::sync::Weak<Mutex<Box<dyn Backing>>> = Arc::downgrade(cell);
+        Shared(cell.clone(), Arc::new(weak))
+    }
+}
+
+/// Call `f` with the bytes of the region a lent transmit reads from, under the region's
+/// lock ([`metaroce::Lent`]); `None` if the region is gone (deregistered) or the handle is
+/// not one of this crate's regions.
+pub(crate) fn with_lent<R>(lent: &metaroce::Lent, f: impl FnOnce(&[u8]) -> R) -> Option<R> {
+    let weak = lent
+        .memory()?
+        .downcast_ref::<std::sync::Weak<Mutex<Box<dyn Backing>>>>()?;
+    let cell = weak.upgrade()?;
+    let g = lock(&cell);
+    Some(f(g.bytes()))
+}
 
 impl RegionMemory for Shared {
     fn len(&self) -> usize {
@@ -118,6 +140,15 @@ impl RegionMemory for Shared {
         let old = u64::from_le_bytes(b);
         cell.copy_from_slice(&f(old).to_le_bytes());
         old
+    }
+    fn with_span(&self, offset: usize, len: usize, f: &mut dyn FnMut(&[u8])) {
+        let g = lock(&self.0);
+        if let Some(s) = g.bytes().get(offset..offset.saturating_add(len)) {
+            f(s);
+        }
+    }
+    fn lend(&self) -> Option<metaroce::LendHandle> {
+        Some(self.1.clone())
     }
     fn into_any(self: Box<Self>) -> Box<dyn Any> {
         self
@@ -214,12 +245,12 @@ impl Endpoint {
         let keys = shards[0]
             .lock()
             .core
-            .register_mr_memory(Box::new(Shared(mem.clone())), access);
+            .register_mr_memory(Box::new(Shared::new(&mem)), access);
         for s in &shards[1..] {
             let r = s
                 .lock()
                 .core
-                .register_mr_memory_with_keys(Box::new(Shared(mem.clone())), keys);
+                .register_mr_memory_with_keys(Box::new(Shared::new(&mem)), keys);
             if let Err(e) = r {
                 // Cannot happen while shard 0 alone chooses keys and deregistration
                 // reaches shard 0 last; reported rather than panicking.
@@ -372,16 +403,31 @@ impl MemoryRegion {
     /// # Errors
     /// `Err(self)`, still registered, if `B` is not the type that was registered (for
     /// [`Endpoint::register`] and [`Endpoint::alloc`] it is `Vec<u8>`; external memory
-    /// cannot be taken back this way: use [`deregister`](Self::deregister)).
-    pub fn into_inner<B: OwnedBuffer>(self) -> Result<B, MemoryRegion> {
+    /// cannot be taken back this way: use [`deregister`](Self::deregister)). Also
+    /// `Err(self)`, deregistered already, in the unlikely case that the driver kept reading
+    /// the region for a send (gather send, [`metaroce::Lent`]) through thousands of waits:
+    /// call `into_inner` again.
+    pub fn into_inner<B: OwnedBuffer>(mut self) -> Result<B, MemoryRegion> {
         if !lock(&self.mem).as_any().is::<B>() {
             return Err(self);
         }
-        let b = self.deregister();
-        match b.downcast::<B>() {
-            Ok(b) => Ok(*b),
-            // Checked above; unreachable, but never panic.
-            Err(_) => unreachable_buffer(),
+        if !self.detached {
+            self.detached = true;
+            self.ep.shared.deregister_everywhere(self.keys.lkey);
+        }
+        let mem = std::mem::replace(&mut self.mem, Arc::new(Mutex::new(Box::new(Vec::new()))));
+        match unwrap_cell(mem) {
+            Ok(b) => match b.into_any().downcast::<B>() {
+                Ok(b) => Ok(*b),
+                // Checked above; unreachable, but never panic.
+                Err(_) => unreachable_buffer(),
+            },
+            Err(mem) => {
+                // Deregistered, but a send still reads it (see `unwrap_cell`): the caller
+                // may try again.
+                self.mem = mem;
+                Err(self)
+            }
         }
     }
 
@@ -390,18 +436,42 @@ impl MemoryRegion {
     /// is dropped). The transport never touches the memory again (see
     /// [`into_inner`](Self::into_inner)).
     pub fn deregister(mut self) -> Box<dyn Any> {
-        self.detached = true;
-        self.ep.shared.deregister_everywhere(self.keys.lkey);
+        if !self.detached {
+            self.detached = true;
+            self.ep.shared.deregister_everywhere(self.keys.lkey);
+        }
         let mem = std::mem::replace(&mut self.mem, Arc::new(Mutex::new(Box::new(Vec::new()))));
-        match Arc::try_unwrap(mem) {
-            Ok(m) => m.into_inner().into_any(),
-            // Only the core holds another reference, and it just gave it back.
+        match unwrap_cell(mem) {
+            Ok(b) => b.into_any(),
+            // A send outlasted every wait (see `unwrap_cell`): a copy of the bytes.
             Err(shared) => {
                 let g = lock(&shared);
                 Box::new(g.bytes().to_vec())
             }
         }
     }
+}
+
+/// Waits `unwrap_cell` allows for sends that still read a deregistered region.
+const UNWRAP_TRIES: usize = 10_000;
+
+/// The buffer of `mem` once nothing else holds it. After deregistration the core has let
+/// go; what may still hold it is the driver sending a gather transmit that reads it (one
+/// `sendmsg`, under the region's lock, see [`with_lent`]), and the driver's queue holds at
+/// most one batch of those. So wait for the lock between tries; `Err` only if sends kept
+/// holding it through [`UNWRAP_TRIES`] waits.
+fn unwrap_cell(mut mem: Cell) -> Result<Box<dyn Backing>, Cell> {
+    for _ in 0..UNWRAP_TRIES {
+        match Arc::try_unwrap(mem) {
+            Ok(m) => return Ok(m.into_inner()),
+            Err(m) => {
+                drop(lock(&m));
+                std::thread::yield_now();
+                mem = m;
+            }
+        }
+    }
+    Err(mem)
 }
 
 #[cold]

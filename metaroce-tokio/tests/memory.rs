@@ -372,3 +372,40 @@ async fn an_ipv4_mapped_address_from_an_ipv4_endpoint_connects() {
     .await;
     assert!(matches!(r, Ok(Ok(_))), "{r:?}");
 }
+
+/// Gather send (issue #13, P1): the driver reads a WRITE's payload from its region when it
+/// sends, through a weak reference taken for one `sendmsg`. A region taken back with
+/// `into_inner` right after its WRITE is cancelled must come back as registered (not as
+/// a copy, not as an error, no panic) while the driver may still be sending from it, and
+/// the data a completed WRITE moved must be the region's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_region_taken_back_under_gather_sends_is_the_registered_buffer() {
+    let (_se, ce, c, s) = pair(Config::default()).await;
+    let n = 4 << 20;
+    let dst = s
+        .endpoint()
+        .register_buffer(vec![0u8; n], Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    for round in 0..20u8 {
+        let b = bytes::BytesMut::from(&vec![round; n][..]);
+        let ptr = b.as_ptr();
+        let src = ce.register_buffer(b, Access::LOCAL_WRITE);
+        if round % 2 == 0 {
+            // Cancelled part-way: the driver may hold lent transmits of `src`.
+            let w = c.write(&src, 0..n as u64, dst.remote(), 0);
+            let _ = tokio::time::timeout(Duration::from_micros(200 * u64::from(round)), w).await;
+        } else {
+            c.write(&src, 0..n as u64, dst.remote(), 0).await.unwrap();
+            let got = dst.read(0, n as u64).unwrap();
+            assert!(
+                got.iter().all(|&x| x == round),
+                "round {round}: data differs"
+            );
+        }
+        let back: bytes::BytesMut = src.into_inner().unwrap_or_else(|_| panic!("round {round}"));
+        assert_eq!(
+            back.as_ptr(),
+            ptr,
+            "round {round}: the buffer came back as a copy"
+        );
+    }
+}

@@ -253,6 +253,36 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
         None
     }
 
+    /// Whether this backend sends a transmit from several pieces without joining them
+    /// first ([`poll_send_pieces`](Self::poll_send_pieces) with an I/O vector): the driver
+    /// then asks the core for gather transmits (`Endpoint::poll_transmit_lent`, issue #13
+    /// P1), whose WRITE and READ-response payloads stay in their memory regions until the
+    /// kernel copies them. Default `false`; `UdpBackend` says `true` on Linux. Wrappers
+    /// that forward it must forward `poll_send_pieces` too.
+    fn sends_gathered(&self) -> bool {
+        false
+    }
+
+    /// Sends one transmit whose bytes are the concatenation of `pieces` (their lengths add
+    /// up to `transmit.size`; a GSO batch's datagrams may span pieces), like
+    /// [`poll_send`](Self::poll_send), with the same errors and the same rule after
+    /// `Pending` (the next call is for the same transmit, with the same pieces).
+    ///
+    /// The default joins the pieces into one buffer (an allocation and a copy) and calls
+    /// `poll_send`; a backend whose [`sends_gathered`](Self::sends_gathered) is `true`
+    /// overrides it.
+    fn poll_send_pieces(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        pieces: &[&[u8]],
+    ) -> Poll<io::Result<()>> {
+        match pieces {
+            [one] => self.poll_send(cx, transmit, one),
+            _ => self.poll_send(cx, transmit, &pieces.concat()),
+        }
+    }
+
     /// Hands the sends queued by [`poll_send`](Self::poll_send) to the kernel now. Backends
     /// that batch submissions (`UringBackend`) queue sends until this call, until their
     /// queue fills, or until the next [`poll_recv`](Self::poll_recv); the driver calls it
@@ -279,7 +309,8 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
 /// field (`[.inner]`) or a method call (`[.as_ref()]`). Then the method names, any of
 /// `local_addr`, `source_ports`, `max_gso_segments`, `max_gro_segments`,
 /// `socket_recv_buffer`, `poll_recv`,
-/// `poll_send`, `poll_send_owned`, `poll_recv_in_place`, `flush`, `send_from_any_task`. A
+/// `poll_send`, `poll_send_owned`, `poll_recv_in_place`, `flush`, `send_from_any_task`,
+/// `sends_gathered`, `poll_send_pieces`. A
 /// wrapper that writes its own `poll_send` and does not name `poll_send_owned` gets the
 /// trait's default, which calls the wrapper's `poll_send`.
 ///
@@ -384,6 +415,21 @@ macro_rules! forward_datagram_backend {
             self $($to)+ .flush()
         }
     };
+    (@one [$($to:tt)+] sends_gathered) => {
+        fn sends_gathered(&self) -> bool {
+            self $($to)+ .sends_gathered()
+        }
+    };
+    (@one [$($to:tt)+] poll_send_pieces) => {
+        fn poll_send_pieces(
+            &self,
+            cx: &mut ::std::task::Context<'_>,
+            transmit: &$crate::metaroce::Transmit,
+            pieces: &[&[u8]],
+        ) -> ::std::task::Poll<::std::io::Result<()>> {
+            self $($to)+ .poll_send_pieces(cx, transmit, pieces)
+        }
+    };
     (@one [$($to:tt)+] send_from_any_task) => {
         fn send_from_any_task(&self) -> bool {
             self $($to)+ .send_from_any_task()
@@ -397,13 +443,13 @@ macro_rules! forward_datagram_backend {
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Arc<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
         max_gro_segments, socket_recv_buffer, poll_recv, poll_send, poll_send_owned,
-        poll_recv_in_place, flush, send_from_any_task);
+        poll_recv_in_place, flush, send_from_any_task, sends_gathered, poll_send_pieces);
 }
 
 impl<T: DatagramBackend + ?Sized> DatagramBackend for Box<T> {
     forward_datagram_backend!([.as_ref()] local_addr, source_ports, max_gso_segments,
         max_gro_segments, socket_recv_buffer, poll_recv, poll_send, poll_send_owned,
-        poll_recv_in_place, flush, send_from_any_task);
+        poll_recv_in_place, flush, send_from_any_task, sends_gathered, poll_send_pieces);
 }
 
 /// Checks a transmit's shape and returns its datagram size (`segment_size`, or the whole

@@ -157,6 +157,25 @@ impl ResumeKey {
             fingerprint: h,
         }
     }
+
+    /// [`new`](Self::new) for a transmit in pieces: the length and first 16 bytes of
+    /// every piece (a gather transmit's pieces alternate between a packet's headers, which
+    /// hold its PSN, and its payload).
+    fn of_pieces(transmit: &metaroce::Transmit, pieces: &[&[u8]]) -> Self {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut mix = |b: u8| {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        };
+        for p in pieces {
+            p.iter().take(16).for_each(|&b| mix(b));
+            p.len().to_le_bytes().iter().for_each(|&b| mix(b));
+        }
+        Self {
+            transmit: *transmit,
+            fingerprint: h,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -364,9 +383,15 @@ impl UdpBackend {
     }
 
     fn resume_offset(&self, transmit: &metaroce::Transmit, contents: &[u8]) -> usize {
+        self.resume_with(|| ResumeKey::new(transmit, contents))
+    }
+
+    /// The offset saved for the transmit `key()` names; `key` is computed only when an
+    /// offset is saved (rarely: after `Pending` part-way through a transmit).
+    fn resume_with(&self, key: impl FnOnce() -> ResumeKey) -> usize {
         let mut guard = self.resume.lock().unwrap_or_else(|e| e.into_inner());
         match guard.take() {
-            Some(r) if r.key == ResumeKey::new(transmit, contents) => r.offset,
+            Some(r) if r.key == key() => r.offset,
             _ => 0,
         }
     }
@@ -375,8 +400,27 @@ impl UdpBackend {
         if offset == 0 {
             return;
         }
-        let key = ResumeKey::new(transmit, contents);
+        self.save_resume_at(ResumeKey::new(transmit, contents), offset);
+    }
+
+    fn save_resume_at(&self, key: ResumeKey, offset: usize) {
+        if offset == 0 {
+            return;
+        }
         *self.resume.lock().unwrap_or_else(|e| e.into_inner()) = Some(Resume { key, offset });
+    }
+
+    /// Bytes per `sendmsg` for a transmit of `remaining` bytes in `segment`-byte datagrams
+    /// from `path`: one datagram, or as many whole datagrams as GSO and the 16-bit UDP
+    /// length allow.
+    fn chunk_len(path: &Sock, remaining: usize, segment: usize) -> usize {
+        let max_segments = path.state.max_gso_segments();
+        if remaining <= segment || max_segments <= 1 {
+            segment.min(remaining)
+        } else {
+            let per_call = max_segments.min(MAX_UDP_PAYLOAD / segment).max(1);
+            (per_call * segment).min(remaining)
+        }
     }
 }
 
@@ -498,14 +542,7 @@ impl DatagramBackend for UdpBackend {
         let mut first = contents.is_empty();
         while offset < contents.len() || first {
             first = false;
-            let remaining = contents.len() - offset;
-            let max_segments = path.state.max_gso_segments();
-            let chunk_len = if remaining <= segment || max_segments <= 1 {
-                segment.min(remaining)
-            } else {
-                let per_call = max_segments.min(MAX_UDP_PAYLOAD / segment).max(1);
-                (per_call * segment).min(remaining)
-            };
+            let chunk_len = Self::chunk_len(path, contents.len() - offset, segment);
             let chunk = &contents[offset..offset + chunk_len];
             let qt = quinn_udp::Transmit {
                 destination: transmit.destination,
@@ -540,6 +577,203 @@ impl DatagramBackend for UdpBackend {
             }
         }
         Poll::Ready(Ok(()))
+    }
+
+    fn sends_gathered(&self) -> bool {
+        cfg!(target_os = "linux")
+    }
+
+    /// One `sendmsg` per GSO batch with the pieces as its I/O vector (Linux; elsewhere,
+    /// and for an IPv4 destination from an IPv6 socket, the pieces are joined and sent as
+    /// [`poll_send`](DatagramBackend::poll_send) does). A batch the kernel refuses is
+    /// sent again joined, through quinn-udp, which turns GSO off where the NIC refuses it.
+    fn poll_send_pieces(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        pieces: &[&[u8]],
+    ) -> Poll<io::Result<()>> {
+        let direct = cfg!(target_os = "linux")
+            && self.local_addr.is_ipv4() == transmit.destination.is_ipv4()
+            && pieces.len() > 1;
+        if !direct {
+            return match pieces {
+                [one] => self.poll_send(cx, transmit, one),
+                _ => self.poll_send(cx, transmit, &pieces.concat()),
+            };
+        }
+        let total: usize = pieces.iter().map(|p| p.len()).sum();
+        let segment = match (total == transmit.size, transmit.segment_size) {
+            (false, _) => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "transmit size {} does not match the {total} bytes of its pieces",
+                        transmit.size
+                    ),
+                )))
+            }
+            (true, Some(0)) => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    "transmit segment_size is 0",
+                )))
+            }
+            (true, Some(s)) => s,
+            (true, None) => total.max(1),
+        };
+        let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
+            return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
+        };
+        let mut offset = self.resume_with(|| ResumeKey::of_pieces(transmit, pieces));
+        while offset < total {
+            let chunk_len = Self::chunk_len(path, total - offset, segment);
+            match path.io.poll_send_ready(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => {
+                    if offset > 0 {
+                        self.save_resume_at(ResumeKey::of_pieces(transmit, pieces), offset);
+                    }
+                    return Poll::Pending;
+                }
+            }
+            let gso = (chunk_len > segment).then_some(segment);
+            let res = path.io.try_io(Interest::WRITABLE, || {
+                gather::send(&path.io, transmit, pieces, offset, chunk_len, gso)
+            });
+            match res {
+                Ok(()) => offset += chunk_len,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    // The rest joined, through quinn-udp (its own resume from here on).
+                    tracing::debug!("gather send failed ({e}); sending the rest joined");
+                    let rest = pieces.concat();
+                    let rest = &rest[offset..];
+                    let t = metaroce::Transmit {
+                        size: rest.len(),
+                        ..*transmit
+                    };
+                    return self.poll_send(cx, &t, rest);
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// `sendmsg` with an I/O vector and the control messages quinn-udp would write (Linux).
+#[cfg(target_os = "linux")]
+mod gather {
+    use std::io::{self, IoSlice};
+
+    /// Most I/O vector entries one `sendmsg` gets here: 64 datagrams of head, payload and
+    /// tail each, with room to spare (the kernel takes up to 1024).
+    const MAX_IOV: usize = 256;
+
+    /// Sends bytes `[offset, offset + len)` of the concatenation of `pieces` as one
+    /// `sendmsg` to `t.destination`, in `gso`-byte datagrams (`UDP_SEGMENT`) if given,
+    /// with `t.ecn` in `IP_TOS` / `IPV6_TCLASS`. `WouldBlock` as the socket says; any
+    /// other error if the kernel refuses, or if the range needs more than [`MAX_IOV`]
+    /// entries or the send is short.
+    pub(super) fn send(
+        sock: &tokio::net::UdpSocket,
+        t: &metaroce::Transmit,
+        pieces: &[&[u8]],
+        offset: usize,
+        len: usize,
+        gso: Option<usize>,
+    ) -> io::Result<()> {
+        let mut iov = [IoSlice::new(&[]); MAX_IOV];
+        let mut n = 0;
+        let (mut at, end) = (0usize, offset + len);
+        for p in pieces {
+            let (from, to) = (at.max(offset), (at + p.len()).min(end));
+            if from < to {
+                let slot = iov
+                    .get_mut(n)
+                    .ok_or_else(|| io::Error::other("transmit in too many pieces"))?;
+                *slot = IoSlice::new(&p[from - at..to - at]);
+                n += 1;
+            }
+            at += p.len();
+            if at >= end {
+                break;
+            }
+        }
+        let mut ctrl = [0u8; 64];
+        let mut clen = 0;
+        if let Some(seg) = gso {
+            let seg = u16::try_from(seg).map_err(|_| io::Error::other("segment too large"))?;
+            push_cmsg(
+                &mut ctrl,
+                &mut clen,
+                libc::SOL_UDP,
+                libc::UDP_SEGMENT,
+                &seg.to_ne_bytes(),
+            );
+        }
+        if let Some(ecn) = t.ecn {
+            let tos = libc::c_int::from(ecn.bits()).to_ne_bytes();
+            match t.destination {
+                std::net::SocketAddr::V4(_) => {
+                    push_cmsg(&mut ctrl, &mut clen, libc::IPPROTO_IP, libc::IP_TOS, &tos)
+                }
+                std::net::SocketAddr::V6(_) => push_cmsg(
+                    &mut ctrl,
+                    &mut clen,
+                    libc::IPPROTO_IPV6,
+                    libc::IPV6_TCLASS,
+                    &tos,
+                ),
+            }
+        }
+        let addr = socket2::SockAddr::from(t.destination);
+        let mut msg = socket2::MsgHdr::new()
+            .with_addr(&addr)
+            .with_buffers(&iov[..n]);
+        if clen > 0 {
+            msg = msg.with_control(&ctrl[..clen]);
+        }
+        let sent = socket2::SockRef::from(sock).sendmsg(&msg, 0)?;
+        if sent != len {
+            return Err(io::Error::other(format!(
+                "short send: {sent} of {len} bytes"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Appends one control message (`struct cmsghdr` then `data`, each padded to the
+    /// alignment of `size_t`, as `CMSG_SPACE` lays them out) to `buf[*at..]`.
+    fn push_cmsg(buf: &mut [u8; 64], at: &mut usize, level: i32, ty: i32, data: &[u8]) {
+        const W: usize = std::mem::size_of::<usize>();
+        let align = |n: usize| n.div_ceil(W) * W;
+        let hdr = align(W + 8);
+        let start = *at;
+        let space = hdr + align(data.len());
+        if start + space > buf.len() {
+            return;
+        }
+        buf[start..start + W].copy_from_slice(&(hdr + data.len()).to_ne_bytes());
+        buf[start + W..start + W + 4].copy_from_slice(&level.to_ne_bytes());
+        buf[start + W + 4..start + W + 8].copy_from_slice(&ty.to_ne_bytes());
+        buf[start + hdr..start + hdr + data.len()].copy_from_slice(data);
+        *at = start + space;
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod gather {
+    pub(super) fn send(
+        _sock: &tokio::net::UdpSocket,
+        _t: &metaroce::Transmit,
+        _pieces: &[&[u8]],
+        _offset: usize,
+        _len: usize,
+        _gso: Option<usize>,
+    ) -> std::io::Result<()> {
+        Err(std::io::Error::other("gather send needs Linux"))
     }
 }
 
