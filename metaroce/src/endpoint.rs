@@ -1859,6 +1859,10 @@ impl Endpoint {
     ) {
         self.epoch(now);
         self.stats.datagrams_received += 1;
+        // A dual-stack socket (bound to `[::]`) reports an IPv4 peer as `::ffff:a.b.c.d`:
+        // the peer is the IPv4 address, as `connect` names it and as the ICRC covers it.
+        let from = SocketAddr::new(wire::icrc::canonical(from.ip()), from.port());
+        let local_ip = local_ip.map(wire::icrc::canonical);
         // Borrowed from the parse result, not moved out of it (issue #13: a 184-byte copy
         // per datagram).
         let parsed = wire::Packet::parse(data);

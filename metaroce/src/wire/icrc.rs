@@ -229,7 +229,9 @@ impl IpHeader {
     }
 }
 
-fn canonical(a: IpAddr) -> IpAddr {
+/// `a`, with an IPv4-mapped IPv6 address (`::ffff:a.b.c.d`, what a dual-stack socket
+/// reports for an IPv4 peer) as the IPv4 address it maps.
+pub(crate) fn canonical(a: IpAddr) -> IpAddr {
     match a {
         IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
             Some(v4) => IpAddr::V4(v4),
