@@ -117,16 +117,17 @@ fn gather_send_puts_the_same_datagrams_on_the_wire_as_copying() {
     }
 }
 
-/// Small WRITEs both ways with odd lengths (pad bytes), so that held ACKs may ride in
-/// data batches (`join_ack`; with the payload lent, the buffer holds only headers, so an
-/// ACK may only go behind the data).
+/// WRITEs both ways with odd lengths (pad bytes) on both sides of the shortest payload
+/// that is lent (1 KiB), so that a batch may mix lent and copied payloads and held ACKs
+/// may ride in data batches (`join_ack`; with the payload lent, the buffer holds only
+/// headers, so an ACK may only go behind the data).
 fn both_ways(seed: u64, gather: bool) -> (Vec<Vec<u8>>, u64) {
     let mut p = Pair::new(seed);
     p.check_emitted = true;
     p.record = usize::MAX;
     p.gather = gather;
     let (c0, c1) = p.connect();
-    let n = 1 << 16;
+    let n = 1 << 20;
     let mut keys = Vec::new();
     for i in 0..2 {
         let src = p.eps[i].register_mr_memory(
@@ -140,8 +141,8 @@ fn both_ways(seed: u64, gather: bool) -> (Vec<Vec<u8>>, u64) {
         for (i, c) in [(0, c0), (1, c1)] {
             let (src, _) = keys[i];
             let (_, dst) = keys[1 - i];
-            let len = 1 + (k * 7 % 60) as u32;
-            let off = k * 64;
+            let len = 990 + (k * 7 % 70) as u32;
+            let off = k * 2048;
             p.eps[i]
                 .post_write(
                     c,
@@ -180,7 +181,7 @@ fn both_ways(seed: u64, gather: bool) -> (Vec<Vec<u8>>, u64) {
 fn gather_send_with_acks_riding_in_data_batches() {
     let (copied, _) = both_ways(3, false);
     let (gathered, lent) = both_ways(3, true);
-    assert!(lent > 10_000, "only {lent} bytes were lent");
+    assert!(lent > 100_000, "only {lent} bytes were lent");
     assert_eq!(copied.len(), gathered.len(), "datagram count");
     for (i, (a, b)) in copied.iter().zip(&gathered).enumerate() {
         assert!(a == b, "datagram {i} differs");
