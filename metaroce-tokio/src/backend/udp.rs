@@ -131,7 +131,7 @@ fn bind_configured_opt(
 /// Identifies the transmit a partially completed [`UdpBackend::poll_send`] was working on,
 /// so that the call repeated after `Pending` resumes instead of resending the first segments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct ResumeKey {
+pub(crate) struct ResumeKey {
     transmit: metaroce::Transmit,
     fingerprint: u64,
 }
@@ -161,7 +161,7 @@ impl ResumeKey {
     /// [`new`](Self::new) for a transmit in pieces: the length and first 16 bytes of
     /// every piece (a gather transmit's pieces alternate between a packet's headers, which
     /// hold its PSN, and its payload).
-    fn of_pieces(transmit: &metaroce::Transmit, pieces: &[&[u8]]) -> Self {
+    pub(crate) fn of_pieces(transmit: &metaroce::Transmit, pieces: &[&[u8]]) -> Self {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         let mut mix = |b: u8| {
             h ^= u64::from(b);
@@ -664,7 +664,7 @@ impl DatagramBackend for UdpBackend {
 
 /// `sendmsg` with an I/O vector and the control messages quinn-udp would write (Linux).
 #[cfg(target_os = "linux")]
-mod gather {
+pub(crate) mod gather {
     use std::io::{self, IoSlice};
 
     /// Most I/O vector entries one `sendmsg` gets here: 64 datagrams of head, payload and
@@ -676,8 +676,8 @@ mod gather {
     /// with `t.ecn` in `IP_TOS` / `IPV6_TCLASS`. `WouldBlock` as the socket says; any
     /// other error if the kernel refuses, or if the range needs more than [`MAX_IOV`]
     /// entries or the send is short.
-    pub(super) fn send(
-        sock: &tokio::net::UdpSocket,
+    pub(crate) fn send(
+        sock: &impl std::os::fd::AsFd,
         t: &metaroce::Transmit,
         pieces: &[&[u8]],
         offset: usize,
@@ -764,9 +764,9 @@ mod gather {
 }
 
 #[cfg(not(target_os = "linux"))]
-mod gather {
-    pub(super) fn send(
-        _sock: &tokio::net::UdpSocket,
+pub(crate) mod gather {
+    pub(crate) fn send<S>(
+        _sock: &S,
         _t: &metaroce::Transmit,
         _pieces: &[&[u8]],
         _offset: usize,

@@ -218,6 +218,9 @@ pub struct UringBackend {
     datagrams_sent: AtomicU64,
     datagrams_lost: AtomicU64,
     recv_exhausted: AtomicU64,
+    /// The gather transmit a `poll_send_pieces` returned `Pending` part-way through, and
+    /// the bytes of it already sent.
+    gather_resume: std::sync::Mutex<Option<(super::udp::ResumeKey, usize)>>,
 }
 
 /// Counters of a [`UringBackend`] ([`UringBackend::stats`]), since it was bound.
@@ -367,6 +370,7 @@ impl UringBackend {
             datagrams_sent: AtomicU64::new(0),
             datagrams_lost: AtomicU64::new(0),
             recv_exhausted: AtomicU64::new(0),
+            gather_resume: std::sync::Mutex::new(None),
         };
         Ok(backend)
     }
@@ -817,6 +821,98 @@ impl DatagramBackend for UringBackend {
         if let Err(e) = inner.tx.submit() {
             tracing::debug!(error = %e, "io_uring submit failed");
         }
+    }
+
+    /// Gather send, unless zero-copy sends are configured (those go through the ring).
+    fn sends_gathered(&self) -> bool {
+        cfg!(target_os = "linux") && self.zero_copy_min.is_none()
+    }
+
+    /// A transmit in pieces (payloads still in their memory region, readable only during
+    /// this call) cannot wait in the send ring: each GSO batch is one `sendmsg` system call
+    /// with the pieces as its I/O vector, after the queued sends are handed to the kernel
+    /// (so it does not pass them). What cannot go now (`EAGAIN`, a refused batch) is joined
+    /// and queued as `poll_send` queues it. A single piece is `poll_send`.
+    fn poll_send_pieces(
+        &self,
+        cx: &mut Context<'_>,
+        transmit: &metaroce::Transmit,
+        pieces: &[&[u8]],
+    ) -> Poll<io::Result<()>> {
+        let direct = cfg!(target_os = "linux")
+            && self.local_addr.is_ipv4() == transmit.destination.is_ipv4()
+            && pieces.len() > 1;
+        if !direct {
+            return match pieces {
+                [one] => self.poll_send(cx, transmit, one),
+                _ => self.poll_send(cx, transmit, &pieces.concat()),
+            };
+        }
+        let total: usize = pieces.iter().map(|p| p.len()).sum();
+        let segment = match (total == transmit.size, transmit.segment_size) {
+            (true, Some(s)) if s > 0 => s,
+            (true, None) => total.max(1),
+            _ => {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
+                        "transmit of size {} and segment size {:?} does not match its pieces \
+                         ({total} bytes)",
+                        transmit.size, transmit.segment_size
+                    ),
+                )))
+            }
+        };
+        let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
+            return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
+        };
+        let mut offset = {
+            let mut r = self.gather_resume.lock().unwrap_or_else(|e| e.into_inner());
+            match r.take() {
+                Some((key, at)) if key == super::udp::ResumeKey::of_pieces(transmit, pieces) => at,
+                _ => 0,
+            }
+        };
+        if offset == 0 {
+            self.flush();
+        }
+        let max_segments = path.state.max_gso_segments().clamp(1, MAX_GSO_SEGMENTS);
+        while offset < total {
+            let remaining = total - offset;
+            let chunk = if remaining <= segment || max_segments <= 1 {
+                segment.min(remaining)
+            } else {
+                (max_segments.min(MAX_UDP_PAYLOAD / segment).max(1) * segment).min(remaining)
+            };
+            let gso = (chunk > segment).then_some(segment);
+            match super::udp::gather::send(&path.socket, transmit, pieces, offset, chunk, gso) {
+                Ok(()) => {
+                    offset += chunk;
+                    self.sendmsgs.fetch_add(1, Ordering::Relaxed);
+                    self.datagrams_sent
+                        .fetch_add(chunk.div_ceil(segment) as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    if e.kind() != io::ErrorKind::WouldBlock {
+                        tracing::debug!("gather send failed ({e}); queueing the rest joined");
+                    }
+                    let rest = pieces.concat();
+                    let rest = &rest[offset..];
+                    let t = metaroce::Transmit {
+                        size: rest.len(),
+                        ..*transmit
+                    };
+                    let r = self.poll_send(cx, &t, rest);
+                    if r.is_pending() {
+                        let key = super::udp::ResumeKey::of_pieces(transmit, pieces);
+                        *self.gather_resume.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some((key, offset));
+                    }
+                    return r;
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
