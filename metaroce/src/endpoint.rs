@@ -2697,15 +2697,17 @@ impl Endpoint {
         self.next_transmit(now, buf)
     }
 
-    /// [`poll_transmit`](Self::poll_transmit) with gather send: WRITE, SEND and
-    /// READ-response payloads of regions whose memory lends
+    /// [`poll_transmit`](Self::poll_transmit) with gather send: WRITE payloads of 1 KiB
+    /// or more from regions whose memory lends
     /// ([`RegionMemory::lend`]) are not copied into `buf` but
     /// listed in `lent` (cleared first), and the datagrams are `buf` with those payloads
     /// inserted ([`Lent::for_each_piece`]); `Transmit::size` counts them. Every other
     /// packet, and every packet of an AEAD-protected connection, is all in `buf`.
     ///
-    /// The same datagrams as `poll_transmit`, byte for byte, given the same inputs: only
-    /// where the payload bytes are differs.
+    /// The same packets as `poll_transmit` builds, byte for byte, given the same inputs,
+    /// except that a batch also ends at a payload of another lending region (one region
+    /// per transmit): the packets after it then leave in the next transmit, possibly on
+    /// another path.
     pub fn poll_transmit_lent(
         &mut self,
         now: Instant,

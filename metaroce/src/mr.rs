@@ -181,7 +181,7 @@ pub trait RegionMemory: Send + 'static {
     }
 
     /// A handle through which the I/O layer reads this region's bytes when it sends, so
-    /// that a WRITE's or SEND's payload goes from the region to the kernel without the
+    /// that a WRITE's payload goes from the region to the kernel without the
     /// core copying it into the datagram (gather send, [`crate::Lent`]). `None` (the
     /// default): the core copies with [`append_to`](Self::append_to).
     ///

@@ -76,7 +76,7 @@ pub struct LentSpan {
 /// The payloads of one transmit that stay in their region until it is sent, filled by
 /// [`Endpoint::poll_transmit_lent`](crate::Endpoint::poll_transmit_lent).
 ///
-/// Without gather send, a WRITE's or SEND's payload is copied from its memory region into
+/// Without gather send, a WRITE's payload is copied from its memory region into
 /// the transmit buffer and then copied again by the kernel. With it, the buffer holds only
 /// each packet's headers, pad, trailer and ICRC, and the datagrams are the buffer with
 /// every [`LentSpan`] of the region inserted at its place: the I/O layer hands the pieces to

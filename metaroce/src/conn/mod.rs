@@ -2577,7 +2577,7 @@ impl Connection {
     }
 
     /// The next datagram (or GSO batch) of this connection into `buf` (cleared first).
-    /// With `lend`, WRITE, SEND and READ-response payloads of regions that lend
+    /// With `lend`, WRITE payloads of 1 KiB or more from regions that lend
     /// ([`crate::RegionMemory::lend`]) stay where they are and are listed there (cleared
     /// first); the transmit's `size` counts them.
     pub fn poll_transmit(
@@ -3113,7 +3113,12 @@ impl Connection {
             // layer sends it, unless the packet is sealed (AEAD encrypts in place). One
             // region per transmit: a payload of another ends the batch.
             let lent_src = match (lend.as_deref(), &src) {
-                (Some(l), Src::Mr(lkey, off, _))
+                // READ responses (`Src::Mr(.., Some(rkey))`) stay copied: the responder's
+                // application may write its region meanwhile (it has no work request on
+                // it), and a payload read after its ICRC was computed fails the
+                // requester's check (found by review: a READ of a counter its owner kept
+                // bumping took 80 times as long).
+                (Some(l), Src::Mr(lkey, off, None))
                     if self.protection.is_none() && payload_len >= LEND_MIN_PAYLOAD =>
                 {
                     match mrs.local_lend(*lkey, *off, payload_len) {
