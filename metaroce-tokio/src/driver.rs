@@ -237,7 +237,7 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
     let mut pool: Vec<Vec<u8>> = Vec::new();
     let mut out: Vec<(Transmit, Vec<u8>, Lent)> = Vec::with_capacity(TX_BATCH);
     let mut lents: Vec<Lent> = Vec::new();
-    // Gather send (issue #13, P1): WRITE and READ-response payloads go from their regions
+    // Gather send (issue #13, P1): WRITE payloads go from their regions
     // to the kernel in one copy, when the backend sends I/O vectors.
     let gather = shared.datagrams().is_some_and(|d| d.sends_gathered());
     // A transmit in more pieces than fit the stack array below, joined.

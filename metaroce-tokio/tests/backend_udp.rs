@@ -403,7 +403,9 @@ async fn gather_send_to_an_ipv4_mapped_peer_keeps_its_ecn_mark() {
     assert_eq!(got[0].meta.ecn, Some(EcnCodepoint::Ect0), "joined path");
     // The gather path.
     assert!(a.sends_gathered());
-    send_pieces(&a, &t, &[&head, &payload, &tail]).await.unwrap();
+    send_pieces(&a, &t, &[&head, &payload, &tail])
+        .await
+        .unwrap();
     let got = recv_datagrams(&b, 1).await;
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].bytes, whole);
@@ -451,11 +453,12 @@ async fn gather_send_gso_batches_match_the_joined_bytes_and_marks() {
 }
 
 /// `poll_send_pieces` falls back to the joined path (`poll_send`) when a gather `sendmsg`
-/// fails, and that path saves its resume point under `ResumeKey::new(t', rest)`; the
-/// driver's next call after `Pending` looks it up under `ResumeKey::of_pieces(t, pieces)`,
-/// takes it (a mismatch) and starts the transmit over from byte 0. Every datagram sent
-/// before `Pending` goes out again, and a transmit whose gather sends keep failing never
-/// finishes if the socket takes less than all of it per wake-up.
+/// fails, and that path saves its resume point under `ResumeKey::new(t', rest)`. Before
+/// the fix (found by review), the driver's next call after `Pending` looked it up under
+/// `ResumeKey::of_pieces(t, pieces)`, took it (a mismatch) and started the transmit over
+/// from byte 0: every datagram sent before `Pending` went out again, and a transmit whose
+/// gather sends kept failing never finished (441 `Pending`s, 237 duplicates, 236 of 300
+/// datagrams never sent).
 ///
 /// The gather send is made to fail here with more pieces per datagram than its I/O vector
 /// holds (the same branch as EIO / EINVAL / ENOBUFS from the kernel). `Pending` part-way
@@ -475,7 +478,7 @@ async fn gather_fallback_resumes_instead_of_resending() {
 }
 
 /// Control for the test above, same namespace: pieces that fit the I/O vector (the
-/// gather path's own resume, `ResumeKey::of_pieces`). Passes.
+/// gather path's own resume, `ResumeKey::of_pieces`).
 #[tokio::test]
 #[ignore = "needs a rate-limited loopback (see gather_fallback_resumes_instead_of_resending)"]
 async fn gather_send_resumes_after_pending() {
@@ -530,8 +533,14 @@ async fn resume_case(piece: usize) {
          {missing} missing",
         got.len()
     );
-    assert!(pendings > 0, "the send never waited: the scenario was not exercised");
-    assert!(matches!(sent, Ok(Ok(()))), "the transmit never finished: {sent:?}");
+    assert!(
+        pendings > 0,
+        "the send never waited: the scenario was not exercised"
+    );
+    assert!(
+        matches!(sent, Ok(Ok(()))),
+        "the transmit never finished: {sent:?}"
+    );
     assert_eq!(dups, 0, "datagrams sent twice");
     assert_eq!(missing, 0, "datagrams missing");
 }

@@ -584,7 +584,11 @@ async fn hot_counter_reads(copying: bool) {
     assert_eq!(done, 200, "a READ failed or hung: {failed:?}");
     // Observed: gather 200 READs in ~1 s with ~280 responses dropped for a bad ICRC; copy
     // path ~12 ms, none dropped.
-    assert_eq!(client.stats().bad_icrc, 0, "response packets failed their ICRC");
+    assert_eq!(
+        client.stats().bad_icrc,
+        0,
+        "response packets failed their ICRC"
+    );
 }
 
 /// Records the ECN field of every large datagram an endpoint receives.
@@ -643,8 +647,12 @@ async fn dual_stack_ecn(copying: bool) {
     let cfg = Config::default();
     let ports = cfg.transport.paths as usize + cfg.spare_ports;
     let sender = if copying {
-        let b = metaroce_tokio::backend::UdpBackend::bind_with("[::]:0".parse().unwrap(), ports, &cfg.udp)
-            .unwrap();
+        let b = metaroce_tokio::backend::UdpBackend::bind_with(
+            "[::]:0".parse().unwrap(),
+            ports,
+            &cfg.udp,
+        )
+        .unwrap();
         metaroce_tokio::Endpoint::with_backend(Copying(b), cfg.clone()).unwrap()
     } else {
         metaroce_tokio::Endpoint::bind("[::]:0".parse().unwrap(), cfg.clone())
@@ -652,8 +660,12 @@ async fn dual_stack_ecn(copying: bool) {
             .unwrap()
     };
     let seen = Arc::new(EcnSeen {
-        inner: metaroce_tokio::backend::UdpBackend::bind_with("127.0.0.1:0".parse().unwrap(), ports, &cfg.udp)
-            .unwrap(),
+        inner: metaroce_tokio::backend::UdpBackend::bind_with(
+            "127.0.0.1:0".parse().unwrap(),
+            ports,
+            &cfg.udp,
+        )
+        .unwrap(),
         ect0: Default::default(),
         not_ect: Default::default(),
     });

@@ -256,7 +256,7 @@ pub trait DatagramBackend: Send + Sync + std::fmt::Debug + 'static {
     /// Whether this backend sends a transmit from several pieces without joining them
     /// first ([`poll_send_pieces`](Self::poll_send_pieces) with an I/O vector): the driver
     /// then asks the core for gather transmits (`Endpoint::poll_transmit_lent`, issue #13
-    /// P1), whose WRITE and READ-response payloads stay in their memory regions until the
+    /// P1), whose WRITE payloads stay in their memory regions until the
     /// kernel copies them. Default `false`; `UdpBackend` says `true` on Linux. Wrappers
     /// that forward it must forward `poll_send_pieces` too.
     fn sends_gathered(&self) -> bool {

@@ -654,7 +654,16 @@ impl DatagramBackend for UdpBackend {
                         size: rest.len(),
                         ..*transmit
                     };
-                    return self.poll_send(cx, &t, rest);
+                    let r = self.poll_send(cx, &t, rest);
+                    if r.is_pending() {
+                        // `poll_send` saved its point under (t, rest); the next call comes
+                        // with (transmit, pieces): re-key it, counted from the start (found
+                        // by review: the transmit started again from its first byte).
+                        let inner = self.resume_offset(&t, rest);
+                        let key = ResumeKey::of_pieces(transmit, pieces);
+                        self.save_resume_at(key, offset + inner);
+                    }
+                    return r;
                 }
             }
         }
@@ -701,39 +710,19 @@ pub(crate) mod gather {
                 break;
             }
         }
-        let mut ctrl = [0u8; 64];
-        let mut clen = 0;
-        if let Some(seg) = gso {
-            let seg = u16::try_from(seg).map_err(|_| io::Error::other("segment too large"))?;
-            push_cmsg(
-                &mut ctrl,
-                &mut clen,
-                libc::SOL_UDP,
-                libc::UDP_SEGMENT,
-                &seg.to_ne_bytes(),
-            );
-        }
-        if let Some(ecn) = t.ecn {
-            let tos = libc::c_int::from(ecn.bits()).to_ne_bytes();
-            match t.destination {
-                std::net::SocketAddr::V4(_) => {
-                    push_cmsg(&mut ctrl, &mut clen, libc::IPPROTO_IP, libc::IP_TOS, &tos)
-                }
-                std::net::SocketAddr::V6(_) => push_cmsg(
-                    &mut ctrl,
-                    &mut clen,
-                    libc::IPPROTO_IPV6,
-                    libc::IPV6_TCLASS,
-                    &tos,
-                ),
+        let gso = match gso {
+            Some(seg) => {
+                Some(u16::try_from(seg).map_err(|_| io::Error::other("segment too large"))?)
             }
-        }
+            None => None,
+        };
+        let ctrl = crate::backend::uring::send_control(t.destination, t.ecn, gso);
         let addr = socket2::SockAddr::from(t.destination);
         let mut msg = socket2::MsgHdr::new()
             .with_addr(&addr)
             .with_buffers(&iov[..n]);
-        if clen > 0 {
-            msg = msg.with_control(&ctrl[..clen]);
+        if !ctrl.bytes().is_empty() {
+            msg = msg.with_control(ctrl.bytes());
         }
         let sent = socket2::SockRef::from(sock).sendmsg(&msg, 0)?;
         if sent != len {
@@ -742,24 +731,6 @@ pub(crate) mod gather {
             )));
         }
         Ok(())
-    }
-
-    /// Appends one control message (`struct cmsghdr` then `data`, each padded to the
-    /// alignment of `size_t`, as `CMSG_SPACE` lays them out) to `buf[*at..]`.
-    fn push_cmsg(buf: &mut [u8; 64], at: &mut usize, level: i32, ty: i32, data: &[u8]) {
-        const W: usize = std::mem::size_of::<usize>();
-        let align = |n: usize| n.div_ceil(W) * W;
-        let hdr = align(W + 8);
-        let start = *at;
-        let space = hdr + align(data.len());
-        if start + space > buf.len() {
-            return;
-        }
-        buf[start..start + W].copy_from_slice(&(hdr + data.len()).to_ne_bytes());
-        buf[start + W..start + W + 4].copy_from_slice(&level.to_ne_bytes());
-        buf[start + W + 4..start + W + 8].copy_from_slice(&ty.to_ne_bytes());
-        buf[start + hdr..start + hdr + data.len()].copy_from_slice(data);
-        *at = start + space;
     }
 }
 

@@ -685,8 +685,9 @@ fn cmsgs(mut b: &[u8]) -> impl Iterator<Item = (i32, i32, &[u8])> {
     })
 }
 
-/// Control messages of one send, built on the stack (no allocation per send).
-struct Control {
+/// Control messages of one send, built on the stack (no allocation per send). Also the
+/// UDP backend's gather send's (`udp::gather`).
+pub(crate) struct Control {
     buf: [u8; 64],
     len: usize,
 }
@@ -707,13 +708,16 @@ impl Control {
         self.len += space;
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         &self.buf[..self.len]
     }
 }
 
 /// Control messages of one send: ECN (`IP_TOS` / `IPV6_TCLASS`) and GSO (`UDP_SEGMENT`).
-fn send_control(
+/// An IPv4-mapped destination leaves a dual-stack socket through the IPv4 stack, which
+/// ignores `IPV6_TCLASS`: it gets `IP_TOS`, as quinn-udp gives it (found by review: such
+/// sends left Not-ECT).
+pub(crate) fn send_control(
     dest: SocketAddr,
     ecn: Option<metaroce::EcnCodepoint>,
     segment: Option<u16>,
@@ -724,7 +728,11 @@ fn send_control(
     };
     if let Some(e) = ecn {
         let v = i32::from(e.bits());
-        if dest.is_ipv4() {
+        let v4 = match dest {
+            SocketAddr::V4(_) => true,
+            SocketAddr::V6(a) => a.ip().to_ipv4_mapped().is_some(),
+        };
+        if v4 {
             c.push(libc::IPPROTO_IP, libc::IP_TOS, &v.to_ne_bytes());
         } else {
             c.push(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, &v.to_ne_bytes());
