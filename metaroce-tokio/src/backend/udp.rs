@@ -414,14 +414,60 @@ impl UdpBackend {
     /// from `path`: one datagram, or as many whole datagrams as GSO and the 16-bit UDP
     /// length allow.
     fn chunk_len(path: &Sock, remaining: usize, segment: usize) -> usize {
-        let max_segments = path.state.max_gso_segments();
-        if remaining <= segment || max_segments <= 1 {
-            segment.min(remaining)
-        } else {
-            let per_call = max_segments.min(MAX_UDP_PAYLOAD / segment).max(1);
-            (per_call * segment).min(remaining)
-        }
+        chunk_len(path.state.max_gso_segments(), remaining, segment)
     }
+}
+
+/// Bytes per `sendmsg` for `remaining` bytes in `segment`-byte datagrams when a socket
+/// takes `max_segments` per GSO send: one datagram, or as many whole datagrams as GSO and
+/// the 16-bit UDP length allow. Shared with the io_uring backend's gather send.
+pub(crate) fn chunk_len(max_segments: usize, remaining: usize, segment: usize) -> usize {
+    if remaining <= segment || max_segments <= 1 {
+        segment.min(remaining)
+    } else {
+        let per_call = max_segments.min(MAX_UDP_PAYLOAD / segment).max(1);
+        (per_call * segment).min(remaining)
+    }
+}
+
+/// How a backend sends a transmit in `pieces` ([`DatagramBackend::poll_send_pieces`]).
+pub(crate) enum PiecesPlan {
+    /// Join the pieces and send as `poll_send` does: one piece, a platform without
+    /// [`gather::send`], or an IPv4 destination from an IPv6 socket.
+    Joined,
+    /// [`gather::send`] per GSO batch: `total` bytes in `segment`-byte datagrams.
+    Direct { total: usize, segment: usize },
+}
+
+/// The plan for `transmit` in `pieces` from a backend bound at `local`; an error if the
+/// pieces do not add up to its size or its segment size is 0.
+pub(crate) fn pieces_plan(
+    local: SocketAddr,
+    transmit: &metaroce::Transmit,
+    pieces: &[&[u8]],
+) -> io::Result<PiecesPlan> {
+    let direct = cfg!(target_os = "linux")
+        && local.is_ipv4() == transmit.destination.is_ipv4()
+        && pieces.len() > 1;
+    if !direct {
+        return Ok(PiecesPlan::Joined);
+    }
+    let total: usize = pieces.iter().map(|p| p.len()).sum();
+    let segment = match (total == transmit.size, transmit.segment_size) {
+        (true, Some(s)) if s > 0 => s,
+        (true, None) => total.max(1),
+        _ => {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "transmit of size {} and segment size {:?} does not match its pieces \
+                     ({total} bytes)",
+                    transmit.size, transmit.segment_size
+                ),
+            ))
+        }
+    };
+    Ok(PiecesPlan::Direct { total, segment })
 }
 
 /// The lowest GSO limit over the path sockets' `states` (at least 1): what one `sendmsg`
@@ -593,34 +639,15 @@ impl DatagramBackend for UdpBackend {
         transmit: &metaroce::Transmit,
         pieces: &[&[u8]],
     ) -> Poll<io::Result<()>> {
-        let direct = cfg!(target_os = "linux")
-            && self.local_addr.is_ipv4() == transmit.destination.is_ipv4()
-            && pieces.len() > 1;
-        if !direct {
-            return match pieces {
-                [one] => self.poll_send(cx, transmit, one),
-                _ => self.poll_send(cx, transmit, &pieces.concat()),
-            };
-        }
-        let total: usize = pieces.iter().map(|p| p.len()).sum();
-        let segment = match (total == transmit.size, transmit.segment_size) {
-            (false, _) => {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "transmit size {} does not match the {total} bytes of its pieces",
-                        transmit.size
-                    ),
-                )))
+        let (total, segment) = match pieces_plan(self.local_addr, transmit, pieces) {
+            Ok(PiecesPlan::Direct { total, segment }) => (total, segment),
+            Ok(PiecesPlan::Joined) => {
+                return match pieces {
+                    [one] => self.poll_send(cx, transmit, one),
+                    _ => self.poll_send(cx, transmit, &pieces.concat()),
+                }
             }
-            (true, Some(0)) => {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    "transmit segment_size is 0",
-                )))
-            }
-            (true, Some(s)) => s,
-            (true, None) => total.max(1),
+            Err(e) => return Poll::Ready(Err(e)),
         };
         let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
             return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));

@@ -847,29 +847,16 @@ impl DatagramBackend for UringBackend {
         transmit: &metaroce::Transmit,
         pieces: &[&[u8]],
     ) -> Poll<io::Result<()>> {
-        let direct = cfg!(target_os = "linux")
-            && self.local_addr.is_ipv4() == transmit.destination.is_ipv4()
-            && pieces.len() > 1;
-        if !direct {
-            return match pieces {
-                [one] => self.poll_send(cx, transmit, one),
-                _ => self.poll_send(cx, transmit, &pieces.concat()),
-            };
-        }
-        let total: usize = pieces.iter().map(|p| p.len()).sum();
-        let segment = match (total == transmit.size, transmit.segment_size) {
-            (true, Some(s)) if s > 0 => s,
-            (true, None) => total.max(1),
-            _ => {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!(
-                        "transmit of size {} and segment size {:?} does not match its pieces \
-                         ({total} bytes)",
-                        transmit.size, transmit.segment_size
-                    ),
-                )))
+        use super::udp::PiecesPlan;
+        let (total, segment) = match super::udp::pieces_plan(self.local_addr, transmit, pieces) {
+            Ok(PiecesPlan::Direct { total, segment }) => (total, segment),
+            Ok(PiecesPlan::Joined) => {
+                return match pieces {
+                    [one] => self.poll_send(cx, transmit, one),
+                    _ => self.poll_send(cx, transmit, &pieces.concat()),
+                }
             }
+            Err(e) => return Poll::Ready(Err(e)),
         };
         let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
             return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
@@ -886,12 +873,7 @@ impl DatagramBackend for UringBackend {
         }
         let max_segments = path.state.max_gso_segments().clamp(1, MAX_GSO_SEGMENTS);
         while offset < total {
-            let remaining = total - offset;
-            let chunk = if remaining <= segment || max_segments <= 1 {
-                segment.min(remaining)
-            } else {
-                (max_segments.min(MAX_UDP_PAYLOAD / segment).max(1) * segment).min(remaining)
-            };
+            let chunk = super::udp::chunk_len(max_segments, total - offset, segment);
             let gso = (chunk > segment).then_some(segment);
             match super::udp::gather::send(&path.socket, transmit, pieces, offset, chunk, gso) {
                 Ok(()) => {
