@@ -463,7 +463,7 @@ async fn gather_send_gso_batches_match_the_joined_bytes_and_marks() {
 /// The gather send is made to fail here with more pieces per datagram than its I/O vector
 /// holds (the same branch as EIO / EINVAL / ENOBUFS from the kernel). `Pending` part-way
 /// needs a send queue that fills, which loopback never does, so this test runs in a private
-/// network namespace with a rate-limited loopback:
+/// network namespace with a rate-limited loopback (`.ci/run` runs both this way):
 ///
 /// ```text
 /// unshare -n sh -c 'ip link set lo up && tc qdisc add dev lo root tbf rate 20mbit \
