@@ -728,8 +728,13 @@ fn dispatch(st: &mut State, shared: &Shared) {
                             c.streams.remove(&stream);
                         }
                         // Removed when the handle is dropped (or, not accepted yet, once
-                        // `accept_stream` took it and it was dropped).
-                        Some(e) => e.closed = true,
+                        // `accept_stream` took it and it was dropped). A reader whose
+                        // stream was forgotten without the peer's end (stopped before any
+                        // message, `Endpoint::stop_stream`) ends here.
+                        Some(e) => {
+                            e.closed = true;
+                            lock_rx(&e.rx).end(RxEnd::Error(Error::StreamClosed(stream)));
+                        }
                         None => {}
                     }
                 }

@@ -266,6 +266,11 @@ impl MessageStream {
     /// stop ([`Error::StreamStopped`], or `WrFlushError` from `Connection::send`) was never
     /// yielded here. So a peer may safely retry exactly the messages that failed. Only the
     /// first call has an effect. Non-blocking; no cancel-safety concerns.
+    ///
+    /// A stream stopped before any message of it arrived is forgotten without waiting for
+    /// the peer's reset once this side's sending on it is over (finished or reset and
+    /// acknowledged): a peer that refused the stream (its `max_streams` streams open) may
+    /// never answer. The reader then yields [`Error::StreamClosed`] instead.
     pub fn stop(&mut self, code: u32) {
         let shared = &self.conn.shared;
         stop(&mut shared.lock(), self.handle(), self.id, code);

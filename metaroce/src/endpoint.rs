@@ -1096,6 +1096,12 @@ impl Endpoint {
     /// fails with [`PostError::StreamReset`]), as long as it tracks fewer than
     /// `max_streams` streams.
     ///
+    /// A stream stopped before any of its messages was delivered here is forgotten
+    /// without waiting for that reset once this side's sending on it is over too
+    /// ([`Event::StreamClosed`], with no [`Event::StreamReset`]): the peer may never
+    /// answer (one that refused the stream for a full stream table does not). Its later
+    /// SENDs are still refused, never acknowledged.
+    ///
     /// # Errors
     /// [`PostError::UnknownConnection`], [`PostError::NotConnected`],
     /// [`PostError::Closing`].
@@ -1106,8 +1112,10 @@ impl Endpoint {
         stream: u32,
         code: u32,
     ) -> Result<(), PostError> {
-        let c = self.conn_for_stream(conn)?;
-        c.stop_stream(stream, code);
+        self.conn_for_stream(conn)?;
+        if let Some(c) = self.conns.get_mut(&conn.0) {
+            c.stop_stream(stream, code, &mut self.events);
+        }
         self.touched(conn.0);
         Ok(())
     }

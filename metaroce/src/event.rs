@@ -326,7 +326,9 @@ pub enum Event {
     /// Both directions of `stream` are over and the connection forgot its state: this
     /// side's sending ended (finished or reset, or stopped by the peer) with every SEND,
     /// FIN and abort acknowledged, and the peer's sending ended ([`Event::StreamFinished`]
-    /// or [`Event::StreamReset`] reported) with every message delivered and consumed.
+    /// or [`Event::StreamReset`] reported) with every message delivered and consumed — or
+    /// this side stopped it before any message of it was delivered (`stop_stream`; the
+    /// peer may never answer, and no `StreamReset` is reported then).
     /// Reported once, after every other event of the stream; nothing more is reported for
     /// its id. Stream ids are single-use per connection: later posts on it fail with
     /// [`PostError::StreamClosed`](crate::PostError::StreamClosed), a receive posted on it

@@ -866,3 +866,114 @@ fn send_pending_is_the_sum_of_the_streams_under_resets_stops_and_loss() {
         assert_eq!(p.eps[0].send_pending(a), 0, "seed {seed}");
     }
 }
+
+/// Streams opened toward a peer whose receive stream table is full (`max_streams` 2, held
+/// by two streams it replied on and never ended): each one's message is refused
+/// (`RemoteInvalidRequest`), its reset is acknowledged and ignored, and its STOP too (the
+/// peer tracks `max_streams` streams it sent on: no room to answer). The opener forgets
+/// each all the same (`StreamClosed`) once its reset is acknowledged; its state stays at
+/// the two held streams. Before, each kept its incoming state (stopped, waiting for the
+/// peer's reset) until the connection ended: the opener's own table filled. And a SEND
+/// the peer posts on one of those ids later never completes `Success`.
+#[test]
+fn streams_dropped_toward_a_full_peer_are_forgotten() {
+    let (a_cfg, mut b_cfg) = (
+        metaroce::testing::pair_config(0, 43),
+        metaroce::testing::pair_config(1, 43),
+    );
+    b_cfg.transport.max_streams = 2;
+    let mut p = Pair::impaired_with_configs(43, Impair::default(), a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    for id in [0u32, 2] {
+        p.eps[0]
+            .post_send(a, id, 1000 + id as u64, Bytes::from_static(b"hold"))
+            .unwrap();
+        p.eps[1]
+            .post_send(b, id, 2000 + id as u64, Bytes::from_static(b"reply"))
+            .unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(50));
+    assert_eq!(p.eps[1].connection_stats(b).unwrap().recv.streams, 2);
+    let ids: Vec<u32> = (0..50).map(|k| 4 + 2 * k).collect();
+    for &id in &ids {
+        if id % 4 == 0 {
+            p.eps[0]
+                .post_send(a, id, id as u64, Bytes::from_static(b"refused"))
+                .unwrap();
+            run_for(&mut p, Duration::from_millis(5));
+        }
+        p.eps[0].reset_stream(p.now, a, id, 0).unwrap();
+        p.eps[0].stop_stream(p.now, a, id, 0).unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(200));
+    for &id in &ids {
+        assert!(messages_and_closed(&p, 0, id).1, "stream {id} never closed");
+    }
+    for e in &p.events[0] {
+        if let Event::Completion { wc, .. } = e {
+            if wc.wr_id >= 4 && wc.wr_id < 1000 {
+                assert_eq!(wc.status, WcStatus::RemoteInvalidRequest, "{wc:?}");
+            }
+        }
+    }
+    let s = p.eps[0].connection_stats(a).unwrap();
+    assert!(
+        s.recv.streams <= 2,
+        "incoming state kept: {}",
+        s.recv.streams
+    );
+    assert!(
+        s.send_streams <= 4,
+        "outgoing state kept: {}",
+        s.send_streams
+    );
+    // The peer sends on one of them later (it never saw it): refused, never `Success`.
+    p.eps[1]
+        .post_send(b, ids[1], 7777, Bytes::from_static(b"late"))
+        .unwrap();
+    run_for(&mut p, Duration::from_secs(2));
+    assert!(!p.events[1].iter().any(|e| matches!(
+        e,
+        Event::Completion { wc, .. } if wc.wr_id == 7777 && wc.status == WcStatus::Success
+    )));
+    assert!(!p.events[0]
+        .iter()
+        .any(|e| matches!(e, Event::Message { stream, .. } if *stream == ids[1])));
+}
+
+/// The stopper's own receive stream table is full (`max_streams` 2, held by two streams
+/// the peer opened): a stream it opens, sends on, resets and stops has no room for
+/// incoming state. It is forgotten all the same (`StreamClosed` once the reset is
+/// acknowledged), and the table stays at the two held streams.
+#[test]
+fn streams_stopped_with_a_full_own_table_are_forgotten() {
+    let (mut a_cfg, b_cfg) = (
+        metaroce::testing::pair_config(0, 44),
+        metaroce::testing::pair_config(1, 44),
+    );
+    a_cfg.transport.max_streams = 2;
+    let mut p = Pair::impaired_with_configs(44, Impair::default(), a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    for id in [1u32, 3] {
+        p.eps[1]
+            .post_send(b, id, 1000 + id as u64, Bytes::from_static(b"hold"))
+            .unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(50));
+    assert_eq!(p.eps[0].connection_stats(a).unwrap().recv.streams, 2);
+    let ids: Vec<u32> = (0..50).map(|k| 2 * k).collect();
+    for &id in &ids {
+        p.eps[0]
+            .post_send(a, id, id as u64, Bytes::from_static(b"request"))
+            .unwrap();
+        run_for(&mut p, Duration::from_millis(5));
+        p.eps[0].reset_stream(p.now, a, id, 0).unwrap();
+        p.eps[0].stop_stream(p.now, a, id, 0).unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(200));
+    for &id in &ids {
+        assert!(messages_and_closed(&p, 0, id).1, "stream {id} never closed");
+        assert_eq!(messages_and_closed(&p, 1, id).0, 1, "stream {id}");
+    }
+    assert_eq!(p.eps[0].connection_stats(a).unwrap().recv.streams, 2);
+}

@@ -1680,16 +1680,27 @@ impl Connection {
         // Streams whose outgoing direction just ended for good (their last SEND, FIN or
         // abort left the queue with the completions above): forget them; a stream over
         // both ways is reported closed, after those completions.
-        let (rq, handle) = (&self.rq, self.handle);
-        self.sq
-            .retire_streams(self.cfg.max_streams as usize, |stream| {
-                if rq.is_retired(stream) {
-                    events.push_back(Event::StreamClosed {
-                        conn: handle,
-                        stream,
-                    });
-                }
-            });
+        // A stream this side stopped before anything of it was delivered is forgotten
+        // too: the peer may never answer the STOP (`RecvState::try_retire_unanswered`).
+        let max = self.cfg.max_streams as usize;
+        let (rq, handle) = (&mut self.rq, self.handle);
+        let mut unanswered = Vec::new();
+        self.sq.retire_streams(max, |stream| {
+            let closed = rq.is_retired(stream)
+                || rq.try_retire_unanswered(stream, max) && {
+                    unanswered.push(stream);
+                    true
+                };
+            if closed {
+                events.push_back(Event::StreamClosed {
+                    conn: handle,
+                    stream,
+                });
+            }
+        });
+        for stream in unanswered {
+            self.sq.forget_stop(stream);
+        }
     }
 
     /// Whether either direction of `stream` ended and was forgotten.
@@ -1742,14 +1753,31 @@ impl Connection {
 
     /// Stop `stream` as its receiver: delivery ends here (`RecvState::stop`) and a STOP
     /// naming the stop point asks the peer to flush the rest.
-    pub fn stop_stream(&mut self, stream: u32, code: u32) {
+    pub fn stop_stream(&mut self, stream: u32, code: u32, events: &mut VecDeque<Event>) {
         if self.rq.is_retired(stream) {
             // It ended and was forgotten: nothing more arrives to stop.
             return;
         }
         let lim = self.limits();
         let delivered = self.rq.stop(stream, &lim);
-        self.sq.stop_stream(stream, code, delivered);
+        // With no room for the stream's incoming state (`max_streams`), the STOP is sent
+        // but not remembered: nothing here would ever forget it.
+        let remember = self.rq.has_stream(stream);
+        self.sq.stop_stream(stream, code, delivered, remember);
+        // This side's sending on it is over already: a stream stopped before anything of
+        // it was delivered is forgotten now (the peer may never answer the STOP).
+        // (Without room for its state, `RecvState::stop` forgot it at once.)
+        let max = self.cfg.max_streams as usize;
+        if self.sq.is_retired(stream)
+            && (!remember && self.rq.is_retired(stream)
+                || self.rq.try_retire_unanswered(stream, max))
+        {
+            self.sq.forget_stop(stream);
+            events.push_back(Event::StreamClosed {
+                conn: self.handle,
+                stream,
+            });
+        }
     }
 
     /// The application consumed `bytes` of the messages delivered on `stream`.

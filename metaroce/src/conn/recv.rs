@@ -399,6 +399,12 @@ pub(crate) struct RecvState {
     /// Streams whose incoming direction ended, was drained and was forgotten
     /// ([`RecvState::try_retire`]): their late packets are acknowledged and dropped.
     retired: super::idset::IdSet,
+    /// Of `retired`: streams this side stopped before any message of theirs was delivered
+    /// and forgot without the peer's end (`try_retire_unanswered`). Nothing of them was
+    /// ever delivered, so every SEND packet of one is refused (a flow-control RNR NAK, as
+    /// for the stopped stream it was), never acknowledged: none completes `Success` at the
+    /// sender.
+    unanswered: super::idset::IdSet,
     /// Streams `withdraw_recv` looked at (tests bound its cost with it).
     #[cfg(test)]
     withdraw_visits: u64,
@@ -714,6 +720,16 @@ impl RecvState {
             return 0;
         }
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            // No room for its state: the peer's packets on it are refused anyway, so
+            // nothing of it was or will be delivered. It is forgotten at once as stopped
+            // at 0 (`try_retire_unanswered`), ranges permitting; else nothing is kept.
+            let max = lim.max_streams as usize;
+            let full = |set: &super::idset::IdSet| set.would_grow(stream) && set.ranges() >= max;
+            if !full(&self.retired) && !full(&self.unanswered) {
+                self.retired.insert(stream);
+                self.unanswered.insert(stream);
+                self.stats.retired_streams += 1;
+            }
             return 0;
         }
         let st = self.streams.entry(stream).or_default();
@@ -879,6 +895,49 @@ impl RecvState {
         true
     }
 
+    /// Forget `stream`'s incoming direction although the peer never ended it: this side
+    /// stopped it before any of its messages was delivered (`stop` at message 0), and
+    /// nothing of it is buffered, unconsumed, posted or refused. The caller does this once
+    /// this side's sending on the stream is over too. A STOP is answered by the peer's
+    /// reset only if the peer has room for it (it acknowledges and ignores one for a
+    /// stream it never sent on while it tracks `max_streams` streams, e.g. one it refused
+    /// for a full stream table), so waiting for that end held the stream's state — counted
+    /// against this side's `max_streams` — until the connection ended. Its id joins
+    /// `retired` and `unanswered` (unless either would add a range beyond `max_ranges`:
+    /// then the stream is kept, as before); later SENDs of it are refused, never
+    /// acknowledged, and its FIN or reset is acknowledged and ignored. Returns whether this
+    /// call retired it.
+    pub fn try_retire_unanswered(&mut self, stream: u32, max_ranges: usize) -> bool {
+        let Some(st) = self.streams.get(&stream) else {
+            return false;
+        };
+        let unheard = st.stopped_at == Some(0)
+            && st.next_deliver == 0
+            && !st.end_reported
+            && st.msgs.is_empty()
+            && st.posted.is_empty()
+            && st.unconsumed_q.is_empty()
+            && st.unconsumed == 0
+            && st.buffered == 0
+            && st.refused.is_empty()
+            && st.refused_recv.is_empty()
+            && st.len_errors.is_empty();
+        let full = |set: &super::idset::IdSet| set.would_grow(stream) && set.ranges() >= max_ranges;
+        if !unheard || full(&self.retired) || full(&self.unanswered) {
+            return false;
+        }
+        self.streams.remove(&stream);
+        self.retired.insert(stream);
+        self.unanswered.insert(stream);
+        self.stats.retired_streams += 1;
+        true
+    }
+
+    /// Whether this side keeps incoming state for `stream`.
+    pub fn has_stream(&self, stream: u32) -> bool {
+        self.streams.contains_key(&stream)
+    }
+
     /// Whether `stream`'s incoming direction ended and was forgotten (`try_retire`).
     pub fn is_retired(&self, stream: u32) -> bool {
         self.retired.contains(stream)
@@ -910,6 +969,13 @@ impl RecvState {
         let total = hdr.msg_len as u64;
         let valid = total <= lim.max_message_size
             && check_segment(hdr.offset, payload.len(), total, lim.pmtu);
+        if self.unanswered.contains(hdr.stream_id) {
+            // Stopped before anything of it was delivered, and forgotten: nothing of it is
+            // ever delivered, so nothing is acknowledged (the sender waits until the STOP
+            // flushes it, as for the stopped stream it was).
+            self.stats.stopped_naks += 1;
+            return RxOutcome::FlowRnr;
+        }
         if self.retired.contains(hdr.stream_id) {
             // A late copy of a message of a stream that ended. An invalid one was refused
             // when it first came, and is refused again (acknowledging it would complete

@@ -1498,9 +1498,11 @@ impl SendQueue {
     }
 
     /// Ask the peer to stop sending on `stream` with `code` (once per stream): this side's
-    /// delivery on it ended at message `delivered` (`RecvState::stop`).
-    pub fn stop_stream(&mut self, stream: u32, code: u32, delivered: u32) -> bool {
-        if !self.stopped_streams.insert(stream) {
+    /// delivery on it ended at message `delivered` (`RecvState::stop`). With `remember`
+    /// false (the receiver kept no state for the stream) the STOP is queued without being
+    /// recorded: `forget_stop` would never remove such a record.
+    pub fn stop_stream(&mut self, stream: u32, code: u32, delivered: u32, remember: bool) -> bool {
+        if remember && !self.stopped_streams.insert(stream) {
             return false;
         }
         self.push(
