@@ -405,8 +405,8 @@ impl MemoryRegion {
     /// [`Endpoint::register`] and [`Endpoint::alloc`] it is `Vec<u8>`; external memory
     /// cannot be taken back this way: use [`deregister`](Self::deregister)). Also
     /// `Err(self)`, deregistered already, in the unlikely case that the driver kept reading
-    /// the region for a send (gather send, [`metaroce::Lent`]) through thousands of waits:
-    /// call `into_inner` again.
+    /// the region for a send (gather send, [`metaroce::Lent`]) for a whole second: call
+    /// `into_inner` again. (It may block that long waiting for such a send.)
     pub fn into_inner<B: OwnedBuffer>(mut self) -> Result<B, MemoryRegion> {
         if !lock(&self.mem).as_any().is::<B>() {
             return Err(self);
@@ -452,21 +452,31 @@ impl MemoryRegion {
     }
 }
 
-/// Waits `unwrap_cell` allows for sends that still read a deregistered region.
-const UNWRAP_TRIES: usize = 10_000;
+/// How long `unwrap_cell` waits for sends that still read a deregistered region.
+const UNWRAP_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The buffer of `mem` once nothing else holds it. After deregistration the core has let
 /// go; what may still hold it is the driver sending a gather transmit that reads it (one
 /// `sendmsg`, under the region's lock, see [`with_lent`]), and the driver's queue holds at
-/// most one batch of those. So wait for the lock between tries; `Err` only if sends kept
-/// holding it through [`UNWRAP_TRIES`] waits.
+/// most one batch of those. So wait for the lock between tries, yielding at first and then
+/// sleeping 50 µs (a driver thread descheduled while it holds the region, on a loaded
+/// machine, outlasted 10,000 yields in a review's run); `Err` only if sends kept holding
+/// it for [`UNWRAP_WAIT`].
 fn unwrap_cell(mut mem: Cell) -> Result<Box<dyn Backing>, Cell> {
-    for _ in 0..UNWRAP_TRIES {
+    let start = std::time::Instant::now();
+    for tries in 0u32.. {
         match Arc::try_unwrap(mem) {
             Ok(m) => return Ok(m.into_inner()),
             Err(m) => {
                 drop(lock(&m));
-                std::thread::yield_now();
+                if start.elapsed() >= UNWRAP_WAIT {
+                    return Err(m);
+                }
+                if tries < 64 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
                 mem = m;
             }
         }
