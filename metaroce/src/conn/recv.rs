@@ -144,6 +144,22 @@ struct StreamRx {
 }
 
 impl StreamRx {
+    /// Whether nothing of the stream is buffered, unconsumed, posted or refused: no message
+    /// in reassembly, no receive posted, nothing delivered and not yet consumed, and no
+    /// message refused (a re-sent packet of a refused message must be refused again, so
+    /// its stream is kept). The one test both ways of forgetting a stream use
+    /// (`RecvState::try_retire`, `RecvState::try_retire_unanswered`).
+    fn holds_nothing(&self) -> bool {
+        self.msgs.is_empty()
+            && self.posted.is_empty()
+            && self.unconsumed_q.is_empty()
+            && self.unconsumed == 0
+            && self.buffered == 0
+            && self.refused.is_empty()
+            && self.refused_recv.is_empty()
+            && self.len_errors.is_empty()
+    }
+
     /// Remember that message `msg_seq` completed its receive in error with NAK `syndrome`
     /// (the most recent `MAX_LEN_ERRORS`): its re-sent packets get the same NAK.
     fn note_len_error(&mut self, msg_seq: u32, syndrome: u8) {
@@ -877,15 +893,7 @@ impl RecvState {
         let Some(st) = self.streams.get(&stream) else {
             return false;
         };
-        let over = st.end_reported
-            && st.msgs.is_empty()
-            && st.posted.is_empty()
-            && st.unconsumed_q.is_empty()
-            && st.unconsumed == 0
-            && st.buffered == 0
-            && st.refused.is_empty()
-            && st.refused_recv.is_empty()
-            && st.len_errors.is_empty();
+        let over = st.end_reported && st.holds_nothing();
         if !over || self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges {
             return false;
         }
@@ -914,14 +922,7 @@ impl RecvState {
         let unheard = st.stopped_at == Some(0)
             && st.next_deliver == 0
             && !st.end_reported
-            && st.msgs.is_empty()
-            && st.posted.is_empty()
-            && st.unconsumed_q.is_empty()
-            && st.unconsumed == 0
-            && st.buffered == 0
-            && st.refused.is_empty()
-            && st.refused_recv.is_empty()
-            && st.len_errors.is_empty();
+            && st.holds_nothing();
         let full = |set: &super::idset::IdSet| set.would_grow(stream) && set.ranges() >= max_ranges;
         if !unheard || full(&self.retired) || full(&self.unanswered) {
             return false;
