@@ -430,44 +430,44 @@ pub(crate) fn chunk_len(max_segments: usize, remaining: usize, segment: usize) -
     }
 }
 
-/// How a backend sends a transmit in `pieces` ([`DatagramBackend::poll_send_pieces`]).
-pub(crate) enum PiecesPlan {
-    /// Join the pieces and send as `poll_send` does: one piece, a platform without
-    /// [`gather::send`], or an IPv4 destination from an IPv6 socket.
-    Joined,
-    /// [`gather::send`] per GSO batch: `total` bytes in `segment`-byte datagrams.
-    Direct { total: usize, segment: usize },
-}
-
-/// The plan for `transmit` in `pieces` from a backend bound at `local`; an error if the
-/// pieces do not add up to its size or its segment size is 0.
+/// How a backend sends `transmit` in `pieces` ([`DatagramBackend::poll_send_pieces`])
+/// from a socket bound at `local`: `Ok((total, segment))` to send them with
+/// [`gather::send`] per GSO batch, `total` bytes in `segment`-byte datagrams; or
+/// `Err(poll)`, what `send_joined` returned for the pieces joined (one piece, a platform
+/// without [`gather::send`], or an IPv4 destination from an IPv6 socket), or an error if
+/// the pieces do not add up to the transmit's size or its segment size is 0. The one
+/// place both backends decide this.
 pub(crate) fn pieces_plan(
     local: SocketAddr,
     transmit: &metaroce::Transmit,
     pieces: &[&[u8]],
-) -> io::Result<PiecesPlan> {
+    send_joined: impl FnOnce(&metaroce::Transmit, &[u8]) -> Poll<io::Result<()>>,
+) -> Result<(usize, usize), Poll<io::Result<()>>> {
     let direct = cfg!(target_os = "linux")
         && local.is_ipv4() == transmit.destination.is_ipv4()
         && pieces.len() > 1;
     if !direct {
-        return Ok(PiecesPlan::Joined);
+        return Err(match pieces {
+            [one] => send_joined(transmit, one),
+            _ => send_joined(transmit, &pieces.concat()),
+        });
     }
     let total: usize = pieces.iter().map(|p| p.len()).sum();
     let segment = match (total == transmit.size, transmit.segment_size) {
         (true, Some(s)) if s > 0 => s,
         (true, None) => total.max(1),
         _ => {
-            return Err(io::Error::new(
+            return Err(Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
                     "transmit of size {} and segment size {:?} does not match its pieces \
                      ({total} bytes)",
                     transmit.size, transmit.segment_size
                 ),
-            ))
+            ))))
         }
     };
-    Ok(PiecesPlan::Direct { total, segment })
+    Ok((total, segment))
 }
 
 /// The lowest GSO limit over the path sockets' `states` (at least 1): what one `sendmsg`
@@ -639,15 +639,12 @@ impl DatagramBackend for UdpBackend {
         transmit: &metaroce::Transmit,
         pieces: &[&[u8]],
     ) -> Poll<io::Result<()>> {
-        let (total, segment) = match pieces_plan(self.local_addr, transmit, pieces) {
-            Ok(PiecesPlan::Direct { total, segment }) => (total, segment),
-            Ok(PiecesPlan::Joined) => {
-                return match pieces {
-                    [one] => self.poll_send(cx, transmit, one),
-                    _ => self.poll_send(cx, transmit, &pieces.concat()),
-                }
-            }
-            Err(e) => return Poll::Ready(Err(e)),
+        let plan = pieces_plan(self.local_addr, transmit, pieces, |t, b| {
+            self.poll_send(cx, t, b)
+        });
+        let (total, segment) = match plan {
+            Ok(direct) => direct,
+            Err(joined) => return joined,
         };
         let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
             return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));

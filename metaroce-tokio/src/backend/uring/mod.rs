@@ -847,16 +847,12 @@ impl DatagramBackend for UringBackend {
         transmit: &metaroce::Transmit,
         pieces: &[&[u8]],
     ) -> Poll<io::Result<()>> {
-        use super::udp::PiecesPlan;
-        let (total, segment) = match super::udp::pieces_plan(self.local_addr, transmit, pieces) {
-            Ok(PiecesPlan::Direct { total, segment }) => (total, segment),
-            Ok(PiecesPlan::Joined) => {
-                return match pieces {
-                    [one] => self.poll_send(cx, transmit, one),
-                    _ => self.poll_send(cx, transmit, &pieces.concat()),
-                }
-            }
-            Err(e) => return Poll::Ready(Err(e)),
+        let plan = super::udp::pieces_plan(self.local_addr, transmit, pieces, |t, b| {
+            self.poll_send(cx, t, b)
+        });
+        let (total, segment) = match plan {
+            Ok(direct) => direct,
+            Err(joined) => return joined,
         };
         let Some(path) = self.paths.iter().find(|p| p.port == transmit.src_port) else {
             return Poll::Ready(Err(unknown_src_port(transmit.src_port, &self.ports)));
