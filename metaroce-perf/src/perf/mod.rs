@@ -76,18 +76,17 @@ pub fn main() -> i32 {
             return EXIT_FAILED;
         }
     };
-    // A latency test runs as a task on the runtime's workers, not as the `block_on` future:
+    // Every test runs as a task on the runtime's workers, not as the `block_on` future:
     // that future runs on this thread, outside the worker pool, so every completion the
-    // endpoints' driver tasks (on the workers) deliver to it is a wake-up of another thread
-    // — one more per round trip, tens of µs on an idle VM (issue #13 P2). A service that
-    // drives its connections from spawned tasks has the same advantage. Bandwidth tests
-    // keep the third thread: the client posting work beside the workers; their in-process
-    // server has a runtime and thread of its own (`LocalServer::thread`).
-    let result = if !settings.test.is_bw() {
-        runtime.block_on(async { tokio::spawn(run(settings)).await })
-    } else {
-        Ok(runtime.block_on(run(settings)))
-    };
+    // endpoints' driver tasks (on the workers) deliver to it, and every post that wakes a
+    // driver, is a wake-up of another thread — tens of µs on an idle VM (issue #13 P2). A
+    // service that drives its connections from spawned tasks has the same advantage.
+    // Bandwidth tests kept that third thread until `write_bw -s 64` showed it cost more
+    // than it gave: as a task, 0.54–0.69 against 0.30–0.55 M WRITEs/s (udp) with half
+    // the context switches, and 1 MiB WRITEs unchanged (docs/RESULTS.md, fifteenth
+    // session). Their in-process server still has a runtime and thread of its own
+    // (`LocalServer::thread`).
+    let result = runtime.block_on(async { tokio::spawn(run(settings)).await });
     let code = match result {
         Ok(Ok(code)) => code,
         Ok(Err(e)) => {
