@@ -11,6 +11,7 @@ use metaroce::{
     ReadRequest, RecvRequest, WcStatus, WorkCompletion, WriteRequest,
 };
 use std::collections::VecDeque;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Range;
 use std::sync::Arc;
@@ -702,16 +703,20 @@ impl Connection {
     ) -> Result<WorkCompletion, Error> {
         let span = self.inner.span.clone();
         tracing::Instrument::instrument(
-            async { self.post_op(post, None, None, None).await?.wait().await },
+            async { self.post_op(&post, None, None, None).await?.wait().await },
             span,
         )
         .await
     }
 
     /// Post an operation; the returned [`PendingOp`] waits for (or, dropped, cancels) it.
+    ///
+    /// `post` is borrowed, not moved: every layer of these nested futures that takes it by
+    /// value keeps a copy for the future's whole life (an 848-byte `write` future, moved
+    /// into and out of a `FuturesUnordered` per WRITE; issue #13).
     async fn post_op(
         &self,
-        post: impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
+        post: &impl Fn(&mut metaroce::Endpoint, u64) -> Result<(), PostError>,
         result: Option<MemoryRegion>,
         recv: Option<RecvTarget>,
         send_stream: Option<u32>,
@@ -762,9 +767,12 @@ impl Connection {
                 }
             };
             if gone {
-                return Err(self.lost_late().await);
+                // Boxed: the rare path's future would otherwise widen every operation's.
+                return Err(Box::pin(self.lost_late()).await);
             }
-            notified.await;
+            // Boxed (only a full send queue waits): a `Notified` held in the future's
+            // state widened every operation's future by its size.
+            Box::pin(notified).await;
         };
         shared.wake_driver.notify_one();
         Ok(PendingOp {
@@ -845,14 +853,14 @@ impl Connection {
     /// abort), and the connection stays usable. Bytes that landed before stay; the target
     /// range's content is then undefined, as after any failed WRITE. A deadline is a
     /// timeout around the future: `tokio::time::timeout(d, conn.write(..))`.
-    pub async fn write(
-        &self,
-        src: &MemoryRegion,
+    pub fn write<'a>(
+        &'a self,
+        src: &'a MemoryRegion,
         range: Range<u64>,
         dst: RemoteRegion,
         dst_offset: u64,
-    ) -> Result<WorkCompletion, Error> {
-        self.write_op(src, range, dst, dst_offset, None).await
+    ) -> impl Future<Output = Result<WorkCompletion, Error>> + 'a {
+        self.write_op(src, range, dst, dst_offset, None)
     }
 
     /// RDMA WRITE with immediate: as [`write`](Self::write), and the peer's
@@ -864,31 +872,37 @@ impl Connection {
     /// # Cancel safety
     /// As [`write`](Self::write); a cancelled WRITE with immediate never reports its
     /// immediate at the peer.
-    pub async fn write_with_imm(
-        &self,
-        src: &MemoryRegion,
+    pub fn write_with_imm<'a>(
+        &'a self,
+        src: &'a MemoryRegion,
         range: Range<u64>,
         dst: RemoteRegion,
         dst_offset: u64,
         imm: u32,
-    ) -> Result<WorkCompletion, Error> {
-        self.write_op(src, range, dst, dst_offset, Some(imm)).await
+    ) -> impl Future<Output = Result<WorkCompletion, Error>> + 'a {
+        self.write_op(src, range, dst, dst_offset, Some(imm))
     }
 
     /// [`write`](Self::write) and [`write_with_imm`](Self::write_with_imm): one WRITE,
-    /// with the immediate if `imm` is set.
-    async fn write_op(
-        &self,
-        src: &MemoryRegion,
+    /// with the immediate if `imm` is set. The request is checked and built here, before
+    /// the future exists, so the future holds it once (the future borrows `src` all the
+    /// same, as an `async fn` would); errors come at its first poll.
+    fn write_op<'a>(
+        &'a self,
+        src: &'a MemoryRegion,
         range: Range<u64>,
         dst: RemoteRegion,
         dst_offset: u64,
         imm: Option<u32>,
-    ) -> Result<WorkCompletion, Error> {
-        let req = self.write_request(src, range, dst, dst_offset, imm)?;
+    ) -> impl Future<Output = Result<WorkCompletion, Error>> + 'a {
+        let req = self.write_request(src, range, dst, dst_offset, imm);
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
-            .await
+        async move {
+            let _src = src;
+            let req = req?;
+            self.run_op(move |core, wr_id| core.post_write(h, WriteRequest { wr_id, ..req }))
+                .await
+        }
     }
 
     /// Posts several RDMA WRITEs at once and resolves once all of them completed: a post
@@ -1068,25 +1082,31 @@ impl Connection {
     /// discarded), so `dst[range]` is free for other use at once; what landed before the
     /// drop stays there. The request is not sent if it had not been, and the peer is told
     /// to stop tracking it.
-    pub async fn read(
-        &self,
-        dst: &MemoryRegion,
+    pub fn read<'a>(
+        &'a self,
+        dst: &'a MemoryRegion,
         range: Range<u64>,
         src: RemoteRegion,
         src_offset: u64,
-    ) -> Result<WorkCompletion, Error> {
-        let w = self.write_request(dst, range, src, src_offset, None)?;
-        let req = ReadRequest {
-            wr_id: 0,
-            lkey: w.lkey,
-            local_offset: w.local_offset,
-            len: w.len,
-            remote_addr: w.remote_addr,
-            rkey: w.rkey,
-        };
+    ) -> impl Future<Output = Result<WorkCompletion, Error>> + 'a {
+        // Built before the future, as `write_op` does.
+        let req = self
+            .write_request(dst, range, src, src_offset, None)
+            .map(|w| ReadRequest {
+                wr_id: 0,
+                lkey: w.lkey,
+                local_offset: w.local_offset,
+                len: w.len,
+                remote_addr: w.remote_addr,
+                rkey: w.rkey,
+            });
         let h = self.inner.handle;
-        self.run_op(move |core, wr_id| core.post_read(h, ReadRequest { wr_id, ..req }))
-            .await
+        async move {
+            let _dst = dst;
+            let req = req?;
+            self.run_op(move |core, wr_id| core.post_read(h, ReadRequest { wr_id, ..req }))
+                .await
+        }
     }
 
     async fn atomic(
@@ -1110,7 +1130,9 @@ impl Connection {
         let lkey = req.lkey;
         let mut op = self
             .post_op(
-                move |core, wr_id| core.post_atomic(h, AtomicRequest { wr_id, ..req }),
+                &move |core: &mut metaroce::Endpoint, wr_id| {
+                    core.post_atomic(h, AtomicRequest { wr_id, ..req })
+                },
                 Some(result),
                 None,
                 None,
@@ -1221,7 +1243,7 @@ impl Connection {
         };
         let mut op = self
             .post_op(
-                move |core, wr_id| {
+                &move |core: &mut metaroce::Endpoint, wr_id| {
                     core.post_recv(
                         h,
                         stream,
@@ -1302,7 +1324,7 @@ impl Connection {
         let span = self.inner.span.clone();
         tracing::Instrument::instrument(
             async {
-                self.post_op(post, None, None, Some(stream))
+                self.post_op(&post, None, None, Some(stream))
                     .await?
                     .wait()
                     .await
