@@ -78,6 +78,15 @@ pub(crate) trait Driven: Send + Sync + 'static {
     fn run_deferred(&self, _lkeys: &mut Vec<u32>) {}
     /// The driver returned.
     fn on_stop(&self) {}
+    /// Hands datagram `d` (of a buffer this shard received) to the shard it belongs to,
+    /// if that is another one: the kernel steers a GSO or GRO buffer whole by its first
+    /// datagram. `true` if handed over (this core must not see it). Default: `false`.
+    fn hand_over(&self, _meta: &RecvMeta, _d: &[u8]) -> bool {
+        false
+    }
+    /// Feeds the datagrams other shards handed over ([`hand_over`](Self::hand_over))
+    /// into the locked core. Default: nothing.
+    fn take_handed_over(&self, _st: &mut Self::State, _now: Instant) {}
     /// The driver task was dropped before it returned (its runtime shut down, or the task
     /// was aborted): nothing will drive the core again. Fails what waits on it, then
     /// [`on_stop`](Self::on_stop).
@@ -119,6 +128,28 @@ impl Driven for Shared {
     fn handle_datagram(st: &mut State, now: Instant, meta: &RecvMeta, d: &[u8]) {
         st.core
             .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+    }
+    fn hand_over(&self, meta: &RecvMeta, d: &[u8]) -> bool {
+        match self.shard_of(d) {
+            Some(other) => {
+                other.hand_over(meta, d);
+                true
+            }
+            None => false,
+        }
+    }
+    fn take_handed_over(&self, st: &mut State, now: Instant) {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        if inbox.datagrams.is_empty() {
+            return;
+        }
+        let datagrams = std::mem::take(&mut inbox.datagrams);
+        inbox.bytes = 0;
+        drop(inbox);
+        for (meta, d) in &datagrams {
+            st.core
+                .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
+        }
     }
     fn poll_transmit(st: &mut State, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         st.core.poll_transmit(now, buf)
@@ -279,6 +310,9 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                     st = shared.lock();
                     now = Instant::now();
                 }
+                // Datagrams of this shard that another shard received (inside a GSO or
+                // GRO buffer steered by its first datagram).
+                shared.take_handed_over(&mut st, now);
                 if D::poll_timeout(&st).is_some_and(|t| t <= now) {
                     D::handle_timeout(&mut st, now);
                 }
@@ -435,7 +469,9 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                                 let copied = if lent { 0 } else { n };
                                 for (meta, buf) in metas[..copied].iter().zip(&bufs) {
                                     for d in meta.datagrams(buf) {
-                                        D::handle_datagram(&mut st, now, meta, d);
+                                        if !shared.hand_over(meta, d) {
+                                            D::handle_datagram(&mut st, now, meta, d);
+                                        }
                                     }
                                 }
                                 // Drain whatever else is already queued without waiting,
@@ -547,7 +583,9 @@ fn drain_ready<D: Driven>(
                 let now = Instant::now();
                 for (meta, buf) in metas[..n].iter().zip(bufs.iter()) {
                     for d in meta.datagrams(buf) {
-                        D::handle_datagram(&mut st, now, meta, d);
+                        if !shared.hand_over(meta, d) {
+                            D::handle_datagram(&mut st, now, meta, d);
+                        }
                     }
                 }
             }
@@ -569,7 +607,9 @@ fn handle_lent<'a, D: Driven>(
 ) {
     let (st, now) = held.get_or_insert_with(|| (shared.lock(), Instant::now()));
     for d in meta.datagrams(buf) {
-        D::handle_datagram(st, *now, meta, d);
+        if !shared.hand_over(meta, d) {
+            D::handle_datagram(st, *now, meta, d);
+        }
     }
 }
 

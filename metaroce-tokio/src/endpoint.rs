@@ -417,6 +417,10 @@ pub(crate) struct Shared {
     pub shard: usize,
     /// Every shard of the endpoint, this one included, in order (set once at start).
     pub siblings: std::sync::OnceLock<Vec<std::sync::Weak<Shared>>>,
+    /// Datagrams of this shard's connections that the kernel delivered to another shard
+    /// (inside a GSO or GRO buffer, which the reuseport program steers whole by its first
+    /// datagram), handed over by that shard's driver. Bounded by [`INBOX_BYTES`].
+    pub inbox: Mutex<Inbox>,
     /// The shards' active-sender counts for the receiver-driven fair share (one table per
     /// endpoint, shared by its shards).
     pub fair: Arc<FairShare>,
@@ -424,6 +428,53 @@ pub(crate) struct Shared {
     /// The driver task returned.
     pub stopped: std::sync::atomic::AtomicBool,
     pub span: tracing::Span,
+}
+
+/// Most bytes of datagrams waiting in a shard's [`Inbox`]; more are dropped (counted in
+/// [`Inbox::dropped`]), as the socket would drop them.
+pub(crate) const INBOX_BYTES: usize = 4 << 20;
+
+/// Datagrams another shard received for this one (see [`Shared::inbox`]).
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub datagrams: std::collections::VecDeque<(crate::backend::RecvMeta, Vec<u8>)>,
+    pub bytes: usize,
+    /// Datagrams refused because the inbox was full.
+    pub dropped: u64,
+}
+
+impl Shared {
+    /// The shard (other than this one) that datagram `d` belongs to, by the rule the
+    /// kernel's reuseport program steers lone datagrams with; `None` when it is this
+    /// shard's or the endpoint is not sharded.
+    pub fn shard_of(&self, d: &[u8]) -> Option<Arc<Shared>> {
+        let sibs = self.siblings.get()?;
+        if sibs.len() < 2 {
+            return None;
+        }
+        #[cfg(target_os = "linux")]
+        let k = crate::backend::reuseport::steer(d, sibs.len() as u32) as usize;
+        #[cfg(not(target_os = "linux"))]
+        let k = self.shard;
+        if k == self.shard {
+            return None;
+        }
+        sibs.get(k)?.upgrade()
+    }
+
+    /// Queues `d` for this shard's driver (from another shard's) and wakes it; dropped
+    /// when the inbox is full.
+    pub fn hand_over(&self, meta: &crate::backend::RecvMeta, d: &[u8]) {
+        let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+        if inbox.bytes + d.len() > INBOX_BYTES {
+            inbox.dropped += 1;
+            return;
+        }
+        inbox.bytes += d.len();
+        inbox.datagrams.push_back((*meta, d.to_vec()));
+        drop(inbox);
+        self.wake_driver.notify_one();
+    }
 }
 
 /// The receiver-driven fair share of a sharded endpoint (`transport.recv_capacity_mbps`):
@@ -822,6 +873,7 @@ impl Endpoint {
             id,
             shard,
             siblings: std::sync::OnceLock::new(),
+            inbox: Mutex::new(Inbox::default()),
             fair,
             cfg: config.clone(),
             stopped: std::sync::atomic::AtomicBool::new(false),

@@ -24,7 +24,7 @@ use std::task::{Context, Poll};
 
 mod impair;
 #[cfg(target_os = "linux")]
-mod reuseport;
+pub(crate) mod reuseport;
 mod udp;
 #[cfg(target_os = "linux")]
 mod uring;

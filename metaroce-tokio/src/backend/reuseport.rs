@@ -8,6 +8,12 @@
 //! the end of a short datagram, which makes the program return 0) falls back to shard 0 or
 //! the kernel's hash, both harmless: the shard's core counts and drops what is not its own.
 //!
+//! A GSO buffer from a local sender (delivered whole to a `UDP_GRO` socket) or a NIC's GRO
+//! buffer (datagrams of one 5-tuple: one peer path port, whichever connections it carries)
+//! is steered whole, by its first datagram. The driver therefore checks each datagram of a
+//! buffer with [`steer`] and hands another shard's to that shard (`Shared::hand_over`):
+//! before it did, they were dropped as `unknown_connection` by the shard that got them.
+//!
 //! The program (offsets in docs/PROTOCOL.md, "Base Transport Header" and "ConnectEth"):
 //!
 //! ```text
@@ -91,10 +97,10 @@ fn program(shards: u32) -> [SockFilter; 10] {
     ]
 }
 
-/// The shard the program picks for `payload` (the same logic in Rust, for tests and for
-/// documentation: the kernel runs [`program`]).
-#[cfg(test)]
-fn steer(payload: &[u8], shards: u32) -> u32 {
+/// The shard the program picks for `payload` (the same logic in Rust: the kernel runs
+/// [`program`]). A GSO or GRO buffer is steered whole by its first datagram, so the
+/// driver checks every datagram of a buffer with this and hands another shard's to it.
+pub(crate) fn steer(payload: &[u8], shards: u32) -> u32 {
     let be24 = |at: usize| {
         payload
             .get(at..at + 4)

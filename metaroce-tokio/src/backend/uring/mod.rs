@@ -581,7 +581,12 @@ impl UringBackend {
 /// caller).
 fn parse_recv<'a>(raw: &'a [u8], hdr: &libc::msghdr) -> Option<(RecvMeta, &'a [u8])> {
     let msg = io_uring::types::RecvMsgOut::parse(raw, hdr).ok()?;
-    if msg.is_name_data_truncated() {
+    // Truncated in any part, the record is dropped: a cut payload's last datagram lost its
+    // tail, and cut control messages may have lost the `UDP_GRO` segment size, which would
+    // make a GRO batch pass for one datagram. (With 64 KiB of payload room and 256 bytes
+    // of control room neither happens today; the parser does not rely on it.)
+    if msg.is_name_data_truncated() || msg.is_payload_truncated() || msg.is_control_data_truncated()
+    {
         return None;
     }
     let from = parse_sockaddr(msg.name_data())?;
@@ -1222,6 +1227,77 @@ mod tests {
             assert_eq!(cmsgs(&b).count(), 0, "cmsg_len {len}");
         }
         assert_eq!(cmsgs(&[]).count(), 0);
+    }
+
+    /// A provided buffer as the multishot receive fills it: `io_uring_recvmsg_out`, a
+    /// `sockaddr_in` in the name area, `control` in the control area, then `payload`.
+    fn record(flags: i32, payloadlen: u32, control: &[u8], payload: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&16u32.to_ne_bytes()); // namelen
+        b.extend_from_slice(&(control.len() as u32).to_ne_bytes()); // controllen
+        b.extend_from_slice(&payloadlen.to_ne_bytes());
+        b.extend_from_slice(&(flags as u32).to_ne_bytes());
+        let mut name = [0u8; ring::NAME_LEN as usize];
+        name[..2].copy_from_slice(&(libc::AF_INET as u16).to_ne_bytes());
+        name[2..4].copy_from_slice(&4791u16.to_be_bytes());
+        name[4..8].copy_from_slice(&[10, 0, 0, 1]);
+        b.extend_from_slice(&name);
+        let mut ctl = [0u8; ring::CONTROL_LEN as usize];
+        ctl[..control.len()].copy_from_slice(control);
+        b.extend_from_slice(&ctl);
+        b.extend_from_slice(payload);
+        b
+    }
+
+    fn recv_hdr() -> libc::msghdr {
+        libc::msghdr {
+            msg_name: std::ptr::null_mut(),
+            msg_namelen: ring::NAME_LEN,
+            msg_iov: std::ptr::null_mut(),
+            msg_iovlen: 0,
+            msg_control: std::ptr::null_mut(),
+            msg_controllen: ring::CONTROL_LEN as _,
+            msg_flags: 0,
+        }
+    }
+
+    fn gro_cmsg(stride: i32) -> Vec<u8> {
+        let mut c = vec![0u8; cmsg_align(CMSG_HDR + 4)];
+        c[..CMSG_ALIGN].copy_from_slice(&(CMSG_HDR + 4).to_ne_bytes());
+        c[CMSG_ALIGN..CMSG_ALIGN + 4].copy_from_slice(&libc::SOL_UDP.to_ne_bytes());
+        c[CMSG_ALIGN + 4..CMSG_HDR].copy_from_slice(&libc::UDP_GRO.to_ne_bytes());
+        c[CMSG_HDR..CMSG_HDR + 4].copy_from_slice(&stride.to_ne_bytes());
+        c
+    }
+
+    /// A record the kernel flagged truncated is never handed on as if whole: with
+    /// `MSG_TRUNC` its last datagram lost its tail; with `MSG_CTRUNC` the `UDP_GRO` segment
+    /// size may be the control message that was cut, and a GRO batch would then pass for
+    /// one datagram (the concatenation of several). Both are dropped and counted, as the
+    /// parser's documentation says; an intact record still parses, split at its stride.
+    #[test]
+    fn records_flagged_truncated_are_rejected() {
+        let hdr = recv_hdr();
+        let payload: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        let gro = gro_cmsg(1000);
+        let intact = record(0, 3000, &gro, &payload);
+        let (m, p) = parse_recv(&intact, &hdr).expect("intact");
+        assert_eq!((m.len, m.stride, p.len()), (3000, 1000, 3000));
+        assert_eq!(m.from, "10.0.0.1:4791".parse().unwrap());
+        // The kernel says 70 000 bytes came, 3000 fit.
+        let cut = record(libc::MSG_TRUNC, 70_000, &gro, &payload);
+        assert!(
+            parse_recv(&cut, &hdr).is_none(),
+            "a payload flagged MSG_TRUNC was parsed as whole: {:?}",
+            parse_recv(&cut, &hdr).map(|(m, _)| m)
+        );
+        // Control messages cut: no segment size survived, three datagrams read as one.
+        let ctrunc = record(libc::MSG_CTRUNC, 3000, &[], &payload);
+        assert!(
+            parse_recv(&ctrunc, &hdr).is_none(),
+            "a record flagged MSG_CTRUNC was parsed: {:?}",
+            parse_recv(&ctrunc, &hdr).map(|(m, _)| m)
+        );
     }
 
     #[test]
