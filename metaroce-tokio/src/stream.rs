@@ -189,8 +189,34 @@ impl StreamEntry {
 ///   with the future. Dropped after, the message is still delivered, in order, and a
 ///   failure shows as the error of the next sink call; only the wait for the peer's
 ///   acknowledgement (`poll_flush`) was abandoned. To know whether a message went out,
-///   await `poll_ready` (`SinkExt::ready`) first, then call `start_send` (it does not
-///   wait), and flush separately.
+///   await `poll_ready` first (`SinkExt` has no `ready()`; use
+///   `std::future::poll_fn(|cx| stream.poll_ready_unpin(cx))`, which is cancel safe), then
+///   call `start_send_unpin` (it does not wait), and flush separately:
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # use metaroce_tokio::{Bytes, Config, Endpoint};
+/// use metaroce_tokio::futures::SinkExt;
+/// use std::time::Duration;
+/// # let server = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// # let client = Endpoint::bind("127.0.0.1:0".parse()?, Config::default()).await?;
+/// # let connecting = client.connect(server.local_addr())?;
+/// # let _peer = server.accept().await.unwrap().accept()?;
+/// # let conn = connecting.await?;
+/// let mut tx = conn.open_stream()?;
+/// let msg = Bytes::from_static(b"request");
+/// // Wait for room with a deadline: on timeout nothing was sent, and `msg` is still ours.
+/// let ready = std::future::poll_fn(|cx| tx.poll_ready_unpin(cx));
+/// match tokio::time::timeout(Duration::from_secs(1), ready).await {
+///     Ok(r) => {
+///         r?;
+///         tx.start_send_unpin(msg)?; // handed to the transport: it will be delivered
+///     }
+///     Err(_) => { /* not sent: retry `msg` later */ }
+/// }
+/// # Ok(()) }
+/// ```
 /// - `poll_close`: cancel safe in the same way as `poll_flush`; the stream is finished
 ///   once it returns `Ready`.
 ///
@@ -472,8 +498,17 @@ impl Sink<Bytes> for MessageStream {
         self.send_closed = true;
         let shared = &self.conn.shared;
         let mut st = shared.lock();
-        let r = finish(&mut st, self.handle(), self.id)
-            .map_err(|e| post_error(e, self.id, || self.lost(&st)));
+        let r = finish(&mut st, self.handle(), self.id).map_err(|e| {
+            // The peer stopped the stream (its reader was dropped or called `stop`): say
+            // so, as every other sink call does, rather than `StreamClosed`, which means
+            // this side finished or reset it (found by a new user's trial).
+            let stopped = st
+                .conns
+                .get(&self.handle())
+                .and_then(|c| c.streams.get(&self.id))
+                .and_then(|e| e.stopped.clone());
+            stopped.unwrap_or_else(|| post_error(e, self.id, || self.lost(&st)))
+        });
         drop(st);
         shared.wake_driver.notify_one();
         Poll::Ready(r)

@@ -334,6 +334,17 @@ pub struct TransportConfig {
     /// number of streams over its life, this many at a time. It also bounds the ranges of
     /// closed stream ids kept per direction (ids of one side, opened in order, merge into
     /// one range). Default 65 536.
+    ///
+    /// **Known limit.** A refused stream's id is not recorded (there is no room for it),
+    /// so it leaves a gap in the closed ids; each gap between closed ids is one more range.
+    /// Once the ranges reach this bound, streams that end are kept instead of forgotten,
+    /// they fill the table, and every new stream on the connection is refused from then
+    /// on. With `max_streams` 4, five cycles of "4 open, a 5th refused" wedge a connection
+    /// (metaroce-tokio `tests/newcomer_service.rs`, ignored tests naming this). Keep the
+    /// peer's concurrent streams under this bound (with the default that is 65,536 refused
+    /// streams before it bites), or open a new connection when `RemoteInvalidRequest`
+    /// refusals pile up. Making a full table a flow-control wait instead of a refusal is
+    /// the fix, and is not done.
     pub max_streams: u32,
     /// Most posted operations (SENDs, WRITEs, READs, atomics) not yet completed per
     /// connection; more
