@@ -430,8 +430,8 @@ pub(crate) struct Shared {
     pub span: tracing::Span,
 }
 
-/// Most bytes of datagrams waiting in a shard's [`Inbox`]; more are dropped (counted in
-/// [`Inbox::dropped`]), as the socket would drop them.
+/// Most bytes of datagrams waiting in a shard's [`Inbox`], each counted with its queue
+/// entry; more are dropped (counted in [`Inbox::dropped`]), as the socket would drop them.
 pub(crate) const INBOX_BYTES: usize = 4 << 20;
 
 /// Datagrams another shard received for this one (see [`Shared::inbox`]).
@@ -463,14 +463,22 @@ impl Shared {
     }
 
     /// Queues `d` for this shard's driver (from another shard's) and wakes it; dropped
-    /// when the inbox is full.
+    /// when the inbox is full, or when this shard's driver has stopped (nothing would
+    /// drain it, and a handle may keep this `Shared` alive for long).
     pub fn hand_over(&self, meta: &crate::backend::RecvMeta, d: &[u8]) {
+        if self.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        // Each entry is charged its queue slot as well as its payload: a zero-length
+        // datagram (or a runt, which `steer` gives to shard 0) costs nothing by its length,
+        // and the queue grew without limit while its driver did not drain it.
+        let cost = d.len() + std::mem::size_of::<(crate::backend::RecvMeta, Vec<u8>)>();
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-        if inbox.bytes + d.len() > INBOX_BYTES {
+        if inbox.bytes + cost > INBOX_BYTES {
             inbox.dropped += 1;
             return;
         }
-        inbox.bytes += d.len();
+        inbox.bytes += cost;
         inbox.datagrams.push_back((*meta, d.to_vec()));
         drop(inbox);
         self.wake_driver.notify_one();
@@ -1261,4 +1269,55 @@ pub(crate) fn local_ip_for(local: SocketAddr, peer: SocketAddr) -> Option<std::n
     let s = std::net::UdpSocket::bind(bind).ok()?;
     s.connect(peer).ok()?;
     s.local_addr().ok().map(|a| a.ip())
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod inbox_tests {
+    use super::*;
+    use crate::backend::RecvMeta;
+    use crate::driver::Driven;
+
+    /// The inbox bound (`INBOX_BYTES`) must bound the memory the queue holds, not only
+    /// the payload bytes: a zero-length datagram (or a runt) that shard 1 receives on
+    /// one of its own path sockets (not steered by the kernel) is steered to shard 0 by
+    /// `reuseport::steer` and queued there at 0 (or a few) bytes, while each queued
+    /// entry costs a `RecvMeta` and a `Vec` header. While shard 0's driver does not
+    /// drain (busy sending, stopped with its handle alive), the queue grew without limit.
+    #[tokio::test(flavor = "current_thread")]
+    async fn inbox_bound_holds_for_empty_and_tiny_datagrams() {
+        let ep = Endpoint::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            Config {
+                shards: 2,
+                ..Config::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(ep.shards(), 2, "reuseport program not attached");
+        let (shard0, shard1) = (ep.inner.shards[0].clone(), ep.inner.shards[1].clone());
+        let meta = RecvMeta {
+            from: "127.0.0.1:9".parse().unwrap(),
+            ..RecvMeta::EMPTY
+        };
+        let entry = std::mem::size_of::<(RecvMeta, Vec<u8>)>();
+        let most = INBOX_BYTES / entry;
+        // No await in between: shard 0's driver (same thread) cannot drain meanwhile.
+        for i in 0..3 * most {
+            let d: &[u8] = if i % 2 == 0 { &[] } else { &[0x01] };
+            assert!(
+                <Shared as Driven>::hand_over(&shard1, &meta, d),
+                "a runt at shard 1 is shard 0's by the steering rule"
+            );
+        }
+        let inbox = shard0.inbox.lock().unwrap();
+        assert!(
+            inbox.datagrams.len() <= most,
+            "{} datagrams queued ({} B of entries, {} B of payload counted) past a {} B bound",
+            inbox.datagrams.len(),
+            inbox.datagrams.len() * entry,
+            inbox.bytes,
+            INBOX_BYTES
+        );
+    }
 }
