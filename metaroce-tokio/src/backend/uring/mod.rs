@@ -183,7 +183,7 @@ struct Inner {
 /// * **Threads**: the kernel completes each received datagram in task work queued to the
 ///   thread that armed the multishot receive. When another thread polls for datagrams (the
 ///   driver task moved to another tokio worker), each datagram would first wake the arming
-///   thread, then the poller: two thread wake-ups instead of none on loopback. After 32
+///   thread, then the poller: two thread wake-ups instead of none on loopback. After 4
 ///   consecutive receive polls from one other thread, the receive is cancelled and re-armed
 ///   from that thread ([`UringStats::recv_moves`] counts these); datagrams arriving in
 ///   between wait in the socket buffer. Only receive polls arm it, never `poll_send` or

@@ -34,8 +34,15 @@ const RECV_UD: u64 = 1 << 63;
 /// `user_data` of cancellation requests (their completions are ignored).
 const CANCEL_UD: u64 = (1 << 63) | 1;
 /// Consecutive receive polls on a thread other than the one that armed the multishot
-/// receive after which it is cancelled, to be re-armed from the polling thread.
-pub(super) const RECV_FOLLOW_POLLS: u32 = 32;
+/// receive after which it is cancelled, to be re-armed from the polling thread. 4, not 32:
+/// with the application's tasks on the runtime's workers beside the driver (as
+/// `metaroce-perf` runs them since `50b5e26`), the driver task moves between the two
+/// workers often and rarely polled 32 times in a row elsewhere (3 moves in 400,000 WRITEs),
+/// so half its receives woke the other thread. `write_bw -s 64 --backend uring`, four runs
+/// each: 32: 0.58–0.61 M WRITEs/s; 8: 0.62–0.66; 4: 0.66–0.72; 2: 0.68–0.74 but lists of 16
+/// (`-Q 16`) fell to 0.59–0.77 against 4's 0.77–0.87 (32: 0.73–0.82); 1 MiB WRITEs and the
+/// 64 B round trip unchanged (docs/RESULTS.md, fifteenth session).
+pub(super) const RECV_FOLLOW_POLLS: u32 = 4;
 /// Buffer group id of the receive buffer ring.
 const BGID: u16 = 0x6d72;
 /// Room reserved in each receive buffer for the source address and control messages.
