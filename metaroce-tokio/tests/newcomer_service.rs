@@ -7,25 +7,10 @@ use metaroce_tokio::{Access, Bytes, Config, Connection, Endpoint, Error};
 use std::time::{Duration, Instant};
 use tokio::time::timeout;
 
-const T: Duration = Duration::from_secs(20);
+mod common;
+use common::{pair, pair_with};
 
-async fn pair(cfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg.clone())
-        .await
-        .unwrap();
-    let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), cfg)
-        .await
-        .unwrap();
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let peer = timeout(T, server.accept())
-        .await
-        .unwrap()
-        .unwrap()
-        .accept()
-        .unwrap();
-    let conn = timeout(T, connecting).await.unwrap().unwrap();
-    (server, client, conn, peer)
-}
+const T: Duration = Duration::from_secs(20);
 
 fn payload(i: u32, len: usize) -> Bytes {
     let mut v = Vec::with_capacity(len);
@@ -430,22 +415,12 @@ async fn a_write_into_a_dropped_region_fails_cleanly() {
     r.unwrap();
 }
 
+/// A server with `scfg` and a client with `ccfg`, connected (`common::pair_with`).
 async fn pair2(scfg: Config, ccfg: Config) -> (Endpoint, Endpoint, Connection, Connection) {
-    let server = Endpoint::bind("127.0.0.1:0".parse().unwrap(), scfg)
-        .await
-        .unwrap();
     let client = Endpoint::bind("127.0.0.1:0".parse().unwrap(), ccfg)
         .await
         .unwrap();
-    let connecting = client.connect(server.local_addr()).unwrap();
-    let peer = timeout(T, server.accept())
-        .await
-        .unwrap()
-        .unwrap()
-        .accept()
-        .unwrap();
-    let conn = timeout(T, connecting).await.unwrap().unwrap();
-    (server, client, conn, peer)
+    pair_with(scfg, client).await
 }
 
 #[tokio::test]
