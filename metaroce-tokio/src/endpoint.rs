@@ -1310,13 +1310,27 @@ mod inbox_tests {
                 "a runt at shard 1 is shard 0's by the steering rule"
             );
         }
-        let inbox = shard0.inbox.lock().unwrap();
+        let queued = shard0.inbox.lock().unwrap().datagrams.len();
+        // A shard whose driver stopped takes nothing more (nothing would drain it).
+        shard0.stopped.store(true, Ordering::Release);
+        let payload_counted = {
+            let mut inbox = shard0.inbox.lock().unwrap();
+            inbox.datagrams.clear();
+            std::mem::take(&mut inbox.bytes)
+        };
+        assert!(<Shared as Driven>::hand_over(&shard1, &meta, &[]));
+        assert_eq!(
+            shard0.inbox.lock().unwrap().datagrams.len(),
+            0,
+            "a stopped shard's inbox took a datagram"
+        );
+        shard0.stopped.store(false, Ordering::Release);
         assert!(
-            inbox.datagrams.len() <= most,
-            "{} datagrams queued ({} B of entries, {} B of payload counted) past a {} B bound",
-            inbox.datagrams.len(),
-            inbox.datagrams.len() * entry,
-            inbox.bytes,
+            queued <= most,
+            "{} datagrams queued ({} B of entries, {} B counted) past a {} B bound",
+            queued,
+            queued * entry,
+            payload_counted,
             INBOX_BYTES
         );
     }
