@@ -252,6 +252,7 @@ pub enum Forged {
         path: u8,
         psn: Psn,
         syndrome: u8,
+        flags: u8,
         op_id: u32,
     },
     /// MR_CLOSE.
@@ -959,6 +960,7 @@ impl World {
                 path,
                 psn,
                 syndrome,
+                flags,
                 op_id,
             } => {
                 let h = Headers::Nak {
@@ -966,7 +968,11 @@ impl World {
                         path_id: path,
                         ..PathEth::default()
                     },
-                    nak: NakEth { syndrome, op_id },
+                    nak: NakEth {
+                        syndrome,
+                        flags,
+                        op_id,
+                    },
                 };
                 (
                     Bth::new(Opcode::MR_NAK, self.qp(qp), self.psn(psn)),

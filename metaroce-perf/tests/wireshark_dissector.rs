@@ -457,6 +457,7 @@ fn synthetic() -> Vec<(Frame, Vec<(&'static str, String)>)> {
                     path: path_eth(2, 0),
                     nak: NakEth {
                         syndrome: 0x40 | 12,
+                        flags: 0,
                         op_id: 42,
                     },
                 },

@@ -495,7 +495,6 @@ async fn a_message_over_the_peers_max_message_size_fails_clearly() {
 }
 
 /// Many more concurrent requests than the server's `max_streams`.
-#[ignore = "known defect: refused stream ids fragment the closed-id set until the stream table wedges (TransportConfig::max_streams, \"Known limit\")"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_concurrent_requests_than_max_streams() {
     let mut scfg = Config::default();
@@ -622,8 +621,9 @@ async fn sequential_requests_under_a_small_max_streams() {
 /// (`RecvState::retired`); once that set has `max_streams` ranges, `try_retire` keeps
 /// completed streams instead of forgetting them, they fill the table, and every new stream
 /// is refused for the rest of the connection's life. README: "a connection can open one
-/// per request without end (`max_streams` bounds the streams open at once)".
-#[ignore = "known defect: refused stream ids fragment the closed-id set until the stream table wedges (TransportConfig::max_streams, \"Known limit\")"]
+/// per request without end (`max_streams` bounds the streams open at once)". Now the
+/// refusal carries a flag, the client aborts the refused stream from message 0, and the
+/// server records its id as closed (docs/PROTOCOL.md, "Refused streams").
 #[tokio::test]
 async fn refusals_at_max_streams_do_not_wedge_the_connection() {
     const MAX: u32 = 4;

@@ -327,24 +327,18 @@ pub struct TransportConfig {
     /// sender waits and re-sends it, so the peers' windows need not match. Default 1024.
     pub max_stream_window: u32,
     /// Most streams one connection keeps state for at once, per direction: a new stream
-    /// beyond it is refused (its first packet NAKed with 0x61, `RemoteInvalidRequest` at
-    /// the sender). A stream stops counting once it is over in that direction and the
-    /// connection forgot it (its end acknowledged, or delivered and consumed; see
+    /// beyond it is refused. Its SEND fails with `RemoteInvalidRequest` at the sender (NAK
+    /// 0x61 with `NakEth::FLAG_STREAM_REFUSED`), later SENDs on it with `WrFlushError`,
+    /// and the sender's stream abort ([`STREAM_CODE_REFUSED`](crate::STREAM_CODE_REFUSED))
+    /// lets this side record the id as closed; nothing of the stream is delivered. A
+    /// stream stops counting once it is over in that direction and the connection forgot
+    /// it (its end acknowledged, or delivered and consumed; see
     /// [`Event::StreamClosed`](crate::Event::StreamClosed)), so a connection may open any
-    /// number of streams over its life, this many at a time. It also bounds the ranges of
-    /// closed stream ids kept per direction (ids of one side, opened in order, merge into
-    /// one range). Default 65 536.
-    ///
-    /// **Known limit.** A refused stream's id is not recorded (there is no room for it),
-    /// so it leaves a gap in the closed ids; each gap between closed ids is one more range.
-    /// Once the ranges reach this bound, streams that end are kept instead of forgotten,
-    /// they fill the table, and every new stream on the connection is refused from then
-    /// on. With `max_streams` 4, five cycles of "4 open, a 5th refused" wedge a connection
-    /// (metaroce-tokio `tests/newcomer_service.rs`, ignored tests naming this). Keep the
-    /// peer's concurrent streams under this bound (with the default that is 65,536 refused
-    /// streams before it bites), or open a new connection when `RemoteInvalidRequest`
-    /// refusals pile up. Making a full table a flow-control wait instead of a refusal is
-    /// the fix, and is not done.
+    /// number of streams over its life, this many at a time, and refusals do not use
+    /// anything up. It also bounds the ranges of closed stream ids kept per direction, at
+    /// `2 × max_streams + 1` (ids of one side, opened in order, merge into one range; a
+    /// peer that skips ids can fragment them until ended streams are kept instead of
+    /// forgotten). Default 65 536. See docs/PROTOCOL.md, "Refused streams".
     pub max_streams: u32,
     /// Most posted operations (SENDs, WRITEs, READs, atomics) not yet completed per
     /// connection; more

@@ -298,7 +298,9 @@ pub enum Event {
     /// The peer reset `stream` with `code`
     /// ([`Endpoint::reset_stream`](crate::Endpoint::reset_stream), or in answer to this
     /// side's [`Endpoint::stop_stream`](crate::Endpoint::stop_stream)), or gave up on it after
-    /// a SEND failed with `RnrRetryExceeded` (code [`STREAM_CODE_RNR`](crate::STREAM_CODE_RNR)).
+    /// a SEND failed with `RnrRetryExceeded` (code [`STREAM_CODE_RNR`](crate::STREAM_CODE_RNR))
+    /// or was refused for a full stream table, when this side had room for the stream by
+    /// the time the abort came (code [`STREAM_CODE_REFUSED`](crate::STREAM_CODE_REFUSED)).
     /// Reported once, after the messages delivered before the reset point; receives still
     /// posted on the stream were completed with `WrFlushError` just before. No further
     /// message arrives on the stream.
@@ -334,8 +336,8 @@ pub enum Event {
     /// [`PostError::StreamClosed`](crate::PostError::StreamClosed), a receive posted on it
     /// completes with `WrFlushError`, and late packets of it are acknowledged and dropped.
     /// `TransportConfig::max_streams` counts streams not closed yet. (A stream with a
-    /// refused message, or beyond `max_streams` ranges of closed ids that do not merge, is
-    /// kept instead and never reported closed.)
+    /// refused message, or beyond `2 × max_streams + 1` ranges of closed ids that do not
+    /// merge, is kept instead and never reported closed.)
     StreamClosed {
         /// Which connection.
         conn: ConnectionHandle,

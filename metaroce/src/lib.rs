@@ -85,7 +85,7 @@ pub use config::{
     ConfigError, CongestionAlgorithm, CongestionConfig, EndpointConfig, RetryPolicy,
     TransportConfig,
 };
-pub use conn::send::STREAM_CODE_RNR;
+pub use conn::send::{STREAM_CODE_REFUSED, STREAM_CODE_RNR};
 pub use conn::AtomicOp;
 pub use conn::{ConnectionStats, PathInfo, PathState, PathStats};
 pub use endpoint::{

@@ -353,7 +353,7 @@ fn a_receive_pending_at_the_fin_is_flushed_and_the_stream_closes() {
 }
 
 /// A stream whose peer finished it but that is kept (its closed id would add a range
-/// beyond `max_streams` ranges): a receive posted on it after every message was delivered
+/// beyond the `2 × max_streams + 1` ranges kept): a receive posted on it after every message was delivered
 /// completes with `WrFlushError` at once instead of waiting for a message that cannot
 /// come.
 #[test]
@@ -363,8 +363,8 @@ fn a_receive_posted_on_a_finished_stream_that_is_kept_is_flushed_at_once() {
     b.transport.max_streams = 2;
     let mut p = Pair::with_configs(4, a, b);
     let (c, s) = p.connect();
-    // Streams 0, 10 and 20: ids that join no neighbour, one range each.
-    for (i, id) in [0u32, 10, 20].into_iter().enumerate() {
+    // Streams 0, 10, .. 50: ids that join no neighbour, one range each; 5 are kept.
+    for (i, id) in [0u32, 10, 20, 30, 40, 50].into_iter().enumerate() {
         p.eps[0]
             .post_send(c, id, i as u64, Bytes::from_static(b"msg"))
             .unwrap();
@@ -375,8 +375,8 @@ fn a_receive_posted_on_a_finished_stream_that_is_kept_is_flushed_at_once() {
                 .any(|e| matches!(e, Event::StreamFinished { stream, .. } if *stream == id))
         }));
     }
-    assert!(p.eps[1].stream_is_closed(s, 10));
-    assert!(!p.eps[1].stream_is_closed(s, 20), "kept: a third range");
+    assert!(p.eps[1].stream_is_closed(s, 40));
+    assert!(!p.eps[1].stream_is_closed(s, 50), "kept: a sixth range");
     let buf = p.eps[1].register_mr(vec![0; 100], Access::LOCAL_WRITE);
     let rr = RecvRequest {
         wr_id: 7,
@@ -384,9 +384,9 @@ fn a_receive_posted_on_a_finished_stream_that_is_kept_is_flushed_at_once() {
         offset: 0,
         len: 100,
     };
-    p.eps[1].post_recv(s, 20, rr).unwrap();
+    p.eps[1].post_recv(s, 50, rr).unwrap();
     p.run_for(Duration::from_millis(5));
-    assert_eq!(recvs_on(&p, 20), [(7, WcStatus::WrFlushError, false)]);
+    assert_eq!(recvs_on(&p, 50), [(7, WcStatus::WrFlushError, false)]);
 }
 
 /// A receive posted on a region that is then deregistered completes with

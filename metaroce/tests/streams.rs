@@ -977,3 +977,235 @@ fn streams_stopped_with_a_full_own_table_are_forgotten() {
     }
     assert_eq!(p.eps[0].connection_stats(a).unwrap().recv.streams, 2);
 }
+
+/// Completion statuses of side `i`'s operations, by `wr_id`.
+fn statuses(p: &Pair, i: usize, conn: metaroce::ConnectionHandle) -> Vec<(u64, WcStatus)> {
+    p.completions(i, conn)
+        .iter()
+        .map(|wc| (wc.wr_id, wc.status))
+        .collect()
+}
+
+/// The receiver's stream table is full (`max_streams` 2) when a third stream's SEND comes:
+/// it is refused, and the sender's stream abort from message 0 records its id among the
+/// closed ones. Cycles of "2 admitted, 1 refused, the 2 finished" keep the closed ids in
+/// one range, and streams are admitted for ever. Before, each refused id stayed a gap
+/// among the closed ids: after `max_streams` gaps ended streams were kept, the table
+/// filled, and every new stream was refused for the connection's life (a new user's
+/// trial, metaroce-tokio `newcomer_service`).
+#[test]
+fn refused_streams_do_not_wedge_the_connection() {
+    let (a_cfg, mut b_cfg) = (
+        metaroce::testing::pair_config(0, 45),
+        metaroce::testing::pair_config(1, 45),
+    );
+    b_cfg.transport.max_streams = 2;
+    let mut p = Pair::impaired_with_configs(45, Impair::default(), a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    let mut id = 0u32;
+    for cycle in 0..20u64 {
+        let (x, y, z) = (id, id + 2, id + 4);
+        id += 6;
+        for s in [x, y] {
+            p.eps[0]
+                .post_send(a, s, s as u64, Bytes::from_static(b"admitted"))
+                .unwrap();
+        }
+        run_for(&mut p, Duration::from_millis(5));
+        p.eps[0]
+            .post_send(a, z, z as u64, Bytes::from_static(b"refused"))
+            .unwrap();
+        p.eps[0]
+            .post_send(a, z, 1_000_000 + z as u64, Bytes::from_static(b"after"))
+            .unwrap();
+        p.eps[0].finish_stream(p.now, a, z).unwrap();
+        run_for(&mut p, Duration::from_millis(5));
+        for s in [x, y] {
+            p.eps[0].finish_stream(p.now, a, s).unwrap();
+        }
+        run_for(&mut p, Duration::from_millis(20));
+        let st = statuses(&p, 0, a);
+        for (wr, want) in [
+            (x as u64, WcStatus::Success),
+            (y as u64, WcStatus::Success),
+            (z as u64, WcStatus::RemoteInvalidRequest),
+            (1_000_000 + z as u64, WcStatus::WrFlushError),
+        ] {
+            assert!(
+                st.contains(&(wr, want)),
+                "cycle {cycle}: {wr} not {want:?}: {st:?}"
+            );
+        }
+        assert_eq!(trace(&p, 1, x), ["msg 8", "fin"], "cycle {cycle}");
+        assert!(
+            trace(&p, 1, z).is_empty(),
+            "cycle {cycle}: {:?}",
+            trace(&p, 1, z)
+        );
+        for s in [x, y, z] {
+            assert!(p.eps[1].stream_is_closed(b, s), "cycle {cycle}: {s} kept");
+        }
+    }
+    let s = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(s.refused_streams >= 20, "{}", s.refused_streams);
+    assert_eq!(s.streams, 0);
+    assert_eq!(s.retired_stream_ranges, 1, "closed ids 0..{id} merge");
+}
+
+/// The NAKs refusing a stream are lost for a while (the table stays full): every re-sent
+/// copy of the SEND is refused again, and once a NAK gets through the SEND fails; late
+/// copies that reach the receiver after the abort recorded the id as closed are
+/// acknowledged and dropped. No copy is ever delivered, and the SEND never completes
+/// `Success`.
+#[test]
+fn a_refused_send_whose_naks_are_lost_never_completes_success() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (a_cfg, mut b_cfg) = (
+        metaroce::testing::config(0, 46),
+        metaroce::testing::config(1, 46),
+    );
+    b_cfg.transport.max_streams = 1;
+    let mut p = Pair::with_configs(46, a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    p.eps[0]
+        .post_send(a, 0, 0, Bytes::from_static(b"hold"))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    let start = p.now - p.start;
+    p.add_rule(Rule::between(
+        start,
+        start + Duration::from_millis(300),
+        Filter::any().from(1).kind(Kind::Nak),
+        Action::Blackhole,
+    ));
+    // Every data packet of the refused stream also comes again 400 ms later.
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 2)),
+        Action::Late {
+            prob: 1.0,
+            after: Duration::from_millis(400),
+        },
+    ));
+    p.eps[0]
+        .post_send(a, 2, 2, Bytes::from(vec![7; 3000]))
+        .unwrap();
+    run_for(&mut p, Duration::from_secs(2));
+    let naks = p.eps[1].connection_stats(b).unwrap().recv.refused_streams;
+    assert!(naks >= 2, "re-sent copies refused again: {naks}");
+    assert_eq!(
+        statuses(&p, 0, a),
+        [(0, WcStatus::Success), (2, WcStatus::RemoteInvalidRequest)]
+    );
+    assert!(trace(&p, 1, 2).is_empty(), "{:?}", trace(&p, 1, 2));
+    assert!(p.eps[1].stream_is_closed(b, 2));
+}
+
+/// A stream's FIN overtakes its message while the receiver's table is full: the FIN must
+/// wait (flow-control RNR NAK), not be acknowledged and forgotten. Room comes, the message
+/// is admitted and delivered, and the re-sent FIN ends the stream there. Before, the FIN
+/// was acknowledged and ignored: the receiver never saw the stream end.
+#[test]
+fn a_fin_that_overtakes_its_message_at_a_full_table_waits() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (a_cfg, mut b_cfg) = (
+        metaroce::testing::config(0, 47),
+        metaroce::testing::config(1, 47),
+    );
+    b_cfg.transport.max_streams = 1;
+    let mut p = Pair::with_configs(47, a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    p.eps[0]
+        .post_send(a, 0, 0, Bytes::from_static(b"hold"))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    // Stream 2's message is held back 30 ms; its FIN is not.
+    let r = p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len > 0)),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(30),
+        },
+    ));
+    p.eps[0]
+        .post_send(a, 2, 2, Bytes::from_static(b"late message"))
+        .unwrap();
+    p.eps[0].finish_stream(p.now, a, 2).unwrap();
+    run_for(&mut p, Duration::from_millis(10));
+    assert!(p.hits(r).1 >= 1);
+    let waited = p.eps[1].connection_stats(b).unwrap().recv.stream_table_naks;
+    assert!(waited >= 1, "the FIN came first and waited");
+    // Room: stream 0 ends.
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(trace(&p, 1, 2), ["msg 12", "fin"]);
+    assert_eq!(
+        statuses(&p, 0, a),
+        [(0, WcStatus::Success), (2, WcStatus::Success)]
+    );
+}
+
+/// A stream's third message reaches the full table first and is refused; the sender's
+/// abort from message 2 must wait (flow-control RNR NAK) while messages 0 and 1 are on
+/// their way. Room comes, they are admitted and delivered, and the re-sent abort then
+/// resets the stream after them (`STREAM_CODE_REFUSED`). Before, the abort was
+/// acknowledged and ignored, and the stream stayed open at the receiver for good.
+#[test]
+fn an_abort_that_overtakes_earlier_messages_at_a_full_table_waits() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (a_cfg, mut b_cfg) = (
+        metaroce::testing::config(0, 48),
+        metaroce::testing::config(1, 48),
+    );
+    b_cfg.transport.max_streams = 1;
+    let mut p = Pair::with_configs(48, a_cfg, b_cfg);
+    let (a, b) = p.connect();
+    p.eps[0]
+        .post_send(a, 0, 0, Bytes::from_static(b"hold"))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    // Messages 0 and 1 of stream 2 are held back 30 ms; message 2 is not.
+    let r = p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).when(|i| {
+            i.send
+                .is_some_and(|s| s.stream_id == 2 && s.msg_seq < 2 && s.msg_len > 0)
+        }),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(30),
+        },
+    ));
+    for k in 0..3u64 {
+        p.eps[0]
+            .post_send(a, 2, 10 + k, Bytes::from(vec![k as u8; 100]))
+            .unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(10));
+    assert!(p.hits(r).1 >= 2);
+    let s = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(s.refused_streams >= 1 && s.stream_table_naks >= 1, "{s:?}");
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(
+        trace(&p, 1, 2),
+        [
+            "msg 100",
+            "msg 100",
+            &format!("reset {}", metaroce::STREAM_CODE_REFUSED)
+        ]
+    );
+    assert_eq!(
+        statuses(&p, 0, a),
+        [
+            (0, WcStatus::Success),
+            (10, WcStatus::Success),
+            (11, WcStatus::Success),
+            (12, WcStatus::RemoteInvalidRequest)
+        ]
+    );
+}

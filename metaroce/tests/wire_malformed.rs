@@ -149,6 +149,7 @@ fn samples() -> Vec<(Opcode, Headers)> {
                 path,
                 nak: NakEth {
                     syndrome: NakEth::INVALID_REQUEST,
+                    flags: NakEth::FLAG_STREAM_REFUSED,
                     op_id: 1,
                 },
             },
@@ -314,7 +315,8 @@ fn reserved_bits_are_ignored() {
     b[8] |= 0x7C; // BTH reserved bits 6:2 (bits 1:0 are the MetaRoCE trailer kind)
     b[12 + 2] = 0xAA; // PathEth reserved
     b[12 + 8] = 0xA8; // PathEth byte 8: reserved bits 7:3 (bits 2:0 carry the plane)
-    b[24 + 1] = 0xAA; // NakEth reserved
+    b[24 + 1] |= 0xFE; // NakEth flags: reserved bits 7:1
+    b[24 + 2] = 0xAA; // NakEth reserved
     let p = Packet::parse(&b).unwrap();
     assert_eq!(p.headers, h);
     assert!(!p.bth.fecn && !p.bth.becn && !p.bth.ack_req);

@@ -262,6 +262,7 @@ fn metaroce_packets() -> Vec<(Bth, Headers, Vec<u8>)> {
                 path,
                 nak: NakEth {
                     syndrome: NakEth::REMOTE_ACCESS_ERROR,
+                    flags: 0,
                     op_id: 7,
                 },
             },

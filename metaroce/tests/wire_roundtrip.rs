@@ -233,7 +233,15 @@ fn ack_window_grant_shares_the_old_rate_hint_word() {
 }
 
 fn nak() -> impl Strategy<Value = NakEth> {
-    (any::<u8>(), any::<u32>()).prop_map(|(syndrome, op_id)| NakEth { syndrome, op_id })
+    (any::<u8>(), any::<bool>(), any::<u32>()).prop_map(|(syndrome, refused, op_id)| NakEth {
+        syndrome,
+        flags: if refused {
+            NakEth::FLAG_STREAM_REFUSED
+        } else {
+            0
+        },
+        op_id,
+    })
 }
 fn connect() -> impl Strategy<Value = ConnectEth> {
     (

@@ -132,6 +132,7 @@ local f = {
     -- NakEth
     nak_syn = ProtoField.uint8("metaroce.nak.syndrome", "Syndrome", base.HEX),
     nak_kind = ProtoField.string("metaroce.nak.kind", "NAK"),
+    nak_refused = ProtoField.bool("metaroce.nak.stream_refused", "Stream refused (stream table full)", 8, nil, 0x01),
     nak_op = ProtoField.uint32("metaroce.nak.op_id", "Op id (stream id for a SEND)", base.DEC),
     -- ConnectEth
     c_kind = ProtoField.uint8("metaroce.connect.kind", "Kind", base.DEC, CONNECT_KINDS),
@@ -320,8 +321,11 @@ function H.nak(r, t)
     local s = r(0, 1):uint()
     t:add(f.nak_syn, r(0, 1))
     t:add(f.nak_kind, r(0, 1), nak_kind(s)):set_generated()
+    t:add(f.nak_refused, r(1, 1))
     t:add(f.nak_op, r(4, 4))
-    return nak_kind(s) .. " op=" .. r(4, 4):uint()
+    local refused = ""
+    if r(1, 1):uint() % 2 == 1 then refused = " stream refused" end
+    return nak_kind(s) .. refused .. " op=" .. r(4, 4):uint()
 end
 
 function H.connect(r, t)

@@ -99,6 +99,8 @@ struct PendingNak {
     path_id: u8,
     psn: u32,
     syndrome: u8,
+    /// NakEth flags ([`NakEth::FLAG_STREAM_REFUSED`]).
+    flags: u8,
     op_id: u32,
     echo_ts: u32,
 }
@@ -179,7 +181,7 @@ pub struct ConnectionStats {
     /// makes this side answer, which is bounded too.
     pub queued_ops: u64,
     /// Gauge: ranges of stream ids whose outgoing direction was closed and forgotten
-    /// (consecutive ids merge; at most `max_streams`).
+    /// (consecutive ids merge; at most `2 × max_streams + 1`).
     pub closed_send_stream_ranges: u64,
 }
 
@@ -659,6 +661,7 @@ impl Connection {
             max_recv_buffer_bytes: self.cfg.max_recv_buffer_bytes,
             max_stream_window: self.cfg.max_stream_window,
             max_streams: self.cfg.max_streams,
+            max_ranges: recv::closed_id_ranges(self.cfg.max_streams),
             require_posted_receives: self.cfg.require_posted_receives,
             max_tracked_ops: self.cfg.max_tracked_ops,
             max_held_immediates: self.cfg.max_held_immediates,
@@ -933,6 +936,14 @@ impl Connection {
                             if flow && waits {
                                 self.sq.flow_block(seg);
                             }
+                        } else if nak.syndrome == recv::NAK_INVALID_REQUEST
+                            && nak.flags & NakEth::FLAG_STREAM_REFUSED != 0
+                        {
+                            // The peer's stream table was full: the stream is refused
+                            // (unless another copy of the segment, still in flight, may
+                            // find room: then that copy decides, as for an RNR NAK).
+                            let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
+                            self.sq.on_stream_refused(seg.op, copy);
                         } else {
                             self.sq
                                 .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));
@@ -1331,12 +1342,17 @@ impl Connection {
                 self.ack_due(self.last_heard, lone_send);
             }
             RxOutcome::Drop if !dup => {}
-            RxOutcome::Drop | RxOutcome::Nak(_) | RxOutcome::Rnr | RxOutcome::FlowRnr => {
+            RxOutcome::Drop
+            | RxOutcome::Nak(_)
+            | RxOutcome::StreamRefused
+            | RxOutcome::Rnr
+            | RxOutcome::FlowRnr => {
                 // (A dropped packet under a PSN already marked — taken first by a forged
                 // packet — would be acknowledged and never retried: it gets an RNR NAK, so
                 // the sender re-sends it after the RNR timer.)
                 let syndrome = match outcome {
                     RxOutcome::Nak(s) => s,
+                    RxOutcome::StreamRefused => recv::NAK_INVALID_REQUEST,
                     RxOutcome::FlowRnr => recv::NAK_FLOW_RNR | (self.cfg.min_rnr_timer & 0x1F),
                     _ => 0x20 | (self.cfg.min_rnr_timer & 0x1F),
                 };
@@ -1354,6 +1370,11 @@ impl Connection {
                         path_id: path.path_id,
                         psn,
                         syndrome,
+                        flags: if matches!(outcome, RxOutcome::StreamRefused) {
+                            NakEth::FLAG_STREAM_REFUSED
+                        } else {
+                            0
+                        },
                         op_id,
                         echo_ts: path.timestamp,
                     });
@@ -1682,7 +1703,7 @@ impl Connection {
         // both ways is reported closed, after those completions.
         // A stream this side stopped before anything of it was delivered is forgotten
         // too: the peer may never answer the STOP (`RecvState::try_retire_unanswered`).
-        let max = self.cfg.max_streams as usize;
+        let max = recv::closed_id_ranges(self.cfg.max_streams);
         let (rq, handle) = (&mut self.rq, self.handle);
         let mut unanswered = Vec::new();
         self.sq.retire_streams(max, |stream| {
@@ -1711,7 +1732,10 @@ impl Connection {
     /// Forget `stream`'s incoming direction if it is over (`RecvState::try_retire`); a
     /// stream over both ways is reported closed.
     fn retire_incoming(&mut self, stream: u32, events: &mut VecDeque<Event>) {
-        if !self.rq.try_retire(stream, self.cfg.max_streams as usize) {
+        if !self
+            .rq
+            .try_retire(stream, recv::closed_id_ranges(self.cfg.max_streams))
+        {
             return;
         }
         self.sq.forget_stop(stream);
@@ -1767,7 +1791,7 @@ impl Connection {
         // This side's sending on it is over already: a stream stopped before anything of
         // it was delivered is forgotten now (the peer may never answer the STOP).
         // (Without room for its state, `RecvState::stop` forgot it at once.)
-        let max = self.cfg.max_streams as usize;
+        let max = recv::closed_id_ranges(self.cfg.max_streams);
         if self.sq.is_retired(stream)
             && (!remember && self.rq.is_retired(stream)
                 || self.rq.try_retire_unanswered(stream, max))
@@ -2718,6 +2742,7 @@ impl Connection {
                 },
                 nak: NakEth {
                     syndrome: nak.syndrome,
+                    flags: nak.flags,
                     op_id: nak.op_id,
                 },
             };

@@ -28,6 +28,12 @@ pub(crate) enum RxOutcome {
     Drop,
     /// Refused: NAK with this syndrome, nothing written.
     Nak(u8),
+    /// A SEND on a new stream while the stream table is full (`max_streams`): NAK 0x61
+    /// with [`NakEth::FLAG_STREAM_REFUSED`](crate::wire::NakEth::FLAG_STREAM_REFUSED),
+    /// nothing recorded. The sender fails the SEND, ends the stream and sends a stream
+    /// abort from that message, which fills the id's place among the closed ids
+    /// (`on_stream_abort`).
+    StreamRefused,
     /// No receive posted for this SEND: RNR NAK, the sender retries after the RNR timer.
     Rnr,
     /// Receive flow control (`explicit_consume`): the stream or connection holds too many
@@ -275,6 +281,17 @@ struct WriteTrack {
     nsegs: u32,
 }
 
+/// Most ranges of closed stream ids a connection keeps per set and direction, for a
+/// `max_streams` of `max_streams`: `2 × max_streams + 1`. The ids of streams that still
+/// have state (at most `max_streams`) are gaps between closed ids, each splitting a range,
+/// so an honest peer that opens its streams in order needs up to `max_streams + 1`
+/// ranges; the rest leaves room for refused streams whose aborts are still on their way.
+/// A peer that skips ids (`Connection::stream(id)`) fragments the set faster: at the
+/// bound, ended streams are kept (and count against `max_streams`) instead of forgotten.
+pub(crate) fn closed_id_ranges(max_streams: u32) -> usize {
+    2 * max_streams as usize + 1
+}
+
 /// Limits the responder applies (from `TransportConfig`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RecvLimits {
@@ -283,6 +300,8 @@ pub(crate) struct RecvLimits {
     pub max_recv_buffer_bytes: u64,
     pub max_stream_window: u32,
     pub max_streams: u32,
+    /// Most ranges of closed stream ids kept per set ([`closed_id_ranges`]).
+    pub max_ranges: usize,
     pub require_posted_receives: bool,
     pub max_tracked_ops: u32,
     pub max_held_immediates: u32,
@@ -543,10 +562,19 @@ pub struct RecvStats {
     /// Streams whose incoming direction ended (FIN or reset reported), was drained
     /// (delivered and consumed) and was forgotten; their ids are remembered as ranges
     /// (`retired_stream_ranges`), so a late packet of one is acknowledged and dropped.
+    /// Also counts refused streams recorded as closed by the sender's stream abort
+    /// (`refused_streams`), and streams stopped before anything of them arrived.
     pub retired_streams: u64,
-    /// Gauge: ranges of retired stream ids held (at most `max_streams`; consecutive ids
-    /// merge).
+    /// Gauge: ranges of retired stream ids held (at most `2 × max_streams + 1`;
+    /// consecutive ids of one side merge).
     pub retired_stream_ranges: u64,
+    /// SEND packets of new streams refused because `max_streams` streams had state
+    /// (NAK 0x61 with the stream-refused flag; `RemoteInvalidRequest` at the sender,
+    /// which ends the stream).
+    pub refused_streams: u64,
+    /// FINs and stream aborts of streams with no state and no room for any that waited
+    /// (flow-control RNR NAK) for the stream's earlier messages to arrive or be aborted.
+    pub stream_table_naks: u64,
     /// SEND packets of retired streams (late or duplicated copies), acknowledged and
     /// dropped.
     pub retired_stream_packets: u64,
@@ -739,7 +767,7 @@ impl RecvState {
             // No room for its state: the peer's packets on it are refused anyway, so
             // nothing of it was or will be delivered. It is forgotten at once as stopped
             // at 0 (`try_retire_unanswered`), ranges permitting; else nothing is kept.
-            let max = lim.max_streams as usize;
+            let max = lim.max_ranges;
             let full = |set: &super::idset::IdSet| set.would_grow(stream) && set.ranges() >= max;
             if !full(&self.retired) && !full(&self.unanswered) {
                 self.retired.insert(stream);
@@ -780,10 +808,21 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         self.buf.explicit = lim.explicit_consume;
-        if self.retired.contains(stream)
-            || !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize
-        {
+        if self.retired.contains(stream) {
             return RxOutcome::Accepted;
+        }
+        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            // No room for its state. Dead from message 0 (the sender's answer to a refused
+            // stream, or a reset of a stream nothing of which arrived): nothing of it was
+            // or will be delivered, so its id is recorded as closed, as if it had been
+            // delivered and drained (later copies of its messages are acknowledged and
+            // dropped: their SENDs are already failed or flushed at the sender). Without
+            // this each refused stream left a gap among the closed ids, and gaps piling up
+            // to the range bound wedged the connection (every new stream refused, found by
+            // a new user's trial). Dead from a later message: the earlier ones are still
+            // to arrive and be delivered or refused, so the abort waits (flow-control RNR
+            // NAK, the sender re-sends it) rather than being acknowledged and lost.
+            return self.retire_unseen(stream, first == 0, lim);
         }
         let st = self.streams.entry(stream).or_default();
         let mut from = if seq_before(first, st.next_deliver) {
@@ -825,10 +864,17 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         self.buf.explicit = lim.explicit_consume;
-        if self.retired.contains(stream)
-            || !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize
-        {
+        if self.retired.contains(stream) {
             return RxOutcome::Accepted;
+        }
+        if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
+            // No room for its state. A FIN after no message (an empty stream) is recorded
+            // as a closed id at once: nothing of it is ever delivered. A FIN after
+            // messages that are still to arrive, or to be refused and aborted, waits
+            // (flow-control RNR NAK): acknowledged and ignored, as before, it completed
+            // `Success` at the sender while the receiver never learned the stream's end,
+            // and a stream whose messages were admitted later hung open for good.
+            return self.retire_unseen(stream, count == 0, lim);
         }
         let st = self.streams.entry(stream).or_default();
         if st.fin_at.is_some() || st.dead_from.is_some() || seq_before(count, st.next_deliver) {
@@ -934,6 +980,23 @@ impl RecvState {
         true
     }
 
+    /// A FIN or stream abort for `stream`, which has no state here and no room for any
+    /// (`max_streams`). `empty`: nothing of the stream was or will be delivered (FIN after
+    /// no message, abort from message 0): its id joins `retired` at once, unless that
+    /// would add a range beyond `max_ranges`. Otherwise (or with no range to spare) the
+    /// packet waits: flow-control RNR NAK, and the sender re-sends it until the stream's
+    /// earlier messages made room for it or were aborted.
+    fn retire_unseen(&mut self, stream: u32, empty: bool, lim: &RecvLimits) -> RxOutcome {
+        let full = self.retired.would_grow(stream) && self.retired.ranges() >= lim.max_ranges;
+        if !empty || full {
+            self.stats.stream_table_naks += 1;
+            return RxOutcome::FlowRnr;
+        }
+        self.retired.insert(stream);
+        self.stats.retired_streams += 1;
+        RxOutcome::Accepted
+    }
+
     /// Whether this side keeps incoming state for `stream`.
     pub fn has_stream(&self, stream: u32) -> bool {
         self.streams.contains_key(&stream)
@@ -993,7 +1056,8 @@ impl RecvState {
         if !self.streams.contains_key(&hdr.stream_id)
             && self.streams.len() >= lim.max_streams as usize
         {
-            return RxOutcome::Nak(NAK_INVALID_REQUEST);
+            self.stats.refused_streams += 1;
+            return RxOutcome::StreamRefused;
         }
         let st = self.streams.entry(hdr.stream_id).or_default();
         if st.dead_from.is_some_and(|d| !seq_before(hdr.msg_seq, d)) {
@@ -2001,6 +2065,7 @@ mod tests {
             max_recv_buffer_bytes: 1 << 20,
             max_stream_window: 64,
             max_streams: 64,
+            max_ranges: closed_id_ranges(64),
             require_posted_receives: true,
             max_tracked_ops: 64,
             max_held_immediates: 64,

@@ -31,6 +31,11 @@ pub(crate) const PATH_FLAG_OP_ABORT: u8 = crate::wire::PathEth::FLAG_OP_ABORT;
 /// failed with `RnrRetryExceeded` (not an application reset).
 pub const STREAM_CODE_RNR: u32 = u32::MAX;
 
+/// The code a stream abort carries when the sender gave up on the stream because the
+/// receiver refused it: its stream table was full (`TransportConfig::max_streams`; a NAK
+/// 0x61 with `NakEth::FLAG_STREAM_REFUSED`, `RemoteInvalidRequest` at the sender).
+pub const STREAM_CODE_REFUSED: u32 = u32::MAX - 1;
+
 /// How the sending side ended a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum StreamEnd {
@@ -1048,7 +1053,7 @@ impl SendQueue {
                 return false;
             }
             self.finish(s.op, WcStatus::RnrRetryExceeded);
-            self.fail_stream(s.op);
+            self.fail_stream(s.op, STREAM_CODE_RNR);
             return false;
         }
         r.phase = RnrPhase::Waiting;
@@ -1281,7 +1286,9 @@ impl SendQueue {
     /// a message that never comes, so it is never delivered — and an `MR_SEND` with the
     /// stream-abort flag tells the receiver to drop the stream from this message on and to
     /// flush its receives there.
-    fn fail_stream(&mut self, id: u64) {
+    ///
+    /// `code` is the abort's: [`STREAM_CODE_RNR`] or [`STREAM_CODE_REFUSED`].
+    fn fail_stream(&mut self, id: u64, code: u32) {
         let Some(op) = self.op(id) else { return };
         let OpKind::Send {
             stream, msg_seq, ..
@@ -1309,11 +1316,34 @@ impl SendQueue {
                 OpKind::StreamAbort {
                     stream,
                     msg_seq,
-                    code: STREAM_CODE_RNR,
+                    code,
                 },
                 0,
             );
         }
+    }
+
+    /// The peer refused the stream of SEND `id`: its stream table was full (NAK 0x61 with
+    /// `NakEth::FLAG_STREAM_REFUSED`) and it keeps nothing of the stream. The SEND fails
+    /// with `RemoteInvalidRequest`, and the stream enters the error state as for an RNR
+    /// failure (`fail_stream`): later SENDs on it are flushed, and a stream abort from this
+    /// message (code [`STREAM_CODE_REFUSED`]) lets the peer record the id as closed — a
+    /// refused stream otherwise stays a gap among the peer's closed ids, and enough gaps
+    /// wedge the connection (`closed_id_ranges`). `other_copy`: another copy of the refused
+    /// segment is still in flight and may find room; that copy decides (nothing happens
+    /// now). For an operation that is not a SEND, or already finished, it is a plain NAK
+    /// 0x61 (`fail`).
+    pub fn on_stream_refused(&mut self, id: u64, other_copy: bool) {
+        let Some(op) = self.op(id) else { return };
+        if op.status.is_some() || !matches!(op.kind, OpKind::Send { .. }) {
+            self.finish(id, WcStatus::RemoteInvalidRequest);
+            return;
+        }
+        if other_copy {
+            return;
+        }
+        self.finish(id, WcStatus::RemoteInvalidRequest);
+        self.fail_stream(id, STREAM_CODE_REFUSED);
     }
 
     /// How this side ended `stream` as its sender, if it did (and its state is kept:

@@ -334,7 +334,8 @@ impl AckEth {
 /// | Bytes | Field |
 /// |---|---|
 /// | 0 | syndrome (AETH coding: 0x20..=0x3F RNR NAK with the RNR timer code in bits 4:0; 0x61 invalid request, 0x62 remote access error, 0x63 remote operational error) |
-/// | 1–3 | reserved, 0 |
+/// | 1 | flags: bit 0 [`NakEth::FLAG_STREAM_REFUSED`]; bits 7:1 reserved, 0 |
+/// | 2–3 | reserved, 0 |
 /// | 4–7 | op id of the failed operation (WriteEth op id of the request, or of the READ/atomic a refused response answers; stream id for SEND) |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct NakEth {
@@ -342,6 +343,9 @@ pub struct NakEth {
     /// [`Aeth::NAK_INVALID_REQUEST`], [`Aeth::NAK_REMOTE_ACCESS_ERROR`],
     /// [`Aeth::NAK_REMOTE_OPERATIONAL_ERROR`]. Not validated by the parser.
     pub syndrome: u8,
+    /// Flags (8 bits): [`NakEth::FLAG_STREAM_REFUSED`]; the other bits are reserved (sent
+    /// as 0; the parser clears them).
+    pub flags: u8,
     /// Op id (32 bits) of the failed operation.
     pub op_id: u32,
 }
@@ -355,14 +359,22 @@ impl NakEth {
     pub const REMOTE_ACCESS_ERROR: u8 = Aeth::NAK_REMOTE_ACCESS_ERROR;
     /// Syndrome: remote operational error (0x63), as in the AETH.
     pub const REMOTE_OPERATIONAL_ERROR: u8 = Aeth::NAK_REMOTE_OPERATIONAL_ERROR;
+    /// Flag (with syndrome 0x61 on the NAK of an `MR_SEND`): the receiver refused the
+    /// SEND's stream because its stream table is full (`max_streams`), and keeps no state
+    /// for it. The sender fails the SEND with `RemoteInvalidRequest`, ends the stream
+    /// (later SENDs on it flushed) and sends a stream abort from that message, which the
+    /// receiver records as a closed stream id. See docs/PROTOCOL.md, "Refused streams".
+    pub const FLAG_STREAM_REFUSED: u8 = 0x01;
 
     /// Parse the first 8 bytes of `b`; [`Error::Truncated`] if shorter.
     pub fn parse(b: &[u8]) -> Result<Self, Error> {
         let mut r = Reader::with_len(b, Self::LEN)?;
         let syndrome = r.u8()?;
-        r.skip(3)?;
+        let flags = r.u8()? & Self::FLAG_STREAM_REFUSED;
+        r.skip(2)?;
         Ok(NakEth {
             syndrome,
+            flags,
             op_id: r.u32()?,
         })
     }
@@ -371,7 +383,8 @@ impl NakEth {
     pub fn emit(&self, out: &mut [u8]) -> Result<(), Error> {
         let mut w = Writer::with_len(out, Self::LEN)?;
         w.u8(self.syndrome)?;
-        w.zeros(3)?;
+        w.u8(self.flags)?;
+        w.zeros(2)?;
         w.u32(self.op_id)
     }
 }
