@@ -699,9 +699,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     }
                     Some(Waiter::Batch { batch, index }) => batch.on_completion(index, wc, None),
                     Some(Waiter::Stream(id)) => {
-                        if let Some(s) =
-                            st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id))
-                        {
+                        if let Some(s) = st.stream_mut(conn, id) {
                             let err =
                                 (wc.status != WcStatus::Success).then_some(Error::Completion(wc));
                             s.on_completion(err);
@@ -732,7 +730,7 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 let e = if room {
                     stream_entry(st, conn, stream)
                 } else {
-                    known_stream(st, conn, stream)
+                    st.stream_mut(conn, stream)
                 };
                 if let Some(e) = e {
                     lock_rx(&e.rx).end(RxEnd::Finished);
@@ -740,17 +738,13 @@ fn dispatch(st: &mut State, shared: &Shared) {
             }
             Event::StreamReset { conn, stream, code } => {
                 tracing::debug!(%conn, stream, code, "stream reset by the peer");
-                if let Some(e) = known_stream(st, conn, stream) {
+                if let Some(e) = st.stream_mut(conn, stream) {
                     lock_rx(&e.rx).end(RxEnd::Error(Error::StreamReset { stream, code }));
                 }
             }
             Event::StreamStopped { conn, stream, code } => {
                 tracing::debug!(%conn, stream, code, "stream stopped by the peer");
-                if let Some(e) = st
-                    .conns
-                    .get_mut(&conn)
-                    .and_then(|c| c.streams.get_mut(&stream))
-                {
+                if let Some(e) = st.stream_mut(conn, stream) {
                     // Not an error of the messages already delivered (they complete
                     // Success): the flushed ones and later sink calls fail with it.
                     e.stopped = Some(Error::StreamStopped { stream, code });
@@ -818,7 +812,7 @@ fn send_progress(st: &mut State, conn: ConnectionHandle, stream: Option<u32>) {
     let Some(id) = stream else {
         return;
     };
-    if let Some(e) = st.conns.get_mut(&conn).and_then(|c| c.streams.get_mut(&id)) {
+    if let Some(e) = st.stream_mut(conn, id) {
         if let Some(w) = e.waker.take() {
             w.wake();
         }
@@ -895,15 +889,6 @@ fn release_send_bound(st: &mut State, shared: &Shared) {
 enum Flushed {
     Op(tokio::sync::oneshot::Sender<OpDone>),
     Batch(Arc<crate::connection::BatchSlot>, usize),
-}
-
-/// The routing entry of `stream` if it has one.
-fn known_stream(
-    st: &mut State,
-    conn: metaroce::ConnectionHandle,
-    stream: u32,
-) -> Option<&mut StreamEntry> {
-    st.conns.get_mut(&conn)?.streams.get_mut(&stream)
 }
 
 /// The routing entry of `stream`, created (and announced to `accept_stream`) if the peer

@@ -338,6 +338,22 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// The driver's entry of stream `id` of connection `conn`, if both are live.
+    pub fn stream(&self, conn: ConnectionHandle, id: u32) -> Option<&crate::stream::StreamEntry> {
+        self.conns.get(&conn).and_then(|c| c.streams.get(&id))
+    }
+
+    /// [`State::stream`], mutable.
+    pub fn stream_mut(
+        &mut self,
+        conn: ConnectionHandle,
+        id: u32,
+    ) -> Option<&mut crate::stream::StreamEntry> {
+        self.conns
+            .get_mut(&conn)
+            .and_then(|c| c.streams.get_mut(&id))
+    }
+
     pub fn wr_id(&mut self) -> u64 {
         self.next_wr_id += 1;
         self.next_wr_id

@@ -336,11 +336,7 @@ impl MessageStream {
             return Poll::Ready(Err(Error::EndpointClosed));
         }
         let lost = self.lost(&st);
-        let Some(entry) = st
-            .conns
-            .get_mut(&self.handle())
-            .and_then(|c| c.streams.get_mut(&self.id))
-        else {
+        let Some(entry) = st.stream_mut(self.handle(), self.id) else {
             return Poll::Ready(Err(lost));
         };
         if let Some(e) = entry.error.take() {
@@ -419,10 +415,7 @@ impl Sink<Bytes> for MessageStream {
         // finishes, which may be before its completion is reported (found by review).
         let stream_pending = st.core.stream_send_pending(h, self.id);
         let conn_pending = st.core.send_pending(h);
-        let Some(c) = st.conns.get_mut(&h) else {
-            return Poll::Ready(Err(lost));
-        };
-        let Some(e) = c.streams.get_mut(&self.id) else {
+        let Some(e) = st.stream_mut(h, self.id) else {
             return Poll::Ready(Err(lost));
         };
         if let Some(err) = e.error.take() {
@@ -442,7 +435,9 @@ impl Sink<Bytes> for MessageStream {
         if !bytes_ok {
             // Woken by the driver once bytes were freed (`driver::release_send_bound`);
             // a count bound is woken by the stream's own completions.
-            c.send_blocked.insert(self.id);
+            if let Some(c) = st.conns.get_mut(&h) {
+                c.send_blocked.insert(self.id);
+            }
             crate::driver::wait_send_bound(&mut st, h);
         }
         Poll::Pending
@@ -461,11 +456,7 @@ impl Sink<Bytes> for MessageStream {
             }
             st.waiters
                 .insert((self.handle(), wr_id), Waiter::Stream(self.id));
-            if let Some(entry) = st
-                .conns
-                .get_mut(&self.handle())
-                .and_then(|c| c.streams.get_mut(&self.id))
-            {
+            if let Some(entry) = st.stream_mut(self.handle(), self.id) {
                 entry.in_flight += 1;
             }
         }
@@ -503,9 +494,7 @@ impl Sink<Bytes> for MessageStream {
             // so, as every other sink call does, rather than `StreamClosed`, which means
             // this side finished or reset it (found by a new user's trial).
             let stopped = st
-                .conns
-                .get(&self.handle())
-                .and_then(|c| c.streams.get(&self.id))
+                .stream(self.handle(), self.id)
                 .and_then(|e| e.stopped.clone());
             stopped.unwrap_or_else(|| post_error(e, self.id, || self.lost(&st)))
         });
@@ -530,11 +519,7 @@ impl Drop for MessageStream {
         if let Some(c) = st.conns.get_mut(&self.conn.handle) {
             c.send_blocked.remove(&self.id);
         }
-        if let Some(e) = st
-            .conns
-            .get_mut(&self.conn.handle)
-            .and_then(|c| c.streams.get_mut(&self.id))
-        {
+        if let Some(e) = st.stream_mut(self.conn.handle, self.id) {
             e.has_reader = false;
             let closed = e.closed;
             let mut q = lock_rx(&e.rx);

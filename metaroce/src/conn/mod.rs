@@ -1704,24 +1704,26 @@ impl Connection {
         // A stream this side stopped before anything of it was delivered is forgotten
         // too: the peer may never answer the STOP (`RecvState::try_retire_unanswered`).
         let max = recv::closed_id_ranges(self.cfg.max_streams);
-        let (rq, handle) = (&mut self.rq, self.handle);
-        let mut unanswered = Vec::new();
+        let rq = &mut self.rq;
+        let mut closed = Vec::new();
         self.sq.retire_streams(max, |stream| {
-            let closed = rq.is_retired(stream)
-                || rq.try_retire_unanswered(stream, max) && {
-                    unanswered.push(stream);
-                    true
-                };
-            if closed {
-                events.push_back(Event::StreamClosed {
-                    conn: handle,
-                    stream,
-                });
+            if rq.is_retired(stream) || rq.try_retire_unanswered(stream, max) {
+                closed.push(stream);
             }
         });
-        for stream in unanswered {
-            self.sq.forget_stop(stream);
+        for stream in closed {
+            self.report_closed(stream, events);
         }
+    }
+
+    /// `stream` is over both ways and forgotten: drop what is left of this side's STOP
+    /// of it and report it closed (once: each direction is retired once).
+    fn report_closed(&mut self, stream: u32, events: &mut VecDeque<Event>) {
+        self.sq.forget_stop(stream);
+        events.push_back(Event::StreamClosed {
+            conn: self.handle,
+            stream,
+        });
     }
 
     /// Whether either direction of `stream` ended and was forgotten.
@@ -1738,12 +1740,10 @@ impl Connection {
         {
             return;
         }
-        self.sq.forget_stop(stream);
         if self.sq.is_retired(stream) {
-            events.push_back(Event::StreamClosed {
-                conn: self.handle,
-                stream,
-            });
+            self.report_closed(stream, events);
+        } else {
+            self.sq.forget_stop(stream);
         }
     }
 
@@ -1796,11 +1796,7 @@ impl Connection {
             && (!remember && self.rq.is_retired(stream)
                 || self.rq.try_retire_unanswered(stream, max))
         {
-            self.sq.forget_stop(stream);
-            events.push_back(Event::StreamClosed {
-                conn: self.handle,
-                stream,
-            });
+            self.report_closed(stream, events);
         }
     }
 
