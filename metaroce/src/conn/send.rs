@@ -876,6 +876,7 @@ impl SendQueue {
         }
         op.status = Some(status);
         let flow = flow_key(&op.kind);
+        let rnr_waiting = op.rnr.iter().any(|r| r.phase == RnrPhase::Waiting);
         let (rd, started, internal, response) = (
             op.kind.is_rd_atomic(),
             op.next_seg > 0,
@@ -913,11 +914,18 @@ impl SendQueue {
             self.internal_pending -= 1;
         }
         if let Some(key) = flow {
-            if self.flow_probe.get(&key).is_some_and(|p| p.op == id) {
-                // The probe's operation ended without the probe being acknowledged (a NAK
-                // failed it, e.g. a length error at the receive it reached): nothing else
-                // would wake the segments parked behind it. End the wait; any of them
-                // refused again starts a new one.
+            // The probe's operation ended without the probe being acknowledged (a NAK
+            // failed it, e.g. a length error at the receive it reached): nothing else
+            // would wake the segments parked behind it. End the wait; any of them refused
+            // again starts a new one. Likewise when no probe was chosen yet and this
+            // operation's segments are the ones on their RNR wait: the operation may leave
+            // the queue before those waits end, and then they choose no probe, and the
+            // stream waited with no timer for good (found by `prop_rdma`
+            // `sends_and_receives_after_rnr_retry_exceeded`: a flow-control NAK, then a
+            // length-error NAK of the same message).
+            let probe = self.flow_probe.get(&key).map(|p| p.op);
+            let orphaned = rnr_waiting && probe.is_none() && self.flow_wait.contains(&key);
+            if probe == Some(id) || orphaned {
                 self.flow_release(key);
             }
         }
