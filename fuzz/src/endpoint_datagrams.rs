@@ -12,7 +12,8 @@
 //!
 //! Checked: no panic; every datagram either endpoint emits parses and carries a valid ICRC;
 //! a timer never stays due after `handle_timeout`; the work completions of every
-//! connection come exactly once each, in posting order, with the posted opcode and length,
+//! connection come exactly once each, in posting order per stream and among one-sided
+//! operations, with the posted opcode and length,
 //! all of them before that connection's `ConnectionLost`; closing a connection completes
 //! everything still pending.
 
@@ -406,6 +407,8 @@ struct Expect {
     wr_id: u64,
     opcode: WcOpcode,
     len: u32,
+    /// The stream of a SEND; `None` for a one-sided operation.
+    stream: Option<u32>,
 }
 
 /// Posted operations of one endpoint and the completions owed for them.
@@ -435,14 +438,20 @@ impl Book {
     fn on_event(&mut self, who: &str, ev: &Event) {
         match ev {
             Event::Completion { conn, wc } => {
+                // Reported in posting order per stream and among the one-sided
+                // operations, a SEND after every one-sided operation posted before it.
                 let q = self.pending.entry(conn.0).or_default();
-                let Some(e) = q.pop_front() else {
+                let Some(i) = q.iter().position(|e| e.wr_id == wc.wr_id) else {
                     panic!("{who}: completion {wc:?} on {conn} with nothing outstanding (duplicate or unknown wr_id)");
                 };
-                assert_eq!(
-                    wc.wr_id, e.wr_id,
-                    "{who}: completion out of posting order on {conn}: {wc:?}, expected {e:?}"
-                );
+                let e = q[i];
+                if let Some(b) = q
+                    .range(..i)
+                    .find(|b| b.stream.is_none() || b.stream == e.stream)
+                {
+                    panic!("{who}: completion out of order on {conn}: {wc:?} before {b:?}");
+                }
+                q.remove(i);
                 assert_eq!(wc.opcode, e.opcode, "{who}: wrong opcode in {wc:?}");
                 assert_eq!(wc.byte_len, e.len, "{who}: wrong byte_len in {wc:?}");
             }
@@ -1159,6 +1168,7 @@ impl World {
                     wr_id,
                     opcode: WcOpcode::Send,
                     len: len as u32,
+                    stream: Some(u32::from(stream % 8)),
                 },
             );
         }
@@ -1210,6 +1220,7 @@ impl World {
                     wr_id: req.wr_id,
                     opcode,
                     len,
+                    stream: None,
                 },
             );
         }
@@ -1270,6 +1281,7 @@ impl World {
                     wr_id: req.wr_id,
                     opcode: WcOpcode::RdmaRead,
                     len,
+                    stream: None,
                 },
             );
         }
@@ -1328,6 +1340,7 @@ impl World {
                     wr_id: req.wr_id,
                     opcode,
                     len: 8,
+                    stream: None,
                 },
             );
         }

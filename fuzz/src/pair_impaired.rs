@@ -4,8 +4,9 @@
 //! phases (loss, duplication, reordering, corruption, ECN CE marks, blackholes), in virtual
 //! time, to a bound.
 //!
-//! Checked at the end: every posted operation completed exactly once, in posting order,
-//! with its opcode and length; with no connection lost every good operation succeeded and
+//! Checked at the end: every posted operation completed exactly once, reported in posting
+//! order per stream and among the one-sided operations (a SEND after every one-sided
+//! operation posted before it), with its opcode and length; with no connection lost every good operation succeeded and
 //! every faulty WRITE got `RemoteAccessError`; a connection was lost only if the schedule
 //! had a long blackhole or very heavy loss; messages arrived exactly once, in order per
 //! stream, with the right bytes (all of them when nothing was lost); a successful WRITE's
@@ -586,10 +587,48 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
         }
     }
 
-    // Completions: exactly once each, in posting order, right opcode and length.
+    // Completions: exactly once each, reported in posting order per stream and among the
+    // one-sided operations (a SEND after every one-sided operation posted before it);
+    // sorted into posting order below, right opcode and length. (The operations completed
+    // are a prefix of the posting order: a hung READ or atomic holds back the one-sided
+    // operations after it, and the SENDs after it wait for it.)
     let mut status: HashMap<usize, WcStatus> = HashMap::new();
+    let sorted = |side: usize| {
+        let mut w = sim.net.completions(side, sim.sides[side].conn);
+        w.sort_by_key(|wc| wc.wr_id);
+        w
+    };
     for side in 0..2 {
-        let wcs = sim.net.completions(side, sim.sides[side].conn);
+        let raw = sim.net.completions(side, sim.sides[side].conn);
+        let one_sided: Vec<u64> = wr_ids[side]
+            .iter()
+            .filter(|&&k| !matches!(planned[k].kind, Kind::Send { .. }))
+            .map(|&k| k as u64)
+            .collect();
+        let mut last: HashMap<Option<u32>, u64> = HashMap::new();
+        let mut os_done = 0;
+        for wc in &raw {
+            let p = planned.get(wc.wr_id as usize);
+            assert!(p.is_some(), "side {side}: completion {wc:?} of nothing posted");
+            let class = match p.map(|p| &p.kind) {
+                Some(Kind::Send { stream, .. }) => Some(*stream),
+                _ => None,
+            };
+            assert!(
+                last.get(&class).is_none_or(|&l| l < wc.wr_id),
+                "side {side}: completion {wc:?} out of posting order in its class {class:?}"
+            );
+            last.insert(class, wc.wr_id);
+            if class.is_none() {
+                os_done += 1;
+            } else {
+                assert!(
+                    one_sided.partition_point(|&j| j < wc.wr_id) <= os_done,
+                    "side {side}: SEND {wc:?} reported before an earlier one-sided operation"
+                );
+            }
+        }
+        let wcs = sorted(side);
         let all_posted = &wr_ids[side];
         let posted = if hung[side] {
             &all_posted[..wcs.len().min(all_posted.len())]
@@ -612,7 +651,7 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             let p = &planned[k];
             assert_eq!(
                 wc.wr_id, k as u64,
-                "side {side}: completion {wc:?} out of posting order"
+                "side {side}: completion {wc:?} twice, or of an operation not posted"
             );
             assert_eq!(
                 wc.opcode,
@@ -627,12 +666,12 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
             status.insert(k, wc.status);
         }
     }
-    // Posting order is checked through opcode and length above and, more strictly, here:
-    // the sequence of (opcode, length) pairs matches the posting sequence exactly.
+    // Sorted into posting order, the sequence of (opcode, length) pairs matches the posting
+    // sequence exactly.
+
+
     for side in 0..2 {
-        let got: Vec<(WcOpcode, u32)> = sim
-            .net
-            .completions(side, sim.sides[side].conn)
+        let got: Vec<(WcOpcode, u32)> = sorted(side)
             .iter()
             .map(|w| (w.opcode, w.byte_len))
             .collect();

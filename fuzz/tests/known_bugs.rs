@@ -76,7 +76,9 @@ impl Two {
 /// acknowledges the request, then closes the connection normally; its best-effort CLOSE is
 /// lost (one lost packet). The requester's READ must eventually complete (in error) —
 /// instead it stays pending forever, `poll_timeout()` is `None`, and every operation posted
-/// after it on that connection is stuck behind it (completions come in posting order).
+/// after it among the one-sided operations, and every SEND posted after it, is stuck
+/// behind it (completions come in posting order per stream and among one-sided operations,
+/// a SEND after the one-sided operations posted before it).
 #[test]
 fn read_completes_when_responder_vanishes_after_acking_the_request() {
     let mut p = Two::new();

@@ -836,7 +836,8 @@ pub(crate) fn wait_send_bound(st: &mut State, conn: ConnectionHandle) {
 /// for a byte bound whose SENDs freed bytes since it last looked, wake the sinks and sends
 /// whose stream is now below `stream_send_buffer`, if the connection is below
 /// `connection_send_buffer`. The core frees a SEND's bytes when it finishes, which may be
-/// long before its completion is reported (completions come in posting order), or without
+/// long before its completion is reported (completions come in posting order per stream,
+/// after the one-sided operations posted before them), or without
 /// one (a reset, a STOP), so the check runs after every batch, not on completions (found
 /// by review: sinks and sends waited forever while newcomers went ahead). O(connections
 /// waiting) when nothing was freed.

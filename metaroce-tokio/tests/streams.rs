@@ -643,9 +643,10 @@ async fn many_streams_share_the_connection_send_bound() {
 
 /// A sink waiting on the connection-wide bound is woken when the connection's
 /// unacknowledged SEND bytes fall below it, even when they fall without a completion being
-/// reported: here the bytes of a reset stream are flushed behind an older SEND of another
-/// stream that the peer does not read (completions are reported in posting order, so
-/// nothing is reported). A fresh sink goes on at once; the one that waited must too.
+/// reported: here the bytes of a reset stream are flushed (a reset reports its unsent
+/// SENDs' completions only once the abort is acknowledged; until the sixteenth session,
+/// completions also waited behind an older SEND of the stream the peer does not read). A
+/// fresh sink goes on at once; the one that waited must too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_waiting_on_the_connection_bound_is_woken_when_a_reset_frees_it() {
     const MSG: usize = 32 << 10;
@@ -703,8 +704,9 @@ async fn a_sink_waiting_on_the_connection_bound_is_woken_when_a_reset_frees_it()
 
 /// A `Connection::send` waiting on its stream's bound (`stream_send_buffer`; the
 /// connection far below `connection_send_buffer`) goes on once that stream's older SEND
-/// is acknowledged, although its completion is held behind an older SEND of another stream
-/// the peer does not read (completions are reported in posting order). Found by review:
+/// is acknowledged (its bytes are freed then; until the sixteenth session its completion
+/// was also held behind an older SEND of another stream the peer does not read, as
+/// completions came in posting order across streams). Found by review:
 /// only the connection-wide bound was watched, and this send waited while a newcomer on
 /// the same stream went ahead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -813,4 +815,61 @@ async fn a_sink_waiting_on_its_stream_bound_goes_on_when_its_bytes_are_acknowled
         second.is_ok(),
         "the sink's second message stayed unposted although its first was acknowledged"
     );
+}
+
+/// A stream whose reader stops reading holds back no other stream and no WRITE: the
+/// stalled stream's SENDs wait (receive flow control), while a SEND on another stream and
+/// a WRITE posted after them complete at once. Before, completions were reported in posting
+/// order across the whole connection: the other stream's message was delivered, but its
+/// `send().await` waited for the stalled stream (found by a probe of the async API; the
+/// core's `SendQueue::pop_completion` now orders completions per stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_peer_does_not_read_holds_back_no_other_stream() {
+    use metaroce::Access;
+    let mut cfg = Config::default();
+    cfg.transport.max_stream_recv_bytes = 64 << 10;
+    let (_se, ce, c, s) = pair(cfg).await;
+    let mut a = c.open_stream().unwrap();
+    a.send(Bytes::from_static(b"a0")).await.unwrap();
+    let mut b = c.open_stream().unwrap();
+    b.send(Bytes::from_static(b"b0")).await.unwrap();
+    let mut sa = s.accept_stream().await.unwrap();
+    let mut sb = s.accept_stream().await.unwrap();
+    assert_eq!(&sa.next().await.unwrap().unwrap()[..], b"a0");
+    assert_eq!(&sb.next().await.unwrap().unwrap()[..], b"b0");
+    // A's reader stops: 256 KiB against its 64 KiB window; the rest waits.
+    let stalled = tokio::spawn(async move {
+        for _ in 0..64 {
+            a.feed(Bytes::from(vec![1u8; 4096])).await.unwrap();
+        }
+        a.flush().await.unwrap();
+        a
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!stalled.is_finished(), "A's reader keeps nothing back");
+    tokio::time::timeout(T, b.send(Bytes::from_static(b"b1")))
+        .await
+        .expect("B's send waited for stream A")
+        .unwrap();
+    assert_eq!(&sb.next().await.unwrap().unwrap()[..], b"b1");
+    let src = ce.register(vec![7; 4096], Access::LOCAL_WRITE);
+    let dst = s
+        .endpoint()
+        .alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    tokio::time::timeout(T, c.write(&src, 0..4096, dst.remote(), 0))
+        .await
+        .expect("a WRITE waited for stream A")
+        .unwrap();
+    assert_eq!(dst.read(0, 4).unwrap(), vec![7; 4]);
+    // A's reader reads again: A finishes.
+    let reader = tokio::spawn(async move {
+        let mut n = 0;
+        while n < 64 {
+            sa.next().await.unwrap().unwrap();
+            n += 1;
+        }
+        sa
+    });
+    let _a = tokio::time::timeout(T, stalled).await.unwrap().unwrap();
+    let _sa = tokio::time::timeout(T, reader).await.unwrap().unwrap();
 }

@@ -53,7 +53,10 @@ pub enum PostError {
     },
     /// The local memory reference is invalid (lkey, range).
     LocalMemory(MrError),
-    /// `max_outstanding_ops` operations are already pending on this connection.
+    /// `max_outstanding_ops` operations are already pending on this connection, or its send
+    /// queue holds twice that many (completed operations of other streams wait there behind
+    /// an older unfinished one until it finishes), or the stream's or connection's
+    /// [`SendLimits`] bytes are pending.
     SendQueueFull,
     /// The endpoint configuration is invalid: which field, and the rule it breaks.
     InvalidConfig(crate::ConfigError),
@@ -957,7 +960,11 @@ impl Endpoint {
         if len > max {
             return Err(PostError::MessageTooLarge { len, max });
         }
-        if c.sq.len() >= max_ops {
+        // Unreported operations, and the queue as a whole: operations reported out of
+        // posting order (other streams') stay queued behind an unfinished older one, so
+        // the queue is bounded too (at twice `max_outstanding_ops`, which also leaves room
+        // for the internal operations the peer makes this side queue).
+        if c.sq.len() >= max_ops || c.sq.queued_ops() >= max_ops.saturating_mul(2) {
             return Err(PostError::SendQueueFull);
         }
         post(c)?;
@@ -1152,8 +1159,8 @@ impl Endpoint {
     /// the connection began, a running total: when it moves, [`send_pending`](Self::send_pending)
     /// and some stream's [`stream_send_pending`](Self::stream_send_pending) went down — which
     /// happens when a SEND finishes, possibly well before its [`Event::Completion`] is
-    /// reported (completions come in posting order), or with none (a reset). 0 for unknown
-    /// connections.
+    /// reported (completions come in posting order per stream), or with none (a reset). 0
+    /// for unknown connections.
     pub fn send_bytes_finished(&self, conn: ConnectionHandle) -> u64 {
         self.conns.get(&conn.0).map_or(0, |c| c.sq.send_freed())
     }

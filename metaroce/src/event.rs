@@ -243,8 +243,12 @@ pub enum Event {
         /// Why.
         reason: ConnectionError,
     },
-    /// Completion of a posted operation. Completions of one connection are reported in
-    /// the order the operations were posted (like an RC send queue).
+    /// Completion of a posted operation, reported once. A stream's SENDs complete in the
+    /// order they were posted (like an RC send queue, the stream in the place of the QP),
+    /// and so do the one-sided operations (WRITEs, READs, atomics) among themselves; a SEND
+    /// completes only after every one-sided operation posted before it. Streams do not wait
+    /// for one another: a SEND the peer holds back delays only its own stream's later
+    /// completions. See docs/PROTOCOL.md, "Completions".
     Completion {
         /// Which connection.
         conn: ConnectionHandle,

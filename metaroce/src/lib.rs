@@ -47,7 +47,8 @@
 //!   behind the [`conn::cc::CongestionController`] seam.
 //! * Semantic layer (`conn::send`, `conn::recv`, [`mr`]): operations and their
 //!   segmentation, placement into memory regions with rkey/bounds/access checks,
-//!   exactly-once in-order delivery per stream, completions in posting order.
+//!   exactly-once in-order delivery per stream, completions in posting order per stream
+//!   and among one-sided operations.
 //! * [`rocev2`]: standard RC queue pairs (RoCEv2 mode), selectable per connection on the same
 //!   [`Endpoint`] ([`Endpoint::rc`]) over the same memory regions, or stand-alone
 //!   ([`rocev2::RcEndpoint`]). Received packets are dispatched by BTH opcode: standard RC

@@ -6,7 +6,9 @@
 //! * WRITE bytes equal the source; canaries untouched; refused WRITEs write nothing; the
 //!   region without REMOTE_WRITE never changes; a WRITE posted after everything before it
 //!   completed is never overwritten by stale (late, duplicated) packets of earlier ones;
-//! * one completion per operation, in posting order, right opcode and length; Success for
+//! * one completion per operation, in posting order per stream and among one-sided
+//!   operations (a SEND after the one-sided operations posted before it), right opcode and
+//!   length; Success for
 //!   valid operations, RemoteAccessError for invalid ones; RetryExceeded / WrFlushError only
 //!   when the schedule has a long outage (then ConnectionLost follows, last);
 //! * immediates exactly once per successful WRITE with immediate, never for refused ones;

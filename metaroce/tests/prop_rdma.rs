@@ -27,7 +27,8 @@
 //!   WrFlushError and are never delivered, receives B posts on it afterwards (before or
 //!   after the stream abort reaches B) complete with WrFlushError — while other streams,
 //!   WRITEs, READs and atomics go on and the connection stays up;
-//! * completions once, in posting order per connection, with RdmaRead / CompSwap / FetchAdd
+//! * completions once, in posting order per stream and among one-sided operations, with
+//!   RdmaRead / CompSwap / FetchAdd
 //!   and the right byte_len; READ/atomic limits (`max_rd_atomic` 1..=16 on either side).
 //!
 //! `PROPTEST_CASES=N` scales the number of cases; failures are persisted in

@@ -122,7 +122,8 @@ fn connection_streams_and_write_through_one_switch() {
     let dst = post_write(&mut sim, a, b, c, data.clone(), wr);
     wait_completions(&mut sim, a, wr + 1, Duration::from_millis(100));
 
-    // Completions in posting order, all successful.
+    // Completions, all successful (in posting order here: one stream, and the WRITE,
+    // posted last, completes last).
     let wcs: Vec<_> = sim
         .drain_events(a)
         .filter_map(|e| match e.event {

@@ -1,6 +1,6 @@
 //! Semantic layer, requester side: posted operations, their segmentation into
 //! path-MTU-sized segments, acknowledgement per segment, READ/atomic responses, RNR
-//! back-off, and completions in posting order.
+//! back-off, and completions in posting order per stream (see `SendQueue::pop_completion`).
 //!
 //! The same queue carries the responder's internal operations (READ and atomic
 //! responses): they are sent and acknowledged like any data but report no completion.
@@ -10,7 +10,8 @@ use crate::event::{WcOpcode, WcStatus, WorkCompletion};
 use crate::fasthash::{HashMap, HashSet};
 use crate::mr::MrTable;
 use bytes::Bytes;
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// PathEth flags bit 1 on an `MR_SEND`: stream abort. The packet carries no payload;
@@ -35,6 +36,9 @@ pub const STREAM_CODE_RNR: u32 = u32::MAX;
 /// receiver refused it: its stream table was full (`TransportConfig::max_streams`; a NAK
 /// 0x61 with `NakEth::FLAG_STREAM_REFUSED`, `RemoteInvalidRequest` at the sender).
 pub const STREAM_CODE_REFUSED: u32 = u32::MAX - 1;
+
+/// Emptied per-stream completion queues kept for reuse (`SendQueue::spare_queues`).
+const SPARE_QUEUES: usize = 64;
 
 /// How the sending side ended a stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,6 +225,11 @@ pub(crate) struct Op {
     /// A cancelled operation: the id of the op abort that must be acknowledged before its
     /// completion is reported (from then on the peer neither places nor executes it).
     hold: Option<u64>,
+    /// Its completion was reported (`pop_completion`); it stays in the queue until every
+    /// operation before it left (its payload is dropped then).
+    reported: bool,
+    /// Listed in `ready` or `blocked` (at most once).
+    listed: bool,
 }
 
 impl Op {
@@ -402,9 +411,28 @@ pub(crate) struct SendQueue {
     next_wire_id: u32,
     /// Pending READs/atomics by wire id.
     rd_ops: HashMap<u32, u64>,
-    /// SENDs, FINs and stream aborts in the queue (popped only with their completion, in
-    /// posting order), per stream.
+    /// SENDs not yet reported and FINs and stream aborts not yet finished, per stream.
     stream_ops: HashMap<u32, u32>,
+    /// Application SENDs not yet reported, per stream, oldest first: a stream's completions
+    /// are reported in this order.
+    stream_unreported: HashMap<u32, VecDeque<u64>>,
+    /// Emptied queues of `stream_unreported` of retired streams, kept for their capacity
+    /// (no allocation per request stream; at most `SPARE_QUEUES`).
+    spare_queues: Vec<VecDeque<u64>>,
+    /// Application WRITEs, READs and atomics (one-sided operations) not yet reported,
+    /// oldest first: they are reported in this order, and a SEND only after every
+    /// one-sided operation posted before it.
+    os_unreported: VecDeque<u64>,
+    /// Operations whose completion can be reported now (min-heap of op ids): finished,
+    /// first of their stream (or of the one-sided operations), no earlier one-sided
+    /// operation unreported, not held by an op abort.
+    ready: BinaryHeap<Reverse<u64>>,
+    /// Finished SENDs first of their stream, waiting for an earlier one-sided operation to
+    /// be reported (min-heap of op ids).
+    blocked: BinaryHeap<Reverse<u64>>,
+    /// Op aborts of cancelled operations not yet acknowledged: abort's op id → the
+    /// cancelled operation's (reported once the abort is acknowledged).
+    held: HashMap<u64, u64>,
     /// Streams whose outgoing direction may have just become retirable (their last SEND,
     /// FIN or abort left the queue), for [`SendQueue::retire_streams`].
     retire_check: Vec<u32>,
@@ -456,6 +484,7 @@ impl SendQueue {
         self.dead_streams = HashMap::with_hasher(st);
         self.rd_ops = HashMap::with_hasher(st);
         self.stream_ops = HashMap::with_hasher(st);
+        self.stream_unreported = HashMap::with_hasher(st);
     }
 
     pub fn set_pmtu(&mut self, pmtu: u32) {
@@ -546,7 +575,23 @@ impl SendQueue {
             resp_timeouts: 0,
             status: None,
             hold: None,
+            reported: false,
+            listed: false,
         });
+        let id = self.base_id + self.ops.len() as u64 - 1;
+        match self.ops[self.ops.len() - 1].kind {
+            OpKind::Send { stream, .. } => {
+                let spare = &mut self.spare_queues;
+                self.stream_unreported
+                    .entry(stream)
+                    .or_insert_with(|| spare.pop().unwrap_or_default())
+                    .push_back(id);
+            }
+            OpKind::Write { .. } | OpKind::Read { .. } | OpKind::Atomic { .. } => {
+                self.os_unreported.push_back(id);
+            }
+            _ => {}
+        }
     }
 
     /// Queue a SEND on `stream`. On a stream in the error state (see `fail_stream`) the
@@ -928,6 +973,77 @@ impl SendQueue {
             if probe == Some(id) || orphaned {
                 self.flow_release(key);
             }
+        }
+        if internal {
+            // A FIN or stream abort is done with once acknowledged (it reports nothing).
+            if let Some(stream) = self.op(id).and_then(|o| o.kind.stream_op()) {
+                self.stream_op_done(stream);
+            }
+            if let Some(h) = self.held.remove(&id) {
+                self.consider(h);
+            }
+        } else {
+            self.consider(id);
+        }
+    }
+
+    /// One SEND (reported), FIN or stream abort (finished) of `stream` less in the queue;
+    /// at none, the stream's outgoing direction may be over (`retire_streams`).
+    fn stream_op_done(&mut self, stream: u32) {
+        if let Some(n) = self.stream_ops.get_mut(&stream) {
+            *n -= 1;
+            if *n == 0 {
+                self.stream_ops.remove(&stream);
+                self.retire_check.push(stream);
+            }
+        }
+    }
+
+    /// List application operation `id` in `ready` (or `blocked`) if its completion can be
+    /// reported now or once earlier one-sided operations are: it finished, is not held by
+    /// an op abort, and is the first unreported operation of its stream (a SEND) or of the
+    /// one-sided operations. Called whenever one of those may have become true.
+    fn consider(&mut self, id: u64) {
+        if id == self.base_id {
+            // The oldest operation queued: `pop_completion` looks at it first.
+            return;
+        }
+        let os_front = self.os_unreported.front().copied();
+        let Some(op) = self.op(id) else { return };
+        if op.reported || op.listed || op.status.is_none() || op.kind.is_internal() {
+            return;
+        }
+        if op
+            .hold
+            .is_some_and(|h| self.op(h).is_some_and(|a| a.status.is_none()))
+        {
+            return;
+        }
+        let blocked = match op.kind {
+            OpKind::Send { stream, .. } => {
+                let first = self
+                    .stream_unreported
+                    .get(&stream)
+                    .and_then(|q| q.front().copied());
+                if first != Some(id) {
+                    return;
+                }
+                os_front.is_some_and(|f| f < id)
+            }
+            _ => {
+                if os_front != Some(id) {
+                    return;
+                }
+                false
+            }
+        };
+        if let Some(op) = self.op_mut(id) {
+            op.listed = true;
+        }
+        if blocked {
+            self.blocked.push(Reverse(id));
+        } else {
+            self.ready.push(Reverse(id));
         }
     }
 
@@ -1312,7 +1428,7 @@ impl SendQueue {
             }
             if self.ops[i].status.is_none() {
                 self.finish(self.base_id + i as u64, WcStatus::WrFlushError);
-            } else {
+            } else if !self.ops[i].reported {
                 self.ops[i].status = Some(WcStatus::WrFlushError);
             }
         }
@@ -1368,16 +1484,17 @@ impl SendQueue {
     /// Forget the outgoing direction of every stream that is over since the last call:
     /// this side finished or reset it, and every SEND, FIN and abort of it completed (the
     /// FIN and aborts acknowledged: the peer has its end, or the stream died at the peer)
-    /// and was reported (popped in posting order, so the caller reports the stream closed
-    /// after the last of those completions; found by review: it was reported closed while
-    /// a SEND's completion still waited behind an earlier operation). Its id
+    /// and was reported (a SEND leaves `stream_ops` when its completion is popped, so the
+    /// caller reports the stream closed after the last of those completions; found by
+    /// review: it was reported closed while a SEND's completion still waited behind an
+    /// earlier operation). Its id
     /// joins `retired` unless that would add a range beyond `max_ranges` (the stream is
     /// then kept, as before). Calls `f` with each stream retired. Later posts on a retired
     /// stream are refused (`PostError::StreamClosed`), and a STOP or reset for it is a
     /// no-op. See `RecvState::try_retire` for the incoming direction.
     pub fn retire_streams(&mut self, max_ranges: usize, mut f: impl FnMut(u32)) {
         while let Some(stream) = self.retire_check.pop() {
-            // Every SEND, FIN and abort of it completed and was reported (popped), so
+            // Every SEND of it was reported and every FIN and abort acknowledged, so
             // `Event::StreamClosed` follows the last of their completions.
             let over = self.ended_streams.contains_key(&stream)
                 && !self.stream_ops.contains_key(&stream)
@@ -1391,6 +1508,12 @@ impl SendQueue {
             self.ended_streams.remove(&stream);
             self.stream_seq.remove(&stream);
             self.dead_streams.remove(&stream);
+            if let Some(q) = self.stream_unreported.remove(&stream) {
+                debug_assert!(q.is_empty());
+                if self.spare_queues.len() < SPARE_QUEUES {
+                    self.spare_queues.push(q);
+                }
+            }
             let key = u64::from(stream);
             self.flow_wait.remove(&key);
             self.flow_probe.remove(&key);
@@ -1503,7 +1626,7 @@ impl SendQueue {
                 }
                 match self.ops[i].status {
                     None => self.finish(self.base_id + i as u64, WcStatus::WrFlushError),
-                    Some(WcStatus::Success) => {
+                    Some(WcStatus::Success) if !self.ops[i].reported => {
                         self.ops[i].status = Some(WcStatus::WrFlushError);
                     }
                     Some(_) => {}
@@ -1516,7 +1639,7 @@ impl SendQueue {
             if first.is_some() {
                 if self.ops[i].status.is_none() {
                     self.finish(self.base_id + i as u64, WcStatus::WrFlushError);
-                } else {
+                } else if !self.ops[i].reported {
                     self.ops[i].status = Some(WcStatus::WrFlushError);
                 }
             }
@@ -1593,7 +1716,7 @@ impl SendQueue {
                     status = WcStatus::WrFlushError;
                     failed = true;
                 }
-            } else if failed && !internal {
+            } else if failed && !internal && !self.ops[i].reported {
                 self.ops[i].status = Some(WcStatus::WrFlushError);
             }
         }
@@ -1606,19 +1729,6 @@ impl SendQueue {
         self.scan_hint = None;
     }
 
-    /// Whether the operation at the front has its final status and nothing holds its
-    /// completion back (a cancelled WRITE waits for its op abort to be acknowledged).
-    fn front_due(&self) -> Option<WcStatus> {
-        let op = self.ops.front()?;
-        let status = op.status?;
-        if let Some(h) = op.hold {
-            if self.op(h).is_some_and(|a| a.status.is_none()) {
-                return None;
-            }
-        }
-        Some(status)
-    }
-
     /// Cancel the application operation `wr_id` (the oldest pending one with that id).
     ///
     /// A WRITE, READ or atomic that has not finished stops at once: nothing more of it is
@@ -1627,14 +1737,14 @@ impl SendQueue {
     /// tracking never waits for packets that will not come and a request still in flight
     /// is not executed when it arrives after the abort. A READ's or atomic's later
     /// responses are acknowledged and not placed (the local destination is never written
-    /// again). The operation completes with `WrFlushError`, in posting order, once the
+    /// again). The operation completes with `WrFlushError`, in its order, once the
     /// abort is acknowledged: from then on no byte of a cancelled WRITE lands at the peer
     /// (bytes that landed before stay) and a cancelled READ or atomic either was executed
     /// before the abort or never will be. SENDs cannot be cancelled (their message sequence
     /// numbers order the stream).
     pub fn cancel(&mut self, wr_id: u64) -> Option<crate::endpoint::CancelOutcome> {
         use crate::endpoint::CancelOutcome;
-        let app = |o: &Op| !o.kind.is_internal() && o.wr_id == wr_id;
+        let app = |o: &Op| !o.kind.is_internal() && !o.reported && o.wr_id == wr_id;
         // The operations with this id: a run found by binary search while the application
         // posted ids in nondecreasing order (metaroce-tokio does), else the whole queue.
         // One by one, n cancels then cost O(n log queue), not O(n · queue).
@@ -1669,6 +1779,7 @@ impl SendQueue {
         for i in 0..self.ops.len() {
             let o = &self.ops[i];
             if o.kind.is_internal() || o.status.is_some() || ids.binary_search(&o.wr_id).is_err() {
+                // (A reported operation has its status.)
                 continue;
             }
             n += usize::from(self.cancel_at(i));
@@ -1686,46 +1797,118 @@ impl SendQueue {
             _ => return false,
         };
         let id = self.base_id + i as u64;
-        self.finish(id, WcStatus::WrFlushError);
+        // Held before it finishes: its completion waits for the abort's acknowledgement.
         let abort = self.base_id + self.ops.len() as u64;
         self.push(0, OpKind::OpAbort { wire_id }, 0);
         self.ops[i].hold = Some(abort);
+        self.held.insert(abort, id);
+        self.finish(id, WcStatus::WrFlushError);
         true
     }
 
-    /// Pop completions that are due, in posting order (internal operations report none).
+    /// Pop the next completion that is due. Completions are reported in posting order
+    /// **per stream** (a stream's SENDs), and in posting order among the one-sided
+    /// operations (WRITEs, READs, atomics); a SEND is reported only after every one-sided
+    /// operation posted before it. Streams do not wait for one another: a SEND the peer
+    /// holds back (a stream it does not read, an RNR wait) delays only its own stream's
+    /// later completions. (Before, completions came in posting order across the whole
+    /// connection, so one such stream held back every other stream's completions: a
+    /// service's `send().await` on an unrelated stream hung; found by a probe of the async
+    /// API.) Of several due, the oldest comes first. Internal operations report none.
     pub fn pop_completion(&mut self) -> Option<WorkCompletion> {
         loop {
-            let status = self.front_due()?;
-            let op = self.ops.pop_front()?;
-            self.base_id += 1;
-            self.cursor = self.cursor.saturating_sub(1);
-            if let Some(stream) = op.kind.stream_op() {
-                if let Some(n) = self.stream_ops.get_mut(&stream) {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.stream_ops.remove(&stream);
-                        self.retire_check.push(stream);
-                    }
-                }
-            }
-            if op.kind.is_internal() {
+            self.pop_front_done();
+            // The oldest operation queued is reported as soon as it is due (it is the first
+            // of its stream and of the one-sided operations): the common case, without the
+            // heap. Later ones come through `ready`.
+            let id = match self.ops.front() {
+                Some(o) if self.due(o) => self.base_id,
+                _ => self.ready.pop()?.0,
+            };
+            let Some(op) = self.op_mut(id) else { continue };
+            let Some(status) = op.status.filter(|_| !op.reported) else {
                 continue;
-            }
-            self.app_ops -= 1;
-            return Some(WorkCompletion {
+            };
+            op.reported = true;
+            let wc = WorkCompletion {
                 wr_id: op.wr_id,
                 status,
                 opcode: op.opcode(),
                 byte_len: op.len,
-            });
+            };
+            // A reported SEND may stay queued a while (behind an older unfinished
+            // operation): its message bytes go now.
+            let stream = match &mut op.kind {
+                OpKind::Send { stream, data, .. } => {
+                    *data = Bytes::new();
+                    Some(*stream)
+                }
+                _ => None,
+            };
+            self.app_ops -= 1;
+            // (First, so that an operation now at the front is left to the fast path.)
+            self.pop_front_done();
+            match stream {
+                Some(stream) => {
+                    let next = self.stream_unreported.get_mut(&stream).and_then(|q| {
+                        debug_assert_eq!(q.front(), Some(&id));
+                        q.pop_front();
+                        q.front().copied()
+                    });
+                    self.stream_op_done(stream);
+                    if let Some(n) = next {
+                        self.consider(n);
+                    }
+                }
+                None => {
+                    debug_assert_eq!(self.os_unreported.front(), Some(&id));
+                    self.os_unreported.pop_front();
+                    let front = self.os_unreported.front().copied();
+                    // SENDs that waited for this one-sided operation.
+                    while let Some(&Reverse(b)) = self.blocked.peek() {
+                        if front.is_some_and(|f| f < b) {
+                            break;
+                        }
+                        self.blocked.pop();
+                        self.ready.push(Reverse(b));
+                    }
+                    if let Some(f) = front {
+                        self.consider(f);
+                    }
+                }
+            }
+            return Some(wc);
+        }
+    }
+
+    /// Whether application operation `o` is finished, not reported and not held by an op
+    /// abort still unacknowledged.
+    fn due(&self, o: &Op) -> bool {
+        !o.reported
+            && o.status.is_some()
+            && !o.kind.is_internal()
+            && o.hold
+                .is_none_or(|h| self.op(h).is_none_or(|a| a.status.is_some()))
+    }
+
+    /// Drop the operations at the front that are over: reported, or internal and
+    /// finished (acknowledged).
+    fn pop_front_done(&mut self) {
+        while self
+            .ops
+            .front()
+            .is_some_and(|o| o.reported || o.kind.is_internal() && o.status.is_some())
+        {
+            self.ops.pop_front();
+            self.base_id += 1;
+            self.cursor = self.cursor.saturating_sub(1);
         }
     }
 
     /// Whether a completion is due and not yet popped (an operation flushed when it was
     /// posted, with nothing pending before it).
     pub fn completion_ready(&self) -> bool {
-        self.front_due().is_some()
+        !self.ready.is_empty() || self.ops.front().is_some_and(|o| self.due(o))
     }
 
     /// Whether anything is posted and not yet completed.

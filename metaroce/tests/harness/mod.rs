@@ -9,7 +9,7 @@
 //!   property and scenario asserts (exactly-once in-order delivery per stream, into posted
 //!   receives where the receiver requires them; memory contents against a model, canaries;
 //!   READ bytes; atomics executed exactly once in some serial order; one completion per
-//!   operation in posting order with the right status; immediates exactly once; liveness and
+//!   operation, in posting order per stream and among one-sided operations, with the right status; immediates exactly once; liveness and
 //!   quiescence).
 //! * proptest strategies for operation schedules and impairment schedules, built from
 //!   vectors of small structs so that they shrink to small, readable cases.
@@ -488,13 +488,74 @@ impl Workload {
             .map_or(0, |s| s.paths.iter().map(|p| f(&p.stats)).sum())
     }
 
-    /// Statuses of side `i`'s completions, in order.
+    /// Statuses of side `i`'s completions, in posting order.
     pub fn statuses(&self, i: usize) -> Vec<WcStatus> {
-        self.net
-            .completions(i, self.conns[i])
+        self.wcs(i).iter().map(|w| w.status).collect()
+    }
+
+    /// Side `side`'s completions sorted into posting order. They are reported in posting
+    /// order per stream and among the one-sided operations, a SEND after every one-sided
+    /// operation posted before it (`check_report_order`), not in posting order overall.
+    pub fn wcs(&self, side: usize) -> Vec<metaroce::WorkCompletion> {
+        let idx: HashMap<u64, usize> = self.posted[side]
             .iter()
-            .map(|w| w.status)
-            .collect()
+            .enumerate()
+            .map(|(i, p)| (p.wr_id, i))
+            .collect();
+        let mut w = self.net.completions(side, self.conns[side]);
+        w.sort_by_key(|wc| idx.get(&wc.wr_id).copied().unwrap_or(usize::MAX));
+        w
+    }
+
+    /// The order completions were reported in: posting order within each stream's SENDs
+    /// and within the one-sided operations (WRITEs, READs, atomics), and a SEND only after
+    /// every one-sided operation posted before it; each operation once.
+    pub fn check_report_order(&self, side: usize) -> Result<(), String> {
+        let posted = &self.posted[side];
+        let idx: HashMap<u64, usize> = posted
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.wr_id, i))
+            .collect();
+        let one_sided: Vec<usize> = (0..posted.len())
+            .filter(|&i| !matches!(posted[i].spec.kind, OpKind::Send { .. }))
+            .collect();
+        let mut last: HashMap<Option<u32>, usize> = HashMap::new();
+        let mut os_done = 0usize;
+        let raw = self.net.completions(side, self.conns[side]);
+        for wc in &raw {
+            let Some(&i) = idx.get(&wc.wr_id) else {
+                return Err(format!(
+                    "side {side}: completion of an unknown wr {}",
+                    wc.wr_id
+                ));
+            };
+            let class = match posted[i].spec.kind {
+                OpKind::Send { stream, .. } => Some(stream),
+                _ => None,
+            };
+            if last.get(&class).is_some_and(|&l| l >= i) {
+                return Err(format!(
+                    "side {side}: completion for wr {} out of posting order within its {} ({:?})",
+                    wc.wr_id,
+                    class.map_or("one-sided operations".to_string(), |s| format!(
+                        "stream {s}"
+                    )),
+                    raw.iter().map(|w| w.wr_id).collect::<Vec<_>>()
+                ));
+            }
+            last.insert(class, i);
+            if class.is_none() {
+                os_done += 1;
+            } else if one_sided.partition_point(|&j| j < i) > os_done {
+                return Err(format!(
+                    "side {side}: SEND wr {} reported before a one-sided operation posted before it ({:?})",
+                    wc.wr_id,
+                    raw.iter().map(|w| w.wr_id).collect::<Vec<_>>()
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Operations of `side` posted and not yet completed.
@@ -951,13 +1012,15 @@ impl Workload {
         Ok(())
     }
 
-    /// One completion per posted operation, in posting order, with the right opcode, length
+    /// One completion per posted operation, in the order `check_report_order` gives, with
+    /// the right opcode, length
     /// and status; error statuses only in the patterns a failure or close allows; the
     /// ConnectionLost event (if any) after the last completion.
     pub fn check_completions(&self) -> Result<(), String> {
         for side in 0..2 {
             let conn = self.conns[side];
-            let wcs = self.net.completions(side, conn);
+            self.check_report_order(side)?;
+            let wcs = self.wcs(side);
             let posted = &self.posted[side];
             if wcs.len() != posted.len() {
                 return Err(format!(
@@ -1059,7 +1122,7 @@ impl Workload {
                 }
                 continue;
             }
-            let wcs = self.net.completions(side, self.conns[side]);
+            let wcs = self.wcs(side);
             let ended = self.net.lost(side, self.conns[side]).is_some()
                 || self.net.lost(rx, self.conns[rx]).is_some();
             let mut sent: BTreeMap<u32, Vec<(Bytes, WcStatus)>> = BTreeMap::new();
@@ -1145,7 +1208,7 @@ impl Workload {
             }
             let rx_ended = self.net.lost(rx, self.conns[rx]).is_some();
             let ended = rx_ended || self.net.lost(tx, self.conns[tx]).is_some();
-            let wcs = self.net.completions(tx, self.conns[tx]);
+            let wcs = self.wcs(tx);
             let mut seen = HashSet::new();
             for (st, wc) in &got {
                 if wc.opcode != WcOpcode::Recv {
@@ -1295,7 +1358,7 @@ impl Workload {
         for side in 0..2 {
             let rx = 1 - side;
             let imms = self.net.immediates(rx, self.conns[rx]);
-            let wcs = self.net.completions(side, self.conns[side]);
+            let wcs = self.wcs(side);
             let mut count: HashMap<u32, (u32, usize)> = HashMap::new();
             for (imm, len) in &imms {
                 let e = count.entry(*imm).or_insert((*len, 0));
@@ -1344,7 +1407,7 @@ impl Workload {
         for rx in 0..2 {
             let side = 1 - rx;
             let regs = &self.regions[rx];
-            let wcs = self.net.completions(side, self.conns[side]);
+            let wcs = self.wcs(side);
             let src = self.net.eps[side]
                 .mr_read(self.regions[side].src.lkey, 0, SRC_LEN as u64)
                 .map_err(|e| format!("{e}"))?;
@@ -1439,7 +1502,7 @@ impl Workload {
             let peer = 1 - side;
             let regs = &self.regions[side];
             let peer_regs = &self.regions[peer];
-            let wcs = self.net.completions(side, self.conns[side]);
+            let wcs = self.wcs(side);
             let ended = (0..2).any(|i| self.net.lost(i, self.conns[i]).is_some());
             let read = |lkey: u32, off: u64, len: u64| {
                 self.net.eps[side]
@@ -1715,7 +1778,7 @@ impl Workload {
                     self.conns[rx]
                 ));
             };
-            let wcs = self.net.completions(side, self.conns[side]);
+            let wcs = self.wcs(side);
             let (mut reads, mut reads_open, mut atomics, mut atomics_open) = (0, 0, 0, 0);
             for (p, wc) in self.posted[side].iter().zip(wcs.iter()) {
                 let (ok, open) = (
@@ -2357,11 +2420,14 @@ pub fn wait_for_dead_streams(w: &mut Workload, receiver: bool) -> Result<(), Str
         if firsts.is_empty() {
             continue;
         }
-        let (conns, last) = (w.conns, firsts.iter().map(|f| f.1).max().unwrap());
+        let conns = w.conns;
+        // (Completions are not in posting order across streams: wait for these.)
+        let wr_ids: Vec<u64> = firsts.iter().map(|f| w.posted[tx][f.1].wr_id).collect();
         let n = firsts.len() as u64;
         let limit = w.net.elapsed() + Duration::from_secs(10);
         let done = w.net.run_until(limit, |net| {
-            net.completions(tx, conns[tx]).len() > last
+            let wcs = net.completions(tx, conns[tx]);
+            wr_ids.iter().all(|id| wcs.iter().any(|wc| wc.wr_id == *id))
                 && (!receiver
                     || net.eps[rx]
                         .connection_stats(conns[rx])
