@@ -1714,6 +1714,7 @@ impl Connection {
         for stream in closed {
             self.report_closed(stream, events);
         }
+        self.retire_kept(events);
     }
 
     /// `stream` is over both ways and forgotten: drop what is left of this side's STOP
@@ -1734,12 +1735,25 @@ impl Connection {
     /// Forget `stream`'s incoming direction if it is over (`RecvState::try_retire`); a
     /// stream over both ways is reported closed.
     fn retire_incoming(&mut self, stream: u32, events: &mut VecDeque<Event>) {
-        if !self
-            .rq
-            .try_retire(stream, recv::closed_id_ranges(self.cfg.max_streams))
-        {
-            return;
+        let max = recv::closed_id_ranges(self.cfg.max_streams);
+        if self.rq.try_retire(stream, max) {
+            self.incoming_retired(stream, events);
         }
+        self.retire_kept(events);
+    }
+
+    /// Streams kept at the range bound that fit among the closed ids now
+    /// (`RecvState::retire_kept`).
+    fn retire_kept(&mut self, events: &mut VecDeque<Event>) {
+        let max = recv::closed_id_ranges(self.cfg.max_streams);
+        for stream in self.rq.retire_kept(max) {
+            self.incoming_retired(stream, events);
+        }
+    }
+
+    /// `stream`'s incoming direction was just forgotten: this side's STOP of it is no
+    /// longer needed, and a stream over both ways is reported closed.
+    fn incoming_retired(&mut self, stream: u32, events: &mut VecDeque<Event>) {
         if self.sq.is_retired(stream) {
             self.report_closed(stream, events);
         } else {
@@ -1798,6 +1812,7 @@ impl Connection {
         {
             self.report_closed(stream, events);
         }
+        self.retire_kept(events);
     }
 
     /// The application consumed `bytes` of the messages delivered on `stream`.

@@ -440,6 +440,14 @@ pub(crate) struct RecvState {
     /// for the stopped stream it was), never acknowledged: none completes `Success` at the
     /// sender.
     unanswered: super::idset::IdSet,
+    /// Streams that were over (`try_retire`) when `retired` was at its range bound, and
+    /// were kept for that alone. Retired once an id joining them, or a merge below the
+    /// bound, makes room (`retire_kept`); before, nothing looked at them again and they
+    /// held the stream table for the connection's life (found by review).
+    kept: BTreeSet<u32>,
+    /// Ids added to `retired` since the last `retire_kept` (only while `kept` is not
+    /// empty): their neighbours in `kept` may now join a range.
+    fresh: Vec<u32>,
     /// Streams `withdraw_recv` looked at (tests bound its cost with it).
     #[cfg(test)]
     withdraw_visits: u64,
@@ -770,7 +778,7 @@ impl RecvState {
             let max = lim.max_ranges;
             let full = |set: &super::idset::IdSet| set.would_grow(stream) && set.ranges() >= max;
             if !full(&self.retired) && !full(&self.unanswered) {
-                self.retired.insert(stream);
+                self.retire_id(stream);
                 self.unanswered.insert(stream);
                 self.stats.retired_streams += 1;
             }
@@ -940,11 +948,16 @@ impl RecvState {
             return false;
         };
         let over = st.end_reported && st.holds_nothing();
-        if !over || self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges {
+        if !over {
             return false;
         }
+        if self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges {
+            self.kept.insert(stream);
+            return false;
+        }
+        self.kept.remove(&stream);
         self.streams.remove(&stream);
-        self.retired.insert(stream);
+        self.retire_id(stream);
         self.stats.retired_streams += 1;
         true
     }
@@ -974,7 +987,7 @@ impl RecvState {
             return false;
         }
         self.streams.remove(&stream);
-        self.retired.insert(stream);
+        self.retire_id(stream);
         self.unanswered.insert(stream);
         self.stats.retired_streams += 1;
         true
@@ -992,9 +1005,49 @@ impl RecvState {
             self.stats.stream_table_naks += 1;
             return RxOutcome::FlowRnr;
         }
-        self.retired.insert(stream);
+        self.retire_id(stream);
         self.stats.retired_streams += 1;
         RxOutcome::Accepted
+    }
+
+    /// Add `stream` to `retired`, noting it for `retire_kept`.
+    fn retire_id(&mut self, stream: u32) {
+        self.retired.insert(stream);
+        if !self.kept.is_empty() {
+            self.fresh.push(stream);
+        }
+    }
+
+    /// Retire the streams kept at the range bound (`kept`) that fit now: below the bound
+    /// any of them, at it those next to an id retired since the last call (which then join
+    /// its range), in a chain. Returns the streams retired. O(1) while `kept` is empty.
+    pub fn retire_kept(&mut self, max_ranges: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        while !self.kept.is_empty() {
+            let cand = if self.retired.ranges() < max_ranges {
+                self.kept.first().copied()
+            } else {
+                let mut c = None;
+                while let Some(&x) = self.fresh.last() {
+                    c = [x.checked_sub(2), x.checked_add(2)]
+                        .into_iter()
+                        .flatten()
+                        .find(|n| self.kept.contains(n));
+                    if c.is_some() {
+                        break;
+                    }
+                    self.fresh.pop();
+                }
+                c
+            };
+            let Some(s) = cand else { break };
+            self.kept.remove(&s);
+            if self.try_retire(s, max_ranges) {
+                out.push(s);
+            }
+        }
+        self.fresh.clear();
+        out
     }
 
     /// Whether this side keeps incoming state for `stream`.

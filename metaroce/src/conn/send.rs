@@ -438,6 +438,11 @@ pub(crate) struct SendQueue {
     retire_check: Vec<u32>,
     /// Streams whose outgoing direction ended and was forgotten (`retire_streams`).
     retired: super::idset::IdSet,
+    /// Streams over when `retired` was at its range bound, kept for that alone: checked
+    /// again once a neighbour is retired, or the ranges fall below the bound (before,
+    /// nothing looked at them again and they were kept for the connection's life; found by
+    /// review).
+    kept: std::collections::BTreeSet<u32>,
     rd_outstanding: u32,
     /// READ/atomic responses queued and not yet acknowledged.
     internal_pending: u32,
@@ -1487,23 +1492,38 @@ impl SendQueue {
     /// and was reported (a SEND leaves `stream_ops` when its completion is popped, so the
     /// caller reports the stream closed after the last of those completions; found by
     /// review: it was reported closed while a SEND's completion still waited behind an
-    /// earlier operation). Its id
-    /// joins `retired` unless that would add a range beyond `max_ranges` (the stream is
-    /// then kept, as before). Calls `f` with each stream retired. Later posts on a retired
+    /// earlier operation). Its id joins `retired` unless that would add a range beyond
+    /// `max_ranges`: the stream is then kept (`kept`) and looked at again once a neighbour
+    /// id retires or the ranges fall below the bound. Calls `f` with each stream retired. Later posts on a retired
     /// stream are refused (`PostError::StreamClosed`), and a STOP or reset for it is a
     /// no-op. See `RecvState::try_retire` for the incoming direction.
     pub fn retire_streams(&mut self, max_ranges: usize, mut f: impl FnMut(u32)) {
-        while let Some(stream) = self.retire_check.pop() {
+        // (Below the bound, a stream kept at it fits now.)
+        while let Some(stream) = self.retire_check.pop().or_else(|| {
+            (self.retired.ranges() < max_ranges)
+                .then(|| self.kept.pop_first())
+                .flatten()
+        }) {
             // Every SEND of it was reported and every FIN and abort acknowledged, so
             // `Event::StreamClosed` follows the last of their completions.
             let over = self.ended_streams.contains_key(&stream)
                 && !self.stream_ops.contains_key(&stream)
                 && !self.stream_bytes.contains_key(&stream);
-            if !over
-                || self.retired.contains(stream)
-                || self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges
-            {
+            if !over || self.retired.contains(stream) {
                 continue;
+            }
+            if self.retired.would_grow(stream) && self.retired.ranges() >= max_ranges {
+                self.kept.insert(stream);
+                continue;
+            }
+            self.kept.remove(&stream);
+            for n in [stream.checked_sub(2), stream.checked_add(2)]
+                .into_iter()
+                .flatten()
+            {
+                if self.kept.remove(&n) {
+                    self.retire_check.push(n);
+                }
             }
             self.ended_streams.remove(&stream);
             self.stream_seq.remove(&stream);
