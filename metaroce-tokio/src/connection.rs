@@ -741,6 +741,7 @@ impl Connection {
                         break (wr_id, rx);
                     }
                     Err(PostError::SendQueueFull) => {
+                        st.sq_full = true;
                         // A SEND held back by a byte bound (its stream's or the
                         // connection's): the driver looks again when bytes are freed,
                         // whatever frees them (`driver::release_send_bound`).
@@ -1030,6 +1031,7 @@ impl Connection {
                             pending.wr_ids.push(wr_id);
                         }
                         Err(PostError::SendQueueFull) => {
+                            st.sq_full = true;
                             full = true;
                             break;
                         }

@@ -799,8 +799,14 @@ fn dispatch(st: &mut State, shared: &Shared) {
             Flushed::Batch(batch, index) => batch.on_completion(index, wc, reason),
         }
     }
-    if freed {
+    // (Also after a refused post: the queue may have shrunk with no completion.)
+    if freed | std::mem::take(&mut st.sq_full) {
         shared.sq_space.notify_waiters();
+        for (conn, id) in std::mem::take(&mut st.sq_blocked) {
+            if let Some(w) = st.stream_mut(conn, id).and_then(|e| e.waker.take()) {
+                w.wake();
+            }
+        }
     }
     release_send_bound(st, shared);
 }

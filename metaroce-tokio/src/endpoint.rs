@@ -308,6 +308,14 @@ pub(crate) struct State {
     pub connecting: HashMap<ConnectionHandle, oneshot::Sender<Result<(), ConnectionError>>>,
     pub waiters: HashMap<(ConnectionHandle, u64), Waiter>,
     pub next_wr_id: u64,
+    /// A post was refused `SendQueueFull` since the driver last woke `sq_space`. The core's
+    /// send queue can shrink with no completion reported (reported operations queued behind
+    /// an internal one, a READ response or a FIN, leave when it is acknowledged), so the
+    /// driver wakes such posters after its next pass, not only on completions.
+    pub sq_full: bool,
+    /// Stream sinks waiting in `poll_ready` for room in their connection's send queue
+    /// (`Endpoint::send_queue_full`): woken with `sq_space`'s waiters.
+    pub sq_blocked: Vec<(ConnectionHandle, u32)>,
     /// Connection requests for `Endpoint::accept` (shard index and handle: bounded by
     /// `max_pending_incoming` over all shards).
     pub incoming: Option<mpsc::Sender<(usize, ConnectionHandle)>>,
@@ -873,6 +881,8 @@ impl Endpoint {
         let span = tracing::debug_span!("endpoint", id, shard, addr = %backend.local_addr());
         Ok(Arc::new(Shared {
             state: Mutex::new(State {
+                sq_full: false,
+                sq_blocked: Vec::new(),
                 core,
                 conns: HashMap::default(),
                 connecting: HashMap::default(),

@@ -415,6 +415,10 @@ impl Sink<Bytes> for MessageStream {
         // finishes, which may be before its completion is reported (found by review).
         let stream_pending = st.core.stream_send_pending(h, self.id);
         let conn_pending = st.core.send_pending(h);
+        // Room in the core's send queue: with completions reported per stream, a sink with
+        // nothing in flight can meet a queue full of other operations (`start_send` would
+        // fail with `SendQueueFull`).
+        let sq_full = st.core.send_queue_full(h);
         let Some(e) = st.stream_mut(h, self.id) else {
             return Poll::Ready(Err(lost));
         };
@@ -428,10 +432,14 @@ impl Sink<Bytes> for MessageStream {
         // without it, many streams each held `stream_send_buffer` behind a peer that did
         // not read (found by a new user's trial: 48 streams, 967 MiB).
         let bytes_ok = stream_pending < max_bytes as u64 && conn_pending < conn_max;
-        if e.in_flight < max_msgs && bytes_ok {
+        if e.in_flight < max_msgs && bytes_ok && !sq_full {
             return Poll::Ready(Ok(()));
         }
         e.waker = Some(cx.waker().clone());
+        if sq_full {
+            st.sq_full = true;
+            st.sq_blocked.push((h, self.id));
+        }
         if !bytes_ok {
             // Woken by the driver once bytes were freed (`driver::release_send_bound`);
             // a count bound is woken by the stream's own completions.

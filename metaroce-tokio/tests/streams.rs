@@ -873,3 +873,115 @@ async fn a_stream_the_peer_does_not_read_holds_back_no_other_stream() {
     let _a = tokio::time::timeout(T, stalled).await.unwrap().unwrap();
     let _sa = tokio::time::timeout(T, reader).await.unwrap().unwrap();
 }
+
+/// A client backend that loses its outgoing READ responses (opcode 0xC8) until `until`.
+#[derive(Debug)]
+struct LoseReadResponses {
+    inner: UdpBackend,
+    until: std::time::Instant,
+}
+
+impl metaroce_tokio::backend::DatagramBackend for LoseReadResponses {
+    fn local_addr(&self) -> std::net::SocketAddr {
+        self.inner.local_addr()
+    }
+    fn source_ports(&self) -> Vec<u16> {
+        self.inner.source_ports()
+    }
+    fn max_gso_segments(&self) -> usize {
+        1
+    }
+    fn max_gro_segments(&self) -> usize {
+        self.inner.max_gro_segments()
+    }
+    fn poll_recv(
+        &self,
+        cx: &mut std::task::Context<'_>,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+        meta: &mut [metaroce_tokio::backend::RecvMeta],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.inner.poll_recv(cx, bufs, meta)
+    }
+    fn poll_send(
+        &self,
+        cx: &mut std::task::Context<'_>,
+        transmit: &metaroce::Transmit,
+        contents: &[u8],
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if contents.first() == Some(&0xC8) && std::time::Instant::now() < self.until {
+            return std::task::Poll::Ready(Ok(()));
+        }
+        self.inner.poll_send(cx, transmit, contents)
+    }
+}
+
+/// Found by review of the per-stream completion order: a send refused `SendQueueFull` by the queue bound (2 x
+/// `max_outstanding_ops` queued, reported SENDs included) while a READ response of this side
+/// holds the queue's front: once the response is acknowledged the queue empties with no
+/// completion, and the send must still go on (the driver woke `sq_space` only on
+/// completions, so it waited for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_send_is_not_refused_by_the_queue_bound_behind_a_read_response() {
+    use metaroce::Access;
+    let mut cfg = Config::default();
+    cfg.transport.max_outstanding_ops = 4;
+    let backend = LoseReadResponses {
+        inner: UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 8).unwrap(),
+        until: std::time::Instant::now() + Duration::from_millis(300),
+    };
+    let client = Endpoint::with_backend(backend, cfg.clone()).unwrap();
+    let (_se, ce, c, s) = common::pair_with(cfg, client).await;
+    let src = ce.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ);
+    let remote = src.remote();
+    let dst = s.endpoint().alloc(4096, Access::LOCAL_WRITE);
+    let mut a = c.open_stream().unwrap();
+    a.send(Bytes::from_static(b"x")).await.unwrap();
+    let reader = tokio::spawn(async move {
+        s.read(&dst, 0..100, remote, 0).await.unwrap();
+        (s, dst)
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for i in 0..32 {
+        tokio::time::timeout(T, a.send(Bytes::from_static(b"m")))
+            .await
+            .unwrap_or_else(|_| panic!("send {i} never went on"))
+            .unwrap();
+    }
+    let _ = tokio::time::timeout(T, reader).await.unwrap().unwrap();
+}
+
+/// Found by review of the per-stream completion order: WRITEs refused `SendQueueFull` by the queue bound while a READ
+/// response of this side holds the queue's front wait on `sq_space`; once the response is
+/// acknowledged the queue empties with no completion reported, and the WRITE must still go
+/// on (the driver woke `sq_space` only on completions, so it waited for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_waiting_on_the_queue_bound_goes_on_when_a_read_response_leaves() {
+    use metaroce::Access;
+    let mut cfg = Config::default();
+    cfg.transport.max_outstanding_ops = 4;
+    let backend = LoseReadResponses {
+        inner: UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 8).unwrap(),
+        until: std::time::Instant::now() + Duration::from_millis(300),
+    };
+    let client = Endpoint::with_backend(backend, cfg.clone()).unwrap();
+    let (_se, ce, c, s) = common::pair_with(cfg, client).await;
+    let src = ce.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ);
+    let remote = src.remote();
+    let dst = s
+        .endpoint()
+        .alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let wdst = dst.remote();
+    let local = s.endpoint().alloc(4096, Access::LOCAL_WRITE);
+    let reader = tokio::spawn(async move {
+        s.read(&local, 0..100, remote, 0).await.unwrap();
+        (s, local, dst)
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for i in 0..32 {
+        tokio::time::timeout(T, c.write(&src, 0..64, wdst, 0))
+            .await
+            .unwrap_or_else(|_| panic!("write {i} never went on"))
+            .unwrap();
+    }
+    let _ = tokio::time::timeout(T, reader).await.unwrap().unwrap();
+}

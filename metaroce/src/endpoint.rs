@@ -608,6 +608,15 @@ impl HalfOpen {
     }
 }
 
+/// Whether `c`'s send queue refuses new posts (`PostError::SendQueueFull`): `max_ops`
+/// (`max_outstanding_ops`) operations unreported, or twice that queued. Operations reported
+/// out of posting order (other streams') stay queued behind an unfinished older one, so the
+/// queue as a whole is bounded too; the factor 2 also leaves room for the internal
+/// operations the peer makes this side queue.
+fn queue_full(c: &crate::conn::Connection, max_ops: usize) -> bool {
+    c.sq.len() >= max_ops || c.sq.queued_ops() >= max_ops.saturating_mul(2)
+}
+
 impl Endpoint {
     /// A new endpoint. Errors if the configuration is invalid.
     pub fn new(cfg: EndpointConfig) -> Result<Self, PostError> {
@@ -960,11 +969,7 @@ impl Endpoint {
         if len > max {
             return Err(PostError::MessageTooLarge { len, max });
         }
-        // Unreported operations, and the queue as a whole: operations reported out of
-        // posting order (other streams') stay queued behind an unfinished older one, so
-        // the queue is bounded too (at twice `max_outstanding_ops`, which also leaves room
-        // for the internal operations the peer makes this side queue).
-        if c.sq.len() >= max_ops || c.sq.queued_ops() >= max_ops.saturating_mul(2) {
+        if queue_full(c, max_ops) {
             return Err(PostError::SendQueueFull);
         }
         post(c)?;
@@ -1146,6 +1151,20 @@ impl Endpoint {
         self.conns
             .get(&conn.0)
             .map_or(0, |c| c.sq.stream_pending(stream))
+    }
+
+    /// Whether a post on `conn` would now be refused [`PostError::SendQueueFull`] by the
+    /// operation bounds (`max_outstanding_ops` unreported, or twice that queued). The
+    /// queue can leave this state with no completion reported (operations reported out of
+    /// posting order leave once an internal operation before them, a READ response or a
+    /// FIN, is acknowledged), so a caller waiting for room looks again after the
+    /// endpoint handled input or timers, not only on completions. `false` for unknown
+    /// connections.
+    pub fn send_queue_full(&self, conn: ConnectionHandle) -> bool {
+        let max_ops = self.cfg.transport.max_outstanding_ops;
+        self.conns
+            .get(&conn.0)
+            .is_some_and(|c| queue_full(c, max_ops))
     }
 
     /// Bytes of SENDs posted on any stream of `conn` that have not completed yet: the sum

@@ -2182,3 +2182,199 @@ mod tests {
         }
     }
 }
+
+/// Model of the per-stream completion order (`pop_completion`): random posts, finishes,
+/// cancels, resets, STOPs, refusals, a final `fail_all`; after every drain the reported
+/// completions obey the order rule, nothing due is left unreported, a cancelled
+/// operation waits for its op abort, a retired stream has nothing unreported, and at the
+/// end every application operation was reported exactly once.
+#[cfg(test)]
+mod completion_order_model {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum MStep {
+        Send(u32),
+        Write,
+        Read,
+        Response,
+        Fin(u32),
+        Reset(u32),
+        Stop(u32, u32),
+        Refuse(usize),
+        Finish(usize, bool),
+        Cancel(usize),
+        Pop,
+        Retire,
+    }
+
+    fn mstep() -> impl Strategy<Value = MStep> {
+        prop_oneof![
+            4 => (0u32..3).prop_map(MStep::Send),
+            2 => Just(MStep::Write),
+            1 => Just(MStep::Read),
+            1 => Just(MStep::Response),
+            1 => (0u32..3).prop_map(MStep::Fin),
+            1 => (0u32..3).prop_map(MStep::Reset),
+            1 => ((0u32..3), (0u32..5)).prop_map(|(s, d)| MStep::Stop(s, d)),
+            1 => (0usize..64).prop_map(MStep::Refuse),
+            6 => ((0usize..64), any::<bool>()).prop_map(|(i, ok)| MStep::Finish(i, ok)),
+            1 => (0usize..64).prop_map(MStep::Cancel),
+            3 => Just(MStep::Pop),
+            1 => Just(MStep::Retire),
+        ]
+    }
+
+    #[derive(Debug, Clone)]
+    struct MOp {
+        id: u64,
+        stream: Option<u32>,
+        hold: Option<u64>,
+        reported: Option<WcStatus>,
+    }
+
+    fn due_unreported(q: &SendQueue, m: &[MOp]) -> Option<u64> {
+        for (k, o) in m.iter().enumerate() {
+            if o.reported.is_some() {
+                continue;
+            }
+            let Some(op) = q.op(o.id) else { continue };
+            if op.status.is_none() {
+                continue;
+            }
+            if o.hold
+                .is_some_and(|h| q.op(h).is_some_and(|a| a.status.is_none()))
+            {
+                continue;
+            }
+            let blocked = m[..k]
+                .iter()
+                .any(|e| e.reported.is_none() && (e.stream.is_none() || e.stream == o.stream));
+            if !blocked {
+                return Some(o.id);
+            }
+        }
+        None
+    }
+
+    fn drain(q: &mut SendQueue, m: &mut [MOp]) -> Result<(), TestCaseError> {
+        while let Some(wc) = q.pop_completion() {
+            let k = wc.wr_id as usize;
+            prop_assert!(m[k].reported.is_none(), "reported twice: {:?}", wc);
+            let o = m[k].clone();
+            for e in &m[..k] {
+                if e.stream.is_none() || e.stream == o.stream {
+                    prop_assert!(e.reported.is_some(), "{:?} reported before {:?}", o, e);
+                }
+            }
+            if let Some(h) = o.hold {
+                prop_assert!(
+                    q.op(h).is_none_or(|a| a.status.is_some()),
+                    "cancelled {:?} reported before its abort was acknowledged",
+                    o
+                );
+            }
+            m[k].reported = Some(wc.status);
+        }
+        prop_assert_eq!(due_unreported(q, m), None, "due but not reported");
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+        #[test]
+        fn completions_follow_the_per_stream_rule(
+            steps in proptest::collection::vec(mstep(), 1..80)
+        ) {
+            let mut q = SendQueue::new(1024, 4);
+            let mut m: Vec<MOp> = Vec::new();
+            let mut retired: Vec<u32> = Vec::new();
+            for st in steps {
+                let next = q.base_id + q.ops.len() as u64;
+                let wr = m.len() as u64;
+                match st {
+                    MStep::Send(s) => {
+                        if retired.contains(&s) { continue; }
+                        q.post_send(wr, s, Bytes::from_static(b"x"));
+                        m.push(MOp { id: next, stream: Some(s), hold: None, reported: None });
+                    }
+                    MStep::Write => {
+                        q.post_write(&crate::endpoint::WriteRequest {
+                            wr_id: wr, lkey: 1, local_offset: 0, len: 3000,
+                            remote_addr: 0, rkey: 2, imm: None,
+                        });
+                        m.push(MOp { id: next, stream: None, hold: None, reported: None });
+                    }
+                    MStep::Read => {
+                        q.post_read(&crate::endpoint::ReadRequest {
+                            wr_id: wr, lkey: 1, local_offset: 0, len: 100,
+                            remote_addr: 0, rkey: 2,
+                        });
+                        m.push(MOp { id: next, stream: None, hold: None, reported: None });
+                    }
+                    MStep::Response => q.post_read_response_mr(7, (1, 1), 0, 1),
+                    MStep::Fin(s) => { q.finish_stream(s); }
+                    MStep::Reset(s) => { q.reset_stream(s, 1); }
+                    MStep::Stop(s, d) => { q.reset_stream_after(s, 1, Some(d)); }
+                    MStep::Refuse(i) if !q.ops.is_empty() => {
+                        let id = q.base_id + (i % q.ops.len()) as u64;
+                        if matches!(q.op(id).unwrap().kind, OpKind::Send { .. }) {
+                            q.on_stream_refused(id, false);
+                        }
+                    }
+                    MStep::Finish(i, ok) if !q.ops.is_empty() => {
+                        let id = q.base_id + (i % q.ops.len()) as u64;
+                        let send = matches!(q.op(id).unwrap().kind, OpKind::Send { .. });
+                        // SENDs fail only by refusal or flush here (see the check below).
+                        let st = if ok || send { WcStatus::Success } else { WcStatus::RemoteAccessError };
+                        q.finish(id, st);
+                    }
+                    MStep::Cancel(i) if !m.is_empty() => {
+                        let k = i % m.len();
+                        if m[k].stream.is_none() && m[k].reported.is_none() {
+                            let before = q.base_id + q.ops.len() as u64;
+                            if q.cancel(k as u64).is_some() && q.base_id + q.ops.len() as u64 > before {
+                                m[k].hold = Some(before);
+                            }
+                        }
+                    }
+                    MStep::Pop => drain(&mut q, &mut m)?,
+                    MStep::Retire => {
+                        drain(&mut q, &mut m)?;
+                        let mut r = Vec::new();
+                        q.retire_streams(usize::MAX, |s| r.push(s));
+                        for s in r {
+                            for e in &m {
+                                prop_assert!(e.stream != Some(s) || e.reported.is_some(),
+                                    "stream {} retired before {:?} was reported", s, e);
+                            }
+                            retired.push(s);
+                        }
+                    }
+                    _ => {}
+                }
+                // A stream's SENDs: no Success after a failure, in posting order.
+                for s in 0..3u32 {
+                    let mut failed = None;
+                    for e in m.iter().filter(|e| e.stream == Some(s)) {
+                        let st = e.reported.or_else(|| q.op(e.id).and_then(|o| o.status));
+                        match st {
+                            Some(WcStatus::Success) => prop_assert!(failed.is_none(),
+                                "{:?} Success after failed {:?}", e, failed),
+                            Some(_) => failed = failed.or(Some(e.clone())),
+                            None => {}
+                        }
+                    }
+                }
+            }
+            q.fail_all(WcStatus::RetryExceeded);
+            drain(&mut q, &mut m)?;
+            for e in &m {
+                prop_assert!(e.reported.is_some(), "never reported: {:?}", e);
+            }
+            prop_assert!(q.ops.is_empty(), "left queued: {}", q.ops.len());
+            prop_assert_eq!(q.len(), 0);
+        }
+    }
+}
