@@ -20,6 +20,7 @@
 use crate::util::{self, addr_of, ip_of, source_ports, LISTEN_PORT};
 use arbitrary::Arbitrary;
 use bytes::Bytes;
+use metaroce::testing;
 use metaroce::wire::{
     self, AckEth, AtomicAckEth, AtomicEth, Bth, CloseEth, ConnectEth, ConnectKind, Headers, NakEth,
     Opcode, Packet, PathEth, Reth, SendEth, Trailer, WriteEth, PSN_MASK,
@@ -411,10 +412,20 @@ struct Expect {
     stream: Option<u32>,
 }
 
+/// One connection's operations as posted, (wr_id, stream of a SEND), and the wr_ids of its
+/// completions in the order they came.
+#[derive(Debug, Default)]
+struct Order {
+    posted: Vec<(u64, Option<u32>)>,
+    reported: Vec<u64>,
+}
+
 /// Posted operations of one endpoint and the completions owed for them.
 #[derive(Debug, Default)]
 struct Book {
     pending: HashMap<u32, VecDeque<Expect>>,
+    /// Per connection: what `testing::check_completion_order` checks.
+    order: HashMap<u32, Order>,
     /// Posted receives per (connection, stream), in posting order.
     recvs: HashMap<(u32, u32), VecDeque<u64>>,
     lost: HashSet<u32>,
@@ -423,6 +434,11 @@ struct Book {
 impl Book {
     fn posted(&mut self, h: ConnectionHandle, e: Expect) {
         self.pending.entry(h.0).or_default().push_back(e);
+        self.order
+            .entry(h.0)
+            .or_default()
+            .posted
+            .push((e.wr_id, e.stream));
     }
 
     fn outstanding(&self, h: ConnectionHandle) -> usize {
@@ -438,20 +454,17 @@ impl Book {
     fn on_event(&mut self, who: &str, ev: &Event) {
         match ev {
             Event::Completion { conn, wc } => {
-                // Reported in posting order per stream and among the one-sided
-                // operations, a SEND after every one-sided operation posted before it.
                 let q = self.pending.entry(conn.0).or_default();
                 let Some(i) = q.iter().position(|e| e.wr_id == wc.wr_id) else {
                     panic!("{who}: completion {wc:?} on {conn} with nothing outstanding (duplicate or unknown wr_id)");
                 };
                 let e = q[i];
-                if let Some(b) = q
-                    .range(..i)
-                    .find(|b| b.stream.is_none() || b.stream == e.stream)
-                {
-                    panic!("{who}: completion out of order on {conn}: {wc:?} before {b:?}");
-                }
                 q.remove(i);
+                let o = self.order.entry(conn.0).or_default();
+                o.reported.push(wc.wr_id);
+                if let Err(err) = testing::check_completion_order(&o.posted, &o.reported) {
+                    panic!("{who}: on {conn}: {err}");
+                }
                 assert_eq!(wc.opcode, e.opcode, "{who}: wrong opcode in {wc:?}");
                 assert_eq!(wc.byte_len, e.len, "{who}: wrong byte_len in {wc:?}");
             }

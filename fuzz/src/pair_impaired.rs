@@ -600,33 +600,16 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     };
     for side in 0..2 {
         let raw = sim.net.completions(side, sim.sides[side].conn);
-        let one_sided: Vec<u64> = wr_ids[side]
+        let posted: Vec<(u64, Option<u32>)> = wr_ids[side]
             .iter()
-            .filter(|&&k| !matches!(planned[k].kind, Kind::Send { .. }))
-            .map(|&k| k as u64)
+            .map(|&k| match &planned[k].kind {
+                Kind::Send { stream, .. } => (k as u64, Some(*stream)),
+                _ => (k as u64, None),
+            })
             .collect();
-        let mut last: HashMap<Option<u32>, u64> = HashMap::new();
-        let mut os_done = 0;
-        for wc in &raw {
-            let p = planned.get(wc.wr_id as usize);
-            assert!(p.is_some(), "side {side}: completion {wc:?} of nothing posted");
-            let class = match p.map(|p| &p.kind) {
-                Some(Kind::Send { stream, .. }) => Some(*stream),
-                _ => None,
-            };
-            assert!(
-                last.get(&class).is_none_or(|&l| l < wc.wr_id),
-                "side {side}: completion {wc:?} out of posting order in its class {class:?}"
-            );
-            last.insert(class, wc.wr_id);
-            if class.is_none() {
-                os_done += 1;
-            } else {
-                assert!(
-                    one_sided.partition_point(|&j| j < wc.wr_id) <= os_done,
-                    "side {side}: SEND {wc:?} reported before an earlier one-sided operation"
-                );
-            }
+        let reported: Vec<u64> = raw.iter().map(|wc| wc.wr_id).collect();
+        if let Err(e) = testing::check_completion_order(&posted, &reported) {
+            panic!("side {side}: {e}");
         }
         let wcs = sorted(side);
         let all_posted = &wr_ids[side];
@@ -668,7 +651,6 @@ fn check(sim: &Sim, planned: &[Planned], wr_ids: &[Vec<usize>; 2], hostile: bool
     }
     // Sorted into posting order, the sequence of (opcode, length) pairs matches the posting
     // sequence exactly.
-
 
     for side in 0..2 {
         let got: Vec<(WcOpcode, u32)> = sorted(side)

@@ -766,3 +766,32 @@ fn a_path_mtu_set_after_binding_is_rounded_down_to_an_iba_value() {
     assert_eq!(p.messages(1, s)[&0], vec![Bytes::from(a)]);
     assert_eq!(p.messages(0, c)[&0], vec![Bytes::from(b)]);
 }
+
+/// `testing::check_completion_order`, which the harness and the fuzz checkers use, accepts
+/// the orders docs/PROTOCOL.md "Completions" allows and refuses the others.
+#[test]
+fn the_completion_order_checker_follows_the_rule() {
+    use metaroce::testing::check_completion_order as check;
+    // wr 0: SEND on 1, wr 1: WRITE, wr 2: SEND on 2, wr 3: SEND on 1, wr 4: READ.
+    let posted = [
+        (0, Some(1)),
+        (1, None),
+        (2, Some(2)),
+        (3, Some(1)),
+        (4, None),
+    ];
+    assert!(check(&posted, &[0, 1, 2, 3, 4]).is_ok());
+    assert!(
+        check(&posted, &[1, 4, 2, 0, 3]).is_ok(),
+        "streams and one-sided apart"
+    );
+    assert!(check(&posted, &[1, 2]).is_ok(), "a prefix");
+    assert!(check(&posted, &[3, 0]).is_err(), "stream 1 out of order");
+    assert!(check(&posted, &[4, 1]).is_err(), "one-sided out of order");
+    assert!(
+        check(&posted, &[2, 1]).is_err(),
+        "a SEND before an earlier WRITE"
+    );
+    assert!(check(&posted, &[0, 0]).is_err(), "twice");
+    assert!(check(&posted, &[9]).is_err(), "never posted");
+}

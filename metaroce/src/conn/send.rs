@@ -1494,9 +1494,9 @@ impl SendQueue {
     /// review: it was reported closed while a SEND's completion still waited behind an
     /// earlier operation). Its id joins `retired` unless that would add a range beyond
     /// `max_ranges`: the stream is then kept (`kept`) and looked at again once a neighbour
-    /// id retires or the ranges fall below the bound. Calls `f` with each stream retired. Later posts on a retired
-    /// stream are refused (`PostError::StreamClosed`), and a STOP or reset for it is a
-    /// no-op. See `RecvState::try_retire` for the incoming direction.
+    /// id retires or the ranges fall below the bound. Calls `f` with each stream retired.
+    /// Later posts on a retired stream are refused (`PostError::StreamClosed`), and a STOP
+    /// or reset for it is a no-op. See `RecvState::try_retire` for the incoming direction.
     pub fn retire_streams(&mut self, max_ranges: usize, mut f: impl FnMut(u32)) {
         // (Below the bound, a stream kept at it fits now.)
         while let Some(stream) = self.retire_check.pop().or_else(|| {

@@ -1425,6 +1425,56 @@ pub fn check_emitted(pkt: &[u8], local: IpAddr, dest: SocketAddr, src_port: u16)
     }
 }
 
+/// Check the order a connection's completions were reported in against the rule of
+/// docs/PROTOCOL.md, "Completions": a stream's SENDs in posting order, the one-sided
+/// operations (WRITEs, READs, atomics) in posting order among themselves, a SEND only after
+/// every one-sided operation posted before it, and each operation at most once.
+///
+/// `posted`: the operations in posting order, each as (`wr_id`, `Some(stream)` for a SEND,
+/// `None` for a one-sided operation); `wr_id`s unique. `reported`: the `wr_id`s of the
+/// completions in the order they were reported (a prefix of the operations may be missing
+/// from the end of each class: only the order is checked). `Err` describes the first
+/// violation. O(n log n).
+pub fn check_completion_order(
+    posted: &[(u64, Option<u32>)],
+    reported: &[u64],
+) -> Result<(), String> {
+    let index: std::collections::HashMap<u64, usize> = posted
+        .iter()
+        .enumerate()
+        .map(|(i, &(wr_id, _))| (wr_id, i))
+        .collect();
+    let one_sided: Vec<usize> = (0..posted.len())
+        .filter(|&i| posted[i].1.is_none())
+        .collect();
+    let mut last: std::collections::HashMap<Option<u32>, usize> = std::collections::HashMap::new();
+    let mut one_sided_done = 0;
+    for &wr_id in reported {
+        let Some(&i) = index.get(&wr_id) else {
+            return Err(format!("completion of wr {wr_id}, which was not posted"));
+        };
+        let class = posted[i].1;
+        if last.get(&class).is_some_and(|&l| l >= i) {
+            return Err(format!(
+                "completion of wr {wr_id} out of posting order within its {}: {reported:?}",
+                class.map_or("one-sided operations".to_string(), |s| format!(
+                    "stream {s}"
+                ))
+            ));
+        }
+        last.insert(class, i);
+        if class.is_none() {
+            one_sided_done += 1;
+        } else if one_sided.partition_point(|&j| j < i) > one_sided_done {
+            return Err(format!(
+                "SEND wr {wr_id} reported before a one-sided operation posted before it: \
+                 {reported:?}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Deterministic bytes for a seed (xorshift).
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

@@ -511,51 +511,21 @@ impl Workload {
     /// and within the one-sided operations (WRITEs, READs, atomics), and a SEND only after
     /// every one-sided operation posted before it; each operation once.
     pub fn check_report_order(&self, side: usize) -> Result<(), String> {
-        let posted = &self.posted[side];
-        let idx: HashMap<u64, usize> = posted
+        let posted: Vec<(u64, Option<u32>)> = self.posted[side]
             .iter()
-            .enumerate()
-            .map(|(i, p)| (p.wr_id, i))
+            .map(|p| match p.spec.kind {
+                OpKind::Send { stream, .. } => (p.wr_id, Some(stream)),
+                _ => (p.wr_id, None),
+            })
             .collect();
-        let one_sided: Vec<usize> = (0..posted.len())
-            .filter(|&i| !matches!(posted[i].spec.kind, OpKind::Send { .. }))
+        let reported: Vec<u64> = self
+            .net
+            .completions(side, self.conns[side])
+            .iter()
+            .map(|wc| wc.wr_id)
             .collect();
-        let mut last: HashMap<Option<u32>, usize> = HashMap::new();
-        let mut os_done = 0usize;
-        let raw = self.net.completions(side, self.conns[side]);
-        for wc in &raw {
-            let Some(&i) = idx.get(&wc.wr_id) else {
-                return Err(format!(
-                    "side {side}: completion of an unknown wr {}",
-                    wc.wr_id
-                ));
-            };
-            let class = match posted[i].spec.kind {
-                OpKind::Send { stream, .. } => Some(stream),
-                _ => None,
-            };
-            if last.get(&class).is_some_and(|&l| l >= i) {
-                return Err(format!(
-                    "side {side}: completion for wr {} out of posting order within its {} ({:?})",
-                    wc.wr_id,
-                    class.map_or("one-sided operations".to_string(), |s| format!(
-                        "stream {s}"
-                    )),
-                    raw.iter().map(|w| w.wr_id).collect::<Vec<_>>()
-                ));
-            }
-            last.insert(class, i);
-            if class.is_none() {
-                os_done += 1;
-            } else if one_sided.partition_point(|&j| j < i) > os_done {
-                return Err(format!(
-                    "side {side}: SEND wr {} reported before a one-sided operation posted before it ({:?})",
-                    wc.wr_id,
-                    raw.iter().map(|w| w.wr_id).collect::<Vec<_>>()
-                ));
-            }
-        }
-        Ok(())
+        metaroce::testing::check_completion_order(&posted, &reported)
+            .map_err(|e| format!("side {side}: {e}"))
     }
 
     /// Operations of `side` posted and not yet completed.
