@@ -247,6 +247,27 @@ impl fmt::Debug for Region {
     }
 }
 
+/// A span of a local region whose key and bounds were checked ([`MrTable::local_span`]):
+/// it borrows the table, so the region cannot go away while it is held.
+pub(crate) struct LocalSpan<'a> {
+    region: &'a Region,
+    offset: usize,
+    len: usize,
+}
+
+impl LocalSpan<'_> {
+    /// Append the span's bytes to `out` ([`RegionMemory::append_to`]).
+    pub(crate) fn append_to(&self, out: &mut Vec<u8>) {
+        self.region.data.append_to(self.offset, self.len, out);
+    }
+
+    /// The region's lend handle ([`RegionMemory::lend`]) and the span's byte offset in it;
+    /// `None` when the region does not lend.
+    pub(crate) fn lend(&self) -> Option<(crate::LendHandle, usize)> {
+        self.region.data.lend().map(|h| (h, self.offset))
+    }
+}
+
 /// The endpoint's table of registered regions. Each region's bytes sit behind its own
 /// [`RegionMemory`]; the table checks keys, bounds and access rights and then calls it.
 #[derive(Debug)]
@@ -496,7 +517,7 @@ impl MrTable {
     /// Where `[va, va+len)` of the region named by `rkey` lies, as its lkey and the offset
     /// of `va` in it, if the region grants REMOTE_READ and holds the whole span: the source
     /// of an RDMA READ's response, read as each response packet is built (checked each
-    /// time with [`check_read_source`](Self::check_read_source)).
+    /// time with [`read_source_span`](Self::read_source_span)).
     pub(crate) fn remote_read_source(
         &self,
         rkey: u32,
@@ -542,55 +563,49 @@ impl MrTable {
         span(offset, len, r.keys.len).map(|_| ())
     }
 
-    /// [`check_local`](Self::check_local) for the source of a READ response: also that
-    /// the region named by `lkey` still answers to `rkey` and grants REMOTE_READ, so a
-    /// region registered under a reused lkey (`register_with_keys` takes any lkey not in
-    /// use) is never read for a READ another region's keys allowed.
-    pub(crate) fn check_read_source(
+    /// Bytes `[offset, offset + len)` of the local region `lkey`, checked as by
+    /// [`check_local`](Self::check_local), as a handle that reads them without looking the
+    /// key up again (issue #13: a sent WRITE segment used to look its region up twice).
+    pub(crate) fn local_span(
+        &self,
+        lkey: u32,
+        offset: u64,
+        len: usize,
+    ) -> Result<LocalSpan<'_>, MrError> {
+        let region = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        let (offset, _) = span(offset, len as u64, region.keys.len)?;
+        Ok(LocalSpan {
+            region,
+            offset,
+            len,
+        })
+    }
+
+    /// [`local_span`](Self::local_span) for the source of a READ response: also that the
+    /// region named by `lkey` still answers to `rkey` and grants REMOTE_READ, so a region
+    /// registered under a reused lkey (`register_with_keys` takes any lkey not in use) is
+    /// never read for a READ another region's keys allowed.
+    pub(crate) fn read_source_span(
         &self,
         lkey: u32,
         rkey: u32,
         offset: u64,
-        len: u64,
-    ) -> Result<(), MrError> {
-        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
-        if r.keys.rkey != rkey || !r.keys.access.contains(Access::REMOTE_READ) {
+        len: usize,
+    ) -> Result<LocalSpan<'_>, MrError> {
+        let region = self.slot(lkey).ok_or(MrError::InvalidKey)?;
+        if region.keys.rkey != rkey || !region.keys.access.contains(Access::REMOTE_READ) {
             return Err(MrError::InvalidKey);
         }
-        span(offset, len, r.keys.len).map(|_| ())
-    }
-
-    /// Append local bytes `[offset, offset + len)` of the region named by `lkey` to `out`
-    /// (see [`RegionMemory::append_to`]); on an error `out` is unchanged.
-    pub(crate) fn local_append(
-        &self,
-        lkey: u32,
-        offset: u64,
-        len: usize,
-        out: &mut Vec<u8>,
-    ) -> Result<(), MrError> {
-        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
-        let (o, _) = span(offset, len as u64, r.keys.len)?;
-        r.data.append_to(o, len, out);
-        Ok(())
-    }
-
-    /// The lend handle ([`RegionMemory::lend`]) of the local region `lkey` and the byte
-    /// offset of `[offset, offset + len)` in it, after the checks of
-    /// [`local_append`](Self::local_append); `Ok(None)` when the region does not lend.
-    pub(crate) fn local_lend(
-        &self,
-        lkey: u32,
-        offset: u64,
-        len: usize,
-    ) -> Result<Option<(crate::LendHandle, usize)>, MrError> {
-        let r = self.slot(lkey).ok_or(MrError::InvalidKey)?;
-        let (o, _) = span(offset, len as u64, r.keys.len)?;
-        Ok(r.data.lend().map(|h| (h, o)))
+        let (offset, _) = span(offset, len as u64, region.keys.len)?;
+        Ok(LocalSpan {
+            region,
+            offset,
+            len,
+        })
     }
 
     /// [`RegionMemory::with_span`] of the local region `lkey` at byte offset `o` (as
-    /// [`local_lend`](Self::local_lend) returned it).
+    /// [`LocalSpan::lend`] returned it).
     pub(crate) fn local_with_span(
         &self,
         lkey: u32,

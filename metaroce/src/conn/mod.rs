@@ -3145,14 +3145,15 @@ impl Connection {
             // region, copied straight into the datagram by `emit_with` (issue #13, P1).
             // A region that went away under the operation fails it (checked first, so
             // nothing is taken from the queue for it).
-            let payload_len = match &src {
-                Src::Bytes(b) => b.len(),
+            // One lookup of the region: the span read below is the one checked here.
+            let (payload_len, region) = match &src {
+                Src::Bytes(b) => (b.len(), None),
                 Src::Mr(lkey, off, guard) => {
                     let checked = match guard {
-                        None => mrs.check_local(*lkey, *off, len as u64),
-                        Some(rkey) => mrs.check_read_source(*lkey, *rkey, *off, len as u64),
+                        None => mrs.local_span(*lkey, *off, len as usize),
+                        Some(rkey) => mrs.read_source_span(*lkey, *rkey, *off, len as usize),
                     };
-                    if checked.is_err() {
+                    let Ok(region) = checked else {
                         // A READ response's source went away: the READ is refused from now
                         // on (its requester's re-sent request gets NAK 0x62).
                         if let OpKind::ReadResponse { req_id, .. } = op.kind {
@@ -3163,8 +3164,8 @@ impl Connection {
                         }
                         self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
                         break;
-                    }
-                    len as usize
+                    };
+                    (len as usize, Some(region))
                 }
             };
             let trailer = self.trailer_for(opcode);
@@ -3176,19 +3177,19 @@ impl Connection {
             // Gather send (issue #13, P1): the payload stays in its region until the I/O
             // layer sends it, unless the packet is sealed (AEAD encrypts in place). One
             // region per transmit: a payload of another ends the batch.
-            let lent_src = match (lend.as_deref(), &src) {
+            let lent_src = match (lend.as_deref(), &src, &region) {
                 // READ responses (`Src::Mr(.., Some(rkey))`) stay copied: the responder's
                 // application may write its region meanwhile (it has no work request on
                 // it), and a payload read after its ICRC was computed fails the
                 // requester's check (found by review: a READ of a counter its owner kept
                 // bumping took 80 times as long).
-                (Some(l), Src::Mr(lkey, off, None))
+                (Some(l), Src::Mr(lkey, _, None), Some(region))
                     if self.protection.is_none() && payload_len >= LEND_MIN_PAYLOAD =>
                 {
-                    match mrs.local_lend(*lkey, *off, payload_len) {
-                        Ok(Some((h, o))) if l.accepts(&h) => Some((h, *lkey, o)),
-                        Ok(Some(_)) => break,
-                        _ => None,
+                    match region.lend() {
+                        Some((h, o)) if l.accepts(&h) => Some((h, *lkey, o)),
+                        Some(_) => break,
+                        None => None,
                     }
                 }
                 _ => None,
@@ -3229,15 +3230,12 @@ impl Connection {
                     l,
                 ),
                 _ => self.emit_sized(buf, port, &bth, &hdrs, &trailer, size, payload_len, |b| {
-                    match &src {
-                        Src::Bytes(d) => {
-                            b.extend_from_slice(d);
-                            true
-                        }
-                        Src::Mr(lkey, off, _) => {
-                            mrs.local_append(*lkey, *off, payload_len, b).is_ok()
-                        }
+                    match (&src, &region) {
+                        (_, Some(region)) => region.append_to(b),
+                        (Src::Bytes(d), None) => b.extend_from_slice(d),
+                        (Src::Mr(..), None) => return false,
                     }
+                    true
                 }),
             };
             let Some(n) = emitted else {

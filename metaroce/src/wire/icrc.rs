@@ -324,7 +324,8 @@ pub fn compute(ip: &IpHeader, sport: u16, dport: u16, udp_payload_wo_icrc: &[u8]
     let udp_len = (UDP_HEADER_LEN + ICRC_LEN).wrapping_add(udp_payload_wo_icrc.len()) as u16;
     let split = udp_payload_wo_icrc.len().min(BTH_LEN);
     let (bth, rest) = udp_payload_wo_icrc.split_at(split);
-    let (mut buf, n) = masked_prefix(ip, sport, dport, udp_len, bth);
+    let mut buf = [0u8; ICRC_BLOCK];
+    let n = masked_prefix(&mut buf, ip, sport, dport, udp_len, bth);
     let mut h = hasher();
     if let Some(tail) = buf.get_mut(n..n + rest.len()) {
         tail.copy_from_slice(rest);
@@ -354,7 +355,8 @@ pub(crate) fn compute_parts(
     let udp_len = (UDP_HEADER_LEN + ICRC_LEN).wrapping_add(total) as u16;
     let split = head.len().min(BTH_LEN);
     let (bth, rest) = head.split_at(split);
-    let (mut buf, n) = masked_prefix(ip, sport, dport, udp_len, bth);
+    let mut buf = [0u8; ICRC_BLOCK];
+    let n = masked_prefix(&mut buf, ip, sport, dport, udp_len, bth);
     let mut h = hasher();
     if let Some(t) = buf.get_mut(n..n + rest.len()) {
         t.copy_from_slice(rest);
@@ -370,17 +372,19 @@ pub(crate) fn compute_parts(
 
 /// The masked pseudo-header block [`compute`] starts from: the LRH stand-in, the masked IP
 /// header written directly in its masked form (no IPv4 checksum to compute, it is masked),
-/// the masked UDP header and the masked `bth` (up to 12 bytes), and how many bytes of the
-/// block that is. One contiguous block, hashed in as few `update` calls as possible (issue
-/// #13: the per-call overhead of crc32fast dominated short packets).
+/// the masked UDP header and the masked `bth` (up to 12 bytes), written at the start of
+/// `buf`; returns how many bytes of the block that is. One contiguous block, hashed in as
+/// few `update` calls as possible (issue #13: the per-call overhead of crc32fast dominated
+/// short packets). The caller owns the block, so it is not copied on return.
+#[inline(always)]
 fn masked_prefix(
+    buf: &mut [u8; ICRC_BLOCK],
     ip: &IpHeader,
     sport: u16,
     dport: u16,
     udp_len: u16,
     bth: &[u8],
-) -> ([u8; ICRC_BLOCK], usize) {
-    let mut buf = [0u8; ICRC_BLOCK];
+) -> usize {
     let [s0, s1] = sport.to_be_bytes();
     let [d0, d1] = dport.to_be_bytes();
     let [l0, l1] = udp_len.to_be_bytes();
@@ -433,7 +437,7 @@ fn masked_prefix(
         buf[n + 4] = 0xFF;
     }
     n += split;
-    (buf, n)
+    n
 }
 
 /// Stack block of [`compute`]: the longest prefix (8 + 40 + 8 + 12 = 68 bytes) plus short
