@@ -1296,7 +1296,6 @@ fn streams_kept_at_the_range_bound_are_forgotten_once_the_ranges_merge() {
 /// SENDs failed are delivered, then the abort resets the stream after them. (Delivery after
 /// a failure report: the same class as a late copy of an RNR-failed SEND.)
 #[test]
-#[ignore = "review finding, not fixed: a late duplicate of a refused SEND is delivered after the SEND failed"]
 fn a_late_copy_of_a_refused_send_is_not_delivered() {
     use metaroce::testing::{Action, Filter, Kind, Rule};
     let (mut p, a, b) = small_table(62, 1);
@@ -1343,6 +1342,74 @@ fn a_late_copy_of_a_refused_send_is_not_delivered() {
     );
     let _ = b;
     assert!(trace(&p, 1, 2).is_empty(), "{:?}", trace(&p, 1, 2));
+}
+
+/// The refusal falls on a stream's second message (its first was lost and comes again
+/// later): room comes, the first message is delivered, and a late copy of the refused one,
+/// arriving before the sender's abort, is refused again instead of delivered. The abort
+/// then ends the stream after the first message.
+#[test]
+fn a_late_copy_of_a_refused_later_message_is_not_delivered() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (mut p, a, b) = small_table(64, 1);
+    hold_slot(&mut p, a, 0);
+    let data_of = |seq: u32| {
+        move |i: &metaroce::testing::PktInfo| {
+            i.send
+                .is_some_and(|s| s.stream_id == 2 && s.msg_len > 0 && s.msg_seq == seq)
+        }
+    };
+    // Message 0's first copy is lost: message 1 comes first, to a full table.
+    let first = data_of(0);
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(move |i| first(i) && !i.retransmit),
+        Action::Drop(1.0),
+    ));
+    // Message 1 comes again 20 ms later; the stream's abort is held back 40 ms.
+    p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).when(data_of(1)),
+        Action::Late {
+            prob: 1.0,
+            after: Duration::from_millis(20),
+        },
+    ));
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len == 0)),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(40),
+        },
+    ));
+    p.eps[0]
+        .post_send(a, 2, 2, Bytes::from_static(b"first"))
+        .unwrap();
+    p.eps[0]
+        .post_send(a, 2, 3, Bytes::from_static(b"refused"))
+        .unwrap();
+    run_for(&mut p, Duration::from_micros(500));
+    // Room, before message 0 is sent again.
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    let _ = b;
+    let got = statuses(&p, 0, a);
+    assert!(got.contains(&(2, WcStatus::Success)), "{got:?}");
+    assert!(
+        got.contains(&(3, WcStatus::RemoteInvalidRequest)),
+        "{got:?}"
+    );
+    assert_eq!(
+        trace(&p, 1, 2),
+        ["msg 5", &format!("reset {}", u32::MAX - 1)],
+        "{got:?}"
+    );
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(st.refused_copies >= 1, "{st:?}");
 }
 
 /// Found by review: the sending side's closed ids have the same range bound

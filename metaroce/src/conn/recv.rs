@@ -470,6 +470,15 @@ pub(crate) struct RecvState {
     /// `max_tracked_ops` entries: the oldest record is evicted first (`refused_order`).
     refused_ops: HashMap<u32, u8>,
     refused_order: VecDeque<u32>,
+    /// Streams with no state whose message this side refused for want of room (stream id
+    /// → the earliest message refused). The sender fails that SEND, flushes the stream's
+    /// later ones and aborts the stream from it; until its abort arrives, a copy of any of
+    /// those messages (a late network duplicate, or a re-send racing the refusal) is
+    /// refused again, even once room came: delivering it would deliver a message whose
+    /// SEND failed (found by review). At most `max_tracked_ops` records, the oldest evicted
+    /// first (`refused_new_order`, which may hold ids already removed).
+    refused_new: HashMap<u32, u32>,
+    refused_new_order: VecDeque<u32>,
     /// What the most recently executed op ids were used for (at most `max_tracked_ops`,
     /// oldest evicted first): a packet reusing one of them with other parameters is refused
     /// instead of being acknowledged as a duplicate of an operation it is not part of.
@@ -580,6 +589,11 @@ pub struct RecvStats {
     /// (NAK 0x61 with the stream-refused flag; `RemoteInvalidRequest` at the sender,
     /// which ends the stream).
     pub refused_streams: u64,
+    /// Of `refused_streams`: copies of a message refused before (or of a later message
+    /// of its stream) refused again although the stream table had room by then — the
+    /// sender failed that SEND (a late network duplicate, or a re-send racing the first
+    /// refusal).
+    pub refused_copies: u64,
     /// FINs and stream aborts of streams with no state and no room for any that waited
     /// (flow-control RNR NAK) for the stream's earlier messages to arrive or be aborted.
     pub stream_table_naks: u64,
@@ -656,6 +670,7 @@ impl RecvState {
         self.streams = HashMap::with_hasher(st);
         self.writes = HashMap::with_hasher(st);
         self.refused_ops = HashMap::with_hasher(st);
+        self.refused_new = HashMap::with_hasher(st);
         self.held_imms = HashMap::with_hasher(st);
     }
 
@@ -816,7 +831,17 @@ impl RecvState {
         events: &mut VecDeque<Event>,
     ) -> RxOutcome {
         self.buf.explicit = lim.explicit_consume;
+        // The sender's abort of a stream this side refused (or an earlier one): from here
+        // on the stream's state, or its id among the closed ones, refuses what the record
+        // refused. (An abort that waits below keeps it.)
+        let refused = self
+            .refused_new
+            .get(&stream)
+            .is_some_and(|&f| !seq_before(f, first));
         if self.retired.contains(stream) {
+            if refused {
+                self.refused_new.remove(&stream);
+            }
             return RxOutcome::Accepted;
         }
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
@@ -830,7 +855,26 @@ impl RecvState {
             // a new user's trial). Dead from a later message: the earlier ones are still
             // to arrive and be delivered or refused, so the abort waits (flow-control RNR
             // NAK, the sender re-sends it) rather than being acknowledged and lost.
-            return self.retire_unseen(stream, first == 0, lim);
+            let out = self.retire_unseen(stream, first == 0, lim);
+            if refused && out == RxOutcome::Accepted {
+                self.refused_new.remove(&stream);
+            }
+            return out;
+        }
+        if refused
+            && first == 0
+            && !self.streams.contains_key(&stream)
+            && self.retire_fits(stream, lim)
+        {
+            // The answer to this side's refusal of the stream's first message, and room
+            // came meanwhile: nothing of the stream was delivered, so it closes as above,
+            // without taking state or reporting a reset of a stream the application never
+            // saw.
+            self.refused_new.remove(&stream);
+            return self.retire_unseen(stream, true, lim);
+        }
+        if refused {
+            self.refused_new.remove(&stream);
         }
         let st = self.streams.entry(stream).or_default();
         let mut from = if seq_before(first, st.next_deliver) {
@@ -1000,14 +1044,18 @@ impl RecvState {
     /// packet waits: flow-control RNR NAK, and the sender re-sends it until the stream's
     /// earlier messages made room for it or were aborted.
     fn retire_unseen(&mut self, stream: u32, empty: bool, lim: &RecvLimits) -> RxOutcome {
-        let full = self.retired.would_grow(stream) && self.retired.ranges() >= lim.max_ranges;
-        if !empty || full {
+        if !empty || !self.retire_fits(stream, lim) {
             self.stats.stream_table_naks += 1;
             return RxOutcome::FlowRnr;
         }
         self.retire_id(stream);
         self.stats.retired_streams += 1;
         RxOutcome::Accepted
+    }
+
+    /// Whether `stream` can join `retired` without adding a range beyond `max_ranges`.
+    fn retire_fits(&self, stream: u32, lim: &RecvLimits) -> bool {
+        !(self.retired.would_grow(stream) && self.retired.ranges() >= lim.max_ranges)
     }
 
     /// Add `stream` to `retired`, noting it for `retire_kept`.
@@ -1106,10 +1154,22 @@ impl RecvState {
             }
             return RxOutcome::Accepted;
         }
+        if self
+            .refused_new
+            .get(&hdr.stream_id)
+            .is_some_and(|&first| !seq_before(hdr.msg_seq, first))
+        {
+            // A copy of a refused message, or of a later one of its stream: the sender
+            // failed or flushes its SEND (see `refused_new`).
+            self.stats.refused_streams += 1;
+            self.stats.refused_copies += 1;
+            return RxOutcome::StreamRefused;
+        }
         if !self.streams.contains_key(&hdr.stream_id)
             && self.streams.len() >= lim.max_streams as usize
         {
             self.stats.refused_streams += 1;
+            self.record_refused_stream(hdr.stream_id, hdr.msg_seq, lim);
             return RxOutcome::StreamRefused;
         }
         let st = self.streams.entry(hdr.stream_id).or_default();
@@ -1635,6 +1695,27 @@ impl RecvState {
         RxOutcome::Nak(syndrome)
     }
 
+    /// Record that message `msg_seq` of `stream`, which has no state, was refused (see
+    /// `refused_new`); the oldest record goes when there are more than `max_tracked_ops`.
+    fn record_refused_stream(&mut self, stream: u32, msg_seq: u32, lim: &RecvLimits) {
+        match self.refused_new.get_mut(&stream) {
+            Some(first) => {
+                if seq_before(msg_seq, *first) {
+                    *first = msg_seq;
+                }
+            }
+            None => {
+                self.refused_new.insert(stream, msg_seq);
+                self.refused_new_order.push_back(stream);
+                while self.refused_new_order.len() > lim.max_tracked_ops as usize {
+                    if let Some(old) = self.refused_new_order.pop_front() {
+                        self.refused_new.remove(&old);
+                    }
+                }
+            }
+        }
+    }
+
     /// Record op id `id` as refused with `syndrome`; the oldest record goes when there are
     /// more than `max_tracked_ops`.
     fn record_refusal(&mut self, id: u32, syndrome: u8, lim: &RecvLimits) {
@@ -2130,6 +2211,69 @@ mod tests {
             max_reassembly_bytes: 1 << 20,
             reassembly_floor_bytes: 0,
         }
+    }
+
+    /// The records of refused streams (`refused_new`) stay within `max_tracked_ops`,
+    /// refuse copies until the sender's abort comes, and go with it.
+    #[test]
+    fn refused_stream_records_are_bounded_and_go_with_the_abort() {
+        use crate::mr::MrTable;
+        use crate::secret::SecretRng;
+        use crate::wire::SendEth;
+        let mut mrs = MrTable::new(&mut SecretRng::new([7; 32]));
+        let mut lim = limits();
+        lim.max_streams = 1;
+        lim.require_posted_receives = false;
+        let conn = ConnectionHandle(1);
+        let mut rq = RecvState::default();
+        let mut ev = VecDeque::new();
+        let msg = |stream_id, msg_seq| SendEth {
+            stream_id,
+            msg_seq,
+            offset: 0,
+            msg_len: 1,
+        };
+        // Stream 0 takes the one slot; the next 200 streams are refused.
+        let out = rq.on_send(conn, &msg(0, 0), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        for s in 1..=200u32 {
+            let out = rq.on_send(conn, &msg(2 * s, 3), b"x", &lim, &mut mrs, &mut ev);
+            assert_eq!(out, RxOutcome::StreamRefused);
+        }
+        assert_eq!(rq.refused_new.len(), lim.max_tracked_ops as usize);
+        assert!(rq.refused_new_order.len() <= lim.max_tracked_ops as usize);
+        // Room comes: a copy of the newest refused message, or of a later one of its
+        // stream, is refused again; an earlier message of that stream is taken.
+        lim.max_streams = 4;
+        let out = rq.on_send(conn, &msg(400, 3), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::StreamRefused);
+        let out = rq.on_send(conn, &msg(400, 9), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::StreamRefused);
+        assert_eq!(rq.stats.refused_copies, 2);
+        let out = rq.on_send(conn, &msg(400, 0), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        // The oldest records were evicted: their streams are new again.
+        let out = rq.on_send(conn, &msg(2, 3), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        // The sender's abort from the refused message ends the record; the stream's state
+        // takes over (dead from message 3: a copy is acknowledged and dropped).
+        rq.on_stream_abort(conn, 400, 3, u32::MAX - 1, &lim, &mut ev);
+        assert!(!rq.refused_new.contains_key(&400));
+        let out = rq.on_send(conn, &msg(400, 3), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        assert_eq!(rq.stats.refused_copies, 2);
+        // An abort from message 0 of a refused stream with no state closes its id without
+        // state or a reset event, even with room.
+        let before = ev.len();
+        rq.on_stream_abort(conn, 398, 0, u32::MAX - 1, &lim, &mut ev);
+        assert!(!rq.refused_new.contains_key(&398));
+        assert!(!rq.streams.contains_key(&398));
+        assert_eq!(
+            ev.len(),
+            before,
+            "{:?}",
+            ev.iter().skip(before).collect::<Vec<_>>()
+        );
     }
 
     /// A peer sends part of message 1 (bound to the second posted receive), then a FIN
