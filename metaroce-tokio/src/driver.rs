@@ -85,8 +85,10 @@ pub(crate) trait Driven: Send + Sync + 'static {
         false
     }
     /// Feeds the datagrams other shards handed over ([`hand_over`](Self::hand_over))
-    /// into the locked core. Default: nothing.
-    fn take_handed_over(&self, _st: &mut Self::State, _now: Instant) {}
+    /// into the locked core; whether there were any. Default: nothing.
+    fn take_handed_over(&self, _st: &mut Self::State, _now: Instant) -> bool {
+        false
+    }
     /// The driver task was dropped before it returned (its runtime shut down, or the task
     /// was aborted): nothing will drive the core again. Fails what waits on it, then
     /// [`on_stop`](Self::on_stop).
@@ -138,10 +140,10 @@ impl Driven for Shared {
             None => false,
         }
     }
-    fn take_handed_over(&self, st: &mut State, now: Instant) {
+    fn take_handed_over(&self, st: &mut State, now: Instant) -> bool {
         let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
         if inbox.datagrams.is_empty() {
-            return;
+            return false;
         }
         let datagrams = std::mem::take(&mut inbox.datagrams);
         inbox.bytes = 0;
@@ -150,6 +152,7 @@ impl Driven for Shared {
             st.core
                 .handle_datagram(now, meta.from, meta.local_ip, meta.ecn, d);
         }
+        true
     }
     fn poll_transmit(st: &mut State, now: Instant, buf: &mut Vec<u8>) -> Option<Transmit> {
         st.core.poll_transmit(now, buf)
@@ -171,10 +174,16 @@ impl Driven for Shared {
     fn dispatch(&self, st: &mut State) {
         self.sync_fair_share(st);
         dispatch(st, self);
-        // Wake `wait_idle` when the last connection and pending CLOSE are gone.
-        let t = st.core.table_sizes();
-        if st.conns.is_empty() && t.connections == 0 && t.closers == 0 {
-            self.idle.notify_waiters();
+        // Wake `wait_idle` when the last connection and pending CLOSE are gone. The core's
+        // table sizes are read only once the handles' map is empty: `table_sizes` walks the
+        // core's timer index and re-reads the deadline of every connection touched since
+        // the last flush (O(connections)), and this runs after every batch of events and
+        // every inline transmit (six times per round trip of a 64 B ping-pong).
+        if st.conns.is_empty() {
+            let t = st.core.table_sizes();
+            if t.connections == 0 && t.closers == 0 {
+                self.idle.notify_waiters();
+            }
         }
     }
     fn may_stop(&self, st: &State) -> bool {
@@ -291,6 +300,13 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
     let mut armed: Option<Instant> = None;
     // Receive errors in a row (reset by a successful receive).
     let mut recv_errors: u32 = 0;
+    // The wait for posted work, kept registered across waits and replaced only once it
+    // fired: a new `Notified` per wait took the `Notify`'s waiter-list lock twice per
+    // wake-up (to enqueue it, and to unlink it when another branch won), once per datagram
+    // in a ping-pong. A `notify_one` that comes while it is registered (or while the
+    // driver is busy) completes it; the next wait then returns at once, as a stored permit
+    // did.
+    let mut woken = std::pin::pin!(shared.woken().notified());
     loop {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
@@ -299,7 +315,10 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
             {
                 let mut st = shared.lock();
                 let mut now = Instant::now();
-                if D::poll_timeout(&st).is_some_and(|t| t <= now) {
+                let mut due = D::poll_timeout(&st).is_some_and(|t| t <= now);
+                // Whether the core or the clock changed since `due` was read.
+                let mut changed = false;
+                if due {
                     // A loss timer that came due while the task was not running (scheduling
                     // delay, a long send batch) must see the ACKs that arrived meanwhile, or
                     // it fires tail-loss probes and timeouts for packets already delivered:
@@ -309,11 +328,18 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                     drain_ready(&*shared, &mut bufs, &mut metas);
                     st = shared.lock();
                     now = Instant::now();
+                    changed = true;
                 }
                 // Datagrams of this shard that another shard received (inside a GSO or
                 // GRO buffer steered by its first datagram).
-                shared.take_handed_over(&mut st, now);
-                if D::poll_timeout(&st).is_some_and(|t| t <= now) {
+                changed |= shared.take_handed_over(&mut st, now);
+                // (The core's deadline is read again only if something changed since: each
+                // read computes the deadline of every connection touched since the core's
+                // last flush of its timer index, O(paths) each.)
+                if changed {
+                    due = D::poll_timeout(&st).is_some_and(|t| t <= now);
+                }
+                if due {
                     D::handle_timeout(&mut st, now);
                 }
                 // What an application task could not send goes first (it left the core
@@ -502,7 +528,7 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                         }
                     }
                     _ = sleep.as_mut(), if armed.is_some() => armed = None,
-                    _ = shared.woken().notified() => {}
+                    _ = woken.as_mut() => woken.set(shared.woken().notified()),
                 }
                 break;
             }

@@ -385,8 +385,13 @@ impl State {
 
     /// Whether the driver may stop: closed, and every connection and pending CLOSE gone.
     pub fn drained(&self) -> bool {
+        // `closed` first: the driver asks after every flush, and `table_sizes` is
+        // O(connections).
+        if !self.closed {
+            return false;
+        }
         let t = self.core.table_sizes();
-        self.closed && t.connections == 0 && t.closers == 0
+        t.connections == 0 && t.closers == 0
     }
 
     /// Sizes of the driver's per-connection maps (for leak tests).
@@ -1109,9 +1114,11 @@ impl Endpoint {
             }
             {
                 let st = shared.lock();
-                let t = st.core.table_sizes();
-                if st.conns.is_empty() && t.connections == 0 && t.closers == 0 {
-                    return;
+                if st.conns.is_empty() {
+                    let t = st.core.table_sizes();
+                    if t.connections == 0 && t.closers == 0 {
+                        return;
+                    }
                 }
             }
             shared.wake_driver.notify_one();
