@@ -303,8 +303,9 @@ pub enum Event {
     /// ([`Endpoint::reset_stream`](crate::Endpoint::reset_stream), or in answer to this
     /// side's [`Endpoint::stop_stream`](crate::Endpoint::stop_stream)), or gave up on it after
     /// a SEND failed with `RnrRetryExceeded` (code [`STREAM_CODE_RNR`](crate::STREAM_CODE_RNR))
-    /// or was refused for a full stream table, when this side had room for the stream by
-    /// the time the abort came (code [`STREAM_CODE_REFUSED`](crate::STREAM_CODE_REFUSED)).
+    /// or was refused for a full stream table after earlier messages of the stream were
+    /// taken (code [`STREAM_CODE_REFUSED`](crate::STREAM_CODE_REFUSED); a stream refused
+    /// from its first message is closed without this event: the application never saw it).
     /// Reported once, after the messages delivered before the reset point; receives still
     /// posted on the stream were completed with `WrFlushError` just before. No further
     /// message arrives on the stream.
