@@ -569,9 +569,13 @@ pub struct TransportConfig {
     /// take at most this × 512 bytes; a new WRITE that would exceed that waits the same way.
     /// It also bounds the records of refused SEND messages ahead of their stream's next
     /// one (kept so that in-order delivery skips them): beyond it such a message is NAKed
-    /// but not recorded. A requester's op ids in flight span at most its `max_outstanding_ops`, so
-    /// an honest peer with `max_outstanding_ops` at most this value never meets the bound;
-    /// it limits the memory a peer's scattered op ids can take (tens of bytes per id).
+    /// but not recorded. And it bounds the records of streams refused for want of
+    /// `max_streams` room, kept until the sender's abort comes so that a late copy of a
+    /// refused SEND is not delivered (the oldest is forgotten first: a late copy of its
+    /// stream is then taken as new). A requester's op ids in flight span at most its
+    /// `max_outstanding_ops`, so an honest peer with `max_outstanding_ops` at most this
+    /// value never meets the bound; it limits the memory a peer's scattered op ids can take
+    /// (tens of bytes per id).
     /// Default 65 536.
     pub max_tracked_ops: u32,
     /// Most immediates of WRITEs with immediate a responder holds back (the WRITE_WITH_IMM

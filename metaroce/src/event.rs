@@ -305,7 +305,9 @@ pub enum Event {
     /// a SEND failed with `RnrRetryExceeded` (code [`STREAM_CODE_RNR`](crate::STREAM_CODE_RNR))
     /// or was refused for a full stream table after earlier messages of the stream were
     /// taken (code [`STREAM_CODE_REFUSED`](crate::STREAM_CODE_REFUSED); a stream refused
-    /// from its first message is closed without this event: the application never saw it).
+    /// from its first message is closed without this event, the application never saw it,
+    /// unless the closed stream ids are at their range bound: docs/PROTOCOL.md, "Refused
+    /// streams").
     /// Reported once, after the messages delivered before the reset point; receives still
     /// posted on the stream were completed with `WrFlushError` just before. No further
     /// message arrives on the stream.

@@ -1527,3 +1527,398 @@ fn refusals_under_impairment_keep_success_honest_and_never_wedge() {
         assert_eq!(trace(&p, 1, id), ["msg 4"], "seed {seed}");
     }
 }
+
+/// Found by review: no SEND that completed in error has its message delivered, and no
+/// SEND completes `Success` without its message delivered, with many refusals and late
+/// network duplicates of every kind of packet (up to 60 ms late, far beyond the RTT) while
+/// room comes and goes. The connection never wedges and the receiver keeps no stream.
+#[test]
+fn late_duplicates_never_deliver_a_failed_send() {
+    for seed in 0..32u64 {
+        late_duplicates_run(seed, false);
+    }
+}
+
+/// As above, with the receiving application stopping a stream now and then (STOP crossing
+/// refusals, their aborts and late copies).
+#[test]
+fn late_duplicates_with_stops_never_deliver_a_failed_send() {
+    // (Seed 93 met the STOP at a full table and range bound, see below.)
+    for seed in 0..100u64 {
+        late_duplicates_run(seed, true);
+    }
+}
+
+fn late_duplicates_run(seed: u64, stops: bool) {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    {
+        let (mut p, a, b) = small_table(300 + seed, 2);
+        // (Rules apply only to a net without `Impair`.)
+        p.add_rule(Rule::always(Filter::any(), Action::Drop(0.04)));
+        p.add_rule(Rule::always(
+            Filter::any(),
+            Action::Dup {
+                prob: 0.15,
+                copies: 1,
+            },
+        ));
+        p.add_rule(Rule::always(
+            Filter::any(),
+            Action::Jitter {
+                prob: 0.3,
+                max: Duration::from_micros(400),
+            },
+        ));
+        for (i, after) in [5u64, 20, 60].into_iter().enumerate() {
+            p.add_rule(Rule::always(
+                Filter::any().from(0).kind(Kind::Data),
+                Action::Late {
+                    prob: 0.3,
+                    after: Duration::from_millis(after),
+                },
+            ));
+            if i == 0 {
+                // NAKs and ACKs late too.
+                p.add_rule(Rule::always(
+                    Filter::any().from(1),
+                    Action::Late {
+                        prob: 0.1,
+                        after: Duration::from_millis(after),
+                    },
+                ));
+            }
+        }
+        // Stream aborts and FINs held back now and then (an abort overtaken by a late
+        // copy of the message it answers).
+        p.add_rule(Rule::always(
+            Filter::any().from(0).kind(Kind::Data).when(|i| {
+                i.send
+                    .is_some_and(|s| s.msg_len == 0 && s.stream_id % 4 == 0)
+            }),
+            Action::Hold {
+                prob: 1.0,
+                after: Duration::from_millis(30),
+            },
+        ));
+        let mut id = 0u32;
+        for round in 0..12 {
+            for _ in 0..3 {
+                for k in 0..3u64 {
+                    p.eps[0]
+                        .post_send(
+                            a,
+                            id,
+                            (id as u64) << 8 | k,
+                            Bytes::from(vec![k as u8; 700 + 900 * (k as usize % 2)]),
+                        )
+                        .unwrap();
+                }
+                id += 2;
+                run_for(&mut p, Duration::from_micros(200 + 150 * (round % 3)));
+            }
+            if stops {
+                p.eps[1]
+                    .stop_stream(p.now, b, id - 2 * (1 + round as u32 % 3), 5)
+                    .unwrap();
+            }
+            for s in (id - 6..id).step_by(2) {
+                // (A stream the STOP reset cannot be finished.)
+                let _ = p.eps[0].finish_stream(p.now, a, s);
+                run_for(&mut p, Duration::from_micros(300));
+            }
+            run_for(&mut p, Duration::from_millis(4 + (round % 4) * 4));
+        }
+        run_for(&mut p, Duration::from_secs(3));
+        assert!(p.lost(0, a).is_none(), "seed {seed}");
+        let delivered = p.messages(1, b);
+        for wc in p.completions(0, a) {
+            let (s, k) = ((wc.wr_id >> 8) as u32, (wc.wr_id & 0xFF) as u8);
+            let got = delivered
+                .get(&s)
+                .is_some_and(|m| m.iter().any(|d| d[0] == k));
+            assert_eq!(
+                got,
+                wc.status == WcStatus::Success,
+                "seed {seed}: stream {s} msg {k} {:?}, delivered {:?}",
+                wc.status,
+                delivered
+                    .get(&s)
+                    .map(|m| m.iter().map(|d| d[0]).collect::<Vec<_>>())
+            );
+        }
+        let st = p.eps[1].connection_stats(b).unwrap().recv;
+        assert_eq!(st.streams, 0, "seed {seed}: {st:?}");
+        assert!(st.refused_streams > 0, "seed {seed}: {st:?}");
+        p.eps[0]
+            .post_send(a, id, 1 << 40, Bytes::from_static(b"last"))
+            .unwrap();
+        run_for(&mut p, Duration::from_secs(1));
+        assert_eq!(trace(&p, 1, id), ["msg 4"], "seed {seed}");
+    }
+}
+
+/// Found by review: the NAK refusing a SEND is lost, room comes, and the sender's re-sent
+/// copy reaches the receiver then. It must be refused again (the receiver cannot tell it
+/// from a late copy of a SEND already failed), the sender must then fail it, the id must
+/// close at the receiver, and the next stream must be admitted.
+#[test]
+fn a_resend_after_a_lost_nak_is_refused_and_fails_consistently() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (mut p, a, b) = small_table(71, 1);
+    hold_slot(&mut p, a, 0);
+    let start = p.now - p.start;
+    p.add_rule(Rule::between(
+        start,
+        start + Duration::from_millis(30),
+        Filter::any().from(1).kind(Kind::Nak),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(a, 2, 2, Bytes::from_static(b"refused"))
+        .unwrap();
+    run_for(&mut p, Duration::from_micros(300));
+    // Room, long before the NAKs get through.
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(
+        statuses(&p, 0, a),
+        [(0, WcStatus::Success), (2, WcStatus::RemoteInvalidRequest)]
+    );
+    assert!(trace(&p, 1, 2).is_empty(), "{:?}", trace(&p, 1, 2));
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(st.refused_copies >= 1, "{st:?}");
+    assert!(p.eps[1].stream_is_closed(b, 2), "{st:?}");
+    p.eps[0]
+        .post_send(a, 4, 4, Bytes::from_static(b"next"))
+        .unwrap();
+    p.eps[0].finish_stream(p.now, a, 4).unwrap();
+    run_for(&mut p, Duration::from_millis(50));
+    assert_eq!(trace(&p, 1, 4), ["msg 4", "fin"]);
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(st.streams, 0, "{st:?}");
+}
+
+/// Found by review: `RecvStats::refused_copies` says "refused again although the stream
+/// table had room by then". With the table full the whole time, every copy is refused for
+/// want of room, as it would have been without the record: none is such a copy.
+#[test]
+fn refused_copies_counts_only_copies_refused_with_room() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (mut p, a, b) = small_table(72, 1);
+    hold_slot(&mut p, a, 0);
+    let start = p.now - p.start;
+    p.add_rule(Rule::between(
+        start,
+        start + Duration::from_millis(100),
+        Filter::any().from(1).kind(Kind::Nak),
+        Action::Blackhole,
+    ));
+    p.eps[0]
+        .post_send(a, 2, 2, Bytes::from(vec![7; 3000]))
+        .unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(st.refused_streams >= 2, "{st:?}");
+    assert_eq!(st.refused_copies, 0, "the table never had room: {st:?}");
+    assert_eq!(
+        statuses(&p, 0, a),
+        [(0, WcStatus::Success), (2, WcStatus::RemoteInvalidRequest)]
+    );
+}
+
+/// Found by review: the receiving application stops a stream whose first message it
+/// refused, after room came and before the sender's abort (held back) arrives; a late copy
+/// of the refused message comes in between. Nothing is delivered, the SEND fails, and the
+/// receiver ends up keeping no state for the stream (no wedge of a table slot).
+#[test]
+fn stop_of_a_refused_stream_before_its_abort() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (mut p, a, b) = small_table(73, 1);
+    hold_slot(&mut p, a, 0);
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len > 0)),
+        Action::Late {
+            prob: 1.0,
+            after: Duration::from_millis(20),
+        },
+    ));
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len == 0)),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(40),
+        },
+    ));
+    p.eps[0]
+        .post_send(a, 2, 2, Bytes::from_static(b"refused"))
+        .unwrap();
+    p.eps[0]
+        .post_send(a, 2, 3, Bytes::from_static(b"flushed"))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    p.eps[1].stop_stream(p.now, b, 2, 9).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(
+        statuses(&p, 0, a),
+        [
+            (0, WcStatus::Success),
+            (2, WcStatus::RemoteInvalidRequest),
+            (3, WcStatus::WrFlushError)
+        ]
+    );
+    assert!(
+        !trace(&p, 1, 2).iter().any(|t| t.starts_with("msg")),
+        "{:?}",
+        trace(&p, 1, 2)
+    );
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(st.streams, 0, "{st:?} {:?}", trace(&p, 1, 2));
+}
+
+/// Found by review: a stream's third message is refused at a full table while its first
+/// two are held back; the sender's abort from message 2 is held back longer still. Room
+/// comes, messages 0 and 1 are admitted (the stream now has state) and delivered, then a
+/// late copy of message 2 arrives before the abort: it must be refused again (the record
+/// outlives the stream's getting state), and the abort then resets the stream after
+/// message 1.
+#[test]
+fn a_late_copy_after_earlier_messages_took_state_is_refused() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (mut p, a, b) = small_table(74, 1);
+    hold_slot(&mut p, a, 0);
+    p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).when(|i| {
+            i.send
+                .is_some_and(|s| s.stream_id == 2 && s.msg_seq < 2 && s.msg_len > 0)
+        }),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(30),
+        },
+    ));
+    p.add_rule(Rule::always(
+        Filter::any().from(0).kind(Kind::Data).when(|i| {
+            i.send
+                .is_some_and(|s| s.stream_id == 2 && s.msg_seq == 2 && s.msg_len > 0)
+        }),
+        Action::Late {
+            prob: 1.0,
+            after: Duration::from_millis(40),
+        },
+    ));
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len == 0)),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(60),
+        },
+    ));
+    for k in 0..3u64 {
+        p.eps[0]
+            .post_send(a, 2, 10 + k, Bytes::from(vec![k as u8; 100]))
+            .unwrap();
+    }
+    run_for(&mut p, Duration::from_millis(5));
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    assert_eq!(
+        statuses(&p, 0, a),
+        [
+            (0, WcStatus::Success),
+            (10, WcStatus::Success),
+            (11, WcStatus::Success),
+            (12, WcStatus::RemoteInvalidRequest)
+        ]
+    );
+    assert_eq!(
+        trace(&p, 1, 2),
+        [
+            "msg 100",
+            "msg 100",
+            &format!("reset {}", metaroce::STREAM_CODE_REFUSED)
+        ]
+    );
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert!(st.refused_copies >= 1, "{st:?}");
+    assert_eq!(st.streams, 0, "{st:?}");
+}
+
+/// Found by review (`late_duplicates_with_stops_never_deliver_a_failed_send`;
+/// not caused by ded3bd6): the receiving application stops a stream it has no state for
+/// while its table is full and its closed ids are at their range bound. `stop` kept
+/// nothing and the STOP said "delivered 0", so the sender flushed the stream's SEND
+/// (`WrFlushError`); the SEND's packet, held back by the network, arrived once room came,
+/// was admitted and delivered. A message whose SEND failed was delivered.
+#[test]
+fn a_stop_at_a_full_table_and_range_bound_keeps_its_stream_refused() {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let (mut p, a, b) = small_table(75, 1);
+    // Closed ids {0}, {4}, {8}: the range bound (2 × 1 + 1) with stream 2 holding the slot.
+    p.eps[0]
+        .post_send(a, 0, 0, Bytes::from_static(b"done"))
+        .unwrap();
+    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    hold_slot(&mut p, a, 2);
+    for s in [4u32, 8] {
+        p.eps[0]
+            .post_send(a, s, s as u64, Bytes::from_static(b"refused"))
+            .unwrap();
+        run_for(&mut p, Duration::from_millis(5));
+    }
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(st.retired_stream_ranges, 3, "{st:?}");
+    assert_eq!(st.streams, 1, "{st:?}");
+    // Stream 12's message is held back 30 ms, its abort 60 ms.
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 12 && s.msg_len > 0)),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(30),
+        },
+    ));
+    p.add_rule(Rule::always(
+        Filter::any()
+            .from(0)
+            .kind(Kind::Data)
+            .when(|i| i.send.is_some_and(|s| s.stream_id == 12 && s.msg_len == 0)),
+        Action::Hold {
+            prob: 1.0,
+            after: Duration::from_millis(60),
+        },
+    ));
+    p.eps[0]
+        .post_send(a, 12, 12, Bytes::from_static(b"stopped"))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(1));
+    p.eps[1].stop_stream(p.now, b, 12, 5).unwrap();
+    run_for(&mut p, Duration::from_millis(5));
+    // Room.
+    p.eps[0].finish_stream(p.now, a, 2).unwrap();
+    run_for(&mut p, Duration::from_secs(1));
+    let got = statuses(&p, 0, a);
+    let wc12 = got.iter().find(|w| w.0 == 12).copied();
+    assert_ne!(wc12, Some((12, WcStatus::Success)), "{got:?}");
+    assert!(wc12.is_some(), "{got:?}");
+    assert!(
+        !trace(&p, 1, 12).iter().any(|t| t.starts_with("msg")),
+        "stream 12's SEND completed {wc12:?} and its message was delivered: {:?}",
+        trace(&p, 1, 12)
+    );
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(st.streams, 0, "{st:?}");
+}

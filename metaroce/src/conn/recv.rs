@@ -585,14 +585,16 @@ pub struct RecvStats {
     /// Gauge: ranges of retired stream ids held (at most `2 × max_streams + 1`;
     /// consecutive ids of one side merge).
     pub retired_stream_ranges: u64,
-    /// SEND packets of new streams refused because `max_streams` streams had state
-    /// (NAK 0x61 with the stream-refused flag; `RemoteInvalidRequest` at the sender,
-    /// which ends the stream).
+    /// SEND packets of new streams refused because `max_streams` streams had state, and
+    /// copies of such a refused message (or of a later one of its stream) refused again
+    /// although the table had room by then (`refused_copies`) (NAK 0x61 with the
+    /// stream-refused flag; `RemoteInvalidRequest` at the sender, which ends the stream).
     pub refused_streams: u64,
     /// Of `refused_streams`: copies of a message refused before (or of a later message
-    /// of its stream) refused again although the stream table had room by then — the
-    /// sender failed that SEND (a late network duplicate, or a re-send racing the first
-    /// refusal).
+    /// of its stream) refused again although the stream table had room (or the stream
+    /// had state) by then — the sender failed that SEND (a late network duplicate, or a
+    /// re-send racing the first refusal). A copy arriving while the table is still full
+    /// is refused for want of room, and counts only in `refused_streams`.
     pub refused_copies: u64,
     /// FINs and stream aborts of streams with no state and no room for any that waited
     /// (flow-control RNR NAK) for the stream's earlier messages to arrive or be aborted.
@@ -779,23 +781,31 @@ impl RecvState {
     /// again), and nothing from `N` on will ever be delivered: what was buffered of it is
     /// dropped now, and later packets get a flow-control RNR NAK, so none completes
     /// `Success` at the sender. A second call returns the first point. A stream this side
-    /// has no state for gets some (if `max_streams` allows; otherwise the peer's packets on
-    /// it are refused anyway) and stops at 0.
+    /// has no state for gets some (if `max_streams` allows; otherwise its id closes as
+    /// stopped, or, at the range bound, a refusal record keeps its packets refused until
+    /// the sender's abort comes) and stops at 0.
     pub fn stop(&mut self, stream: u32, lim: &RecvLimits) -> u32 {
         self.buf.explicit = lim.explicit_consume;
         if self.retired.contains(stream) {
             return 0;
         }
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
-            // No room for its state: the peer's packets on it are refused anyway, so
-            // nothing of it was or will be delivered. It is forgotten at once as stopped
-            // at 0 (`try_retire_unanswered`), ranges permitting; else nothing is kept.
+            // No room for its state: nothing of it was delivered. It is forgotten at once
+            // as stopped at 0 (`try_retire_unanswered`), ranges permitting; else a refusal
+            // record from message 0 keeps its packets refused (even once room comes).
             let max = lim.max_ranges;
             let full = |set: &super::idset::IdSet| set.would_grow(stream) && set.ranges() >= max;
             if !full(&self.retired) && !full(&self.unanswered) {
                 self.retire_id(stream);
                 self.unanswered.insert(stream);
                 self.stats.retired_streams += 1;
+            } else {
+                // Nothing else can be kept: a refusal record from message 0, so that the
+                // stream's messages stay refused once room comes, until the sender's
+                // abort (its answer to this STOP) arrives. Before, a message arriving after
+                // room came was delivered although the STOP (delivered 0) had flushed its
+                // SEND at the sender (found by review).
+                self.record_refused_stream(stream, 0, lim);
             }
             return 0;
         }
@@ -839,9 +849,9 @@ impl RecvState {
             .get(&stream)
             .is_some_and(|&f| !seq_before(f, first));
         if self.retired.contains(stream) {
-            if refused {
-                self.refused_new.remove(&stream);
-            }
+            // (A record of a closed id is never looked at again: `on_send` answers the id
+            // first.)
+            self.refused_new.remove(&stream);
             return RxOutcome::Accepted;
         }
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
@@ -856,7 +866,8 @@ impl RecvState {
             // to arrive and be delivered or refused, so the abort waits (flow-control RNR
             // NAK, the sender re-sends it) rather than being acknowledged and lost.
             let out = self.retire_unseen(stream, first == 0, lim);
-            if refused && out == RxOutcome::Accepted {
+            if out == RxOutcome::Accepted {
+                // The id is closed now (whatever message the record names).
                 self.refused_new.remove(&stream);
             }
             return out;
@@ -1154,15 +1165,22 @@ impl RecvState {
             }
             return RxOutcome::Accepted;
         }
-        if self
-            .refused_new
-            .get(&hdr.stream_id)
-            .is_some_and(|&first| !seq_before(hdr.msg_seq, first))
+        if !self.refused_new.is_empty()
+            && self
+                .refused_new
+                .get(&hdr.stream_id)
+                .is_some_and(|&first| !seq_before(hdr.msg_seq, first))
         {
             // A copy of a refused message, or of a later one of its stream: the sender
-            // failed or flushes its SEND (see `refused_new`).
+            // failed or flushes its SEND (see `refused_new`). Counted as a copy only when
+            // the record decided it: with the table still full it is refused for want of
+            // room anyway (found by review: every re-sent copy at a full table counted).
             self.stats.refused_streams += 1;
-            self.stats.refused_copies += 1;
+            if self.streams.contains_key(&hdr.stream_id)
+                || self.streams.len() < lim.max_streams as usize
+            {
+                self.stats.refused_copies += 1;
+            }
             return RxOutcome::StreamRefused;
         }
         if !self.streams.contains_key(&hdr.stream_id)
@@ -2274,6 +2292,72 @@ mod tests {
             "{:?}",
             ev.iter().skip(before).collect::<Vec<_>>()
         );
+    }
+
+    /// Found by review: which aborts end a refusal record. One from a later message
+    /// than the record's keeps it (the sender's abort from the refused message is still to
+    /// come); one from an earlier message ends it; one waiting at a full table keeps it;
+    /// and an id closed meanwhile takes its record with it.
+    #[test]
+    fn which_aborts_end_a_refusal_record() {
+        use crate::mr::MrTable;
+        use crate::secret::SecretRng;
+        use crate::wire::SendEth;
+        let mut mrs = MrTable::new(&mut SecretRng::new([7; 32]));
+        let mut lim = limits();
+        lim.max_streams = 1;
+        lim.require_posted_receives = false;
+        let conn = ConnectionHandle(1);
+        let mut rq = RecvState::default();
+        let mut ev = VecDeque::new();
+        let msg = |stream_id, msg_seq| SendEth {
+            stream_id,
+            msg_seq,
+            offset: 0,
+            msg_len: 1,
+        };
+        let out = rq.on_send(conn, &msg(0, 0), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        // Streams 2 and 4 refused from message 3 (the table is full).
+        for s in [2, 4] {
+            let out = rq.on_send(conn, &msg(s, 3), b"x", &lim, &mut mrs, &mut ev);
+            assert_eq!(out, RxOutcome::StreamRefused);
+        }
+        assert_eq!(rq.stats.refused_copies, 0);
+        // At the full table a copy is refused for want of room: not counted as a copy.
+        let out = rq.on_send(conn, &msg(2, 3), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::StreamRefused);
+        assert_eq!(rq.stats.refused_copies, 0);
+        // An abort from message 3 at the full table waits, and keeps the record.
+        let out = rq.on_stream_abort(conn, 2, 3, 1, &lim, &mut ev);
+        assert_eq!(out, RxOutcome::FlowRnr);
+        assert_eq!(rq.refused_new.get(&2), Some(&3));
+        lim.max_streams = 8;
+        // An abort from a later message (5) keeps it: messages 3 and 4 are still refused.
+        let out = rq.on_stream_abort(conn, 2, 5, 1, &lim, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        assert_eq!(rq.refused_new.get(&2), Some(&3));
+        let out = rq.on_send(conn, &msg(2, 4), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::StreamRefused);
+        assert_eq!(rq.stats.refused_copies, 1);
+        // Earlier messages are taken.
+        let out = rq.on_send(conn, &msg(2, 0), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        // An abort from an earlier message (1) ends it; copies of 3 are then dead.
+        let out = rq.on_stream_abort(conn, 2, 1, 1, &lim, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        assert!(!rq.refused_new.contains_key(&2));
+        let out = rq.on_send(conn, &msg(2, 3), b"x", &lim, &mut mrs, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        // Stream 4: this side stops it at the full table (its id closes at once); its
+        // record is useless from then on and goes with the abort, from whatever message.
+        lim.max_streams = 2;
+        assert!(rq.streams.len() >= 2);
+        assert_eq!(rq.stop(4, &lim), 0);
+        assert!(rq.is_retired(4));
+        let out = rq.on_stream_abort(conn, 4, 7, 1, &lim, &mut ev);
+        assert_eq!(out, RxOutcome::Accepted);
+        assert!(rq.refused_new.is_empty(), "{:?}", rq.refused_new);
     }
 
     /// A peer sends part of message 1 (bound to the second posted receive), then a FIN
