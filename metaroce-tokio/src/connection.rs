@@ -221,11 +221,11 @@ impl PendingOp<'_> {
         };
         let done = rx.await;
         self.rx = None;
-        let OpDone { wc, ended } = done.map_err(|_| Error::EndpointClosed)?;
+        let OpDone { wc, ended, refused } = done.map_err(|_| Error::EndpointClosed)?;
         if wc.status == WcStatus::Success {
             Ok(wc)
         } else {
-            Err(completion_error(wc, ended))
+            Err(completion_error(wc, ended, refused))
         }
     }
 }
@@ -309,7 +309,14 @@ impl BatchSlot {
     ) {
         let mut b = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if wc.status != WcStatus::Success && b.failed.as_ref().is_none_or(|(i, _)| index < *i) {
-            b.failed = Some((index, OpDone { wc, ended }));
+            b.failed = Some((
+                index,
+                OpDone {
+                    wc,
+                    ended,
+                    refused: None,
+                },
+            ));
         }
         b.remaining = b.remaining.saturating_sub(1);
         if b.remaining == 0 {
@@ -322,6 +329,7 @@ impl BatchSlot {
                         ..d.wc
                     },
                     ended: d.ended,
+                    refused: None,
                 }));
             }
         }
@@ -330,12 +338,20 @@ impl BatchSlot {
 
 /// The error of a failed work completion: an operation flushed by its connection's end
 /// (`ended`) is [`Error::ConnectionLost`] with the reason, as on a stream (a new user's
-/// trial found the reason missing from flushed WRITEs); any other is
+/// trial found the reason missing from flushed WRITEs); a SEND the peer refused for a full
+/// stream table (`refused`, its stream) is [`Error::StreamRefused`]; any other is
 /// [`Error::Completion`] — a flush by a stream's reset or stop among them (a review found
 /// those misreported when the reason was looked up later).
-fn completion_error(wc: WorkCompletion, ended: Option<ConnectionError>) -> Error {
-    match ended {
-        Some(reason) if wc.status == WcStatus::WrFlushError => Error::ConnectionLost(reason),
+fn completion_error(
+    wc: WorkCompletion,
+    ended: Option<ConnectionError>,
+    refused: Option<u32>,
+) -> Error {
+    match (ended, refused) {
+        (Some(reason), _) if wc.status == WcStatus::WrFlushError => Error::ConnectionLost(reason),
+        (_, Some(stream)) if wc.status == WcStatus::RemoteInvalidRequest => {
+            Error::StreamRefused { stream }
+        }
         _ => Error::Completion(wc),
     }
 }
@@ -736,8 +752,10 @@ impl Connection {
                 match post(&mut st.core, wr_id) {
                     Ok(()) => {
                         let (tx, rx) = oneshot::channel();
-                        st.waiters
-                            .insert((self.inner.handle, wr_id), Waiter::Op(tx, send_stream));
+                        st.waiters.insert(
+                            (self.inner.handle, wr_id),
+                            Waiter::Op(tx, send_stream, false),
+                        );
                         break (wr_id, rx);
                     }
                     Err(PostError::SendQueueFull) => {
@@ -1065,7 +1083,7 @@ impl Connection {
         pending.done = true;
         match failed {
             None => Ok(()),
-            Some(OpDone { wc, ended }) => Err(completion_error(wc, ended)),
+            Some(OpDone { wc, ended, refused }) => Err(completion_error(wc, ended, refused)),
         }
     }
 
@@ -1298,9 +1316,10 @@ impl Connection {
     /// [`Error::Completion`] for a failed completion: `RnrRetryExceeded` (the stream takes
     /// posted receives and none came), `WrFlushError` (the stream was reset or stopped;
     /// the message was not delivered), `RemoteInvalidRequest` (the peer refused the
-    /// message: longer than its `max_message_size`, longer than its posted receive, or the
-    /// first message of a new stream while the peer already keeps `max_streams` streams —
-    /// the wire does not say which). [`Error::ConnectionLost`] once the connection ended,
+    /// message: longer than its `max_message_size` or than its posted receive).
+    /// [`Error::StreamRefused`] when the peer refused the stream itself (it already kept
+    /// `max_streams` streams): try again on a new stream once one ends; its `status()` is
+    /// `RemoteInvalidRequest` too. [`Error::ConnectionLost`] once the connection ended,
     /// also for a SEND flushed by that end.
     ///
     /// # Cancel safety

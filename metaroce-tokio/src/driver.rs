@@ -690,11 +690,15 @@ fn dispatch(st: &mut State, shared: &Shared) {
                 ended.push((conn, reason_for_flushes));
             }
             Event::RecvCompletion { conn, wc, .. } => match st.waiters.remove(&(conn, wc.wr_id)) {
-                Some(Waiter::Op(tx, _)) if wc.status == WcStatus::WrFlushError => {
+                Some(Waiter::Op(tx, ..)) if wc.status == WcStatus::WrFlushError => {
                     flushed.push((conn, Flushed::Op(tx), wc));
                 }
-                Some(Waiter::Op(tx, _)) => {
-                    let _ = tx.send(OpDone { wc, ended: None });
+                Some(Waiter::Op(tx, ..)) => {
+                    let _ = tx.send(OpDone {
+                        wc,
+                        ended: None,
+                        refused: None,
+                    });
                 }
                 Some(Waiter::Cancelled { dereg, recv, .. }) => {
                     crate::connection::on_cancelled_completion(st, conn, wc, dereg, recv);
@@ -704,11 +708,15 @@ fn dispatch(st: &mut State, shared: &Shared) {
             Event::Completion { conn, wc } => {
                 freed = true;
                 match st.waiters.remove(&(conn, wc.wr_id)) {
-                    Some(Waiter::Op(tx, send_stream)) => {
+                    Some(Waiter::Op(tx, send_stream, refused)) => {
                         if wc.status == WcStatus::WrFlushError {
                             flushed.push((conn, Flushed::Op(tx), wc));
                         } else {
-                            let _ = tx.send(OpDone { wc, ended: None });
+                            let _ = tx.send(OpDone {
+                                wc,
+                                ended: None,
+                                refused: send_stream.filter(|_| refused),
+                            });
                         }
                         send_progress(st, conn, send_stream);
                     }
@@ -768,6 +776,26 @@ fn dispatch(st: &mut State, shared: &Shared) {
                     lock_rx(&e.rx).end(RxEnd::Error(Error::StreamReset { stream, code }));
                 }
             }
+            // Before the refused SEND's completion: it, the stream's later SENDs (flushed)
+            // and its later sink calls fail with `Error::StreamRefused`.
+            Event::StreamRefused {
+                conn,
+                stream,
+                wr_id,
+            } => {
+                tracing::debug!(%conn, stream, "stream refused by the peer (its table is full)");
+                if let Some(Waiter::Op(_, _, refused)) = st.waiters.get_mut(&(conn, wr_id)) {
+                    *refused = true;
+                }
+                if let Some(e) = st.stream_mut(conn, stream) {
+                    if e.stopped.is_none() {
+                        e.stopped = Some(Error::StreamRefused { stream });
+                    }
+                    if let Some(w) = e.waker.take() {
+                        w.wake();
+                    }
+                }
+            }
             Event::StreamStopped { conn, stream, code } => {
                 tracing::debug!(%conn, stream, code, "stream stopped by the peer");
                 if let Some(e) = st.stream_mut(conn, stream) {
@@ -820,7 +848,11 @@ fn dispatch(st: &mut State, shared: &Shared) {
             .map(|(_, r)| r.clone());
         match w {
             Flushed::Op(tx) => {
-                let _ = tx.send(OpDone { wc, ended: reason });
+                let _ = tx.send(OpDone {
+                    wc,
+                    ended: reason,
+                    refused: None,
+                });
             }
             Flushed::Batch(batch, index) => batch.on_completion(index, wc, reason),
         }

@@ -276,13 +276,17 @@ pub(crate) struct OpDone {
     /// operation (`WrFlushError`): it failed because of the end (a flush of a stream's
     /// reset or stop is not one).
     pub ended: Option<ConnectionError>,
+    /// The SEND failed because the peer refused its stream (`Event::StreamRefused`): the
+    /// stream.
+    pub refused: Option<u32>,
 }
 
 pub(crate) enum Waiter {
     /// An operation's future waits; for a `Connection::send`, the stream it is on (its
     /// completion lowers that stream's unacknowledged bytes, which the stream's sink and
-    /// other `send`s wait on).
-    Op(oneshot::Sender<OpDone>, Option<u32>),
+    /// other `send`s wait on), and whether the core reported the SEND refused
+    /// (`Event::StreamRefused`, before its completion).
+    Op(oneshot::Sender<OpDone>, Option<u32>, bool),
     Stream(u32),
     /// The operation's future was dropped and the core was asked to cancel it
     /// (`Connection::run_op`): its completion is discarded, except that `dereg` (an

@@ -132,6 +132,19 @@ pub enum Error {
         /// The application error code the peer gave.
         code: u32,
     },
+    /// The peer refused the stream: it already kept its
+    /// [`max_streams`](metaroce::TransportConfig::max_streams) streams when the stream's
+    /// message arrived ([`metaroce::Event::StreamRefused`]). Nothing of the stream from
+    /// that message on is delivered, and the stream is over for sending (its later
+    /// messages fail with this error too). Not a fault of the message: open a new stream
+    /// and send again once one of this connection's streams ends. Its
+    /// [`status`](Error::status) is `RemoteInvalidRequest`, the completion status the
+    /// refused SEND had.
+    #[error("stream {stream} refused by the peer (its stream table is full)")]
+    StreamRefused {
+        /// The stream id.
+        stream: u32,
+    },
     /// The peer's reader asked this side to stop sending on the stream with this code
     /// (the stream was reset with it).
     #[error("stream {stream} stopped by the peer with code {code}")]
@@ -148,10 +161,12 @@ pub enum Error {
 }
 
 impl Error {
-    /// The work completion status, for completion errors.
+    /// The work completion status, for completion errors (and `RemoteInvalidRequest` for
+    /// [`Error::StreamRefused`], the status of the refused SEND).
     pub fn status(&self) -> Option<WcStatus> {
         match self {
             Error::Completion(wc) => Some(wc.status),
+            Error::StreamRefused { .. } => Some(WcStatus::RemoteInvalidRequest),
             _ => None,
         }
     }

@@ -79,9 +79,10 @@ pub(crate) struct StreamEntry {
     pub in_flight: usize,
     /// The first failed completion, reported by the next sink call.
     pub error: Option<Error>,
-    /// The peer stopped the stream ([`Error::StreamStopped`]): messages posted before
-    /// that and not delivered fail with it, and so does every later `poll_ready`; a
-    /// `poll_flush` whose messages were all delivered succeeds.
+    /// The peer stopped the stream ([`Error::StreamStopped`]) or refused it
+    /// ([`Error::StreamRefused`]): messages posted before that and not delivered fail with
+    /// it, and so does every later `poll_ready`; a `poll_flush` whose messages were all
+    /// delivered succeeds.
     pub stopped: Option<Error>,
     /// The task waiting in `poll_ready` / `poll_flush`.
     pub waker: Option<Waker>,
@@ -170,7 +171,7 @@ impl StreamEntry {
 /// finishes the stream, and a failed message surfaces as the error of the next sink call
 /// (statuses as for [`Connection::send`](crate::Connection::send); a stream opened while
 /// the peer keeps `max_streams` streams fails its first message with
-/// `RemoteInvalidRequest`, so a service that opens a stream per request keeps fewer than
+/// [`Error::StreamRefused`], so a service that opens a stream per request keeps fewer than
 /// the peer's limit open at once). Sending after `poll_close` is [`Error::StreamClosed`]. Use
 /// [`futures::StreamExt::split`] for independent halves.
 ///

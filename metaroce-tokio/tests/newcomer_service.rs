@@ -645,11 +645,34 @@ async fn refusals_at_max_streams_do_not_wedge_the_connection() {
         let r = timeout(T, extra.send(payload(99, 10)))
             .await
             .expect("send hung");
+        match r {
+            Err(metaroce_tokio::Error::StreamRefused { .. }) => {}
+            other => panic!("cycle {cycle}: request beyond max_streams: {other:?}"),
+        }
+        // The sink stays failed with it; the stream is over for sending.
+        let again = timeout(T, extra.send(payload(98, 10)))
+            .await
+            .expect("send hung");
         assert!(
-            r.is_err(),
-            "cycle {cycle}: request beyond max_streams accepted"
+            matches!(again, Err(metaroce_tokio::Error::StreamRefused { .. })),
+            "{again:?}"
         );
         drop(extra);
+        // `Connection::send` on a new stream says the same.
+        let id = 1_000_001 + 2 * cycle;
+        let r = timeout(T, conn.send(id, payload(97, 10)))
+            .await
+            .expect("send hung");
+        match r {
+            Err(e @ metaroce_tokio::Error::StreamRefused { stream }) => {
+                assert_eq!(stream, id);
+                assert_eq!(
+                    e.status(),
+                    Some(metaroce_tokio::metaroce::WcStatus::RemoteInvalidRequest)
+                );
+            }
+            other => panic!("cycle {cycle}: Connection::send beyond max_streams: {other:?}"),
+        }
         for mut s in open {
             timeout(T, s.close()).await.unwrap().unwrap();
             timeout(T, s.next()).await.unwrap().unwrap().unwrap();

@@ -319,6 +319,25 @@ pub enum Event {
         /// The peer's code.
         code: u32,
     },
+    /// The peer refused `stream`: its stream table was full (it keeps
+    /// [`TransportConfig::max_streams`](crate::TransportConfig::max_streams) streams) when
+    /// the SEND `wr_id` arrived, and it kept nothing of it (NAK 0x61 with
+    /// `NakEth::FLAG_STREAM_REFUSED`, docs/PROTOCOL.md "Refused streams"). Reported once per
+    /// refused stream, before that SEND's completion (`RemoteInvalidRequest`). The stream
+    /// is then in the error state, as after `RnrRetryExceeded`: its later SENDs, and SENDs
+    /// posted on it afterwards, complete with `WrFlushError`, and nothing of the stream
+    /// from that message on is delivered. It tells a refusal (try again on a new stream once
+    /// one of yours ends) from the other causes of `RemoteInvalidRequest` (a message longer
+    /// than the peer's `max_message_size` or its posted receive), which the completion's
+    /// status alone does not.
+    StreamRefused {
+        /// Which connection.
+        conn: ConnectionHandle,
+        /// Stream id.
+        stream: u32,
+        /// The refused SEND's work request id.
+        wr_id: u64,
+    },
     /// The peer, receiving on `stream`, asked this side to stop sending on it
     /// ([`Endpoint::stop_stream`](crate::Endpoint::stop_stream)) with `code`: the stream was
     /// reset with that code (its SENDs not yet completed were completed with

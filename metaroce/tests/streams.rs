@@ -1352,6 +1352,32 @@ fn a_late_copy_of_a_refused_send_is_not_delivered() {
     );
     let _ = b;
     assert!(trace(&p, 1, 2).is_empty(), "{:?}", trace(&p, 1, 2));
+    // The sender was told which SEND the refusal failed, once, before its completion
+    // (the late copies' NAKs answer a SEND already failed).
+    let told: Vec<usize> = p.events[0]
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| matches!(e, Event::StreamRefused { stream: 2, .. }))
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(told.len(), 1, "{:?}", p.events[0]);
+    assert!(matches!(
+        p.events[0][told[0]],
+        Event::StreamRefused { wr_id: 2, .. }
+    ));
+    let done = p.events[0]
+        .iter()
+        .position(|e| matches!(e, Event::Completion { wc, .. } if wc.wr_id == 2))
+        .expect("completion of the refused SEND");
+    assert!(told[0] < done);
+    // A SEND posted on the stream afterwards is flushed without being sent (the stream is
+    // in the error state, as after RnrRetryExceeded).
+    p.eps[0]
+        .post_send(a, 2, 9, Bytes::from_static(b"again"))
+        .unwrap();
+    run_for(&mut p, Duration::from_millis(10));
+    assert!(statuses(&p, 0, a).contains(&(9, WcStatus::WrFlushError)));
+    assert!(trace(&p, 1, 2).is_empty(), "{:?}", trace(&p, 1, 2));
 }
 
 /// The refusal falls on a stream's second message (its first was lost and comes again

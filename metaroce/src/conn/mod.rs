@@ -943,7 +943,14 @@ impl Connection {
                             // (unless another copy of the segment, still in flight, may
                             // find room: then that copy decides, as for an RNR NAK).
                             let copy = self.tx.iter().any(|p| p.is_outstanding(seg));
-                            self.sq.on_stream_refused(seg.op, copy);
+                            if let Some((stream, wr_id)) = self.sq.on_stream_refused(seg.op, copy) {
+                                // Before the SEND's completion (drained below or later).
+                                events.push_back(Event::StreamRefused {
+                                    conn: self.handle,
+                                    stream,
+                                    wr_id,
+                                });
+                            }
                         } else {
                             self.sq
                                 .fail(seg.op, WcStatus::from_nak_syndrome(nak.syndrome));

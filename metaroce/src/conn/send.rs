@@ -1461,18 +1461,24 @@ impl SendQueue {
     /// wedge the connection (`closed_id_ranges`). `other_copy`: another copy of the refused
     /// segment is still in flight and may find room; that copy decides (nothing happens
     /// now). For an operation that is not a SEND, or already finished, it is a plain NAK
-    /// 0x61 (`fail`).
-    pub fn on_stream_refused(&mut self, id: u64, other_copy: bool) {
-        let Some(op) = self.op(id) else { return };
-        if op.status.is_some() || !matches!(op.kind, OpKind::Send { .. }) {
-            self.finish(id, WcStatus::RemoteInvalidRequest);
-            return;
-        }
+    /// 0x61 (`fail`). Returns the stream and the SEND's `wr_id` when this NAK failed the
+    /// SEND for the refusal (once per SEND).
+    pub fn on_stream_refused(&mut self, id: u64, other_copy: bool) -> Option<(u32, u64)> {
+        let op = self.op(id)?;
+        let stream = match op.kind {
+            OpKind::Send { stream, .. } if op.status.is_none() => stream,
+            _ => {
+                self.finish(id, WcStatus::RemoteInvalidRequest);
+                return None;
+            }
+        };
         if other_copy {
-            return;
+            return None;
         }
+        let wr_id = op.wr_id;
         self.finish(id, WcStatus::RemoteInvalidRequest);
         self.fail_stream(id, STREAM_CODE_REFUSED);
+        Some((stream, wr_id))
     }
 
     /// How this side ended `stream` as its sender, if it did (and its state is kept:
