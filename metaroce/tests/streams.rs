@@ -1010,6 +1010,18 @@ fn hold_slot(p: &mut Pair, a: metaroce::ConnectionHandle, stream: u32) {
     run_for(p, Duration::from_millis(5));
 }
 
+/// B's NAKs are lost from now for `d`.
+fn naks_lost_for(p: &mut Pair, d: Duration) {
+    use metaroce::testing::{Action, Filter, Kind, Rule};
+    let start = p.now - p.start;
+    p.add_rule(Rule::between(
+        start,
+        start + d,
+        Filter::any().from(1).kind(Kind::Nak),
+        Action::Blackhole,
+    ));
+}
+
 /// Completion statuses of side `i`'s operations, by `wr_id`.
 fn statuses(p: &Pair, i: usize, conn: metaroce::ConnectionHandle) -> Vec<(u64, WcStatus)> {
     p.completions(i, conn)
@@ -1095,13 +1107,7 @@ fn a_refused_send_whose_naks_are_lost_never_completes_success() {
     let (mut p, a, b) = small_table(46, 1);
     // Stream 0 holds the receiver's one slot.
     hold_slot(&mut p, a, 0);
-    let start = p.now - p.start;
-    p.add_rule(Rule::between(
-        start,
-        start + Duration::from_millis(300),
-        Filter::any().from(1).kind(Kind::Nak),
-        Action::Blackhole,
-    ));
+    naks_lost_for(&mut p, Duration::from_millis(300));
     // Every data packet of the refused stream also comes again 400 ms later.
     p.add_rule(Rule::always(
         Filter::any()
@@ -1296,25 +1302,40 @@ fn late_copies_before_the_abort(
     p: &mut Pair,
     late: impl Fn(&metaroce::testing::PktInfo) -> bool + 'static,
 ) {
+    use metaroce::testing::Action;
+    let copy = Action::Late {
+        prob: 1.0,
+        after: Duration::from_millis(20),
+    };
+    delay_stream(p, 2, late, copy, Duration::from_millis(40));
+}
+
+/// `data` applies to A's messages on `stream` that `pick` picks; the stream's abort or FIN
+/// (a payload-less SEND) is held back `end_after`.
+fn delay_stream(
+    p: &mut Pair,
+    stream: u32,
+    pick: impl Fn(&metaroce::testing::PktInfo) -> bool + 'static,
+    data: metaroce::testing::Action,
+    end_after: Duration,
+) {
     use metaroce::testing::{Action, Filter, Kind, Rule};
     p.add_rule(Rule::always(
-        Filter::any()
-            .from(0)
-            .kind(Kind::Data)
-            .when(move |i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len > 0) && late(i)),
-        Action::Late {
-            prob: 1.0,
-            after: Duration::from_millis(20),
-        },
+        Filter::any().from(0).kind(Kind::Data).when(move |i| {
+            i.send
+                .is_some_and(|s| s.stream_id == stream && s.msg_len > 0)
+                && pick(i)
+        }),
+        data,
     ));
     p.add_rule(Rule::always(
-        Filter::any()
-            .from(0)
-            .kind(Kind::Data)
-            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len == 0)),
+        Filter::any().from(0).kind(Kind::Data).when(move |i| {
+            i.send
+                .is_some_and(|s| s.stream_id == stream && s.msg_len == 0)
+        }),
         Action::Hold {
             prob: 1.0,
-            after: Duration::from_millis(40),
+            after: end_after,
         },
     ));
 }
@@ -1543,15 +1564,27 @@ fn refusals_under_impairment_keep_success_honest_and_never_wedge() {
                 );
             }
         }
-        let st = p.eps[1].connection_stats(b).unwrap().recv;
-        assert_eq!(st.streams, 0, "seed {seed}: {st:?}");
-        assert!(st.refused_streams > 0, "seed {seed}: {st:?}");
-        p.eps[0]
-            .post_send(a, id, 1 << 40, Bytes::from_static(b"last"))
-            .unwrap();
-        run_for(&mut p, Duration::from_secs(1));
-        assert_eq!(trace(&p, 1, id), ["msg 4"], "seed {seed}");
+        ends_clean(&mut p, a, b, id, seed);
     }
+}
+
+/// After a run with refusals: B keeps no stream, refused some, and a new stream `id` is
+/// admitted and delivered (the connection is not wedged).
+fn ends_clean(
+    p: &mut Pair,
+    a: metaroce::ConnectionHandle,
+    b: metaroce::ConnectionHandle,
+    id: u32,
+    seed: u64,
+) {
+    let st = p.eps[1].connection_stats(b).unwrap().recv;
+    assert_eq!(st.streams, 0, "seed {seed}: {st:?}");
+    assert!(st.refused_streams > 0, "seed {seed}: {st:?}");
+    p.eps[0]
+        .post_send(a, id, 1 << 40, Bytes::from_static(b"last"))
+        .unwrap();
+    run_for(p, Duration::from_secs(1));
+    assert_eq!(trace(p, 1, id), ["msg 4"], "seed {seed}");
 }
 
 /// Found by review: no SEND that completed in error has its message delivered, and no
@@ -1672,14 +1705,7 @@ fn late_duplicates_run(seed: u64, stops: bool) {
                     .map(|m| m.iter().map(|d| d[0]).collect::<Vec<_>>())
             );
         }
-        let st = p.eps[1].connection_stats(b).unwrap().recv;
-        assert_eq!(st.streams, 0, "seed {seed}: {st:?}");
-        assert!(st.refused_streams > 0, "seed {seed}: {st:?}");
-        p.eps[0]
-            .post_send(a, id, 1 << 40, Bytes::from_static(b"last"))
-            .unwrap();
-        run_for(&mut p, Duration::from_secs(1));
-        assert_eq!(trace(&p, 1, id), ["msg 4"], "seed {seed}");
+        ends_clean(&mut p, a, b, id, seed);
     }
 }
 
@@ -1689,16 +1715,9 @@ fn late_duplicates_run(seed: u64, stops: bool) {
 /// close at the receiver, and the next stream must be admitted.
 #[test]
 fn a_resend_after_a_lost_nak_is_refused_and_fails_consistently() {
-    use metaroce::testing::{Action, Filter, Kind, Rule};
     let (mut p, a, b) = small_table(71, 1);
     hold_slot(&mut p, a, 0);
-    let start = p.now - p.start;
-    p.add_rule(Rule::between(
-        start,
-        start + Duration::from_millis(30),
-        Filter::any().from(1).kind(Kind::Nak),
-        Action::Blackhole,
-    ));
+    naks_lost_for(&mut p, Duration::from_millis(30));
     p.eps[0]
         .post_send(a, 2, 2, Bytes::from_static(b"refused"))
         .unwrap();
@@ -1729,16 +1748,9 @@ fn a_resend_after_a_lost_nak_is_refused_and_fails_consistently() {
 /// want of room, as it would have been without the record: none is such a copy.
 #[test]
 fn refused_copies_counts_only_copies_refused_with_room() {
-    use metaroce::testing::{Action, Filter, Kind, Rule};
     let (mut p, a, b) = small_table(72, 1);
     hold_slot(&mut p, a, 0);
-    let start = p.now - p.start;
-    p.add_rule(Rule::between(
-        start,
-        start + Duration::from_millis(100),
-        Filter::any().from(1).kind(Kind::Nak),
-        Action::Blackhole,
-    ));
+    naks_lost_for(&mut p, Duration::from_millis(100));
     p.eps[0]
         .post_send(a, 2, 2, Bytes::from(vec![7; 3000]))
         .unwrap();
@@ -1758,29 +1770,9 @@ fn refused_copies_counts_only_copies_refused_with_room() {
 /// receiver ends up keeping no state for the stream (no wedge of a table slot).
 #[test]
 fn stop_of_a_refused_stream_before_its_abort() {
-    use metaroce::testing::{Action, Filter, Kind, Rule};
     let (mut p, a, b) = small_table(73, 1);
     hold_slot(&mut p, a, 0);
-    p.add_rule(Rule::always(
-        Filter::any()
-            .from(0)
-            .kind(Kind::Data)
-            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len > 0)),
-        Action::Late {
-            prob: 1.0,
-            after: Duration::from_millis(20),
-        },
-    ));
-    p.add_rule(Rule::always(
-        Filter::any()
-            .from(0)
-            .kind(Kind::Data)
-            .when(|i| i.send.is_some_and(|s| s.stream_id == 2 && s.msg_len == 0)),
-        Action::Hold {
-            prob: 1.0,
-            after: Duration::from_millis(40),
-        },
-    ));
+    late_copies_before_the_abort(&mut p, |_| true);
     p.eps[0]
         .post_send(a, 2, 2, Bytes::from_static(b"refused"))
         .unwrap();
@@ -1888,7 +1880,7 @@ fn a_late_copy_after_earlier_messages_took_state_is_refused() {
 /// was admitted and delivered. A message whose SEND failed was delivered.
 #[test]
 fn a_stop_at_a_full_table_and_range_bound_keeps_its_stream_refused() {
-    use metaroce::testing::{Action, Filter, Kind, Rule};
+    use metaroce::testing::Action;
     let (mut p, a, b) = small_table(75, 1);
     // Closed ids {0}, {4}, {8}: the range bound (2 × 1 + 1) with stream 2 holding the slot.
     p.eps[0]
@@ -1907,26 +1899,11 @@ fn a_stop_at_a_full_table_and_range_bound_keeps_its_stream_refused() {
     assert_eq!(st.retired_stream_ranges, 3, "{st:?}");
     assert_eq!(st.streams, 1, "{st:?}");
     // Stream 12's message is held back 30 ms, its abort 60 ms.
-    p.add_rule(Rule::always(
-        Filter::any()
-            .from(0)
-            .kind(Kind::Data)
-            .when(|i| i.send.is_some_and(|s| s.stream_id == 12 && s.msg_len > 0)),
-        Action::Hold {
-            prob: 1.0,
-            after: Duration::from_millis(30),
-        },
-    ));
-    p.add_rule(Rule::always(
-        Filter::any()
-            .from(0)
-            .kind(Kind::Data)
-            .when(|i| i.send.is_some_and(|s| s.stream_id == 12 && s.msg_len == 0)),
-        Action::Hold {
-            prob: 1.0,
-            after: Duration::from_millis(60),
-        },
-    ));
+    let hold = Action::Hold {
+        prob: 1.0,
+        after: Duration::from_millis(30),
+    };
+    delay_stream(&mut p, 12, |_| true, hold, Duration::from_millis(60));
     p.eps[0]
         .post_send(a, 12, 12, Bytes::from_static(b"stopped"))
         .unwrap();

@@ -2231,26 +2231,43 @@ mod tests {
         }
     }
 
-    /// The records of refused streams (`refused_new`) stay within `max_tracked_ops`,
-    /// refuse copies until the sender's abort comes, and go with it.
-    #[test]
-    fn refused_stream_records_are_bounded_and_go_with_the_abort() {
-        use crate::mr::MrTable;
-        use crate::secret::SecretRng;
-        use crate::wire::SendEth;
-        let mut mrs = MrTable::new(&mut SecretRng::new([7; 32]));
+    /// A receiver with room for one stream and no posted receives needed: its regions,
+    /// limits, connection, state and event queue.
+    fn one_slot() -> (
+        crate::mr::MrTable,
+        RecvLimits,
+        ConnectionHandle,
+        RecvState,
+        VecDeque<Event>,
+    ) {
+        let mrs = crate::mr::MrTable::new(&mut crate::secret::SecretRng::new([7; 32]));
         let mut lim = limits();
         lim.max_streams = 1;
         lim.require_posted_receives = false;
-        let conn = ConnectionHandle(1);
-        let mut rq = RecvState::default();
-        let mut ev = VecDeque::new();
-        let msg = |stream_id, msg_seq| SendEth {
+        (
+            mrs,
+            lim,
+            ConnectionHandle(1),
+            RecvState::default(),
+            VecDeque::new(),
+        )
+    }
+
+    /// A one-byte message `msg_seq` of `stream_id`.
+    fn msg(stream_id: u32, msg_seq: u32) -> crate::wire::SendEth {
+        crate::wire::SendEth {
             stream_id,
             msg_seq,
             offset: 0,
             msg_len: 1,
-        };
+        }
+    }
+
+    /// The records of refused streams (`refused_new`) stay within `max_tracked_ops`,
+    /// refuse copies until the sender's abort comes, and go with it.
+    #[test]
+    fn refused_stream_records_are_bounded_and_go_with_the_abort() {
+        let (mut mrs, mut lim, conn, mut rq, mut ev) = one_slot();
         // Stream 0 takes the one slot; the next 200 streams are refused.
         let out = rq.on_send(conn, &msg(0, 0), b"x", &lim, &mut mrs, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
@@ -2300,22 +2317,7 @@ mod tests {
     /// and an id closed meanwhile takes its record with it.
     #[test]
     fn which_aborts_end_a_refusal_record() {
-        use crate::mr::MrTable;
-        use crate::secret::SecretRng;
-        use crate::wire::SendEth;
-        let mut mrs = MrTable::new(&mut SecretRng::new([7; 32]));
-        let mut lim = limits();
-        lim.max_streams = 1;
-        lim.require_posted_receives = false;
-        let conn = ConnectionHandle(1);
-        let mut rq = RecvState::default();
-        let mut ev = VecDeque::new();
-        let msg = |stream_id, msg_seq| SendEth {
-            stream_id,
-            msg_seq,
-            offset: 0,
-            msg_len: 1,
-        };
+        let (mut mrs, mut lim, conn, mut rq, mut ev) = one_slot();
         let out = rq.on_send(conn, &msg(0, 0), b"x", &lim, &mut mrs, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
         // Streams 2 and 4 refused from message 3 (the table is full).
