@@ -300,13 +300,6 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
     let mut armed: Option<Instant> = None;
     // Receive errors in a row (reset by a successful receive).
     let mut recv_errors: u32 = 0;
-    // The wait for posted work, kept registered across waits and replaced only once it
-    // fired: a new `Notified` per wait took the `Notify`'s waiter-list lock twice per
-    // wake-up (to enqueue it, and to unlink it when another branch won), once per datagram
-    // in a ping-pong. A `notify_one` that comes while it is registered (or while the
-    // driver is busy) completes it; the next wait then returns at once, as a stored permit
-    // did.
-    let mut woken = std::pin::pin!(shared.woken().notified());
     loop {
         // Flush everything the core wants to send, in batches gathered under the lock.
         loop {
@@ -528,7 +521,7 @@ async fn drive<D: Driven>(shared: Arc<D>, mut abandoned: Abandoned<D>) {
                         }
                     }
                     _ = sleep.as_mut(), if armed.is_some() => armed = None,
-                    _ = woken.as_mut() => woken.set(shared.woken().notified()),
+                    _ = shared.woken().notified() => {}
                 }
                 break;
             }
