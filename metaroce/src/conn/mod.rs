@@ -3153,8 +3153,8 @@ impl Connection {
             // A region that went away under the operation fails it (checked first, so
             // nothing is taken from the queue for it).
             // One lookup of the region: the span read below is the one checked here.
-            let (payload_len, region) = match &src {
-                Src::Bytes(b) => (b.len(), None),
+            let (payload_len, payload) = match &src {
+                Src::Bytes(b) => (b.len(), Payload::Bytes(b)),
                 Src::Mr(lkey, off, guard) => {
                     let checked = match guard {
                         None => mrs.local_span(*lkey, *off, len as usize),
@@ -3172,7 +3172,7 @@ impl Connection {
                         self.sq.fail_local(seg.op, WcStatus::LocalProtectionError);
                         break;
                     };
-                    (len as usize, Some(region))
+                    (len as usize, Payload::Span(region))
                 }
             };
             let trailer = self.trailer_for(opcode);
@@ -3184,13 +3184,13 @@ impl Connection {
             // Gather send (issue #13, P1): the payload stays in its region until the I/O
             // layer sends it, unless the packet is sealed (AEAD encrypts in place). One
             // region per transmit: a payload of another ends the batch.
-            let lent_src = match (lend.as_deref(), &src, &region) {
+            let lent_src = match (lend.as_deref(), &src, &payload) {
                 // READ responses (`Src::Mr(.., Some(rkey))`) stay copied: the responder's
                 // application may write its region meanwhile (it has no work request on
                 // it), and a payload read after its ICRC was computed fails the
                 // requester's check (found by review: a READ of a counter its owner kept
                 // bumping took 80 times as long).
-                (Some(l), Src::Mr(lkey, _, None), Some(region))
+                (Some(l), Src::Mr(lkey, _, None), Payload::Span(region))
                     if self.protection.is_none() && payload_len >= LEND_MIN_PAYLOAD =>
                 {
                     match region.lend() {
@@ -3237,10 +3237,9 @@ impl Connection {
                     l,
                 ),
                 _ => self.emit_sized(buf, port, &bth, &hdrs, &trailer, size, payload_len, |b| {
-                    match (&src, &region) {
-                        (_, Some(region)) => region.append_to(b),
-                        (Src::Bytes(d), None) => b.extend_from_slice(d),
-                        (Src::Mr(..), None) => return false,
+                    match &payload {
+                        Payload::Bytes(d) => b.extend_from_slice(d),
+                        Payload::Span(region) => region.append_to(b),
                     }
                     true
                 }),
@@ -3295,6 +3294,13 @@ enum Src {
     /// `(lkey, offset, rkey)`: bytes of a local region from `offset`; with `Some(rkey)` (a
     /// READ response) the region must still answer to that rkey and grant REMOTE_READ.
     Mr(u32, u64, Option<u32>),
+}
+
+/// A packet's payload once its source was checked: the operation's bytes, or the span of a
+/// local region (looked up once, [`MrTable::local_span`]).
+enum Payload<'a> {
+    Bytes(&'a bytes::Bytes),
+    Span(crate::mr::LocalSpan<'a>),
 }
 
 /// What a tail-loss probe sends (RFC 8985 §7.3).

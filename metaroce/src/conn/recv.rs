@@ -428,6 +428,63 @@ enum OpState {
     Refused(u8),
 }
 
+/// Records keyed by an id, at most a given number, the oldest evicted first (in order of
+/// first insertion; a key removed meanwhile keeps its place in `order` until it comes up,
+/// so `order` stays within the bound too).
+#[derive(Debug)]
+struct FifoRecords<V> {
+    map: HashMap<u32, V>,
+    order: VecDeque<u32>,
+}
+
+impl<V> Default for FifoRecords<V> {
+    fn default() -> Self {
+        FifoRecords {
+            map: HashMap::default(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl<V> FifoRecords<V> {
+    /// Rebuild the (still empty) map with the hasher state `st` (its keys are the peer's).
+    fn key_table(&mut self, st: crate::fasthash::FastState) {
+        self.map = HashMap::with_hasher(st);
+    }
+
+    /// The record of `k` (no hashing while there is none).
+    fn get(&self, k: u32) -> Option<&V> {
+        if self.map.is_empty() {
+            return None;
+        }
+        self.map.get(&k)
+    }
+
+    fn remove(&mut self, k: u32) {
+        self.map.remove(&k);
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Record `v` for `k`: `merge`d into the record `k` has, or a new record; beyond `max`
+    /// records the oldest go.
+    fn record(&mut self, k: u32, v: V, max: usize, merge: impl FnOnce(&mut V, V)) {
+        if let Some(old) = self.map.get_mut(&k) {
+            merge(old, v);
+            return;
+        }
+        self.map.insert(k, v);
+        self.order.push_back(k);
+        while self.order.len() > max {
+            if let Some(old) = self.order.pop_front() {
+                self.map.remove(&old);
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub(crate) struct RecvState {
     streams: HashMap<u32, StreamRx>,
@@ -467,18 +524,16 @@ pub(crate) struct RecvState {
     writes_done: BTreeSet<u32>,
     /// Op ids refused for good, with their NAK syndrome, so that a re-sent request of a
     /// refused operation is refused again rather than taken for an executed one. At most
-    /// `max_tracked_ops` entries: the oldest record is evicted first (`refused_order`).
-    refused_ops: HashMap<u32, u8>,
-    refused_order: VecDeque<u32>,
+    /// `max_tracked_ops` entries: the oldest record is evicted first.
+    refused_ops: FifoRecords<u8>,
     /// Streams with no state whose message this side refused for want of room (stream id
     /// → the earliest message refused). The sender fails that SEND, flushes the stream's
     /// later ones and aborts the stream from it; until its abort arrives, a copy of any of
     /// those messages (a late network duplicate, or a re-send racing the refusal) is
     /// refused again, even once room came: delivering it would deliver a message whose
     /// SEND failed (found by review). At most `max_tracked_ops` records, the oldest evicted
-    /// first (`refused_new_order`, which may hold ids already removed).
-    refused_new: HashMap<u32, u32>,
-    refused_new_order: VecDeque<u32>,
+    /// first.
+    refused_new: FifoRecords<u32>,
     /// What the most recently executed op ids were used for (at most `max_tracked_ops`,
     /// oldest evicted first): a packet reusing one of them with other parameters is refused
     /// instead of being acknowledged as a duplicate of an operation it is not part of.
@@ -671,8 +726,8 @@ impl RecvState {
         debug_assert!(self.streams.is_empty() && self.writes.is_empty());
         self.streams = HashMap::with_hasher(st);
         self.writes = HashMap::with_hasher(st);
-        self.refused_ops = HashMap::with_hasher(st);
-        self.refused_new = HashMap::with_hasher(st);
+        self.refused_ops.key_table(st);
+        self.refused_new.key_table(st);
         self.held_imms = HashMap::with_hasher(st);
     }
 
@@ -846,12 +901,12 @@ impl RecvState {
         // refused. (An abort that waits below keeps it.)
         let refused = self
             .refused_new
-            .get(&stream)
+            .get(stream)
             .is_some_and(|&f| !seq_before(f, first));
         if self.retired.contains(stream) {
             // (A record of a closed id is never looked at again: `on_send` answers the id
             // first.)
-            self.refused_new.remove(&stream);
+            self.refused_new.remove(stream);
             return RxOutcome::Accepted;
         }
         if !self.streams.contains_key(&stream) && self.streams.len() >= lim.max_streams as usize {
@@ -868,7 +923,7 @@ impl RecvState {
             let out = self.retire_unseen(stream, first == 0, lim);
             if out == RxOutcome::Accepted {
                 // The id is closed now (whatever message the record names).
-                self.refused_new.remove(&stream);
+                self.refused_new.remove(stream);
             }
             return out;
         }
@@ -881,11 +936,11 @@ impl RecvState {
             // came meanwhile: nothing of the stream was delivered, so it closes as above,
             // without taking state or reporting a reset of a stream the application never
             // saw.
-            self.refused_new.remove(&stream);
+            self.refused_new.remove(stream);
             return self.retire_unseen(stream, true, lim);
         }
         if refused {
-            self.refused_new.remove(&stream);
+            self.refused_new.remove(stream);
         }
         let st = self.streams.entry(stream).or_default();
         let mut from = if seq_before(first, st.next_deliver) {
@@ -1165,11 +1220,10 @@ impl RecvState {
             }
             return RxOutcome::Accepted;
         }
-        if !self.refused_new.is_empty()
-            && self
-                .refused_new
-                .get(&hdr.stream_id)
-                .is_some_and(|&first| !seq_before(hdr.msg_seq, first))
+        if self
+            .refused_new
+            .get(hdr.stream_id)
+            .is_some_and(|&first| !seq_before(hdr.msg_seq, first))
         {
             // A copy of a refused message, or of a later one of its stream: the sender
             // failed or flushes its SEND (see `refused_new`). Counted as a copy only when
@@ -1622,12 +1676,7 @@ impl RecvState {
 
     /// What is known of an operation id.
     fn op_state(&self, id: u32) -> OpState {
-        let refused = if self.refused_ops.is_empty() {
-            None
-        } else {
-            self.refused_ops.get(&id).copied()
-        };
-        if let Some(syndrome) = refused {
+        if let Some(&syndrome) = self.refused_ops.get(id) {
             OpState::Refused(syndrome)
         } else if seq_before(id, self.write_floor) || self.writes_done.contains(&id) {
             OpState::Executed
@@ -1716,35 +1765,20 @@ impl RecvState {
     /// Record that message `msg_seq` of `stream`, which has no state, was refused (see
     /// `refused_new`); the oldest record goes when there are more than `max_tracked_ops`.
     fn record_refused_stream(&mut self, stream: u32, msg_seq: u32, lim: &RecvLimits) {
-        match self.refused_new.get_mut(&stream) {
-            Some(first) => {
-                if seq_before(msg_seq, *first) {
-                    *first = msg_seq;
-                }
+        let max = lim.max_tracked_ops as usize;
+        self.refused_new.record(stream, msg_seq, max, |first, m| {
+            if seq_before(m, *first) {
+                *first = m;
             }
-            None => {
-                self.refused_new.insert(stream, msg_seq);
-                self.refused_new_order.push_back(stream);
-                while self.refused_new_order.len() > lim.max_tracked_ops as usize {
-                    if let Some(old) = self.refused_new_order.pop_front() {
-                        self.refused_new.remove(&old);
-                    }
-                }
-            }
-        }
+        });
     }
 
     /// Record op id `id` as refused with `syndrome`; the oldest record goes when there are
     /// more than `max_tracked_ops`.
     fn record_refusal(&mut self, id: u32, syndrome: u8, lim: &RecvLimits) {
-        if self.refused_ops.insert(id, syndrome).is_none() {
-            self.refused_order.push_back(id);
-            while self.refused_order.len() > lim.max_tracked_ops as usize {
-                if let Some(old) = self.refused_order.pop_front() {
-                    self.refused_ops.remove(&old);
-                }
-            }
-        }
+        let max = lim.max_tracked_ops as usize;
+        self.refused_ops
+            .record(id, syndrome, max, |old, new| *old = new);
     }
 
     /// An RDMA READ request: check it, execute it once, and return the data to send back.
@@ -2276,7 +2310,7 @@ mod tests {
             assert_eq!(out, RxOutcome::StreamRefused);
         }
         assert_eq!(rq.refused_new.len(), lim.max_tracked_ops as usize);
-        assert!(rq.refused_new_order.len() <= lim.max_tracked_ops as usize);
+        assert!(rq.refused_new.order.len() <= lim.max_tracked_ops as usize);
         // Room comes: a copy of the newest refused message, or of a later one of its
         // stream, is refused again; an earlier message of that stream is taken.
         lim.max_streams = 4;
@@ -2293,7 +2327,7 @@ mod tests {
         // The sender's abort from the refused message ends the record; the stream's state
         // takes over (dead from message 3: a copy is acknowledged and dropped).
         rq.on_stream_abort(conn, 400, 3, u32::MAX - 1, &lim, &mut ev);
-        assert!(!rq.refused_new.contains_key(&400));
+        assert!(rq.refused_new.get(400).is_none());
         let out = rq.on_send(conn, &msg(400, 3), b"x", &lim, &mut mrs, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
         assert_eq!(rq.stats.refused_copies, 2);
@@ -2301,7 +2335,7 @@ mod tests {
         // state or a reset event, even with room.
         let before = ev.len();
         rq.on_stream_abort(conn, 398, 0, u32::MAX - 1, &lim, &mut ev);
-        assert!(!rq.refused_new.contains_key(&398));
+        assert!(rq.refused_new.get(398).is_none());
         assert!(!rq.streams.contains_key(&398));
         assert_eq!(
             ev.len(),
@@ -2333,12 +2367,12 @@ mod tests {
         // An abort from message 3 at the full table waits, and keeps the record.
         let out = rq.on_stream_abort(conn, 2, 3, 1, &lim, &mut ev);
         assert_eq!(out, RxOutcome::FlowRnr);
-        assert_eq!(rq.refused_new.get(&2), Some(&3));
+        assert_eq!(rq.refused_new.get(2), Some(&3));
         lim.max_streams = 8;
         // An abort from a later message (5) keeps it: messages 3 and 4 are still refused.
         let out = rq.on_stream_abort(conn, 2, 5, 1, &lim, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
-        assert_eq!(rq.refused_new.get(&2), Some(&3));
+        assert_eq!(rq.refused_new.get(2), Some(&3));
         let out = rq.on_send(conn, &msg(2, 4), b"x", &lim, &mut mrs, &mut ev);
         assert_eq!(out, RxOutcome::StreamRefused);
         assert_eq!(rq.stats.refused_copies, 1);
@@ -2348,7 +2382,7 @@ mod tests {
         // An abort from an earlier message (1) ends it; copies of 3 are then dead.
         let out = rq.on_stream_abort(conn, 2, 1, 1, &lim, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
-        assert!(!rq.refused_new.contains_key(&2));
+        assert!(rq.refused_new.get(2).is_none());
         let out = rq.on_send(conn, &msg(2, 3), b"x", &lim, &mut mrs, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
         // Stream 4: this side stops it at the full table (its id closes at once); its
@@ -2359,7 +2393,7 @@ mod tests {
         assert!(rq.is_retired(4));
         let out = rq.on_stream_abort(conn, 4, 7, 1, &lim, &mut ev);
         assert_eq!(out, RxOutcome::Accepted);
-        assert!(rq.refused_new.is_empty(), "{:?}", rq.refused_new);
+        assert_eq!(rq.refused_new.len(), 0, "{:?}", rq.refused_new);
     }
 
     /// A peer sends part of message 1 (bound to the second posted receive), then a FIN
