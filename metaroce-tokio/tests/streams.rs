@@ -882,25 +882,12 @@ struct LoseReadResponses {
 }
 
 impl metaroce_tokio::backend::DatagramBackend for LoseReadResponses {
-    fn local_addr(&self) -> std::net::SocketAddr {
-        self.inner.local_addr()
-    }
-    fn source_ports(&self) -> Vec<u16> {
-        self.inner.source_ports()
-    }
+    metaroce_tokio::forward_datagram_backend!([.inner] local_addr, source_ports,
+        max_gro_segments, poll_recv);
+
+    /// One datagram per send, so that the opcode check below sees each packet.
     fn max_gso_segments(&self) -> usize {
         1
-    }
-    fn max_gro_segments(&self) -> usize {
-        self.inner.max_gro_segments()
-    }
-    fn poll_recv(
-        &self,
-        cx: &mut std::task::Context<'_>,
-        bufs: &mut [std::io::IoSliceMut<'_>],
-        meta: &mut [metaroce_tokio::backend::RecvMeta],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        self.inner.poll_recv(cx, bufs, meta)
     }
     fn poll_send(
         &self,
@@ -915,13 +902,16 @@ impl metaroce_tokio::backend::DatagramBackend for LoseReadResponses {
     }
 }
 
-/// Found by review of the per-stream completion order: a send refused `SendQueueFull` by the queue bound (2 x
-/// `max_outstanding_ops` queued, reported SENDs included) while a READ response of this side
-/// holds the queue's front: once the response is acknowledged the queue empties with no
-/// completion, and the send must still go on (the driver woke `sq_space` only on
-/// completions, so it waited for good).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_send_is_not_refused_by_the_queue_bound_behind_a_read_response() {
+/// A pair whose client loses its outgoing READ responses for 300 ms (`max_outstanding_ops`
+/// 4), and 4 KiB of the client's that the server may READ: (server endpoint, client
+/// endpoint, client connection, server connection, the client's region).
+async fn pair_losing_read_responses() -> (
+    Endpoint,
+    Endpoint,
+    metaroce_tokio::Connection,
+    metaroce_tokio::Connection,
+    metaroce_tokio::MemoryRegion,
+) {
     use metaroce::Access;
     let mut cfg = Config::default();
     cfg.transport.max_outstanding_ops = 4;
@@ -930,8 +920,20 @@ async fn a_stream_send_is_not_refused_by_the_queue_bound_behind_a_read_response(
         until: std::time::Instant::now() + Duration::from_millis(300),
     };
     let client = Endpoint::with_backend(backend, cfg.clone()).unwrap();
-    let (_se, ce, c, s) = common::pair_with(cfg, client).await;
+    let (se, ce, c, s) = common::pair_with(cfg, client).await;
     let src = ce.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ);
+    (se, ce, c, s, src)
+}
+
+/// Found by review of the per-stream completion order: a send refused `SendQueueFull` by the queue bound (2 x
+/// `max_outstanding_ops` queued, reported SENDs included) while a READ response of this side
+/// holds the queue's front: once the response is acknowledged the queue empties with no
+/// completion, and the send must still go on (the driver woke `sq_space` only on
+/// completions, so it waited for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_send_is_not_refused_by_the_queue_bound_behind_a_read_response() {
+    use metaroce::Access;
+    let (_se, _ce, c, s, src) = pair_losing_read_responses().await;
     let remote = src.remote();
     let dst = s.endpoint().alloc(4096, Access::LOCAL_WRITE);
     let mut a = c.open_stream().unwrap();
@@ -957,15 +959,7 @@ async fn a_stream_send_is_not_refused_by_the_queue_bound_behind_a_read_response(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_waiting_on_the_queue_bound_goes_on_when_a_read_response_leaves() {
     use metaroce::Access;
-    let mut cfg = Config::default();
-    cfg.transport.max_outstanding_ops = 4;
-    let backend = LoseReadResponses {
-        inner: UdpBackend::bind("127.0.0.1:0".parse().unwrap(), 8).unwrap(),
-        until: std::time::Instant::now() + Duration::from_millis(300),
-    };
-    let client = Endpoint::with_backend(backend, cfg.clone()).unwrap();
-    let (_se, ce, c, s) = common::pair_with(cfg, client).await;
-    let src = ce.alloc(4096, Access::LOCAL_WRITE | Access::REMOTE_READ);
+    let (_se, _ce, c, s, src) = pair_losing_read_responses().await;
     let remote = src.remote();
     let dst = s
         .endpoint()

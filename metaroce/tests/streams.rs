@@ -1340,18 +1340,15 @@ fn delay_stream(
     ));
 }
 
-/// Found by review: a refused SEND fails (`RemoteInvalidRequest`, the next one on its stream
-/// `WrFlushError`), and a late network duplicate of its packets reaches the receiver after
-/// room came and before the sender's abort. It admitted the stream and the messages whose
-/// SENDs had failed were delivered; the receiver's refusal record now refuses them again,
-/// and the abort from message 0 closes the stream's id without a reset event. (A late copy
-/// of an RNR-failed SEND is the same class and is not covered: see docs/PROTOCOL.md.)
-#[test]
-fn a_late_copy_of_a_refused_send_is_not_delivered() {
-    let (mut p, a, b) = small_table(62, 1);
-    // Stream 0 holds the receiver's one slot.
+/// B keeps one stream, held by A's stream 0; A sends two messages on stream 2 (wr_ids 2
+/// and 3: the first is refused, the second flushed), whose copies come again 20 ms later
+/// while the stream's abort is held back 40 ms ([`late_copies_before_the_abort`]); 5 ms
+/// later A finishes stream 0, so that room comes before the late copies.
+fn refused_with_late_copies(
+    seed: u64,
+) -> (Pair, metaroce::ConnectionHandle, metaroce::ConnectionHandle) {
+    let (mut p, a, b) = small_table(seed, 1);
     hold_slot(&mut p, a, 0);
-    // Stream 2's messages come again 20 ms later; its refusal abort is held back 40 ms.
     late_copies_before_the_abort(&mut p, |_| true);
     p.eps[0]
         .post_send(a, 2, 2, Bytes::from_static(b"refused"))
@@ -1360,8 +1357,19 @@ fn a_late_copy_of_a_refused_send_is_not_delivered() {
         .post_send(a, 2, 3, Bytes::from_static(b"flushed"))
         .unwrap();
     run_for(&mut p, Duration::from_millis(5));
-    // Room: stream 0 ends before the late copies come.
     p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    (p, a, b)
+}
+
+/// Found by review: a refused SEND fails (`RemoteInvalidRequest`, the next one on its stream
+/// `WrFlushError`), and a late network duplicate of its packets reaches the receiver after
+/// room came and before the sender's abort. It admitted the stream and the messages whose
+/// SENDs had failed were delivered; the receiver's refusal record now refuses them again,
+/// and the abort from message 0 closes the stream's id without a reset event. (A late copy
+/// of an RNR-failed SEND is the same class and is not covered: see docs/PROTOCOL.md.)
+#[test]
+fn a_late_copy_of_a_refused_send_is_not_delivered() {
+    let (mut p, a, b) = refused_with_late_copies(62);
     run_for(&mut p, Duration::from_secs(1));
     assert_eq!(
         statuses(&p, 0, a),
@@ -1770,17 +1778,7 @@ fn refused_copies_counts_only_copies_refused_with_room() {
 /// receiver ends up keeping no state for the stream (no wedge of a table slot).
 #[test]
 fn stop_of_a_refused_stream_before_its_abort() {
-    let (mut p, a, b) = small_table(73, 1);
-    hold_slot(&mut p, a, 0);
-    late_copies_before_the_abort(&mut p, |_| true);
-    p.eps[0]
-        .post_send(a, 2, 2, Bytes::from_static(b"refused"))
-        .unwrap();
-    p.eps[0]
-        .post_send(a, 2, 3, Bytes::from_static(b"flushed"))
-        .unwrap();
-    run_for(&mut p, Duration::from_millis(5));
-    p.eps[0].finish_stream(p.now, a, 0).unwrap();
+    let (mut p, a, b) = refused_with_late_copies(73);
     run_for(&mut p, Duration::from_millis(5));
     p.eps[1].stop_stream(p.now, b, 2, 9).unwrap();
     run_for(&mut p, Duration::from_secs(1));
